@@ -1,0 +1,199 @@
+/*
+ * kvarn.h -- the public contract of libkvarn: status codes, the table of
+ * KV-cache formats, record sizes and capacity, and the tile codec.
+ *
+ * Read top to bottom. Every function says what it takes (shapes, units),
+ * what it returns and how it fails. Nothing here keeps global state, prints,
+ * allocates on the hot path, or aborts: errors are kvarn_status values and
+ * kvarn_strerror() names them.
+ *
+ * Terms (see ../shared/spec/KVARN.md and docs/formats.md):
+ *   D          head_dim, channels per head.
+ *   G          tile length in tokens; for KVarN formats it is the paged
+ *              cache's block size. Per-token formats have G = 1.
+ *   tile       the K (or V) of one KV head for G consecutive tokens.
+ *   record     the encoded K and V of one tile (one per block and KV head).
+ *   token-head one token of one KV head (the unit of "bytes per token").
+ */
+#ifndef KVARN_KVARN_H
+#define KVARN_KVARN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Status codes                                                             */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kvarn_status {
+    KVARN_OK = 0,
+    KVARN_ERR_INVALID_ARG = -1,        /* NULL pointer, negative size, bad option */
+    KVARN_ERR_UNKNOWN_FORMAT = -2,     /* cache format name not in the table */
+    KVARN_ERR_UNSUPPORTED_HEAD_DIM = -3, /* format cannot serve this head_dim */
+    KVARN_ERR_NONFINITE = -4,          /* NaN or Inf in the input activations */
+    KVARN_ERR_BUFFER_TOO_SMALL = -5,   /* output or workspace smaller than needed */
+    KVARN_ERR_OUT_OF_BLOCKS = -6,      /* block pool exhausted */
+    KVARN_ERR_NOMEM = -7,              /* allocation failed (setup calls only) */
+    KVARN_ERR_IO = -8,                 /* a file could not be opened or read */
+    KVARN_ERR_BAD_FILE = -9,           /* a file is truncated, malformed or hostile */
+    KVARN_ERR_UNSUPPORTED = -10,       /* a valid request this build does not serve */
+    KVARN_ERR_STATE = -11,             /* call not valid in the object's current state */
+    KVARN_ERR_NO_DEVICE = -12          /* no usable GPU (CUDA backend) */
+} kvarn_status;
+
+/* Short, stable English name of a status code ("unknown cache format", ...).
+ * Never returns NULL; unknown codes give "unknown status". */
+const char *kvarn_strerror(kvarn_status status);
+
+/* ------------------------------------------------------------------------ */
+/* Formats: one row per cache format (docs/formats.md)                      */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kvarn_kind {
+    KVARN_KIND_FP16 = 0,   /* IEEE half, no quantization (alias "auto") */
+    KVARN_KIND_BF16,       /* bfloat16, no quantization */
+    KVARN_KIND_FP8_E4M3,   /* OCP FP8 E4M3 (max 448), fp16 scale per token-head */
+    KVARN_KIND_FP8_E5M2,   /* OCP FP8 E5M2 (max 57344), fp16 scale per token-head */
+    KVARN_KIND_INT8,       /* asymmetric RTN, fp16 scale + zero-point per token-head */
+    KVARN_KIND_INT4,       /* asymmetric RTN, fp16 scale + zero-point per token-head */
+    KVARN_KIND_KVARN,      /* KVarN tile codec (../shared/spec/KVARN.md) */
+    KVARN_KIND_COUNT
+} kvarn_kind;
+
+/* A parsed cache format. Plain value; copy freely. */
+typedef struct kvarn_format {
+    kvarn_kind kind;
+    char name[32];        /* canonical name, e.g. "kvarn_k4v2_g128", "fp16" */
+    int tile_tokens;      /* G: tokens per record; 1 for per-token formats */
+    int key_bits;         /* bits per stored key element (16 for fp16/bf16) */
+    int value_bits;       /* bits per stored value element */
+    int per_tile;         /* 1: a whole tile is encoded at once (KVarN);
+                             0: token by token */
+} kvarn_format;
+
+/* Parse a cache format name exactly as a user types it (--kv-cache-dtype):
+ * "fp16" (alias "auto"), "bf16", "fp8_e4m3" (alias "fp8"), "fp8_e5m2",
+ * "int8", "int4", and "kvarn_k{2,4,8}v{2,4,8}_g{32,64,128}" (upstream
+ * presets kvarn_k4v2_g128 (the default KVarN preset), kvarn_k4v2_g64,
+ * kvarn_k4v4_g128, kvarn_k4v4_g64).
+ * Returns KVARN_OK and fills *out, KVARN_ERR_UNKNOWN_FORMAT for any other
+ * string (out untouched), KVARN_ERR_INVALID_ARG for NULL. */
+kvarn_status kvarn_format_parse(const char *name, kvarn_format *out);
+
+/* Comma-separated list of every accepted name, for error messages and
+ * --help. Static string; never NULL. */
+const char *kvarn_format_accepted_names(void);
+
+/* Number of rows in the format table and the canonical name of row i
+ * (0 <= i < count), in ladder order: fp16, bf16, fp8_e4m3, fp8_e5m2, int8,
+ * int4, then the upstream KVarN presets. NULL for i out of range. */
+int kvarn_format_count(void);
+const char *kvarn_format_name_at(int i);
+
+/* Whether the format serves head_dim D. KVarN serves D in {64, 128, 256}
+ * (the fast Walsh-Hadamard needs a power of two; upstream serves 128, 256,
+ * 512 and we add 64 for SmolLM2, see docs/formats.md); per-token formats
+ * serve any even D in [2, 1024].
+ * Returns KVARN_OK or KVARN_ERR_UNSUPPORTED_HEAD_DIM. */
+kvarn_status kvarn_format_check_head_dim(const kvarn_format *fmt, int head_dim);
+
+/* Write a one-line, human-readable explanation of a failed parse or
+ * head_dim check into buf (at most len bytes, NUL-terminated), listing what
+ * is accepted. name may be NULL, head_dim may be 0. Returns buf. */
+char *kvarn_format_explain(kvarn_status status, const char *name, int head_dim,
+                           char *buf, size_t len);
+
+/* ------------------------------------------------------------------------ */
+/* Sizes and capacity                                                       */
+/* ------------------------------------------------------------------------ */
+
+/* Bytes of one record (K and V of one tile of G tokens and one KV head, all
+ * metadata and padding counted) for head_dim D. 0 if D is not served.
+ * Examples: kvarn_k4v2_g128, D=128: 13824; D=64: 7296; fp16, D=64: 256. */
+size_t kvarn_record_bytes(const kvarn_format *fmt, int head_dim);
+
+/* Bytes per token per KV head (K and V together) = record bytes / G.
+ * 0.0 if D is not served. */
+double kvarn_bytes_per_token_head(const kvarn_format *fmt, int head_dim);
+
+/* Tokens whose K/V for n_layers layers and n_kv_heads KV heads fit in
+ * budget_bytes, counting whole records (a partial tile costs a full
+ * record). 0 on bad arguments. */
+uint64_t kvarn_capacity_tokens(const kvarn_format *fmt, int head_dim,
+                               int n_layers, int n_kv_heads,
+                               uint64_t budget_bytes);
+
+/* ------------------------------------------------------------------------ */
+/* Tile codec                                                               */
+/* ------------------------------------------------------------------------ */
+
+/* Codec settings. Pass NULL for the defaults. */
+typedef struct kvarn_codec_opts {
+    int balance_iters;    /* KVarN variance-normalization iterations
+                             (spec step 2); default 8, range [0, 64] */
+    int prerotated;       /* encode: input already multiplied by H/sqrt(D)
+                             (the paged cache's fp16 tail); default 0 */
+} kvarn_codec_opts;
+
+#define KVARN_CODEC_OPTS_DEFAULT { 8, 0 }
+
+/* Bytes of scratch memory kvarn_encode needs for this format and D (0 for
+ * per-token formats). Allocate once, reuse for every tile. */
+size_t kvarn_encode_workspace_bytes(const kvarn_format *fmt, int head_dim);
+
+/* Encode one tile into one record.
+ *   k, v      fp32 [G][D] token-major (token t, channel d at t*D + d), the
+ *             K (post-RoPE) and V of one KV head for G = fmt->tile_tokens
+ *             tokens.
+ *   record    output, record_size >= kvarn_record_bytes(fmt, D) bytes; the
+ *             layout is in include/kvarn/record.h.
+ *   workspace kvarn_encode_workspace_bytes(fmt, D) bytes, 16-byte aligned
+ *             (may be NULL when that is 0).
+ * Source: ../shared/spec/KVARN.md "Store pipeline" for KVarN;
+ * docs/formats.md for the per-token formats.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, bad opts), KVARN_ERR_UNSUPPORTED_HEAD_DIM,
+ * KVARN_ERR_BUFFER_TOO_SMALL (record or workspace), KVARN_ERR_NONFINITE (any
+ * NaN/Inf in k or v). On any error nothing is written to record. */
+kvarn_status kvarn_encode(const kvarn_format *fmt, int head_dim,
+                          const float *k, const float *v,
+                          void *record, size_t record_size,
+                          void *workspace, size_t workspace_size,
+                          const kvarn_codec_opts *opts);
+
+/* Decode flags. */
+#define KVARN_DECODE_ROTATED 1u  /* KVarN: leave K/V in the Hadamard-rotated
+                                    basis (what attention works in) */
+
+/* Decode one record back to fp32.
+ *   k_out, v_out  fp32 [G][D] token-major; either may be NULL to skip it.
+ * For KVarN the output is rotated back to the original basis unless
+ * KVARN_DECODE_ROTATED is given.
+ * Errors: KVARN_ERR_INVALID_ARG, KVARN_ERR_UNSUPPORTED_HEAD_DIM,
+ * KVARN_ERR_BUFFER_TOO_SMALL (record_size below the record bytes). */
+kvarn_status kvarn_decode(const kvarn_format *fmt, int head_dim,
+                          const void *record, size_t record_size,
+                          float *k_out, float *v_out, unsigned flags);
+
+/* ------------------------------------------------------------------------ */
+/* Number conversions (IEEE round to nearest even)                          */
+/* ------------------------------------------------------------------------ */
+
+uint16_t kvarn_fp32_to_fp16(float x);
+float kvarn_fp16_to_fp32(uint16_t h);
+uint16_t kvarn_fp32_to_bf16(float x);
+float kvarn_bf16_to_fp32(uint16_t h);
+/* OCP FP8; out-of-range values saturate to the largest finite value. */
+uint8_t kvarn_fp32_to_fp8_e4m3(float x);
+float kvarn_fp8_e4m3_to_fp32(uint8_t b);
+uint8_t kvarn_fp32_to_fp8_e5m2(float x);
+float kvarn_fp8_e5m2_to_fp32(uint8_t b);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVARN_KVARN_H */

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# test.sh -- the whole test suite on a fresh machine: installs what it needs,
+# builds, runs the C unit tests (plain and ASan+UBSan builds) and the Python
+# tests against the real model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc 2>/dev/null || echo 2)
+
+bash scripts/setup.sh --deps --model
+
+echo "== release build + tests" >&2
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j"$jobs"
+ctest --test-dir build --output-on-failure -j"$jobs"
+
+echo "== ASan + UBSan build + tests" >&2
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKVARN_SANITIZE=ON >/dev/null
+cmake --build build-asan -j"$jobs"
+ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j"$jobs"
+
+if ls tests/python/test_*.py >/dev/null 2>&1; then
+  echo "== Python tests (real model)" >&2
+  python3 -m pytest -q tests/python
+fi

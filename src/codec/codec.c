@@ -1,0 +1,65 @@
+/*
+ * codec.c -- kvarn_encode / kvarn_decode: argument checks shared by every
+ * format, then dispatch on the format's row (per-token or KVarN tile).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "codec/codec_internal.h"
+
+static int all_finite(const float *x, size_t n)
+{
+    /* Accumulating x*0 keeps this branch-free: NaN*0 and Inf*0 are NaN. */
+    float acc = 0.0f;
+    for (size_t i = 0; i < n; i++) acc += x[i] * 0.0f;
+    return acc == 0.0f;
+}
+
+size_t kvarn_encode_workspace_bytes(const kvarn_format *fmt, int head_dim)
+{
+    if (kvarn_format_check_head_dim(fmt, head_dim) != KVARN_OK) return 0;
+    if (fmt->kind != KVARN_KIND_KVARN) return 0;
+    return kvarn__tile_workspace_bytes(head_dim, fmt->tile_tokens);
+}
+
+kvarn_status kvarn_encode(const kvarn_format *fmt, int head_dim,
+                          const float *k, const float *v,
+                          void *record, size_t record_size,
+                          void *workspace, size_t workspace_size,
+                          const kvarn_codec_opts *opts)
+{
+    if (fmt == NULL || k == NULL || v == NULL || record == NULL)
+        return KVARN_ERR_INVALID_ARG;
+    kvarn_codec_opts o = KVARN_CODEC_OPTS_DEFAULT;
+    if (opts) o = *opts;
+    if (o.balance_iters < 0 || o.balance_iters > 64) return KVARN_ERR_INVALID_ARG;
+
+    kvarn_record_layout L;
+    kvarn_status st = kvarn_record_layout_get(fmt, head_dim, &L);
+    if (st != KVARN_OK) return st;
+    if (record_size < L.record_bytes) return KVARN_ERR_BUFFER_TOO_SMALL;
+
+    size_t n = (size_t)head_dim * (size_t)fmt->tile_tokens;
+    if (!all_finite(k, n) || !all_finite(v, n)) return KVARN_ERR_NONFINITE;
+
+    if (fmt->kind == KVARN_KIND_KVARN) {
+        size_t need = kvarn__tile_workspace_bytes(head_dim, fmt->tile_tokens);
+        if (workspace == NULL || workspace_size < need) return KVARN_ERR_BUFFER_TOO_SMALL;
+        return kvarn__tile_encode(&L, k, v, record, workspace, &o);
+    }
+    return kvarn__token_encode(fmt->kind, &L, k, v, record);
+}
+
+kvarn_status kvarn_decode(const kvarn_format *fmt, int head_dim,
+                          const void *record, size_t record_size,
+                          float *k_out, float *v_out, unsigned flags)
+{
+    if (fmt == NULL || record == NULL) return KVARN_ERR_INVALID_ARG;
+    kvarn_record_layout L;
+    kvarn_status st = kvarn_record_layout_get(fmt, head_dim, &L);
+    if (st != KVARN_OK) return st;
+    if (record_size < L.record_bytes) return KVARN_ERR_BUFFER_TOO_SMALL;
+    if (fmt->kind == KVARN_KIND_KVARN)
+        return kvarn__tile_decode(&L, record, k_out, v_out, flags);
+    return kvarn__token_decode(fmt->kind, &L, record, k_out, v_out);
+}

@@ -1,0 +1,250 @@
+/*
+ * format.c -- the table of cache formats: parsing a name, head_dim checks,
+ * record layouts, record sizes and capacity. One row per format.
+ * Source: ../shared/spec/KVARN.md (presets, record layout), docs/formats.md.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "kvarn/kvarn.h"
+#include "kvarn/record.h"
+
+typedef struct format_row {
+    const char *name;
+    const char *alias;
+    kvarn_kind kind;
+    int tile_tokens, key_bits, value_bits;
+} format_row;
+
+/* Ladder order: unquantized first, then fp8 -> int8 -> int4 -> KVarN. */
+static const format_row k_rows[] = {
+    {"fp16", "auto", KVARN_KIND_FP16, 1, 16, 16},
+    {"bf16", NULL, KVARN_KIND_BF16, 1, 16, 16},
+    {"fp8_e4m3", "fp8", KVARN_KIND_FP8_E4M3, 1, 8, 8},
+    {"fp8_e5m2", NULL, KVARN_KIND_FP8_E5M2, 1, 8, 8},
+    {"int8", NULL, KVARN_KIND_INT8, 1, 8, 8},
+    {"int4", NULL, KVARN_KIND_INT4, 1, 4, 4},
+    {"kvarn_k4v4_g128", NULL, KVARN_KIND_KVARN, 128, 4, 4},
+    {"kvarn_k4v4_g64", NULL, KVARN_KIND_KVARN, 64, 4, 4},
+    {"kvarn_k4v2_g128", NULL, KVARN_KIND_KVARN, 128, 4, 2},
+    {"kvarn_k4v2_g64", NULL, KVARN_KIND_KVARN, 64, 4, 2},
+};
+
+#define N_ROWS ((int)(sizeof k_rows / sizeof k_rows[0]))
+
+static const char k_accepted[] =
+    "fp16 (alias auto), bf16, fp8_e4m3 (alias fp8), fp8_e5m2, int8, int4, "
+    "kvarn_k4v2_g128 (default KVarN preset), kvarn_k4v2_g64, kvarn_k4v4_g128, "
+    "kvarn_k4v4_g64, or kvarn_k{2,4,8}v{2,4,8}_g{32,64,128}";
+
+const char *kvarn_strerror(kvarn_status status)
+{
+    switch (status) {
+    case KVARN_OK: return "ok";
+    case KVARN_ERR_INVALID_ARG: return "invalid argument";
+    case KVARN_ERR_UNKNOWN_FORMAT: return "unknown cache format";
+    case KVARN_ERR_UNSUPPORTED_HEAD_DIM: return "unsupported head_dim for this format";
+    case KVARN_ERR_NONFINITE: return "non-finite (NaN or Inf) input";
+    case KVARN_ERR_BUFFER_TOO_SMALL: return "buffer too small";
+    case KVARN_ERR_OUT_OF_BLOCKS: return "block pool exhausted";
+    case KVARN_ERR_NOMEM: return "out of memory";
+    case KVARN_ERR_IO: return "I/O error";
+    case KVARN_ERR_BAD_FILE: return "malformed or truncated file";
+    case KVARN_ERR_UNSUPPORTED: return "not supported";
+    case KVARN_ERR_STATE: return "invalid state for this call";
+    case KVARN_ERR_NO_DEVICE: return "no usable GPU";
+    }
+    return "unknown status";
+}
+
+const char *kvarn_format_accepted_names(void) { return k_accepted; }
+
+int kvarn_format_count(void) { return N_ROWS; }
+
+const char *kvarn_format_name_at(int i)
+{
+    return (i >= 0 && i < N_ROWS) ? k_rows[i].name : NULL;
+}
+
+static int valid_bits(int b) { return b == 2 || b == 4 || b == 8; }
+
+/* Parse "kvarn_k{kb}v{vb}_g{G}" strictly: single-digit bits, G in
+ * {32, 64, 128}, nothing trailing. */
+static int parse_kvarn(const char *s, int *kb, int *vb, int *g)
+{
+    if (strncmp(s, "kvarn_k", 7) != 0) return 0;
+    s += 7;
+    if (s[0] < '0' || s[0] > '9' || s[1] != 'v') return 0;
+    *kb = s[0] - '0';
+    s += 2;
+    if (s[0] < '0' || s[0] > '9' || s[1] != '_' || s[2] != 'g') return 0;
+    *vb = s[0] - '0';
+    s += 3;
+    if (strcmp(s, "32") == 0) *g = 32;
+    else if (strcmp(s, "64") == 0) *g = 64;
+    else if (strcmp(s, "128") == 0) *g = 128;
+    else return 0;
+    return valid_bits(*kb) && valid_bits(*vb);
+}
+
+kvarn_status kvarn_format_parse(const char *name, kvarn_format *out)
+{
+    if (name == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    for (int i = 0; i < N_ROWS; i++) {
+        const format_row *r = &k_rows[i];
+        if (strcmp(name, r->name) == 0 || (r->alias && strcmp(name, r->alias) == 0)) {
+            kvarn_format f;
+            memset(&f, 0, sizeof f);
+            f.kind = r->kind;
+            snprintf(f.name, sizeof f.name, "%s", r->name);
+            f.tile_tokens = r->tile_tokens;
+            f.key_bits = r->key_bits;
+            f.value_bits = r->value_bits;
+            f.per_tile = r->kind == KVARN_KIND_KVARN;
+            *out = f;
+            return KVARN_OK;
+        }
+    }
+    int kb, vb, g;
+    if (parse_kvarn(name, &kb, &vb, &g)) {
+        kvarn_format f;
+        memset(&f, 0, sizeof f);
+        f.kind = KVARN_KIND_KVARN;
+        snprintf(f.name, sizeof f.name, "kvarn_k%dv%d_g%d", kb, vb, g);
+        f.tile_tokens = g;
+        f.key_bits = kb;
+        f.value_bits = vb;
+        f.per_tile = 1;
+        *out = f;
+        return KVARN_OK;
+    }
+    return KVARN_ERR_UNKNOWN_FORMAT;
+}
+
+static int valid_format(const kvarn_format *f)
+{
+    if (f == NULL || (unsigned)f->kind >= KVARN_KIND_COUNT) return 0;
+    if (f->kind == KVARN_KIND_KVARN)
+        return valid_bits(f->key_bits) && valid_bits(f->value_bits) &&
+               (f->tile_tokens == 32 || f->tile_tokens == 64 || f->tile_tokens == 128);
+    return f->tile_tokens == 1;
+}
+
+kvarn_status kvarn_format_check_head_dim(const kvarn_format *fmt, int head_dim)
+{
+    if (!valid_format(fmt)) return KVARN_ERR_INVALID_ARG;
+    if (fmt->kind == KVARN_KIND_KVARN)
+        return (head_dim == 64 || head_dim == 128 || head_dim == 256)
+                   ? KVARN_OK : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    return (head_dim >= 2 && head_dim <= 1024 && head_dim % 2 == 0)
+               ? KVARN_OK : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+}
+
+char *kvarn_format_explain(kvarn_status status, const char *name, int head_dim,
+                           char *buf, size_t len)
+{
+    if (buf == NULL || len == 0) return buf;
+    const char *n = name ? name : "(null)";
+    switch (status) {
+    case KVARN_ERR_UNKNOWN_FORMAT:
+        snprintf(buf, len, "unknown cache format '%s'; accepted: %s", n, k_accepted);
+        break;
+    case KVARN_ERR_UNSUPPORTED_HEAD_DIM:
+        snprintf(buf, len,
+                 "cache format '%s' cannot serve head_dim %d; KVarN formats serve "
+                 "head_dim 64, 128 or 256, the other formats any even head_dim "
+                 "from 2 to 1024",
+                 n, head_dim);
+        break;
+    default:
+        snprintf(buf, len, "cache format '%s': %s", n, kvarn_strerror(status));
+        break;
+    }
+    return buf;
+}
+
+static int is_pow2(size_t x) { return x && (x & (x - 1)) == 0; }
+
+kvarn_status kvarn_record_layout_get(const kvarn_format *fmt, int head_dim,
+                                     kvarn_record_layout *out)
+{
+    if (out == NULL) return KVARN_ERR_INVALID_ARG;
+    kvarn_status st = kvarn_format_check_head_dim(fmt, head_dim);
+    if (st != KVARN_OK) return st;
+
+    const size_t D = (size_t)head_dim, G = (size_t)fmt->tile_tokens;
+    kvarn_record_layout L;
+    memset(&L, 0, sizeof L);
+    L.head_dim = head_dim;
+    L.tile_tokens = fmt->tile_tokens;
+    L.key_bits = fmt->key_bits;
+    L.value_bits = fmt->value_bits;
+
+    size_t ka = 0, kb = 0, kst = 0, vsc = 0, va = 0, vb = 0;
+    switch (fmt->kind) {
+    case KVARN_KIND_FP16:
+    case KVARN_KIND_BF16:
+        break;
+    case KVARN_KIND_FP8_E4M3:
+    case KVARN_KIND_FP8_E5M2:
+        ka = va = 2;
+        break;
+    case KVARN_KIND_INT8:
+    case KVARN_KIND_INT4:
+        ka = kb = va = vb = 2;
+        break;
+    case KVARN_KIND_KVARN:
+        ka = kb = 2 * D;
+        kst = 2 * G;
+        vsc = 2 * D;
+        va = vb = 2 * G;
+        break;
+    default:
+        return KVARN_ERR_INVALID_ARG;
+    }
+    size_t off = 0;
+    L.k_codes_off = off; L.k_codes_bytes = D * G * (size_t)fmt->key_bits / 8; off += L.k_codes_bytes;
+    L.k_a_off = off; L.k_a_bytes = ka; off += ka;
+    L.k_b_off = off; L.k_b_bytes = kb; off += kb;
+    L.k_stok_off = off; L.k_stok_bytes = kst; off += kst;
+    L.v_codes_off = off; L.v_codes_bytes = D * G * (size_t)fmt->value_bits / 8; off += L.v_codes_bytes;
+    L.v_schan_off = off; L.v_schan_bytes = vsc; off += vsc;
+    L.v_a_off = off; L.v_a_bytes = va; off += va;
+    L.v_b_off = off; L.v_b_bytes = vb; off += vb;
+    L.payload_bytes = off;
+
+    size_t rec = off;
+    if (fmt->kind == KVARN_KIND_KVARN) {
+        rec = (rec + 7) & ~(size_t)7;
+        if (D >= 256) {
+            size_t per_tok = (rec + G - 1) / G;
+            while (!is_pow2(per_tok)) per_tok++;
+            rec = per_tok * G;
+        }
+    }
+    L.record_bytes = rec;
+    *out = L;
+    return KVARN_OK;
+}
+
+size_t kvarn_record_bytes(const kvarn_format *fmt, int head_dim)
+{
+    kvarn_record_layout L;
+    return kvarn_record_layout_get(fmt, head_dim, &L) == KVARN_OK ? L.record_bytes : 0;
+}
+
+double kvarn_bytes_per_token_head(const kvarn_format *fmt, int head_dim)
+{
+    size_t r = kvarn_record_bytes(fmt, head_dim);
+    return r ? (double)r / (double)fmt->tile_tokens : 0.0;
+}
+
+uint64_t kvarn_capacity_tokens(const kvarn_format *fmt, int head_dim,
+                               int n_layers, int n_kv_heads,
+                               uint64_t budget_bytes)
+{
+    size_t r = kvarn_record_bytes(fmt, head_dim);
+    if (r == 0 || n_layers <= 0 || n_kv_heads <= 0) return 0;
+    uint64_t per_tile = (uint64_t)r * (uint64_t)n_layers * (uint64_t)n_kv_heads;
+    return budget_bytes / per_tile * (uint64_t)fmt->tile_tokens;
+}
