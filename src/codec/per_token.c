@@ -1,8 +1,329 @@
-/* per_token.c -- placeholder until the per-token codecs land. */
+/*
+ * per_token.c -- the per-token cache formats (G = 1): fp16, bf16, FP8
+ * E4M3/E5M2 with a dynamic fp16 scale, and int8/int4 asymmetric RTN with an
+ * fp16 scale and zero-point. One record = the K and V of one token of one KV
+ * head; the byte layout is in include/kvarn/record.h, the formulas in
+ * docs/formats.md.
+ *
+ * kvarn_encode (codec.c) has already checked the arguments, the head_dim,
+ * the record size and that k and v are finite. What remains to check here is
+ * that the stored fp16/bf16 fields stay finite; if any would not, nothing is
+ * written and KVARN_ERR_NONFINITE is returned (every field of K and V is
+ * computed before the first byte is stored).
+ *
+ * Quantization of one row x[0..D) (the K or the V of one token-head):
+ *   fp8:  amax = max |x|; scale = amax / fp8_max rounded UP to fp16 (so no
+ *         element saturates); an all-zero row stores scale 1.0 (codes 0).
+ *         code = fp8_rne(x / scale); x' = fp8(code) * scale.
+ *   int:  zero = the row minimum rounded DOWN to fp16 (zero <= every x);
+ *         scale = (max - zero) / (2^bits - 1) rounded UP to fp16 (so
+ *         (x - zero) / scale <= 2^bits - 1); a constant row whose value is
+ *         exactly an fp16 stores scale 1.0 (codes 0).
+ *         code = clamp(round_half_even((x - zero) / scale), 0, 2^bits - 1);
+ *         x' = code * scale + zero, so |x - x'| <= scale / 2.
+ *   The codes are computed against the fp16-rounded scale and zero, which
+ *   are exactly what decode reads back.
+ */
+#include <stdint.h>
+#include <string.h>
+
 #include "codec/codec_internal.h"
+#include "codec/fp_convert.h"
+#include "codec/pack.h"
+
+/* Largest head_dim a per-token format serves (kvarn_format_check_head_dim);
+ * the row scratch buffers below live on the stack at this size. */
+#define KVARN_PER_TOKEN_MAX_D 1024
+
+#define FP8_E4M3_MAX 448.0f
+#define FP8_E5M2_MAX 57344.0f
+
+static inline int fp16_is_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
+
+static inline void store_u16(unsigned char *p, uint16_t v) { memcpy(p, &v, 2); }
+
+static inline uint16_t load_u16(const unsigned char *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* Smallest fp16 >= x, for finite x >= 0 (may return Inf = 0x7c00). */
+static uint16_t fp16_round_up(float x)
+{
+    uint16_t h = kvarn_fp32_to_fp16(x);
+    if (fp16_is_finite(h) && kvarn_fp16_to_fp32(h) < x) h++;
+    return h;
+}
+
+/* Largest fp16 <= x, for finite x (may return -Inf = 0xfc00). */
+static uint16_t fp16_round_down(float x)
+{
+    uint16_t h = kvarn_fp32_to_fp16(x);
+    if (fp16_is_finite(h) && kvarn_fp16_to_fp32(h) > x) {
+        if (h & 0x8000u) h++;            /* negative: one step away from 0 */
+        else h--;                        /* positive (h > 0 since x < h)   */
+    }
+    if (h == 0x8000u) h = 0;             /* -0 and +0 mean the same; keep +0 */
+    return h;
+}
+
+/* Round half to even for 0 <= q < 2^22: adding 1.5 * 2^23 leaves no
+ * fraction bits in the fp32 sum, so the adder rounds (RNE). */
+static inline float round_half_even(float q)
+{
+    const float magic = 12582912.0f;
+    return (q + magic) - magic;
+}
+
+/* ------------------------------------------------------------ fp16/bf16 */
+
+/* Convert a row to 16-bit values; returns the largest |value| bit pattern
+ * (h & 0x7fff), so the caller can see an overflow to Inf. */
+static uint16_t convert_row_16(int bf, const float *restrict x, int D, uint16_t *restrict out)
+{
+    uint16_t mx = 0;
+    if (bf) {
+        for (int i = 0; i < D; i++) {
+            uint16_t h = kvarn__bf16_from_f32(x[i]);
+            out[i] = h;
+            uint16_t m = (uint16_t)(h & 0x7fffu);
+            mx = m > mx ? m : mx;
+        }
+    } else {
+        for (int i = 0; i < D; i++) {
+            uint16_t h = kvarn__fp16_from_f32(x[i]);
+            out[i] = h;
+            uint16_t m = (uint16_t)(h & 0x7fffu);
+            mx = m > mx ? m : mx;
+        }
+    }
+    return mx;
+}
+
+static kvarn_status encode_16(kvarn_kind kind, const kvarn_record_layout *L,
+                              const float *k, const float *v, unsigned char *rec)
+{
+    const int D = L->head_dim;
+    const int bf = kind == KVARN_KIND_BF16;
+    const uint16_t inf = bf ? 0x7f80u : 0x7c00u;
+    uint16_t tk[KVARN_PER_TOKEN_MAX_D], tv[KVARN_PER_TOKEN_MAX_D];
+    /* convert both rows first: nothing is written unless all fit */
+    if (convert_row_16(bf, k, D, tk) >= inf || convert_row_16(bf, v, D, tv) >= inf)
+        return KVARN_ERR_NONFINITE;
+    memcpy(rec + L->k_codes_off, tk, 2 * (size_t)D);
+    memcpy(rec + L->v_codes_off, tv, 2 * (size_t)D);
+    return KVARN_OK;
+}
+
+static void decode_16(kvarn_kind kind, int D, const unsigned char *src, float *restrict out)
+{
+    if (out == NULL) return;
+    uint16_t h[KVARN_PER_TOKEN_MAX_D];
+    memcpy(h, src, 2 * (size_t)D); /* the record may be unaligned */
+    if (kind == KVARN_KIND_BF16)
+        for (int i = 0; i < D; i++) out[i] = kvarn__bf16_to_f32(h[i]);
+    else
+        for (int i = 0; i < D; i++) out[i] = kvarn__fp16_to_f32(h[i]);
+}
+
+/* ------------------------------------------------------------------ fp8 */
+
+/* max |x| of a finite row: for finite floats the order of |x| is the order
+ * of their bit patterns with the sign cleared (an integer max reduction). */
+static float row_amax(const float *restrict x, int D)
+{
+    uint32_t m = 0;
+    for (int i = 0; i < D; i++) {
+        uint32_t a = kvarn__f32_bits(x[i]) & 0x7fffffffu;
+        m = a > m ? a : m;
+    }
+    return kvarn__bits_f32(m);
+}
+
+/* The fp16 scale of one row; 0xffff if it would not be finite. */
+static uint16_t fp8_row_scale(const float *x, int D, float fp8_max)
+{
+    float amax = row_amax(x, D);
+    if (amax == 0.0f) return 0x3c00u; /* all-zero row: scale 1.0, codes 0 */
+    uint16_t s = fp16_round_up(amax / fp8_max);
+    return fp16_is_finite(s) ? s : 0xffffu;
+}
+
+static void fp8_row_encode(kvarn_kind kind, const float *restrict x, int D, uint16_t s16,
+                           unsigned char *restrict codes)
+{
+    const float s = kvarn__fp16_to_f32(s16);
+    if (kind == KVARN_KIND_FP8_E4M3)
+        for (int i = 0; i < D; i++) codes[i] = kvarn__e4m3_from_f32(x[i] / s);
+    else
+        for (int i = 0; i < D; i++) codes[i] = kvarn__e5m2_from_f32(x[i] / s);
+}
+
+static void fp8_row_decode(kvarn_kind kind, const unsigned char *restrict codes, int D,
+                           uint16_t s16, float *restrict out)
+{
+    if (out == NULL) return;
+    const float s = kvarn__fp16_to_f32(s16);
+    if (kind == KVARN_KIND_FP8_E4M3)
+        for (int i = 0; i < D; i++) out[i] = kvarn__e4m3_to_f32(codes[i]) * s;
+    else
+        for (int i = 0; i < D; i++) out[i] = kvarn__e5m2_to_f32(codes[i]) * s;
+}
+
+/* --------------------------------------------------------- int8 / int4 */
+
+typedef struct rtn_params { uint16_t scale, zero; } rtn_params;
+
+/* Scale and zero-point of one row; KVARN_ERR_NONFINITE if either would
+ * overflow fp16. */
+static kvarn_status rtn_row_params(const float *restrict x, int D, int bits, rtn_params *p)
+{
+    /* min and max of a finite row as an integer reduction: flipping the
+     * magnitude bits of negative floats makes the int32 order the float
+     * order (-0 sorts just below +0, which is harmless here). */
+    int32_t lo_key = INT32_MAX, hi_key = INT32_MIN;
+    for (int i = 0; i < D; i++) {
+        int32_t b = (int32_t)kvarn__f32_bits(x[i]);
+        int32_t key = b ^ (int32_t)((uint32_t)(b >> 31) & 0x7fffffffu);
+        lo_key = key < lo_key ? key : lo_key;
+        hi_key = key > hi_key ? key : hi_key;
+    }
+    const float lo = kvarn__bits_f32((uint32_t)(lo_key ^ (int32_t)((uint32_t)(lo_key >> 31) & 0x7fffffffu)));
+    const float hi = kvarn__bits_f32((uint32_t)(hi_key ^ (int32_t)((uint32_t)(hi_key >> 31) & 0x7fffffffu)));
+    uint16_t z16 = fp16_round_down(lo);
+    if (!fp16_is_finite(z16)) return KVARN_ERR_NONFINITE;
+    /* hi - zero >= 0; should the fp32 subtraction round down, the top code
+     * may land a hair above 2^bits - 1 and is clamped (error still tiny). */
+    float range = hi - kvarn_fp16_to_fp32(z16);
+    uint16_t s16 = range > 0.0f ? fp16_round_up(range / (float)((1 << bits) - 1))
+                                : 0x3c00u; /* constant fp16 row: scale 1.0 */
+    if (!fp16_is_finite(s16)) return KVARN_ERR_NONFINITE;
+    p->scale = s16;
+    p->zero = z16;
+    return KVARN_OK;
+}
+
+/* codes[i] = clamp(rne((x[i] - zero) / scale), 0, 2^bits - 1), one code per
+ * byte (packed afterwards for int4). */
+static void rtn_row_codes(const float *restrict x, int D, int bits, rtn_params p,
+                          unsigned char *restrict codes)
+{
+    const float s = kvarn__fp16_to_f32(p.scale), z = kvarn__fp16_to_f32(p.zero);
+    const int32_t qmax = (1 << bits) - 1;
+    /* zero <= x makes q >= 0, and the scale rounded up makes q <= qmax but
+     * for the fp32 roundings of hi - zero (q <= qmax (1 + 2^-22)), so q is
+     * always a small non-negative number and the int conversion is safe; a
+     * tiny excess is clamped. The clamps are integer ones so that the loop
+     * vectorizes (no conditional fp32 operation). */
+    for (int i = 0; i < D; i++) {
+        float q = (x[i] - z) / s;
+        int32_t c = (int32_t)round_half_even(q);
+        c = c < 0 ? 0 : c;
+        c = c > qmax ? qmax : c;
+        codes[i] = (unsigned char)c;
+    }
+}
+
+static void rtn_row_decode(const unsigned char *restrict codes, int D, rtn_params p,
+                           float *restrict out)
+{
+    const float s = kvarn__fp16_to_f32(p.scale), z = kvarn__fp16_to_f32(p.zero);
+    for (int i = 0; i < D; i++) out[i] = (float)codes[i] * s + z;
+}
+
+/* ------------------------------------------------------------ dispatch */
+
 kvarn_status kvarn__token_encode(kvarn_kind kind, const kvarn_record_layout *L,
                                  const float *k, const float *v, void *record)
-{ return KVARN_ERR_UNSUPPORTED; }
+{
+    unsigned char *rec = record;
+    const int D = L->head_dim;
+    if (D < 2 || D > KVARN_PER_TOKEN_MAX_D || D % 2) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    switch (kind) {
+    case KVARN_KIND_FP16:
+    case KVARN_KIND_BF16:
+        return encode_16(kind, L, k, v, rec);
+    case KVARN_KIND_FP8_E4M3:
+    case KVARN_KIND_FP8_E5M2: {
+        const float fmax = kind == KVARN_KIND_FP8_E4M3 ? FP8_E4M3_MAX : FP8_E5M2_MAX;
+        uint16_t ks = fp8_row_scale(k, D, fmax), vs = fp8_row_scale(v, D, fmax);
+        if (ks == 0xffffu || vs == 0xffffu) return KVARN_ERR_NONFINITE;
+        fp8_row_encode(kind, k, D, ks, rec + L->k_codes_off);
+        store_u16(rec + L->k_a_off, ks);
+        fp8_row_encode(kind, v, D, vs, rec + L->v_codes_off);
+        store_u16(rec + L->v_a_off, vs);
+        return KVARN_OK;
+    }
+    case KVARN_KIND_INT8:
+    case KVARN_KIND_INT4: {
+        const int bits = kind == KVARN_KIND_INT8 ? 8 : 4;
+        rtn_params kp, vp;
+        if (rtn_row_params(k, D, bits, &kp) != KVARN_OK ||
+            rtn_row_params(v, D, bits, &vp) != KVARN_OK)
+            return KVARN_ERR_NONFINITE;
+        const float *rows[2] = {k, v};
+        const rtn_params ps[2] = {kp, vp};
+        const size_t codes_off[2] = {L->k_codes_off, L->v_codes_off};
+        const size_t a_off[2] = {L->k_a_off, L->v_a_off};
+        const size_t b_off[2] = {L->k_b_off, L->v_b_off};
+        for (int r = 0; r < 2; r++) {
+            if (bits == 8) {
+                rtn_row_codes(rows[r], D, 8, ps[r], rec + codes_off[r]);
+            } else {
+                unsigned char tmp[KVARN_PER_TOKEN_MAX_D];
+                rtn_row_codes(rows[r], D, 4, ps[r], tmp);
+                (void)kvarn_pack_codes(tmp, (size_t)D, 4, rec + codes_off[r]);
+            }
+            store_u16(rec + a_off[r], ps[r].scale);
+            store_u16(rec + b_off[r], ps[r].zero);
+        }
+        return KVARN_OK;
+    }
+    default:
+        return KVARN_ERR_INVALID_ARG;
+    }
+}
+
 kvarn_status kvarn__token_decode(kvarn_kind kind, const kvarn_record_layout *L,
                                  const void *record, float *k_out, float *v_out)
-{ return KVARN_ERR_UNSUPPORTED; }
+{
+    const unsigned char *rec = record;
+    const int D = L->head_dim;
+    if (D < 2 || D > KVARN_PER_TOKEN_MAX_D || D % 2) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    switch (kind) {
+    case KVARN_KIND_FP16:
+    case KVARN_KIND_BF16:
+        decode_16(kind, D, rec + L->k_codes_off, k_out);
+        decode_16(kind, D, rec + L->v_codes_off, v_out);
+        return KVARN_OK;
+    case KVARN_KIND_FP8_E4M3:
+    case KVARN_KIND_FP8_E5M2:
+        fp8_row_decode(kind, rec + L->k_codes_off, D, load_u16(rec + L->k_a_off), k_out);
+        fp8_row_decode(kind, rec + L->v_codes_off, D, load_u16(rec + L->v_a_off), v_out);
+        return KVARN_OK;
+    case KVARN_KIND_INT8:
+    case KVARN_KIND_INT4: {
+        const int bits = kind == KVARN_KIND_INT8 ? 8 : 4;
+        float *outs[2] = {k_out, v_out};
+        const size_t codes_off[2] = {L->k_codes_off, L->v_codes_off};
+        const size_t a_off[2] = {L->k_a_off, L->v_a_off};
+        const size_t b_off[2] = {L->k_b_off, L->v_b_off};
+        for (int r = 0; r < 2; r++) {
+            if (outs[r] == NULL) continue;
+            rtn_params p = {load_u16(rec + a_off[r]), load_u16(rec + b_off[r])};
+            if (bits == 8) {
+                rtn_row_decode(rec + codes_off[r], D, p, outs[r]);
+            } else {
+                unsigned char tmp[KVARN_PER_TOKEN_MAX_D];
+                (void)kvarn_unpack_codes(rec + codes_off[r], (size_t)D, 4, tmp);
+                rtn_row_decode(tmp, D, p, outs[r]);
+            }
+        }
+        return KVARN_OK;
+    }
+    default:
+        return KVARN_ERR_INVALID_ARG;
+    }
+}
