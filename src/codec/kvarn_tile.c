@@ -1,10 +1,400 @@
-/* kvarn_tile.c -- placeholder until the KVarN tile codec lands. */
+/*
+ * kvarn_tile.c -- the KVarN tile codec: one tile (K and V of G tokens of one
+ * KV head) <-> one record.
+ *
+ * Source: ../shared/spec/KVARN.md "Store pipeline" (rotate, variance
+ * normalization, asymmetric RTN per row, fold, pack) and "Record layout";
+ * the byte layout is read from kvarn_record_layout (include/kvarn/record.h).
+ * Choices the spec leaves open are in docs/kvarn-codec.md.
+ *
+ * Both halves of a tile go through the same routine on a row-major
+ * [R rows x C cols] matrix:
+ *   K: R = D channels, C = G tokens  (rows = channels; the tile transposed)
+ *   V: R = G tokens,   C = D channels (rows = tokens; token-major as given)
+ * and produce per-row a (scale), b (offset), per-column s (balance scale)
+ * and R packed rows of C codes.
+ *
+ * Nothing is allocated: all scratch, including a staged image of the whole
+ * record, lives in the caller's workspace. The record is written only once
+ * every field is known to fit in fp16, so on any error it is untouched.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
 #include "codec/codec_internal.h"
-size_t kvarn__tile_workspace_bytes(int head_dim, int tile_tokens) { return 16; }
+#include "codec/hadamard.h"
+#include "codec/pack.h"
+
+/* Spec step 2 constants. The log-space update c += log(std), clip c to
+ * [-0.3, 10] is carried out on s = exp(c) directly: s *= std, clip s to
+ * [exp(-0.3), exp(10)]. Same math, no exp/log per row or column. */
+#define STD_MIN 1e-3f
+#define STD_MAX 1e3f
+#define SCALE_MIN 0.74081822068171788f  /* exp(-0.3) */
+#define SCALE_MAX 22026.465794806718f   /* exp(10)   */
+#define SCORE_STD_FLOOR 1e-8f
+/* Two scores within this relative distance are a tie. Exact ties are common
+ * (a uniform rescaling, scales pinned at a clip bound, constant rows leave
+ * the score unchanged in exact arithmetic) and fp32 rounding (~1e-6 on a
+ * score) must not decide them; the best score kept is the minimum seen, so
+ * accepting a tie never lets the score drift upwards. */
+#define SCORE_TIE_RTOL 1e-5
+/* Spec step 3: floor of the RTN scale. */
+#define RTN_SCALE_MIN 1e-10f
+#define FP16_MAX 65504.0f
+
+/* Largest |x| a record can hold. Dequantized, |x| = |code*a + b| * s_col
+ * <= (|b| + (2^bits - 1)|a|) * exp(10) <= 65504 * 256 * 22026.5 ~ 3.7e11 in
+ * the rotated basis, so a rotated |x| above 2^39 (5.5e11) can never be
+ * stored and is rejected before any arithmetic; a raw |x| above 2^44 >=
+ * sqrt(512) * 2^39 rotates to at least 2^39 somewhere, and is rejected
+ * before the rotation. Below these bounds every fp32 intermediate (sums of
+ * squares included) stays far from overflow. */
+#define RAW_ABS_MAX 0x1p44f
+#define ROT_ABS_MAX 0x1p39f
+
+/* Round-half-even of 0 <= q < 2^22 in the default rounding mode, like
+ * rintf, but vectorizable without SSE4.1: adding 1.5 * 2^23 moves q to a
+ * binade whose spacing is 1, so the addition itself rounds to an integer. */
+#define RNE_MAGIC 0x1.8p23f
+
+enum { TILE_MAX_DIM = 512 };
+
+/* Per-row / per-column vectors of the workspace, max(D, G) floats each. */
+enum {
+    V_S_COL, V_S_ROW,       /* balance scales of the current iteration */
+    V_BEST_COL, V_BEST_ROW, /* best scales so far */
+    V_INV_COL, V_INV_ROW,   /* 1 / scale */
+    V_SD_COL, V_SD_ROW,     /* std of the columns / rows of the normalized tile */
+    V_SD_ROW_U,             /* std of the rows of x * inv_col (no row scale) */
+    V_AUX0, V_AUX1,         /* column shifts and means; one balanced row */
+    V_A, V_B,               /* fp32 folded a and b of each row */
+    V_COUNT
+};
+
+typedef struct tile_ws {
+    uint8_t *rec;     /* staged record image (worst-case record bytes) */
+    float *x;         /* [R][C] matrix being encoded */
+    float *tmp;       /* [G][D] rotated K before its transpose */
+    float *vec[V_COUNT];
+    uint8_t *codes;   /* one row of unpacked codes, max(D, G) bytes */
+} tile_ws;
+
+static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* Bytes of the largest KVarN record for D and G (8-bit keys and values). */
+static size_t max_record_bytes(int head_dim, int tile_tokens)
+{
+    kvarn_format f;
+    memset(&f, 0, sizeof f);
+    f.kind = KVARN_KIND_KVARN;
+    f.tile_tokens = tile_tokens;
+    f.key_bits = 8;
+    f.value_bits = 8;
+    f.per_tile = 1;
+    kvarn_record_layout L;
+    return kvarn_record_layout_get(&f, head_dim, &L) == KVARN_OK ? L.record_bytes : 0;
+}
+
+/* Carve the workspace; returns its size in bytes (0 if D/G unsupported).
+ * With base == NULL only the size is computed. */
+static size_t ws_layout(int head_dim, int tile_tokens, void *base, tile_ws *ws)
+{
+    const size_t rec = max_record_bytes(head_dim, tile_tokens);
+    if (rec == 0 || head_dim > TILE_MAX_DIM || tile_tokens > TILE_MAX_DIM) return 0;
+    const size_t D = (size_t)head_dim, G = (size_t)tile_tokens, M = D > G ? D : G;
+    size_t off = 0, rec_off, x_off, tmp_off, vec_off[V_COUNT], codes_off;
+    rec_off = off; off += round64(rec);
+    x_off = off; off += round64(D * G * sizeof(float));
+    tmp_off = off; off += round64(D * G * sizeof(float));
+    for (int i = 0; i < V_COUNT; i++) { vec_off[i] = off; off += round64(M * sizeof(float)); }
+    codes_off = off; off += round64(M);
+    if (base != NULL) {
+        uint8_t *b = (uint8_t *)base;
+        ws->rec = b + rec_off;
+        ws->x = (float *)(void *)(b + x_off);
+        ws->tmp = (float *)(void *)(b + tmp_off);
+        for (int i = 0; i < V_COUNT; i++) ws->vec[i] = (float *)(void *)(b + vec_off[i]);
+        ws->codes = b + codes_off;
+    }
+    return off;
+}
+
+size_t kvarn__tile_workspace_bytes(int head_dim, int tile_tokens)
+{
+    return ws_layout(head_dim, tile_tokens, NULL, NULL);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Statistics                                                              */
+/* ---------------------------------------------------------------------- */
+
+/* col_stds / row_stds: the statistics kernels, one copy compiled for the
+ * baseline ISA here and one with AVX2 in kvarn_tile_avx2.c; the same C, so
+ * bit-identical results (ISO C mode: no FMA contraction, no reassociation). */
+#define KVARN_TILE_STATS_SUFFIX _base
+#include "codec/kvarn_tile_stats.h"
+
+static void col_stds(const float *x, int R, int C, const float *w,
+                     float *shift, float *mean, float *out)
+{
+#ifdef KVARN_TILE_HAVE_AVX2
+    if (__builtin_cpu_supports("avx2")) {
+        kvarn__tile_col_stds_avx2(x, R, C, w, shift, mean, out);
+        return;
+    }
+#endif
+    kvarn__tile_col_stds_base(x, R, C, w, shift, mean, out);
+}
+
+static void row_stds(const float *x, int R, int C, const float *u, float *out)
+{
+#ifdef KVARN_TILE_HAVE_AVX2
+    if (__builtin_cpu_supports("avx2")) {
+        kvarn__tile_row_stds_avx2(x, R, C, u, out);
+        return;
+    }
+#endif
+    kvarn__tile_row_stds_base(x, R, C, u, out);
+}
+
+/* max/min of n stds, the min floored at 1e-8 (spec step 2). */
+static double std_ratio(const float *sd, int n)
+{
+    float mx = sd[0], mn = sd[0];
+    for (int i = 1; i < n; i++) {
+        mx = sd[i] > mx ? sd[i] : mx;
+        mn = sd[i] < mn ? sd[i] : mn;
+    }
+    if (mn < SCORE_STD_FLOOR) mn = SCORE_STD_FLOOR;
+    return (double)mx / (double)mn;
+}
+
+static float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+/* ---------------------------------------------------------------------- */
+/* Variance normalization (spec step 2)                                   */
+/* ---------------------------------------------------------------------- */
+
+/* Find the balance scales of x [R][C]: best_col [C], best_row [R] (the
+ * vectors V_BEST_COL / V_BEST_ROW of ws). The normalized tile is
+ * y = x / s_col / s_row. Its column stds are inv_col[j] * std_i(x * inv_row)
+ * and its row stds inv_row[i] * std_j(x * inv_col), so each half-iteration
+ * needs one statistics pass over the original x and nothing is
+ * accumulated from one iteration's rounded tile into the next. */
+static void balance(const tile_ws *ws, const float *x, int R, int C, int iters)
+{
+    float *s_col = ws->vec[V_S_COL], *s_row = ws->vec[V_S_ROW];
+    float *best_col = ws->vec[V_BEST_COL], *best_row = ws->vec[V_BEST_ROW];
+    float *u = ws->vec[V_INV_COL], *w = ws->vec[V_INV_ROW];
+    float *sd_col = ws->vec[V_SD_COL], *sd_row = ws->vec[V_SD_ROW];
+    float *sd_row_u = ws->vec[V_SD_ROW_U];
+    float *aux0 = ws->vec[V_AUX0], *aux1 = ws->vec[V_AUX1];
+
+    for (int j = 0; j < C; j++) s_col[j] = best_col[j] = u[j] = 1.0f;
+    for (int i = 0; i < R; i++) s_row[i] = best_row[i] = w[i] = 1.0f;
+
+    /* The identity scaling, scored on the raw tile, is the starting best. */
+    col_stds(x, R, C, w, aux0, aux1, sd_col);
+    row_stds(x, R, C, u, sd_row);
+    double best = std_ratio(sd_col, C) + std_ratio(sd_row, R);
+
+    for (int it = 0; it < iters; it++) {
+        /* Column pass: sd_col holds the column stds of the current tile. */
+        for (int j = 0; j < C; j++) {
+            s_col[j] = clampf(s_col[j] * clampf(sd_col[j], STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX);
+            u[j] = 1.0f / s_col[j];
+        }
+        /* Row pass on the tile renormalized with the new column scales. */
+        row_stds(x, R, C, u, sd_row_u);
+        for (int i = 0; i < R; i++) {
+            float sd = w[i] * sd_row_u[i];
+            s_row[i] = clampf(s_row[i] * clampf(sd, STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX);
+            w[i] = 1.0f / s_row[i];
+            sd_row[i] = w[i] * sd_row_u[i];
+        }
+        /* Score the renormalized tile; its column stds feed the next pass. */
+        col_stds(x, R, C, w, aux0, aux1, sd_col);
+        for (int j = 0; j < C; j++) sd_col[j] *= u[j];
+        double score = std_ratio(sd_col, C) + std_ratio(sd_row, R);
+        if (score <= best * (1.0 + SCORE_TIE_RTOL)) { /* ties go to the later iteration */
+            best = score < best ? score : best;
+            memcpy(best_col, s_col, (size_t)C * sizeof(float));
+            memcpy(best_row, s_row, (size_t)R * sizeof(float));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------- */
+/* RTN, fold, pack (spec steps 3-5)                                       */
+/* ---------------------------------------------------------------------- */
+
+static void store_fp16(uint8_t *dst, const float *src, int n)
+{
+    for (int i = 0; i < n; i++) {
+        uint16_t h = kvarn_fp32_to_fp16(src[i]);
+        memcpy(dst + 2 * (size_t)i, &h, 2);
+    }
+}
+
+/* Encode x [R][C] into the staged record: packed codes (R rows of C codes),
+ * a [R], b [R], s_col [C] (fp16). Returns KVARN_ERR_NONFINITE if a folded
+ * parameter falls outside the fp16 range. */
+static kvarn_status encode_matrix(const tile_ws *ws, const float *x, int R, int C,
+                                  int bits, int iters, uint8_t *codes_out,
+                                  uint8_t *a16, uint8_t *b16, uint8_t *col16)
+{
+    balance(ws, x, R, C, iters);
+    const float *s_col = ws->vec[V_BEST_COL], *s_row = ws->vec[V_BEST_ROW];
+    float *a = ws->vec[V_A], *b = ws->vec[V_B], *y = ws->vec[V_AUX0];
+    uint8_t *codes = ws->codes;
+    const float qmax = (float)((1 << bits) - 1);
+    const size_t row_bytes = kvarn_packed_bytes((size_t)C, bits);
+
+    for (int i = 0; i < R; i++) {
+        const float *xr = x + (size_t)i * (size_t)C, sr = s_row[i];
+        for (int j = 0; j < C; j++) y[j] = xr[j] / s_col[j] / sr;
+        float lo = y[0], hi = y[0];
+        for (int j = 1; j < C; j++) {
+            lo = y[j] < lo ? y[j] : lo;
+            hi = y[j] > hi ? y[j] : hi;
+        }
+        float scale = (hi - lo) / qmax;
+        if (!(scale >= RTN_SCALE_MIN)) scale = RTN_SCALE_MIN;
+        for (int j = 0; j < C; j++) {
+            float q = (y[j] - lo) / scale; /* >= 0 and <= qmax (1 + eps) */
+            q = (q + RNE_MAGIC) - RNE_MAGIC;
+            q = q > qmax ? qmax : q;
+            codes[j] = (uint8_t)q;
+        }
+        kvarn_pack_codes(codes, (size_t)C, bits, codes_out + (size_t)i * row_bytes);
+        a[i] = sr * scale;
+        b[i] = sr * lo;
+        if (!(fabsf(a[i]) <= FP16_MAX) || !(fabsf(b[i]) <= FP16_MAX)) return KVARN_ERR_NONFINITE;
+    }
+    store_fp16(a16, a, R);
+    store_fp16(b16, b, R);
+    store_fp16(col16, s_col, C); /* in [exp(-0.3), exp(10)]: always fits */
+    return KVARN_OK;
+}
+
+/* 1 if every |x[i]| <= lim (n a multiple of 8); a NaN fails. Lane flags
+ * instead of an early exit, so that it vectorizes. */
+static int all_within(const float *x, size_t n, float lim)
+{
+    int bad[8] = {0};
+    for (size_t i = 0; i < n; i += 8)
+        for (int l = 0; l < 8; l++) bad[l] |= !(fabsf(x[i + (size_t)l]) <= lim);
+    return !(bad[0] | bad[1] | bad[2] | bad[3] | bad[4] | bad[5] | bad[6] | bad[7]);
+}
+
+/* Copy one token-major [G][D] input into dst, rotated by H/sqrt(D) unless
+ * it is already, and check it is storable (see ROT_ABS_MAX). */
+static kvarn_status load_rotated(const float *src, int G, int D, int prerotated, float *dst)
+{
+    const size_t n = (size_t)G * (size_t)D;
+    if (!prerotated && !all_within(src, n, RAW_ABS_MAX)) return KVARN_ERR_NONFINITE;
+    memcpy(dst, src, n * sizeof(float));
+    if (!prerotated) kvarn_hadamard_rows(dst, G, D);
+    if (!all_within(dst, n, ROT_ABS_MAX)) return KVARN_ERR_NONFINITE;
+    return KVARN_OK;
+}
+
+/* dst [C][R] = src [R][C] transposed, in 8 x 8 blocks (R, C multiples of
+ * 8) so that neither side is walked with a large stride. */
+static void transpose(const float *src, int R, int C, float *dst)
+{
+    for (int i0 = 0; i0 < R; i0 += 8)
+        for (int j0 = 0; j0 < C; j0 += 8)
+            for (int j = j0; j < j0 + 8; j++)
+                for (int i = i0; i < i0 + 8; i++)
+                    dst[(size_t)j * (size_t)R + (size_t)i] = src[(size_t)i * (size_t)C + (size_t)j];
+}
+
 kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
                                 const float *v, void *record, void *workspace,
                                 const kvarn_codec_opts *opts)
-{ return KVARN_ERR_UNSUPPORTED; }
+{
+    const int D = L->head_dim, G = L->tile_tokens;
+    const int iters = opts ? opts->balance_iters : 8;
+    const int prerotated = opts ? opts->prerotated != 0 : 0;
+    tile_ws ws;
+    if (ws_layout(D, G, workspace, &ws) == 0) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    uint8_t *rec = ws.rec;
+    memset(rec, 0, L->record_bytes); /* padding included */
+
+    /* K: rows = channels, so transpose the rotated [G][D] to [D][G]. */
+    kvarn_status st = load_rotated(k, G, D, prerotated, ws.tmp);
+    if (st != KVARN_OK) return st;
+    transpose(ws.tmp, G, D, ws.x);
+    st = encode_matrix(&ws, ws.x, D, G, L->key_bits, iters, rec + L->k_codes_off,
+                       rec + L->k_a_off, rec + L->k_b_off, rec + L->k_stok_off);
+    if (st != KVARN_OK) return st;
+
+    /* V: rows = tokens, already the token-major layout. */
+    st = load_rotated(v, G, D, prerotated, ws.x);
+    if (st != KVARN_OK) return st;
+    st = encode_matrix(&ws, ws.x, G, D, L->value_bits, iters, rec + L->v_codes_off,
+                       rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
+    if (st != KVARN_OK) return st;
+
+    memcpy(record, rec, L->record_bytes);
+    return KVARN_OK;
+}
+
+/* ---------------------------------------------------------------------- */
+/* Decode                                                                  */
+/* ---------------------------------------------------------------------- */
+
+static void load_fp16(const uint8_t *src, int n, float *dst)
+{
+    for (int i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * (size_t)i, 2);
+        dst[i] = kvarn_fp16_to_fp32(h);
+    }
+}
+
 kvarn_status kvarn__tile_decode(const kvarn_record_layout *L, const void *record,
                                 float *k_out, float *v_out, unsigned flags)
-{ return KVARN_ERR_UNSUPPORTED; }
+{
+    const int D = L->head_dim, G = L->tile_tokens;
+    if (D > TILE_MAX_DIM || G > TILE_MAX_DIM) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    const uint8_t *rec = (const uint8_t *)record;
+    float a[TILE_MAX_DIM], b[TILE_MAX_DIM], s[TILE_MAX_DIM];
+    uint8_t codes[8][TILE_MAX_DIM];
+
+    if (k_out != NULL) { /* K[d,t] = (code*a_d + b_d) * s_tok_t */
+        const int bits = L->key_bits;
+        const size_t row_bytes = kvarn_packed_bytes((size_t)G, bits);
+        load_fp16(rec + L->k_a_off, D, a);
+        load_fp16(rec + L->k_b_off, D, b);
+        load_fp16(rec + L->k_stok_off, G, s);
+        /* 8 channel rows at a time, so each token gets 8 adjacent floats */
+        for (int d0 = 0; d0 < D; d0 += 8) {
+            for (int l = 0; l < 8; l++)
+                kvarn_unpack_codes(rec + L->k_codes_off + (size_t)(d0 + l) * row_bytes, (size_t)G,
+                                   bits, codes[l]);
+            for (int t = 0; t < G; t++) {
+                float *out = k_out + (size_t)t * (size_t)D + (size_t)d0;
+                for (int l = 0; l < 8; l++) out[l] = ((float)codes[l][t] * a[d0 + l] + b[d0 + l]) * s[t];
+            }
+        }
+        if (!(flags & KVARN_DECODE_ROTATED)) kvarn_hadamard_rows(k_out, G, D);
+    }
+    if (v_out != NULL) { /* V[t,d] = (code*a_t + b_t) * s_chan_d */
+        const int bits = L->value_bits;
+        const size_t row_bytes = kvarn_packed_bytes((size_t)D, bits);
+        load_fp16(rec + L->v_a_off, G, a);
+        load_fp16(rec + L->v_b_off, G, b);
+        load_fp16(rec + L->v_schan_off, D, s);
+        for (int t = 0; t < G; t++) {
+            kvarn_unpack_codes(rec + L->v_codes_off + (size_t)t * row_bytes, (size_t)D, bits, codes[0]);
+            float *out = v_out + (size_t)t * (size_t)D;
+            for (int d = 0; d < D; d++) out[d] = ((float)codes[0][d] * a[t] + b[t]) * s[d];
+        }
+        if (!(flags & KVARN_DECODE_ROTATED)) kvarn_hadamard_rows(v_out, G, D);
+    }
+    return KVARN_OK;
+}

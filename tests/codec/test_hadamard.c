@@ -1,0 +1,203 @@
+/* test_hadamard.c -- the normalized fast Walsh-Hadamard transform of
+ * src/codec/hadamard.c (../shared/spec/KVARN.md "Store pipeline" step 1).
+ *
+ * Oracles, independent of the code under test: the explicit Sylvester
+ * matrix H[i][j] = (-1)^popcount(i & j) / sqrt(D) multiplied out in double;
+ * orthonormality (H*H = I, norms preserved); the scalar version as the
+ * oracle of the SIMD one (bit-identical). D in {64, 128, 256, 512}. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "codec/hadamard.h"
+#include "common/testutil.h"
+
+static const int k_dims[] = {64, 128, 256, 512};
+#define N_DIMS ((int)(sizeof k_dims / sizeof k_dims[0]))
+enum { MAXD = 512 };
+
+static double sylvester(int i, int j, int d)
+{
+    return (__builtin_popcount((unsigned)(i & j)) & 1 ? -1.0 : 1.0) / sqrt((double)d);
+}
+
+static void fill_normal(test_rng *r, float *x, int n, double sd)
+{
+    for (int i = 0; i < n; i++) x[i] = (float)(sd * test_rng_normal(r));
+}
+
+/* Rotating the unit vectors gives the columns of H/sqrt(D); their products
+ * must be the identity (H*H = I: H is symmetric and orthonormal). */
+static void test_orthonormal(void **state)
+{
+    (void)state;
+    static float cols[MAXD][MAXD];
+    for (int k = 0; k < N_DIMS; k++) {
+        const int d = k_dims[k];
+        for (int j = 0; j < d; j++) {
+            memset(cols[j], 0, sizeof cols[j]);
+            cols[j][j] = 1.0f;
+            kvarn_hadamard(cols[j], d);
+        }
+        double worst = 0.0;
+        for (int i = 0; i < d; i++) {
+            for (int j = 0; j < d; j++) {
+                /* symmetric: column j, row i equals column i, row j */
+                assert_true(cols[j][i] == cols[i][j]);
+                double dot = 0.0;
+                for (int l = 0; l < d; l++) dot += (double)cols[i][l] * cols[j][l];
+                double err = fabs(dot - (i == j ? 1.0 : 0.0));
+                worst = err > worst ? err : worst;
+            }
+        }
+        assert_true(worst < 1e-6);
+    }
+}
+
+/* Random vectors: matches the explicit matrix product (in double), keeps the
+ * L2 norm, and applying it twice gives the input back. */
+static void test_matches_matrix(void **state)
+{
+    (void)state;
+    test_rng r;
+    test_rng_seed(&r, 0x4ada3a4dull);
+    float x[MAXD], y[MAXD];
+    for (int k = 0; k < N_DIMS; k++) {
+        const int d = k_dims[k];
+        for (int rep = 0; rep < 20; rep++) {
+            fill_normal(&r, x, d, rep % 2 ? 1.0 : 1000.0);
+            memcpy(y, x, sizeof(float) * (size_t)d);
+            kvarn_hadamard(y, d);
+            double nx = 0.0, ny = 0.0, scale = 0.0;
+            for (int i = 0; i < d; i++) scale = fmax(scale, fabs(x[i]));
+            for (int i = 0; i < d; i++) {
+                double ref = 0.0;
+                for (int j = 0; j < d; j++) ref += sylvester(i, j, d) * x[j];
+                /* fp32 butterfly: log2(d) roundings on sums of size <= the norm */
+                assert_true(fabs(y[i] - ref) <= 1e-5 * scale * sqrt((double)d));
+                nx += (double)x[i] * x[i];
+                ny += (double)y[i] * y[i];
+            }
+            assert_true(fabs(sqrt(ny) - sqrt(nx)) <= 1e-6 * sqrt(nx));
+            kvarn_hadamard(y, d); /* its own inverse */
+            for (int i = 0; i < d; i++)
+                assert_true(fabs(y[i] - x[i]) <= 1e-6 * scale * sqrt((double)d));
+        }
+    }
+}
+
+/* The SIMD path (and the dispatching entry points) equal the scalar oracle
+ * bit for bit, one vector and many rows at a time. */
+static void test_simd_equals_scalar(void **state)
+{
+    (void)state;
+    test_rng r;
+    test_rng_seed(&r, 0x51dull);
+    static float a[8 * MAXD], b[8 * MAXD], c[8 * MAXD];
+    for (int k = 0; k < N_DIMS; k++) {
+        const int d = k_dims[k], rows = 8, n = rows * d;
+        fill_normal(&r, a, n, 3.0);
+        a[5] = 1e30f; /* large values take the same path too */
+        memcpy(b, a, sizeof(float) * (size_t)n);
+        memcpy(c, a, sizeof(float) * (size_t)n);
+        for (int i = 0; i < rows; i++) kvarn_hadamard_scalar(a + i * d, d);
+        kvarn_hadamard_rows(b, rows, d);
+        assert_memory_equal(a, b, sizeof(float) * (size_t)n);
+        for (int i = 0; i < rows; i++) kvarn_hadamard(c + i * d, d);
+        assert_memory_equal(a, c, sizeof(float) * (size_t)n);
+#ifdef KVARN_HADAMARD_HAVE_AVX2
+        if (__builtin_cpu_supports("avx2")) {
+            fill_normal(&r, a, n, 3.0);
+            memcpy(b, a, sizeof(float) * (size_t)n);
+            for (int i = 0; i < rows; i++) kvarn_hadamard_scalar(a + i * d, d);
+            kvarn_hadamard_rows_avx2(b, rows, d);
+            assert_memory_equal(a, b, sizeof(float) * (size_t)n);
+            fill_normal(&r, a, d, 1.0);
+            memcpy(b, a, sizeof(float) * (size_t)d);
+            kvarn_hadamard_scalar(a, d);
+            kvarn_hadamard_avx2(b, d);
+            assert_memory_equal(a, b, sizeof(float) * (size_t)d);
+        }
+#endif
+    }
+#ifdef KVARN_HADAMARD_HAVE_AVX2
+    /* the AVX2 block sizes below 64 as well */
+    if (__builtin_cpu_supports("avx2"))
+        for (int d = 8; d <= 32; d <<= 1) {
+            fill_normal(&r, a, d, 2.0);
+            memcpy(b, a, sizeof(float) * (size_t)d);
+            kvarn_hadamard_scalar(a, d);
+            kvarn_hadamard_avx2(b, d);
+            assert_memory_equal(a, b, sizeof(float) * (size_t)d);
+        }
+#endif
+    /* Small powers of two: below one AVX2 vector the scalar path runs. */
+    for (int d = 1; d <= 16; d <<= 1) {
+        float x1[16], x2[16];
+        fill_normal(&r, x1, d, 1.0);
+        memcpy(x2, x1, sizeof x1);
+        kvarn_hadamard(x1, d);
+        for (int i = 0; i < d; i++) {
+            double ref = 0.0;
+            for (int j = 0; j < d; j++) ref += sylvester(i, j, d) * x2[j];
+            assert_true(fabs(x1[i] - ref) <= 1e-5);
+        }
+    }
+}
+
+/* Known values: H/sqrt(D) maps e_0 to the constant 1/sqrt(D) vector and the
+ * constant vector back to sqrt(D) e_0. */
+static void test_known_vectors(void **state)
+{
+    (void)state;
+    float x[MAXD];
+    for (int k = 0; k < N_DIMS; k++) {
+        const int d = k_dims[k];
+        memset(x, 0, sizeof x);
+        x[0] = 1.0f;
+        kvarn_hadamard(x, d);
+        for (int i = 0; i < d; i++) assert_true(fabsf(x[i] - 1.0f / sqrtf((float)d)) < 1e-7f);
+        for (int i = 0; i < d; i++) x[i] = 1.0f;
+        kvarn_hadamard(x, d);
+        assert_true(fabsf(x[0] - sqrtf((float)d)) < 1e-5f);
+        for (int i = 1; i < d; i++) assert_true(x[i] == 0.0f);
+    }
+}
+
+/* A d that is not a power of two leaves x unchanged (and reads nothing
+ * past x[d-1]: ASan build). */
+static void test_bad_d(void **state)
+{
+    (void)state;
+    const int bad[] = {0, -8, 3, 12, 96, 100};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int n = bad[i] > 0 ? bad[i] : 1;
+        float *x = malloc(sizeof(float) * (size_t)n), *y = malloc(sizeof(float) * (size_t)n);
+        assert_non_null(x);
+        assert_non_null(y);
+        for (int j = 0; j < n; j++) x[j] = y[j] = (float)j + 0.5f;
+        kvarn_hadamard(x, bad[i]);
+        kvarn_hadamard_rows(x, 1, bad[i]);
+        kvarn_hadamard_scalar(x, bad[i]);
+        assert_memory_equal(x, y, sizeof(float) * (size_t)n);
+        free(x);
+        free(y);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_orthonormal),
+        cmocka_unit_test(test_matches_matrix),
+        cmocka_unit_test(test_simd_equals_scalar),
+        cmocka_unit_test(test_known_vectors),
+        cmocka_unit_test(test_bad_d),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
