@@ -1,0 +1,356 @@
+/*
+ * cache.h -- the paged, quantized KV cache (vLLM PagedAttention vocabulary).
+ *
+ * One kvarn_cache holds the K/V of every layer of one model for many
+ * sequences. It fills the views of include/kvarn/attn.h (kvarn_paged_kv per
+ * layer, kvarn_seq_view per sequence), which is where the paged layout is
+ * written down; this header says how the cache manages it. Design notes and
+ * the life of a token: docs/paged-cache.md. Source for the KVarN parts:
+ * ../shared/spec/KVARN.md "The fp16 tail and the sink".
+ *
+ * Terms
+ *   G        block size in tokens (tokens per tile). KVarN: = the format's
+ *            tile_tokens. Per-token formats: a setting (default 16, vLLM's
+ *            default block size; any value in [1, 1024]).
+ *   tile i   tokens [i*G, (i+1)*G) of a sequence.
+ *   block    one slot of the quantized arena: for every layer and KV head the
+ *            record(s) of one tile. Block ids are shared by all layers, as in
+ *            vLLM: block b exists in every layer.
+ *   page     one slot of the fp16 page pool: for every layer and KV head the
+ *            fp16 K and V [G][D] of one tile. Page ids are shared by all
+ *            layers too. KVarN only (per-token formats have no pages).
+ *   sink     the first sink_tiles tiles of a KVarN sequence: kept in fp16
+ *            pages for good, never quantized.
+ *   tail     the KVarN tiles after the quantized ones: fp16 pages that
+ *            receive new tokens, already rotated by H/sqrt(D).
+ *   commit   quantizing a full tail tile (all G tokens final) into its block
+ *            with kvarn_encode(prerotated = 1), in every layer at once.
+ *
+ * Memory (all allocated in kvarn_cache_create; see docs/paged-cache.md)
+ *   quantized arena  [layer][block][kv_head] records, block_stride =
+ *                    Hk * record_stride bytes (attn.h's layout).
+ *   fp16 page pool   [layer][page][kv_head][K,V][G][D] uint16 (IEEE half).
+ *   per sequence     its block table and bookkeeping, allocated by
+ *                    kvarn_cache_seq_create / _fork for max_seq_len tokens,
+ *                    so reserve/write/commit/truncate never allocate.
+ *
+ * Block accounting (KVarN). A non-sink tile takes its block when its first
+ * token is reserved, and also a page while it is in the tail; commit writes
+ * the record into that already-owned block and releases the page. So commit
+ * never runs out of blocks and capacity in tokens is n_blocks * G (plus the
+ * sink tiles, which live in pages). Sink tiles take a page only. Pages are
+ * the staging overhead, counted in kvarn_cache_stats.arena_bytes_per_token.
+ * Per-token formats: a tile takes one block; records are written at once.
+ *
+ * The block table of a sequence (what attention and an engine read) maps
+ * tile i to a PAGE id when i < sink_tiles or i >= committed_tiles, else to a
+ * BLOCK id (attn.h). For per-token formats every entry is a block id.
+ *
+ * Order of calls for one model step of one sequence (n new tokens):
+ *   1. kvarn_cache_reserve(c, seq, n)       allocate for all layers; atomic:
+ *                                            on KVARN_ERR_OUT_OF_BLOCKS nothing
+ *                                            changed. seq_len grows by n.
+ *   2. for each layer l:
+ *        kvarn_cache_write(c, seq, l, pos, n, k, v)   pos = old seq_len
+ *        (attention for layer l may now read the views)
+ *   3. kvarn_cache_commit(c, seq, committed_len)  quantize every full KVarN
+ *                                            tile below committed_len (=
+ *                                            seq_len minus tokens still being
+ *                                            verified), in all layers.
+ *   Rollback of rejected draft tokens: kvarn_cache_truncate(c, seq, len).
+ *
+ * Truncate into a quantized tile: REFUSED with KVARN_ERR_STATE. A committed
+ * tile is final by definition (the caller declared its tokens accepted), and
+ * keeping an fp16 copy of every committed tile to re-open it would cost the
+ * fp16 page pool as much memory as the quantized arena saves. Truncating
+ * anywhere in the sink or the tail is exact (the dropped fp16 tokens are
+ * simply overwritten later). Per-token formats never refuse.
+ *
+ * Prefix sharing: kvarn_cache_seq_fork makes a child that shares every block
+ * and page of its parent (reference counts). The first reserve that touches
+ * a shared tile copies it (copy-on-write: a shared page is copied in all
+ * layers; a shared block of an uncommitted tile is replaced by a fresh one;
+ * a shared per-token block is copied). kvarn_cache_seq_free returns to the
+ * pools only blocks and pages no other sequence holds.
+ *
+ * Threads: a kvarn_cache is not thread-safe; calls on one cache must not
+ * overlap (kvarn_cache_read and _commit use the cache's scratch buffers).
+ * Several threads may read the views at once (attention) while no call that
+ * changes the cache runs.
+ * Views hold borrowed pointers. The arena pointers of a layer view are valid
+ * until kvarn_cache_destroy. A sequence's block table pointer stays valid
+ * until that sequence is freed, but its entries, seq_len and committed_tiles
+ * describe the sequence as it was: take a fresh kvarn_seq_view after every
+ * reserve, commit or truncate of it.
+ *
+ * Every function that can fail returns a kvarn_status; on any error the
+ * cache is unchanged (output buffers of kvarn_cache_read may be partly
+ * written). Hostile arguments (NULL, bad or freed sequence id, layer out of
+ * range, n < 0, positions outside the sequence) give KVARN_ERR_INVALID_ARG.
+ */
+#ifndef KVARN_CACHE_H
+#define KVARN_CACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvarn/attn.h"
+#include "kvarn/kvarn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvarn_cache kvarn_cache;
+
+/* ------------------------------------------------------------------------ */
+/* Creation                                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* Settings. Start from kvarn_cache_default_opts() and set the model's
+ * numbers; fields marked "0 = auto" pick a documented default. */
+typedef struct kvarn_cache_opts {
+    kvarn_format format;    /* cache format (kvarn_format_parse) */
+    int n_layers;           /* layers, >= 1 */
+    int n_kv_heads;         /* Hk, KV heads per layer, >= 1 */
+    int head_dim;           /* D, must pass kvarn_format_check_head_dim */
+    int block_size;         /* G in tokens. KVarN: 0 or the format's
+                               tile_tokens. Per-token formats: 0 = 16, else
+                               [1, 1024]. */
+    int sink_tiles;         /* KVarN: fp16 sink tiles per sequence, >= 0
+                               (default 1). Per-token formats: ignored, they
+                               have no sink (always 0). */
+    uint64_t budget_bytes;  /* bytes for the quantized arena plus the fp16
+                               page pool (all layers). Bookkeeping (block
+                               tables, refcounts, scratch) is not counted. */
+    int max_seqs;           /* live sequences at once, >= 1 (default 64) */
+    int max_seq_len;        /* tokens per sequence; 0 = auto: every block and
+                               every sink tile, i.e. (n_blocks + sink_tiles) * G.
+                               Sets the size of each sequence's block table. */
+    int n_pages;            /* KVarN fp16 pages; 0 = auto: max_seqs *
+                               (sink_tiles + 2) (the sink, the tail tile and a
+                               second tail tile for tokens being verified).
+                               Every token waits in a page until its tile is
+                               committed, so a chunk of n tokens (a prefill)
+                               needs about ceil(n / G) + 1 pages of its own
+                               until the commit that follows it: size n_pages
+                               for the largest chunks in flight.
+                               Per-token formats: must be 0. */
+    int balance_iters;      /* KVarN variance-normalization iterations at
+                               commit (kvarn_codec_opts), default 8 */
+} kvarn_cache_opts;
+
+/* The defaults: format kvarn_k4v2_g128, block_size 0 (auto), sink_tiles 1,
+ * max_seqs 64, max_seq_len 0 (auto), n_pages 0 (auto), balance_iters 8;
+ * n_layers, n_kv_heads, head_dim, budget_bytes are 0 and must be set. */
+kvarn_cache_opts kvarn_cache_default_opts(void);
+
+/* Create a cache: checks opts, splits budget_bytes into n_pages fp16 pages
+ * (page bytes = n_layers * Hk * 2 * G * D * 2) and as many blocks as the rest
+ * holds (block bytes = n_layers * Hk * record_stride), allocates both arenas
+ * (zeroed) and the bookkeeping.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, bad numbers, a budget too small for
+ * the pages plus one block), KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_NOMEM.
+ * *out is set only on success. */
+kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out);
+
+/* Free everything. NULL is fine. Views into the cache become invalid. */
+void kvarn_cache_destroy(kvarn_cache *c);
+
+/* Fixed geometry of a cache. */
+typedef struct kvarn_cache_info {
+    kvarn_format format;
+    int n_layers, n_kv_heads, head_dim;
+    int block_size;             /* G, tokens */
+    int sink_tiles;             /* 0 for per-token formats */
+    int n_blocks;               /* quantized arena slots (each in every layer) */
+    int n_pages;                /* fp16 pages (each in every layer) */
+    int max_seqs, max_seq_len;  /* sequences, tokens */
+    size_t record_stride;       /* bytes per (block, kv head) */
+    size_t block_stride;        /* bytes per block in one layer */
+    size_t token_record_bytes;  /* per-token formats: bytes per token-head; 0 for KVarN */
+    size_t block_bytes;         /* bytes of one block, all layers */
+    size_t page_bytes;          /* bytes of one page, all layers */
+    uint64_t arena_bytes;       /* n_blocks * block_bytes + n_pages * page_bytes */
+    uint64_t capacity_tokens;   /* n_blocks * G: tokens the quantized arena
+                                   holds, all sequences together (sink tiles
+                                   live in pages and come on top) */
+} kvarn_cache_info;
+
+kvarn_status kvarn_cache_get_info(const kvarn_cache *c, kvarn_cache_info *out);
+
+/* Work out what kvarn_cache_create(opts) would build, without allocating:
+ * fills *out exactly as kvarn_cache_get_info would (n_blocks, n_pages,
+ * block_bytes, page_bytes, ...), e.g. to size budget_bytes for a wanted
+ * number of blocks. budget_bytes = 0 is accepted here (only here) and gives
+ * n_blocks = 0 with every per-block and per-page size filled in.
+ * Errors: as kvarn_cache_create, except KVARN_ERR_NOMEM. */
+kvarn_status kvarn_cache_plan(const kvarn_cache_opts *opts, kvarn_cache_info *out);
+
+/* ------------------------------------------------------------------------ */
+/* Sequences                                                                */
+/* ------------------------------------------------------------------------ */
+
+/* Make an empty sequence; its id (in [0, max_seqs)) goes to *seq. Allocates
+ * its block table (max_seq_len / G entries).
+ * Errors: KVARN_ERR_INVALID_ARG, KVARN_ERR_OUT_OF_BLOCKS (max_seqs sequences
+ * are live), KVARN_ERR_NOMEM. */
+kvarn_status kvarn_cache_seq_create(kvarn_cache *c, int *seq);
+
+/* Make a child of parent that shares all of its blocks and pages (each
+ * reference count + 1) and has its length, committed state and written
+ * lengths; its id goes to *child. Nothing is copied until a reserve touches
+ * a shared tile (copy-on-write).
+ * Errors: as kvarn_cache_seq_create, and KVARN_ERR_INVALID_ARG for a bad
+ * parent. */
+kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child);
+
+/* Drop the sequence: every block and page it holds loses one reference and
+ * returns to its pool when no sequence holds it any more. The id becomes
+ * free for reuse. Errors: KVARN_ERR_INVALID_ARG (bad or freed id). */
+kvarn_status kvarn_cache_seq_free(kvarn_cache *c, int seq);
+
+/* State of a sequence. */
+typedef struct kvarn_cache_seq_info {
+    int seq_len;          /* tokens reserved (the sequence length) */
+    int n_tiles;          /* ceil(seq_len / G): entries of the block table */
+    int committed_tiles;  /* as kvarn_seq_view (tiles [sink_tiles,
+                             committed_tiles) are quantized) */
+    int quantized_tiles;  /* tiles quantized (KVarN); 0 for per-token */
+    int committed_len;    /* the largest committed_len passed to commit,
+                             clamped by truncate, in tokens */
+    int frozen_len;       /* tokens that truncate may not cut: the end of the
+                             last quantized tile (0 when none, and always 0
+                             for per-token formats) */
+} kvarn_cache_seq_info;
+
+kvarn_status kvarn_cache_seq_get_info(const kvarn_cache *c, int seq,
+                                      kvarn_cache_seq_info *out);
+
+/* ------------------------------------------------------------------------ */
+/* Appending: reserve, write per layer, commit                              */
+/* ------------------------------------------------------------------------ */
+
+/* Grow the sequence by n_new tokens (n_new >= 0) for all layers: new tiles
+ * get their page (KVarN) and block (non-sink tiles), and the tile that
+ * receives the first new token is made private if it is shared
+ * (copy-on-write). Nothing is written; seq_len becomes seq_len + n_new and
+ * the new tokens' contents are undefined until written.
+ * Errors: KVARN_ERR_INVALID_ARG; KVARN_ERR_OUT_OF_BLOCKS when the free blocks
+ * or pages do not suffice or seq_len + n_new > max_seq_len. Atomic: on any
+ * error no block, page, refcount or length changed. */
+kvarn_status kvarn_cache_reserve(kvarn_cache *c, int seq, int n_new);
+
+/* Store K and V of tokens [pos, pos + n) of one layer.
+ *   k, v   fp32 [n][Hk][D] (token-major, then KV head, then channel), as a
+ *          model produces them; K post-RoPE.
+ * KVarN: each token-head vector is rotated by H/sqrt(D) and stored as fp16
+ * in its tile's page (sink or tail). Per-token formats: each token-head is
+ * encoded at once into its record (kvarn_encode) in its block.
+ * Requires pos + n <= seq_len (reserve first), pos >= frozen_len (quantized
+ * tiles are final), and pos <= this layer's written length (no gaps: tokens
+ * are written in order; rewriting tokens already written is allowed).
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, bad seq/layer, n < 0, range outside
+ * [0, seq_len)); KVARN_ERR_STATE (pos < frozen_len, a gap, or a target tile
+ * shared with another sequence: fork between reserve and write);
+ * KVARN_ERR_NONFINITE (NaN/Inf in k or v, or a KVarN value beyond the fp16
+ * range after rotation). On error nothing was written. No allocation. */
+kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
+                               int n, const float *k, const float *v);
+
+/* Declare tokens [0, committed_len) final and quantize (KVarN) every
+ * non-sink tile that lies entirely below committed_len and is not yet
+ * quantized: for every layer and KV head kvarn_encode(prerotated = 1) reads
+ * the fp16 page (as fp32) and writes the record into the tile's block; then
+ * the tile's page is released and its block table entry becomes the block
+ * id. Sink tiles stay fp16. Per-token formats: records are final when
+ * written, so this only records committed_len.
+ * committed_len may be below an earlier one (no-op for those tokens).
+ * Errors: KVARN_ERR_INVALID_ARG (bad seq, committed_len < 0 or > seq_len);
+ * KVARN_ERR_STATE (some layer has not written all of [0, committed_len));
+ * errors of kvarn_encode. All-or-nothing: if any tile of any layer fails, no
+ * tile is marked quantized and no page is released. No allocation. */
+kvarn_status kvarn_cache_commit(kvarn_cache *c, int seq, int committed_len);
+
+/* Shorten the sequence to new_len tokens (0 <= new_len <= seq_len): tiles
+ * past ceil(new_len / G) lose their page and block references; written and
+ * committed lengths are clamped. Exact for tokens in the sink or the tail
+ * (rollback of rejected draft tokens).
+ * Errors: KVARN_ERR_INVALID_ARG; KVARN_ERR_STATE when new_len < frozen_len
+ * (it would cut into a quantized tile: refused, see the top of this file). */
+kvarn_status kvarn_cache_truncate(kvarn_cache *c, int seq, int new_len);
+
+/* ------------------------------------------------------------------------ */
+/* What attention and engines read                                          */
+/* ------------------------------------------------------------------------ */
+
+/* Fill *out with layer's paged K/V as include/kvarn/attn.h describes it
+ * (pointers into the arenas, valid for the cache's lifetime).
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, layer out of [0, n_layers)). */
+kvarn_status kvarn_cache_layer_view(const kvarn_cache *c, int layer,
+                                    kvarn_paged_kv *out);
+
+/* Fill *out with the sequence's block table, seq_len and committed_tiles as
+ * attn.h describes them. The table pointer is borrowed (see the top).
+ * Errors: KVARN_ERR_INVALID_ARG. */
+kvarn_status kvarn_cache_seq_view(const kvarn_cache *c, int seq,
+                                  kvarn_seq_view *out);
+
+/* The block table alone, as vLLM passes it: *table = int32 [*n_tiles] ids
+ * (page ids for sink and tail tiles of KVarN, block ids otherwise).
+ * Errors: KVARN_ERR_INVALID_ARG. */
+kvarn_status kvarn_cache_block_table(const kvarn_cache *c, int seq,
+                                     const int32_t **table, int *n_tiles);
+
+/* Slot mapping of tokens [pos, pos + n): slots[j] = id * G + offset of token
+ * pos + j, where id names where a write lands: the page for KVarN (sink or
+ * tail), the block for per-token formats. int64 like vLLM's slot_mapping.
+ * Errors: KVARN_ERR_INVALID_ARG (range outside [0, seq_len), NULL);
+ * KVARN_ERR_STATE (a token lies in a quantized tile: it has no slot). */
+kvarn_status kvarn_cache_slot_mapping(const kvarn_cache *c, int seq, int pos,
+                                      int n, int64_t *slots);
+
+/* Read back tokens [pos, pos + n) of one layer as fp32 [n][Hk][D] (same
+ * layout as kvarn_cache_write takes): quantized tiles and per-token records
+ * are decoded with kvarn_decode, fp16 pages are widened; for KVarN the result
+ * is rotated back to the original basis unless flags has
+ * KVARN_DECODE_ROTATED (then it is what attention sees). k or v may be NULL.
+ * Tokens reserved but not yet written read as whatever the slot holds.
+ * Errors: KVARN_ERR_INVALID_ARG; errors of kvarn_decode. Uses the cache's
+ * scratch (hence not const); no allocation. */
+kvarn_status kvarn_cache_read(kvarn_cache *c, int seq, int layer, int pos,
+                              int n, float *k, float *v, unsigned flags);
+
+/* ------------------------------------------------------------------------ */
+/* Counters                                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kvarn_cache_stats {
+    int n_seqs;              /* live sequences */
+    int blocks_total, blocks_in_use, blocks_free;
+    int blocks_shared;       /* blocks held by two or more sequences */
+    int pages_total, pages_in_use, pages_free;
+    int pages_shared;
+    int64_t tokens;          /* sum of seq_len over live sequences (a shared
+                                prefix counts once per sequence) */
+    double record_bytes_per_token;  /* quantized bytes per token, all layers
+                                       and KV heads: block_bytes / G */
+    double arena_bytes_per_token;   /* staging counted: arena_bytes /
+                                       capacity_tokens */
+    double used_bytes_per_token;    /* (blocks_in_use * block_bytes +
+                                       pages_in_use * page_bytes) / tokens;
+                                       0 when tokens == 0 */
+} kvarn_cache_stats;
+
+kvarn_status kvarn_cache_get_stats(const kvarn_cache *c, kvarn_cache_stats *out);
+
+/* Reference count of a block or page id (how many sequences hold it), or
+ * -1 for an id out of range or a NULL cache. For tests and debugging. */
+int kvarn_cache_block_refs(const kvarn_cache *c, int32_t block);
+int kvarn_cache_page_refs(const kvarn_cache *c, int32_t page);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVARN_CACHE_H */

@@ -1,0 +1,276 @@
+/*
+ * cache.c -- creating a kvarn_cache (splitting the byte budget into fp16
+ * pages and quantized blocks, allocating both arenas), its geometry, its
+ * counters, and the per-layer view attention reads (include/kvarn/attn.h).
+ */
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache/cache_internal.h"
+
+#define DEFAULT_PER_TOKEN_BLOCK 16   /* vLLM's default block size */
+#define MAX_BLOCK_SIZE 1024
+#define MAX_IDS (1 << 30)            /* block/page ids stay far from INT32_MAX */
+
+kvarn_cache_opts kvarn_cache_default_opts(void)
+{
+    kvarn_cache_opts o;
+    memset(&o, 0, sizeof o);
+    if (kvarn_format_parse("kvarn_k4v2_g128", &o.format) != KVARN_OK)
+        memset(&o.format, 0, sizeof o.format);
+    o.sink_tiles = 1;
+    o.max_seqs = 64;
+    o.balance_iters = 8;
+    return o;
+}
+
+/* Zeroed arena aligned to 64 bytes. calloc, not aligned_alloc + memset: a
+ * large calloc maps fresh zero pages lazily, so creating a cache does not
+ * touch its whole budget. *mem receives the pointer to free. */
+static void *arena64(size_t bytes, void **mem)
+{
+    *mem = NULL;
+    if (bytes == 0 || bytes > SIZE_MAX - 64) return NULL;
+    *mem = calloc(1, bytes + 64);
+    if (*mem == NULL) return NULL;
+    uintptr_t p = ((uintptr_t)*mem + 63) & ~(uintptr_t)63;
+    return (void *)p;
+}
+
+static void *alloc64(size_t bytes)
+{
+    if (bytes == 0) return NULL;
+    size_t rounded = (bytes + 63) & ~(size_t)63;
+    return aligned_alloc(64, rounded);
+}
+
+void kvarn_cache_destroy(kvarn_cache *c)
+{
+    if (c == NULL) return;
+    if (c->seqs) {
+        for (int i = 0; i < c->info.max_seqs; i++) free(c->seqs[i].mem);
+        free(c->seqs);
+    }
+    kvarn__pool_release(&c->block_pool);
+    kvarn__pool_release(&c->page_pool);
+    free(c->blocks_mem);
+    free(c->pages_mem);
+    free(c->tile_k);
+    free(c->tile_v);
+    free(c->vec);
+    free(c->enc_ws);
+    free(c);
+}
+
+/* Check opts and work out the geometry into *info (no allocation). */
+/* sizing = 1: budget_bytes 0 is accepted and gives n_blocks 0 (see
+ * kvarn_cache_plan). */
+static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
+                         kvarn_record_layout *layout, int sizing)
+{
+    memset(info, 0, sizeof *info);
+    if (o->n_layers < 1 || o->n_kv_heads < 1 || o->max_seqs < 1 ||
+        o->max_seq_len < 0 || o->n_pages < 0 || o->block_size < 0 ||
+        o->n_layers > 4096 || o->n_kv_heads > 4096 || o->max_seqs > 1000000 ||
+        o->balance_iters < 0 || o->balance_iters > 64)
+        return KVARN_ERR_INVALID_ARG;
+    kvarn_status st = kvarn_record_layout_get(&o->format, o->head_dim, layout);
+    if (st != KVARN_OK) return st;
+
+    const int is_kvarn = o->format.kind == KVARN_KIND_KVARN;
+    int G, sink;
+    if (is_kvarn) {
+        G = o->format.tile_tokens;
+        if (o->block_size != 0 && o->block_size != G) return KVARN_ERR_INVALID_ARG;
+        if (o->sink_tiles < 0 || o->sink_tiles > 1024) return KVARN_ERR_INVALID_ARG;
+        sink = o->sink_tiles;
+    } else {
+        G = o->block_size ? o->block_size : DEFAULT_PER_TOKEN_BLOCK;
+        if (G > MAX_BLOCK_SIZE) return KVARN_ERR_INVALID_ARG;
+        if (o->n_pages != 0) return KVARN_ERR_INVALID_ARG;
+        sink = 0;
+    }
+
+    const uint64_t L = (uint64_t)o->n_layers, H = (uint64_t)o->n_kv_heads;
+    const uint64_t D = (uint64_t)o->head_dim;
+    size_t record_stride, token_record = 0;
+    if (is_kvarn) {
+        record_stride = layout->record_bytes;
+    } else {
+        token_record = layout->record_bytes;
+        record_stride = (size_t)G * token_record;
+    }
+    const size_t block_stride = (size_t)H * record_stride;
+    const uint64_t block_bytes = L * block_stride;
+    const uint64_t page_bytes = is_kvarn ? L * H * 2 * (uint64_t)G * D * 2 : 0;
+
+    uint64_t n_pages = (uint64_t)o->n_pages;
+    if (is_kvarn && n_pages == 0) n_pages = (uint64_t)o->max_seqs * (uint64_t)(sink + 2);
+    if (n_pages > MAX_IDS || (page_bytes && n_pages > UINT64_MAX / page_bytes))
+        return KVARN_ERR_INVALID_ARG;
+    const uint64_t page_total = n_pages * page_bytes;
+    uint64_t n_blocks = 0;
+    if (!(sizing && o->budget_bytes == 0)) {
+        if (o->budget_bytes < page_total || o->budget_bytes - page_total < block_bytes)
+            return KVARN_ERR_INVALID_ARG;
+        n_blocks = (o->budget_bytes - page_total) / block_bytes;
+    }
+    if (n_blocks > MAX_IDS) n_blocks = MAX_IDS;
+
+    uint64_t max_len = (uint64_t)o->max_seq_len;
+    if (max_len == 0) max_len = (n_blocks + (uint64_t)sink) * (uint64_t)G;
+    if (max_len > (uint64_t)(INT_MAX / 2)) max_len = (uint64_t)(INT_MAX / 2);
+
+    info->format = o->format;
+    info->n_layers = o->n_layers;
+    info->n_kv_heads = o->n_kv_heads;
+    info->head_dim = o->head_dim;
+    info->block_size = G;
+    info->sink_tiles = sink;
+    info->n_blocks = (int)n_blocks;
+    info->n_pages = (int)n_pages;
+    info->max_seqs = o->max_seqs;
+    info->max_seq_len = (int)max_len;
+    info->record_stride = record_stride;
+    info->block_stride = block_stride;
+    info->token_record_bytes = token_record;
+    info->block_bytes = (size_t)block_bytes;
+    info->page_bytes = (size_t)page_bytes;
+    info->arena_bytes = n_blocks * block_bytes + page_total;
+    info->capacity_tokens = n_blocks * (uint64_t)G;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_plan(const kvarn_cache_opts *opts, kvarn_cache_info *out)
+{
+    if (opts == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    kvarn_cache_info info;
+    kvarn_record_layout layout;
+    kvarn_status st = plan(opts, &info, &layout, 1);
+    if (st == KVARN_OK) *out = info;
+    return st;
+}
+
+kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
+{
+    if (opts == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    kvarn_cache_info info;
+    kvarn_record_layout layout;
+    kvarn_status st = plan(opts, &info, &layout, 0);
+    if (st != KVARN_OK) return st;
+
+    kvarn_cache *c = calloc(1, sizeof *c);
+    if (c == NULL) return KVARN_ERR_NOMEM;
+    c->info = info;
+    c->layout = layout;
+    c->is_kvarn = info.format.kind == KVARN_KIND_KVARN;
+    c->codec_opts.balance_iters = opts->balance_iters;
+    c->codec_opts.prerotated = 1;
+    c->max_tiles = (info.max_seq_len + info.block_size - 1) / info.block_size;
+    c->page_elems = (size_t)info.n_kv_heads * 2 * (size_t)info.block_size *
+                    (size_t)info.head_dim;
+
+    const size_t GD = (size_t)info.block_size * (size_t)info.head_dim;
+    const size_t block_arena = (size_t)info.n_layers * (size_t)info.n_blocks * info.block_stride;
+    const size_t page_arena = (size_t)info.n_layers * (size_t)info.n_pages * c->page_elems;
+    c->blocks = arena64(block_arena, &c->blocks_mem);
+    c->pages = page_arena ? arena64(page_arena * sizeof(uint16_t), &c->pages_mem) : NULL;
+    c->seqs = calloc((size_t)info.max_seqs, sizeof *c->seqs);
+    c->tile_k = alloc64(GD * sizeof(float));
+    c->tile_v = alloc64(GD * sizeof(float));
+    c->vec = alloc64((size_t)info.head_dim * sizeof(float));
+    c->enc_ws_bytes = kvarn_encode_workspace_bytes(&info.format, info.head_dim);
+    c->enc_ws = c->enc_ws_bytes ? alloc64(c->enc_ws_bytes) : NULL;
+    if (c->blocks == NULL || (page_arena && c->pages == NULL) || c->seqs == NULL ||
+        c->tile_k == NULL || c->tile_v == NULL || c->vec == NULL ||
+        (c->enc_ws_bytes && c->enc_ws == NULL)) {
+        kvarn_cache_destroy(c);
+        return KVARN_ERR_NOMEM;
+    }
+    if (kvarn__pool_init(&c->block_pool, info.n_blocks) != KVARN_OK ||
+        kvarn__pool_init(&c->page_pool, info.n_pages) != KVARN_OK) {
+        kvarn_cache_destroy(c);
+        return KVARN_ERR_NOMEM;
+    }
+    *out = c;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_get_info(const kvarn_cache *c, kvarn_cache_info *out)
+{
+    if (c == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    *out = c->info;
+    return KVARN_OK;
+}
+
+static int count_shared(const kvarn_id_pool *p)
+{
+    int n = 0;
+    for (int i = 0; i < p->n; i++) n += p->refs[i] > 1;
+    return n;
+}
+
+kvarn_status kvarn_cache_get_stats(const kvarn_cache *c, kvarn_cache_stats *out)
+{
+    if (c == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    kvarn_cache_stats s;
+    memset(&s, 0, sizeof s);
+    s.n_seqs = c->n_live;
+    s.blocks_total = c->block_pool.n;
+    s.blocks_free = c->block_pool.n_free;
+    s.blocks_in_use = s.blocks_total - s.blocks_free;
+    s.blocks_shared = count_shared(&c->block_pool);
+    s.pages_total = c->page_pool.n;
+    s.pages_free = c->page_pool.n_free;
+    s.pages_in_use = s.pages_total - s.pages_free;
+    s.pages_shared = count_shared(&c->page_pool);
+    for (int i = 0; i < c->info.max_seqs; i++)
+        if (c->seqs[i].live) s.tokens += c->seqs[i].len;
+    const double G = (double)c->info.block_size;
+    s.record_bytes_per_token = (double)c->info.block_bytes / G;
+    s.arena_bytes_per_token = c->info.capacity_tokens
+                                  ? (double)c->info.arena_bytes / (double)c->info.capacity_tokens
+                                  : 0.0;
+    if (s.tokens > 0)
+        s.used_bytes_per_token = ((double)s.blocks_in_use * (double)c->info.block_bytes +
+                                  (double)s.pages_in_use * (double)c->info.page_bytes) /
+                                 (double)s.tokens;
+    *out = s;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_layer_view(const kvarn_cache *c, int layer, kvarn_paged_kv *out)
+{
+    if (c == NULL || out == NULL || layer < 0 || layer >= c->info.n_layers)
+        return KVARN_ERR_INVALID_ARG;
+    kvarn_paged_kv v;
+    memset(&v, 0, sizeof v);
+    v.fmt = c->info.format;
+    v.head_dim = c->info.head_dim;
+    v.n_kv_heads = c->info.n_kv_heads;
+    v.block_size = c->info.block_size;
+    v.sink_tiles = c->info.sink_tiles;
+    v.blocks = c->blocks + (size_t)layer * (size_t)c->info.n_blocks * c->info.block_stride;
+    v.block_stride = c->info.block_stride;
+    v.record_stride = c->info.record_stride;
+    v.token_record_bytes = c->info.token_record_bytes;
+    v.fp16_pages = c->pages ? c->pages + (size_t)layer * (size_t)c->info.n_pages * c->page_elems
+                            : NULL;
+    v.n_blocks = c->info.n_blocks;
+    v.n_fp16_pages = c->info.n_pages;
+    *out = v;
+    return KVARN_OK;
+}
+
+int kvarn_cache_block_refs(const kvarn_cache *c, int32_t block)
+{
+    if (c == NULL || block < 0 || block >= c->block_pool.n) return -1;
+    return c->block_pool.refs[block];
+}
+
+int kvarn_cache_page_refs(const kvarn_cache *c, int32_t page)
+{
+    if (c == NULL || page < 0 || page >= c->page_pool.n) return -1;
+    return c->page_pool.refs[page];
+}

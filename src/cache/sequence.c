@@ -1,0 +1,277 @@
+/*
+ * sequence.c -- sequences of the paged cache: create, fork (prefix sharing
+ * by reference counts), free, reserve (block and page allocation for all
+ * layers, copy-on-write of a shared tile, atomic), truncate (rollback), and
+ * the block table and slot mapping an engine reads.
+ * Source: include/kvarn/attn.h (the paged layout), ../shared/spec/KVARN.md
+ * "The fp16 tail and the sink".
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache/cache_internal.h"
+
+kvarn_seq *kvarn__seq_get(const kvarn_cache *c, int seq)
+{
+    if (c == NULL || seq < 0 || seq >= c->info.max_seqs || !c->seqs[seq].live) return NULL;
+    return &c->seqs[seq];
+}
+
+static int n_tiles_of(const kvarn_cache *c, int len)
+{
+    return (len + c->info.block_size - 1) / c->info.block_size;
+}
+
+/* Tile t is read from a page: the sink, or the tail past the quantized run. */
+static int tile_in_page(const kvarn_cache *c, const kvarn_seq *s, int t)
+{
+    return c->is_kvarn && (t < c->info.sink_tiles || t >= c->info.sink_tiles + s->n_quant);
+}
+
+void kvarn__seq_set_entry(const kvarn_cache *c, kvarn_seq *s, int t)
+{
+    s->table[t] = tile_in_page(c, s, t) ? s->pg[t] : s->blk[t];
+}
+
+int kvarn__seq_frozen_len(const kvarn_cache *c, const kvarn_seq *s)
+{
+    return s->n_quant > 0 ? (c->info.sink_tiles + s->n_quant) * c->info.block_size : 0;
+}
+
+/* A free slot with its arrays allocated, or an error. */
+static kvarn_status seq_open(kvarn_cache *c, int *id)
+{
+    int slot = -1;
+    for (int i = 0; i < c->info.max_seqs; i++)
+        if (!c->seqs[i].live) { slot = i; break; }
+    if (slot < 0) return KVARN_ERR_OUT_OF_BLOCKS;
+
+    const size_t T = (size_t)c->max_tiles;
+    const size_t bytes = 3 * T * sizeof(int32_t) + (size_t)c->info.n_layers * sizeof(int);
+    void *mem = malloc(bytes ? bytes : 1);
+    if (mem == NULL) return KVARN_ERR_NOMEM;
+    kvarn_seq *s = &c->seqs[slot];
+    memset(s, 0, sizeof *s);
+    s->mem = mem;
+    s->table = mem;
+    s->blk = s->table + T;
+    s->pg = s->blk + T;
+    s->written = (int *)(void *)(s->pg + T);
+    for (size_t t = 0; t < T; t++) s->table[t] = s->blk[t] = s->pg[t] = -1;
+    for (int l = 0; l < c->info.n_layers; l++) s->written[l] = 0;
+    *id = slot;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_seq_create(kvarn_cache *c, int *seq)
+{
+    if (c == NULL || seq == NULL) return KVARN_ERR_INVALID_ARG;
+    int id;
+    kvarn_status st = seq_open(c, &id);
+    if (st != KVARN_OK) return st;
+    c->seqs[id].live = 1;
+    c->n_live++;
+    *seq = id;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child)
+{
+    if (child == NULL) return KVARN_ERR_INVALID_ARG;
+    kvarn_seq *p = kvarn__seq_get(c, parent);
+    if (p == NULL) return KVARN_ERR_INVALID_ARG;
+    int id;
+    kvarn_status st = seq_open(c, &id);
+    if (st != KVARN_OK) return st;
+    kvarn_seq *s = &c->seqs[id];
+    p = &c->seqs[parent];
+    s->len = p->len;
+    s->n_quant = p->n_quant;
+    s->committed_len = p->committed_len;
+    const int nt = n_tiles_of(c, p->len);
+    for (int t = 0; t < nt; t++) {
+        s->table[t] = p->table[t];
+        s->blk[t] = p->blk[t];
+        s->pg[t] = p->pg[t];
+        kvarn__pool_incref(&c->block_pool, s->blk[t]);
+        kvarn__pool_incref(&c->page_pool, s->pg[t]);
+    }
+    memcpy(s->written, p->written, (size_t)c->info.n_layers * sizeof(int));
+    s->live = 1;
+    c->n_live++;
+    *child = id;
+    return KVARN_OK;
+}
+
+/* Drop tiles [from, n_tiles(len)) of s. */
+static void drop_tiles(kvarn_cache *c, kvarn_seq *s, int from)
+{
+    const int nt = n_tiles_of(c, s->len);
+    for (int t = from; t < nt; t++) {
+        kvarn__pool_decref(&c->block_pool, s->blk[t]);
+        kvarn__pool_decref(&c->page_pool, s->pg[t]);
+        s->table[t] = s->blk[t] = s->pg[t] = -1;
+    }
+}
+
+kvarn_status kvarn_cache_seq_free(kvarn_cache *c, int seq)
+{
+    kvarn_seq *s = kvarn__seq_get(c, seq);
+    if (s == NULL) return KVARN_ERR_INVALID_ARG;
+    drop_tiles(c, s, 0);
+    free(s->mem);
+    memset(s, 0, sizeof *s);
+    c->n_live--;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_seq_get_info(const kvarn_cache *c, int seq,
+                                      kvarn_cache_seq_info *out)
+{
+    const kvarn_seq *s = kvarn__seq_get(c, seq);
+    if (s == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    kvarn_cache_seq_info i;
+    memset(&i, 0, sizeof i);
+    i.seq_len = s->len;
+    i.n_tiles = n_tiles_of(c, s->len);
+    if (c->is_kvarn) {
+        int ct = c->info.sink_tiles + s->n_quant;
+        i.committed_tiles = ct < i.n_tiles ? ct : i.n_tiles;
+    } else {
+        i.committed_tiles = i.n_tiles;
+    }
+    i.quantized_tiles = s->n_quant;
+    i.committed_len = s->committed_len;
+    i.frozen_len = kvarn__seq_frozen_len(c, s);
+    *out = i;
+    return KVARN_OK;
+}
+
+/* Copy one page (all layers) or one block (all layers). */
+static void copy_page(kvarn_cache *c, int32_t dst, int32_t src)
+{
+    for (int l = 0; l < c->info.n_layers; l++)
+        memcpy(kvarn__page_kv(c, l, dst, 0, 0), kvarn__page_kv(c, l, src, 0, 0),
+               c->page_elems * sizeof(uint16_t));
+}
+
+static void copy_block(kvarn_cache *c, int32_t dst, int32_t src)
+{
+    for (int l = 0; l < c->info.n_layers; l++)
+        memcpy(kvarn__block_record(c, l, dst, 0), kvarn__block_record(c, l, src, 0),
+               c->info.block_stride);
+}
+
+kvarn_status kvarn_cache_reserve(kvarn_cache *c, int seq, int n_new)
+{
+    kvarn_seq *s = kvarn__seq_get(c, seq);
+    if (s == NULL || n_new < 0) return KVARN_ERR_INVALID_ARG;
+    if (n_new == 0) return KVARN_OK;
+    if (n_new > c->info.max_seq_len - s->len) return KVARN_ERR_OUT_OF_BLOCKS;
+
+    const int G = c->info.block_size, sink = c->info.sink_tiles;
+    const int old_nt = n_tiles_of(c, s->len), new_nt = n_tiles_of(c, s->len + n_new);
+    /* The partial last tile receives the first new token: a shared one is
+     * made private (copy-on-write). It is never quantized (only full tiles
+     * are). */
+    const int cow = (s->len % G) ? s->len / G : -1;
+    int need_b = 0, need_p = 0;
+    if (cow >= 0) {
+        need_b += kvarn__pool_shared(&c->block_pool, s->blk[cow]);
+        need_p += kvarn__pool_shared(&c->page_pool, s->pg[cow]);
+    }
+    for (int t = old_nt; t < new_nt; t++) {
+        if (c->is_kvarn) {
+            need_p++;
+            need_b += t >= sink;
+        } else {
+            need_b++;
+        }
+    }
+    if (need_b > c->block_pool.n_free || need_p > c->page_pool.n_free)
+        return KVARN_ERR_OUT_OF_BLOCKS;
+
+    /* From here on nothing can fail. */
+    if (cow >= 0) {
+        if (kvarn__pool_shared(&c->page_pool, s->pg[cow])) {
+            int32_t p = kvarn__pool_alloc(&c->page_pool);
+            copy_page(c, p, s->pg[cow]);
+            kvarn__pool_decref(&c->page_pool, s->pg[cow]);
+            s->pg[cow] = p;
+        }
+        if (kvarn__pool_shared(&c->block_pool, s->blk[cow])) {
+            int32_t b = kvarn__pool_alloc(&c->block_pool);
+            /* A KVarN tail tile's block holds no record yet: nothing to copy. */
+            if (!c->is_kvarn) copy_block(c, b, s->blk[cow]);
+            kvarn__pool_decref(&c->block_pool, s->blk[cow]);
+            s->blk[cow] = b;
+        }
+        kvarn__seq_set_entry(c, s, cow);
+    }
+    for (int t = old_nt; t < new_nt; t++) {
+        if (c->is_kvarn) {
+            s->pg[t] = kvarn__pool_alloc(&c->page_pool);
+            s->blk[t] = t >= sink ? kvarn__pool_alloc(&c->block_pool) : -1;
+        } else {
+            s->blk[t] = kvarn__pool_alloc(&c->block_pool);
+        }
+        kvarn__seq_set_entry(c, s, t);
+    }
+    s->len += n_new;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_truncate(kvarn_cache *c, int seq, int new_len)
+{
+    kvarn_seq *s = kvarn__seq_get(c, seq);
+    if (s == NULL || new_len < 0 || new_len > s->len) return KVARN_ERR_INVALID_ARG;
+    if (new_len < kvarn__seq_frozen_len(c, s)) return KVARN_ERR_STATE;
+    drop_tiles(c, s, n_tiles_of(c, new_len));
+    s->len = new_len;
+    if (s->committed_len > new_len) s->committed_len = new_len;
+    for (int l = 0; l < c->info.n_layers; l++)
+        if (s->written[l] > new_len) s->written[l] = new_len;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_seq_view(const kvarn_cache *c, int seq, kvarn_seq_view *out)
+{
+    kvarn_cache_seq_info i;
+    kvarn_status st = kvarn_cache_seq_get_info(c, seq, &i);
+    if (st != KVARN_OK) return st;
+    if (out == NULL) return KVARN_ERR_INVALID_ARG;
+    out->block_table = c->seqs[seq].table;
+    out->seq_len = i.seq_len;
+    out->committed_tiles = i.committed_tiles;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_block_table(const kvarn_cache *c, int seq,
+                                     const int32_t **table, int *n_tiles)
+{
+    const kvarn_seq *s = kvarn__seq_get(c, seq);
+    if (s == NULL || table == NULL || n_tiles == NULL) return KVARN_ERR_INVALID_ARG;
+    *table = s->table;
+    *n_tiles = n_tiles_of(c, s->len);
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_slot_mapping(const kvarn_cache *c, int seq, int pos,
+                                      int n, int64_t *slots)
+{
+    const kvarn_seq *s = kvarn__seq_get(c, seq);
+    if (s == NULL || n < 0 || pos < 0 || pos > s->len || n > s->len - pos ||
+        (n > 0 && slots == NULL))
+        return KVARN_ERR_INVALID_ARG;
+    const int G = c->info.block_size;
+    for (int j = 0; j < n; j++) {
+        int t = (pos + j) / G;
+        if (c->is_kvarn && !tile_in_page(c, s, t)) return KVARN_ERR_STATE;
+    }
+    for (int j = 0; j < n; j++) {
+        int t = (pos + j) / G;
+        int32_t id = c->is_kvarn ? s->pg[t] : s->blk[t];
+        slots[j] = (int64_t)id * G + (pos + j) % G;
+    }
+    return KVARN_OK;
+}

@@ -1,0 +1,223 @@
+/*
+ * store.c -- moving K/V in and out of the paged cache: write (fp16 page or
+ * per-token record), commit (a full KVarN tail tile into its block with
+ * kvarn_encode(prerotated = 1)), and read back as fp32.
+ * Source: ../shared/spec/KVARN.md "The fp16 tail and the sink";
+ * include/kvarn/attn.h for where every byte lives.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "cache/cache_internal.h"
+#include "codec/fp_convert.h"
+#include "codec/hadamard.h"
+
+/* Largest |x| as its fp32 bit pattern (bits of non-negative floats order
+ * like their values; Inf and NaN compare above every finite value). Integer
+ * max, so the loop vectorizes. */
+static uint32_t max_abs_bits(const float *x, size_t n)
+{
+    uint32_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u = kvarn__f32_bits(x[i]) & 0x7fffffffu;
+        m = u > m ? u : m;
+    }
+    return m;
+}
+
+/* Whether one vector, rotated, fits in fp16 (exact check, rarely needed). */
+static int rotated_fits_fp16(kvarn_cache *c, const float *x)
+{
+    const int D = c->info.head_dim;
+    memcpy(c->vec, x, (size_t)D * sizeof(float));
+    kvarn_hadamard(c->vec, D);
+    for (int d = 0; d < D; d++)
+        if (!isfinite(kvarn__fp16_to_f32(kvarn__fp16_from_f32(c->vec[d])))) return 0;
+    return 1;
+}
+
+/* KVARN_OK if the n token-head vectors (D each) of x are finite and, for
+ * KVarN, stay within fp16 after the rotation. The rotation keeps the L2
+ * norm, so every rotated element is at most sqrt(D) * max|x|: only inputs
+ * above 65000 / sqrt(D) need the exact check. */
+static kvarn_status check_input(kvarn_cache *c, const float *x, size_t n_vec)
+{
+    const int D = c->info.head_dim;
+    const uint32_t mb = max_abs_bits(x, n_vec * (size_t)D);
+    if (mb >= 0x7f800000u) return KVARN_ERR_NONFINITE; /* Inf or NaN */
+    const float m = kvarn__bits_f32(mb);
+    if (!c->is_kvarn || m * sqrtf((float)D) < 65000.0f) return KVARN_OK;
+    for (size_t i = 0; i < n_vec; i++)
+        if (!rotated_fits_fp16(c, x + i * (size_t)D)) return KVARN_ERR_NONFINITE;
+    return KVARN_OK;
+}
+
+/* Every tile that tokens [pos, pos + n) touch is held by this sequence alone. */
+static int tiles_private(const kvarn_cache *c, const kvarn_seq *s, int pos, int n)
+{
+    const int G = c->info.block_size;
+    for (int t = pos / G; t <= (pos + n - 1) / G; t++)
+        if (kvarn__pool_shared(&c->block_pool, s->blk[t]) ||
+            kvarn__pool_shared(&c->page_pool, s->pg[t]))
+            return 0;
+    return 1;
+}
+
+kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
+                               int n, const float *k, const float *v)
+{
+    kvarn_seq *s = kvarn__seq_get(c, seq);
+    if (s == NULL || layer < 0 || layer >= c->info.n_layers || n < 0 || pos < 0 ||
+        pos > s->len || n > s->len - pos || (n > 0 && (k == NULL || v == NULL)))
+        return KVARN_ERR_INVALID_ARG;
+    if (n == 0) return KVARN_OK;
+    if (pos < kvarn__seq_frozen_len(c, s) || pos > s->written[layer] ||
+        !tiles_private(c, s, pos, n))
+        return KVARN_ERR_STATE;
+
+    const int G = c->info.block_size, H = c->info.n_kv_heads, D = c->info.head_dim;
+    const size_t row = (size_t)H * (size_t)D;
+    kvarn_status st = check_input(c, k, (size_t)n * (size_t)H);
+    if (st == KVARN_OK) st = check_input(c, v, (size_t)n * (size_t)H);
+    if (st != KVARN_OK) return st;
+
+    /* Checks done: from here on every token is stored. */
+    for (int j = 0; j < n; j++) {
+        const int p = pos + j, t = p / G, off = p % G;
+        for (int h = 0; h < H; h++) {
+            const float *kx = k + (size_t)j * row + (size_t)h * (size_t)D;
+            const float *vx = v + (size_t)j * row + (size_t)h * (size_t)D;
+            if (c->is_kvarn) {
+                for (int kv = 0; kv < 2; kv++) {
+                    uint16_t *dst = kvarn__page_kv(c, layer, s->pg[t], h, kv) + (size_t)off * D;
+                    memcpy(c->vec, kv ? vx : kx, (size_t)D * sizeof(float));
+                    kvarn_hadamard(c->vec, D);
+                    for (int d = 0; d < D; d++) dst[d] = kvarn__fp16_from_f32(c->vec[d]);
+                }
+            } else {
+                uint8_t *rec = kvarn__block_record(c, layer, s->blk[t], h) +
+                               (size_t)off * c->info.token_record_bytes;
+                st = kvarn_encode(&c->info.format, D, kx, vx, rec,
+                                  c->info.token_record_bytes, NULL, 0, NULL);
+                /* Arguments were checked above; only a codec that cannot
+                 * serve the format can fail here, for the first token. */
+                if (st != KVARN_OK) return st;
+            }
+        }
+    }
+    if (pos + n > s->written[layer]) s->written[layer] = pos + n;
+    return KVARN_OK;
+}
+
+/* Encode tile t of every layer and KV head from its page into its block. */
+static kvarn_status encode_tile(kvarn_cache *c, const kvarn_seq *s, int t)
+{
+    const int G = c->info.block_size, D = c->info.head_dim;
+    const size_t GD = (size_t)G * (size_t)D;
+    for (int l = 0; l < c->info.n_layers; l++) {
+        for (int h = 0; h < c->info.n_kv_heads; h++) {
+            const uint16_t *pk = kvarn__page_kv(c, l, s->pg[t], h, 0);
+            const uint16_t *pv = kvarn__page_kv(c, l, s->pg[t], h, 1);
+            for (size_t i = 0; i < GD; i++) {
+                c->tile_k[i] = kvarn__fp16_to_f32(pk[i]);
+                c->tile_v[i] = kvarn__fp16_to_f32(pv[i]);
+            }
+            kvarn_status st = kvarn_encode(&c->info.format, D, c->tile_k, c->tile_v,
+                                           kvarn__block_record(c, l, s->blk[t], h),
+                                           c->info.record_stride, c->enc_ws,
+                                           c->enc_ws_bytes, &c->codec_opts);
+            if (st != KVARN_OK) return st;
+        }
+    }
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_commit(kvarn_cache *c, int seq, int committed_len)
+{
+    kvarn_seq *s = kvarn__seq_get(c, seq);
+    if (s == NULL || committed_len < 0 || committed_len > s->len) return KVARN_ERR_INVALID_ARG;
+    for (int l = 0; l < c->info.n_layers; l++)
+        if (s->written[l] < committed_len) return KVARN_ERR_STATE;
+
+    if (c->is_kvarn) {
+        const int first = c->info.sink_tiles + s->n_quant;
+        const int end = committed_len / c->info.block_size; /* tiles wholly below */
+        /* Encode every tile first; a failure leaves the state as it was (the
+         * blocks written belong to this sequence's uncommitted tiles, or hold
+         * the same record already if shared: see docs/paged-cache.md). */
+        for (int t = first; t < end; t++) {
+            kvarn_status st = encode_tile(c, s, t);
+            if (st != KVARN_OK) return st;
+        }
+        for (int t = first; t < end; t++) {
+            kvarn__pool_decref(&c->page_pool, s->pg[t]);
+            s->pg[t] = -1;
+        }
+        if (end > first) {
+            s->n_quant += end - first;
+            for (int t = first; t < end; t++) kvarn__seq_set_entry(c, s, t);
+        }
+    }
+    if (committed_len > s->committed_len) s->committed_len = committed_len;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_read(kvarn_cache *c, int seq, int layer, int pos,
+                              int n, float *k, float *v, unsigned flags)
+{
+    const kvarn_seq *s = kvarn__seq_get(c, seq);
+    if (s == NULL || layer < 0 || layer >= c->info.n_layers || n < 0 || pos < 0 ||
+        pos > s->len || n > s->len - pos || (flags & ~KVARN_DECODE_ROTATED) != 0)
+        return KVARN_ERR_INVALID_ARG;
+    const int G = c->info.block_size, H = c->info.n_kv_heads, D = c->info.head_dim;
+    const size_t row = (size_t)H * (size_t)D;
+    const int unrotate = c->is_kvarn && !(flags & KVARN_DECODE_ROTATED);
+    const int sink_end = c->info.sink_tiles, quant_end = sink_end + s->n_quant;
+
+    int p = pos;
+    while (p < pos + n) {
+        const int t = p / G, off0 = p % G;
+        int cnt = G - off0;
+        if (cnt > pos + n - p) cnt = pos + n - p;
+        const int in_page = c->is_kvarn && (t < sink_end || t >= quant_end);
+        for (int h = 0; h < H; h++) {
+            if (in_page) {
+                for (int kv = 0; kv < 2; kv++) {
+                    float *out = kv ? v : k;
+                    if (out == NULL) continue;
+                    const uint16_t *src = kvarn__page_kv(c, layer, s->pg[t], h, kv);
+                    for (int j = 0; j < cnt; j++) {
+                        float *dst = out + (size_t)(p - pos + j) * row + (size_t)h * D;
+                        const uint16_t *x = src + (size_t)(off0 + j) * D;
+                        for (int d = 0; d < D; d++) dst[d] = kvarn__fp16_to_f32(x[d]);
+                        if (unrotate) kvarn_hadamard(dst, D);
+                    }
+                }
+            } else if (c->is_kvarn) {
+                kvarn_status st = kvarn_decode(&c->info.format, D,
+                                               kvarn__block_record(c, layer, s->blk[t], h),
+                                               c->info.record_stride, c->tile_k, c->tile_v,
+                                               flags);
+                if (st != KVARN_OK) return st;
+                for (int j = 0; j < cnt; j++) {
+                    size_t o = (size_t)(p - pos + j) * row + (size_t)h * D;
+                    size_t src = (size_t)(off0 + j) * D;
+                    if (k) memcpy(k + o, c->tile_k + src, (size_t)D * sizeof(float));
+                    if (v) memcpy(v + o, c->tile_v + src, (size_t)D * sizeof(float));
+                }
+            } else {
+                for (int j = 0; j < cnt; j++) {
+                    size_t o = (size_t)(p - pos + j) * row + (size_t)h * D;
+                    const uint8_t *rec = kvarn__block_record(c, layer, s->blk[t], h) +
+                                         (size_t)(off0 + j) * c->info.token_record_bytes;
+                    kvarn_status st = kvarn_decode(&c->info.format, D, rec,
+                                                   c->info.token_record_bytes,
+                                                   k ? k + o : NULL, v ? v + o : NULL, 0);
+                    if (st != KVARN_OK) return st;
+                }
+            }
+        }
+        p += cnt;
+    }
+    return KVARN_OK;
+}
