@@ -12,6 +12,7 @@ import random
 import subprocess
 
 import pytest
+from conftest import CONTROL
 
 gguf = pytest.importorskip("gguf")
 tokenizers = pytest.importorskip("tokenizers")
@@ -20,9 +21,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODEL = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 AUSTEN = os.path.join(REPO, "data", "austen", "all.txt")
 BUILD = os.environ.get("KVARN_BUILD_DIR", os.path.join(REPO, "build"))
-
-CONTROL = 3  # tokenizer.ggml.token_type of "<|im_start|>" etc.
-
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
@@ -39,39 +37,6 @@ def cli(tmp_path_factory):
          "-lpcre2-8", "-lopenblas", "-lm", "-lpthread", "-o", exe],
         check=True)
     return exe
-
-
-@pytest.fixture(scope="module")
-def vocab():
-    if not os.path.exists(MODEL):
-        pytest.skip(f"{MODEL} absent: run scripts/get_model.sh")
-    r = gguf.GGUFReader(MODEL)
-
-    def strings(key):
-        f = r.fields[key]
-        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
-
-    f = r.fields["tokenizer.ggml.token_type"]
-    types = [int(f.parts[i][0]) for i in f.data]
-    return strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges"), types
-
-
-@pytest.fixture(scope="module")
-def hf(vocab):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    tokens, merges, types = vocab
-    ids = {t: i for i, t in enumerate(tokens)}
-    assert len(ids) == len(tokens)  # no repeated token texts
-    tk = Tokenizer(models.BPE(vocab=ids, merges=[tuple(m.split(" ", 1)) for m in merges]))
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t, ty in zip(tokens, types) if ty == CONTROL])
-    return tk
 
 
 def c_encode(cli, texts, special=False):

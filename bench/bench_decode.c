@@ -1,0 +1,169 @@
+/*
+ * bench_decode.c -- decode speed of a real model per KV-cache format, as a
+ * ratio to the fp16 cache measured in the same run (issue: the kvarn
+ * command, benchmark). Not a test.
+ *
+ * For each context length C and each format: a session is filled with C
+ * tokens of text (chunked prefill, not timed), then --decode single-token
+ * forward calls are timed (the median of --repeat runs of them).
+ *
+ *   bench_decode [-m MODEL] [-f TEXT] [--ctx 512,2048,8192]
+ *                [--kv-cache-dtype all|NAME,...] [--decode 16] [--repeat 3]
+ *                [--threads 1]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvarn/gguf.h"
+#include "kvarn/model.h"
+#include "kvarn/tokenizer.h"
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static int parse_list(const char *s, long *out, int max)
+{
+    int n = 0;
+    while (*s && n < max) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 1) return -1;
+        out[n++] = v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end != ',' && *end != '\0') return -1;
+    }
+    return n;
+}
+
+int main(int argc, char **argv)
+{
+    const char *model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    const char *text_path = "data/austen/all.txt";
+    const char *dtypes = "all";
+    long ctxs[8] = {512, 2048, 8192};
+    int n_ctx = 3;
+    long n_decode = 16, repeat = 3, threads = 1;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        const char *a = argv[i], *v = argv[i + 1];
+        if (!strcmp(a, "-m")) model_path = v;
+        else if (!strcmp(a, "-f")) text_path = v;
+        else if (!strcmp(a, "--kv-cache-dtype")) dtypes = v;
+        else if (!strcmp(a, "--ctx")) { if ((n_ctx = parse_list(v, ctxs, 8)) <= 0) return 2; }
+        else if (!strcmp(a, "--decode")) n_decode = atol(v);
+        else if (!strcmp(a, "--repeat")) repeat = atol(v);
+        else if (!strcmp(a, "--threads")) threads = atol(v);
+        else { fprintf(stderr, "bench_decode: unknown option %s\n", a); return 2; }
+    }
+    if (n_decode < 1 || repeat < 1 || repeat > 64 || threads < 1) return 2;
+
+    /* formats: fp16 first (the baseline), then the list */
+    kvarn_format fmts[64];
+    int nf = 0;
+    kvarn_format_parse("fp16", &fmts[nf++]);
+    if (!strcmp(dtypes, "all")) {
+        for (int i = 0; i < kvarn_format_count() && nf < 64; i++)
+            if (strcmp(kvarn_format_name_at(i), "fp16")) kvarn_format_parse(kvarn_format_name_at(i), &fmts[nf++]);
+    } else {
+        char *copy = strdup(dtypes), *save = NULL;
+        for (char *t = strtok_r(copy, ",", &save); t && nf < 64; t = strtok_r(NULL, ",", &save)) {
+            if (kvarn_format_parse(t, &fmts[nf]) != KVARN_OK) {
+                fprintf(stderr, "bench_decode: unknown cache format '%s'; accepted: %s\n", t,
+                        kvarn_format_accepted_names());
+                free(copy);
+                return 2;
+            }
+            if (strcmp(fmts[nf].name, "fp16")) nf++;
+        }
+        free(copy);
+    }
+
+    char err[256] = "";
+    kvarn_gguf *g = NULL;
+    kvarn_llama *model = NULL;
+    kvarn_tokenizer *tok = NULL;
+    if (kvarn_gguf_open(model_path, &g, err, sizeof err) != KVARN_OK ||
+        kvarn_llama_load_gguf(g, &model) != KVARN_OK || kvarn_tokenizer_from_gguf(g, &tok) != KVARN_OK) {
+        fprintf(stderr, "bench_decode: cannot load %s %s (bash scripts/setup.sh --model fetches it)\n",
+                model_path, err);
+        return 1;
+    }
+    const kvarn_llama_hparams *hp = kvarn_llama_get_hparams(model);
+    FILE *f = fopen(text_path, "rb");
+    if (f == NULL) { fprintf(stderr, "bench_decode: cannot open %s\n", text_path); return 1; }
+    size_t cap = 4u << 20;
+    char *text = malloc(cap);
+    size_t len = fread(text, 1, cap, f);
+    fclose(f);
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    if (kvarn_tokenizer_encode_alloc(tok, text, len, 0, &ids, &n_ids) != KVARN_OK) return 1;
+    free(text);
+
+    float *logits = malloc(sizeof(float) * (size_t)hp->vocab);
+    double *runs = malloc(sizeof(double) * (size_t)repeat);
+    printf("bench_decode: %s, %ld decode steps x %ld repeats (median), %ld attention thread(s)\n",
+           model_path, n_decode, repeat, threads);
+    printf("%-18s", "format \\ context");
+    for (int c = 0; c < n_ctx; c++) printf(" %10ld tok/s  x fp16", ctxs[c]);
+    printf("\n");
+    double *base = calloc((size_t)n_ctx, sizeof(double));
+    for (int fi = 0; fi < nf; fi++) {
+        printf("%-18s", fmts[fi].name);
+        fflush(stdout);
+        for (int c = 0; c < n_ctx; c++) {
+            long ctx = ctxs[c];
+            if ((size_t)(ctx + n_decode) > n_ids || ctx + n_decode > hp->context_length) {
+                printf(" %16s %6s", "n/a", "");
+                continue;
+            }
+            kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+            so.cache_format = fmts[fi].name;
+            so.max_tokens = (int)(ctx + n_decode);
+            so.max_chunk = 512;
+            so.attn_threads = (int)threads;
+            kvarn_llama_session *s = NULL;
+            kvarn_status st = kvarn_llama_session_create(model, &so, &s);
+            if (st != KVARN_OK) { printf(" %16s %6s", kvarn_strerror(st), ""); continue; }
+            for (long r = 0; r < repeat; r++) {
+                kvarn_llama_session_reset(s);
+                for (long p = 0; p < ctx && st == KVARN_OK; p += 512) {
+                    int n = (int)(ctx - p < 512 ? ctx - p : 512);
+                    st = kvarn_llama_forward(s, ids + p, n, KVARN_LLAMA_LOGITS_NONE, NULL, 0);
+                }
+                double t0 = now();
+                for (long d = 0; d < n_decode && st == KVARN_OK; d++)
+                    st = kvarn_llama_forward(s, ids + ctx + d, 1, KVARN_LLAMA_LOGITS_LAST, logits,
+                                             (size_t)hp->vocab);
+                runs[r] = now() - t0;
+            }
+            kvarn_llama_session_free(s);
+            if (st != KVARN_OK) { printf(" %16s %6s", kvarn_strerror(st), ""); continue; }
+            qsort(runs, (size_t)repeat, sizeof(double), cmp_d);
+            double tps = (double)n_decode / runs[repeat / 2];
+            if (fi == 0) base[c] = tps;
+            printf(" %16.1f %5.2fx", tps, base[c] > 0 ? tps / base[c] : 0.0);
+            fflush(stdout);
+        }
+        printf("\n");
+    }
+    free(base);
+    free(runs);
+    free(logits);
+    free(ids);
+    kvarn_tokenizer_free(tok);
+    kvarn_llama_free(model);
+    kvarn_gguf_close(g);
+    return 0;
+}

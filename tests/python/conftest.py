@@ -1,0 +1,73 @@
+"""Shared fixtures of the Python tests: where the repository, the build and
+the evaluation model are. The tests run after scripts/test.sh has built
+build/ and scripts/get_model.sh has fetched the model and text."""
+import os
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+BUILD = pathlib.Path(os.environ.get("KVARN_BUILD_DIR", REPO / "build"))
+MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+AUSTEN = REPO / "data" / "austen" / "all.txt"
+
+
+@pytest.fixture(scope="session")
+def kvarn_bin():
+    exe = BUILD / "kvarn"
+    if not exe.exists():
+        pytest.fail(f"{exe} is missing: build first (bash scripts/test.sh builds it)")
+    return str(exe)
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    if not MODEL.exists():
+        pytest.fail(f"{MODEL} is missing: run bash scripts/setup.sh --model")
+    return str(MODEL)
+
+
+@pytest.fixture(scope="session")
+def austen_path():
+    if not AUSTEN.exists():
+        pytest.fail(f"{AUSTEN} is missing: run bash scripts/setup.sh --model")
+    return str(AUSTEN)
+
+
+CONTROL = 3  # tokenizer.ggml.token_type of "<|im_start|>" etc.
+
+
+@pytest.fixture(scope="session")
+def vocab():
+    if not MODEL.exists():
+        pytest.fail(f"{MODEL} is missing: run bash scripts/setup.sh --model")
+    import gguf
+    r = gguf.GGUFReader(str(MODEL))
+
+    def strings(key):
+        f = r.fields[key]
+        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+    f = r.fields["tokenizer.ggml.token_type"]
+    types = [int(f.parts[i][0]) for i in f.data]
+    return strings("tokenizer.ggml.tokens"), strings("tokenizer.ggml.merges"), types
+
+
+@pytest.fixture(scope="session")
+def hf(vocab):
+    """An independent tokenizer: HF tokenizers' BPE on the GGUF's vocabulary
+    and merges with SmolLM2's pre-tokenizer (digits one by one, ByteLevel)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, merges, types = vocab
+    ids = {t: i for i, t in enumerate(tokens)}
+    assert len(ids) == len(tokens)  # no repeated token texts
+    tk = Tokenizer(models.BPE(vocab=ids, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == CONTROL])
+    return tk

@@ -1,0 +1,244 @@
+/* cli.c -- helpers shared by the kvarn subcommands (see cli.h). */
+#include "cli.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+void cli_error(const char *cmd, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "kvarn %s: ", cmd);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+int cli_parse_bytes(const char *s, uint64_t *out)
+{
+    if (s == NULL || *s == '\0') return -1;
+    errno = 0;
+    char *end;
+    double v = strtod(s, &end);
+    if (errno || end == s || !(v >= 0) || !isfinite(v)) return -1;
+    static const struct { const char *suffix; double mult; } units[] = {
+        {"", 1}, {"B", 1},
+        {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+        {"K", 1024.0}, {"M", 1048576.0}, {"G", 1073741824.0}, {"T", 1099511627776.0},
+        {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
+    };
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        if (strcasecmp(end, units[i].suffix) == 0 && strlen(end) == strlen(units[i].suffix)) {
+            double b = v * units[i].mult;
+            if (b > 1.8e19) return -1;
+            *out = (uint64_t)b;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+int cli_parse_int(const char *s, long lo, long hi, long *out)
+{
+    if (s == NULL || *s == '\0') return -1;
+    errno = 0;
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (errno || *end != '\0' || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+int cli_parse_double(const char *s, double *out)
+{
+    if (s == NULL || *s == '\0') return -1;
+    errno = 0;
+    char *end;
+    double v = strtod(s, &end);
+    if (errno || *end != '\0' || !isfinite(v)) return -1;
+    *out = v;
+    return 0;
+}
+
+int cli_parse_formats(const char *cmd, const char *list, kvarn_format *out, int max)
+{
+    if (strcmp(list, "all") == 0) {
+        int n = kvarn_format_count();
+        if (n > max) n = max;
+        for (int i = 0; i < n; i++) kvarn_format_parse(kvarn_format_name_at(i), &out[i]);
+        return n;
+    }
+    char *copy = strdup(list);
+    if (copy == NULL) return -1;
+    int n = 0;
+    char *save = NULL;
+    for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        if (n == max) {
+            cli_error(cmd, "too many cache formats (at most %d)", max);
+            free(copy);
+            return -1;
+        }
+        kvarn_status st = kvarn_format_parse(tok, &out[n]);
+        if (st != KVARN_OK) {
+            char msg[512];
+            cli_error(cmd, "%s", kvarn_format_explain(st, tok, 0, msg, sizeof msg));
+            free(copy);
+            return -1;
+        }
+        n++;
+    }
+    free(copy);
+    if (n == 0) cli_error(cmd, "empty --kv-cache-dtype list; accepted: %s", kvarn_format_accepted_names());
+    return n ? n : -1;
+}
+
+const char *cli_fmt_bytes(double bytes, char *buf, size_t len)
+{
+    static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int i = 0;
+    while (bytes >= 1024.0 && i < 4) { bytes /= 1024.0; i++; }
+    snprintf(buf, len, i ? "%.1f %s" : "%.0f %s", bytes, u[i]);
+    return buf;
+}
+
+void cli_missing_model(const char *cmd, const char *path)
+{
+    cli_error(cmd,
+              "model file '%s' not found. Get the evaluation model (SmolLM2-135M-Instruct, "
+              "Q4_1 GGUF) with `bash scripts/setup.sh --model`; it lands in "
+              "models/SmolLM2-135M-Instruct.Q4_1.gguf. Any llama-architecture GGUF works.",
+              path);
+}
+
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+int cli_model_open(const char *cmd, const char *path, cli_model *m)
+{
+    memset(m, 0, sizeof *m);
+    struct stat sb;
+    if (path == NULL || stat(path, &sb) != 0) {
+        cli_missing_model(cmd, path ? path : "(none given: use -m MODEL)");
+        return -1;
+    }
+    char err[256] = "";
+    kvarn_status st = kvarn_gguf_open(path, &m->gguf, err, sizeof err);
+    if (st != KVARN_OK) {
+        cli_error(cmd, "cannot read model '%s': %s%s%s", path, kvarn_strerror(st),
+                  err[0] ? ": " : "", err);
+        return -1;
+    }
+    st = kvarn_llama_load_gguf(m->gguf, &m->llama);
+    if (st != KVARN_OK) {
+        cli_error(cmd, "cannot load '%s' as a llama model: %s", path, kvarn_strerror(st));
+        cli_model_close(m);
+        return -1;
+    }
+    st = kvarn_tokenizer_from_gguf(m->gguf, &m->tok);
+    if (st != KVARN_OK) {
+        cli_error(cmd, "cannot build the tokenizer of '%s': %s", path, kvarn_strerror(st));
+        cli_model_close(m);
+        return -1;
+    }
+    m->hp = kvarn_llama_get_hparams(m->llama);
+    return 0;
+}
+
+void cli_model_close(cli_model *m)
+{
+    kvarn_tokenizer_free(m->tok);
+    kvarn_llama_free(m->llama);
+    kvarn_gguf_close(m->gguf);
+    memset(m, 0, sizeof *m);
+}
+
+int cli_read_file(const char *cmd, const char *path, char **data, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) {
+        cli_error(cmd, "cannot open '%s': %s", path, strerror(errno));
+        return -1;
+    }
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap + 1);
+    while (buf) {
+        size_t r = fread(buf + n, 1, cap - n, f);
+        n += r;
+        if (n < cap) break;
+        char *nb = realloc(buf, 2 * cap + 1);
+        if (nb == NULL) { free(buf); buf = NULL; break; }
+        buf = nb;
+        cap *= 2;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (buf == NULL || bad) {
+        free(buf);
+        cli_error(cmd, "cannot read '%s'", path);
+        return -1;
+    }
+    buf[n] = '\0';
+    *data = buf;
+    *len = n;
+    return 0;
+}
+
+double cli_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static double g_progress_last = 0.0;
+static int g_progress_open = 0;
+static long g_progress_decile = -1;
+
+void cli_progress(const char *label, long done, long total)
+{
+    if (isatty(STDERR_FILENO)) {
+        double t = cli_now();
+        if (done < total && t - g_progress_last < 0.2) return;
+        g_progress_last = t;
+        int width = 30, fill = total > 0 ? (int)(width * done / total) : width;
+        fprintf(stderr, "\r%-24s [", label);
+        for (int i = 0; i < width; i++) fputc(i < fill ? '#' : '.', stderr);
+        fprintf(stderr, "] %ld/%ld", done, total);
+        g_progress_open = 1;
+    } else {
+        long decile = total > 0 ? 10 * done / total : 10;
+        if (decile == g_progress_decile) return;
+        g_progress_decile = decile;
+        fprintf(stderr, "%s: %ld/%ld\n", label, done, total);
+    }
+}
+
+void cli_progress_end(void)
+{
+    if (g_progress_open) fputc('\n', stderr);
+    g_progress_open = 0;
+    g_progress_decile = -1;
+}
+
+double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens)
+{
+    double heads = (double)hp->n_layers * hp->n_kv_heads;
+    if (!f->per_tile) {
+        /* whole blocks of the cache's default block size for these formats */
+        const long B = 16;
+        long blocks = (n_tokens + B - 1) / B;
+        return (double)(blocks * B) * (double)kvarn_record_bytes(f, hp->head_dim) * heads;
+    }
+    long G = f->tile_tokens, tiles = (n_tokens + G - 1) / G;
+    long sink = tiles < 1 ? tiles : 1;
+    long full = n_tokens / G;
+    long quant = full - sink > 0 ? full - sink : 0;
+    long fp16_tiles = tiles - quant;
+    return ((double)quant * (double)kvarn_record_bytes(f, hp->head_dim) +
+            (double)fp16_tiles * (double)G * 4.0 * hp->head_dim) * heads;
+}

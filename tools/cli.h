@@ -1,0 +1,82 @@
+/*
+ * cli.h -- small helpers shared by the kvarn subcommands: option parsing,
+ * byte sizes, format lists, errors on stderr.
+ */
+#ifndef KVARN_TOOLS_CLI_H
+#define KVARN_TOOLS_CLI_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kvarn/kvarn.h"
+
+#define CLI_MAX_FORMATS 64
+
+/* Every subcommand: argc/argv start at the subcommand's own name. Returns the
+ * process exit code (0 ok, 1 runtime error, 2 usage error). */
+int cmd_inspect(int argc, char **argv);
+int cmd_generate(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
+int cmd_passkey(int argc, char **argv);
+
+/* Print "kvarn <cmd>: message" on stderr. */
+void cli_error(const char *cmd, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* Parse "16GiB", "512MiB", "2GB", "1000000" into bytes. 0 on success. */
+int cli_parse_bytes(const char *s, uint64_t *out);
+
+/* Parse a non-negative integer / a double with range checks. 0 on success. */
+int cli_parse_int(const char *s, long lo, long hi, long *out);
+int cli_parse_double(const char *s, double *out);
+
+/* Parse "NAME,NAME,..." or "all" into formats (all: every row of the table).
+ * On an unknown name prints the accepted list and returns -1; else the count. */
+int cli_parse_formats(const char *cmd, const char *list, kvarn_format *out, int max);
+
+/* Human-readable bytes ("12.3 MiB") into buf. */
+const char *cli_fmt_bytes(double bytes, char *buf, size_t len);
+
+/* The message printed when a model file is missing: how to get one. */
+void cli_missing_model(const char *cmd, const char *path);
+
+#endif
+
+/* ---- model loading shared by generate / eval / passkey ------------------ */
+#include "kvarn/gguf.h"
+#include "kvarn/model.h"
+#include "kvarn/tokenizer.h"
+
+typedef struct cli_model {
+    kvarn_gguf *gguf;
+    kvarn_llama *llama;
+    kvarn_tokenizer *tok;
+    const kvarn_llama_hparams *hp;
+} cli_model;
+
+/* Open a GGUF, load the llama weights and the tokenizer. Prints a clear
+ * message (how to get the model if the file is missing) and returns -1 on
+ * failure; 0 on success. */
+int cli_model_open(const char *cmd, const char *path, cli_model *m);
+void cli_model_close(cli_model *m);
+
+/* Read a whole file into a malloc'ed NUL-terminated buffer. -1 on error
+ * (message printed). */
+int cli_read_file(const char *cmd, const char *path, char **data, size_t *len);
+
+/* Monotonic seconds. */
+double cli_now(void);
+
+/* Progress on stderr: "\r[label] done/total" at most every 0.2 s when
+ * stderr is a terminal; a line every 10% otherwise. cli_progress_end ends
+ * the line. */
+void cli_progress(const char *label, long done, long total);
+void cli_progress_end(void);
+
+/* KV-cache bytes that n_tokens of one sequence occupy in format f for the
+ * model (all layers and KV heads, K and V), counted as the paged cache
+ * holds them: per-token formats in whole blocks of 16 tokens (the cache's
+ * default block size); tile-committed formats as whole records plus the
+ * fp16 sink tile (the default sink_tiles = 1) and the fp16 staging tail as
+ * fp16 pages of G tokens. */
+double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens);

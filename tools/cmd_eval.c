@@ -1,0 +1,307 @@
+/*
+ * cmd_eval.c -- `kvarn eval`: what each KV-cache format costs in quality and
+ * buys in memory and speed, on a real model and text (../shared/EVAL.md).
+ *
+ * One reference session with the unquantized (fp16) cache and one session
+ * per format are fed the same windows of the text in the same chunks, in
+ * lockstep: after each chunk every format's next-token distributions are
+ * compared with the reference's (KL divergence, top-1 agreement) and scored
+ * on the text (perplexity). The last --decode-tokens positions of each
+ * window are fed one token at a time and timed: decode speed.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "eval_stats.h"
+
+static void eval_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
+            "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 32]\n"
+            "                  [--threads 1] [--json]\n\n"
+            "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
+            "tokens (every chunk after the first attends to the cached history, as chunked\n"
+            "prefill and decode do), once with the unquantized fp16 cache (the reference)\n"
+            "and once per format, and prints per format: bytes per token (all layers, K+V,\n"
+            "metadata counted; 'eff' adds the fp16 sink and staging tail at --ctx), the\n"
+            "capacity multiple against fp16, KL divergence of the next-token distribution\n"
+            "against the reference (mean, median, p99, max), top-1 agreement, perplexity\n"
+            "and its delta, and decode speed (the last --decode-tokens tokens of each\n"
+            "window fed one at a time) as tokens/s and as a ratio to fp16.\n"
+            "Default formats: all (the ladder of ../shared/EVAL.md).\n");
+}
+
+typedef struct fmt_run {
+    kvarn_format fmt;
+    kvarn_llama_session *sess;
+    eval_stats st;
+    double decode_s;
+    long decode_n;
+} fmt_run;
+
+/* Log-sum-exp of a row of logits. */
+static double logsumexp(const float *x, int n)
+{
+    float mx = x[0];
+    for (int i = 1; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    double s = 0.0;
+    for (int i = 0; i < n; i++) s += exp((double)(x[i] - mx));
+    return (double)mx + log(s);
+}
+
+static int argmax(const float *x, int n)
+{
+    int b = 0;
+    for (int i = 1; i < n; i++) if (x[i] > x[b]) b = i;
+    return b;
+}
+
+static double effective_bytes_per_token(const kvarn_format *f, const kvarn_llama_hparams *hp, int ctx)
+{
+    return cli_kv_bytes_used(f, hp, ctx) / ctx;
+}
+
+int cmd_eval(int argc, char **argv)
+{
+    const char *model_path = NULL, *text_path = NULL, *dtypes = "all";
+    long ctx = 2048, chunk = 128, windows = 1, decode_tokens = 32, threads = 1;
+    int json = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) { eval_usage(stdout); return 0; }
+        if (strcmp(a, "--json") == 0) { json = 1; continue; }
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (v == NULL) { cli_error("eval", "option '%s' needs a value (or is unknown)", a); return 2; }
+        int bad = 0;
+        if (strcmp(a, "-m") == 0 || strcmp(a, "--model") == 0) model_path = v;
+        else if (strcmp(a, "-f") == 0 || strcmp(a, "--file") == 0) text_path = v;
+        else if (strcmp(a, "--kv-cache-dtype") == 0) dtypes = v;
+        else if (strcmp(a, "--ctx") == 0) bad = cli_parse_int(v, 2, 1 << 20, &ctx);
+        else if (strcmp(a, "--chunk") == 0) bad = cli_parse_int(v, 1, 4096, &chunk);
+        else if (strcmp(a, "--windows") == 0) bad = cli_parse_int(v, 1, 1 << 20, &windows);
+        else if (strcmp(a, "--decode-tokens") == 0) bad = cli_parse_int(v, 0, 1 << 20, &decode_tokens);
+        else if (strcmp(a, "--threads") == 0) bad = cli_parse_int(v, 1, 256, &threads);
+        else { cli_error("eval", "unknown option '%s'", a); eval_usage(stderr); return 2; }
+        if (bad) { cli_error("eval", "bad value '%s' for %s", v, a); return 2; }
+        i++;
+    }
+    if (model_path == NULL || text_path == NULL) {
+        cli_error("eval", "need -m MODEL and -f TEXT (see kvarn eval --help)");
+        return 2;
+    }
+    kvarn_format fmts[CLI_MAX_FORMATS];
+    int nf = cli_parse_formats("eval", dtypes, fmts, CLI_MAX_FORMATS);
+    if (nf < 0) return 2;
+
+    FILE *probe = fopen(model_path, "rb");
+    if (probe == NULL) {
+        cli_missing_model("eval", model_path);
+        return 1;
+    }
+    fclose(probe);
+    char *text = NULL;
+    size_t text_len = 0;
+    if (cli_read_file("eval", text_path, &text, &text_len)) return 1;
+    if (text_len == 0) {
+        cli_error("eval", "text file '%s' is empty: nothing to evaluate", text_path);
+        free(text);
+        return 1;
+    }
+    cli_model m;
+    if (cli_model_open("eval", model_path, &m)) { free(text); return 1; }
+    const kvarn_llama_hparams *hp = m.hp;
+    int rc = 1;
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    fmt_run *runs = NULL;
+    kvarn_llama_session *ref = NULL;
+    float *ref_logits = NULL, *logits = NULL;
+    double *ref_lse = NULL, *ref_negent = NULL;
+    float *ref_p = NULL;
+    int *ref_top = NULL;
+    eval_stats ref_st;
+    memset(&ref_st, 0, sizeof ref_st);
+
+    kvarn_status st = kvarn_tokenizer_encode_alloc(m.tok, text, text_len,
+        kvarn_tokenizer_add_bos(m.tok) ? KVARN_TOKENIZE_ADD_BOS : 0, &ids, &n_ids);
+    if (st != KVARN_OK) { cli_error("eval", "tokenizing '%s' failed: %s", text_path, kvarn_strerror(st)); goto out; }
+    if (n_ids < 2) { cli_error("eval", "text '%s' has %zu token(s); need at least 2", text_path, n_ids); goto out; }
+    if (ctx > hp->context_length) {
+        cli_error("eval", "--ctx %ld is longer than the model's context (%d tokens)", ctx, hp->context_length);
+        rc = 2;
+        goto out;
+    }
+    if ((size_t)ctx > n_ids) ctx = (long)n_ids;
+    long max_windows = (long)(n_ids / (size_t)ctx);
+    if (windows > max_windows) {
+        fprintf(stderr, "kvarn eval: the text holds %zu tokens: %ld window(s) of %ld\n", n_ids, max_windows, ctx);
+        windows = max_windows;
+    }
+    if (decode_tokens > ctx - 1) decode_tokens = ctx - 1;
+    if (chunk > ctx) chunk = ctx;
+
+    const int V = hp->vocab;
+    kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    so.max_tokens = (int)ctx;
+    so.max_chunk = (int)chunk;
+    so.attn_threads = (int)threads;
+    so.cache_format = "fp16";
+    if ((st = kvarn_llama_session_create(m.llama, &so, &ref)) != KVARN_OK) {
+        cli_error("eval", "reference session: %s", kvarn_strerror(st));
+        goto out;
+    }
+    runs = calloc((size_t)nf, sizeof *runs);
+    if (runs == NULL) goto out;
+    for (int f = 0; f < nf; f++) {
+        runs[f].fmt = fmts[f];
+        so.cache_format = fmts[f].name;
+        st = kvarn_llama_session_create(m.llama, &so, &runs[f].sess);
+        if (st != KVARN_OK) {
+            char msg[512];
+            cli_error("eval", "%s", kvarn_format_explain(st, fmts[f].name, hp->head_dim, msg, sizeof msg));
+            goto out;
+        }
+        if (eval_stats_init(&runs[f].st, (size_t)windows * (size_t)ctx)) goto out;
+    }
+    if (eval_stats_init(&ref_st, (size_t)windows * (size_t)ctx)) goto out;
+    ref_logits = malloc(sizeof(float) * (size_t)chunk * V);
+    ref_p = malloc(sizeof(float) * (size_t)chunk * V);
+    logits = malloc(sizeof(float) * (size_t)chunk * V);
+    ref_lse = malloc(sizeof(double) * (size_t)chunk);
+    ref_negent = malloc(sizeof(double) * (size_t)chunk);
+    ref_top = malloc(sizeof(int) * (size_t)chunk);
+    if (!ref_logits || !ref_p || !logits || !ref_lse || !ref_negent || !ref_top) {
+        cli_error("eval", "out of memory");
+        goto out;
+    }
+    if (!json)
+        printf("kvarn eval: %s | text %s (%zu tokens) | %ld window(s) x %ld tokens, chunk %ld, "
+               "last %ld tokens decoded one by one | reference: fp16 cache\n",
+               model_path, text_path, n_ids, windows, ctx, chunk, decode_tokens);
+    fflush(stdout);
+
+    long total_steps = windows * ctx, done = 0;
+    double ref_decode_s = 0.0;
+    long ref_decode_n = 0;
+    for (long w = 0; w < windows; w++) {
+        const int32_t *win = ids + (size_t)w * (size_t)ctx;
+        kvarn_llama_session_reset(ref);
+        for (int f = 0; f < nf; f++) kvarn_llama_session_reset(runs[f].sess);
+        long pos = 0;
+        while (pos < ctx) {
+            long n = ctx - pos;
+            long decode_from = ctx - decode_tokens;
+            int decoding = pos >= decode_from;
+            if (decoding) n = 1;
+            else {
+                if (n > chunk) n = chunk;
+                if (pos + n > decode_from) n = decode_from - pos;
+            }
+            double t0 = cli_now();
+            st = kvarn_llama_forward(ref, win + pos, (int)n, KVARN_LLAMA_LOGITS_ALL,
+                                     ref_logits, (size_t)chunk * V);
+            double t1 = cli_now();
+            if (st != KVARN_OK) { cli_error("eval", "forward (fp16): %s", kvarn_strerror(st)); goto out; }
+            if (decoding) { ref_decode_s += t1 - t0; ref_decode_n++; }
+            for (long i = 0; i < n; i++) {
+                const float *lg = ref_logits + (size_t)i * V;
+                float *p = ref_p + (size_t)i * V;
+                double lse = logsumexp(lg, V), ne = 0.0;
+                for (int v = 0; v < V; v++) {
+                    double lp = (double)lg[v] - lse;
+                    p[v] = (float)exp(lp);
+                    ne += (double)p[v] * lp;
+                }
+                ref_lse[i] = lse;
+                ref_negent[i] = ne;
+                ref_top[i] = argmax(lg, V);
+                if (pos + i + 1 < ctx) eval_stats_add(&ref_st, 0.0, 1, lse - (double)lg[win[pos + i + 1]]);
+            }
+            for (int f = 0; f < nf; f++) {
+                t0 = cli_now();
+                st = kvarn_llama_forward(runs[f].sess, win + pos, (int)n, KVARN_LLAMA_LOGITS_ALL,
+                                         logits, (size_t)chunk * V);
+                t1 = cli_now();
+                if (st != KVARN_OK) {
+                    cli_error("eval", "forward (%s): %s", runs[f].fmt.name, kvarn_strerror(st));
+                    goto out;
+                }
+                if (decoding) { runs[f].decode_s += t1 - t0; runs[f].decode_n++; }
+                for (long i = 0; i < n && pos + i + 1 < ctx; i++) {
+                    const float *lg = logits + (size_t)i * V;
+                    const float *p = ref_p + (size_t)i * V;
+                    double lse = logsumexp(lg, V), cross = 0.0;
+                    for (int v = 0; v < V; v++) cross += (double)p[v] * (double)lg[v];
+                    /* KL(ref || fmt) = sum p (log p - log q) */
+                    double kld = ref_negent[i] - (cross - lse);
+                    if (kld < 0.0) kld = 0.0;   /* rounding below zero */
+                    eval_stats_add(&runs[f].st, kld, argmax(lg, V) == ref_top[i],
+                                   lse - (double)lg[win[pos + i + 1]]);
+                }
+            }
+            pos += n;
+            done += n;
+            cli_progress("kvarn eval", done, total_steps);
+        }
+    }
+    cli_progress_end();
+
+    double fp16_bpt = effective_bytes_per_token(&(kvarn_format){KVARN_KIND_FP16, "fp16", 1, 16, 16, 0}, hp, (int)ctx);
+    double ref_ppl = eval_stats_ppl(&ref_st);
+    double ref_tps = ref_decode_n ? ref_decode_n / ref_decode_s : 0.0;
+    if (json) {
+        printf("{\"model\": \"%s\", \"text\": \"%s\", \"tokens\": %zu, \"ctx\": %ld, \"chunk\": %ld, "
+               "\"windows\": %ld, \"decode_tokens\": %ld,\n \"reference\": {\"format\": \"fp16\", "
+               "\"ppl\": %.6f, \"decode_tok_s\": %.3f},\n \"formats\": [",
+               model_path, text_path, n_ids, ctx, chunk, windows, decode_tokens, ref_ppl, ref_tps);
+    } else {
+        printf("%-17s %9s %9s %7s %9s %9s %9s %9s %7s %9s %8s %9s %7s\n", "format", "B/token", "eff B/tok",
+               "x fp16", "KLD mean", "median", "p99", "max", "top-1", "PPL", "dPPL", "dec tok/s", "x fp16");
+        printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9.4f %8s %9.1f %6.2fx\n", "fp16 (reference)",
+               kvarn_bytes_per_token_head(&(kvarn_format){KVARN_KIND_FP16, "fp16", 1, 16, 16, 0}, hp->head_dim) *
+                   hp->n_layers * hp->n_kv_heads,
+               fp16_bpt, 1.0, "-", "-", "-", "-", "-", ref_ppl, "-", ref_tps, 1.0);
+    }
+    for (int f = 0; f < nf; f++) {
+        eval_summary s;
+        eval_stats_summarize(&runs[f].st, &s);
+        double bpt = kvarn_bytes_per_token_head(&runs[f].fmt, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
+        double eff = effective_bytes_per_token(&runs[f].fmt, hp, (int)ctx);
+        double tps = runs[f].decode_n ? runs[f].decode_n / runs[f].decode_s : 0.0;
+        double ppl = eval_stats_ppl(&runs[f].st);
+        if (json) {
+            printf("%s\n  {\"format\": \"%s\", \"bytes_per_token\": %.1f, \"effective_bytes_per_token\": %.1f, "
+                   "\"capacity_x_fp16\": %.4f, \"kld_mean\": %.6g, \"kld_median\": %.6g, \"kld_p99\": %.6g, "
+                   "\"kld_max\": %.6g, \"top1\": %.6f, \"ppl\": %.6f, \"ppl_delta\": %.6f, "
+                   "\"decode_tok_s\": %.3f, \"decode_x_fp16\": %.4f, \"positions\": %zu}",
+                   f ? "," : "", runs[f].fmt.name, bpt, eff, fp16_bpt / eff, s.kld_mean, s.kld_median,
+                   s.kld_p99, s.kld_max, s.top1, ppl, ppl - ref_ppl, tps, ref_tps > 0 ? tps / ref_tps : 0.0,
+                   s.n);
+        } else {
+            printf("%-17s %9.0f %9.0f %6.2fx %9.5f %9.5f %9.5f %9.4f %6.2f%% %9.4f %+8.4f %9.1f %6.2fx\n",
+                   runs[f].fmt.name, bpt, eff, fp16_bpt / eff, s.kld_mean, s.kld_median, s.kld_p99,
+                   s.kld_max, 100.0 * s.top1, ppl, ppl - ref_ppl, tps, ref_tps > 0 ? tps / ref_tps : 0.0);
+        }
+    }
+    if (json) printf("\n ]}\n");
+    rc = 0;
+out:
+    cli_progress_end();
+    if (runs) {
+        for (int f = 0; f < nf; f++) {
+            kvarn_llama_session_free(runs[f].sess);
+            eval_stats_free(&runs[f].st);
+        }
+        free(runs);
+    }
+    eval_stats_free(&ref_st);
+    kvarn_llama_session_free(ref);
+    free(ref_logits); free(ref_p); free(logits); free(ref_lse); free(ref_negent); free(ref_top);
+    free(ids);
+    free(text);
+    cli_model_close(&m);
+    return rc;
+}

@@ -1,0 +1,45 @@
+/*
+ * kvarn.c -- the `kvarn` command: dispatch to a subcommand.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+typedef struct subcommand {
+    const char *name;
+    int (*run)(int argc, char **argv);
+    const char *summary;
+} subcommand;
+
+static const subcommand k_commands[] = {
+    {"generate", cmd_generate, "stream text from a model with its KV cache in any format"},
+    {"eval", cmd_eval, "quality (KLD, top-1, perplexity), memory and speed of each cache format"},
+    {"passkey", cmd_passkey, "passkey retrieval accuracy per format beside the fp16 cache's own"},
+    {"inspect", cmd_inspect, "bytes per token, multiple of fp16, tokens that fit in a budget"},
+};
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: kvarn <command> [options]   (kvarn <command> --help for more)\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
+        fprintf(f, "  %-9s %s\n", k_commands[i].name, k_commands[i].summary);
+    fprintf(f, "\ncache formats (--kv-cache-dtype): %s\n", kvarn_format_accepted_names());
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+        usage(stdout);
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
+        if (strcmp(argv[1], k_commands[i].name) == 0) return k_commands[i].run(argc - 1, argv + 1);
+    fprintf(stderr, "kvarn: unknown command '%s'\n", argv[1]);
+    usage(stderr);
+    return 2;
+}
