@@ -1,0 +1,164 @@
+/*
+ * model.h -- run a llama-architecture GGUF on the CPU with its KV cache in
+ * any kvarn format.
+ *
+ * Two objects, both owned by the caller:
+ *   kvarn_llama          the weights (dequantized to fp32 at load) and the
+ *                        hyper-parameters. Read-only after load; several
+ *                        sessions may share one model (one thread each).
+ *   kvarn_llama_session  one sequence: its paged KV cache (cache.h) in the
+ *                        chosen format, its position, and every scratch
+ *                        buffer, all allocated once at creation. The forward
+ *                        pass allocates nothing.
+ *
+ * A forward call takes a chunk of n tokens at positions [pos, pos + n),
+ * where pos is the session's current length, and appends them: their K
+ * (post-RoPE) and V go into the cache, then attention of the chunk's
+ * queries reads the cache through the paged kernels (attn.h): history from
+ * the quantized blocks and fp16 sink/tail pages, the chunk's own K/V from
+ * where the cache just put them (KVarN formats: the fp16 tail, so a prefill
+ * sees its own K/V at fp16 as upstream's 16-bit prefill does,
+ * ../shared/spec/KVARN.md "The fp16 tail and the sink"; per-token formats:
+ * their records, as vLLM does). So the chunk size decides which part of the
+ * context is seen unquantized: feed one tile (128 tokens) at a time to
+ * measure a format as chunked prefill and decode see it (../shared/EVAL.md
+ * "How the cache must be exercised"). Every token of a call is final: the
+ * cache commits (quantizes) each tile as it fills. Two cross-check paths
+ * exist (session options): exact_chunk (the chunk over its own fp32 K/V,
+ * history decoded from the cache) and exact (fp32 K/V, no cache).
+ *
+ * Architecture, RoPE convention and the cache usage: docs/model.md.
+ */
+#ifndef KVARN_MODEL_H
+#define KVARN_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvarn/gguf.h"
+#include "kvarn/kvarn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Hyper-parameters, read from the GGUF metadata (llama.*). */
+typedef struct kvarn_llama_hparams {
+    int n_layers;        /* llama.block_count */
+    int hidden;          /* llama.embedding_length */
+    int n_heads;         /* llama.attention.head_count (query heads, H) */
+    int n_kv_heads;      /* llama.attention.head_count_kv (Hk; H % Hk == 0) */
+    int head_dim;        /* D = hidden / n_heads */
+    int ffn;             /* llama.feed_forward_length (SwiGLU width) */
+    int vocab;           /* rows of token_embd.weight */
+    int context_length;  /* llama.context_length (tokens) */
+    float rope_theta;    /* llama.rope.freq_base (default 10000) */
+    float rms_eps;       /* llama.attention.layer_norm_rms_epsilon (default 1e-5) */
+    int tied_output;     /* 1: no output.weight, logits use token_embd.weight */
+} kvarn_llama_hparams;
+
+typedef struct kvarn_llama kvarn_llama;
+typedef struct kvarn_llama_session kvarn_llama_session;
+
+/* Load a llama-architecture GGUF: checks general.architecture == "llama",
+ * reads the hyper-parameters and dequantizes every weight to fp32 (tensor
+ * types F32, F16, BF16, Q8_0, Q4_0, Q4_1; SmolLM2-135M takes ~540 MB).
+ * Tensors used: token_embd, output_norm, output (optional: tied to
+ * token_embd when absent), and per layer blk.N.{attn_norm, attn_q, attn_k,
+ * attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL), KVARN_ERR_IO (cannot open/read),
+ * KVARN_ERR_BAD_FILE (not GGUF, not llama, a tensor missing or of the wrong
+ * shape, inconsistent hyper-parameters), KVARN_ERR_UNSUPPORTED (a tensor
+ * type or a partial RoPE this runner does not serve), KVARN_ERR_NOMEM.
+ * On error *out is NULL. */
+kvarn_status kvarn_llama_load(const char *path, kvarn_llama **out);
+
+/* The same from a GGUF already open (gguf.h); g is only read during the
+ * call and may be closed afterwards (the weights are copied). Same errors,
+ * without KVARN_ERR_IO. */
+kvarn_status kvarn_llama_load_gguf(const kvarn_gguf *g, kvarn_llama **out);
+
+/* Free a model (NULL is fine). Free its sessions first. */
+void kvarn_llama_free(kvarn_llama *model);
+
+/* The model's hyper-parameters (valid while the model lives). */
+const kvarn_llama_hparams *kvarn_llama_get_hparams(const kvarn_llama *model);
+
+/* Session settings. Start from KVARN_LLAMA_SESSION_OPTS_DEFAULT. */
+typedef struct kvarn_llama_session_opts {
+    const char *cache_format; /* any name kvarn_format_parse accepts;
+                                 NULL = "fp16" (the unquantized reference) */
+    int max_tokens;           /* context capacity in tokens; 0 = the model's
+                                 context_length */
+    int max_chunk;            /* most tokens per forward call; 0 = 512 */
+    int sink_tiles;           /* KVarN: fp16 sink tiles kept for good;
+                                 -1 = default (1) */
+    int balance_iters;        /* KVarN balance iterations; -1 = default (8) */
+    int attn_threads;         /* workers of the attention thread pool
+                                 (attn.h); 0 = 1 (no pool). Results do not
+                                 depend on it beyond fp32 summation order. */
+    int exact_chunk;          /* 0: attention reads the whole context,
+                                 the chunk included, from the cache through
+                                 the paged kernels (attn.h), as a serving
+                                 engine does. 1: the chunk attends to its own
+                                 K/V in fp32 and to the history decoded from
+                                 the cache (kvarn_cache_read), merged by
+                                 log-sum-exp: slow, for cross-checks. */
+    int exact;                /* 1: keep K/V in fp32 outside the paged cache
+                                 (cross-checks only; cache_format ignored) */
+} kvarn_llama_session_opts;
+
+#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0 }
+
+/* Create a session for model: allocates the cache for opts->max_tokens
+ * tokens and all scratch for chunks up to opts->max_chunk tokens. opts may
+ * be NULL for the defaults.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL model, bad option),
+ * KVARN_ERR_UNKNOWN_FORMAT, KVARN_ERR_UNSUPPORTED_HEAD_DIM (the format
+ * cannot serve the model's head_dim), KVARN_ERR_NOMEM. On error *out is
+ * NULL. */
+kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
+                                        const kvarn_llama_session_opts *opts,
+                                        kvarn_llama_session **out);
+
+/* Free a session (NULL is fine). */
+void kvarn_llama_session_free(kvarn_llama_session *s);
+
+/* Forget the sequence: the next forward starts at position 0. The cache's
+ * blocks are returned to its pool; nothing is freed or reallocated. */
+void kvarn_llama_session_reset(kvarn_llama_session *s);
+
+/* Tokens in the session (the position the next chunk starts at). */
+int kvarn_llama_session_pos(const kvarn_llama_session *s);
+
+/* The session's cache format (canonical name, e.g. "kvarn_k4v2_g128"), or
+ * "exact" for an exact session. */
+const char *kvarn_llama_session_format(const kvarn_llama_session *s);
+
+/* Which logits kvarn_llama_forward writes. */
+typedef enum kvarn_llama_logits {
+    KVARN_LLAMA_LOGITS_NONE = 0, /* none (logits may be NULL) */
+    KVARN_LLAMA_LOGITS_LAST = 1, /* the last token's: vocab floats */
+    KVARN_LLAMA_LOGITS_ALL = 2   /* every token's: n * vocab floats,
+                                    token-major */
+} kvarn_llama_logits;
+
+/* Run the model on tokens[0..n) at positions [pos, pos + n), pos =
+ * kvarn_llama_session_pos(s), append their K/V to the cache and advance the
+ * session by n. Logits (fp32, pre-softmax) go to logits, which holds
+ * logits_len floats.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, n < 1, n > max_chunk, a token id
+ * outside [0, vocab), bad which), KVARN_ERR_BUFFER_TOO_SMALL (logits_len),
+ * KVARN_ERR_OUT_OF_BLOCKS (pos + n > max_tokens), KVARN_ERR_NONFINITE
+ * (NaN/Inf reached the cache). On any error the session is as before the
+ * call: argument errors are found before any work, and a failure inside
+ * the pass drops the chunk's tokens from the cache again. */
+kvarn_status kvarn_llama_forward(kvarn_llama_session *s, const int32_t *tokens,
+                                 int n, kvarn_llama_logits which,
+                                 float *logits, size_t logits_len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVARN_MODEL_H */

@@ -1,0 +1,295 @@
+/*
+ * llama_kv_paged.c -- the session's K/V in the paged cache (cache.h), one
+ * sequence, in any format.
+ *
+ * A chunk of n tokens at [pos, pos + n):
+ *   begin   kvarn_cache_reserve(n)
+ *   attend  for layer l: kvarn_cache_write the chunk's K (post-RoPE) and V;
+ *           then attention of the chunk's queries, by one of two paths:
+ *     kernels (default)  kvarn_attn_decode (n = 1) or kvarn_attn_multi
+ *              (causal) over the whole sequence [0, pos + n) as the cache
+ *              holds it: quantized blocks, fp16 sink and tail pages. The
+ *              chunk's own K/V are read where the cache put them: for KVarN
+ *              formats the fp16 tail (so a prefill sees its K/V at fp16, as
+ *              upstream's does in the model's 16-bit dtype,
+ *              ../shared/spec/KVARN.md "The fp16 tail and the sink"); for
+ *              per-token formats their records (as vLLM does).
+ *     exact chunk  the chunk over its own fp32 K/V (causal) and over the
+ *              history [0, pos) decoded with kvarn_cache_read, merged by
+ *              log-sum-exp. Decodes the whole history every call: a
+ *              cross-check, not a serving path.
+ *   end     kvarn_cache_commit(pos + n): every token of a forward call is
+ *           final, so each tile that is full gets quantized.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvarn/attn.h"
+#include "kvarn/cache.h"
+#include "model/llama_internal.h"
+
+typedef struct kv_paged {
+    llama_kv base;
+    llama_kv_shape sh;
+    kvarn_format fmt;
+    kvarn_cache *cache;
+    int seq;
+    float *kbuf, *vbuf;  /* [max_chunk][Hk][D]: the chunk's K/V, contiguous */
+    float *hist_k, *hist_v; /* [max_tokens][Hk][D]: decoded history */
+    float *hist_out;     /* [max_chunk][H][D] */
+    float *hist_lse;     /* [max_chunk][H] */
+    float *lse;          /* [max_chunk][H] */
+    float *scratch;      /* llama_attn_f32_scratch_floats(max_tokens) */
+    /* Kernel path. */
+    int exact_chunk;
+    kvarn_paged_kv *views;  /* [n_layers] layer views (fixed for the cache) */
+    kvarn_thread_pool *pool;
+    kvarn_attn_opts attn_opts;
+    float *qbuf;            /* [max_chunk][H][D] contiguous queries */
+    void *ws;               /* attention workspace */
+    size_t ws_bytes;
+} kv_paged;
+
+static kvarn_status paged_begin(llama_kv *kv, int pos, int n)
+{
+    kv_paged *p = (kv_paged *)kv;
+    if (n < 1 || n > p->sh.max_chunk || pos > p->sh.max_tokens - n)
+        return KVARN_ERR_OUT_OF_BLOCKS;
+    return kvarn_cache_reserve(p->cache, p->seq, n);
+}
+
+/* Attention of the chunk's queries over the history [0, pos), read back
+ * through the cache as fp32 (decoded records, widened fp16 pages). */
+static kvarn_status history_by_read(kv_paged *p, int layer, int pos, int n,
+                                    const float *q, int ldq)
+{
+    const llama_kv_shape *sh = &p->sh;
+    int D = sh->head_dim, kd = sh->n_kv_heads * D;
+    kvarn_status st = kvarn_cache_read(p->cache, p->seq, layer, 0, pos,
+                                       p->hist_k, p->hist_v, 0);
+    if (st != KVARN_OK) return st;
+    /* q_pos0 = pos: every history key is visible to every query. */
+    llama_attn_f32(sh->n_heads, sh->n_kv_heads, D, q, ldq, n, pos, p->hist_k,
+                   p->hist_v, kd, (size_t)D, pos, p->hist_out, p->hist_lse,
+                   p->scratch);
+    return KVARN_OK;
+}
+
+/* Attention through the paged kernels over [0, pos + n), chunk included. */
+static kvarn_status attend_kernels(kv_paged *p, int layer, int n,
+                                   const float *q, int ldq, float *out)
+{
+    const llama_kv_shape *sh = &p->sh;
+    int qd = sh->n_heads * sh->head_dim;
+    for (int t = 0; t < n; t++)
+        memcpy(p->qbuf + (size_t)t * qd, q + (size_t)t * ldq, sizeof(float) * qd);
+    kvarn_seq_view sv;
+    kvarn_status st = kvarn_cache_seq_view(p->cache, p->seq, &sv);
+    if (st != KVARN_OK) return st;
+    if (n == 1)
+        return kvarn_attn_decode(&p->views[layer], &sv, 1, sh->n_heads, p->qbuf,
+                                 out, &p->attn_opts, p->pool, p->ws, p->ws_bytes);
+    int32_t qsl[2] = { 0, n };
+    return kvarn_attn_multi(&p->views[layer], &sv, 1, qsl, sh->n_heads, p->qbuf,
+                            out, &p->attn_opts, p->pool, p->ws, p->ws_bytes);
+}
+
+static kvarn_status paged_attend(llama_kv *kv, int layer, int pos, int n,
+                                 const float *q, int ldq, const float *k,
+                                 const float *v, int ldkv, float *out)
+{
+    kv_paged *p = (kv_paged *)kv;
+    const llama_kv_shape *sh = &p->sh;
+    int D = sh->head_dim, kd = sh->n_kv_heads * D;
+    for (int t = 0; t < n; t++) {
+        memcpy(p->kbuf + (size_t)t * kd, k + (size_t)t * ldkv, sizeof(float) * kd);
+        memcpy(p->vbuf + (size_t)t * kd, v + (size_t)t * ldkv, sizeof(float) * kd);
+    }
+    kvarn_status st = kvarn_cache_write(p->cache, p->seq, layer, pos, n,
+                                        p->kbuf, p->vbuf);
+    if (st != KVARN_OK) return st;
+    if (!p->exact_chunk) return attend_kernels(p, layer, n, q, ldq, out);
+    /* The chunk over its own exact K/V. */
+    llama_attn_f32(sh->n_heads, sh->n_kv_heads, D, q, ldq, n, 0, p->kbuf,
+                   p->vbuf, kd, (size_t)D, n, out, p->lse, p->scratch);
+    if (pos == 0) return KVARN_OK;
+    st = history_by_read(p, layer, pos, n, q, ldq);
+    if (st != KVARN_OK) return st;
+    llama_attn_merge(sh->n_heads, D, n, out, p->lse, p->hist_out, p->hist_lse);
+    return KVARN_OK;
+}
+
+static kvarn_status paged_end(llama_kv *kv, int pos, int n)
+{
+    kv_paged *p = (kv_paged *)kv;
+    return kvarn_cache_commit(p->cache, p->seq, pos + n);
+}
+
+static void paged_abort(llama_kv *kv, int pos)
+{
+    kv_paged *p = (kv_paged *)kv;
+    /* Commit only ever quantized tiles below pos, so cutting back to pos
+     * touches the fp16 sink/tail or per-token records only: never refused. */
+    kvarn_cache_truncate(p->cache, p->seq, pos);
+}
+
+static void paged_reset(llama_kv *kv)
+{
+    kv_paged *p = (kv_paged *)kv;
+    /* Truncating into quantized tiles is refused by design (cache.h), so
+     * the sequence is dropped and made anew; with one sequence in the cache
+     * the free and the create cannot fail. */
+    kvarn_cache_seq_free(p->cache, p->seq);
+    kvarn_cache_seq_create(p->cache, &p->seq);
+}
+
+static void paged_destroy(llama_kv *kv)
+{
+    kv_paged *p = (kv_paged *)kv;
+    if (!p) return;
+    kvarn_cache_destroy(p->cache);
+    kvarn_thread_pool_destroy(p->pool);
+    free(p->views);
+    free(p->qbuf);
+    free(p->ws);
+    free(p->kbuf);
+    free(p->vbuf);
+    free(p->hist_k);
+    free(p->hist_v);
+    free(p->hist_out);
+    free(p->hist_lse);
+    free(p->lse);
+    free(p->scratch);
+    free(p);
+}
+
+static const char *paged_name(const llama_kv *kv)
+{
+    return ((const kv_paged *)kv)->fmt.name;
+}
+
+static const llama_kv_ops paged_ops = {
+    paged_begin, paged_attend, paged_end, paged_abort, paged_reset, paged_destroy, paged_name,
+};
+
+/* Create a one-sequence cache that holds max_tokens tokens and chunks of
+ * max_chunk tokens: enough blocks for every non-sink tile and enough fp16
+ * pages for the sink plus every tile a chunk can leave in the tail. The
+ * budget is computed from the cache's own geometry (a probe cache). */
+static kvarn_status make_cache(const llama_kv_shape *sh, const kvarn_format *fmt,
+                               int sink_tiles, int balance_iters,
+                               kvarn_cache **out)
+{
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    o.format = *fmt;
+    o.n_layers = sh->n_layers;
+    o.n_kv_heads = sh->n_kv_heads;
+    o.head_dim = sh->head_dim;
+    o.max_seqs = 1;
+    if (balance_iters >= 0) o.balance_iters = balance_iters;
+    int G;
+    if (fmt->per_tile) {
+        G = fmt->tile_tokens;
+        o.sink_tiles = sink_tiles >= 0 ? sink_tiles : 1;
+        /* Sink, the partly filled tile a chunk starts in, and every tile
+         * the chunk opens. */
+        o.n_pages = o.sink_tiles + (sh->max_chunk + G - 1) / G + 2;
+    } else {
+        G = 16;
+        o.block_size = G;
+        o.n_pages = 0;
+    }
+    int tiles = (sh->max_tokens + G - 1) / G;
+    /* Probe with a budget that surely fits one block and the pages, to
+     * learn block_bytes and page_bytes. */
+    o.budget_bytes = (uint64_t)1 << 40;
+    kvarn_cache_info info;
+    {
+        kvarn_cache_opts probe = o;
+        size_t rec = kvarn_record_bytes(fmt, sh->head_dim);
+        uint64_t blk = (uint64_t)sh->n_layers * sh->n_kv_heads *
+                       (fmt->per_tile ? rec : rec * G);
+        uint64_t page = (uint64_t)sh->n_layers * sh->n_kv_heads * 2 * G *
+                        sh->head_dim * 2;
+        probe.budget_bytes = (uint64_t)probe.n_pages * page + 4 * (blk + 4096);
+        kvarn_cache *c = NULL;
+        kvarn_status st = kvarn_cache_create(&probe, &c);
+        if (st != KVARN_OK) return st;
+        st = kvarn_cache_get_info(c, &info);
+        kvarn_cache_destroy(c);
+        if (st != KVARN_OK) return st;
+    }
+    int sink = fmt->per_tile ? o.sink_tiles : 0;
+    int blocks = tiles > sink ? tiles - sink : 1;
+    o.budget_bytes = (uint64_t)blocks * info.block_bytes +
+                     (uint64_t)info.n_pages * info.page_bytes;
+    return kvarn_cache_create(&o, out);
+}
+
+kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
+                                   const kvarn_format *fmt,
+                                   const kvarn_llama_session_opts *o,
+                                   llama_kv **out)
+{
+    *out = NULL;
+    kv_paged *p = calloc(1, sizeof *p);
+    if (!p) return KVARN_ERR_NOMEM;
+    p->base.ops = &paged_ops;
+    p->sh = *shape;
+    p->fmt = *fmt;
+    p->exact_chunk = o->exact_chunk;
+    kvarn_status st = make_cache(shape, fmt, o->sink_tiles, o->balance_iters,
+                                 &p->cache);
+    if (st == KVARN_OK) st = kvarn_cache_seq_create(p->cache, &p->seq);
+    int threads = o->attn_threads > 0 ? o->attn_threads : 1;
+    if (st == KVARN_OK && threads > 1) st = kvarn_thread_pool_create(threads, &p->pool);
+    if (st != KVARN_OK) {
+        paged_destroy(&p->base);
+        return st;
+    }
+    size_t kd = (size_t)shape->n_kv_heads * shape->head_dim;
+    size_t qd = (size_t)shape->n_heads * shape->head_dim;
+    size_t C = (size_t)shape->max_chunk, T = (size_t)shape->max_tokens;
+    p->kbuf = malloc(sizeof(float) * C * kd);
+    p->vbuf = malloc(sizeof(float) * C * kd);
+    p->lse = malloc(sizeof(float) * C * shape->n_heads);
+    p->qbuf = malloc(sizeof(float) * C * qd);
+    p->views = calloc((size_t)shape->n_layers, sizeof *p->views);
+    if (!p->kbuf || !p->vbuf || !p->lse || !p->qbuf || !p->views) {
+        paged_destroy(&p->base);
+        return KVARN_ERR_NOMEM;
+    }
+    for (int l = 0; l < shape->n_layers && st == KVARN_OK; l++)
+        st = kvarn_cache_layer_view(p->cache, l, &p->views[l]);
+    if (st != KVARN_OK) {
+        paged_destroy(&p->base);
+        return st;
+    }
+    kvarn_attn_opts ao = KVARN_ATTN_OPTS_DEFAULT(1.0f / sqrtf((float)shape->head_dim));
+    p->attn_opts = ao;
+    if (p->exact_chunk) {
+        /* The cross-check path decodes whole histories into fp32. */
+        p->hist_k = malloc(sizeof(float) * T * kd);
+        p->hist_v = malloc(sizeof(float) * T * kd);
+        p->hist_out = malloc(sizeof(float) * C * qd);
+        p->hist_lse = malloc(sizeof(float) * C * shape->n_heads);
+        p->scratch = malloc(sizeof(float) * llama_attn_f32_scratch_floats(shape->max_tokens));
+        if (!p->hist_k || !p->hist_v || !p->hist_out || !p->hist_lse || !p->scratch) {
+            paged_destroy(&p->base);
+            return KVARN_ERR_NOMEM;
+        }
+    } else {
+        /* Sized for the largest call: one sequence, max_chunk queries. */
+        p->ws_bytes = kvarn_attn_workspace_bytes(&p->views[0], shape->n_heads, 1,
+                                                 shape->max_chunk, threads,
+                                                 &p->attn_opts);
+        p->ws = p->ws_bytes ? malloc(p->ws_bytes) : NULL;
+        if (!p->ws) {
+            paged_destroy(&p->base);
+            return p->ws_bytes ? KVARN_ERR_NOMEM : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+        }
+    }
+    *out = &p->base;
+    return KVARN_OK;
+}

@@ -1,0 +1,106 @@
+/*
+ * llama_session.c -- a llama session: one sequence, its K/V store (the paged
+ * cache in the chosen format, or the exact fp32 store) and the scratch every
+ * forward call reuses. All memory is allocated here, once.
+ */
+#include <stdlib.h>
+
+#include "model/llama_internal.h"
+
+#define DEFAULT_MAX_CHUNK 512
+
+void kvarn_llama_session_free(kvarn_llama_session *s)
+{
+    if (!s) return;
+    if (s->kv) s->kv->ops->destroy(s->kv);
+    free(s->x);
+    free(s->xn);
+    free(s->qkv);
+    free(s->attn);
+    free(s->gu);
+    free(s->act);
+    free(s->rope_cos);
+    free(s->rope_sin);
+    free(s);
+}
+
+kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
+                                        const kvarn_llama_session_opts *opts,
+                                        kvarn_llama_session **out)
+{
+    if (!out) return KVARN_ERR_INVALID_ARG;
+    *out = NULL;
+    if (!model) return KVARN_ERR_INVALID_ARG;
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    if (opts) o = *opts;
+    const kvarn_llama_hparams *hp = &model->hp;
+    if (o.max_tokens == 0) o.max_tokens = hp->context_length;
+    if (o.max_chunk == 0) o.max_chunk = DEFAULT_MAX_CHUNK;
+    if (o.max_chunk > o.max_tokens) o.max_chunk = o.max_tokens;
+    if (o.max_tokens < 1 || o.max_chunk < 1 || o.sink_tiles < -1 ||
+        o.balance_iters < -1 || o.balance_iters > 64 || (o.exact != 0 && o.exact != 1) ||
+        o.attn_threads < 0 || o.attn_threads > 256 ||
+        (o.exact_chunk != 0 && o.exact_chunk != 1))
+        return KVARN_ERR_INVALID_ARG;
+
+    kvarn_format fmt;
+    kvarn_status st = KVARN_OK;
+    if (!o.exact) {
+        st = kvarn_format_parse(o.cache_format ? o.cache_format : "fp16", &fmt);
+        if (st != KVARN_OK) return st;
+        st = kvarn_format_check_head_dim(&fmt, hp->head_dim);
+        if (st != KVARN_OK) return st;
+    }
+
+    kvarn_llama_session *s = calloc(1, sizeof *s);
+    if (!s) return KVARN_ERR_NOMEM;
+    s->model = model;
+    s->max_tokens = o.max_tokens;
+    s->max_chunk = o.max_chunk;
+    size_t n = (size_t)o.max_chunk;
+    size_t E = (size_t)hp->hidden, D = (size_t)hp->head_dim;
+    size_t qkvd = (size_t)(hp->n_heads + 2 * hp->n_kv_heads) * D;
+    size_t qd = (size_t)hp->n_heads * D;
+    s->x = malloc(sizeof(float) * n * E);
+    s->xn = malloc(sizeof(float) * n * (E > qd ? E : qd));
+    s->qkv = malloc(sizeof(float) * n * qkvd);
+    s->attn = malloc(sizeof(float) * n * qd);
+    s->gu = malloc(sizeof(float) * n * 2 * hp->ffn);
+    s->act = malloc(sizeof(float) * n * hp->ffn);
+    s->rope_cos = malloc(sizeof(float) * n * (D / 2));
+    s->rope_sin = malloc(sizeof(float) * n * (D / 2));
+    if (!s->x || !s->xn || !s->qkv || !s->attn || !s->gu || !s->act ||
+        !s->rope_cos || !s->rope_sin) {
+        kvarn_llama_session_free(s);
+        return KVARN_ERR_NOMEM;
+    }
+    llama_kv_shape sh = { hp->n_layers, hp->n_heads, hp->n_kv_heads,
+                          hp->head_dim, o.max_tokens, o.max_chunk };
+    if (o.exact)
+        st = llama_kv_exact_create(&sh, &s->kv);
+    else
+        st = llama_kv_paged_create(&sh, &fmt, &o, &s->kv);
+    if (st != KVARN_OK) {
+        kvarn_llama_session_free(s);
+        return st;
+    }
+    *out = s;
+    return KVARN_OK;
+}
+
+void kvarn_llama_session_reset(kvarn_llama_session *s)
+{
+    if (!s) return;
+    s->kv->ops->reset(s->kv);
+    s->pos = 0;
+}
+
+int kvarn_llama_session_pos(const kvarn_llama_session *s)
+{
+    return s ? s->pos : 0;
+}
+
+const char *kvarn_llama_session_format(const kvarn_llama_session *s)
+{
+    return s ? s->kv->ops->format_name(s->kv) : "";
+}

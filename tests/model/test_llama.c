@@ -1,0 +1,629 @@
+/*
+ * test_llama.c -- the llama runner on a tiny random llama GGUF written by
+ * the test itself (2 layers, hidden 128, 4 query heads, 2 KV heads,
+ * head_dim 64 via llama.attention.key_length, FFN 192, vocab 300, untied
+ * output head; tensors in F32, F16, Q8_0 and Q4_1), so the C suite
+ * exercises the model without the real 94 MB file
+ * (tests/python/test_llama_logits.py checks that one against numpy).
+ *
+ * Checked: hyper-parameters; full prefill == token-by-token decode ==
+ * chunked for the exact store and for the fp16 cache; every cache format
+ * runs and gives finite logits, with a quantization error that shrinks with
+ * more bits; the paged kernels against decoded history; argument errors,
+ * NaN activations (refused, rolled back); bad files.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "common/testutil.h"
+#include "kvarn/gguf.h"
+#include "kvarn/model.h"
+#include "model/llama_internal.h"
+
+enum { NL = 2, E = 128, NH = 4, NKV = 2, HD = 64, FF = 192, VOCAB = 300 };
+#define NTOK 300
+
+/* ------------------------------------------------------------------------ */
+/* A tiny GGUF writer                                                       */
+/* ------------------------------------------------------------------------ */
+
+typedef struct buf {
+    uint8_t *p;
+    size_t n, cap;
+} buf;
+
+static void put(buf *b, const void *src, size_t n)
+{
+    if (b->n + n > b->cap) {
+        b->cap = (b->n + n) * 2 + 1024;
+        b->p = realloc(b->p, b->cap);
+        assert_non_null(b->p);
+    }
+    memcpy(b->p + b->n, src, n);
+    b->n += n;
+}
+static void put_u32(buf *b, uint32_t v) { put(b, &v, 4); }
+static void put_u64(buf *b, uint64_t v) { put(b, &v, 8); }
+static void put_str(buf *b, const char *s)
+{
+    put_u64(b, strlen(s));
+    put(b, s, strlen(s));
+}
+static void kv_u32(buf *b, const char *k, uint32_t v)
+{
+    put_str(b, k);
+    put_u32(b, 4); /* UINT32 */
+    put_u32(b, v);
+}
+static void kv_f32(buf *b, const char *k, float v)
+{
+    put_str(b, k);
+    put_u32(b, 6); /* FLOAT32 */
+    put(b, &v, 4);
+}
+static void kv_str(buf *b, const char *k, const char *v)
+{
+    put_str(b, k);
+    put_u32(b, 8); /* STRING */
+    put_str(b, v);
+}
+
+typedef struct wtensor {
+    char name[64];
+    int in, out;          /* ne = {in, out}; out = 0 for a vector */
+    kvarn_ggml_type type;
+    buf data;
+} wtensor;
+
+/* Encode n floats of x as type t (ggml block layouts, gguf.h). */
+static void encode(buf *b, kvarn_ggml_type t, const float *x, int n)
+{
+    if (t == KVARN_GGML_F32) {
+        put(b, x, sizeof(float) * n);
+    } else if (t == KVARN_GGML_F16) {
+        for (int i = 0; i < n; i++) {
+            uint16_t h = kvarn_fp32_to_fp16(x[i]);
+            put(b, &h, 2);
+        }
+    } else if (t == KVARN_GGML_Q8_0) {
+        for (int i = 0; i < n; i += 32) {
+            float amax = 0;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[i + j]));
+            float d = amax / 127.0f;
+            uint16_t h = kvarn_fp32_to_fp16(d);
+            put(b, &h, 2);
+            for (int j = 0; j < 32; j++) {
+                int8_t q = (int8_t)(d > 0 ? lrintf(x[i + j] / d) : 0);
+                put(b, &q, 1);
+            }
+        }
+    } else { /* Q4_1 */
+        for (int i = 0; i < n; i += 32) {
+            float lo = x[i], hi = x[i];
+            for (int j = 0; j < 32; j++) {
+                lo = fminf(lo, x[i + j]);
+                hi = fmaxf(hi, x[i + j]);
+            }
+            float d = (hi - lo) / 15.0f;
+            uint16_t hd = kvarn_fp32_to_fp16(d), hm = kvarn_fp32_to_fp16(lo);
+            put(b, &hd, 2);
+            put(b, &hm, 2);
+            uint8_t q[32];
+            for (int j = 0; j < 32; j++) {
+                long c = d > 0 ? lrintf((x[i + j] - lo) / d) : 0;
+                q[j] = (uint8_t)(c < 0 ? 0 : c > 15 ? 15 : c);
+            }
+            for (int j = 0; j < 16; j++) {
+                uint8_t byte = (uint8_t)(q[j] | (q[j + 16] << 4));
+                put(b, &byte, 1);
+            }
+        }
+    }
+}
+
+static void make_tensor(wtensor *t, const char *name, int in, int out,
+                        kvarn_ggml_type type, float scale, float bias,
+                        test_rng *rng)
+{
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->in = in;
+    t->out = out;
+    t->type = type;
+    int n = in * (out ? out : 1);
+    float *x = malloc(sizeof(float) * n);
+    assert_non_null(x);
+    for (int i = 0; i < n; i++) x[i] = bias + scale * (float)test_rng_normal(rng);
+    encode(&t->data, type, x, n);
+    free(x);
+}
+
+/* The whole file: metadata (arch as given), then the tensors. */
+static buf write_gguf(const char *arch, int drop_tensor)
+{
+    test_rng rng;
+    test_rng_seed(&rng, 1234);
+    wtensor *ts = calloc(4 + 9 * NL, sizeof *ts);
+    assert_non_null(ts);
+    int nt = 0;
+    make_tensor(&ts[nt++], "token_embd.weight", E, VOCAB, KVARN_GGML_Q8_0, 1.0f, 0, &rng);
+    /* The last token's embedding is NaN (fp16 NaN block scales), to test
+     * that NaN reaching the cache is refused and rolled back. */
+    for (int blk = (VOCAB - 1) * E / 32; blk < VOCAB * E / 32; blk++) {
+        uint16_t nan16 = 0x7E00;
+        memcpy(ts[0].data.p + (size_t)blk * 34, &nan16, 2);
+    }
+    make_tensor(&ts[nt++], "output_norm.weight", E, 0, KVARN_GGML_F32, 0.1f, 1.0f, &rng);
+    /* An output head of its own (untied; the real model covers tied). */
+    make_tensor(&ts[nt++], "output.weight", E, VOCAB, KVARN_GGML_F16, 1.0f, 0, &rng);
+    float ws = 1.0f / sqrtf((float)E);
+    for (int l = 0; l < NL; l++) {
+        char nm[64];
+#define T(suffix, in, out, type, scale, bias)                                  \
+    do {                                                                       \
+        snprintf(nm, sizeof nm, "blk.%d." suffix ".weight", l);                \
+        make_tensor(&ts[nt++], nm, (in), (out), (type), (scale), (bias), &rng); \
+    } while (0)
+        T("attn_norm", E, 0, KVARN_GGML_F32, 0.1f, 1.0f);
+        /* Larger Q/K make the softmax peaky, so attention matters. */
+        T("attn_q", E, NH * HD, KVARN_GGML_F16, 2 * ws, 0);
+        T("attn_k", E, NKV * HD, KVARN_GGML_Q4_1, 2 * ws, 0);
+        T("attn_v", E, NKV * HD, KVARN_GGML_Q8_0, ws, 0);
+        T("attn_output", NH * HD, E, KVARN_GGML_Q4_1, 1.0f / sqrtf(NH * HD), 0);
+        T("ffn_norm", E, 0, KVARN_GGML_F32, 0.1f, 1.0f);
+        T("ffn_gate", E, FF, KVARN_GGML_Q4_1, ws, 0);
+        T("ffn_up", E, FF, KVARN_GGML_F16, ws, 0);
+        T("ffn_down", FF, E, KVARN_GGML_Q8_0, 1.0f / sqrtf(FF), 0);
+#undef T
+    }
+    buf b = { 0 };
+    put(&b, "GGUF", 4);
+    put_u32(&b, 3);
+    int kept = nt - (drop_tensor ? 1 : 0);
+    put_u64(&b, (uint64_t)kept);
+    put_u64(&b, 11);
+    kv_str(&b, "general.architecture", arch);
+    kv_u32(&b, "llama.block_count", NL);
+    kv_u32(&b, "llama.embedding_length", E);
+    kv_u32(&b, "llama.feed_forward_length", FF);
+    kv_u32(&b, "llama.attention.head_count", NH);
+    kv_u32(&b, "llama.attention.head_count_kv", NKV);
+    kv_u32(&b, "llama.attention.key_length", HD);
+    kv_u32(&b, "llama.context_length", 1024);
+    kv_u32(&b, "llama.rope.dimension_count", HD);
+    kv_f32(&b, "llama.rope.freq_base", 10000.0f);
+    kv_f32(&b, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
+    uint64_t off = 0;
+    for (int i = 0; i < kept; i++) {
+        wtensor *t = &ts[i];
+        put_str(&b, t->name);
+        put_u32(&b, t->out ? 2 : 1);
+        put_u64(&b, (uint64_t)t->in);
+        if (t->out) put_u64(&b, (uint64_t)t->out);
+        put_u32(&b, (uint32_t)t->type);
+        put_u64(&b, off);
+        off += (t->data.n + 31) / 32 * 32;
+    }
+    static const uint8_t zeros[32];
+    put(&b, zeros, (32 - b.n % 32) % 32);
+    for (int i = 0; i < kept; i++) {
+        put(&b, ts[i].data.p, ts[i].data.n);
+        put(&b, zeros, (32 - ts[i].data.n % 32) % 32);
+    }
+    for (int i = 0; i < nt; i++) free(ts[i].data.p);
+    free(ts);
+    return b;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Fixture and helpers                                                      */
+/* ------------------------------------------------------------------------ */
+
+typedef struct fixture {
+    buf file;
+    kvarn_gguf *g;
+    kvarn_llama *m;
+    int32_t ids[NTOK];
+} fixture;
+
+static int setup(void **state)
+{
+    fixture *f = calloc(1, sizeof *f);
+    f->file = write_gguf("llama", 0);
+    char err[256];
+    if (kvarn_gguf_open_memory(f->file.p, f->file.n, &f->g, err, sizeof err) != KVARN_OK) {
+        fprintf(stderr, "gguf: %s\n", err);
+        return -1;
+    }
+    if (kvarn_llama_load_gguf(f->g, &f->m) != KVARN_OK) return -1;
+    test_rng rng;
+    test_rng_seed(&rng, 99);
+    for (int i = 0; i < NTOK; i++) f->ids[i] = (int32_t)test_rng_below(&rng, VOCAB - 1);
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fixture *f = *state;
+    kvarn_llama_free(f->m);
+    kvarn_gguf_close(f->g);
+    free(f->file.p);
+    free(f);
+    return 0;
+}
+
+/* How a run keeps its K/V. */
+enum { KERNELS = 0, EXACT_CHUNK = 1, EXACT = 2 };
+
+/* Logits of all NTOK tokens fed in chunks of `chunk`; caller frees. */
+static float *run(const fixture *f, const char *format, int mode, int chunk)
+{
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.cache_format = format;
+    o.exact = mode == EXACT;
+    o.exact_chunk = mode == EXACT_CHUNK;
+    o.max_tokens = NTOK;
+    o.max_chunk = chunk;
+    kvarn_llama_session *s = NULL;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    float *lg = malloc(sizeof(float) * NTOK * VOCAB);
+    assert_non_null(lg);
+    for (int p = 0; p < NTOK; p += chunk) {
+        int c = NTOK - p < chunk ? NTOK - p : chunk;
+        assert_int_equal(kvarn_llama_forward(s, f->ids + p, c, KVARN_LLAMA_LOGITS_ALL,
+                                             lg + (size_t)p * VOCAB, (size_t)c * VOCAB),
+                         KVARN_OK);
+    }
+    assert_int_equal(kvarn_llama_session_pos(s), NTOK);
+    kvarn_llama_session_free(s);
+    return lg;
+}
+
+/* Largest |a - b| over all logits, and the largest |a| (for scale). */
+static double max_diff(const float *a, const float *b)
+{
+    double d = 0;
+    for (size_t i = 0; i < (size_t)NTOK * VOCAB; i++) {
+        double e = fabs((double)a[i] - b[i]);
+        if (!(e <= d)) d = e; /* NaN propagates as a failure */
+    }
+    return d;
+}
+
+static double max_abs(const float *a)
+{
+    double d = 0;
+    for (size_t i = 0; i < (size_t)NTOK * VOCAB; i++) d = fmax(d, fabs(a[i]));
+    return d;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Tests                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void test_hparams(void **state)
+{
+    fixture *f = *state;
+    const kvarn_llama_hparams *hp = kvarn_llama_get_hparams(f->m);
+    assert_int_equal(hp->n_layers, NL);
+    assert_int_equal(hp->hidden, E);
+    assert_int_equal(hp->n_heads, NH);
+    assert_int_equal(hp->n_kv_heads, NKV);
+    assert_int_equal(hp->head_dim, HD);
+    assert_int_equal(hp->ffn, FF);
+    assert_int_equal(hp->vocab, VOCAB);
+    assert_int_equal(hp->context_length, 1024);
+    assert_int_equal(hp->tied_output, 0);
+    assert_true(fabsf(hp->rope_theta - 10000.0f) < 1e-3f);
+    assert_true(fabsf(hp->rms_eps - 1e-5f) < 1e-9f);
+}
+
+/* Exact store: one prefill, token-by-token decode and chunks of 7 and 128
+ * see the same exact K/V, so only fp32 summation order differs. */
+static void test_exact_prefill_decode_chunked(void **state)
+{
+    fixture *f = *state;
+    float *pre = run(f, NULL, EXACT, NTOK);
+    float *dec = run(f, NULL, EXACT, 1);
+    float *c7 = run(f, NULL, EXACT, 7);
+    float *c128 = run(f, NULL, EXACT, 128);
+    double scale = max_abs(pre);
+    assert_true(scale > 1.0);
+    assert_true(max_diff(pre, dec) < 1e-4 * scale);
+    assert_true(max_diff(pre, c7) < 1e-4 * scale);
+    assert_true(max_diff(pre, c128) < 1e-4 * scale);
+    free(pre);
+    free(dec);
+    free(c7);
+    free(c128);
+}
+
+/* fp16 cache. Kernel path: prefill, decode and chunks of 128 all read K/V
+ * at fp16 from the cache, so they agree with each other and with the exact
+ * run to fp16 rounding. Exact-chunk path: a full prefill never reads the
+ * cache, so it is the exact run; decode reads fp16 history. */
+static void test_fp16_prefill_decode_chunked(void **state)
+{
+    fixture *f = *state;
+    float *ex = run(f, NULL, EXACT, NTOK);
+    float *pre = run(f, "fp16", KERNELS, NTOK);
+    float *dec = run(f, "fp16", KERNELS, 1);
+    float *c128 = run(f, "fp16", KERNELS, 128);
+    float *pre_x = run(f, "fp16", EXACT_CHUNK, NTOK);
+    float *dec_x = run(f, "fp16", EXACT_CHUNK, 1);
+    double scale = max_abs(ex);
+    double d_pre = max_diff(ex, pre), d_dec = max_diff(pre, dec);
+    double d_c128 = max_diff(pre, c128), d_prex = max_diff(ex, pre_x);
+    double d_decx = max_diff(pre_x, dec_x);
+    print_message("fp16 max|diff| (max|logit| %.2f): prefill-exact %.2e, "
+                  "decode-prefill %.2e, chunk128-prefill %.2e, exact-chunk "
+                  "prefill-exact %.2e, exact-chunk decode-prefill %.2e\n",
+                  scale, d_pre, d_dec, d_c128, d_prex, d_decx);
+    assert_true(d_pre < 2e-3 * scale);
+    assert_true(d_dec < 2e-3 * scale);
+    assert_true(d_c128 < 2e-3 * scale);
+    assert_true(d_prex < 1e-5 * scale);
+    assert_true(d_decx < 2e-3 * scale);
+    /* ... and the cache really is read (fp16 is not bit-exact). */
+    assert_true(d_pre > 0.0 && d_decx > 0.0);
+    free(ex);
+    free(pre);
+    free(dec);
+    free(c128);
+    free(pre_x);
+    free(dec_x);
+}
+
+/* The paged kernels read the same history that kvarn_cache_read decodes.
+ * Two K/V stores of the same format, one on the kernel path and one on the
+ * exact-chunk path, get identical random Q/K/V (no model in the loop, so
+ * their caches hold identical records): 3 chunks of one tile, then decode
+ * steps. They differ only in how a chunk sees its own K/V: fp16 (tail or
+ * fp16 records) against fp32 on the exact path; per-token quantized formats
+ * see their own records, so they are checked on decode steps only, where
+ * one token of 300 is that far off. */
+static void test_kernels_match_exact_chunk(void **state)
+{
+    (void)state;
+    llama_kv_shape sh = { 2, NH, NKV, HD, 512, 128 };
+    int qd = NH * HD, kd = NKV * HD;
+    float *q = malloc(sizeof(float) * 128 * qd);
+    float *k = malloc(sizeof(float) * 128 * kd);
+    float *v = malloc(sizeof(float) * 128 * kd);
+    float *oa = malloc(sizeof(float) * 128 * qd);
+    float *ob = malloc(sizeof(float) * 128 * qd);
+    assert_true(q && k && v && oa && ob);
+    for (int i = 0; i < kvarn_format_count(); i++) {
+        const char *name = kvarn_format_name_at(i);
+        kvarn_format fmt;
+        assert_int_equal(kvarn_format_parse(name, &fmt), KVARN_OK);
+        int sixteen = fmt.per_tile || fmt.kind == KVARN_KIND_FP16 ||
+                      fmt.kind == KVARN_KIND_BF16;
+        /* fp16 rounding (KVarN tail, fp16 records) vs bf16 vs the quantized
+         * own token of per-token formats, relative to max|out|. */
+        double tol = fmt.kind == KVARN_KIND_BF16 ? 1e-2 : sixteen ? 1e-3 : 5e-2;
+        kvarn_llama_session_opts oa_opts = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+        kvarn_llama_session_opts ob_opts = oa_opts;
+        ob_opts.exact_chunk = 1;
+        llama_kv *A = NULL, *B = NULL;
+        assert_int_equal(llama_kv_paged_create(&sh, &fmt, &oa_opts, &A), KVARN_OK);
+        assert_int_equal(llama_kv_paged_create(&sh, &fmt, &ob_opts, &B), KVARN_OK);
+        test_rng rng;
+        test_rng_seed(&rng, 7 + (uint64_t)i);
+        double worst = 0, scale = 0;
+        int pos = 0;
+        for (int step = 0; step < 3 + 8; step++) {
+            int n = step < 3 ? 128 : 1;
+            for (int j = 0; j < n * qd; j++) q[j] = (float)test_rng_normal(&rng);
+            for (int j = 0; j < n * kd; j++) {
+                /* A large channel, as real keys have. */
+                k[j] = (float)test_rng_normal(&rng) + (j % HD == 5 ? 4.0f : 0.0f);
+                v[j] = (float)test_rng_normal(&rng);
+            }
+            assert_int_equal(A->ops->begin(A, pos, n), KVARN_OK);
+            assert_int_equal(B->ops->begin(B, pos, n), KVARN_OK);
+            for (int l = 0; l < sh.n_layers; l++) {
+                assert_int_equal(A->ops->attend(A, l, pos, n, q, qd, k, v, kd, oa), KVARN_OK);
+                assert_int_equal(B->ops->attend(B, l, pos, n, q, qd, k, v, kd, ob), KVARN_OK);
+                if (!sixteen && n > 1) continue;
+                for (int j = 0; j < n * qd; j++) {
+                    worst = fmax(worst, fabs((double)oa[j] - ob[j]));
+                    scale = fmax(scale, fabs((double)ob[j]));
+                }
+            }
+            assert_int_equal(A->ops->end(A, pos, n), KVARN_OK);
+            assert_int_equal(B->ops->end(B, pos, n), KVARN_OK);
+            pos += n;
+        }
+        print_message("%-16s kernels vs exact-chunk attention: max|diff| %.2e "
+                      "(max|out| %.2f)\n", name, worst, scale);
+        assert_true(scale > 0.1);
+        assert_true(worst < tol * scale);
+        A->ops->destroy(A);
+        B->ops->destroy(B);
+    }
+    free(q);
+    free(k);
+    free(v);
+    free(oa);
+    free(ob);
+}
+
+/* Every format of the table runs chunked (one tile per call) with finite
+ * logits; int8 history is closer to fp16 than int4 history. */
+static void test_all_formats_run(void **state)
+{
+    fixture *f = *state;
+    float *ref = run(f, "fp16", KERNELS, 128);
+    double d_int8 = -1, d_int4 = -1;
+    for (int i = 0; i < kvarn_format_count(); i++) {
+        const char *name = kvarn_format_name_at(i);
+        float *lg = run(f, name, KERNELS, 128);
+        for (size_t j = 0; j < (size_t)NTOK * VOCAB; j++) assert_true(isfinite(lg[j]));
+        double d = max_diff(ref, lg);
+        if (strcmp(name, "int8") == 0) d_int8 = d;
+        if (strcmp(name, "int4") == 0) d_int4 = d;
+        /* Quantized history must change the logits past the first chunk. */
+        if (strcmp(name, "fp16") != 0) assert_true(d > 0.0);
+        free(lg);
+    }
+    assert_true(d_int8 >= 0 && d_int4 >= 0);
+    assert_true(d_int8 < d_int4);
+    free(ref);
+}
+
+/* KVARN_LLAMA_LOGITS_LAST is the last row of _ALL; after a reset the same
+ * calls give bit-identical logits (deterministic, nothing left behind). */
+static void test_last_and_reset(void **state)
+{
+    fixture *f = *state;
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.cache_format = "kvarn_k4v2_g128";
+    o.max_tokens = NTOK;
+    o.max_chunk = 160;
+    kvarn_llama_session *s = NULL;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    assert_string_equal(kvarn_llama_session_format(s), "kvarn_k4v2_g128");
+    float *all = malloc(sizeof(float) * 160 * VOCAB);
+    float last[VOCAB], last2[VOCAB];
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 160, KVARN_LLAMA_LOGITS_NONE, NULL, 0),
+                     KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids + 160, 140, KVARN_LLAMA_LOGITS_LAST,
+                                         last, VOCAB), KVARN_OK);
+    kvarn_llama_session_reset(s);
+    assert_int_equal(kvarn_llama_session_pos(s), 0);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 160, KVARN_LLAMA_LOGITS_NONE, NULL, 0),
+                     KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids + 160, 140, KVARN_LLAMA_LOGITS_ALL,
+                                         all, (size_t)140 * VOCAB), KVARN_OK);
+    /* GEMV (one row) against GEMM (all rows): summation order differs. */
+    for (int j = 0; j < VOCAB; j++)
+        assert_true(fabsf(last[j] - all[(size_t)139 * VOCAB + j]) <=
+                    1e-5f * (1.0f + fabsf(last[j])));
+    kvarn_llama_session_reset(s);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 160, KVARN_LLAMA_LOGITS_NONE, NULL, 0),
+                     KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids + 160, 140, KVARN_LLAMA_LOGITS_LAST,
+                                         last2, VOCAB), KVARN_OK);
+    assert_memory_equal(last, last2, sizeof last);
+    free(all);
+    kvarn_llama_session_free(s);
+}
+
+static void test_errors(void **state)
+{
+    fixture *f = *state;
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    kvarn_llama_session *s = NULL;
+    o.cache_format = "fp12";
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_UNKNOWN_FORMAT);
+    assert_null(s);
+    o.cache_format = "int8";
+    o.max_tokens = 64;
+    o.max_chunk = 16;
+    assert_int_equal(kvarn_llama_session_create(NULL, &o, &s), KVARN_ERR_INVALID_ARG);
+    o.balance_iters = 100;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_INVALID_ARG);
+    o.balance_iters = -1;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    float lg[VOCAB];
+    int32_t bad[2] = { 5, VOCAB };
+    assert_int_equal(kvarn_llama_forward(s, bad, 2, KVARN_LLAMA_LOGITS_LAST, lg, VOCAB),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 17, KVARN_LLAMA_LOGITS_LAST, lg, VOCAB),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 0, KVARN_LLAMA_LOGITS_LAST, lg, VOCAB),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 2, KVARN_LLAMA_LOGITS_LAST, lg, VOCAB - 1),
+                     KVARN_ERR_BUFFER_TOO_SMALL);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 2, KVARN_LLAMA_LOGITS_ALL, lg, VOCAB),
+                     KVARN_ERR_BUFFER_TOO_SMALL);
+    assert_int_equal(kvarn_llama_session_pos(s), 0);
+    for (int p = 0; p < 64; p += 16)
+        assert_int_equal(kvarn_llama_forward(s, f->ids + p, 16, KVARN_LLAMA_LOGITS_NONE,
+                                             NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 1, KVARN_LLAMA_LOGITS_LAST, lg, VOCAB),
+                     KVARN_ERR_OUT_OF_BLOCKS);
+    assert_int_equal(kvarn_llama_session_pos(s), 64);
+    kvarn_llama_session_free(s);
+}
+
+/* A NaN reaching the cache fails the call with KVARN_ERR_NONFINITE and
+ * leaves the session as before: the same tokens then give the logits of a
+ * session that never saw the failure. */
+static void test_nonfinite_rolls_back(void **state)
+{
+    fixture *f = *state;
+    static const char *formats[] = { "fp16", "int4", "kvarn_k4v2_g128" };
+    for (int i = 0; i < 3; i++) {
+        kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+        o.cache_format = formats[i];
+        o.max_tokens = NTOK;
+        o.max_chunk = 128;
+        kvarn_llama_session *a = NULL, *b = NULL;
+        assert_int_equal(kvarn_llama_session_create(f->m, &o, &a), KVARN_OK);
+        assert_int_equal(kvarn_llama_session_create(f->m, &o, &b), KVARN_OK);
+        float la[VOCAB], lb[VOCAB];
+        int32_t poison[3] = { f->ids[0], VOCAB - 1, f->ids[1] };
+        for (int p = 0; p < 256; p += 128) {
+            assert_int_equal(kvarn_llama_forward(a, f->ids + p, 128, KVARN_LLAMA_LOGITS_NONE,
+                                                 NULL, 0), KVARN_OK);
+            assert_int_equal(kvarn_llama_forward(b, f->ids + p, 128, KVARN_LLAMA_LOGITS_NONE,
+                                                 NULL, 0), KVARN_OK);
+        }
+        assert_int_equal(kvarn_llama_forward(a, poison, 3, KVARN_LLAMA_LOGITS_LAST, la, VOCAB),
+                         KVARN_ERR_NONFINITE);
+        assert_int_equal(kvarn_llama_session_pos(a), 256);
+        assert_int_equal(kvarn_llama_forward(a, f->ids + 256, 44, KVARN_LLAMA_LOGITS_LAST,
+                                             la, VOCAB), KVARN_OK);
+        assert_int_equal(kvarn_llama_forward(b, f->ids + 256, 44, KVARN_LLAMA_LOGITS_LAST,
+                                             lb, VOCAB), KVARN_OK);
+        assert_memory_equal(la, lb, sizeof la);
+        kvarn_llama_session_free(a);
+        kvarn_llama_session_free(b);
+    }
+}
+
+static void test_bad_files(void **state)
+{
+    (void)state;
+    kvarn_llama *m = NULL;
+    assert_int_equal(kvarn_llama_load("/nonexistent/model.gguf", &m), KVARN_ERR_IO);
+    assert_null(m);
+    assert_int_equal(kvarn_llama_load(NULL, &m), KVARN_ERR_INVALID_ARG);
+    const char *arch[2] = { "gpt2", "llama" };
+    for (int i = 0; i < 2; i++) {
+        /* i = 0: another architecture; i = 1: the last tensor missing. */
+        buf b = write_gguf(arch[i], i);
+        kvarn_gguf *g = NULL;
+        assert_int_equal(kvarn_gguf_open_memory(b.p, b.n, &g, NULL, 0), KVARN_OK);
+        assert_int_equal(kvarn_llama_load_gguf(g, &m), KVARN_ERR_BAD_FILE);
+        assert_null(m);
+        kvarn_gguf_close(g);
+        free(b.p);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_hparams),
+        cmocka_unit_test(test_exact_prefill_decode_chunked),
+        cmocka_unit_test(test_fp16_prefill_decode_chunked),
+        cmocka_unit_test(test_kernels_match_exact_chunk),
+        cmocka_unit_test(test_all_formats_run),
+        cmocka_unit_test(test_last_and_reset),
+        cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_nonfinite_rolls_back),
+        cmocka_unit_test(test_bad_files),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
