@@ -27,6 +27,23 @@
  *     in once and the output rotated back once.
  *   - Slot mapping (what an engine passes when storing): slot = block * G +
  *     offset for the token at offset within its tile.
+ *   - n_blocks and n_fp16_pages bound the arenas: attention checks every
+ *     block table entry it will read against them and never reads outside.
+ *
+ * Attention (docs/attention.md). Queries and outputs are fp32 in the
+ * ORIGINAL basis. Query head j reads KV head j / (Hq / Hk) (GQA). Scores are
+ * softmax_scale * q.k over the positions a query may see; the output is the
+ * softmax-weighted sum of V. For KVarN the kernels fold the record's scales
+ * into the query and the weights (spec "Attention over records") and never
+ * expand a record to fp16/fp32 in memory.
+ *
+ * Threads: the caller creates one kvarn_thread_pool and passes it to every
+ * call (NULL: run on the calling thread only). Work items are (sequence, KV
+ * head, block of up to 256 query rows, context chunk); long contexts with
+ * few items are split into chunks (split-K) merged by log-sum-exp in a fixed
+ * order, so a call is bit-for-bit deterministic for a given thread count
+ * and options. Memory: the caller passes a workspace of
+ * kvarn_attn_workspace_bytes(); the calls never allocate.
  */
 #ifndef KVARN_ATTN_H
 #define KVARN_ATTN_H
@@ -52,6 +69,8 @@ typedef struct kvarn_paged_kv {
     size_t record_stride;       /* bytes between KV heads inside a block */
     size_t token_record_bytes;  /* per-token formats: bytes of one token record */
     const uint16_t *fp16_pages; /* fp16 page arena of this layer */
+    int n_blocks;               /* blocks in the quantized arena: ids [0, n_blocks) */
+    int n_fp16_pages;           /* pages in the fp16 arena: ids [0, n_fp16_pages) */
 } kvarn_paged_kv;
 
 /* One sequence, as attention reads it. */
@@ -60,6 +79,104 @@ typedef struct kvarn_seq_view {
     int seq_len;                /* tokens of context, >= 0 */
     int committed_tiles;        /* tiles [sink_tiles, committed_tiles) are quantized */
 } kvarn_seq_view;
+
+/* ------------------------------------------------------------------------ */
+/* Thread pool                                                              */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kvarn_thread_pool kvarn_thread_pool;
+
+/* Create a pool of n_threads workers (the calling thread counts as one, so
+ * n_threads - 1 pthreads are started; n_threads in [1, 256]). Create once,
+ * reuse for every call; the threads sleep between calls. A pool serves one
+ * call at a time: calls that share a pool must not overlap.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL out, n_threads out of range),
+ * KVARN_ERR_NOMEM (allocation or thread creation failed; nothing leaks). */
+kvarn_status kvarn_thread_pool_create(int n_threads, kvarn_thread_pool **out);
+
+/* Stop and join the workers, free the pool. NULL is a no-op. */
+void kvarn_thread_pool_destroy(kvarn_thread_pool *pool);
+
+/* Workers in the pool, the calling thread included; 1 for NULL. */
+int kvarn_thread_pool_size(const kvarn_thread_pool *pool);
+
+/* ------------------------------------------------------------------------ */
+/* Attention                                                                */
+/* ------------------------------------------------------------------------ */
+
+/* Options of one attention call. */
+typedef struct kvarn_attn_opts {
+    float softmax_scale; /* multiplies q.k (usually 1/sqrt(D)); finite, > 0 */
+    int sliding_window;  /* W > 0: a query at position p sees only positions
+                            (p - W, p]; 0: off. Non-causal queries count the
+                            window back from the sequence's last token. */
+    int causal;          /* multi-query: 1 (default) query i of a chunk of
+                            q_len sees positions <= seq_len - q_len + i;
+                            0: every query sees the whole sequence */
+    int split_k;         /* 0: automatic (with fewer than 4 work items per
+                            thread, split contexts into chunks of >= 512
+                            tokens, ~4 per thread in all);
+                            1: never split; s >= 2: split every work item's
+                            context into up to s chunks (for tests) */
+    int force_scalar;    /* 1: use the scalar reference kernels even when
+                            the CPU has AVX2/FMA/F16C */
+} kvarn_attn_opts;
+
+#define KVARN_ATTN_OPTS_DEFAULT(scale) { (scale), 0, 1, 0, 0 }
+
+/* Bytes of workspace a call needs, an upper bound for any call with at most
+ * max_seqs sequences and max_total_q query tokens in all (decode:
+ * max_total_q = max_seqs) on a pool of n_threads workers (1 for no pool),
+ * with these options (NULL: defaults). 0 on bad arguments (unsupported
+ * format or head_dim, n_q_heads not a positive multiple of n_kv_heads,
+ * negative counts). Allocate once for the largest batch, reuse. */
+size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
+                                  int max_seqs, int max_total_q,
+                                  int n_threads, const kvarn_attn_opts *opts);
+
+/* Decode attention: one query token per sequence, at position seq_len - 1.
+ *   kv         the layer's paged K/V (see the top of this header).
+ *   seqs       [n_seqs] sequence views; seq_len 0 gives a zero output.
+ *   n_q_heads  Hq, a positive multiple of kv->n_kv_heads.
+ *   q          fp32 [n_seqs][Hq][D] queries (post-RoPE), original basis.
+ *   out        fp32 [n_seqs][Hq][D] attention outputs, original basis.
+ *   opts       NULL: softmax_scale 1/sqrt(D), no window, auto split.
+ *   pool       NULL: single-threaded.
+ *   workspace  at least kvarn_attn_workspace_bytes(kv, Hq, n_seqs, n_seqs,
+ *              pool size, opts) bytes, any alignment.
+ * Errors (out untouched): KVARN_ERR_INVALID_ARG (NULL, n_seqs < 0, Hq not a
+ * multiple of Hk, bad view geometry, seq_len < 0, committed_tiles out of
+ * range, a block table entry outside the arena, bad opts),
+ * KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_NONFINITE (NaN/Inf in q),
+ * KVARN_ERR_BUFFER_TOO_SMALL (workspace). */
+kvarn_status kvarn_attn_decode(const kvarn_paged_kv *kv,
+                               const kvarn_seq_view *seqs, int n_seqs,
+                               int n_q_heads, const float *q, float *out,
+                               const kvarn_attn_opts *opts,
+                               kvarn_thread_pool *pool,
+                               void *workspace, size_t workspace_size);
+
+/* Multi-query attention (chunked prefill, speculative verification): the
+ * queries of sequence s are its LAST q_len = query_start_loc[s+1] -
+ * query_start_loc[s] positions (query i at position seq_len - q_len + i;
+ * q_len <= seq_len), already written to the cache.
+ *   query_start_loc  int32 [n_seqs + 1], query_start_loc[0] = 0,
+ *              non-decreasing; total_q = query_start_loc[n_seqs].
+ *   q, out     fp32 [total_q][Hq][D], original basis.
+ * Causal by default, each query with its own limit; opts->causal = 0 lets
+ * every query see the whole sequence. Everything else as for decode, with
+ * the workspace sized for (n_seqs, total_q). */
+kvarn_status kvarn_attn_multi(const kvarn_paged_kv *kv,
+                              const kvarn_seq_view *seqs, int n_seqs,
+                              const int32_t *query_start_loc,
+                              int n_q_heads, const float *q, float *out,
+                              const kvarn_attn_opts *opts,
+                              kvarn_thread_pool *pool,
+                              void *workspace, size_t workspace_size);
+
+/* Name of the kernel set a call with these options would use on this CPU:
+ * "avx2" or "scalar". Never NULL. */
+const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,352 @@
+/* bench_attn.c -- decode attention time per call over the paged cache, for
+ * every cache format, as a speed ratio to the fp16 cache measured in the
+ * same run, with the bytes of cache read per second and the machine's
+ * memcpy bandwidth for scale.
+ *
+ *   bench_attn [--quick] [--contexts 1024,4096,...] [--shapes smol,llama]
+ *              [--batches 1,16] [--threads 1,2] [--formats fp16,int8,...]
+ *              [--min-time SECONDS] [--max-mb MB] [--working-set MB]
+ *              [--block-size G] [--scalar]
+ *
+ * Shapes: smol = SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64),
+ * llama = Llama-3-8B (32 / 8, head_dim 128). One call is one layer; the
+ * layer is copied enough times that the calls, cycling through the copies,
+ * touch at least --working-set MB (default 256, well above the L3 cache),
+ * as a real model's layers do; --working-set 0 times one cache-resident
+ * layer. Pages are
+ * built the way tests/common/paged_fixture.h builds them (records from
+ * kvarn_encode, fp16 sink page, shuffled block ids), except that a pool of
+ * encoded tiles is copied into all blocks instead of encoding every tile
+ * (the kernels' speed does not depend on the values). Per-token formats use
+ * block size 16 (--block-size); KVarN keeps 1 fp16 sink tile and commits every full tile.
+ * Each configuration runs at least --min-time seconds (3 calls at least)
+ * and reports its fastest call: with 1 thread timed by the thread's CPU
+ * clock, with more threads by the wall clock. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvarn/attn.h"
+#include "kvarn/kvarn.h"
+#include "kvarn/record.h"
+
+#define MAXL 16
+
+typedef struct list { int n; int v[MAXL]; } list;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* CPU time of the calling thread: with one worker the whole call runs on
+ * it, and this clock does not count time lost to other processes on a
+ * shared machine. */
+static double thread_cpu_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static double rnd(void) /* uniform [-1, 1) */
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (double)(rng_state >> 11) / 4503599627370496.0 - 1.0;
+}
+
+static list parse_list(const char *s)
+{
+    list l = {0, {0}};
+    while (*s && l.n < MAXL) {
+        l.v[l.n++] = (int)strtol(s, (char **)&s, 10);
+        if (*s == ',') s++;
+        else break;
+    }
+    return l;
+}
+
+typedef struct bench_cache {
+    kvarn_paged_kv kv;
+    kvarn_seq_view *views;
+    int32_t *tables;
+    uint8_t *blocks;
+    uint16_t *pages;
+    double bytes_read; /* per call */
+    int n_layers;      /* copies of the layer, to exceed the CPU caches */
+    size_t blocks_bytes, pages_bytes; /* of one layer */
+} bench_cache;
+
+static void free_cache(bench_cache *c)
+{
+    free(c->views); free(c->tables); free(c->blocks); free(c->pages);
+    memset(c, 0, sizeof *c);
+}
+
+/* Bytes the cache of this shape would take; 0 if the format cannot serve D. */
+static double cache_bytes(const kvarn_format *fmt, int D, int Hk, int ctx, int batch)
+{
+    double bpt = kvarn_bytes_per_token_head(fmt, D);
+    return bpt * (double)ctx * Hk * batch;
+}
+
+static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, int ctx, int batch,
+                       int block_size, int n_layers)
+{
+    memset(c, 0, sizeof *c);
+    kvarn_record_layout L;
+    if (kvarn_record_layout_get(fmt, D, &L) != KVARN_OK) return -1;
+    const int kvarn = fmt->kind == KVARN_KIND_KVARN;
+    const int G = kvarn ? fmt->tile_tokens : block_size, sink = kvarn ? 1 : 0;
+    const int nt = (ctx + G - 1) / G;
+    const size_t rec_stride = kvarn ? L.record_bytes : (size_t)G * L.record_bytes;
+    const size_t block_stride = rec_stride * Hk;
+    int n_pages = 0, n_blocks = 0;
+    for (int i = 0; i < nt; i++) {
+        int page = kvarn && (i < sink || (i + 1) * G > ctx);
+        if (page) n_pages++; else n_blocks++;
+    }
+    n_pages *= batch;
+    n_blocks *= batch;
+    c->n_layers = n_layers;
+    c->blocks_bytes = (size_t)(n_blocks ? n_blocks : 1) * block_stride;
+    c->pages_bytes = (size_t)(n_pages ? n_pages : 1) * Hk * 2 * G * D * sizeof(uint16_t);
+    c->blocks = malloc(c->blocks_bytes * n_layers);
+    c->pages = malloc(c->pages_bytes * n_layers);
+    c->tables = malloc(sizeof(int32_t) * (size_t)nt * batch);
+    c->views = malloc(sizeof(kvarn_seq_view) * (size_t)batch);
+    if (!c->blocks || !c->pages || !c->tables || !c->views) return -2;
+
+    /* A pool of encoded records, copied round robin into every block. */
+    enum { POOL = 8 };
+    size_t wsz = kvarn_encode_workspace_bytes(fmt, D);
+    void *ws = wsz ? malloc(wsz) : NULL;
+    float *k = malloc(sizeof(float) * (size_t)G * D), *v = malloc(sizeof(float) * (size_t)G * D);
+    uint8_t *pool = malloc(POOL * rec_stride);
+    for (int p = 0; p < POOL; p++) {
+        for (int i = 0; i < G * D; i++) {
+            k[i] = (float)(2.0 * rnd());
+            v[i] = (float)rnd();
+        }
+        if (kvarn) {
+            kvarn_encode(fmt, D, k, v, pool + p * rec_stride, rec_stride, ws, wsz, NULL);
+        } else {
+            for (int t = 0; t < G; t++)
+                kvarn_encode(fmt, D, k + (size_t)t * D, v + (size_t)t * D,
+                             pool + p * rec_stride + (size_t)t * L.record_bytes, L.record_bytes,
+                             NULL, 0, NULL);
+        }
+    }
+    for (int b = 0; b < n_blocks; b++)
+        for (int h = 0; h < Hk; h++)
+            memcpy(c->blocks + (size_t)b * block_stride + (size_t)h * rec_stride,
+                   pool + (size_t)((b * 7 + h) % POOL) * rec_stride, rec_stride);
+    for (size_t i = 0; i < (size_t)n_pages * Hk * 2 * G * D; i++)
+        c->pages[i] = kvarn_fp32_to_fp16((float)rnd());
+    free(k); free(v); free(pool); free(ws);
+
+    /* Shuffled ids: sequences interleave in the arena. */
+    int32_t *bid = malloc(sizeof(int32_t) * (size_t)(n_blocks + 1));
+    int32_t *pid = malloc(sizeof(int32_t) * (size_t)(n_pages + 1));
+    for (int i = 0; i < n_blocks; i++) bid[i] = i;
+    for (int i = 0; i < n_pages; i++) pid[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        int j = (int)((rnd() + 1.0) * 0.5 * (i + 1)) % (i + 1);
+        int32_t t = bid[i]; bid[i] = bid[j]; bid[j] = t;
+    }
+    int nb = 0, np = 0;
+    c->bytes_read = 0;
+    for (int s = 0; s < batch; s++) {
+        int32_t *tab = c->tables + (size_t)s * nt;
+        int committed = kvarn ? ctx / G : nt;
+        for (int i = 0; i < nt; i++) {
+            int page = kvarn && (i < sink || i >= committed);
+            tab[i] = page ? pid[np++] : bid[nb++];
+            int cnt = ctx - i * G < G ? ctx - i * G : G;
+            c->bytes_read += page ? (double)cnt * 4 * D * Hk
+                                  : (kvarn ? (double)L.record_bytes : (double)cnt * L.record_bytes) * Hk;
+        }
+        c->views[s].block_table = tab;
+        c->views[s].seq_len = ctx;
+        c->views[s].committed_tiles = committed;
+    }
+    free(bid); free(pid);
+    kvarn_paged_kv *kv = &c->kv;
+    kv->fmt = *fmt;
+    kv->head_dim = D;
+    kv->n_kv_heads = Hk;
+    kv->block_size = G;
+    kv->sink_tiles = sink;
+    kv->blocks = c->blocks;
+    kv->block_stride = block_stride;
+    kv->record_stride = rec_stride;
+    kv->token_record_bytes = kvarn ? 0 : L.record_bytes;
+    kv->fp16_pages = c->pages;
+    kv->n_blocks = n_blocks;
+    kv->n_fp16_pages = n_pages;
+    for (int l = 1; l < n_layers; l++) {
+        memcpy(c->blocks + l * c->blocks_bytes, c->blocks, c->blocks_bytes);
+        memcpy((uint8_t *)c->pages + l * c->pages_bytes, c->pages, c->pages_bytes);
+    }
+    return 0;
+}
+
+/* The view of layer l (all layers share the block tables). */
+static kvarn_paged_kv layer_kv(const bench_cache *c, int l)
+{
+    kvarn_paged_kv kv = c->kv;
+    kv.blocks = c->blocks + (size_t)l * c->blocks_bytes;
+    kv.fp16_pages = (const uint16_t *)((const uint8_t *)c->pages + (size_t)l * c->pages_bytes);
+    return kv;
+}
+
+static double memcpy_gbs(void)
+{
+    size_t n = (size_t)256 << 20;
+    char *a = malloc(n), *b = malloc(n);
+    if (!a || !b) { free(a); free(b); return 0; }
+    memset(a, 1, n);
+    memset(b, 2, n);
+    double best = 1e30;
+    for (int i = 0; i < 4; i++) {
+        double t = now_s();
+        memcpy(b, a, n);
+        t = now_s() - t;
+        if (t < best) best = t;
+        a[i] = b[n - 1 - i]; /* keep the copies alive */
+    }
+    free(a); free(b);
+    return (double)n / best / 1e9;
+}
+
+int main(int argc, char **argv)
+{
+    list ctxs = parse_list("1024,4096,8192,16384,32768"), batches = parse_list("1,16");
+    list threads = parse_list("1,2");
+    const char *shapes = "smol,llama", *formats = NULL;
+    double min_time = 0.3, max_mb = 3000, ws_mb = 256;
+    int scalar = 0, block_size = 16;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *nx = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--quick")) {
+            ctxs = parse_list("1024,8192");
+            batches = parse_list("1");
+            threads = parse_list("1");
+            min_time = 0.1;
+        } else if (!strcmp(a, "--contexts") && nx) { ctxs = parse_list(nx); i++; }
+        else if (!strcmp(a, "--batches") && nx) { batches = parse_list(nx); i++; }
+        else if (!strcmp(a, "--threads") && nx) { threads = parse_list(nx); i++; }
+        else if (!strcmp(a, "--shapes") && nx) { shapes = nx; i++; }
+        else if (!strcmp(a, "--formats") && nx) { formats = nx; i++; }
+        else if (!strcmp(a, "--min-time") && nx) { min_time = atof(nx); i++; }
+        else if (!strcmp(a, "--max-mb") && nx) { max_mb = atof(nx); i++; }
+        else if (!strcmp(a, "--block-size") && nx) { block_size = atoi(nx); i++; }
+        else if (!strcmp(a, "--working-set") && nx) { ws_mb = atof(nx); i++; }
+        else if (!strcmp(a, "--scalar")) scalar = 1;
+        else {
+            fprintf(stderr, "usage: %s [--quick] [--contexts L] [--shapes smol,llama] "
+                            "[--batches L] [--threads L] [--formats L] [--min-time S] "
+                            "[--max-mb MB] [--working-set MB] [--block-size G] [--scalar]\n", argv[0]);
+            return 2;
+        }
+    }
+    struct { const char *name; int Hq, Hk, D; } shp[2] = {{"smol", 9, 3, 64}, {"llama", 32, 8, 128}};
+    kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
+    o0.force_scalar = scalar;
+    printf("memcpy bandwidth (1 thread, 256 MiB): %.1f GB/s copied\n", memcpy_gbs());
+    printf("kernels: %s\n", kvarn_attn_kernel_name(&o0));
+    printf("%-6s %5s %6s %3s %-16s %10s %9s %9s\n", "shape", "batch", "ctx", "thr", "format",
+           "us/call", "vs fp16", "GB/s");
+    int nf = kvarn_format_count();
+    for (int si = 0; si < 2; si++) {
+        if (!strstr(shapes, shp[si].name)) continue;
+        const int D = shp[si].D, Hk = shp[si].Hk, Hq = shp[si].Hq;
+        for (int bi = 0; bi < batches.n; bi++)
+            for (int ci = 0; ci < ctxs.n; ci++) {
+                const int batch = batches.v[bi], ctx = ctxs.v[ci];
+                double t_fp16[MAXL] = {0};
+                for (int fi = 0; fi < nf; fi++) {
+                    const char *fname = kvarn_format_name_at(fi);
+                    if (formats && fi > 0) {
+                        /* match a whole item of the comma-separated list */
+                        const char *p = formats;
+                        size_t len = strlen(fname);
+                        int found = 0;
+                        while ((p = strstr(p, fname)) != NULL) {
+                            if ((p == formats || p[-1] == ',') && (p[len] == ',' || p[len] == 0)) found = 1;
+                            p += len;
+                        }
+                        if (!found) continue;
+                    }
+                    kvarn_format fmt;
+                    kvarn_format_parse(fname, &fmt);
+                    if (cache_bytes(&fmt, D, Hk, ctx, batch) > max_mb * 1e6) {
+                        printf("%-6s %5d %6d %3s %-16s   skipped (cache over --max-mb)\n", shp[si].name,
+                               batch, ctx, "-", fname);
+                        continue;
+                    }
+                    bench_cache c;
+                    double layer_bytes = cache_bytes(&fmt, D, Hk, ctx, batch);
+                    int n_layers = layer_bytes > 0 ? (int)(ws_mb * 1e6 / layer_bytes) + 1 : 1;
+                    if (ws_mb <= 0) n_layers = 1;
+                    if (n_layers * layer_bytes > max_mb * 1e6) n_layers = (int)(max_mb * 1e6 / layer_bytes);
+                    if (n_layers < 1) n_layers = 1;
+                    if (build_cache(&c, &fmt, D, Hk, ctx, batch, block_size, n_layers) != 0) {
+                        printf("%-6s %5d %6d %3s %-16s   could not build\n", shp[si].name, batch, ctx,
+                               "-", fname);
+                        free_cache(&c);
+                        continue;
+                    }
+                    float *q = malloc(sizeof(float) * (size_t)batch * Hq * D);
+                    float *out = malloc(sizeof(float) * (size_t)batch * Hq * D);
+                    for (size_t i = 0; i < (size_t)batch * Hq * D; i++) q[i] = (float)rnd();
+                    for (int ti = 0; ti < threads.n; ti++) {
+                        kvarn_thread_pool *pool = NULL;
+                        if (kvarn_thread_pool_create(threads.v[ti], &pool) != KVARN_OK) continue;
+                        size_t wsz = kvarn_attn_workspace_bytes(&c.kv, Hq, batch, batch, threads.v[ti], &o0);
+                        kvarn_paged_kv kv = layer_kv(&c, 0);
+                        void *ws = malloc(wsz);
+                        kvarn_status st = kvarn_attn_decode(&kv, c.views, batch, Hq, q, out, &o0,
+                                                            pool, ws, wsz); /* warm-up */
+                        /* Best of the timed calls: the machine may be shared, and the
+                         * fastest call is the one least disturbed by others. */
+                        int iters = 0;
+                        double t0 = now_s(), el = 0, best = 1e30;
+                        while (st == KVARN_OK && (el < min_time || iters < 3 || iters < c.n_layers)) {
+                            const int one = threads.v[ti] == 1;
+                            kv = layer_kv(&c, (iters + 1) % c.n_layers);
+                            double t1 = one ? thread_cpu_s() : now_s();
+                            st = kvarn_attn_decode(&kv, c.views, batch, Hq, q, out, &o0, pool, ws, wsz);
+                            t1 = (one ? thread_cpu_s() : now_s()) - t1;
+                            best = t1 < best ? t1 : best;
+                            iters++;
+                            el = now_s() - t0;
+                        }
+                        if (st != KVARN_OK) {
+                            printf("%-6s %5d %6d %3d %-16s   error: %s\n", shp[si].name, batch, ctx,
+                                   threads.v[ti], fname, kvarn_strerror(st));
+                        } else {
+                            double per = best;
+                            if (fi == 0) t_fp16[ti] = per;
+                            char ratio[32] = "      -";
+                            if (t_fp16[ti] > 0) snprintf(ratio, sizeof ratio, "%8.2fx", t_fp16[ti] / per);
+                            printf("%-6s %5d %6d %3d %-16s %10.1f %9s %9.2f\n", shp[si].name, batch, ctx,
+                                   threads.v[ti], fname, per * 1e6, ratio, c.bytes_read / per / 1e9);
+                            fflush(stdout);
+                        }
+                        free(ws);
+                        kvarn_thread_pool_destroy(pool);
+                    }
+                    free(q); free(out);
+                    free_cache(&c);
+                }
+            }
+    }
+    return 0;
+}

@@ -1,0 +1,569 @@
+/*
+ * attn.c -- the attention entry points: argument checks, the work plan
+ * (items and split-K chunks), the per-item loop over tiles, the
+ * log-sum-exp merge of split chunks, and the final normalization and
+ * inverse Hadamard rotation. The per-tile math lives in kernel_ref.c and
+ * kernel_avx2.c. Layout: include/kvarn/attn.h; method: docs/attention.md;
+ * source: ../shared/spec/KVARN.md "Attention over records", "The fp16 tail
+ * and the sink".
+ */
+#include <math.h>
+#include <string.h>
+
+#include "attn/attn_internal.h"
+#include "codec/hadamard.h"
+
+/* Query rows (query tokens x GQA heads) one work item carries at most. */
+#define ROWS_TARGET 256
+/* Per-token formats: one kernel call takes a span of whole blocks of at
+ * least this many tokens, to spread the per-call softmax work. */
+#define SPAN_TOKENS 128 /* and SPAN_TOKENS <= ATTN_PREFETCH_MAX */
+/* Auto split-K keeps at least this many tokens in a chunk. */
+#define SPLIT_MIN_TOKENS 512
+#define ALIGN_F 16 /* floats: 64-byte alignment of every scratch array */
+
+/* ---------------------------------------------------------------- plan */
+
+typedef struct attn_item {
+    int seq, kvh;
+    int q0, nq;            /* queries [q0, q0 + nq) of the sequence's chunk */
+    int tile0, tile1;      /* tiles [tile0, tile1) this item reads */
+    int chunk, n_chunks;   /* split-K: this chunk of n_chunks */
+    size_t partial;        /* split: float offset of its (m, l, acc) rows */
+} attn_item;
+
+typedef struct attn_geom {
+    int D, G, Hk, Hq, group, qblock, rows_max;
+    int span_tiles;        /* tiles per kernel call (per-token formats) */
+    int gs;                /* row stride of the scores: span tokens, rounded */
+    int is_kvarn;
+    size_t thread_floats;  /* per-worker scratch */
+    size_t max_items, max_groups, partial_floats;
+} attn_geom;
+
+static size_t round_f(size_t n) { return (n + ALIGN_F - 1) / ALIGN_F * ALIGN_F; }
+
+static size_t thread_scratch_floats(int rows, int D, int gs_)
+{
+    size_t R = (size_t)rows, gs = (size_t)gs_;
+    return 3 * round_f(R * D)           /* q, acc, qa */
+           + round_f(R * gs)            /* s */
+           + 7 * round_f(R)             /* qsum, m, l, rc, lo, hi (+1 spare) */
+           + round_f(3 * (size_t)D + 4 * gs) /* tile metadata */
+           + round_f(gs * sizeof(void *) / sizeof(float)); /* token pointers */
+}
+
+static int opts_valid(const kvarn_attn_opts *o)
+{
+    return isfinite(o->softmax_scale) && o->softmax_scale > 0.0f &&
+           o->sliding_window >= 0 && (o->causal == 0 || o->causal == 1) &&
+           o->split_k >= 0 && o->split_k <= 1024 &&
+           (o->force_scalar == 0 || o->force_scalar == 1);
+}
+
+/* Geometry and workspace bounds; 0 on success, else a status. */
+static kvarn_status make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seqs,
+                              int max_total_q, int n_threads,
+                              const kvarn_attn_opts *o, attn_geom *g)
+{
+    kvarn_status st = kvarn_format_check_head_dim(&kv->fmt, kv->head_dim);
+    if (st != KVARN_OK) return st;
+    if (kv->n_kv_heads < 1 || n_q_heads < 1 || n_q_heads % kv->n_kv_heads != 0 ||
+        max_seqs < 0 || max_total_q < 0 || n_threads < 1 || !opts_valid(o))
+        return KVARN_ERR_INVALID_ARG;
+    memset(g, 0, sizeof *g);
+    g->D = kv->head_dim;
+    g->G = kv->block_size;
+    g->Hk = kv->n_kv_heads;
+    g->Hq = n_q_heads;
+    g->group = n_q_heads / kv->n_kv_heads;
+    g->is_kvarn = kv->fmt.kind == KVARN_KIND_KVARN;
+    if (g->G < 1 || g->G > 4096 || (g->is_kvarn && g->G != kv->fmt.tile_tokens))
+        return KVARN_ERR_INVALID_ARG;
+    g->span_tiles = g->is_kvarn || g->G >= SPAN_TOKENS ? 1 : SPAN_TOKENS / g->G;
+    g->gs = (g->span_tiles * g->G + 7) / 8 * 8;
+    g->qblock = g->group >= ROWS_TARGET ? 1 : ROWS_TARGET / g->group;
+    int qb = g->qblock < (max_total_q > 0 ? max_total_q : 1) ? g->qblock
+                                                            : (max_total_q > 0 ? max_total_q : 1);
+    g->rows_max = qb * g->group;
+    g->thread_floats = thread_scratch_floats(g->rows_max, g->D, g->gs);
+    size_t base = (size_t)g->Hk * ((size_t)max_seqs + ((size_t)max_total_q + g->qblock - 1) / g->qblock);
+    /* Items: forced split s: at most base * s. Auto (plan()): unsplit, at
+     * most base; split only when n_base < 4 * threads, into fewer than
+     * n_base + 4 * threads < 8 * threads chunks. */
+    const size_t T8 = 8 * (size_t)n_threads;
+    size_t split_chunks = o->split_k >= 2 ? base * (size_t)o->split_k : o->split_k == 0 ? T8 : 0;
+    g->max_items = base + split_chunks;
+    g->max_groups = base;
+    g->partial_floats = split_chunks * (size_t)g->rows_max * ((size_t)g->D + 2);
+    return KVARN_OK;
+}
+
+static size_t workspace_bytes(const attn_geom *g, int n_threads)
+{
+    return 64 + (size_t)n_threads * g->thread_floats * sizeof(float) +
+           round_f(g->max_items * sizeof(attn_item) / sizeof(float) + 1) * sizeof(float) +
+           round_f(g->max_groups + 1) * sizeof(float) +
+           g->partial_floats * sizeof(float);
+}
+
+static kvarn_attn_opts opts_or_default(const kvarn_attn_opts *opts, int head_dim)
+{
+    if (opts) return *opts;
+    kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.0f);
+    o.softmax_scale = head_dim > 0 ? (float)(1.0 / sqrt((double)head_dim)) : 1.0f;
+    return o;
+}
+
+size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
+                                  int max_seqs, int max_total_q,
+                                  int n_threads, const kvarn_attn_opts *opts)
+{
+    if (kv == NULL) return 0;
+    kvarn_attn_opts o = opts_or_default(opts, kv->head_dim);
+    attn_geom g;
+    if (make_geom(kv, n_q_heads, max_seqs, max_total_q, n_threads, &o, &g) != KVARN_OK) return 0;
+    return workspace_bytes(&g, n_threads);
+}
+
+/* ----------------------------------------------------------- dispatch */
+
+static int cpu_has_avx2(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+static const attn_kernels *pick_kernels(const kvarn_attn_opts *o, int head_dim)
+{
+    if (!o->force_scalar && head_dim % 16 == 0 && cpu_has_avx2()) return &attn_kernels_avx2;
+    return &attn_kernels_ref;
+}
+
+const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
+{
+    int scalar = opts ? opts->force_scalar : 0;
+    return (!scalar && cpu_has_avx2()) ? attn_kernels_avx2.name : attn_kernels_ref.name;
+}
+
+/* ------------------------------------------------------- validation */
+
+static int n_tiles_of(int seq_len, int G) { return (seq_len + G - 1) / G; }
+
+/* Whether tile i of a sequence is an fp16 page (KVarN sink or tail). */
+static int tile_is_page(const kvarn_paged_kv *kv, const kvarn_seq_view *sv, int i)
+{
+    if (kv->fmt.kind != KVARN_KIND_KVARN) return 0;
+    return i < kv->sink_tiles || i >= sv->committed_tiles;
+}
+
+static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout *L)
+{
+    if (kv->n_blocks < 0 || kv->n_fp16_pages < 0 || kv->sink_tiles < 0)
+        return KVARN_ERR_INVALID_ARG;
+    size_t hk = (size_t)kv->n_kv_heads;
+    if (kv->fmt.kind == KVARN_KIND_KVARN) {
+        if (kv->record_stride < L->record_bytes) return KVARN_ERR_INVALID_ARG;
+    } else {
+        if (kv->token_record_bytes < L->record_bytes ||
+            kv->record_stride < (size_t)kv->block_size * kv->token_record_bytes)
+            return KVARN_ERR_INVALID_ARG;
+    }
+    if (kv->block_stride < hk * kv->record_stride) return KVARN_ERR_INVALID_ARG;
+    return KVARN_OK;
+}
+
+static kvarn_status check_seq(const kvarn_paged_kv *kv, const kvarn_seq_view *sv)
+{
+    if (sv->seq_len < 0) return KVARN_ERR_INVALID_ARG;
+    int G = kv->block_size, nt = n_tiles_of(sv->seq_len, G);
+    if (nt > 0 && sv->block_table == NULL) return KVARN_ERR_INVALID_ARG;
+    if (kv->fmt.kind == KVARN_KIND_KVARN) {
+        /* Quantized tiles must be complete: committed_tiles * G <= seq_len. */
+        if (sv->committed_tiles < 0 || sv->committed_tiles > nt) return KVARN_ERR_INVALID_ARG;
+        if (sv->committed_tiles > kv->sink_tiles &&
+            (int64_t)sv->committed_tiles * G > sv->seq_len)
+            return KVARN_ERR_INVALID_ARG;
+    }
+    for (int i = 0; i < nt; i++) {
+        int32_t id = sv->block_table[i];
+        if (tile_is_page(kv, sv, i)) {
+            if (kv->fp16_pages == NULL || id < 0 || id >= kv->n_fp16_pages) return KVARN_ERR_INVALID_ARG;
+        } else {
+            if (kv->blocks == NULL || id < 0 || id >= kv->n_blocks) return KVARN_ERR_INVALID_ARG;
+        }
+    }
+    return KVARN_OK;
+}
+
+static int all_finite(const float *x, size_t n)
+{
+    float acc = 0.0f; /* NaN*0 and Inf*0 are NaN */
+    for (size_t i = 0; i < n; i++) acc += x[i] * 0.0f;
+    return acc == 0.0f;
+}
+
+/* ----------------------------------------------------------- the run */
+
+typedef struct attn_run {
+    const kvarn_paged_kv *kv;
+    const kvarn_seq_view *seqs;
+    const int32_t *qsl;        /* NULL: decode (one query per sequence) */
+    const float *q;
+    float *out;
+    kvarn_attn_opts o;
+    attn_geom g;
+    kvarn_record_layout L;
+    const attn_kernels *kern;
+    float *thread_scratch;
+    attn_item *items;
+    int n_items;
+    int *groups;               /* split: index of each group's first chunk */
+    int n_groups;
+    float *partials;
+} attn_run;
+
+static int q_start(const attn_run *run, int s) { return run->qsl ? run->qsl[s] : s; }
+static int q_len(const attn_run *run, int s) { return run->qsl ? run->qsl[s + 1] - run->qsl[s] : 1; }
+
+/* Visible positions [lo, hi] of query qi (of q_len) of a sequence. */
+static void query_limits(const attn_run *run, int seq_len, int ql, int qi, int32_t *lo, int32_t *hi)
+{
+    int h = run->o.causal ? seq_len - ql + qi : seq_len - 1;
+    int l = 0;
+    if (run->o.sliding_window > 0) {
+        int anchor = run->o.causal ? h : seq_len - 1;
+        l = anchor - run->o.sliding_window + 1;
+        if (l < 0) l = 0;
+    }
+    *lo = l;
+    *hi = h;
+}
+
+/* Tiles that any query in [q0, q0 + nq) may see. */
+static void item_tiles(const attn_run *run, int s, int q0, int nq, int *t0, int *t1)
+{
+    const kvarn_seq_view *sv = &run->seqs[s];
+    int32_t lo0, hi0, lo1, hi1;
+    query_limits(run, sv->seq_len, q_len(run, s), q0, &lo0, &hi0);
+    query_limits(run, sv->seq_len, q_len(run, s), q0 + nq - 1, &lo1, &hi1);
+    int lo = lo0 < lo1 ? lo0 : lo1, hi = hi0 > hi1 ? hi0 : hi1;
+    if (hi < lo) { *t0 = *t1 = 0; return; }
+    *t0 = lo / run->g.G;
+    *t1 = hi / run->g.G + 1;
+}
+
+/* Build the item list: (sequence, KV head, query block) base items, each
+ * split into chunks of whole tiles when split-K applies. Deterministic:
+ * depends only on the shapes, the options and the thread count. */
+static int plan(attn_run *run, int n_seqs, int n_threads)
+{
+    const attn_geom *g = &run->g;
+    int n_base = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int ql = q_len(run, s);
+        if (ql > 0 && run->seqs[s].seq_len > 0) n_base += g->Hk * ((ql + g->qblock - 1) / g->qblock);
+    }
+    int want = 1;
+    if (run->o.split_k >= 2) want = run->o.split_k;
+    else if (run->o.split_k == 0 && n_threads > 1 && n_base > 0 && n_base < 4 * n_threads)
+        want = (4 * n_threads + n_base - 1) / n_base; /* ~4 chunks per worker */
+    int min_tiles = run->o.split_k >= 2 ? 1 : (SPLIT_MIN_TOKENS + g->G - 1) / g->G;
+
+    int n = 0, ng = 0;
+    size_t poff = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int ql = q_len(run, s);
+        if (ql <= 0 || run->seqs[s].seq_len <= 0) continue;
+        for (int q0 = 0; q0 < ql; q0 += g->qblock) {
+            int nq = ql - q0 < g->qblock ? ql - q0 : g->qblock;
+            int t0, t1;
+            item_tiles(run, s, q0, nq, &t0, &t1);
+            int span = t1 - t0, nc = want;
+            if (nc > span / min_tiles) nc = span / min_tiles;
+            if (nc < 1) nc = 1;
+            for (int h = 0; h < g->Hk; h++) {
+                /* The bounds of make_geom hold by construction; checked anyway
+                 * so that a mistake there can never write past the workspace. */
+                size_t prow = (size_t)nq * g->group * ((size_t)g->D + 2);
+                if ((size_t)n + (size_t)nc > g->max_items || (nc > 1 && (size_t)ng >= g->max_groups) ||
+                    (nc > 1 && poff + (size_t)nc * prow > g->partial_floats))
+                    return 0;
+                if (nc > 1) run->groups[ng++] = n;
+                for (int c = 0; c < nc; c++) {
+                    attn_item *it = &run->items[n++];
+                    it->seq = s;
+                    it->kvh = h;
+                    it->q0 = q0;
+                    it->nq = nq;
+                    /* chunk c gets tiles [t0 + span*c/nc, t0 + span*(c+1)/nc) */
+                    it->tile0 = t0 + (int)((int64_t)span * c / nc);
+                    it->tile1 = t0 + (int)((int64_t)span * (c + 1) / nc);
+                    it->chunk = c;
+                    it->n_chunks = nc;
+                    it->partial = 0;
+                    if (nc > 1) {
+                        it->partial = poff;
+                        poff += prow;
+                    }
+                }
+            }
+        }
+    }
+    run->n_items = n;
+    run->n_groups = ng;
+    return 1;
+}
+
+/* Scratch arrays of one worker. */
+static attn_rows rows_of(const attn_run *run, int worker, int n)
+{
+    const attn_geom *g = &run->g;
+    float *f = run->thread_scratch + (size_t)worker * g->thread_floats;
+    size_t R = (size_t)g->rows_max;
+    attn_rows r;
+    r.n = n;
+    r.D = g->D;
+    r.G = g->G;
+    r.gs = g->gs;
+    float *q = f; f += round_f(R * g->D);
+    r.q = q;
+    r.acc = f; f += round_f(R * g->D);
+    r.qa = f; f += round_f(R * g->D);
+    r.s = f; f += round_f(R * (size_t)r.gs);
+    float *qsum = f; f += round_f(R);
+    r.qsum = qsum;
+    r.m = f; f += round_f(R);
+    r.l = f; f += round_f(R);
+    r.rc = f; f += round_f(R);
+    r.lo = (int32_t *)f; f += round_f(R);
+    r.hi = (int32_t *)f; f += round_f(R);
+    r.meta = f; f += round_f(3 * (size_t)g->D + 4 * (size_t)g->gs);
+    r.tok = (const uint8_t **)f;
+    r.pf = NULL; /* set by item_task */
+    return r;
+}
+
+/* Write one finished row: o = acc / l in the kernel basis, rotated back for
+ * KVarN; zero when the row saw no token. */
+static void finish_row(const attn_run *run, const float *acc, float l, float *o)
+{
+    const int D = run->g.D;
+    if (l > 0.0f) {
+        float inv = 1.0f / l;
+        for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+        if (run->g.is_kvarn) kvarn_hadamard(o, D);
+    } else {
+        for (int d = 0; d < D; d++) o[d] = 0.0f;
+    }
+}
+
+static float *out_row(const attn_run *run, int s, int qi, int head)
+{
+    return run->out + ((size_t)(q_start(run, s) + qi) * run->g.Hq + head) * run->g.D;
+}
+
+static void item_task(void *ctx, int task, int worker)
+{
+    const attn_run *run = ctx;
+    const attn_item *it = &run->items[task];
+    const attn_geom *g = &run->g;
+    const kvarn_paged_kv *kv = run->kv;
+    const kvarn_seq_view *sv = &run->seqs[it->seq];
+    const int D = g->D, G = g->G, n = it->nq * g->group, ql = q_len(run, it->seq);
+    attn_rows r = rows_of(run, worker, n);
+    float *q = (float *)r.q, *qsum = (float *)r.qsum;
+    int32_t *lo = (int32_t *)r.lo, *hi = (int32_t *)r.hi;
+
+    /* Rows: query-major, then the heads of the GQA group. */
+    for (int qi = 0; qi < it->nq; qi++) {
+        for (int j = 0; j < g->group; j++) {
+            int row = qi * g->group + j, head = it->kvh * g->group + j;
+            const float *src = run->q + ((size_t)(q_start(run, it->seq) + it->q0 + qi) * g->Hq + head) * D;
+            float *dst = q + (size_t)row * D, sum = 0.0f;
+            for (int d = 0; d < D; d++) dst[d] = src[d] * run->o.softmax_scale;
+            if (g->is_kvarn) kvarn_hadamard(dst, D);
+            for (int d = 0; d < D; d++) sum += dst[d];
+            qsum[row] = sum;
+            query_limits(run, sv->seq_len, ql, it->q0 + qi, &lo[row], &hi[row]);
+            r.m[row] = -INFINITY;
+            r.l[row] = 0.0f;
+        }
+    }
+    memset(r.acc, 0, (size_t)n * D * sizeof(float));
+
+    const uint8_t *head_base = kv->blocks ? kv->blocks + (size_t)it->kvh * kv->record_stride : NULL;
+    const size_t tile_bytes = g->is_kvarn ? run->L.record_bytes : (size_t)G * kv->token_record_bytes;
+    const int step = g->span_tiles;
+    attn_prefetch pf;
+    pf.lines = (int)((tile_bytes + 63) / 64);
+    r.pf = &pf;
+    for (int tile = it->tile0; tile < it->tile1;) {
+        int end = tile + step < it->tile1 ? tile + step : it->tile1;
+        /* The next tiles' records are elsewhere in the arena: the kernel
+         * fetches them while it computes this one (attn_internal.h). */
+        pf.n = pf.tile = pf.line = 0;
+        for (int nx = end; nx < end + step && nx < it->tile1 && head_base; nx++) {
+            if (tile_is_page(kv, sv, nx)) continue;
+            pf.base[pf.n++] = head_base + (size_t)sv->block_table[nx] * kv->block_stride;
+        }
+        int t0 = tile * G, nt = sv->seq_len - t0 < G ? sv->seq_len - t0 : G;
+        int32_t id = sv->block_table[tile];
+        if (tile_is_page(kv, sv, tile)) {
+            const uint16_t *k = kv->fp16_pages + ((size_t)id * g->Hk + it->kvh) * 2 * (size_t)G * D;
+            run->kern->fp16_tile(&r, k, k + (size_t)G * D, t0, nt);
+        } else if (g->is_kvarn) {
+            run->kern->kvarn_tile(&r, &run->L, head_base + (size_t)id * kv->block_stride, t0, nt);
+        } else {
+            /* A span of whole blocks; only a sequence's last block is partial. */
+            int span = 0;
+            for (int i = tile; i < end; i++) {
+                const uint8_t *b = head_base + (size_t)sv->block_table[i] * kv->block_stride;
+                int cnt = sv->seq_len - i * G < G ? sv->seq_len - i * G : G;
+                for (int j = 0; j < cnt; j++) r.tok[span++] = b + (size_t)j * kv->token_record_bytes;
+            }
+            run->kern->token_tile(&r, kv->fmt.kind, &run->L, r.tok, t0, span);
+            tile = end;
+            continue;
+        }
+        tile++;
+    }
+
+    if (it->n_chunks > 1) {
+        float *p = run->partials + it->partial;
+        for (int row = 0; row < n; row++) {
+            p[0] = r.m[row];
+            p[1] = r.l[row];
+            memcpy(p + 2, r.acc + (size_t)row * D, (size_t)D * sizeof(float));
+            p += D + 2;
+        }
+        return;
+    }
+    for (int qi = 0; qi < it->nq; qi++)
+        for (int j = 0; j < g->group; j++) {
+            int row = qi * g->group + j;
+            finish_row(run, r.acc + (size_t)row * D, r.l[row],
+                       out_row(run, it->seq, it->q0 + qi, it->kvh * g->group + j));
+        }
+}
+
+/* Merge the chunks of one split group in chunk order (log-sum-exp). */
+static void merge_task(void *ctx, int task, int worker)
+{
+    const attn_run *run = ctx;
+    const attn_item *first = &run->items[run->groups[task]];
+    const int D = run->g.D, group = run->g.group, nc = first->n_chunks;
+    attn_rows r = rows_of(run, worker, first->nq * group);
+    for (int row = 0; row < first->nq * group; row++) {
+        size_t off = (size_t)row * (D + 2);
+        float m = -INFINITY;
+        for (int c = 0; c < nc; c++) {
+            float mc = run->partials[first[c].partial + off];
+            m = mc > m ? mc : m;
+        }
+        float l = 0.0f, *acc = r.acc;
+        for (int d = 0; d < D; d++) acc[d] = 0.0f;
+        if (m != -INFINITY) {
+            for (int c = 0; c < nc; c++) {
+                const float *p = run->partials + first[c].partial + off;
+                if (p[0] == -INFINITY) continue;
+                float w = expf(p[0] - m);
+                l += p[1] * w;
+                for (int d = 0; d < D; d++) acc[d] += p[2 + d] * w;
+            }
+        }
+        int qi = row / group, j = row % group;
+        finish_row(run, acc, l, out_row(run, first->seq, first->q0 + qi, first->kvh * group + j));
+    }
+}
+
+static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *seqs,
+                                int n_seqs, const int32_t *qsl, int n_q_heads,
+                                const float *q, float *out, const kvarn_attn_opts *opts,
+                                kvarn_thread_pool *pool, void *workspace,
+                                size_t workspace_size)
+{
+    if (kv == NULL || q == NULL || out == NULL || n_seqs < 0 || (n_seqs > 0 && seqs == NULL))
+        return KVARN_ERR_INVALID_ARG;
+    attn_run run;
+    memset(&run, 0, sizeof run);
+    run.kv = kv;
+    run.seqs = seqs;
+    run.qsl = qsl;
+    run.q = q;
+    run.out = out;
+    run.o = opts_or_default(opts, kv->head_dim);
+    int total_q = n_seqs;
+    if (qsl) {
+        if (qsl[0] != 0) return KVARN_ERR_INVALID_ARG;
+        for (int s = 0; s < n_seqs; s++)
+            if (qsl[s + 1] < qsl[s]) return KVARN_ERR_INVALID_ARG;
+        total_q = qsl[n_seqs];
+    }
+    int n_threads = kvarn_thread_pool_size(pool);
+    kvarn_status st = make_geom(kv, n_q_heads, n_seqs, total_q, n_threads, &run.o, &run.g);
+    if (st != KVARN_OK) return st;
+    st = kvarn_record_layout_get(&kv->fmt, kv->head_dim, &run.L);
+    if (st != KVARN_OK) return st;
+    st = check_kv(kv, &run.L);
+    if (st != KVARN_OK) return st;
+    for (int s = 0; s < n_seqs; s++) {
+        st = check_seq(kv, &seqs[s]);
+        if (st != KVARN_OK) return st;
+        if (q_len(&run, s) > seqs[s].seq_len && !(qsl == NULL && seqs[s].seq_len == 0))
+            return KVARN_ERR_INVALID_ARG;
+    }
+    if (!all_finite(q, (size_t)total_q * n_q_heads * kv->head_dim)) return KVARN_ERR_NONFINITE;
+    size_t need = workspace_bytes(&run.g, n_threads);
+    if (workspace == NULL || workspace_size < need) return KVARN_ERR_BUFFER_TOO_SMALL;
+
+    /* Carve the workspace (64-byte aligned). */
+    uintptr_t base = ((uintptr_t)workspace + 63) & ~(uintptr_t)63;
+    float *f = (float *)base;
+    run.thread_scratch = f;
+    f += (size_t)n_threads * run.g.thread_floats;
+    run.items = (attn_item *)f;
+    f += round_f(run.g.max_items * sizeof(attn_item) / sizeof(float) + 1);
+    run.groups = (int *)f;
+    f += round_f(run.g.max_groups + 1);
+    run.partials = f;
+    run.kern = pick_kernels(&run.o, kv->head_dim);
+
+    if (!plan(&run, n_seqs, n_threads)) return KVARN_ERR_BUFFER_TOO_SMALL;
+
+    /* Sequences with no context: zero output (decode only; multi-query has
+     * q_len <= seq_len, so nothing to write). */
+    if (qsl == NULL)
+        for (int s = 0; s < n_seqs; s++)
+            if (seqs[s].seq_len == 0)
+                memset(out + (size_t)s * n_q_heads * kv->head_dim, 0,
+                       (size_t)n_q_heads * kv->head_dim * sizeof(float));
+
+    attn_pool_run(pool, item_task, &run, run.n_items);
+    attn_pool_run(pool, merge_task, &run, run.n_groups);
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_attn_decode(const kvarn_paged_kv *kv, const kvarn_seq_view *seqs,
+                               int n_seqs, int n_q_heads, const float *q, float *out,
+                               const kvarn_attn_opts *opts, kvarn_thread_pool *pool,
+                               void *workspace, size_t workspace_size)
+{
+    return attn_common(kv, seqs, n_seqs, NULL, n_q_heads, q, out, opts, pool, workspace,
+                       workspace_size);
+}
+
+kvarn_status kvarn_attn_multi(const kvarn_paged_kv *kv, const kvarn_seq_view *seqs,
+                              int n_seqs, const int32_t *query_start_loc, int n_q_heads,
+                              const float *q, float *out, const kvarn_attn_opts *opts,
+                              kvarn_thread_pool *pool, void *workspace,
+                              size_t workspace_size)
+{
+    if (query_start_loc == NULL) return KVARN_ERR_INVALID_ARG;
+    return attn_common(kv, seqs, n_seqs, query_start_loc, n_q_heads, q, out, opts, pool,
+                       workspace, workspace_size);
+}

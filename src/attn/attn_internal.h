@@ -1,0 +1,111 @@
+/*
+ * attn_internal.h -- what the attention driver (attn.c), the thread pool and
+ * the per-ISA tile kernels (kernel_ref.c, kernel_avx2.c) share. Not part of
+ * the public contract.
+ */
+#ifndef KVARN_ATTN_INTERNAL_H
+#define KVARN_ATTN_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvarn/attn.h"
+#include "kvarn/kvarn.h"
+#include "kvarn/record.h"
+
+/* ---- thread pool (thread_pool.c) ---- */
+
+/* One task: index in [0, n_tasks), worker in [0, pool size). */
+typedef void (*attn_task_fn)(void *ctx, int task, int worker);
+
+/* Run fn for every task index on the pool's workers and the calling thread;
+ * returns when all are done. pool NULL: all on the calling thread. */
+void attn_pool_run(kvarn_thread_pool *pool, attn_task_fn fn, void *ctx, int n_tasks);
+
+/* ---- software prefetch of the next tiles ----
+ * Records of consecutive tiles sit anywhere in the arena (shuffled block
+ * ids), so the hardware prefetcher restarts at every block. The driver
+ * lists the next tiles; the kernels issue a few prefetches per step of
+ * their score loop (attn_prefetch_step), spreading the misses over the
+ * computation instead of stalling on a burst. */
+#define ATTN_PREFETCH_MAX 128
+typedef struct attn_prefetch {
+    const uint8_t *base[ATTN_PREFETCH_MAX]; /* tiles to fetch */
+    int n;                                  /* tiles listed */
+    int lines;                              /* 64-byte lines per tile */
+    int tile, line;                         /* cursor */
+} attn_prefetch;
+
+/* Issue up to k prefetches from the cursor. */
+static inline void attn_prefetch_step(attn_prefetch *p, int k)
+{
+    while (k-- > 0 && p->tile < p->n) {
+        __builtin_prefetch(p->base[p->tile] + (size_t)p->line * 64, 0, 3);
+        if (++p->line == p->lines) {
+            p->line = 0;
+            p->tile++;
+        }
+    }
+}
+
+/* Lines still to issue. */
+static inline int attn_prefetch_left(const attn_prefetch *p)
+{
+    return p->tile >= p->n ? 0 : (p->n - p->tile) * p->lines - p->line;
+}
+
+/* ---- the running state of one work item ----
+ * n query rows (row = one query token of one query head of the GQA group)
+ * against one KV head. The kernels process one tile at a time: scores into
+ * s, then the online-softmax update (m, l, acc rescale, s becomes the
+ * weights p), then acc += p . V. acc stays in the kernel's basis (rotated
+ * for KVarN) and in natural channel order. */
+typedef struct attn_rows {
+    int n;              /* rows */
+    int D;              /* head_dim */
+    int G;              /* tokens per tile */
+    int gs;             /* row stride of s: the longest span of tokens one
+                           kernel call takes, rounded up to a multiple of 8 */
+    const float *q;     /* [n][D] query * softmax_scale (rotated for KVarN) */
+    const float *qsum;  /* [n] sum_d q[r][d] (per-token zero-point folding) */
+    const int32_t *lo;  /* [n] first visible position of each row */
+    const int32_t *hi;  /* [n] last visible position (hi < lo: none) */
+    float *acc;         /* [n][D] unnormalized output */
+    float *m;           /* [n] running max score (-inf before any token) */
+    float *l;           /* [n] running sum of exp(score - m) */
+    float *qa;          /* scratch [n][D] (query with a_d folded in) */
+    float *s;           /* scratch [n][gs] scores, then weights */
+    float *rc;          /* scratch [n] a per-row constant */
+    float *meta;        /* scratch: 3D + 4gs floats of tile metadata */
+    const uint8_t **tok; /* scratch [gs] per-token record pointers */
+    attn_prefetch *pf;   /* the next tiles to prefetch while this one runs */
+} attn_rows;
+
+/* One set of tile kernels. t0: position of the tile's first token; nt:
+ * tokens present in the tile (1..G; G for committed KVarN records). */
+typedef struct attn_kernels {
+    const char *name;
+    /* fp16 page: K, V fp16 [G][D] token-major (only the first nt read). */
+    void (*fp16_tile)(attn_rows *r, const uint16_t *k, const uint16_t *v,
+                      int t0, int nt);
+    /* KVarN record (record.h), nt = G. */
+    void (*kvarn_tile)(attn_rows *r, const kvarn_record_layout *L,
+                       const uint8_t *rec, int t0, int nt);
+    /* Per-token formats: a span of nt consecutive tokens (one or more
+     * blocks), token j's record at rec[j] (nt <= gs). */
+    void (*token_tile)(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
+                       const uint8_t *const *rec, int t0, int nt);
+} attn_kernels;
+
+/* Scalar reference kernels (kernel_ref.c): the oracle and the fallback. */
+extern const attn_kernels attn_kernels_ref;
+
+/* AVX2/FMA/F16C kernels (kernel_avx2.c); they need D % 16 == 0. */
+extern const attn_kernels attn_kernels_avx2;
+
+/* Scalar online-softmax step shared by the reference kernels: mask s[r][t]
+ * to the row's visible positions, update m and l, rescale acc, and turn s
+ * into the weights exp(s - m). */
+void attn_softmax_update_ref(attn_rows *r, int t0, int nt);
+
+#endif

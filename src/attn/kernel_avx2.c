@@ -1,0 +1,604 @@
+/*
+ * kernel_avx2.c -- AVX2/FMA/F16C tile kernels of the attention. Same math,
+ * same folding and same order of tiles as kernel_ref.c (the oracle); only
+ * the order of the fp32 sums inside a tile differs, so results agree with
+ * the reference to ~1e-6 relative. Chosen at run time by attn.c when the CPU
+ * has AVX2, FMA and F16C and D % 16 == 0.
+ *
+ * Register blocking (16 ymm registers):
+ *   token-major K (fp16 pages, per-token formats): 4 tokens x 1-2 query
+ *     rows, or 2 tokens x up to 6 rows, of 8-channel partial dots, reduced
+ *     with hadd at the end;
+ *   KVarN K (channel-major codes): 16 tokens x up to 6 rows, one broadcast
+ *     of (q_d * a_d) per row and channel, codes unpacked once per channel
+ *     for all rows (the GQA group shares one pass over the tile);
+ *   V (all formats, token-major): 16 channels x up to 6 rows, one broadcast
+ *     weight per row and token.
+ * Codes are unpacked in registers (broadcast, variable shift, mask,
+ * int -> float); fp16 goes through F16C; FP8 E5M2 is the top byte of an
+ * fp16, FP8 E4M3 becomes an fp16 of 2^-8 times its value by moving its bits
+ * (the 2^8 is folded into the scale). Nothing is expanded to memory.
+ * The score loops also issue the software prefetches of the next tiles
+ * (attn_prefetch_step, attn_internal.h).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "attn/attn_internal.h"
+
+#define AI static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------ helpers */
+
+AI float hsum8(__m256 v)
+{
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+AI float hmax8(__m256 v)
+{
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* exp(x) for x <= 0: 2^n * P(r), n = round(x / ln 2), r = x - n ln 2 split
+ * in two parts (Cody-Waite), P the degree-7 Taylor polynomial (relative
+ * error < 2e-7 on |r| <= ln2/2). x below -87 gives ~1e-38 (callers mask
+ * the positions that must be exactly 0). */
+AI __m256 exp256(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+AI uint32_t load_u32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* fp16 [n] (n % 8 == 0) at a possibly unaligned byte address -> fp32. */
+static void fp16_array(const uint8_t *src, int n, float *dst)
+{
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + 2 * i))));
+}
+
+/* 16 consecutive codes i0..i0+15 (i0 % 16 == 0) of a packed row -> 2 x 8
+ * floats in natural order. */
+AI void unpack16(const uint8_t *row, int i0, int bits, __m256 *c0, __m256 *c1)
+{
+    if (bits == 4) {
+        const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        const __m256i mk = _mm256_set1_epi32(15);
+        const uint8_t *p = row + i0 / 2;
+        __m256i w0 = _mm256_set1_epi32((int)load_u32(p));
+        __m256i w1 = _mm256_set1_epi32((int)load_u32(p + 4));
+        *c0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w0, sh), mk));
+        *c1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w1, sh), mk));
+    } else if (bits == 2) {
+        const __m256i sh0 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+        const __m256i sh1 = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);
+        const __m256i mk = _mm256_set1_epi32(3);
+        __m256i w = _mm256_set1_epi32((int)load_u32(row + i0 / 4));
+        *c0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh0), mk));
+        *c1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh1), mk));
+    } else { /* 8 */
+        *c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + i0))));
+        *c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + i0 + 8))));
+    }
+}
+
+/* 8 elements d..d+7 (d % 8 == 0) of a per-token code array, before scale
+ * and zero-point (E4M3: 2^-8 times the value). */
+AI __m256 load8(kvarn_kind kind, const uint8_t *codes, int d)
+{
+    switch (kind) {
+    case KVARN_KIND_FP16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(codes + 2 * d)));
+    case KVARN_KIND_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(codes + 2 * d))), 16));
+    case KVARN_KIND_FP8_E4M3: {
+        __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(codes + d)));
+        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
+        return _mm256_cvtph_ps(h);
+    }
+    case KVARN_KIND_FP8_E5M2: {
+        __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(codes + d)));
+        return _mm256_cvtph_ps(_mm_slli_epi16(x, 8));
+    }
+    case KVARN_KIND_INT8:
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + d))));
+    case KVARN_KIND_INT4: {
+        const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        __m256i w = _mm256_set1_epi32((int)load_u32(codes + d / 2));
+        return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(15)));
+    }
+    default:
+        return _mm256_setzero_ps();
+    }
+}
+
+/* Split n rows into balanced blocks of at most max_rb rows. */
+AI int block_rows(int n, int max_rb, int r0)
+{
+    int rest = n - r0;
+    int left = (rest + max_rb - 1) / max_rb; /* blocks still to go */
+    return (rest + left - 1) / left;
+}
+
+#define RB_SWITCH(rb, CALL)                \
+    switch (rb) {                          \
+    case 6: CALL(6); break;                \
+    case 5: CALL(5); break;                \
+    case 4: CALL(4); break;                \
+    case 3: CALL(3); break;                \
+    case 2: CALL(2); break;                \
+    default: CALL(1); break;               \
+    }
+
+/* ------------------------------------------------- online softmax step */
+
+static void softmax_update_avx2(attn_rows *r, int t0, int nt)
+{
+    const int D = r->D, gs = r->gs;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int i = 0; i < r->n; i++) {
+        float *s = r->s + (size_t)i * gs;
+        int a = r->lo[i] - t0, b = r->hi[i] - t0 + 1;
+        if (a < 0) a = 0;
+        if (b > nt) b = nt;
+        if (a >= b) {
+            for (int t = 0; t < nt; t += 8) _mm256_storeu_ps(s + t, _mm256_setzero_ps());
+            continue;
+        }
+        const __m256i va = _mm256_set1_epi32(a - 1), vb = _mm256_set1_epi32(b);
+        __m256 mx = ninf;
+        for (int t = 0; t < nt; t += 8) {
+            __m256i idx = _mm256_add_epi32(lane, _mm256_set1_epi32(t));
+            __m256 ok = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(idx, va),
+                                                             _mm256_cmpgt_epi32(vb, idx)));
+            mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + t), ok));
+        }
+        float mt = hmax8(mx), m_old = r->m[i];
+        float m_new = mt > m_old ? mt : m_old;
+        float corr = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+        const __m256 vm = _mm256_set1_ps(m_new);
+        __m256 sum = _mm256_setzero_ps();
+        for (int t = 0; t < nt; t += 8) {
+            __m256i idx = _mm256_add_epi32(lane, _mm256_set1_epi32(t));
+            __m256 ok = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(idx, va),
+                                                             _mm256_cmpgt_epi32(vb, idx)));
+            __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm)), ok);
+            _mm256_storeu_ps(s + t, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        r->m[i] = m_new;
+        r->l[i] = r->l[i] * corr + hsum8(sum);
+        if (corr != 1.0f) {
+            float *acc = r->acc + (size_t)i * D;
+            const __m256 vc = _mm256_set1_ps(corr);
+            for (int d = 0; d < D; d += 8)
+                _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), vc));
+        }
+    }
+}
+
+/* ------------------------------------------- token-major K: dot products */
+
+/* Scores of tokens [t, t + TB) for rows [r0, r0 + RB): raw q . code.
+ * TB * RB + TB <= 16 registers: (TB 4, RB <= 3) or (TB 2, RB <= 6). */
+AI void tm_dots(const attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff,
+                int r0, int RB, int t, int TB, float out[6][4])
+{
+    const int D = r->D;
+    __m256 acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < TB; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 kv[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < TB; j++) kv[j] = load8(kind, tok[t + j] + koff, d);
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) {
+            __m256 qv = _mm256_loadu_ps(r->q + (size_t)(r0 + i) * D + d);
+#pragma GCC unroll 4
+            for (int j = 0; j < TB; j++) acc[i][j] = _mm256_fmadd_ps(qv, kv[j], acc[i][j]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) {
+        if (TB == 4) {
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]),
+                                      _mm256_hadd_ps(acc[i][2], acc[i][3]));
+            __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(out[i], x);
+        } else if (TB == 2) {
+            /* hadd: [a01 a23 b01 b23 | a45 a67 b45 b67]; fold the halves */
+            __m256 h = _mm256_hadd_ps(acc[i][0], acc[i][1]);
+            __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            x = _mm_hadd_ps(x, x);
+            out[i][0] = _mm_cvtss_f32(x);
+            out[i][1] = _mm_cvtss_f32(_mm_shuffle_ps(x, x, 1));
+        } else {
+            out[i][0] = hsum8(acc[i][0]);
+        }
+    }
+}
+
+/* One block of rows [r0, r0 + RB) over all nt tokens. */
+AI void tm_block(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff, int nt,
+                 int r0, int RB, int TB)
+{
+    float out[6][4];
+    int t = 0;
+    const int per = (attn_prefetch_left(r->pf) * TB + nt - 1) / nt;
+    for (; t + TB <= nt; t += TB) {
+        attn_prefetch_step(r->pf, per);
+        tm_dots(r, kind, tok, koff, r0, RB, t, TB, out);
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++)
+            for (int j = 0; j < TB; j++) r->s[(size_t)(r0 + i) * r->gs + t + j] = out[i][j];
+    }
+    for (; t < nt; t++) {
+        tm_dots(r, kind, tok, koff, r0, RB, t, 1, out);
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) r->s[(size_t)(r0 + i) * r->gs + t] = out[i][0];
+    }
+}
+
+/* s[r][t] = kscale[t] * (q . code_t) + kzero[t] * qsum[r] for t < nt
+ * (kscale NULL: 1, kzero NULL: 0). 1 or 2 rows take 4 tokens per pass,
+ * more rows go 2 tokens at a time in blocks of up to 6 (measured faster
+ * than 4 tokens x 3 rows, which needs 17 registers), so that each code is
+ * converted once per block of rows. */
+AI void tm_scores(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff, int nt,
+                  const float *kscale, const float *kzero)
+{
+    if (r->n <= 2) {
+        switch (r->n) {
+        case 2: tm_block(r, kind, tok, koff, nt, 0, 2, 4); break;
+        default: tm_block(r, kind, tok, koff, nt, 0, 1, 4); break;
+        }
+    } else {
+        for (int r0 = 0; r0 < r->n;) {
+            int rb = block_rows(r->n, 6, r0);
+#define TCALL(N) tm_block(r, kind, tok, koff, nt, r0, N, 2)
+            RB_SWITCH(rb, TCALL)
+#undef TCALL
+            r0 += rb;
+        }
+    }
+    if (kscale == NULL) return;
+    /* Whole vectors: kscale/kzero are zero past nt, the softmax masks s there. */
+    for (int i = 0; i < r->n; i++) {
+        float *s = r->s + (size_t)i * r->gs;
+        const __m256 qs = _mm256_set1_ps(kzero ? r->qsum[i] : 0.0f);
+        for (int t = 0; t < nt; t += 8) {
+            __m256 z = kzero ? _mm256_mul_ps(_mm256_loadu_ps(kzero + t), qs) : _mm256_setzero_ps();
+            _mm256_storeu_ps(s + t, _mm256_fmadd_ps(_mm256_loadu_ps(kscale + t), _mm256_loadu_ps(s + t), z));
+        }
+    }
+}
+
+/* ------------------------------------------------ token-major V: sums */
+
+/* acc[r][d0..d0+16) += sum_t w[r][t] * v_t[d0..d0+16) (+ bias[r]) for rows
+ * [r0, r0 + RB), tokens t < nt. */
+AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff, int nt,
+                int r0, int RB, int d0, const float *bias)
+{
+    const int D = r->D, gs = r->gs;
+    __m256 acc[6][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int t = 0; t < nt; t++) {
+        const uint8_t *vp = tok[t] + voff;
+        __m256 c0 = load8(kind, vp, d0), c1 = load8(kind, vp, d0 + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) {
+            __m256 w = _mm256_broadcast_ss(r->s + (size_t)(r0 + i) * gs + t);
+            acc[i][0] = _mm256_fmadd_ps(w, c0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(w, c1, acc[i][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) {
+        float *a = r->acc + (size_t)(r0 + i) * D + d0;
+        __m256 b = _mm256_set1_ps(bias ? bias[r0 + i] : 0.0f);
+        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_add_ps(acc[i][0], b)));
+        _mm256_storeu_ps(a + 8, _mm256_add_ps(_mm256_loadu_ps(a + 8), _mm256_add_ps(acc[i][1], b)));
+    }
+}
+
+AI void tm_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff, int nt,
+                  const float *bias)
+{
+    for (int d0 = 0; d0 < r->D; d0 += 16)
+        for (int r0 = 0; r0 < r->n;) {
+            int rb = block_rows(r->n, 6, r0);
+            switch (rb) {
+            case 6: tm_vsum(r, kind, tok, voff, nt, r0, 6, d0, bias); break;
+            case 5: tm_vsum(r, kind, tok, voff, nt, r0, 5, d0, bias); break;
+            case 4: tm_vsum(r, kind, tok, voff, nt, r0, 4, d0, bias); break;
+            case 3: tm_vsum(r, kind, tok, voff, nt, r0, 3, d0, bias); break;
+            case 2: tm_vsum(r, kind, tok, voff, nt, r0, 2, d0, bias); break;
+            default: tm_vsum(r, kind, tok, voff, nt, r0, 1, d0, bias); break;
+            }
+            r0 += rb;
+        }
+}
+
+/* ---------------------------------------------------------- fp16 pages */
+
+static void fp16_tile_avx2(attn_rows *r, const uint16_t *k, const uint16_t *v, int t0, int nt)
+{
+    /* Token t's K row; its V row is at the same place in the V half. */
+    for (int t = 0; t < nt; t++) r->tok[t] = (const uint8_t *)(k + (size_t)t * r->D);
+    tm_scores(r, KVARN_KIND_FP16, r->tok, 0, nt, NULL, NULL);
+    softmax_update_avx2(r, t0, nt);
+    tm_values(r, KVARN_KIND_FP16, r->tok, (size_t)((const uint8_t *)v - (const uint8_t *)k), nt, NULL);
+}
+
+/* ----------------------------------------------------- per-token blocks */
+
+/* Per-kind specializations, so that load8's switch folds away. */
+#define TOKEN_TILE(NAME, KIND)                                                        \
+    static void NAME(attn_rows *r, const kvarn_record_layout *L,                      \
+                     const uint8_t *const *rec, int t0, int nt)                       \
+    {                                                                                 \
+        token_tile_body(r, KIND, L, rec, t0, nt);                                     \
+    }
+
+AI void token_tile_body(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
+                        const uint8_t *const *recs, int t0, int nt)
+{
+    const int gs = r->gs;
+    float *ks = r->meta, *kz = ks + gs, *vs = kz + gs, *vz = vs + gs;
+    const int has_zero = L->k_b_bytes != 0, has_scale = L->k_a_bytes != 0;
+    /* E4M3 codes load as 2^-8 times their value: fold 2^8 into the scale. */
+    const float fix = kind == KVARN_KIND_FP8_E4M3 ? 256.0f : 1.0f;
+    if (has_scale) {
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *rec = recs[t];
+            uint16_t h[4] = {0, 0, 0, 0};
+            memcpy(&h[0], rec + L->k_a_off, 2);
+            memcpy(&h[2], rec + L->v_a_off, 2);
+            if (has_zero) {
+                memcpy(&h[1], rec + L->k_b_off, 2);
+                memcpy(&h[3], rec + L->v_b_off, 2);
+            }
+            __m128 f = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
+            float fv[4];
+            _mm_storeu_ps(fv, f);
+            ks[t] = fv[0] * fix;
+            kz[t] = fv[1];
+            vs[t] = fv[2] * fix;
+            vz[t] = fv[3];
+        }
+        for (int t = nt; t < gs; t++) ks[t] = kz[t] = vs[t] = vz[t] = 0.0f;
+    }
+    tm_scores(r, kind, recs, L->k_codes_off, nt, has_scale ? ks : NULL,
+              has_zero ? kz : NULL);
+    softmax_update_avx2(r, t0, nt);
+    float *pz = r->rc;
+    if (has_scale) {
+        /* Weights p_t * scale_t; the zero-point sum is one constant per row
+         * (p is 0 past nt, and so are the scales). */
+        for (int i = 0; i < r->n; i++) {
+            float *p = r->s + (size_t)i * gs;
+            __m256 z = _mm256_setzero_ps();
+            for (int t = 0; t < nt; t += 8) {
+                __m256 pv = _mm256_loadu_ps(p + t);
+                z = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vz + t), z);
+                _mm256_storeu_ps(p + t, _mm256_mul_ps(pv, _mm256_loadu_ps(vs + t)));
+            }
+            pz[i] = hsum8(z);
+        }
+    }
+    tm_values(r, kind, recs, L->v_codes_off, nt, has_zero ? pz : NULL);
+}
+
+TOKEN_TILE(tile_fp16, KVARN_KIND_FP16)
+TOKEN_TILE(tile_bf16, KVARN_KIND_BF16)
+TOKEN_TILE(tile_e4m3, KVARN_KIND_FP8_E4M3)
+TOKEN_TILE(tile_e5m2, KVARN_KIND_FP8_E5M2)
+TOKEN_TILE(tile_int8, KVARN_KIND_INT8)
+TOKEN_TILE(tile_int4, KVARN_KIND_INT4)
+
+static void token_tile_avx2(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
+                            const uint8_t *const *base, int t0, int nt)
+{
+    switch (kind) {
+    case KVARN_KIND_FP16: tile_fp16(r, L, base, t0, nt); break;
+    case KVARN_KIND_BF16: tile_bf16(r, L, base, t0, nt); break;
+    case KVARN_KIND_FP8_E4M3: tile_e4m3(r, L, base, t0, nt); break;
+    case KVARN_KIND_FP8_E5M2: tile_e5m2(r, L, base, t0, nt); break;
+    case KVARN_KIND_INT8: tile_int8(r, L, base, t0, nt); break;
+    case KVARN_KIND_INT4: tile_int4(r, L, base, t0, nt); break;
+    default: break;
+    }
+}
+
+/* --------------------------------------------------------- KVarN records */
+
+/* Scores of tokens [tb, tb + 16) for rows [r0, r0 + RB):
+ * s = s_tok * (sum_d qa[r][d] code[d][t] + rc[r]). */
+AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const float *stok,
+                 int r0, int RB, int tb)
+{
+    const int D = r->D, gs = r->gs;
+    __m256 acc[6][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        __m256 c0, c1;
+        unpack16(kc + (size_t)d * krow, tb, kb, &c0, &c1);
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) {
+            __m256 w = _mm256_broadcast_ss(r->qa + (size_t)(r0 + i) * D + d);
+            acc[i][0] = _mm256_fmadd_ps(w, c0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(w, c1, acc[i][1]);
+        }
+    }
+    const __m256 s0 = _mm256_loadu_ps(stok + tb), s1 = _mm256_loadu_ps(stok + tb + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) {
+        __m256 c = _mm256_set1_ps(r->rc[r0 + i]);
+        float *s = r->s + (size_t)(r0 + i) * gs + tb;
+        _mm256_storeu_ps(s, _mm256_mul_ps(s0, _mm256_add_ps(acc[i][0], c)));
+        _mm256_storeu_ps(s + 8, _mm256_mul_ps(s1, _mm256_add_ps(acc[i][1], c)));
+    }
+}
+
+/* tmp = sum_t w[r][t] code[t][d0..d0+16); acc += s_chan * (tmp + pb[r]). */
+AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
+                const float *schan, const float *pb, int r0, int RB, int d0)
+{
+    const int D = r->D, gs = r->gs;
+    __m256 acc[6][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int t = 0; t < G; t++) {
+        __m256 c0, c1;
+        unpack16(vc + (size_t)t * vrow, d0, vb, &c0, &c1);
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) {
+            __m256 w = _mm256_broadcast_ss(r->s + (size_t)(r0 + i) * gs + t);
+            acc[i][0] = _mm256_fmadd_ps(w, c0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(w, c1, acc[i][1]);
+        }
+    }
+    const __m256 s0 = _mm256_loadu_ps(schan + d0), s1 = _mm256_loadu_ps(schan + d0 + 8);
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) {
+        float *a = r->acc + (size_t)(r0 + i) * D + d0;
+        __m256 b = _mm256_set1_ps(pb[r0 + i]);
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(s0, _mm256_add_ps(acc[i][0], b), _mm256_loadu_ps(a)));
+        _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(s1, _mm256_add_ps(acc[i][1], b), _mm256_loadu_ps(a + 8)));
+    }
+}
+
+AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
+                        int t0, int kb, int vb)
+{
+    const int D = r->D, G = L->tile_tokens, gs = r->gs;
+    float *ka = r->meta, *kbias = ka + D, *schan = kbias + D;
+    float *stok = schan + D, *va = stok + gs, *vbias = va + gs;
+    fp16_array(rec + L->k_a_off, D, ka);
+    fp16_array(rec + L->k_b_off, D, kbias);
+    fp16_array(rec + L->k_stok_off, G, stok);
+    fp16_array(rec + L->v_schan_off, D, schan);
+    fp16_array(rec + L->v_a_off, G, va);
+    fp16_array(rec + L->v_b_off, G, vbias);
+    const uint8_t *kc = rec + L->k_codes_off, *vc = rec + L->v_codes_off;
+    const size_t krow = (size_t)G * kb / 8, vrow = (size_t)D * vb / 8;
+
+    /* Fold a_d into the query once per tile; the b_d sum is one constant. */
+    for (int i = 0; i < r->n; i++) {
+        const float *q = r->q + (size_t)i * D;
+        float *qa = r->qa + (size_t)i * D;
+        __m256 c = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+            __m256 qv = _mm256_loadu_ps(q + d);
+            _mm256_storeu_ps(qa + d, _mm256_mul_ps(qv, _mm256_loadu_ps(ka + d)));
+            c = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kbias + d), c);
+        }
+        r->rc[i] = hsum8(c);
+    }
+    const int per = (attn_prefetch_left(r->pf) * 16 + G - 1) / G;
+    for (int tb = 0; tb < G; tb += 16) {
+        attn_prefetch_step(r->pf, per);
+        for (int r0 = 0; r0 < r->n;) {
+            int rb = block_rows(r->n, 6, r0);
+#define KCALL(N) kv_kdots(r, kc, krow, kb, stok, r0, N, tb)
+            RB_SWITCH(rb, KCALL)
+#undef KCALL
+            r0 += rb;
+        }
+    }
+    softmax_update_avx2(r, t0, G);
+    /* Weights p_t * a_t; the b_t sum is one constant per row. */
+    float *pb = r->rc;
+    for (int i = 0; i < r->n; i++) {
+        float *p = r->s + (size_t)i * gs;
+        __m256 z = _mm256_setzero_ps();
+        for (int t = 0; t < G; t += 8) {
+            __m256 pv = _mm256_loadu_ps(p + t);
+            z = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vbias + t), z);
+            _mm256_storeu_ps(p + t, _mm256_mul_ps(pv, _mm256_loadu_ps(va + t)));
+        }
+        pb[i] = hsum8(z);
+    }
+    for (int d0 = 0; d0 < D; d0 += 16)
+        for (int r0 = 0; r0 < r->n;) {
+            int rb = block_rows(r->n, 6, r0);
+#define VCALL(N) kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0)
+            RB_SWITCH(rb, VCALL)
+#undef VCALL
+            r0 += rb;
+        }
+}
+
+/* Specializations on the bit widths, so unpack16's branches fold away. */
+#define KVARN_TILE(KB, VB)                                                                  \
+    static void kvarn_tile_k##KB##v##VB(attn_rows *r, const kvarn_record_layout *L,         \
+                                        const uint8_t *rec, int t0)                         \
+    {                                                                                       \
+        kvarn_tile_body(r, L, rec, t0, KB, VB);                                             \
+    }
+KVARN_TILE(4, 2)
+KVARN_TILE(4, 4)
+KVARN_TILE(2, 2)
+KVARN_TILE(2, 4)
+KVARN_TILE(4, 8)
+KVARN_TILE(8, 8)
+KVARN_TILE(2, 8)
+KVARN_TILE(8, 2)
+KVARN_TILE(8, 4)
+
+static void kvarn_tile_avx2(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
+                            int t0, int nt)
+{
+    (void)nt; /* committed records are full: nt == G */
+    switch (L->key_bits * 10 + L->value_bits) {
+    case 42: kvarn_tile_k4v2(r, L, rec, t0); break;
+    case 44: kvarn_tile_k4v4(r, L, rec, t0); break;
+    case 22: kvarn_tile_k2v2(r, L, rec, t0); break;
+    case 24: kvarn_tile_k2v4(r, L, rec, t0); break;
+    case 48: kvarn_tile_k4v8(r, L, rec, t0); break;
+    case 88: kvarn_tile_k8v8(r, L, rec, t0); break;
+    case 28: kvarn_tile_k2v8(r, L, rec, t0); break;
+    case 82: kvarn_tile_k8v2(r, L, rec, t0); break;
+    case 84: kvarn_tile_k8v4(r, L, rec, t0); break;
+    default: attn_kernels_ref.kvarn_tile(r, L, rec, t0, nt); break;
+    }
+}
+
+const attn_kernels attn_kernels_avx2 = {"avx2", fp16_tile_avx2, kvarn_tile_avx2,
+                                        token_tile_avx2};

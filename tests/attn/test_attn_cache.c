@@ -1,0 +1,128 @@
+/* test_attn_cache.c -- attention over the views of the real paged cache
+ * (include/kvarn/cache.h), so that the cache and the kernels read the
+ * layout of include/kvarn/attn.h the same way: sequences written through
+ * kvarn_cache_write, partly committed (fp16 sink, quantized middle, fp16
+ * tail), decode and multi-query attention against double-precision attention
+ * over what kvarn_cache_read returns in the attention basis. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "common/paged_fixture.h"
+#include "kvarn/attn.h"
+#include "kvarn/cache.h"
+
+static void check_format(const char *name)
+{
+    const int D = 64, Hk = 2, group = 3, Hq = Hk * group, L = 2;
+    kvarn_cache_opts co = kvarn_cache_default_opts();
+    assert_int_equal(kvarn_format_parse(name, &co.format), KVARN_OK);
+    co.n_layers = L;
+    co.n_kv_heads = Hk;
+    co.head_dim = D;
+    co.max_seqs = 4;
+    co.n_pages = co.format.kind == KVARN_KIND_KVARN ? 16 : 0;
+    co.budget_bytes = 8u << 20;
+    kvarn_cache *c = NULL;
+    assert_int_equal(kvarn_cache_create(&co, &c), KVARN_OK);
+
+    /* Two sequences; the first keeps its last 3 tokens uncommitted (being
+     * verified), as speculative decoding leaves them. */
+    const int lens[2] = {300, 40}, qls[2] = {3, 1};
+    int seq[2];
+    test_rng rng;
+    test_rng_seed(&rng, 2024);
+    paged_fixture ref; /* only the fields pf_ref_attention reads */
+    memset(&ref, 0, sizeof ref);
+    ref.fmt = co.format;
+    ref.D = D;
+    ref.Hk = Hk;
+    float *kd[2], *vd[2];
+    ref.k_deq = kd;
+    ref.v_deq = vd;
+    for (int s = 0; s < 2; s++) {
+        assert_int_equal(kvarn_cache_seq_create(c, &seq[s]), KVARN_OK);
+        assert_int_equal(kvarn_cache_reserve(c, seq[s], lens[s]), KVARN_OK);
+        size_t n = (size_t)lens[s] * Hk * D;
+        float *k = malloc(n * sizeof(float)), *v = malloc(n * sizeof(float));
+        for (int l = 0; l < L; l++) {
+            for (size_t i = 0; i < n; i++) {
+                k[i] = (float)(1.5 * test_rng_normal(&rng));
+                v[i] = (float)test_rng_normal(&rng);
+            }
+            assert_int_equal(kvarn_cache_write(c, seq[s], l, 0, lens[s], k, v), KVARN_OK);
+        }
+        assert_int_equal(kvarn_cache_commit(c, seq[s], lens[s] - qls[s]), KVARN_OK);
+        kd[s] = k;
+        vd[s] = v;
+        /* what attention sees in layer 1 (rotated basis for KVarN) */
+        assert_int_equal(kvarn_cache_read(c, seq[s], 1, 0, lens[s], kd[s], vd[s],
+                                          KVARN_DECODE_ROTATED), KVARN_OK);
+    }
+    kvarn_paged_kv kv;
+    kvarn_seq_view views[2];
+    assert_int_equal(kvarn_cache_layer_view(c, 1, &kv), KVARN_OK);
+    for (int s = 0; s < 2; s++) assert_int_equal(kvarn_cache_seq_view(c, seq[s], &views[s]), KVARN_OK);
+    if (co.format.kind == KVARN_KIND_KVARN) assert_true(views[0].committed_tiles > kv.sink_tiles);
+
+    int32_t qsl[3] = {0, qls[0], qls[0] + qls[1]};
+    size_t nq = (size_t)qsl[2] * Hq * D;
+    float *q = malloc(nq * sizeof(float)), *out = malloc(nq * sizeof(float));
+    for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
+    kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
+    size_t wsz = kvarn_attn_workspace_bytes(&kv, Hq, 2, qsl[2], 1, &o);
+    void *ws = malloc(wsz);
+    for (int multi = 0; multi < 2; multi++) {
+        const int32_t dq[3] = {0, 1, 2};
+        const int32_t *starts = multi ? qsl : dq;
+        kvarn_status st = multi ? kvarn_attn_multi(&kv, views, 2, qsl, Hq, q, out, &o, NULL, ws, wsz)
+                                : kvarn_attn_decode(&kv, views, 2, Hq, q, out, &o, NULL, ws, wsz);
+        assert_int_equal(st, KVARN_OK);
+        for (int s = 0; s < 2; s++) {
+            int ql = starts[s + 1] - starts[s];
+            for (int qi = 0; qi < ql; qi++)
+                for (int h = 0; h < Hq; h++) {
+                    size_t row = ((size_t)(starts[s] + qi) * Hq + h) * D;
+                    double r[1024], mx = 0, err = 0;
+                    int pos = lens[s] - ql + qi;
+                    pf_ref_attention(&ref, s, h, Hq, q + row, 0.125, 0, pos, 1, r);
+                    for (int d = 0; d < D; d++) {
+                        mx = fmax(mx, fabs(r[d]));
+                        err = fmax(err, fabs(out[row + d] - r[d]));
+                    }
+                    assert_true(err < 1e-4 * mx);
+                }
+        }
+    }
+    free(ws); free(q); free(out);
+    for (int s = 0; s < 2; s++) { free(kd[s]); free(vd[s]); }
+    kvarn_cache_destroy(c);
+}
+
+static void test_cache_kvarn(void **state)
+{
+    (void)state;
+    check_format("kvarn_k4v2_g64");
+    check_format("kvarn_k4v4_g128");
+}
+
+static void test_cache_per_token(void **state)
+{
+    (void)state;
+    check_format("int8");
+    check_format("fp8_e4m3");
+    check_format("int4");
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_cache_kvarn),
+        cmocka_unit_test(test_cache_per_token),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
