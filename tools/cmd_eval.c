@@ -119,7 +119,7 @@ int cmd_eval(int argc, char **argv)
     fmt_run *runs = NULL;
     kvarn_llama_session *ref = NULL;
     float *ref_logits = NULL, *logits = NULL;
-    double *ref_lse = NULL, *ref_negent = NULL;
+    double *ref_lse = NULL;
     float *ref_p = NULL;
     int *ref_top = NULL;
     eval_stats ref_st;
@@ -171,9 +171,8 @@ int cmd_eval(int argc, char **argv)
     ref_p = malloc(sizeof(float) * (size_t)chunk * V);
     logits = malloc(sizeof(float) * (size_t)chunk * V);
     ref_lse = malloc(sizeof(double) * (size_t)chunk);
-    ref_negent = malloc(sizeof(double) * (size_t)chunk);
     ref_top = malloc(sizeof(int) * (size_t)chunk);
-    if (!ref_logits || !ref_p || !logits || !ref_lse || !ref_negent || !ref_top) {
+    if (!ref_logits || !ref_p || !logits || !ref_lse || !ref_top) {
         cli_error("eval", "out of memory");
         goto out;
     }
@@ -209,14 +208,9 @@ int cmd_eval(int argc, char **argv)
             for (long i = 0; i < n; i++) {
                 const float *lg = ref_logits + (size_t)i * V;
                 float *p = ref_p + (size_t)i * V;
-                double lse = logsumexp(lg, V), ne = 0.0;
-                for (int v = 0; v < V; v++) {
-                    double lp = (double)lg[v] - lse;
-                    p[v] = (float)exp(lp);
-                    ne += (double)p[v] * lp;
-                }
+                double lse = logsumexp(lg, V);
+                for (int v = 0; v < V; v++) p[v] = (float)exp((double)lg[v] - lse);
                 ref_lse[i] = lse;
-                ref_negent[i] = ne;
                 ref_top[i] = argmax(lg, V);
                 if (pos + i + 1 < ctx) eval_stats_add(&ref_st, 0.0, 1, lse - (double)lg[win[pos + i + 1]]);
             }
@@ -232,11 +226,13 @@ int cmd_eval(int argc, char **argv)
                 if (decoding) { runs[f].decode_s += t1 - t0; runs[f].decode_n++; }
                 for (long i = 0; i < n && pos + i + 1 < ctx; i++) {
                     const float *lg = logits + (size_t)i * V;
+                    const float *rl = ref_logits + (size_t)i * V;
                     const float *p = ref_p + (size_t)i * V;
-                    double lse = logsumexp(lg, V), cross = 0.0;
-                    for (int v = 0; v < V; v++) cross += (double)p[v] * (double)lg[v];
-                    /* KL(ref || fmt) = sum p (log p - log q) */
-                    double kld = ref_negent[i] - (cross - lse);
+                    double lse = logsumexp(lg, V), kld = 0.0;
+                    /* KL(ref || fmt) = sum p (log p - log q), term by term so
+                     * that identical logits give exactly 0 */
+                    for (int v = 0; v < V; v++)
+                        kld += (double)p[v] * (((double)rl[v] - ref_lse[i]) - ((double)lg[v] - lse));
                     if (kld < 0.0) kld = 0.0;   /* rounding below zero */
                     eval_stats_add(&runs[f].st, kld, argmax(lg, V) == ref_top[i],
                                    lse - (double)lg[win[pos + i + 1]]);
@@ -299,7 +295,7 @@ out:
     }
     eval_stats_free(&ref_st);
     kvarn_llama_session_free(ref);
-    free(ref_logits); free(ref_p); free(logits); free(ref_lse); free(ref_negent); free(ref_top);
+    free(ref_logits); free(ref_p); free(logits); free(ref_lse); free(ref_top);
     free(ids);
     free(text);
     cli_model_close(&m);
