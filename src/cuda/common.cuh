@@ -1,0 +1,175 @@
+/*
+ * common.cuh -- what the CUDA kernels share: the device view of one layer's
+ * paged cache (offsets from include/kvarn/record.h, computed once on the
+ * host), number conversions, the warp-level fast Walsh-Hadamard transform,
+ * and the launchers each kernel file exports to src/cuda/api.cu.
+ * Internal to src/cuda.
+ */
+#ifndef KVARN_CUDA_COMMON_CUH
+#define KVARN_CUDA_COMMON_CUH
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include "cuda/dispatch.h"
+#include "kvarn/kvarn.h"
+
+/* Kernel launch and dynamic shared memory, spelled through macros so that
+ * tests/cuda/emu can run the same kernels on the CPU (KC_EMULATE). */
+#ifdef KC_EMULATE
+#include "cuda_emu.h"
+#else
+#define KC_LAUNCH(kernel, grid, block, smem, stream, ...) \
+    kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#define KC_DYNAMIC_SMEM(type, name) extern __shared__ type name[]
+#endif
+
+/* Device view of one layer's paged cache plus its record layout. Byte
+ * offsets inside one record (KVarN) or one token record (per-token), filled
+ * from kvarn_record_layout_get so that no kernel does its own layout sums. */
+struct kc_geom {
+    uint8_t *blocks;
+    size_t block_stride, record_stride, token_record_bytes;
+    uint16_t *pages;
+    int kind, D, G, Hk, sink_tiles, key_bits, value_bits;
+    int n_blocks, n_pages;
+    int k_codes_off, k_a_off, k_b_off, k_stok_off;
+    int v_codes_off, v_schan_off, v_a_off, v_b_off;
+    int payload_bytes, record_bytes; /* of one record (one token record) */
+};
+
+/* One attention call, as every attention kernel reads it. */
+struct kc_attn {
+    kc_geom g;
+    const float *q;
+    float *out;
+    const int32_t *block_tables, *seq_lens, *committed_tiles, *query_start_loc;
+    int max_blocks, Hq, group_size, row_chunks, num_splits, window;
+    float scale_log2; /* softmax_scale * log2(e): scores are kept in base 2 */
+    float *ws;        /* split-K partials, NULL when num_splits == 1 */
+};
+
+/* Launchers (one per kernel file). Each returns cudaErrorInvalidValue when
+ * no kernel is compiled for the geometry, else the launch's error. */
+cudaError_t kc_launch_store(const kc_geom &g, int dtype, const void *k, const void *v,
+                            const int64_t *slots, int num_tokens, cudaStream_t s);
+cudaError_t kc_launch_commit(const kc_geom &g, const int32_t *src_pages,
+                             const int32_t *dst_blocks, int num_tiles, int iters,
+                             cudaStream_t s);
+cudaError_t kc_launch_attn(const kc_attn &a, int num_seqs, cudaStream_t s);
+
+/* Floats of one split-K partial entry: m[ROWS], l[ROWS], acc[ROWS][D]. */
+__host__ __device__ inline size_t kc_partial_floats(int D)
+{
+    return (size_t)KVARN_CUDA_ROWS * (size_t)(D + 2);
+}
+
+/* ------------------------------------------------------------ numbers */
+
+__device__ __forceinline__ float kc_h2f(uint16_t h)
+{
+    return __half2float(__ushort_as_half(h));
+}
+
+__device__ __forceinline__ float kc_bf2f(uint16_t h)
+{
+    return __uint_as_float((uint32_t)h << 16);
+}
+
+__device__ __forceinline__ uint16_t kc_f2h(float x)
+{
+    return __half_as_ushort(__float2half_rn(x));
+}
+
+__device__ __forceinline__ uint16_t kc_f2bf(float x)
+{
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+__device__ __forceinline__ float kc_fp8_to_f(uint8_t b, int kind)
+{
+    __half_raw r = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b,
+                                           kind == KVARN_KIND_FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+    return __half2float(__half(r));
+}
+
+__device__ __forceinline__ uint8_t kc_f_to_fp8(float x, int kind)
+{
+    return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE,
+                                          kind == KVARN_KIND_FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+__device__ __forceinline__ uint16_t kc_ld16(const uint8_t *p)
+{
+    return *reinterpret_cast<const uint16_t *>(p);
+}
+
+__device__ __forceinline__ uint32_t kc_ld32(const uint8_t *p)
+{
+    return *reinterpret_cast<const uint32_t *>(p);
+}
+
+/* ------------------------------------------------------------ Hadamard */
+
+/* In-place normalized Walsh-Hadamard transform (natural order, times
+ * 1/sqrt(D)) of one D-vector spread over a warp: lane l holds elements
+ * [l*E, l*E + E), E = D / 32. Butterflies of stride < E stay in the lane,
+ * wider ones pair lanes by shuffle. ../shared/spec/KVARN.md step 1. */
+template <int D>
+__device__ __forceinline__ void kc_warp_fwht(float (&x)[D / 32])
+{
+    constexpr int E = D / 32;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int s = 1; s < E; s <<= 1) {
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            if ((e & s) == 0) {
+                float a = x[e], b = x[e + s];
+                x[e] = a + b;
+                x[e + s] = a - b;
+            }
+        }
+    }
+#pragma unroll
+    for (int ls = 1; ls < 32; ls <<= 1) {
+        const bool upper = (lane & ls) != 0;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            float o = __shfl_xor_sync(0xffffffffu, x[e], ls);
+            x[e] = upper ? o - x[e] : x[e] + o;
+        }
+    }
+    /* 1/sqrt(D) rounded once to fp32 (exact for 64 and 256). */
+    const float norm = D == 64 ? 0.125f : D == 256 ? 0.0625f : 0.08838834764831845f;
+#pragma unroll
+    for (int e = 0; e < E; e++) x[e] *= norm;
+}
+
+__device__ __forceinline__ float kc_warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float kc_warp_max(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float kc_warp_min(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+#endif
