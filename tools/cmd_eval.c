@@ -21,7 +21,7 @@ static void eval_usage(FILE *f)
     fprintf(f,
             "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
             "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 32]\n"
-            "                  [--threads 1] [--json]\n\n"
+            "                  [--threads 1] [--json] [--dump-kv FILE [--dump-layers N]]\n\n"
             "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
             "tokens (every chunk after the first attends to the cached history, as chunked\n"
             "prefill and decode do), once with the unquantized fp16 cache (the reference)\n"
@@ -31,7 +31,10 @@ static void eval_usage(FILE *f)
             "against the reference (mean, median, p99, max), top-1 agreement, perplexity\n"
             "and its delta, and decode speed (the last --decode-tokens tokens of each\n"
             "window fed one at a time) as tokens/s and as a ratio to fp16.\n"
-            "Default formats: all (the ladder of ../shared/EVAL.md).\n");
+            "Default formats: all (the ladder of ../shared/EVAL.md).\n"
+            "--dump-kv FILE writes the reference session's fp32 K (post-RoPE) and V of the\n"
+            "first window's tokens, as computed before any cache rounding, in the format of\n"
+            "docs/kv-dump.md; --dump-layers N keeps the first N layers (default all).\n");
 }
 
 typedef struct fmt_run {
@@ -59,6 +62,43 @@ static int argmax(const float *x, int n)
     return b;
 }
 
+/* Write the K/V dump of docs/kv-dump.md: the first n_layers layers of
+ * tokens [0, n_tokens) of a session created with keep_kv_f32. 0 on success. */
+static int write_kv_dump(const char *path, const kvarn_llama_session *s,
+                         const kvarn_llama_hparams *hp, int n_layers, int n_tokens)
+{
+    size_t row = (size_t)n_tokens * hp->n_kv_heads * hp->head_dim;
+    float *k = malloc(sizeof(float) * row), *v = malloc(sizeof(float) * row);
+    FILE *f = fopen(path, "wb");
+    int bad = !k || !v || !f;
+    if (f == NULL) cli_error("eval", "cannot write '%s'", path);
+    else if (bad) cli_error("eval", "out of memory");
+    uint8_t head[64];
+    memset(head, 0, sizeof head);
+    memcpy(head, "KVDUMP1", 8);
+    const uint32_t fields[7] = {1, (uint32_t)n_layers, (uint32_t)n_tokens, (uint32_t)hp->n_kv_heads,
+                                (uint32_t)hp->head_dim, 0, 1}; /* version .. dtype fp32, flags post-RoPE */
+    for (int i = 0; i < 7; i++)
+        for (int b = 0; b < 4; b++) head[8 + 4 * i + b] = (uint8_t)(fields[i] >> (8 * b));
+    if (!bad && fwrite(head, 1, sizeof head, f) != sizeof head) bad = 1;
+    /* All layers' K, then all layers' V (little-endian fp32, as this host). */
+    for (int part = 0; part < 2 && !bad; part++)
+        for (int l = 0; l < n_layers && !bad; l++) {
+            kvarn_status st = kvarn_llama_session_read_kv(s, l, 0, n_tokens, k, v);
+            if (st != KVARN_OK) {
+                cli_error("eval", "reading K/V of layer %d: %s", l, kvarn_strerror(st));
+                bad = 2;
+            } else if (fwrite(part ? v : k, sizeof(float), row, f) != row) {
+                bad = 1;
+            }
+        }
+    if (f && fclose(f) != 0 && !bad) bad = 1;
+    if (bad == 1 && f) cli_error("eval", "writing '%s' failed", path);
+    free(k);
+    free(v);
+    return bad;
+}
+
 static double effective_bytes_per_token(const kvarn_format *f, const kvarn_llama_hparams *hp, int ctx)
 {
     return cli_kv_bytes_used(f, hp, ctx) / ctx;
@@ -66,8 +106,8 @@ static double effective_bytes_per_token(const kvarn_format *f, const kvarn_llama
 
 int cmd_eval(int argc, char **argv)
 {
-    const char *model_path = NULL, *text_path = NULL, *dtypes = "all";
-    long ctx = 2048, chunk = 128, windows = 1, decode_tokens = 32, threads = 1;
+    const char *model_path = NULL, *text_path = NULL, *dtypes = "all", *dump_path = NULL;
+    long ctx = 2048, chunk = 128, windows = 1, decode_tokens = 32, threads = 1, dump_layers = 0;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -84,6 +124,8 @@ int cmd_eval(int argc, char **argv)
         else if (strcmp(a, "--windows") == 0) bad = cli_parse_int(v, 1, 1 << 20, &windows);
         else if (strcmp(a, "--decode-tokens") == 0) bad = cli_parse_int(v, 0, 1 << 20, &decode_tokens);
         else if (strcmp(a, "--threads") == 0) bad = cli_parse_int(v, 1, 256, &threads);
+        else if (strcmp(a, "--dump-kv") == 0) dump_path = v;
+        else if (strcmp(a, "--dump-layers") == 0) bad = cli_parse_int(v, 1, 1 << 20, &dump_layers);
         else { cli_error("eval", "unknown option '%s'", a); eval_usage(stderr); return 2; }
         if (bad) { cli_error("eval", "bad value '%s' for %s", v, a); return 2; }
         i++;
@@ -149,10 +191,13 @@ int cmd_eval(int argc, char **argv)
     so.max_chunk = (int)chunk;
     so.attn_threads = (int)threads;
     so.cache_format = "fp16";
+    so.keep_kv_f32 = dump_path != NULL;
     if ((st = kvarn_llama_session_create(m.llama, &so, &ref)) != KVARN_OK) {
         cli_error("eval", "reference session: %s", kvarn_strerror(st));
         goto out;
     }
+    so.keep_kv_f32 = 0;
+    if (dump_layers == 0 || dump_layers > hp->n_layers) dump_layers = hp->n_layers;
     runs = calloc((size_t)nf, sizeof *runs);
     if (runs == NULL) goto out;
     for (int f = 0; f < nf; f++) {
@@ -242,6 +287,7 @@ int cmd_eval(int argc, char **argv)
             done += n;
             cli_progress("kvarn eval", done, total_steps);
         }
+        if (w == 0 && dump_path && write_kv_dump(dump_path, ref, hp, (int)dump_layers, (int)ctx)) goto out;
     }
     cli_progress_end();
 

@@ -164,8 +164,12 @@ kvarn_status kvarn_attn_decode(const kvarn_paged_kv *kv,
  *              non-decreasing; total_q = query_start_loc[n_seqs].
  *   q, out     fp32 [total_q][Hq][D], original basis.
  * Causal by default, each query with its own limit; opts->causal = 0 lets
- * every query see the whole sequence. Everything else as for decode, with
- * the workspace sized for (n_seqs, total_q). */
+ * every query see the whole sequence, and then the queries may also come
+ * after the sequence's keys (any q_len, also q_len > seq_len: the history
+ * half of a chunk whose own K/V are attended elsewhere, merged by
+ * log-sum-exp, see kvarn_attn_multi_lse); a sequence with seq_len 0 gets
+ * zero outputs. Everything else as for decode, with the workspace sized
+ * for (n_seqs, total_q). */
 kvarn_status kvarn_attn_multi(const kvarn_paged_kv *kv,
                               const kvarn_seq_view *seqs, int n_seqs,
                               const int32_t *query_start_loc,
@@ -173,6 +177,34 @@ kvarn_status kvarn_attn_multi(const kvarn_paged_kv *kv,
                               const kvarn_attn_opts *opts,
                               kvarn_thread_pool *pool,
                               void *workspace, size_t workspace_size);
+
+/* The same two calls, also writing the log-sum-exp of every output row:
+ *   lse  NULL (then exactly kvarn_attn_decode / kvarn_attn_multi), or fp32
+ *        [total_q][Hq] (decode: total_q = n_seqs): for query token i and
+ *        query head h, lse[i][h] = ln sum_t exp(softmax_scale * q.k_t) over
+ *        the positions t the query sees (natural log of the softmax
+ *        denominator, the scale included); -INFINITY when it sees none
+ *        (seq_len 0, its output is then zero).
+ * Two attentions of the same query over disjoint key sets (o1, lse1) and
+ * (o2, lse2) merge into the attention over their union as
+ *   lse = ln(e^lse1 + e^lse2),  o = e^(lse1 - lse) o1 + e^(lse2 - lse) o2.
+ * For KVarN the scores are computed in the rotated basis, where they equal
+ * the original ones (the rotation is orthonormal), and the outputs are
+ * rotated back, so o and lse merge with attention computed anywhere else
+ * in the original basis. Errors as for the calls without lse. */
+kvarn_status kvarn_attn_decode_lse(const kvarn_paged_kv *kv,
+                                   const kvarn_seq_view *seqs, int n_seqs,
+                                   int n_q_heads, const float *q, float *out,
+                                   float *lse, const kvarn_attn_opts *opts,
+                                   kvarn_thread_pool *pool,
+                                   void *workspace, size_t workspace_size);
+kvarn_status kvarn_attn_multi_lse(const kvarn_paged_kv *kv,
+                                  const kvarn_seq_view *seqs, int n_seqs,
+                                  const int32_t *query_start_loc,
+                                  int n_q_heads, const float *q, float *out,
+                                  float *lse, const kvarn_attn_opts *opts,
+                                  kvarn_thread_pool *pool,
+                                  void *workspace, size_t workspace_size);
 
 /* Name of the kernel set a call with these options would use on this CPU:
  * "avx2" or "scalar". Never NULL. */

@@ -13,19 +13,20 @@
  *
  * A forward call takes a chunk of n tokens at positions [pos, pos + n),
  * where pos is the session's current length, and appends them: their K
- * (post-RoPE) and V go into the cache, then attention of the chunk's
- * queries reads the cache through the paged kernels (attn.h): history from
- * the quantized blocks and fp16 sink/tail pages, the chunk's own K/V from
- * where the cache just put them (KVarN formats: the fp16 tail, so a prefill
- * sees its own K/V at fp16 as upstream's 16-bit prefill does,
- * ../shared/spec/KVARN.md "The fp16 tail and the sink"; per-token formats:
- * their records, as vLLM does). So the chunk size decides which part of the
- * context is seen unquantized: feed one tile (128 tokens) at a time to
- * measure a format as chunked prefill and decode see it (../shared/EVAL.md
- * "How the cache must be exercised"). Every token of a call is final: the
- * cache commits (quantizes) each tile as it fills. Two cross-check paths
- * exist (session options): exact_chunk (the chunk over its own fp32 K/V,
- * history decoded from the cache) and exact (fp32 K/V, no cache).
+ * (post-RoPE) and V go into the cache, and the chunk's queries attend to
+ * the chunk's own K/V exactly as computed (fp32, causal) and to the history
+ * [0, pos) as the cache holds it, read in place by the paged kernels
+ * (attn.h: quantized blocks, fp16 sink/tail pages), the two merged by
+ * log-sum-exp (../shared/spec/KVARN.md "The fp16 tail and the sink": the
+ * chunk attends to the exact K/V it just computed, later chunks and decode
+ * read the quantized history). The same holds for every format and for
+ * decode (n = 1). So the chunk size decides which part of the context is
+ * seen unquantized: feed one tile (128 tokens) at a time to measure a
+ * format as chunked prefill and decode see it (../shared/EVAL.md "How the
+ * cache must be exercised"). Every token of a call is final: the cache
+ * commits (quantizes) each tile as it fills. Two cross-check paths exist
+ * (session options): exact_chunk (the same, with the history decoded by
+ * kvarn_cache_read and attended in fp32) and exact (fp32 K/V, no cache).
  *
  * Architecture, RoPE convention and the cache usage: docs/model.md.
  */
@@ -97,18 +98,25 @@ typedef struct kvarn_llama_session_opts {
     int attn_threads;         /* workers of the attention thread pool
                                  (attn.h); 0 = 1 (no pool). Results do not
                                  depend on it beyond fp32 summation order. */
-    int exact_chunk;          /* 0: attention reads the whole context,
-                                 the chunk included, from the cache through
-                                 the paged kernels (attn.h), as a serving
-                                 engine does. 1: the chunk attends to its own
-                                 K/V in fp32 and to the history decoded from
-                                 the cache (kvarn_cache_read), merged by
-                                 log-sum-exp: slow, for cross-checks. */
+    int exact_chunk;          /* Both values: the chunk attends to its own
+                                 K/V in fp32 and to the history as the cache
+                                 holds it, merged by log-sum-exp. 0: the
+                                 history through the paged kernels (attn.h),
+                                 as a serving engine reads it. 1: the history
+                                 decoded with kvarn_cache_read and attended
+                                 in fp32: slow, for cross-checks. */
     int exact;                /* 1: keep K/V in fp32 outside the paged cache
                                  (cross-checks only; cache_format ignored) */
+    int keep_kv_f32;          /* 1: also keep a copy of every token's fp32 K
+                                 (post-RoPE) and V as computed, before any
+                                 cache rounding, for
+                                 kvarn_llama_session_read_kv (K/V dumps,
+                                 docs/kv-dump.md); costs 8 * n_layers *
+                                 n_kv_heads * head_dim bytes per token of
+                                 max_tokens. 0: no copy. */
 } kvarn_llama_session_opts;
 
-#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0 }
+#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0 }
 
 /* Create a session for model: allocates the cache for opts->max_tokens
  * tokens and all scratch for chunks up to opts->max_chunk tokens. opts may
@@ -134,6 +142,20 @@ int kvarn_llama_session_pos(const kvarn_llama_session *s);
 /* The session's cache format (canonical name, e.g. "kvarn_k4v2_g128"), or
  * "exact" for an exact session. */
 const char *kvarn_llama_session_format(const kvarn_llama_session *s);
+
+/* Copy the fp32 K (post-RoPE) and V of tokens [pos, pos + n) of one layer,
+ * exactly as the forward pass computed them before the cache rounded or
+ * quantized anything, in the original basis (never Hadamard-rotated; RoPE
+ * on adjacent channel pairs of the GGUF's rows, docs/model.md).
+ *   layer  in [0, n_layers)
+ *   pos, n tokens already in the session: 0 <= pos, n >= 1,
+ *          pos + n <= kvarn_llama_session_pos(s)
+ *   k, v   fp32 [n][n_kv_heads][head_dim] each, token-major.
+ * Needs a session created with keep_kv_f32 = 1.
+ * Errors (k, v untouched): KVARN_ERR_INVALID_ARG (NULL, layer or range out
+ * of bounds), KVARN_ERR_UNSUPPORTED (the session keeps no copy). */
+kvarn_status kvarn_llama_session_read_kv(const kvarn_llama_session *s, int layer,
+                                         int pos, int n, float *k, float *v);
 
 /* Which logits kvarn_llama_forward writes. */
 typedef enum kvarn_llama_logits {

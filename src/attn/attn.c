@@ -215,6 +215,7 @@ typedef struct attn_run {
     const int32_t *qsl;        /* NULL: decode (one query per sequence) */
     const float *q;
     float *out;
+    float *lse;                /* NULL, or [total_q][Hq] log-sum-exp */
     kvarn_attn_opts o;
     attn_geom g;
     kvarn_record_layout L;
@@ -349,10 +350,14 @@ static attn_rows rows_of(const attn_run *run, int worker, int n)
 }
 
 /* Write one finished row: o = acc / l in the kernel basis, rotated back for
- * KVarN; zero when the row saw no token. */
-static void finish_row(const attn_run *run, const float *acc, float l, float *o)
+ * KVarN; zero when the row saw no token. With the caller's lse array, also
+ * its log-sum-exp m + ln l (scores include the softmax scale; the Hadamard
+ * rotation leaves them unchanged), -inf when the row saw no token. */
+static void finish_row(const attn_run *run, const float *acc, float m, float l,
+                       float *o, float *lse)
 {
     const int D = run->g.D;
+    if (lse) *lse = l > 0.0f ? m + logf(l) : -INFINITY;
     if (l > 0.0f) {
         float inv = 1.0f / l;
         for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
@@ -365,6 +370,11 @@ static void finish_row(const attn_run *run, const float *acc, float l, float *o)
 static float *out_row(const attn_run *run, int s, int qi, int head)
 {
     return run->out + ((size_t)(q_start(run, s) + qi) * run->g.Hq + head) * run->g.D;
+}
+
+static float *lse_at(const attn_run *run, int s, int qi, int head)
+{
+    return run->lse ? run->lse + (size_t)(q_start(run, s) + qi) * run->g.Hq + head : NULL;
 }
 
 static void item_task(void *ctx, int task, int worker)
@@ -446,8 +456,9 @@ static void item_task(void *ctx, int task, int worker)
     for (int qi = 0; qi < it->nq; qi++)
         for (int j = 0; j < g->group; j++) {
             int row = qi * g->group + j;
-            finish_row(run, r.acc + (size_t)row * D, r.l[row],
-                       out_row(run, it->seq, it->q0 + qi, it->kvh * g->group + j));
+            finish_row(run, r.acc + (size_t)row * D, r.m[row], r.l[row],
+                       out_row(run, it->seq, it->q0 + qi, it->kvh * g->group + j),
+                       lse_at(run, it->seq, it->q0 + qi, it->kvh * g->group + j));
         }
 }
 
@@ -477,13 +488,15 @@ static void merge_task(void *ctx, int task, int worker)
             }
         }
         int qi = row / group, j = row % group;
-        finish_row(run, acc, l, out_row(run, first->seq, first->q0 + qi, first->kvh * group + j));
+        finish_row(run, acc, m, l, out_row(run, first->seq, first->q0 + qi, first->kvh * group + j),
+                   lse_at(run, first->seq, first->q0 + qi, first->kvh * group + j));
     }
 }
 
 static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *seqs,
                                 int n_seqs, const int32_t *qsl, int n_q_heads,
-                                const float *q, float *out, const kvarn_attn_opts *opts,
+                                const float *q, float *out, float *lse,
+                                const kvarn_attn_opts *opts,
                                 kvarn_thread_pool *pool, void *workspace,
                                 size_t workspace_size)
 {
@@ -496,6 +509,7 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
     run.qsl = qsl;
     run.q = q;
     run.out = out;
+    run.lse = lse;
     run.o = opts_or_default(opts, kv->head_dim);
     int total_q = n_seqs;
     if (qsl) {
@@ -514,7 +528,9 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
     for (int s = 0; s < n_seqs; s++) {
         st = check_seq(kv, &seqs[s]);
         if (st != KVARN_OK) return st;
-        if (q_len(&run, s) > seqs[s].seq_len && !(qsl == NULL && seqs[s].seq_len == 0))
+        /* Causal multi-query: the queries are the sequence's last tokens.
+         * Decode and non-causal queries may come after every key. */
+        if (qsl && run.o.causal && q_len(&run, s) > seqs[s].seq_len)
             return KVARN_ERR_INVALID_ARG;
     }
     if (!all_finite(q, (size_t)total_q * n_q_heads * kv->head_dim)) return KVARN_ERR_NONFINITE;
@@ -535,13 +551,17 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
 
     if (!plan(&run, n_seqs, n_threads)) return KVARN_ERR_BUFFER_TOO_SMALL;
 
-    /* Sequences with no context: zero output (decode only; multi-query has
-     * q_len <= seq_len, so nothing to write). */
-    if (qsl == NULL)
-        for (int s = 0; s < n_seqs; s++)
-            if (seqs[s].seq_len == 0)
-                memset(out + (size_t)s * n_q_heads * kv->head_dim, 0,
-                       (size_t)n_q_heads * kv->head_dim * sizeof(float));
+    /* Sequences with no context: zero output, lse -inf (decode, and
+     * non-causal multi-query; causal has q_len <= seq_len = 0). */
+    for (int s = 0; s < n_seqs; s++) {
+        if (seqs[s].seq_len != 0) continue;
+        size_t rows = (size_t)q_len(&run, s) * n_q_heads;
+        memset(out + (size_t)q_start(&run, s) * n_q_heads * kv->head_dim, 0,
+               rows * kv->head_dim * sizeof(float));
+        if (lse)
+            for (size_t i = 0; i < rows; i++)
+                lse[(size_t)q_start(&run, s) * n_q_heads + i] = -INFINITY;
+    }
 
     attn_pool_run(pool, item_task, &run, run.n_items);
     attn_pool_run(pool, merge_task, &run, run.n_groups);
@@ -553,8 +573,18 @@ kvarn_status kvarn_attn_decode(const kvarn_paged_kv *kv, const kvarn_seq_view *s
                                const kvarn_attn_opts *opts, kvarn_thread_pool *pool,
                                void *workspace, size_t workspace_size)
 {
-    return attn_common(kv, seqs, n_seqs, NULL, n_q_heads, q, out, opts, pool, workspace,
-                       workspace_size);
+    return attn_common(kv, seqs, n_seqs, NULL, n_q_heads, q, out, NULL, opts, pool,
+                       workspace, workspace_size);
+}
+
+kvarn_status kvarn_attn_decode_lse(const kvarn_paged_kv *kv, const kvarn_seq_view *seqs,
+                                   int n_seqs, int n_q_heads, const float *q, float *out,
+                                   float *lse, const kvarn_attn_opts *opts,
+                                   kvarn_thread_pool *pool, void *workspace,
+                                   size_t workspace_size)
+{
+    return attn_common(kv, seqs, n_seqs, NULL, n_q_heads, q, out, lse, opts, pool,
+                       workspace, workspace_size);
 }
 
 kvarn_status kvarn_attn_multi(const kvarn_paged_kv *kv, const kvarn_seq_view *seqs,
@@ -564,6 +594,17 @@ kvarn_status kvarn_attn_multi(const kvarn_paged_kv *kv, const kvarn_seq_view *se
                               size_t workspace_size)
 {
     if (query_start_loc == NULL) return KVARN_ERR_INVALID_ARG;
-    return attn_common(kv, seqs, n_seqs, query_start_loc, n_q_heads, q, out, opts, pool,
-                       workspace, workspace_size);
+    return attn_common(kv, seqs, n_seqs, query_start_loc, n_q_heads, q, out, NULL, opts,
+                       pool, workspace, workspace_size);
+}
+
+kvarn_status kvarn_attn_multi_lse(const kvarn_paged_kv *kv, const kvarn_seq_view *seqs,
+                                  int n_seqs, const int32_t *query_start_loc,
+                                  int n_q_heads, const float *q, float *out, float *lse,
+                                  const kvarn_attn_opts *opts, kvarn_thread_pool *pool,
+                                  void *workspace, size_t workspace_size)
+{
+    if (query_start_loc == NULL) return KVARN_ERR_INVALID_ARG;
+    return attn_common(kv, seqs, n_seqs, query_start_loc, n_q_heads, q, out, lse, opts,
+                       pool, workspace, workspace_size);
 }

@@ -5,11 +5,26 @@
  * SwiGLU FFN + residual; then the final RMSNorm and the logits. Every weight
  * matmul is one GEMM over the chunk's tokens (docs/model.md).
  */
+#include <string.h>
+
 #include "model/llama_internal.h"
 
 static void add_rows(float *x, const float *y, size_t n)
 {
     for (size_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* keep_kv_f32: copy the chunk's K (post-RoPE) and V of layer l as computed.
+ * A failed call leaves copies past the session's position, never read. */
+static void keep_kv(kvarn_llama_session *s, int l, int pos, int n, int qd, int kd,
+                    int qkvd)
+{
+    for (int t = 0; t < n; t++) {
+        size_t dst = ((size_t)l * s->max_tokens + (size_t)(pos + t)) * kd;
+        const float *row = s->qkv + (size_t)t * qkvd + qd;
+        memcpy(s->keep_k + dst, row, sizeof(float) * kd);
+        memcpy(s->keep_v + dst, row + kd, sizeof(float) * kd);
+    }
 }
 
 kvarn_status kvarn_llama_forward(kvarn_llama_session *s, const int32_t *tokens,
@@ -53,6 +68,7 @@ kvarn_status kvarn_llama_forward(kvarn_llama_session *s, const int32_t *tokens,
         llama_matmul(s->xn, n, E, L->wqkv, qkvd, s->qkv);
         llama_rope_apply(s->qkv, qkvd, n, H, D, s->rope_cos, s->rope_sin);
         llama_rope_apply(s->qkv + qd, qkvd, n, Hk, D, s->rope_cos, s->rope_sin);
+        if (s->keep_k) keep_kv(s, l, pos, n, qd, kd, qkvd);
         st = kv->ops->attend(kv, l, pos, n, s->qkv, qkvd, s->qkv + qd,
                              s->qkv + qd + kd, qkvd, s->attn);
         if (st != KVARN_OK) {

@@ -155,6 +155,9 @@ struct kvarn_llama_session {
     float *act;       /* [n][ffn] */
     float *rope_cos;  /* [n][D/2] */
     float *rope_sin;  /* [n][D/2] */
+    /* keep_kv_f32: fp32 K (post-RoPE) and V of every token as computed,
+     * [n_layers][max_tokens][Hk D] each; NULL when not kept. */
+    float *keep_k, *keep_v;
 };
 
 #endif

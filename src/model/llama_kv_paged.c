@@ -2,22 +2,26 @@
  * llama_kv_paged.c -- the session's K/V in the paged cache (cache.h), one
  * sequence, in any format.
  *
- * A chunk of n tokens at [pos, pos + n):
+ * A chunk of n tokens at [pos, pos + n) (n = 1 for a decode step):
  *   begin   kvarn_cache_reserve(n)
  *   attend  for layer l: kvarn_cache_write the chunk's K (post-RoPE) and V;
- *           then attention of the chunk's queries, by one of two paths:
- *     kernels (default)  kvarn_attn_decode (n = 1) or kvarn_attn_multi
- *              (causal) over the whole sequence [0, pos + n) as the cache
- *              holds it: quantized blocks, fp16 sink and tail pages. The
- *              chunk's own K/V are read where the cache put them: for KVarN
- *              formats the fp16 tail (so a prefill sees its K/V at fp16, as
- *              upstream's does in the model's 16-bit dtype,
- *              ../shared/spec/KVARN.md "The fp16 tail and the sink"); for
- *              per-token formats their records (as vLLM does).
- *     exact chunk  the chunk over its own fp32 K/V (causal) and over the
- *              history [0, pos) decoded with kvarn_cache_read, merged by
- *              log-sum-exp. Decodes the whole history every call: a
- *              cross-check, not a serving path.
+ *           then attention of the chunk's queries as two parts merged by
+ *           log-sum-exp (../shared/spec/KVARN.md "The fp16 tail and the
+ *           sink": the chunk attends to the exact K/V it just computed, the
+ *           history is read quantized):
+ *     self     the chunk over its own fp32 K/V, causal (llama_attn_f32; a
+ *              decode step's 1 x 1 part is written out directly).
+ *     history  the chunk's queries over [0, pos) as the cache holds it, by
+ *              one of two paths:
+ *       kernels (default)  kvarn_attn_multi_lse, non-causal, on a sequence
+ *              view cut to seq_len = pos (the chunk's tokens, already in
+ *              the cache, are not visible): quantized blocks, fp16 sink
+ *              and tail pages, read in place.
+ *       exact chunk  the history decoded with kvarn_cache_read into fp32
+ *              and attended in fp32. Decodes the whole history every call:
+ *              a cross-check of the kernels, not a serving path.
+ *           Both parts are in the original basis (the KVarN kernels rotate
+ *           their output back), so they merge directly.
  *   end     kvarn_cache_commit(pos + n): every token of a forward call is
  *           final, so each tile that is full gets quantized.
  */
@@ -40,7 +44,8 @@ typedef struct kv_paged {
     float *hist_out;     /* [max_chunk][H][D] */
     float *hist_lse;     /* [max_chunk][H] */
     float *lse;          /* [max_chunk][H] */
-    float *scratch;      /* llama_attn_f32_scratch_floats(max_tokens) */
+    float *scratch;      /* llama_attn_f32_scratch_floats(max_tokens on the
+                            exact-chunk path, else max_chunk) */
     /* Kernel path. */
     int exact_chunk;
     kvarn_paged_kv *views;  /* [n_layers] layer views (fixed for the cache) */
@@ -76,9 +81,11 @@ static kvarn_status history_by_read(kv_paged *p, int layer, int pos, int n,
     return KVARN_OK;
 }
 
-/* Attention through the paged kernels over [0, pos + n), chunk included. */
-static kvarn_status attend_kernels(kv_paged *p, int layer, int n,
-                                   const float *q, int ldq, float *out)
+/* Attention of the chunk's queries over the history [0, pos) through the
+ * paged kernels: a non-causal multi-query call on the sequence view cut to
+ * its first pos tokens (queries after every key, attn.h). */
+static kvarn_status history_by_kernels(kv_paged *p, int layer, int pos, int n,
+                                       const float *q, int ldq)
 {
     const llama_kv_shape *sh = &p->sh;
     int qd = sh->n_heads * sh->head_dim;
@@ -87,12 +94,31 @@ static kvarn_status attend_kernels(kv_paged *p, int layer, int n,
     kvarn_seq_view sv;
     kvarn_status st = kvarn_cache_seq_view(p->cache, p->seq, &sv);
     if (st != KVARN_OK) return st;
-    if (n == 1)
-        return kvarn_attn_decode(&p->views[layer], &sv, 1, sh->n_heads, p->qbuf,
-                                 out, &p->attn_opts, p->pool, p->ws, p->ws_bytes);
+    /* Commit runs at the end of a call, so every quantized tile lies below
+     * pos; tiles past pos drop out of the view. */
+    int G = p->views[layer].block_size, tiles = (pos + G - 1) / G;
+    sv.seq_len = pos;
+    if (sv.committed_tiles > tiles) sv.committed_tiles = tiles;
     int32_t qsl[2] = { 0, n };
-    return kvarn_attn_multi(&p->views[layer], &sv, 1, qsl, sh->n_heads, p->qbuf,
-                            out, &p->attn_opts, p->pool, p->ws, p->ws_bytes);
+    return kvarn_attn_multi_lse(&p->views[layer], &sv, 1, qsl, sh->n_heads, p->qbuf,
+                                p->hist_out, p->hist_lse, &p->attn_opts, p->pool,
+                                p->ws, p->ws_bytes);
+}
+
+/* A decode step over its own token: every query head sees one key, so the
+ * output is that key's V and the log-sum-exp its scaled score. */
+static void self_one(const llama_kv_shape *sh, const float *q, const float *k,
+                     const float *v, float *out, float *lse)
+{
+    int D = sh->head_dim, group = sh->n_heads / sh->n_kv_heads;
+    float scale = 1.0f / sqrtf((float)D);
+    for (int h = 0; h < sh->n_heads; h++) {
+        const float *qh = q + (size_t)h * D, *kh = k + (size_t)(h / group) * D;
+        float dot = 0.0f;
+        for (int d = 0; d < D; d++) dot += qh[d] * kh[d];
+        lse[h] = dot * scale;
+        memcpy(out + (size_t)h * D, v + (size_t)(h / group) * D, sizeof(float) * D);
+    }
 }
 
 static kvarn_status paged_attend(llama_kv *kv, int layer, int pos, int n,
@@ -109,12 +135,15 @@ static kvarn_status paged_attend(llama_kv *kv, int layer, int pos, int n,
     kvarn_status st = kvarn_cache_write(p->cache, p->seq, layer, pos, n,
                                         p->kbuf, p->vbuf);
     if (st != KVARN_OK) return st;
-    if (!p->exact_chunk) return attend_kernels(p, layer, n, q, ldq, out);
     /* The chunk over its own exact K/V. */
-    llama_attn_f32(sh->n_heads, sh->n_kv_heads, D, q, ldq, n, 0, p->kbuf,
-                   p->vbuf, kd, (size_t)D, n, out, p->lse, p->scratch);
+    if (n == 1)
+        self_one(sh, q, p->kbuf, p->vbuf, out, p->lse);
+    else
+        llama_attn_f32(sh->n_heads, sh->n_kv_heads, D, q, ldq, n, 0, p->kbuf,
+                       p->vbuf, kd, (size_t)D, n, out, p->lse, p->scratch);
     if (pos == 0) return KVARN_OK;
-    st = history_by_read(p, layer, pos, n, q, ldq);
+    st = p->exact_chunk ? history_by_read(p, layer, pos, n, q, ldq)
+                        : history_by_kernels(p, layer, pos, n, q, ldq);
     if (st != KVARN_OK) return st;
     llama_attn_merge(sh->n_heads, D, n, out, p->lse, p->hist_out, p->hist_lse);
     return KVARN_OK;
@@ -255,8 +284,13 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
     p->vbuf = malloc(sizeof(float) * C * kd);
     p->lse = malloc(sizeof(float) * C * shape->n_heads);
     p->qbuf = malloc(sizeof(float) * C * qd);
+    p->hist_out = malloc(sizeof(float) * C * qd);
+    p->hist_lse = malloc(sizeof(float) * C * shape->n_heads);
+    p->scratch = malloc(sizeof(float) * llama_attn_f32_scratch_floats(
+                            p->exact_chunk ? shape->max_tokens : shape->max_chunk));
     p->views = calloc((size_t)shape->n_layers, sizeof *p->views);
-    if (!p->kbuf || !p->vbuf || !p->lse || !p->qbuf || !p->views) {
+    if (!p->kbuf || !p->vbuf || !p->lse || !p->qbuf || !p->hist_out || !p->hist_lse ||
+        !p->scratch || !p->views) {
         paged_destroy(&p->base);
         return KVARN_ERR_NOMEM;
     }
@@ -266,16 +300,15 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
         paged_destroy(&p->base);
         return st;
     }
+    /* History only: every query comes after every key it sees. */
     kvarn_attn_opts ao = KVARN_ATTN_OPTS_DEFAULT(1.0f / sqrtf((float)shape->head_dim));
+    ao.causal = 0;
     p->attn_opts = ao;
     if (p->exact_chunk) {
         /* The cross-check path decodes whole histories into fp32. */
         p->hist_k = malloc(sizeof(float) * T * kd);
         p->hist_v = malloc(sizeof(float) * T * kd);
-        p->hist_out = malloc(sizeof(float) * C * qd);
-        p->hist_lse = malloc(sizeof(float) * C * shape->n_heads);
-        p->scratch = malloc(sizeof(float) * llama_attn_f32_scratch_floats(shape->max_tokens));
-        if (!p->hist_k || !p->hist_v || !p->hist_out || !p->hist_lse || !p->scratch) {
+        if (!p->hist_k || !p->hist_v) {
             paged_destroy(&p->base);
             return KVARN_ERR_NOMEM;
         }

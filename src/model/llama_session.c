@@ -4,6 +4,7 @@
  * forward call reuses. All memory is allocated here, once.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "model/llama_internal.h"
 
@@ -21,6 +22,8 @@ void kvarn_llama_session_free(kvarn_llama_session *s)
     free(s->act);
     free(s->rope_cos);
     free(s->rope_sin);
+    free(s->keep_k);
+    free(s->keep_v);
     free(s);
 }
 
@@ -40,7 +43,8 @@ kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
     if (o.max_tokens < 1 || o.max_chunk < 1 || o.sink_tiles < -1 ||
         o.balance_iters < -1 || o.balance_iters > 64 || (o.exact != 0 && o.exact != 1) ||
         o.attn_threads < 0 || o.attn_threads > 256 ||
-        (o.exact_chunk != 0 && o.exact_chunk != 1))
+        (o.exact_chunk != 0 && o.exact_chunk != 1) ||
+        (o.keep_kv_f32 != 0 && o.keep_kv_f32 != 1))
         return KVARN_ERR_INVALID_ARG;
 
     kvarn_format fmt;
@@ -69,8 +73,15 @@ kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
     s->act = malloc(sizeof(float) * n * hp->ffn);
     s->rope_cos = malloc(sizeof(float) * n * (D / 2));
     s->rope_sin = malloc(sizeof(float) * n * (D / 2));
+    if (o.keep_kv_f32) {
+        size_t kept = (size_t)hp->n_layers * (size_t)o.max_tokens *
+                      (size_t)hp->n_kv_heads * D;
+        s->keep_k = malloc(sizeof(float) * kept);
+        s->keep_v = malloc(sizeof(float) * kept);
+    }
     if (!s->x || !s->xn || !s->qkv || !s->attn || !s->gu || !s->act ||
-        !s->rope_cos || !s->rope_sin) {
+        !s->rope_cos || !s->rope_sin ||
+        (o.keep_kv_f32 && (!s->keep_k || !s->keep_v))) {
         kvarn_llama_session_free(s);
         return KVARN_ERR_NOMEM;
     }
@@ -98,6 +109,21 @@ void kvarn_llama_session_reset(kvarn_llama_session *s)
 int kvarn_llama_session_pos(const kvarn_llama_session *s)
 {
     return s ? s->pos : 0;
+}
+
+kvarn_status kvarn_llama_session_read_kv(const kvarn_llama_session *s, int layer,
+                                         int pos, int n, float *k, float *v)
+{
+    if (!s || !k || !v) return KVARN_ERR_INVALID_ARG;
+    const kvarn_llama_hparams *hp = &s->model->hp;
+    if (layer < 0 || layer >= hp->n_layers || pos < 0 || n < 1 || pos > s->pos - n)
+        return KVARN_ERR_INVALID_ARG;
+    if (!s->keep_k) return KVARN_ERR_UNSUPPORTED;
+    size_t kd = (size_t)hp->n_kv_heads * hp->head_dim;
+    size_t off = ((size_t)layer * s->max_tokens + (size_t)pos) * kd;
+    memcpy(k, s->keep_k + off, sizeof(float) * (size_t)n * kd);
+    memcpy(v, s->keep_v + off, sizeof(float) * (size_t)n * kd);
+    return KVARN_OK;
 }
 
 const char *kvarn_llama_session_format(const kvarn_llama_session *s)

@@ -346,10 +346,10 @@ static void test_exact_prefill_decode_chunked(void **state)
     free(c128);
 }
 
-/* fp16 cache. Kernel path: prefill, decode and chunks of 128 all read K/V
- * at fp16 from the cache, so they agree with each other and with the exact
- * run to fp16 rounding. Exact-chunk path: a full prefill never reads the
- * cache, so it is the exact run; decode reads fp16 history. */
+/* fp16 cache. Both paths: a chunk sees its own K/V exact and the history
+ * at fp16 from the cache, so a full prefill never reads the cache (it is
+ * the exact run), and decode and chunks of 128 agree with it to fp16
+ * rounding; the two paths agree with each other to fp32 summation order. */
 static void test_fp16_prefill_decode_chunked(void **state)
 {
     fixture *f = *state;
@@ -362,18 +362,18 @@ static void test_fp16_prefill_decode_chunked(void **state)
     double scale = max_abs(ex);
     double d_pre = max_diff(ex, pre), d_dec = max_diff(pre, dec);
     double d_c128 = max_diff(pre, c128), d_prex = max_diff(ex, pre_x);
-    double d_decx = max_diff(pre_x, dec_x);
+    double d_decx = max_diff(dec_x, dec);
     print_message("fp16 max|diff| (max|logit| %.2f): prefill-exact %.2e, "
                   "decode-prefill %.2e, chunk128-prefill %.2e, exact-chunk "
-                  "prefill-exact %.2e, exact-chunk decode-prefill %.2e\n",
+                  "prefill-exact %.2e, exact-chunk decode vs kernels decode %.2e\n",
                   scale, d_pre, d_dec, d_c128, d_prex, d_decx);
-    assert_true(d_pre < 2e-3 * scale);
+    assert_true(d_pre < 1e-5 * scale);
     assert_true(d_dec < 2e-3 * scale);
     assert_true(d_c128 < 2e-3 * scale);
     assert_true(d_prex < 1e-5 * scale);
-    assert_true(d_decx < 2e-3 * scale);
-    /* ... and the cache really is read (fp16 is not bit-exact). */
-    assert_true(d_pre > 0.0 && d_decx > 0.0);
+    assert_true(d_decx < 1e-4 * scale);
+    /* ... and the cache really is read by decode (fp16 is not bit-exact). */
+    assert_true(d_dec > 0.0 && d_c128 > 0.0);
     free(ex);
     free(pre);
     free(dec);
@@ -382,14 +382,13 @@ static void test_fp16_prefill_decode_chunked(void **state)
     free(dec_x);
 }
 
-/* The paged kernels read the same history that kvarn_cache_read decodes.
- * Two K/V stores of the same format, one on the kernel path and one on the
- * exact-chunk path, get identical random Q/K/V (no model in the loop, so
- * their caches hold identical records): 3 chunks of one tile, then decode
- * steps. They differ only in how a chunk sees its own K/V: fp16 (tail or
- * fp16 records) against fp32 on the exact path; per-token quantized formats
- * see their own records, so they are checked on decode steps only, where
- * one token of 300 is that far off. */
+/* The paged kernels read the same history that kvarn_cache_read decodes,
+ * and both paths see the chunk's own K/V exact. Two K/V stores of the same
+ * format, one on the kernel path and one on the exact-chunk path, get
+ * identical random Q/K/V (no model in the loop, so their caches hold
+ * identical records): chunks of one tile, a chunk that starts mid-tile and
+ * ends mid-tile, then decode steps. They differ only in fp32 summation
+ * order: every step, every format within 1e-5 of max|out|. */
 static void test_kernels_match_exact_chunk(void **state)
 {
     (void)state;
@@ -405,11 +404,7 @@ static void test_kernels_match_exact_chunk(void **state)
         const char *name = kvarn_format_name_at(i);
         kvarn_format fmt;
         assert_int_equal(kvarn_format_parse(name, &fmt), KVARN_OK);
-        int sixteen = fmt.per_tile || fmt.kind == KVARN_KIND_FP16 ||
-                      fmt.kind == KVARN_KIND_BF16;
-        /* fp16 rounding (KVarN tail, fp16 records) vs bf16 vs the quantized
-         * own token of per-token formats, relative to max|out|. */
-        double tol = fmt.kind == KVARN_KIND_BF16 ? 1e-2 : sixteen ? 1e-3 : 5e-2;
+        const double tol = 1e-5;
         kvarn_llama_session_opts oa_opts = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
         kvarn_llama_session_opts ob_opts = oa_opts;
         ob_opts.exact_chunk = 1;
@@ -420,8 +415,9 @@ static void test_kernels_match_exact_chunk(void **state)
         test_rng_seed(&rng, 7 + (uint64_t)i);
         double worst = 0, scale = 0;
         int pos = 0;
-        for (int step = 0; step < 3 + 8; step++) {
-            int n = step < 3 ? 128 : 1;
+        const int steps[] = {128, 128, 100, 77, 1, 1, 1, 1, 1, 1, 1, 1};
+        for (int step = 0; step < (int)(sizeof steps / sizeof steps[0]); step++) {
+            int n = steps[step];
             for (int j = 0; j < n * qd; j++) q[j] = (float)test_rng_normal(&rng);
             for (int j = 0; j < n * kd; j++) {
                 /* A large channel, as real keys have. */
@@ -433,7 +429,6 @@ static void test_kernels_match_exact_chunk(void **state)
             for (int l = 0; l < sh.n_layers; l++) {
                 assert_int_equal(A->ops->attend(A, l, pos, n, q, qd, k, v, kd, oa), KVARN_OK);
                 assert_int_equal(B->ops->attend(B, l, pos, n, q, qd, k, v, kd, ob), KVARN_OK);
-                if (!sixteen && n > 1) continue;
                 for (int j = 0; j < n * qd; j++) {
                     worst = fmax(worst, fabs((double)oa[j] - ob[j]));
                     scale = fmax(scale, fabs((double)ob[j]));
@@ -457,6 +452,38 @@ static void test_kernels_match_exact_chunk(void **state)
     free(ob);
 }
 
+/* The whole model, every format: the kernel path equals the exact-chunk
+ * path (same K/V semantics: the chunk exact, the history as the cache
+ * holds it) for chunks of one tile, chunks that straddle tiles, and
+ * token-by-token decode. Small K/V differences can move a rounding of the
+ * quantizer in one path and not the other, so the bound is looser for the
+ * quantized formats than for the attention alone. */
+static void test_model_kernels_match_exact_chunk(void **state)
+{
+    fixture *f = *state;
+    const int chunks[] = {128, 100, 1};
+    for (int i = 0; i < kvarn_format_count(); i++) {
+        const char *name = kvarn_format_name_at(i);
+        kvarn_format fmt;
+        assert_int_equal(kvarn_format_parse(name, &fmt), KVARN_OK);
+        int sixteen = fmt.kind == KVARN_KIND_FP16 || fmt.kind == KVARN_KIND_BF16;
+        for (int c = 0; c < 3; c++) {
+            float *a = run(f, name, KERNELS, chunks[c]);
+            float *b = run(f, name, EXACT_CHUNK, chunks[c]);
+            double d = max_diff(a, b), scale = max_abs(b);
+            print_message("%-16s chunk %3d: kernels vs exact-chunk logits max|diff| "
+                          "%.2e (max|logit| %.2f)\n", name, chunks[c], d, scale);
+            assert_true(scale > 1.0);
+            /* 16-bit: 1-ulp fp16/bf16 rounding flips; quantized: a flipped
+             * code now and then (measured up to ~1.1e-3 of max|logit|),
+             * far below reading the chunk's own records quantized. */
+            assert_true(d < (sixteen ? 2e-4 : 3e-3) * scale);
+            free(a);
+            free(b);
+        }
+    }
+}
+
 /* Every format of the table runs chunked (one tile per call) with finite
  * logits; int8 history is closer to fp16 than int4 history. */
 static void test_all_formats_run(void **state)
@@ -478,6 +505,103 @@ static void test_all_formats_run(void **state)
     assert_true(d_int8 >= 0 && d_int4 >= 0);
     assert_true(d_int8 < d_int4);
     free(ref);
+}
+
+/* keep_kv_f32 / kvarn_llama_session_read_kv: layer 0's K and V against a
+ * double-precision recomputation from the weights (RMSNorm, projection,
+ * adjacent-pair RoPE); a quantized session keeps the same fp32 K/V as the
+ * exact store (layer 0 exactly; later layers differ by what the cache
+ * changed upstream); argument errors. */
+static void test_read_kv(void **state)
+{
+    fixture *f = *state;
+    const int T = 40, kd = NKV * HD, qd = NH * HD;
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.cache_format = "int4";
+    o.max_tokens = T;
+    o.max_chunk = 16;
+    o.keep_kv_f32 = 1;
+    kvarn_llama_session *s = NULL, *e = NULL;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    o.exact = 1;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &e), KVARN_OK);
+    for (int p = 0; p < T; p += 16) {
+        int c = T - p < 16 ? T - p : 16;
+        assert_int_equal(kvarn_llama_forward(s, f->ids + p, c, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+        assert_int_equal(kvarn_llama_forward(e, f->ids + p, c, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+    }
+    float *k = malloc(sizeof(float) * T * kd), *v = malloc(sizeof(float) * T * kd);
+    float *k2 = malloc(sizeof(float) * T * kd), *v2 = malloc(sizeof(float) * T * kd);
+    assert_int_equal(kvarn_llama_session_read_kv(s, 0, 0, T, k, v), KVARN_OK);
+    assert_int_equal(kvarn_llama_session_read_kv(e, 0, 0, T, k2, v2), KVARN_OK);
+    assert_memory_equal(k, k2, sizeof(float) * T * kd);
+    assert_memory_equal(v, v2, sizeof(float) * T * kd);
+    /* Recompute layer 0 in double. */
+    const kvarn_llama_hparams *hp = kvarn_llama_get_hparams(f->m);
+    const llama_layer *L = &f->m->layers[0];
+    double worst = 0, scale = 0;
+    for (int t = 0; t < T; t++) {
+        const float *x = f->m->tok_embd + (size_t)f->ids[t] * E;
+        double ss = 0, h[E];
+        for (int i = 0; i < E; i++) ss += (double)x[i] * x[i];
+        double r = 1.0 / sqrt(ss / E + hp->rms_eps);
+        for (int i = 0; i < E; i++) h[i] = x[i] * r * L->attn_norm[i];
+        for (int j = 0; j < kd; j++) {
+            double kk = 0, vv = 0;
+            const float *wk = L->wqkv + (size_t)(qd + j) * E, *wv = L->wqkv + (size_t)(qd + kd + j) * E;
+            for (int i = 0; i < E; i++) {
+                kk += h[i] * wk[i];
+                vv += h[i] * wv[i];
+            }
+            k2[(size_t)t * kd + j] = (float)kk;
+            v2[(size_t)t * kd + j] = (float)vv;
+        }
+        for (int hh = 0; hh < NKV; hh++)
+            for (int i = 0; i < HD / 2; i++) {
+                double ang = t * pow((double)hp->rope_theta, -2.0 * i / HD);
+                float *pr = k2 + (size_t)t * kd + hh * HD + 2 * i;
+                double a = pr[0], b = pr[1];
+                pr[0] = (float)(a * cos(ang) - b * sin(ang));
+                pr[1] = (float)(a * sin(ang) + b * cos(ang));
+            }
+    }
+    for (size_t i = 0; i < (size_t)T * kd; i++) {
+        worst = fmax(worst, fmax(fabs(k[i] - k2[i]), fabs(v[i] - v2[i])));
+        scale = fmax(scale, fmax(fabs(k2[i]), fabs(v2[i])));
+    }
+    print_message("read_kv layer 0 vs double recomputation: max|diff| %.2e (max %.2f)\n", worst, scale);
+    assert_true(scale > 0.1);
+    assert_true(worst < 1e-4 * scale);
+    /* Layer 1: int4 history changed layer 0's output, so K differs a bit
+     * from the exact store's, but not wildly; a slice reads the same rows. */
+    assert_int_equal(kvarn_llama_session_read_kv(s, NL - 1, 0, T, k, v), KVARN_OK);
+    assert_int_equal(kvarn_llama_session_read_kv(e, NL - 1, 0, T, k2, v2), KVARN_OK);
+    double d1 = 0;
+    for (size_t i = 0; i < (size_t)T * kd; i++) d1 = fmax(d1, fabs(k[i] - k2[i]));
+    assert_true(d1 > 0.0 && d1 < scale);
+    assert_int_equal(kvarn_llama_session_read_kv(s, NL - 1, 5, 3, k2, v2), KVARN_OK);
+    assert_memory_equal(k2, k + 5 * kd, sizeof(float) * 3 * kd);
+    assert_memory_equal(v2, v + 5 * kd, sizeof(float) * 3 * kd);
+    /* Errors. */
+    assert_int_equal(kvarn_llama_session_read_kv(NULL, 0, 0, 1, k, v), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_llama_session_read_kv(s, NL, 0, 1, k, v), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_llama_session_read_kv(s, -1, 0, 1, k, v), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_llama_session_read_kv(s, 0, T - 2, 3, k, v), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_llama_session_read_kv(s, 0, 0, 0, k, v), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_llama_session_read_kv(s, 0, 0, 1, NULL, v), KVARN_ERR_INVALID_ARG);
+    kvarn_llama_session_reset(s);
+    assert_int_equal(kvarn_llama_session_read_kv(s, 0, 0, 1, k, v), KVARN_ERR_INVALID_ARG);
+    kvarn_llama_session_free(s);
+    kvarn_llama_session_free(e);
+    o.exact = 0;
+    o.keep_kv_f32 = 0;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 4, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_session_read_kv(s, 0, 0, 1, k, v), KVARN_ERR_UNSUPPORTED);
+    kvarn_llama_session_free(s);
+    o.keep_kv_f32 = 2;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_INVALID_ARG);
+    free(k); free(v); free(k2); free(v2);
 }
 
 /* KVARN_LLAMA_LOGITS_LAST is the last row of _ALL; after a reset the same
@@ -619,8 +743,10 @@ int main(void)
         cmocka_unit_test(test_exact_prefill_decode_chunked),
         cmocka_unit_test(test_fp16_prefill_decode_chunked),
         cmocka_unit_test(test_kernels_match_exact_chunk),
+        cmocka_unit_test(test_model_kernels_match_exact_chunk),
         cmocka_unit_test(test_all_formats_run),
         cmocka_unit_test(test_last_and_reset),
+        cmocka_unit_test(test_read_kv),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),

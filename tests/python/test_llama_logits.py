@@ -1,6 +1,9 @@
 """test_llama_logits.py -- the C llama runner against the numpy reference
 (reference_llama.py, built on PyPI's gguf) on the real SmolLM2-135M model,
-and prefill == chunked == token-by-token decode with the fp16 cache.
+prefill == chunked == token-by-token decode with the fp16 cache, and the
+default (paged-kernel) path == the exact-chunk cross-check path for the
+quantized formats (both: the chunk over its own exact K/V, the history as
+the cache holds it, merged by log-sum-exp).
 
 The C side is tests/python/llama_logits.c, compiled here against the
 library the build made (KVARN_BUILD_DIR, default <repo>/build; run
@@ -9,16 +12,17 @@ scripts/get_model.sh (models/SmolLM2-135M-Instruct.Q4_1.gguf, fixture
 model_path of conftest.py).
 
 Tolerances (all on raw logits; SmolLM2's logits reach ~40 in magnitude):
-  C with exact fp32 K/V (the "exact" store, any chunking, and the fp16
-  cache's exact-chunk path in one prefill) vs numpy float64:
+  C with exact fp32 K/V (the "exact" store, any chunking, and a one-chunk
+  prefill with the fp16 cache on either path: the chunk never reads the
+  cache) vs numpy float64:
       max |diff| <= 1e-3 absolute, same argmax everywhere
-  fp16 cache through the paged kernels (the chunk's own K/V read back at
-  fp16) vs numpy: max |diff| <= 0.1 absolute, same argmax everywhere
   fp16 cache, chunks of 128 / token by token vs one prefill:
       max |diff| <= 0.1 absolute, top-1 agreement >= 99%
-Measured on this machine (300 tokens): exact 3.6e-4 (prefill, chunk 128),
-4.8e-4 (decode); fp16 kernels prefill vs numpy 4.3e-2; fp16 decode vs
-prefill 4.1e-2; chunk 128 vs prefill 0 (bit-identical).
+  kernels vs exact-chunk path, same format and chunking: max |diff| <=
+      ABS_TOL_PATHS, top-1 agreement >= 99% (the paths differ in fp32
+      summation order only, which now and then moves one rounding of the
+      quantizer, and that moves later logits a little)
+Measured numbers: printed by each test (pytest -s).
 """
 import os
 import subprocess
@@ -35,6 +39,7 @@ BUILD = os.environ.get("KVARN_BUILD_DIR", os.path.join(ROOT, "build"))
 
 ABS_TOL_EXACT = 1e-3
 ABS_TOL_FP16 = 1e-1
+ABS_TOL_PATHS = 1e-1
 N_TOKENS = 300
 
 
@@ -69,10 +74,12 @@ def work(tmp_path_factory):
 
 
 def run_c(helper, model, work, fmt, chunk):
+    # Runs are deterministic: reuse a run another test already made.
     d, ids = work
     out = d / f"logits_{fmt}_{chunk}.bin"
-    subprocess.run([helper, model, fmt, str(chunk), str(d / "ids.bin"), str(out)],
-                   check=True)
+    if not out.exists():
+        subprocess.run([helper, model, fmt, str(chunk), str(d / "ids.bin"), str(out)],
+                       check=True)
     return np.fromfile(str(out), dtype=np.float32).reshape(len(ids), -1)
 
 
@@ -106,8 +113,9 @@ def test_exact_matches_numpy(helper, model_path, work, numpy_logits, fmt, chunk)
 
 
 def test_fp16_prefill_matches_numpy(fp16_prefill, numpy_logits):
+    # One chunk: every query sees only the chunk's own exact K/V.
     d, top1 = _report("C fp16 prefill vs numpy", fp16_prefill, numpy_logits)
-    assert d <= ABS_TOL_FP16
+    assert d <= ABS_TOL_EXACT
     assert top1 == 1.0
 
 
@@ -117,4 +125,21 @@ def test_fp16_chunked_and_decode_match_prefill(helper, model_path, work,
     c = run_c(helper, model_path, work, "fp16", chunk)
     d, top1 = _report(f"C fp16 chunk {chunk} vs fp16 prefill", c, fp16_prefill)
     assert d <= ABS_TOL_FP16
+    assert top1 >= 0.99
+
+
+# Token-by-token decode of a per-token quantized format re-quantizes every
+# token from K/V that differ between the paths in the last fp32 bits; on
+# this model (massive-activation channels) those code flips compound over
+# positions (int8 decode: max|diff| 0.86, mean 0.06 at 300 tokens, as much
+# as int8 itself moves the logits from fp16), so decode is compared here
+# for fp16 only; tests/model/test_llama.c compares both paths on identical
+# K/V at every step (attention within 1e-5), decode included.
+@pytest.mark.parametrize("fmt,chunk", [("int8", 128), ("int4", 100), ("fp8_e4m3", 128),
+                                       ("kvarn_k4v2_g128", 100), ("fp16", 1)])
+def test_kernels_match_exact_chunk(helper, model_path, work, fmt, chunk):
+    a = run_c(helper, model_path, work, fmt, chunk)
+    b = run_c(helper, model_path, work, fmt + ":xc", chunk)
+    d, top1 = _report(f"C {fmt} chunk {chunk}: kernels vs exact-chunk", a, b)
+    assert d <= ABS_TOL_PATHS
     assert top1 >= 0.99
