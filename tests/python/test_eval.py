@@ -26,19 +26,20 @@ from reference_llama import LlamaReference
 
 CTX = 2048
 
-# Measured on this window (ctx 2048, chunk 128, 8 decode tokens) on
-# 2026-11-29, x86-64 with AVX-512: format -> (KLD mean, KLD p99, top-1).
+# Measured on this window (ctx 2048, chunk 128, 8 decode tokens; every chunk
+# attends to its own exact K/V and to the cached history) on 2026-11-29,
+# x86-64 with AVX-512: format -> (KLD mean, KLD p99, top-1).
 MEASURED = {
-    "fp16": (0.0, 0.0, 1.0),
-    "bf16": (0.00007, 0.00090, 0.9946),
-    "fp8_e4m3": (0.01112, 0.14880, 0.9492),
-    "fp8_e5m2": (0.03828, 0.54163, 0.9052),
-    "int8": (0.00055, 0.00691, 0.9922),
-    "int4": (0.12771, 1.30672, 0.8036),
-    "kvarn_k4v4_g128": (0.00234, 0.02257, 0.9751),
-    "kvarn_k4v4_g64": (0.00147, 0.01098, 0.9800),
-    "kvarn_k4v2_g128": (0.00927, 0.09215, 0.9487),
-    "kvarn_k4v2_g64": (0.00981, 0.07998, 0.9433),
+    "fp16": (0, 0, 1.0000),
+    "bf16": (9.77e-06, 9.52e-05, 0.9976),
+    "fp8_e4m3": (0.000966, 0.00852, 0.9844),
+    "fp8_e5m2": (0.0056, 0.0522, 0.9697),
+    "int8": (5.63e-05, 0.000514, 0.9966),
+    "int4": (0.0222, 0.375, 0.9370),
+    "kvarn_k4v4_g128": (0.00229, 0.0206, 0.9751),
+    "kvarn_k4v4_g64": (0.00145, 0.0112, 0.9800),
+    "kvarn_k4v2_g128": (0.00925, 0.0903, 0.9492),
+    "kvarn_k4v2_g64": (0.00985, 0.0838, 0.9433),
 }
 
 # The margins: 3x the measured KLD mean, 2x the measured p99, 3 points of
@@ -127,9 +128,10 @@ def test_capacity_column(report):
 
 
 def test_kvarn_beats_int4_at_similar_size(report):
-    """The point of KVarN: at about the bytes of per-token int4 it keeps the
-    quality of a much larger format."""
+    """The point of KVarN: at fewer bytes than per-token int4 it loses less.
+    Measured: k4v2_g128 KLD 0.42x int4's, k4v4_g128 0.10x."""
     by = {f["format"]: f for f in report["formats"]}
     assert by["kvarn_k4v2_g128"]["bytes_per_token"] < by["int4"]["bytes_per_token"]
-    assert by["kvarn_k4v2_g128"]["kld_mean"] < 0.25 * by["int4"]["kld_mean"]
+    assert by["kvarn_k4v2_g128"]["kld_mean"] < 0.75 * by["int4"]["kld_mean"]
     assert by["kvarn_k4v2_g128"]["top1"] > by["int4"]["top1"]
+    assert by["kvarn_k4v4_g128"]["kld_mean"] < 0.25 * by["int4"]["kld_mean"]
