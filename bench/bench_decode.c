@@ -3,9 +3,11 @@
  * ratio to the fp16 cache measured in the same run (issue: the kvarn
  * command, benchmark). Not a test.
  *
- * For each context length C and each format: a session is filled with C
- * tokens of text (chunked prefill, not timed), then --decode single-token
- * forward calls are timed (the median of --repeat runs of them).
+ * For each context length C, one session per format is filled with
+ * C - decode*repeat tokens of text (chunked prefill, not timed); then in
+ * each of --repeat rounds every format in turn runs --decode single-token
+ * forward calls (timed), ending at context C. The median round per format
+ * is reported, as tokens/s and as a ratio to the fp16 cache.
  *
  *   bench_decode [-m MODEL] [-f TEXT] [--ctx 512,2048,8192]
  *                [--kv-cache-dtype all|NAME,...] [--decode 16] [--repeat 3]
@@ -112,54 +114,73 @@ int main(int argc, char **argv)
     free(text);
 
     float *logits = malloc(sizeof(float) * (size_t)hp->vocab);
-    double *runs = malloc(sizeof(double) * (size_t)repeat);
     printf("bench_decode: %s, %ld decode steps x %ld repeats (median), %ld attention thread(s)\n",
            model_path, n_decode, repeat, threads);
+    /* tps[fi][c]: decode tokens/s of format fi at context c */
+    double *tps = calloc((size_t)nf * (size_t)n_ctx, sizeof(double));
+    const char **why = calloc((size_t)nf * (size_t)n_ctx, sizeof(char *));
+    kvarn_llama_session **sess = calloc((size_t)nf, sizeof *sess);
+    double *rt = malloc(sizeof(double) * (size_t)nf * (size_t)repeat);
+    for (int c = 0; c < n_ctx; c++) {
+        /* Every format is prefilled to the same length, then the formats
+         * take turns: round r times n_decode steps of each format in a row,
+         * so that load from elsewhere falls on all formats alike. */
+        long prefill = ctxs[c] - n_decode * repeat;
+        if (prefill < 0 || (size_t)ctxs[c] > n_ids || ctxs[c] > hp->context_length) {
+            for (int fi = 0; fi < nf; fi++) why[fi * n_ctx + c] = "n/a";
+            continue;
+        }
+        for (int fi = 0; fi < nf; fi++) {
+            kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+            so.cache_format = fmts[fi].name;
+            so.max_tokens = (int)ctxs[c];
+            so.max_chunk = 512;
+            so.attn_threads = (int)threads;
+            kvarn_status st = kvarn_llama_session_create(model, &so, &sess[fi]);
+            for (long p = 0; p < prefill && st == KVARN_OK; p += 512) {
+                int n = (int)(prefill - p < 512 ? prefill - p : 512);
+                st = kvarn_llama_forward(sess[fi], ids + p, n, KVARN_LLAMA_LOGITS_NONE, NULL, 0);
+            }
+            if (st != KVARN_OK) why[fi * n_ctx + c] = kvarn_strerror(st);
+        }
+        for (long r = 0; r < repeat; r++) {
+            long pos = prefill + r * n_decode;
+            for (int fi = 0; fi < nf; fi++) {
+                if (why[fi * n_ctx + c]) continue;
+                kvarn_status st = KVARN_OK;
+                double t0 = now();
+                for (long d = 0; d < n_decode && st == KVARN_OK; d++)
+                    st = kvarn_llama_forward(sess[fi], ids + pos + d, 1, KVARN_LLAMA_LOGITS_LAST, logits,
+                                             (size_t)hp->vocab);
+                rt[fi * repeat + r] = now() - t0;
+                if (st != KVARN_OK) why[fi * n_ctx + c] = kvarn_strerror(st);
+            }
+        }
+        for (int fi = 0; fi < nf; fi++) {
+            kvarn_llama_session_free(sess[fi]);
+            sess[fi] = NULL;
+            if (why[fi * n_ctx + c]) continue;
+            qsort(rt + fi * repeat, (size_t)repeat, sizeof(double), cmp_d);
+            tps[fi * n_ctx + c] = (double)n_decode / rt[fi * repeat + repeat / 2];
+        }
+        fprintf(stderr, "bench_decode: context %ld done\n", ctxs[c]);
+    }
     printf("%-18s", "format \\ context");
     for (int c = 0; c < n_ctx; c++) printf(" %10ld tok/s  x fp16", ctxs[c]);
     printf("\n");
-    double *base = calloc((size_t)n_ctx, sizeof(double));
     for (int fi = 0; fi < nf; fi++) {
         printf("%-18s", fmts[fi].name);
-        fflush(stdout);
         for (int c = 0; c < n_ctx; c++) {
-            long ctx = ctxs[c];
-            if ((size_t)(ctx + n_decode) > n_ids || ctx + n_decode > hp->context_length) {
-                printf(" %16s %6s", "n/a", "");
-                continue;
-            }
-            kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-            so.cache_format = fmts[fi].name;
-            so.max_tokens = (int)(ctx + n_decode);
-            so.max_chunk = 512;
-            so.attn_threads = (int)threads;
-            kvarn_llama_session *s = NULL;
-            kvarn_status st = kvarn_llama_session_create(model, &so, &s);
-            if (st != KVARN_OK) { printf(" %16s %6s", kvarn_strerror(st), ""); continue; }
-            for (long r = 0; r < repeat; r++) {
-                kvarn_llama_session_reset(s);
-                for (long p = 0; p < ctx && st == KVARN_OK; p += 512) {
-                    int n = (int)(ctx - p < 512 ? ctx - p : 512);
-                    st = kvarn_llama_forward(s, ids + p, n, KVARN_LLAMA_LOGITS_NONE, NULL, 0);
-                }
-                double t0 = now();
-                for (long d = 0; d < n_decode && st == KVARN_OK; d++)
-                    st = kvarn_llama_forward(s, ids + ctx + d, 1, KVARN_LLAMA_LOGITS_LAST, logits,
-                                             (size_t)hp->vocab);
-                runs[r] = now() - t0;
-            }
-            kvarn_llama_session_free(s);
-            if (st != KVARN_OK) { printf(" %16s %6s", kvarn_strerror(st), ""); continue; }
-            qsort(runs, (size_t)repeat, sizeof(double), cmp_d);
-            double tps = (double)n_decode / runs[repeat / 2];
-            if (fi == 0) base[c] = tps;
-            printf(" %16.1f %5.2fx", tps, base[c] > 0 ? tps / base[c] : 0.0);
-            fflush(stdout);
+            if (why[fi * n_ctx + c]) printf(" %16s %6s", why[fi * n_ctx + c], "");
+            else printf(" %16.1f %5.2fx", tps[fi * n_ctx + c],
+                        tps[c] > 0 ? tps[fi * n_ctx + c] / tps[c] : 0.0);
         }
         printf("\n");
     }
-    free(base);
-    free(runs);
+    free(tps);
+    free(why);
+    free(sess);
+    free(rt);
     free(logits);
     free(ids);
     kvarn_tokenizer_free(tok);

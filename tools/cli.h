@@ -40,7 +40,6 @@ const char *cli_fmt_bytes(double bytes, char *buf, size_t len);
 /* The message printed when a model file is missing: how to get one. */
 void cli_missing_model(const char *cmd, const char *path);
 
-#endif
 
 /* ---- model loading shared by generate / eval / passkey ------------------ */
 #include "kvarn/gguf.h"
@@ -80,3 +79,5 @@ void cli_progress_end(void);
  * fp16 sink tile (the default sink_tiles = 1) and the fp16 staging tail as
  * fp16 pages of G tokens. */
 double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens);
+
+#endif

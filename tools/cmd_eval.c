@@ -15,13 +15,14 @@
 
 #include "cli.h"
 #include "eval_stats.h"
+#include "passkey.h"
 
 static void eval_usage(FILE *f)
 {
     fprintf(f,
             "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
             "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 32]\n"
-            "                  [--threads 1] [--json] [--dump-kv FILE [--dump-layers N]]\n\n"
+            "                  [--threads 1] [--passkey N] [--json] [--dump-kv FILE [--dump-layers N]]\n\n"
             "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
             "tokens (every chunk after the first attends to the cached history, as chunked\n"
             "prefill and decode do), once with the unquantized fp16 cache (the reference)\n"
@@ -32,6 +33,8 @@ static void eval_usage(FILE *f)
             "and its delta, and decode speed (the last --decode-tokens tokens of each\n"
             "window fed one at a time) as tokens/s and as a ratio to fp16.\n"
             "Default formats: all (the ladder of ../shared/EVAL.md).\n"
+            "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
+            "0/50/100%%, N keys per depth, as retrieved/tried beside the fp16 cache's own.\n"
             "--dump-kv FILE writes the reference session's fp32 K (post-RoPE) and V of the\n"
             "first window's tokens, as computed before any cache rounding, in the format of\n"
             "docs/kv-dump.md; --dump-layers N keeps the first N layers (default all).\n");
@@ -107,7 +110,8 @@ static double effective_bytes_per_token(const kvarn_format *f, const kvarn_llama
 int cmd_eval(int argc, char **argv)
 {
     const char *model_path = NULL, *text_path = NULL, *dtypes = "all", *dump_path = NULL;
-    long ctx = 2048, chunk = 128, windows = 1, decode_tokens = 32, threads = 1, dump_layers = 0;
+    long ctx = 2048, chunk = 128, windows = 1, decode_tokens = 32, threads = 1, dump_layers = 0,
+         passkey_trials = 0;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -124,6 +128,7 @@ int cmd_eval(int argc, char **argv)
         else if (strcmp(a, "--windows") == 0) bad = cli_parse_int(v, 1, 1 << 20, &windows);
         else if (strcmp(a, "--decode-tokens") == 0) bad = cli_parse_int(v, 0, 1 << 20, &decode_tokens);
         else if (strcmp(a, "--threads") == 0) bad = cli_parse_int(v, 1, 256, &threads);
+        else if (strcmp(a, "--passkey") == 0) bad = cli_parse_int(v, 0, 1000, &passkey_trials);
         else if (strcmp(a, "--dump-kv") == 0) dump_path = v;
         else if (strcmp(a, "--dump-layers") == 0) bad = cli_parse_int(v, 1, 1 << 20, &dump_layers);
         else { cli_error("eval", "unknown option '%s'", a); eval_usage(stderr); return 2; }
@@ -291,21 +296,37 @@ int cmd_eval(int argc, char **argv)
     }
     cli_progress_end();
 
+    /* Passkey retrieval: row 0 the fp16 reference, rows 1..nf the formats. */
+    int pk_correct[CLI_MAX_FORMATS + 1] = {0}, pk_total = 0;
+    if (passkey_trials > 0) {
+        const long pk_len[1] = {ctx}, pk_depth[3] = {0, 50, 100};
+        passkey_opts po = {pk_len, 1, pk_depth, 3, (int)passkey_trials, chunk, 1, (int)threads, 0};
+        if (passkey_run(&m, fmts, nf, &po, pk_correct)) goto out;
+        pk_total = 3 * (int)passkey_trials;
+    }
+    char pk_text[CLI_MAX_FORMATS + 1][24];
+    for (int f = 0; f <= nf; f++) {
+        if (pk_total) snprintf(pk_text[f], sizeof pk_text[f], "%d/%d", pk_correct[f], pk_total);
+        else snprintf(pk_text[f], sizeof pk_text[f], "-");
+    }
+
     double fp16_bpt = effective_bytes_per_token(&(kvarn_format){KVARN_KIND_FP16, "fp16", 1, 16, 16, 0}, hp, (int)ctx);
     double ref_ppl = eval_stats_ppl(&ref_st);
     double ref_tps = ref_decode_n ? ref_decode_n / ref_decode_s : 0.0;
     if (json) {
         printf("{\"model\": \"%s\", \"text\": \"%s\", \"tokens\": %zu, \"ctx\": %ld, \"chunk\": %ld, "
                "\"windows\": %ld, \"decode_tokens\": %ld,\n \"reference\": {\"format\": \"fp16\", "
-               "\"ppl\": %.6f, \"decode_tok_s\": %.3f},\n \"formats\": [",
-               model_path, text_path, n_ids, ctx, chunk, windows, decode_tokens, ref_ppl, ref_tps);
+               "\"ppl\": %.6f, \"decode_tok_s\": %.3f, \"passkey\": %d, \"passkey_trials\": %d},\n \"formats\": [",
+               model_path, text_path, n_ids, ctx, chunk, windows, decode_tokens, ref_ppl, ref_tps,
+               pk_correct[0], pk_total);
     } else {
-        printf("%-17s %9s %9s %7s %9s %9s %9s %9s %7s %9s %8s %9s %7s\n", "format", "B/token", "eff B/tok",
-               "x fp16", "KLD mean", "median", "p99", "max", "top-1", "PPL", "dPPL", "dec tok/s", "x fp16");
-        printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9.4f %8s %9.1f %6.2fx\n", "fp16 (reference)",
+        printf("%-17s %9s %9s %7s %9s %9s %9s %9s %7s %9s %8s %7s %9s %7s\n", "format", "B/token", "eff B/tok",
+               "x fp16", "KLD mean", "median", "p99", "max", "top-1", "PPL", "dPPL", "passkey", "dec tok/s",
+               "x fp16");
+        printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9.4f %8s %7s %9.1f %6.2fx\n", "fp16 (reference)",
                kvarn_bytes_per_token_head(&(kvarn_format){KVARN_KIND_FP16, "fp16", 1, 16, 16, 0}, hp->head_dim) *
                    hp->n_layers * hp->n_kv_heads,
-               fp16_bpt, 1.0, "-", "-", "-", "-", "-", ref_ppl, "-", ref_tps, 1.0);
+               fp16_bpt, 1.0, "-", "-", "-", "-", "-", ref_ppl, "-", pk_text[0], ref_tps, 1.0);
     }
     for (int f = 0; f < nf; f++) {
         eval_summary s;
@@ -318,14 +339,16 @@ int cmd_eval(int argc, char **argv)
             printf("%s\n  {\"format\": \"%s\", \"bytes_per_token\": %.1f, \"effective_bytes_per_token\": %.1f, "
                    "\"capacity_x_fp16\": %.4f, \"kld_mean\": %.6g, \"kld_median\": %.6g, \"kld_p99\": %.6g, "
                    "\"kld_max\": %.6g, \"top1\": %.6f, \"ppl\": %.6f, \"ppl_delta\": %.6f, "
-                   "\"decode_tok_s\": %.3f, \"decode_x_fp16\": %.4f, \"positions\": %zu}",
+                   "\"decode_tok_s\": %.3f, \"decode_x_fp16\": %.4f, \"positions\": %zu, "
+                   "\"passkey\": %d, \"passkey_trials\": %d}",
                    f ? "," : "", runs[f].fmt.name, bpt, eff, fp16_bpt / eff, s.kld_mean, s.kld_median,
                    s.kld_p99, s.kld_max, s.top1, ppl, ppl - ref_ppl, tps, ref_tps > 0 ? tps / ref_tps : 0.0,
-                   s.n);
+                   s.n, pk_correct[f + 1], pk_total);
         } else {
-            printf("%-17s %9.0f %9.0f %6.2fx %9.5f %9.5f %9.5f %9.4f %6.2f%% %9.4f %+8.4f %9.1f %6.2fx\n",
+            printf("%-17s %9.0f %9.0f %6.2fx %9.5f %9.5f %9.5f %9.4f %6.2f%% %9.4f %+8.4f %7s %9.1f %6.2fx\n",
                    runs[f].fmt.name, bpt, eff, fp16_bpt / eff, s.kld_mean, s.kld_median, s.kld_p99,
-                   s.kld_max, 100.0 * s.top1, ppl, ppl - ref_ppl, tps, ref_tps > 0 ? tps / ref_tps : 0.0);
+                   s.kld_max, 100.0 * s.top1, ppl, ppl - ref_ppl, pk_text[f + 1], tps,
+                   ref_tps > 0 ? tps / ref_tps : 0.0);
         }
     }
     if (json) printf("\n ]}\n");

@@ -135,3 +135,17 @@ def test_kvarn_beats_int4_at_similar_size(report):
     assert by["kvarn_k4v2_g128"]["kld_mean"] < 0.75 * by["int4"]["kld_mean"]
     assert by["kvarn_k4v2_g128"]["top1"] > by["int4"]["top1"]
     assert by["kvarn_k4v4_g128"]["kld_mean"] < 0.25 * by["int4"]["kld_mean"]
+
+
+def test_passkey_column(kvarn_bin, model_path, window):
+    """--passkey adds retrieval counts per format beside the reference's."""
+    path, _ = window
+    r = subprocess.run([kvarn_bin, "eval", "-m", model_path, "-f", path, "--ctx", "256",
+                        "--decode-tokens", "2", "--kv-cache-dtype", "int8,kvarn_k4v2_g128",
+                        "--passkey", "1", "--json"], capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["reference"]["passkey_trials"] == 3
+    assert 0 <= rep["reference"]["passkey"] <= 3
+    for f in rep["formats"]:
+        assert f["passkey_trials"] == 3 and 0 <= f["passkey"] <= 3
