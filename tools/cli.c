@@ -42,8 +42,16 @@ int cli_parse_bytes(const char *s, uint64_t *out)
     return -1;
 }
 
+/* What the last failed parse expected, for the "bad value" message. */
+static char g_expected[96] = "";
+
+const char *cli_expected(void) { return g_expected; }
+
+void cli_expect(const char *what) { snprintf(g_expected, sizeof g_expected, "%s", what); }
+
 int cli_parse_int(const char *s, long lo, long hi, long *out)
 {
+    snprintf(g_expected, sizeof g_expected, "an integer from %ld to %ld", lo, hi);
     if (s == NULL || *s == '\0') return -1;
     errno = 0;
     char *end;
@@ -55,6 +63,7 @@ int cli_parse_int(const char *s, long lo, long hi, long *out)
 
 int cli_parse_double(const char *s, double *out)
 {
+    snprintf(g_expected, sizeof g_expected, "a finite number");
     if (s == NULL || *s == '\0') return -1;
     errno = 0;
     char *end;

@@ -29,6 +29,10 @@ int cli_parse_bytes(const char *s, uint64_t *out);
 /* Parse a non-negative integer / a double with range checks. 0 on success. */
 int cli_parse_int(const char *s, long lo, long hi, long *out);
 int cli_parse_double(const char *s, double *out);
+/* What the last cli_parse_int / cli_parse_double call expected, in words
+ * ("an integer from 1 to 4096"), for error messages. */
+const char *cli_expected(void);
+void cli_expect(const char *what);
 
 /* Parse "NAME,NAME,..." or "all" into formats (all: every row of the table).
  * On an unknown name prints the accepted list and returns -1; else the count. */

@@ -21,6 +21,9 @@ static void passkey_usage(FILE *f)
 
 static int parse_list(const char *s, long lo, long hi, long *out, int max)
 {
+    char what[96];
+    snprintf(what, sizeof what, "a comma-separated list of integers from %ld to %ld", lo, hi);
+    cli_expect(what);
     int n = 0;
     const char *p = s;
     while (*p) {
@@ -56,7 +59,7 @@ int cmd_passkey(int argc, char **argv)
         else if (strcmp(a, "--seed") == 0) bad = cli_parse_int(v, 0, 0x7fffffffL, &seed);
         else if (strcmp(a, "--threads") == 0) bad = cli_parse_int(v, 1, 256, &threads);
         else { cli_error("passkey", "unknown option '%s'", a); passkey_usage(stderr); return 2; }
-        if (bad) { cli_error("passkey", "bad value '%s' for %s", v, a); return 2; }
+        if (bad) { cli_error("passkey", "bad value '%s' for %s (expected %s)", v, a, cli_expected()); return 2; }
         i++;
     }
     if (model_path == NULL) { cli_error("passkey", "need -m MODEL (see kvarn passkey --help)"); return 2; }

@@ -65,9 +65,11 @@ int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_op
     long max_len = 0;
     for (int i = 0; i < o->n_lengths; i++) max_len = o->lengths[i] > max_len ? o->lengths[i] : max_len;
     if (max_len + ANSWER_TOKENS > m->hp->context_length) {
-        cli_error("passkey", "length %ld (+%d answer tokens) exceeds the model's context of %d tokens",
-                  max_len, ANSWER_TOKENS, m->hp->context_length);
-        return -1;
+        max_len = m->hp->context_length - ANSWER_TOKENS;
+        if (!o->quiet)
+            fprintf(stderr, "kvarn passkey: lengths above %ld are cut to %ld tokens so that the answer "
+                    "(%d tokens) fits in the model's context of %d\n", max_len, max_len, ANSWER_TOKENS,
+                    m->hp->context_length);
     }
     int rc = -1;
     piece intro = {0}, filler = {0}, question = {0};
@@ -82,7 +84,7 @@ int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_op
     logits = malloc(sizeof(float) * (size_t)m->hp->vocab);
     if (!prompt || !logits) goto out;
     kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-    so.max_tokens = (int)max_len + 64;
+    so.max_tokens = (int)max_len + ANSWER_TOKENS;
     so.max_chunk = (int)o->chunk;
     so.attn_threads = o->threads;
     for (int f = 0; f <= nf; f++) {
@@ -107,7 +109,8 @@ int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_op
                 piece kp = {0};
                 if (encode_piece(m, key_text, &kp)) goto out;
                 long fixed = (long)(intro.n + kp.n + question.n);
-                long units = (o->lengths[li] - fixed) / (long)filler.n;
+                long len = o->lengths[li] < max_len ? o->lengths[li] : max_len;
+                long units = (len - fixed) / (long)filler.n;
                 if (units < 0) units = 0;
                 long before = (units * o->depths[di] + 50) / 100;
                 size_t n = 0;
