@@ -310,9 +310,10 @@ int cmd_eval(int argc, char **argv)
         else snprintf(pk_text[f], sizeof pk_text[f], "-");
     }
 
-    double fp16_bpt = effective_bytes_per_token(&(kvarn_format){KVARN_KIND_FP16, "fp16", 1, 16, 16, 0}, hp, (int)ctx);
-    double fp16_bpt_rec = kvarn_bytes_per_token_head(&(kvarn_format){KVARN_KIND_FP16, "fp16", 1, 16, 16, 0},
-                                                     hp->head_dim) * hp->n_layers * hp->n_kv_heads;
+    kvarn_format fp16;
+    kvarn_format_parse("fp16", &fp16);
+    double fp16_bpt = effective_bytes_per_token(&fp16, hp, (int)ctx);
+    double fp16_bpt_rec = kvarn_bytes_per_token_head(&fp16, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
     double ref_ppl = eval_stats_ppl(&ref_st);
     double ref_tps = ref_decode_n ? ref_decode_n / ref_decode_s : 0.0;
     if (json) {
@@ -328,8 +329,7 @@ int cmd_eval(int argc, char **argv)
         /* x fp16 (capacity) from the record bytes: what long contexts reach;
          * eff B/tok adds the fp16 sink and tail at this --ctx. */
         printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9.4f %8s %7s %9.1f %6.2fx\n", "fp16 (reference)",
-               kvarn_bytes_per_token_head(&(kvarn_format){KVARN_KIND_FP16, "fp16", 1, 16, 16, 0}, hp->head_dim) *
-                   hp->n_layers * hp->n_kv_heads,
+               fp16_bpt_rec,
                fp16_bpt, 1.0, "-", "-", "-", "-", "-", ref_ppl, "-", pk_text[0], ref_tps, 1.0);
     }
     for (int f = 0; f < nf; f++) {
