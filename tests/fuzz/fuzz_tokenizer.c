@@ -26,21 +26,7 @@
 #include <string.h>
 
 #include "kvarn/tokenizer.h"
-
-/* UTF-8 of GPT-2's character for byte b (written from its definition). */
-static size_t fuzz_byte_char(int b, char out[4])
-{
-    int next = 0x100;
-    unsigned cp = 0;
-    for (int i = 0; i <= b; i++) {
-        int keep = (i >= 0x21 && i <= 0x7E) || (i >= 0xA1 && i <= 0xAC) || i >= 0xAE;
-        cp = keep ? (unsigned)i : (unsigned)next++;
-    }
-    if (cp < 0x80) { out[0] = (char)cp; return 1; }
-    out[0] = (char)(0xC0 | (cp >> 6));
-    out[1] = (char)(0x80 | (cp & 0x3F));
-    return 2;
-}
+#include "common/gpt2_bytes.h"
 
 /* Control tokens 0..2, user-defined 3, then byte characters, then merges'
  * results. */
@@ -66,7 +52,7 @@ static kvarn_tokenizer *fuzz_build(const char *pre, int drop_ff)
     for (int b = 0; b < 256; b++) {
         if (drop_ff && b == 0xFF) continue;
         memset(bytes[b], 0, 4);
-        fuzz_byte_char(b, bytes[b]);
+        test_gpt2_byte_char(b, bytes[b]);
         tokens[n] = bytes[b];
         types[n++] = KVARN_TOKEN_NORMAL;
     }

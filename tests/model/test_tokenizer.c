@@ -18,27 +18,11 @@
 #include "kvarn/gguf.h"
 #include "kvarn/tokenizer.h"
 #include "model/gguf_writer.h"
+#include "common/gpt2_bytes.h"
 
 /* ------------------------------------------------------------------------ */
 /* A tiny vocabulary                                                        */
 /* ------------------------------------------------------------------------ */
-
-/* GPT-2's byte -> character table, written here from its definition (not
- * taken from the library): printable Latin-1 bytes stand for themselves,
- * the other 68 get U+0100.. in byte order. UTF-8 of the character in out. */
-static size_t byte_char(int b, char out[4])
-{
-    int next = 0x100;
-    uint32_t cp = 0;
-    for (int i = 0; i <= b; i++) {
-        int keep = (i >= 0x21 && i <= 0x7E) || (i >= 0xA1 && i <= 0xAC) || i >= 0xAE;
-        cp = keep ? (uint32_t)i : (uint32_t)next++;
-    }
-    if (cp < 0x80) { out[0] = (char)cp; return 1; }
-    out[0] = (char)(0xC0 | (cp >> 6));
-    out[1] = (char)(0x80 | (cp & 0x3F));
-    return 2;
-}
 
 #define MAX_TOK 400
 typedef struct tiny {
@@ -69,7 +53,7 @@ static void tiny_init(tiny *v, int skip_byte)
     for (int b = 0; b < 256; b++) {
         if (b == skip_byte) continue;
         char c[5] = {0};
-        byte_char(b, c);
+        test_gpt2_byte_char(b, c);
         tiny_add(v, c, KVARN_TOKEN_NORMAL);
     }
 }
@@ -123,7 +107,7 @@ static void test_byte_mapping(void **state)
     /* Every byte alone encodes to its character's token and decodes back. */
     for (int b = 0; b < 256; b++) {
         char c[4], text[1] = {(char)b};
-        size_t l = byte_char(b, c);
+        size_t l = test_gpt2_byte_char(b, c);
         int32_t want = kvarn_tokenizer_find(t, c, l), id = -1;
         size_t n = 0;
         assert_int_equal(want, 3 + b);
@@ -582,7 +566,7 @@ static void write_gguf(gw *w, int variant)
         gw_str(w, "<|im_end|>");
         for (int b = 0; b < 256; b++) {
             char c[4];
-            gw_strn(w, c, byte_char(b, c));
+            gw_strn(w, c, test_gpt2_byte_char(b, c));
         }
         gw_str(w, "he");
     }
