@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "attn/attn_internal.h"
+#include "codec/cpu.h"
 #include "codec/hadamard.h"
 
 /* Query rows (query tokens x GQA heads) one work item carries at most. */
@@ -128,15 +129,7 @@ size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
 
 /* ----------------------------------------------------------- dispatch */
 
-static int cpu_has_avx2(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-#else
-    return 0;
-#endif
-}
+static int cpu_has_avx2(void) { return kvarn__cpu_level() >= KVARN_CPU_AVX2; }
 
 static const attn_kernels *pick_kernels(const kvarn_attn_opts *o, int head_dim)
 {

@@ -3,6 +3,7 @@
  * and run-time dispatch. Source: ../shared/spec/KVARN.md "Store pipeline"
  * step 1; see hadamard.h for the exact operation order all variants share.
  */
+#include "codec/cpu.h"
 #include "codec/hadamard.h"
 
 static int is_pow2(int d) { return d > 0 && (d & (d - 1)) == 0; }
@@ -27,7 +28,7 @@ void kvarn_hadamard_scalar(float *x, int d)
 /* The AVX2 path works on whole 8-float vectors, so it needs d >= 8. */
 static int use_avx2(int d)
 {
-    return d >= 8 && is_pow2(d) && __builtin_cpu_supports("avx2");
+    return d >= 8 && is_pow2(d) && kvarn__cpu_level() >= KVARN_CPU_AVX2;
 }
 #endif
 

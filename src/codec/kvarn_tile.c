@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "codec/codec_internal.h"
+#include "codec/cpu.h"
 #include "codec/hadamard.h"
 #include "codec/pack.h"
 
@@ -140,7 +141,7 @@ static void col_stds(const float *x, int R, int C, const float *w,
                      float *shift, float *mean, float *out)
 {
 #ifdef KVARN_TILE_HAVE_AVX2
-    if (__builtin_cpu_supports("avx2")) {
+    if (kvarn__cpu_level() >= KVARN_CPU_AVX2) {
         kvarn__tile_col_stds_avx2(x, R, C, w, shift, mean, out);
         return;
     }
@@ -151,7 +152,7 @@ static void col_stds(const float *x, int R, int C, const float *w,
 static void row_stds(const float *x, int R, int C, const float *u, float *out)
 {
 #ifdef KVARN_TILE_HAVE_AVX2
-    if (__builtin_cpu_supports("avx2")) {
+    if (kvarn__cpu_level() >= KVARN_CPU_AVX2) {
         kvarn__tile_row_stds_avx2(x, R, C, u, out);
         return;
     }

@@ -1,0 +1,43 @@
+/*
+ * cpu.c -- CPU feature detection and the KVARN_SIMD cap (see cpu.h).
+ */
+#include "codec/cpu.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static kvarn_cpu_level hardware_level(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    if (!avx2) return KVARN_CPU_SCALAR;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        return KVARN_CPU_AVX512;
+    return KVARN_CPU_AVX2;
+#else
+    return KVARN_CPU_SCALAR;
+#endif
+}
+
+kvarn_cpu_level kvarn__cpu_level(void)
+{
+    kvarn_cpu_level hw = hardware_level();
+    const char *cap = getenv("KVARN_SIMD");
+    if (cap == NULL || cap[0] == '\0') return hw;
+    kvarn_cpu_level want = hw;
+    if (strcmp(cap, "scalar") == 0) want = KVARN_CPU_SCALAR;
+    else if (strcmp(cap, "avx2") == 0) want = KVARN_CPU_AVX2;
+    else if (strcmp(cap, "avx512") == 0) want = KVARN_CPU_AVX512;
+    return want < hw ? want : hw;
+}
+
+const char *kvarn__cpu_level_name(kvarn_cpu_level level)
+{
+    switch (level) {
+    case KVARN_CPU_AVX512: return "avx512";
+    case KVARN_CPU_AVX2: return "avx2";
+    default: return "scalar";
+    }
+}

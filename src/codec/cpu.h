@@ -1,0 +1,37 @@
+/*
+ * cpu.h -- the one place the library asks which SIMD level to run.
+ *
+ * Every SIMD dispatch (codec, Hadamard, attention kernels) asks
+ * kvarn__cpu_level() instead of calling __builtin_cpu_supports itself, so
+ * that one environment variable can cap every kernel family at once:
+ *
+ *   KVARN_SIMD=scalar   only the scalar reference code
+ *   KVARN_SIMD=avx2     at most AVX2 (+FMA, F16C)
+ *   KVARN_SIMD=avx512   at most AVX-512 (F, BW, VL, plus AVX2/FMA/F16C)
+ *   unset or empty      the best level the CPU has
+ *
+ * The variable can only lower the level, never raise it above what the CPU
+ * reports, so a wrong setting cannot run an illegal instruction. An
+ * unrecognised value is treated as unset. This lets the tests prove that
+ * every kernel family agrees with its scalar reference on any machine (as
+ * OpenBLAS's OPENBLAS_CORETYPE or oneDNN's ONEDNN_MAX_CPU_ISA do for theirs).
+ * Not part of the public contract.
+ */
+#ifndef KVARN_CPU_H
+#define KVARN_CPU_H
+
+typedef enum kvarn_cpu_level {
+    KVARN_CPU_SCALAR = 0,
+    KVARN_CPU_AVX2 = 1,   /* AVX2 + FMA + F16C */
+    KVARN_CPU_AVX512 = 2, /* AVX-512 F/BW/VL, and everything AVX2 has */
+} kvarn_cpu_level;
+
+/* The SIMD level to run: the CPU's level, capped by KVARN_SIMD. Read once
+ * per call (getenv is cheap next to a kernel call; callers that dispatch in
+ * inner loops should hoist it). Thread-safe: no state is kept. */
+kvarn_cpu_level kvarn__cpu_level(void);
+
+/* The name of a level: "scalar", "avx2", "avx512". */
+const char *kvarn__cpu_level_name(kvarn_cpu_level level);
+
+#endif
