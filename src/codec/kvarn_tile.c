@@ -80,6 +80,7 @@ typedef struct tile_ws {
     float *tmp;       /* [G][D] rotated K before its transpose */
     float *vec[V_COUNT];
     uint8_t *codes;   /* one row of unpacked codes, max(D, G) bytes */
+    kvarn_cpu_level level; /* SIMD copy of the statistics and RTN kernels */
 } tile_ws;
 
 static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -137,11 +138,18 @@ size_t kvarn__tile_workspace_bytes(int head_dim, int tile_tokens)
 #define KVARN_TILE_STATS_SUFFIX _base
 #include "codec/kvarn_tile_stats.h"
 
-static void col_stds(const float *x, int R, int C, const float *w,
+/* The copy to run: the _avx512 and _avx2 copies are the same C as _base,
+ * compiled for wider vectors (kvarn_tile_avx2.c, kvarn_tile_avx512.c), so
+ * every level gives the same bytes; the level is read once per encode. */
+static void col_stds(const tile_ws *ws, const float *x, int R, int C, const float *w,
                      float *shift, float *mean, float *out)
 {
 #ifdef KVARN_TILE_HAVE_AVX2
-    if (kvarn__cpu_level() >= KVARN_CPU_AVX2) {
+    if (ws->level >= KVARN_CPU_AVX512) {
+        kvarn__tile_col_stds_avx512(x, R, C, w, shift, mean, out);
+        return;
+    }
+    if (ws->level >= KVARN_CPU_AVX2) {
         kvarn__tile_col_stds_avx2(x, R, C, w, shift, mean, out);
         return;
     }
@@ -149,15 +157,35 @@ static void col_stds(const float *x, int R, int C, const float *w,
     kvarn__tile_col_stds_base(x, R, C, w, shift, mean, out);
 }
 
-static void row_stds(const float *x, int R, int C, const float *u, float *out)
+static void row_stds(const tile_ws *ws, const float *x, int R, int C, const float *u, float *out)
 {
 #ifdef KVARN_TILE_HAVE_AVX2
-    if (kvarn__cpu_level() >= KVARN_CPU_AVX2) {
+    if (ws->level >= KVARN_CPU_AVX512) {
+        kvarn__tile_row_stds_avx512(x, R, C, u, out);
+        return;
+    }
+    if (ws->level >= KVARN_CPU_AVX2) {
         kvarn__tile_row_stds_avx2(x, R, C, u, out);
         return;
     }
 #endif
     kvarn__tile_row_stds_base(x, R, C, u, out);
+}
+
+static void rtn_row(const tile_ws *ws, const float *xr, int C, const float *s_col, float sr,
+                    float qmax, float *y, uint8_t *codes, float *lo, float *scale)
+{
+#ifdef KVARN_TILE_HAVE_AVX2
+    if (ws->level >= KVARN_CPU_AVX512) {
+        kvarn__tile_rtn_row_avx512(xr, C, s_col, sr, qmax, RTN_SCALE_MIN, RNE_MAGIC, y, codes, lo, scale);
+        return;
+    }
+    if (ws->level >= KVARN_CPU_AVX2) {
+        kvarn__tile_rtn_row_avx2(xr, C, s_col, sr, qmax, RTN_SCALE_MIN, RNE_MAGIC, y, codes, lo, scale);
+        return;
+    }
+#endif
+    kvarn__tile_rtn_row_base(xr, C, s_col, sr, qmax, RTN_SCALE_MIN, RNE_MAGIC, y, codes, lo, scale);
 }
 
 /* max/min of n stds, the min floored at 1e-8 (spec step 2). */
@@ -197,8 +225,8 @@ static void balance(const tile_ws *ws, const float *x, int R, int C, int iters)
     for (int i = 0; i < R; i++) s_row[i] = best_row[i] = w[i] = 1.0f;
 
     /* The identity scaling, scored on the raw tile, is the starting best. */
-    col_stds(x, R, C, w, aux0, aux1, sd_col);
-    row_stds(x, R, C, u, sd_row);
+    col_stds(ws, x, R, C, w, aux0, aux1, sd_col);
+    row_stds(ws, x, R, C, u, sd_row);
     double best = std_ratio(sd_col, C) + std_ratio(sd_row, R);
 
     for (int it = 0; it < iters; it++) {
@@ -208,7 +236,7 @@ static void balance(const tile_ws *ws, const float *x, int R, int C, int iters)
             u[j] = 1.0f / s_col[j];
         }
         /* Row pass on the tile renormalized with the new column scales. */
-        row_stds(x, R, C, u, sd_row_u);
+        row_stds(ws, x, R, C, u, sd_row_u);
         for (int i = 0; i < R; i++) {
             float sd = w[i] * sd_row_u[i];
             s_row[i] = clampf(s_row[i] * clampf(sd, STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX);
@@ -216,7 +244,7 @@ static void balance(const tile_ws *ws, const float *x, int R, int C, int iters)
             sd_row[i] = w[i] * sd_row_u[i];
         }
         /* Score the renormalized tile; its column stds feed the next pass. */
-        col_stds(x, R, C, w, aux0, aux1, sd_col);
+        col_stds(ws, x, R, C, w, aux0, aux1, sd_col);
         for (int j = 0; j < C; j++) sd_col[j] *= u[j];
         double score = std_ratio(sd_col, C) + std_ratio(sd_row, R);
         if (score <= best * (1.0 + SCORE_TIE_RTOL)) { /* ties go to the later iteration */
@@ -255,20 +283,8 @@ static kvarn_status encode_matrix(const tile_ws *ws, const float *x, int R, int 
 
     for (int i = 0; i < R; i++) {
         const float *xr = x + (size_t)i * (size_t)C, sr = s_row[i];
-        for (int j = 0; j < C; j++) y[j] = xr[j] / s_col[j] / sr;
-        float lo = y[0], hi = y[0];
-        for (int j = 1; j < C; j++) {
-            lo = y[j] < lo ? y[j] : lo;
-            hi = y[j] > hi ? y[j] : hi;
-        }
-        float scale = (hi - lo) / qmax;
-        if (!(scale >= RTN_SCALE_MIN)) scale = RTN_SCALE_MIN;
-        for (int j = 0; j < C; j++) {
-            float q = (y[j] - lo) / scale; /* >= 0 and <= qmax (1 + eps) */
-            q = (q + RNE_MAGIC) - RNE_MAGIC;
-            q = q > qmax ? qmax : q;
-            codes[j] = (uint8_t)q;
-        }
+        float lo, scale;
+        rtn_row(ws, xr, C, s_col, sr, qmax, y, codes, &lo, &scale);
         kvarn_pack_codes(codes, (size_t)C, bits, codes_out + (size_t)i * row_bytes);
         a[i] = sr * scale;
         b[i] = sr * lo;
@@ -322,6 +338,7 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
     const int prerotated = opts ? opts->prerotated != 0 : 0;
     tile_ws ws;
     if (ws_layout(D, G, workspace, &ws) == 0) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    ws.level = kvarn__cpu_level();
     uint8_t *rec = ws.rec;
     memset(rec, 0, L->record_bytes); /* padding included */
 
