@@ -119,7 +119,8 @@ typedef struct kvarn_attn_opts {
                             1: never split; s >= 2: split every work item's
                             context into up to s chunks (for tests) */
     int force_scalar;    /* 1: use the scalar reference kernels even when
-                            the CPU has AVX2/FMA/F16C */
+                            the CPU has AVX2 or AVX-512 (KVARN_SIMD=avx2
+                            or =scalar caps the level for a whole process) */
 } kvarn_attn_opts;
 
 #define KVARN_ATTN_OPTS_DEFAULT(scale) { (scale), 0, 1, 0, 0 }
@@ -206,8 +207,11 @@ kvarn_status kvarn_attn_multi_lse(const kvarn_paged_kv *kv,
                                   kvarn_thread_pool *pool,
                                   void *workspace, size_t workspace_size);
 
-/* Name of the kernel set a call with these options would use on this CPU:
- * "avx2" or "scalar". Never NULL. */
+/* Name of the kernel set a call with these options would use on this CPU,
+ * at the SIMD level the environment variable KVARN_SIMD (scalar|avx2|avx512)
+ * caps: "avx512", "avx2" or "scalar". Never NULL. A head_dim that the level
+ * does not take (AVX-512: D % 32 != 0; AVX2: D % 16 != 0) steps down to the
+ * next level that takes it. */
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
 
 #ifdef __cplusplus

@@ -129,18 +129,25 @@ size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
 
 /* ----------------------------------------------------------- dispatch */
 
-static int cpu_has_avx2(void) { return kvarn__cpu_level() >= KVARN_CPU_AVX2; }
-
+/* The kernels for this head_dim at the SIMD level kvarn__cpu_level()
+ * reports (capped by KVARN_SIMD, codec/cpu.h): AVX-512 needs D % 32 == 0,
+ * AVX2 D % 16 == 0; anything else runs the scalar reference. */
 static const attn_kernels *pick_kernels(const kvarn_attn_opts *o, int head_dim)
 {
-    if (!o->force_scalar && head_dim % 16 == 0 && cpu_has_avx2()) return &attn_kernels_avx2;
+    if (o->force_scalar) return &attn_kernels_ref;
+    const kvarn_cpu_level level = kvarn__cpu_level();
+    if (level >= KVARN_CPU_AVX512 && head_dim % 32 == 0) return &attn_kernels_avx512;
+    if (level >= KVARN_CPU_AVX2 && head_dim % 16 == 0) return &attn_kernels_avx2;
     return &attn_kernels_ref;
 }
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
 {
-    int scalar = opts ? opts->force_scalar : 0;
-    return (!scalar && cpu_has_avx2()) ? attn_kernels_avx2.name : attn_kernels_ref.name;
+    if (opts != NULL && opts->force_scalar) return attn_kernels_ref.name;
+    const kvarn_cpu_level level = kvarn__cpu_level();
+    if (level >= KVARN_CPU_AVX512) return attn_kernels_avx512.name;
+    if (level >= KVARN_CPU_AVX2) return attn_kernels_avx2.name;
+    return attn_kernels_ref.name;
 }
 
 /* ------------------------------------------------------- validation */

@@ -1,6 +1,7 @@
 /*
  * attn_internal.h -- what the attention driver (attn.c), the thread pool and
- * the per-ISA tile kernels (kernel_ref.c, kernel_avx2.c) share. Not part of
+ * the per-ISA tile kernels (kernel_ref.c, kernel_avx2.c, kernel_avx512.c)
+ * share. Not part of
  * the public contract.
  */
 #ifndef KVARN_ATTN_INTERNAL_H
@@ -102,6 +103,11 @@ extern const attn_kernels attn_kernels_ref;
 
 /* AVX2/FMA/F16C kernels (kernel_avx2.c); they need D % 16 == 0. */
 extern const attn_kernels attn_kernels_avx2;
+
+/* AVX-512 F/BW/VL (+FMA/F16C) kernels (kernel_avx512.c); they need
+ * D % 32 == 0 (KVarN tiles of a length not a multiple of 32 go to the AVX2
+ * kernel). */
+extern const attn_kernels attn_kernels_avx512;
 
 /* Scalar online-softmax step shared by the reference kernels: mask s[r][t]
  * to the row's visible positions, update m and l, rescale acc, and turn s

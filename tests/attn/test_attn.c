@@ -4,7 +4,8 @@
  * original K/V (within a bound derived from the round-trip error, below);
  * shapes (sequence lengths around the tile size, GQA 1/3/4/8, head_dim 64
  * and 128, sliding window, sink and tail tiles, multi-query causal and
- * non-causal, empty sequences); SIMD and threads against the scalar
+ * non-causal, empty sequences); every SIMD level the CPU has (AVX2,
+ * AVX-512; KVARN_SIMD set per case) and threads against the scalar
  * reference; determinism; bad inputs. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -28,7 +29,21 @@ typedef struct attn_case {
     int multi;            /* 0: decode; 1: multi-query with q_lens */
     int q_lens[MAXS];
     int causal, window, split, threads, force_scalar;
+    int level;            /* SIMD level cap (LV_AVX2, LV_AVX512; 0: the
+                             best); force_scalar wins */
 } attn_case;
+
+/* SIMD levels, by their KVARN_SIMD names (codec/cpu.h). run_attn sets the
+ * cap per case; levels above what this CPU (or an outer KVARN_SIMD, as a
+ * test matrix may set) allows are run capped and say so once. */
+enum { LV_SCALAR, LV_AVX2, LV_AVX512, LV_COUNT };
+static const char *const lv_name[LV_COUNT] = {"scalar", "avx2", "avx512"};
+static int g_max_level = LV_AVX512; /* set in main from the kernel name */
+
+static void set_level(int level)
+{
+    setenv("KVARN_SIMD", lv_name[level > g_max_level ? g_max_level : level], 1);
+}
 
 /* Bound on the error of attention over quantized K'/V' against the original
  * K/V, derived from the round-trip errors (written here so that it is
@@ -92,6 +107,7 @@ static kvarn_status run_attn(const paged_fixture *f, const attn_case *c, const i
     o.causal = c->causal;
     o.split_k = c->split;
     o.force_scalar = c->force_scalar;
+    set_level(c->force_scalar ? LV_SCALAR : c->level ? c->level : LV_AVX512); /* 0: the best */
     int total_q = c->multi ? qsl[c->n_seqs] : c->n_seqs;
     size_t wsz = kvarn_attn_workspace_bytes(&f->kv, Hq, c->n_seqs, total_q,
                                             kvarn_thread_pool_size(pool), &o);
@@ -184,7 +200,7 @@ static case_result run_case(const attn_case *c, uint64_t seed)
 }
 
 /* Every format of the table, decode, head_dim 64 and 128, lengths around
- * the tile size, both kernel sets. */
+ * the tile size, every kernel set (scalar, AVX2, AVX-512). */
 static void test_every_format(void **state)
 {
     (void)state;
@@ -198,7 +214,7 @@ static void test_every_format(void **state)
     for (size_t i = 0; i < sizeof fm / sizeof fm[0]; i++) {
         for (int di = 0; di < 2; di++) {
             double worst_deq = 0, worst_orig = 0, worst_use = 0;
-            for (int scalar = 0; scalar < 2; scalar++) {
+            for (int lv = 0; lv < LV_COUNT; lv++) {
                 attn_case c;
                 memset(&c, 0, sizeof c);
                 c.fmt = fm[i].name;
@@ -208,7 +224,8 @@ static void test_every_format(void **state)
                 c.G = 16;
                 c.sink = 1;
                 c.causal = 1;
-                c.force_scalar = scalar;
+                c.force_scalar = lv == LV_SCALAR;
+                c.level = lv;
                 kvarn_format fmt;
                 assert_int_equal(kvarn_format_parse(c.fmt, &fmt), KVARN_OK);
                 int G = fmt.kind == KVARN_KIND_KVARN ? fmt.tile_tokens : c.G;
@@ -252,7 +269,10 @@ static void test_gqa(void **state)
                 c.n_seqs = 2;
                 c.seqs[0].seq_len = 200;
                 c.seqs[1].seq_len = 77;
-                run_case(&c, 300 + fi * 31 + gi * 7 + di);
+                for (int lv = LV_AVX2; lv < LV_COUNT; lv++) {
+                    c.level = lv;
+                    run_case(&c, 300 + fi * 31 + gi * 7 + di);
+                }
             }
 }
 
@@ -275,8 +295,9 @@ static void test_sink_and_tail(void **state)
             c.seqs[1].seq_len = 5 * 64 + 10;
             c.seqs[2].seq_len = 64;
             for (int s = 0; s < 3; s++) c.seqs[s].tail_tiles = tail;
-            for (int scalar = 0; scalar < 2; scalar++) {
-                c.force_scalar = scalar;
+            for (int lv = 0; lv < LV_COUNT; lv++) {
+                c.force_scalar = lv == LV_SCALAR;
+                c.level = lv;
                 run_case(&c, 500 + sink * 3 + tail);
             }
         }
@@ -309,7 +330,10 @@ static void test_sliding_window(void **state)
                 c.seqs[1].seq_len = 90;
                 c.q_lens[0] = 20;
                 c.q_lens[1] = 90;
-                run_case(&c, 700 + fi * 11 + wi * 2 + multi);
+                for (int lv = LV_AVX2; lv < LV_COUNT; lv++) {
+                    c.level = lv;
+                    run_case(&c, 700 + fi * 11 + wi * 2 + multi);
+                }
             }
 }
 
@@ -321,7 +345,7 @@ static void test_multi_query(void **state)
     const char *fmts[] = {"kvarn_k4v2_g64", "fp8_e4m3", "fp16"};
     for (int fi = 0; fi < 3; fi++)
         for (int causal = 0; causal < 2; causal++)
-            for (int scalar = 0; scalar < 2; scalar++) {
+            for (int lv = 0; lv < LV_COUNT; lv++) {
                 attn_case c;
                 memset(&c, 0, sizeof c);
                 c.fmt = fmts[fi];
@@ -332,7 +356,8 @@ static void test_multi_query(void **state)
                 c.sink = 1;
                 c.causal = causal;
                 c.multi = 1;
-                c.force_scalar = scalar;
+                c.force_scalar = lv == LV_SCALAR;
+                c.level = lv;
                 c.n_seqs = 4;
                 int lens[4] = {10, 200, 300, 65}, qls[4] = {1, 5, 70, 65};
                 for (int s = 0; s < 4; s++) {
@@ -340,7 +365,7 @@ static void test_multi_query(void **state)
                     c.q_lens[s] = qls[s];
                 }
                 c.seqs[2].tail_tiles = 1;
-                run_case(&c, 900 + fi * 5 + causal * 2 + scalar);
+                run_case(&c, 900 + fi * 5 + causal * 2 + (lv == LV_SCALAR));
             }
 }
 
@@ -367,18 +392,22 @@ static void test_long_chunk(void **state)
         c.seqs[1].seq_len = 30;
         c.q_lens[0] = 300;
         c.q_lens[1] = 2;
-        run_case(&c, 1200 + split);
+        for (int lv = LV_AVX2; lv < LV_COUNT; lv++) {
+            c.level = lv;
+            run_case(&c, 1200 + split);
+        }
     }
 }
 
 /* head_dim not a multiple of 16 (per-token formats serve any even D): the
- * scalar kernels take over. */
+ * scalar kernels take over; a multiple of 16 but not of 32 (48, 80): the
+ * AVX-512 level steps down to the AVX2 kernels. */
 static void test_odd_head_dim(void **state)
 {
     (void)state;
-    const char *fmts[] = {"int8", "fp16", "int4"};
-    const int dims[] = {10, 24, 2};
-    for (int i = 0; i < 3; i++) {
+    const char *fmts[] = {"int8", "fp16", "int4", "int8", "fp8_e4m3"};
+    const int dims[] = {10, 24, 2, 48, 80};
+    for (int i = 0; i < 5; i++) {
         attn_case c;
         memset(&c, 0, sizeof c);
         c.fmt = fmts[i];
@@ -390,6 +419,7 @@ static void test_odd_head_dim(void **state)
         c.n_seqs = 2;
         c.seqs[0].seq_len = 50;
         c.seqs[1].seq_len = 16;
+        c.level = LV_AVX512;
         run_case(&c, 1250 + i);
     }
 }
@@ -419,8 +449,9 @@ static void test_empty(void **state)
     run_case(&c, 1101);
 }
 
-/* AVX2 and threads (1, 2, 3 workers; split-K off, auto, forced) against the
- * single-threaded scalar reference; repeat runs are bit-identical. */
+/* Every SIMD level (AVX2, AVX-512) and threads (1, 2, 3 workers; split-K
+ * off, auto, forced) against the single-threaded scalar reference; repeat
+ * runs are bit-identical; kvarn_attn_kernel_name names the level. */
 static void test_simd_threads(void **state)
 {
     (void)state;
@@ -460,8 +491,12 @@ static void test_simd_threads(void **state)
             assert_int_equal(run_attn(&f, &c, qsl, q, ref, NULL), KVARN_OK);
             c.force_scalar = 0;
             const int splits[3] = {1, 0, 3};
+            for (int lv = LV_AVX2; lv < LV_COUNT; lv++)
             for (int t = 1; t <= 3; t++)
                 for (int si = 0; si < 3; si++) {
+                    c.level = lv;
+                    set_level(lv);
+                    assert_string_equal(kvarn_attn_kernel_name(NULL), lv_name[lv > g_max_level ? g_max_level : lv]);
                     c.split = splits[si];
                     assert_int_equal(run_attn(&f, &c, qsl, q, out, pools[t]), KVARN_OK);
                     assert_int_equal(run_attn(&f, &c, qsl, q, again, pools[t]), KVARN_OK);
@@ -473,7 +508,7 @@ static void test_simd_threads(void **state)
                             err = fmax(err, fabs(out[row * c.D + d] - ref[row * c.D + d]));
                         }
                         if (err > 1e-5 * mx)
-                            print_error("%s threads %d split %d row %zu: %g\n", c.fmt, t, c.split, row, err / mx);
+                            print_error("%s %s threads %d split %d row %zu: %g\n", c.fmt, lv_name[lv], t, c.split, row, err / mx);
                         assert_true(err <= 1e-5 * mx);
                     }
                     /* the scalar kernels threaded and split agree too */
@@ -596,6 +631,12 @@ static void test_bad_inputs(void **state)
 
 int main(void)
 {
+    /* The highest level this CPU runs under any outer KVARN_SIMD cap. */
+    const char *top = kvarn_attn_kernel_name(NULL);
+    g_max_level = strcmp(top, "avx512") == 0 ? LV_AVX512 : strcmp(top, "avx2") == 0 ? LV_AVX2 : LV_SCALAR;
+    if (g_max_level < LV_AVX512)
+        printf("NOTE: SIMD levels above %s are not available here (CPU or KVARN_SIMD); "
+               "those cases run capped at %s\n", top, top);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_format), cmocka_unit_test(test_gqa),
         cmocka_unit_test(test_sink_and_tail), cmocka_unit_test(test_sliding_window),

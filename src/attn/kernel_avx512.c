@@ -1,0 +1,587 @@
+/*
+ * kernel_avx512.c -- AVX-512 (F/BW/VL + FMA/F16C) tile kernels of the
+ * attention. Same math, same folding and same order of tiles as
+ * kernel_ref.c (the oracle) and kernel_avx2.c; only the order of the fp32
+ * sums inside a tile differs. Chosen at run time by attn.c when
+ * kvarn__cpu_level() reports AVX-512 and D % 32 == 0 (codec/cpu.h).
+ *
+ * The structure follows kernel_avx2.c with 16-lane vectors and 32
+ * registers:
+ *   token-major K (fp16 pages, per-token formats): 4 tokens x up to 5 rows
+ *     of 16-channel partial dots (20 accumulators), reduced at the end;
+ *   KVarN K (channel-major codes): 32 tokens x up to 8 rows (16
+ *     accumulators), codes unpacked once per channel for all rows, the
+ *     broadcast of (q_d * a_d) embedded in the FMA;
+ *   V (all formats, token-major): 32 channels x up to 8 rows.
+ * 4-bit codes: one vpermd spreads the two 32-bit words of 16 codes over
+ * the lanes, then variable shift, mask, int -> float; 2-bit: broadcast,
+ * shift, mask; 8-bit: zero-extension. fp16/bf16/fp8 as in kernel_avx2.c.
+ * The online-softmax step masks positions with 16-bit lane masks.
+ * Integer (VNNI) dot products are not used: docs/attention.md "SIMD" gives
+ * the error analysis that rules the int8 query out.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "attn/attn_internal.h"
+
+#define AI static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------ helpers */
+
+/* exp(x) for x <= 0, as exp256 in kernel_avx2.c: 2^n * P(r), Cody-Waite
+ * reduction, degree-7 Taylor polynomial (relative error < 2e-7). */
+AI __m512 exp512(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* Lanes [0, n) of a 16-lane mask (n clamped to 0..16). */
+AI __mmask16 lanes(int n)
+{
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+AI uint32_t load_u32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* fp16 [n] (n % 16 == 0) at a possibly unaligned byte address -> fp32. */
+static void fp16_array(const uint8_t *src, int n, float *dst)
+{
+    for (int i = 0; i < n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * i))));
+}
+
+/* 16 consecutive codes i0..i0+15 (i0 % 16 == 0) of a packed row -> floats. */
+AI __m512 unpack16(const uint8_t *row, int i0, int bits)
+{
+    if (bits == 4) {
+        /* lanes 0-7 take the first 32-bit word, lanes 8-15 the second */
+        const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m512i sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+        __m512i w = _mm512_permutexvar_epi32(
+            idx, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(row + i0 / 2))));
+        return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(15)));
+    } else if (bits == 2) {
+        const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        __m512i w = _mm512_set1_epi32((int)load_u32(row + i0 / 4));
+        return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(3)));
+    } else { /* 8 */
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + i0))));
+    }
+}
+
+/* 16 elements d..d+15 (d % 16 == 0) of a per-token code array, before
+ * scale and zero-point (E4M3: 2^-8 times the value). */
+AI __m512 load16(kvarn_kind kind, const uint8_t *codes, int d)
+{
+    switch (kind) {
+    case KVARN_KIND_FP16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(codes + 2 * d)));
+    case KVARN_KIND_BF16:
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(codes + 2 * d))), 16));
+    case KVARN_KIND_FP8_E4M3: {
+        __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + d)));
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_cvtph_ps(h);
+    }
+    case KVARN_KIND_FP8_E5M2: {
+        __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + d)));
+        return _mm512_cvtph_ps(_mm256_slli_epi16(x, 8));
+    }
+    case KVARN_KIND_INT8:
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + d))));
+    case KVARN_KIND_INT4:
+        return unpack16(codes, d, 4);
+    default:
+        return _mm512_setzero_ps();
+    }
+}
+
+/* Split n rows into balanced blocks of at most max_rb rows. */
+AI int block_rows(int n, int max_rb, int r0)
+{
+    int rest = n - r0;
+    int left = (rest + max_rb - 1) / max_rb; /* blocks still to go */
+    return (rest + left - 1) / left;
+}
+
+#define RB_SWITCH8(rb, CALL)               \
+    switch (rb) {                          \
+    case 8: CALL(8); break;                \
+    case 7: CALL(7); break;                \
+    case 6: CALL(6); break;                \
+    case 5: CALL(5); break;                \
+    case 4: CALL(4); break;                \
+    case 3: CALL(3); break;                \
+    case 2: CALL(2); break;                \
+    default: CALL(1); break;               \
+    }
+
+/* ------------------------------------------------- online softmax step */
+
+/* As softmax_update_avx2: s holds whole 8-float vectors up to nt rounded
+ * up to 8 (the row stride gs is a multiple of 8), so the last 16-lane step
+ * is masked to that length. */
+static void softmax_update_avx512(attn_rows *r, int t0, int nt)
+{
+    const int D = r->D, gs = r->gs, nv = (nt + 7) & ~7;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int i = 0; i < r->n; i++) {
+        float *s = r->s + (size_t)i * gs;
+        int a = r->lo[i] - t0, b = r->hi[i] - t0 + 1;
+        if (a < 0) a = 0;
+        if (b > nt) b = nt;
+        if (a >= b) {
+            for (int t = 0; t < nv; t += 16) _mm512_mask_storeu_ps(s + t, lanes(nv - t), _mm512_setzero_ps());
+            continue;
+        }
+        const __m512i va = _mm512_set1_epi32(a - 1), vb = _mm512_set1_epi32(b);
+        __m512 mx = ninf;
+        for (int t = 0; t < nv; t += 16) {
+            __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(t));
+            __mmask16 ok = _mm512_cmpgt_epi32_mask(idx, va) & _mm512_cmpgt_epi32_mask(vb, idx);
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, ok, s + t));
+        }
+        float mt = _mm512_reduce_max_ps(mx), m_old = r->m[i];
+        float m_new = mt > m_old ? mt : m_old;
+        float corr = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+        const __m512 vm = _mm512_set1_ps(m_new);
+        __m512 sum = _mm512_setzero_ps();
+        for (int t = 0; t < nv; t += 16) {
+            __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(t));
+            __mmask16 ok = _mm512_cmpgt_epi32_mask(idx, va) & _mm512_cmpgt_epi32_mask(vb, idx);
+            const __mmask16 in = lanes(nv - t);
+            __m512 p = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, s + t), vm)));
+            _mm512_mask_storeu_ps(s + t, in, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        r->m[i] = m_new;
+        r->l[i] = r->l[i] * corr + _mm512_reduce_add_ps(sum);
+        if (corr != 1.0f) {
+            float *acc = r->acc + (size_t)i * D;
+            const __m512 vc = _mm512_set1_ps(corr);
+            for (int d = 0; d < D; d += 16)
+                _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), vc));
+        }
+    }
+}
+
+/* p[t] *= scale[t] for t < nv, and return sum_t p[t] * bias[t] (the
+ * per-row constant of the zero-points / KVarN b_t). */
+AI float fold_weights(float *p, const float *scale, const float *bias, int nv)
+{
+    __m512 z = _mm512_setzero_ps();
+    for (int t = 0; t < nv; t += 16) {
+        const __mmask16 in = lanes(nv - t);
+        __m512 pv = _mm512_maskz_loadu_ps(in, p + t);
+        if (bias) z = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(in, bias + t), z);
+        _mm512_mask_storeu_ps(p + t, in, _mm512_mul_ps(pv, _mm512_maskz_loadu_ps(in, scale + t)));
+    }
+    return _mm512_reduce_add_ps(z);
+}
+
+/* ------------------------------------------- token-major K: dot products */
+
+/* Lanes 8..15 (AVX-512F only; extractf32x8 would need DQ). */
+AI __m256 hi8(__m512 a)
+{
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
+
+/* Sum of the 16 lanes of each of a, b, c, d -> 4 floats. */
+AI __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+    __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), hi8(a));
+    __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), hi8(b));
+    __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), hi8(c));
+    __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), hi8(d));
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Scores of tokens [t, t + TB) for rows [r0, r0 + RB): raw q . code.
+ * TB 4 (or 1 for the tail), RB <= 5: 20 accumulators, 4 codes, 1 query. */
+AI void tm_dots(const attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff,
+                int r0, int RB, int t, int TB, float out[5][4])
+{
+    const int D = r->D;
+    __m512 acc[5][4];
+#pragma GCC unroll 5
+    for (int i = 0; i < RB; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < TB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        __m512 kv[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < TB; j++) kv[j] = load16(kind, tok[t + j] + koff, d);
+#pragma GCC unroll 5
+        for (int i = 0; i < RB; i++) {
+            __m512 qv = _mm512_loadu_ps(r->q + (size_t)(r0 + i) * D + d);
+#pragma GCC unroll 4
+            for (int j = 0; j < TB; j++) acc[i][j] = _mm512_fmadd_ps(qv, kv[j], acc[i][j]);
+        }
+    }
+#pragma GCC unroll 5
+    for (int i = 0; i < RB; i++) {
+        if (TB == 4) {
+            _mm_storeu_ps(out[i], hsum4x16(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+        } else {
+            out[i][0] = _mm512_reduce_add_ps(acc[i][0]);
+        }
+    }
+}
+
+/* One block of rows [r0, r0 + RB) over all nt tokens. */
+AI void tm_block(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff, int nt,
+                 int r0, int RB)
+{
+    float out[5][4];
+    int t = 0;
+    const int per = (attn_prefetch_left(r->pf) * 4 + nt - 1) / nt;
+    for (; t + 4 <= nt; t += 4) {
+        attn_prefetch_step(r->pf, per);
+        tm_dots(r, kind, tok, koff, r0, RB, t, 4, out);
+#pragma GCC unroll 5
+        for (int i = 0; i < RB; i++)
+            for (int j = 0; j < 4; j++) r->s[(size_t)(r0 + i) * r->gs + t + j] = out[i][j];
+    }
+    for (; t < nt; t++) {
+        tm_dots(r, kind, tok, koff, r0, RB, t, 1, out);
+#pragma GCC unroll 5
+        for (int i = 0; i < RB; i++) r->s[(size_t)(r0 + i) * r->gs + t] = out[i][0];
+    }
+}
+
+/* s[r][t] = kscale[t] * (q . code_t) + kzero[t] * qsum[r] for t < nt
+ * (kscale NULL: 1, kzero NULL: 0). Each code is converted once per block
+ * of up to 5 rows. */
+AI void tm_scores(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff, int nt,
+                  const float *kscale, const float *kzero)
+{
+    for (int r0 = 0; r0 < r->n;) {
+        int rb = block_rows(r->n, 5, r0);
+        switch (rb) {
+        case 5: tm_block(r, kind, tok, koff, nt, r0, 5); break;
+        case 4: tm_block(r, kind, tok, koff, nt, r0, 4); break;
+        case 3: tm_block(r, kind, tok, koff, nt, r0, 3); break;
+        case 2: tm_block(r, kind, tok, koff, nt, r0, 2); break;
+        default: tm_block(r, kind, tok, koff, nt, r0, 1); break;
+        }
+        r0 += rb;
+    }
+    if (kscale == NULL) return;
+    /* Whole 8-float vectors: kscale/kzero are zero past nt, the softmax
+     * masks s there. */
+    const int nv = (nt + 7) & ~7;
+    for (int i = 0; i < r->n; i++) {
+        float *s = r->s + (size_t)i * r->gs;
+        const __m512 qs = _mm512_set1_ps(kzero ? r->qsum[i] : 0.0f);
+        for (int t = 0; t < nv; t += 16) {
+            const __mmask16 in = lanes(nv - t);
+            __m512 z = kzero ? _mm512_mul_ps(_mm512_maskz_loadu_ps(in, kzero + t), qs) : _mm512_setzero_ps();
+            _mm512_mask_storeu_ps(s + t, in, _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in, kscale + t),
+                                                             _mm512_maskz_loadu_ps(in, s + t), z));
+        }
+    }
+}
+
+/* ------------------------------------------------ token-major V: sums */
+
+/* acc[r][d0..d0+32) += sum_t w[r][t] * v_t[d0..d0+32) (+ bias[r]) for rows
+ * [r0, r0 + RB), tokens t < nt. */
+AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff, int nt,
+                int r0, int RB, int d0, const float *bias)
+{
+    const int D = r->D, gs = r->gs;
+    __m512 acc[8][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int t = 0; t < nt; t++) {
+        const uint8_t *vp = tok[t] + voff;
+        __m512 c0 = load16(kind, vp, d0), c1 = load16(kind, vp, d0 + 16);
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; i++) {
+            __m512 w = _mm512_set1_ps(r->s[(size_t)(r0 + i) * gs + t]);
+            acc[i][0] = _mm512_fmadd_ps(w, c0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w, c1, acc[i][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; i++) {
+        float *a = r->acc + (size_t)(r0 + i) * D + d0;
+        __m512 b = _mm512_set1_ps(bias ? bias[r0 + i] : 0.0f);
+        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_add_ps(acc[i][0], b)));
+        _mm512_storeu_ps(a + 16, _mm512_add_ps(_mm512_loadu_ps(a + 16), _mm512_add_ps(acc[i][1], b)));
+    }
+}
+
+AI void tm_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff, int nt,
+                  const float *bias)
+{
+    for (int d0 = 0; d0 < r->D; d0 += 32)
+        for (int r0 = 0; r0 < r->n;) {
+            int rb = block_rows(r->n, 8, r0);
+#define VTCALL(N) tm_vsum(r, kind, tok, voff, nt, r0, N, d0, bias)
+            RB_SWITCH8(rb, VTCALL)
+#undef VTCALL
+            r0 += rb;
+        }
+}
+
+/* ---------------------------------------------------------- fp16 pages */
+
+static void fp16_tile_avx512(attn_rows *r, const uint16_t *k, const uint16_t *v, int t0, int nt)
+{
+    /* Token t's K row; its V row is at the same place in the V half. */
+    for (int t = 0; t < nt; t++) r->tok[t] = (const uint8_t *)(k + (size_t)t * r->D);
+    tm_scores(r, KVARN_KIND_FP16, r->tok, 0, nt, NULL, NULL);
+    softmax_update_avx512(r, t0, nt);
+    tm_values(r, KVARN_KIND_FP16, r->tok, (size_t)((const uint8_t *)v - (const uint8_t *)k), nt, NULL);
+}
+
+/* ----------------------------------------------------- per-token blocks */
+
+#define TOKEN_TILE(NAME, KIND)                                                        \
+    static void NAME(attn_rows *r, const kvarn_record_layout *L,                      \
+                     const uint8_t *const *rec, int t0, int nt)                       \
+    {                                                                                 \
+        token_tile_body(r, KIND, L, rec, t0, nt);                                     \
+    }
+
+AI void token_tile_body(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
+                        const uint8_t *const *recs, int t0, int nt)
+{
+    const int gs = r->gs;
+    float *ks = r->meta, *kz = ks + gs, *vs = kz + gs, *vz = vs + gs;
+    const int has_zero = L->k_b_bytes != 0, has_scale = L->k_a_bytes != 0;
+    /* E4M3 codes load as 2^-8 times their value: fold 2^8 into the scale. */
+    const float fix = kind == KVARN_KIND_FP8_E4M3 ? 256.0f : 1.0f;
+    if (has_scale) {
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *rec = recs[t];
+            uint16_t h[4] = {0, 0, 0, 0};
+            memcpy(&h[0], rec + L->k_a_off, 2);
+            memcpy(&h[2], rec + L->v_a_off, 2);
+            if (has_zero) {
+                memcpy(&h[1], rec + L->k_b_off, 2);
+                memcpy(&h[3], rec + L->v_b_off, 2);
+            }
+            __m128 f = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
+            float fv[4];
+            _mm_storeu_ps(fv, f);
+            ks[t] = fv[0] * fix;
+            kz[t] = fv[1];
+            vs[t] = fv[2] * fix;
+            vz[t] = fv[3];
+        }
+        for (int t = nt; t < gs; t++) ks[t] = kz[t] = vs[t] = vz[t] = 0.0f;
+    }
+    tm_scores(r, kind, recs, L->k_codes_off, nt, has_scale ? ks : NULL, has_zero ? kz : NULL);
+    softmax_update_avx512(r, t0, nt);
+    float *pz = r->rc;
+    if (has_scale) {
+        /* Weights p_t * scale_t; the zero-point sum is one constant per row
+         * (p is 0 past nt, and so are the scales). */
+        const int nv = (nt + 7) & ~7;
+        for (int i = 0; i < r->n; i++)
+            pz[i] = fold_weights(r->s + (size_t)i * gs, vs, has_zero ? vz : NULL, nv);
+    }
+    tm_values(r, kind, recs, L->v_codes_off, nt, has_zero ? pz : NULL);
+}
+
+TOKEN_TILE(tile_fp16, KVARN_KIND_FP16)
+TOKEN_TILE(tile_bf16, KVARN_KIND_BF16)
+TOKEN_TILE(tile_e4m3, KVARN_KIND_FP8_E4M3)
+TOKEN_TILE(tile_e5m2, KVARN_KIND_FP8_E5M2)
+TOKEN_TILE(tile_int8, KVARN_KIND_INT8)
+TOKEN_TILE(tile_int4, KVARN_KIND_INT4)
+
+static void token_tile_avx512(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
+                              const uint8_t *const *base, int t0, int nt)
+{
+    switch (kind) {
+    case KVARN_KIND_FP16: tile_fp16(r, L, base, t0, nt); break;
+    case KVARN_KIND_BF16: tile_bf16(r, L, base, t0, nt); break;
+    case KVARN_KIND_FP8_E4M3: tile_e4m3(r, L, base, t0, nt); break;
+    case KVARN_KIND_FP8_E5M2: tile_e5m2(r, L, base, t0, nt); break;
+    case KVARN_KIND_INT8: tile_int8(r, L, base, t0, nt); break;
+    case KVARN_KIND_INT4: tile_int4(r, L, base, t0, nt); break;
+    default: break;
+    }
+}
+
+/* --------------------------------------------------------- KVarN records */
+
+/* Scores of tokens [tb, tb + 32) for rows [r0, r0 + RB):
+ * s = s_tok * (sum_d qa[r][d] code[d][t] + rc[r]). */
+AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const float *stok,
+                 int r0, int RB, int tb)
+{
+    const int D = r->D, gs = r->gs;
+    __m512 acc[8][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        const uint8_t *row = kc + (size_t)d * krow;
+        __m512 c0 = unpack16(row, tb, kb), c1 = unpack16(row, tb + 16, kb);
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; i++) {
+            __m512 w = _mm512_set1_ps(r->qa[(size_t)(r0 + i) * D + d]);
+            acc[i][0] = _mm512_fmadd_ps(w, c0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w, c1, acc[i][1]);
+        }
+    }
+    const __m512 s0 = _mm512_loadu_ps(stok + tb), s1 = _mm512_loadu_ps(stok + tb + 16);
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; i++) {
+        __m512 c = _mm512_set1_ps(r->rc[r0 + i]);
+        float *s = r->s + (size_t)(r0 + i) * gs + tb;
+        _mm512_storeu_ps(s, _mm512_mul_ps(s0, _mm512_add_ps(acc[i][0], c)));
+        _mm512_storeu_ps(s + 16, _mm512_mul_ps(s1, _mm512_add_ps(acc[i][1], c)));
+    }
+}
+
+/* tmp = sum_t w[r][t] code[t][d0..d0+32); acc += s_chan * (tmp + pb[r]). */
+AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
+                const float *schan, const float *pb, int r0, int RB, int d0)
+{
+    const int D = r->D, gs = r->gs;
+    __m512 acc[8][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int t = 0; t < G; t++) {
+        const uint8_t *row = vc + (size_t)t * vrow;
+        __m512 c0 = unpack16(row, d0, vb), c1 = unpack16(row, d0 + 16, vb);
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; i++) {
+            __m512 w = _mm512_set1_ps(r->s[(size_t)(r0 + i) * gs + t]);
+            acc[i][0] = _mm512_fmadd_ps(w, c0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w, c1, acc[i][1]);
+        }
+    }
+    const __m512 s0 = _mm512_loadu_ps(schan + d0), s1 = _mm512_loadu_ps(schan + d0 + 16);
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; i++) {
+        float *a = r->acc + (size_t)(r0 + i) * D + d0;
+        __m512 b = _mm512_set1_ps(pb[r0 + i]);
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(s0, _mm512_add_ps(acc[i][0], b), _mm512_loadu_ps(a)));
+        _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(s1, _mm512_add_ps(acc[i][1], b), _mm512_loadu_ps(a + 16)));
+    }
+}
+
+AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
+                        int t0, int kb, int vb)
+{
+    const int D = r->D, G = L->tile_tokens, gs = r->gs;
+    float *ka = r->meta, *kbias = ka + D, *schan = kbias + D;
+    float *stok = schan + D, *va = stok + gs, *vbias = va + gs;
+    fp16_array(rec + L->k_a_off, D, ka);
+    fp16_array(rec + L->k_b_off, D, kbias);
+    fp16_array(rec + L->k_stok_off, G, stok);
+    fp16_array(rec + L->v_schan_off, D, schan);
+    fp16_array(rec + L->v_a_off, G, va);
+    fp16_array(rec + L->v_b_off, G, vbias);
+    const uint8_t *kc = rec + L->k_codes_off, *vc = rec + L->v_codes_off;
+    const size_t krow = (size_t)G * kb / 8, vrow = (size_t)D * vb / 8;
+
+    /* Fold a_d into the query once per tile; the b_d sum is one constant. */
+    for (int i = 0; i < r->n; i++) {
+        const float *q = r->q + (size_t)i * D;
+        float *qa = r->qa + (size_t)i * D;
+        __m512 c = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16) {
+            __m512 qv = _mm512_loadu_ps(q + d);
+            _mm512_storeu_ps(qa + d, _mm512_mul_ps(qv, _mm512_loadu_ps(ka + d)));
+            c = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kbias + d), c);
+        }
+        r->rc[i] = _mm512_reduce_add_ps(c);
+    }
+    const int per = (attn_prefetch_left(r->pf) * 32 + G - 1) / G;
+    for (int tb = 0; tb < G; tb += 32) {
+        attn_prefetch_step(r->pf, per);
+        for (int r0 = 0; r0 < r->n;) {
+            int rb = block_rows(r->n, 8, r0);
+#define KCALL(N) kv_kdots(r, kc, krow, kb, stok, r0, N, tb)
+            RB_SWITCH8(rb, KCALL)
+#undef KCALL
+            r0 += rb;
+        }
+    }
+    softmax_update_avx512(r, t0, G);
+    /* Weights p_t * a_t; the b_t sum is one constant per row. */
+    float *pb = r->rc;
+    for (int i = 0; i < r->n; i++) pb[i] = fold_weights(r->s + (size_t)i * gs, va, vbias, G);
+    for (int d0 = 0; d0 < D; d0 += 32)
+        for (int r0 = 0; r0 < r->n;) {
+            int rb = block_rows(r->n, 8, r0);
+#define VCALL(N) kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0)
+            RB_SWITCH8(rb, VCALL)
+#undef VCALL
+            r0 += rb;
+        }
+}
+
+/* Specializations on the bit widths, so unpack16's branches fold away. */
+#define KVARN_TILE(KB, VB)                                                                  \
+    static void kvarn_tile_k##KB##v##VB(attn_rows *r, const kvarn_record_layout *L,         \
+                                        const uint8_t *rec, int t0)                         \
+    {                                                                                       \
+        kvarn_tile_body(r, L, rec, t0, KB, VB);                                             \
+    }
+KVARN_TILE(4, 2)
+KVARN_TILE(4, 4)
+KVARN_TILE(2, 2)
+KVARN_TILE(2, 4)
+KVARN_TILE(4, 8)
+KVARN_TILE(8, 8)
+KVARN_TILE(2, 8)
+KVARN_TILE(8, 2)
+KVARN_TILE(8, 4)
+
+static void kvarn_tile_avx512(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
+                              int t0, int nt)
+{
+    /* committed records are full (nt == G); tiles of 32+ tokens */
+    if (L->tile_tokens % 32 != 0) {
+        attn_kernels_avx2.kvarn_tile(r, L, rec, t0, nt);
+        return;
+    }
+    switch (L->key_bits * 10 + L->value_bits) {
+    case 42: kvarn_tile_k4v2(r, L, rec, t0); break;
+    case 44: kvarn_tile_k4v4(r, L, rec, t0); break;
+    case 22: kvarn_tile_k2v2(r, L, rec, t0); break;
+    case 24: kvarn_tile_k2v4(r, L, rec, t0); break;
+    case 48: kvarn_tile_k4v8(r, L, rec, t0); break;
+    case 88: kvarn_tile_k8v8(r, L, rec, t0); break;
+    case 28: kvarn_tile_k2v8(r, L, rec, t0); break;
+    case 82: kvarn_tile_k8v2(r, L, rec, t0); break;
+    case 84: kvarn_tile_k8v4(r, L, rec, t0); break;
+    default: attn_kernels_ref.kvarn_tile(r, L, rec, t0, nt); break;
+    }
+}
+
+const attn_kernels attn_kernels_avx512 = {"avx512", fp16_tile_avx512, kvarn_tile_avx512,
+                                          token_tile_avx512};
