@@ -13,9 +13,12 @@
  *     accumulators), codes unpacked once per channel for all rows, the
  *     broadcast of (q_d * a_d) embedded in the FMA;
  *   V (all formats, token-major): 32 channels x up to 8 rows.
- * 4-bit codes: one vpermd spreads the two 32-bit words of 16 codes over
- * the lanes, then variable shift, mask, int -> float; 2-bit: broadcast,
- * shift, mask; 8-bit: zero-extension. fp16/bf16/fp8 as in kernel_avx2.c.
+ * Codes become floats by a table lookup (vpermps reads the low 4 bits of
+ * each lane): 4-bit K codes take a 64-bit broadcast, a 64-bit variable
+ * shift and the lookup, in a permuted token order undone once per row and
+ * block; other 4-bit and 2-bit codes a broadcast (or vpermd), a variable
+ * shift and the lookup; 8-bit codes zero-extension and conversion.
+ * fp16/bf16/fp8 as in kernel_avx2.c.
  * The online-softmax step masks positions with 16-bit lane masks.
  * Integer (VNNI) dot products are not used: docs/attention.md "SIMD" gives
  * the error analysis that rules the int8 query out.
@@ -71,7 +74,25 @@ static void fp16_array(const uint8_t *src, int n, float *dst)
         _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * i))));
 }
 
-/* 16 consecutive codes i0..i0+15 (i0 % 16 == 0) of a packed row -> floats. */
+AI uint64_t load_u64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+/* Code -> float by table: vpermps takes the low 4 bits of each 32-bit
+ * index, so a lane whose low 4 bits hold the code (4-bit), or the code plus
+ * 4 x the next code (2-bit), looks its value up with no mask and no
+ * int -> float conversion. */
+AI __m512 code_table(int bits)
+{
+    return bits == 4 ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                     : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+}
+
+/* 16 consecutive codes i0..i0+15 (i0 % 16 == 0) of a packed row -> floats,
+ * in natural order. */
 AI __m512 unpack16(const uint8_t *row, int i0, int bits)
 {
     if (bits == 4) {
@@ -80,15 +101,32 @@ AI __m512 unpack16(const uint8_t *row, int i0, int bits)
         const __m512i sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
         __m512i w = _mm512_permutexvar_epi32(
             idx, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(row + i0 / 2))));
-        return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(15)));
+        return _mm512_permutexvar_ps(_mm512_srlv_epi32(w, sh), code_table(4));
     } else if (bits == 2) {
         const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
         __m512i w = _mm512_set1_epi32((int)load_u32(row + i0 / 4));
-        return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(3)));
+        return _mm512_permutexvar_ps(_mm512_srlv_epi32(w, sh), code_table(2));
     } else { /* 8 */
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + i0))));
     }
 }
+
+/* Channel-major K codes, 16 tokens from i0: as unpack16, but 4-bit codes
+ * come in the order 0, 8, 1, 9, ..., 7, 15 (one 64-bit broadcast, one
+ * 64-bit variable shift, the table: two vector ALU operations); kv_kdots
+ * restores the order once per row with KPERM_INV. Other widths: natural. */
+AI __m512 unpack16_k(const uint8_t *row, int i0, int bits)
+{
+    if (bits == 4) {
+        const __m512i sh = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+        __m512i w = _mm512_srlv_epi64(_mm512_set1_epi64((long long)load_u64(row + i0 / 2)), sh);
+        return _mm512_permutexvar_ps(w, code_table(4));
+    }
+    return unpack16(row, i0, bits);
+}
+
+/* Natural token i sits in lane KPERM_INV[i] of unpack16_k's 4-bit order. */
+#define KPERM_INV _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)
 
 /* 16 elements d..d+15 (d % 16 == 0) of a per-token code array, before
  * scale and zero-point (E4M3: 2^-8 times the value). */
@@ -438,15 +476,16 @@ static void token_tile_avx512(attn_rows *r, kvarn_kind kind, const kvarn_record_
 /* Scores of tokens [tb, tb + 32) for rows [r0, r0 + RB):
  * s = s_tok * (sum_d qa[r][d] code[d][t] + rc[r]). */
 AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const float *stok,
-                 int r0, int RB, int tb)
+                 int r0, int RB, int tb, int pf_shift)
 {
     const int D = r->D, gs = r->gs;
     __m512 acc[8][2];
 #pragma GCC unroll 8
     for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int d = 0; d < D; d++) {
+        if ((d & ((1 << pf_shift) - 1)) == 0) attn_prefetch_step(r->pf, 1);
         const uint8_t *row = kc + (size_t)d * krow;
-        __m512 c0 = unpack16(row, tb, kb), c1 = unpack16(row, tb + 16, kb);
+        __m512 c0 = unpack16_k(row, tb, kb), c1 = unpack16_k(row, tb + 16, kb);
 #pragma GCC unroll 8
         for (int i = 0; i < RB; i++) {
             __m512 w = _mm512_set1_ps(r->qa[(size_t)(r0 + i) * D + d]);
@@ -457,6 +496,10 @@ AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const flo
     const __m512 s0 = _mm512_loadu_ps(stok + tb), s1 = _mm512_loadu_ps(stok + tb + 16);
 #pragma GCC unroll 8
     for (int i = 0; i < RB; i++) {
+        if (kb == 4) {
+            acc[i][0] = _mm512_permutexvar_ps(KPERM_INV, acc[i][0]);
+            acc[i][1] = _mm512_permutexvar_ps(KPERM_INV, acc[i][1]);
+        }
         __m512 c = _mm512_set1_ps(r->rc[r0 + i]);
         float *s = r->s + (size_t)(r0 + i) * gs + tb;
         _mm512_storeu_ps(s, _mm512_mul_ps(s0, _mm512_add_ps(acc[i][0], c)));
@@ -519,17 +562,21 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         }
         r->rc[i] = _mm512_reduce_add_ps(c);
     }
-    const int per = (attn_prefetch_left(r->pf) * 32 + G - 1) / G;
+    /* One prefetch every 2^pf_shift channels of the first row block's
+     * score loop: the next tiles' lines spread over the G/32 x D steps. */
+    const int steps = G / 32 * D, left = attn_prefetch_left(r->pf);
+    int pf_shift = 0;
+    while (pf_shift < 6 && (steps >> (pf_shift + 1)) >= left) pf_shift++;
     for (int tb = 0; tb < G; tb += 32) {
-        attn_prefetch_step(r->pf, per);
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 8, r0);
-#define KCALL(N) kv_kdots(r, kc, krow, kb, stok, r0, N, tb)
+#define KCALL(N) kv_kdots(r, kc, krow, kb, stok, r0, N, tb, r0 == 0 ? pf_shift : 30)
             RB_SWITCH8(rb, KCALL)
 #undef KCALL
             r0 += rb;
         }
     }
+    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
     softmax_update_avx512(r, t0, G);
     /* Weights p_t * a_t; the b_t sum is one constant per row. */
     float *pb = r->rc;
