@@ -263,7 +263,7 @@ AI __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d)
 /* Scores of tokens [t, t + TB) for rows [r0, r0 + RB): raw q . code.
  * TB 4 (or 1 for the tail), RB <= 5: 20 accumulators, 4 codes, 1 query. */
 AI void tm_dots(const attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff,
-                int r0, int RB, int t, int TB, float out[5][4])
+                int r0, int RB, int t, int TB, int pf_per_step, float out[5][4])
 {
     const int D = r->D;
     __m512 acc[5][4];
@@ -272,6 +272,7 @@ AI void tm_dots(const attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, 
 #pragma GCC unroll 4
         for (int j = 0; j < TB; j++) acc[i][j] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 16) {
+        attn_prefetch_step(r->pf, pf_per_step);
         __m512 kv[4];
 #pragma GCC unroll 4
         for (int j = 0; j < TB; j++) kv[j] = load16(kind, tok[t + j] + koff, d);
@@ -298,16 +299,17 @@ AI void tm_block(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_
 {
     float out[5][4];
     int t = 0;
-    const int per = (attn_prefetch_left(r->pf) * 4 + nt - 1) / nt;
+    /* the next tiles' prefetches, spread over every 16-channel step */
+    const int steps = nt / 4 * (r->D / 16);
+    const int per = steps > 0 ? (attn_prefetch_left(r->pf) + steps - 1) / steps : 0;
     for (; t + 4 <= nt; t += 4) {
-        attn_prefetch_step(r->pf, per);
-        tm_dots(r, kind, tok, koff, r0, RB, t, 4, out);
+        tm_dots(r, kind, tok, koff, r0, RB, t, 4, per, out);
 #pragma GCC unroll 5
         for (int i = 0; i < RB; i++)
             for (int j = 0; j < 4; j++) r->s[(size_t)(r0 + i) * r->gs + t + j] = out[i][j];
     }
     for (; t < nt; t++) {
-        tm_dots(r, kind, tok, koff, r0, RB, t, 1, out);
+        tm_dots(r, kind, tok, koff, r0, RB, t, 1, 0, out);
 #pragma GCC unroll 5
         for (int i = 0; i < RB; i++) r->s[(size_t)(r0 + i) * r->gs + t] = out[i][0];
     }
@@ -330,6 +332,7 @@ AI void tm_scores(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
         }
         r0 += rb;
     }
+    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
     if (kscale == NULL) return;
     /* Whole 8-float vectors: kscale/kzero are zero past nt, the softmax
      * masks s there. */
@@ -418,24 +421,37 @@ AI void token_tile_body(attn_rows *r, kvarn_kind kind, const kvarn_record_layout
     /* E4M3 codes load as 2^-8 times their value: fold 2^8 into the scale. */
     const float fix = kind == KVARN_KIND_FP8_E4M3 ? 256.0f : 1.0f;
     if (has_scale) {
-        for (int t = 0; t < nt; t++) {
-            const uint8_t *rec = recs[t];
-            uint16_t h[4] = {0, 0, 0, 0};
-            memcpy(&h[0], rec + L->k_a_off, 2);
-            memcpy(&h[2], rec + L->v_a_off, 2);
-            if (has_zero) {
-                memcpy(&h[1], rec + L->k_b_off, 2);
-                memcpy(&h[3], rec + L->v_b_off, 2);
+        /* The fp16 scale (and zero-point, next to it) of every token, as
+         * raw 32-bit words in kz / vz, then converted 16 tokens at a time. */
+        uint32_t *kw = (uint32_t *)(void *)kz, *vw = (uint32_t *)(void *)vz;
+        if (has_zero) {
+            for (int t = 0; t < nt; t++) {
+                memcpy(&kw[t], recs[t] + L->k_a_off, 4); /* k_b follows k_a */
+                memcpy(&vw[t], recs[t] + L->v_a_off, 4); /* v_b follows v_a */
             }
-            __m128 f = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
-            float fv[4];
-            _mm_storeu_ps(fv, f);
-            ks[t] = fv[0] * fix;
-            kz[t] = fv[1];
-            vs[t] = fv[2] * fix;
-            vz[t] = fv[3];
+        } else {
+            for (int t = 0; t < nt; t++) {
+                uint16_t a, b;
+                memcpy(&a, recs[t] + L->k_a_off, 2);
+                memcpy(&b, recs[t] + L->v_a_off, 2);
+                kw[t] = a;
+                vw[t] = b;
+            }
         }
-        for (int t = nt; t < gs; t++) ks[t] = kz[t] = vs[t] = vz[t] = 0.0f;
+        for (int t = nt; t < gs; t++) kw[t] = vw[t] = 0u;
+        const __m512 vfix = _mm512_set1_ps(fix);
+        for (int t = 0; t < gs; t += 16) {
+            const __mmask16 in = lanes(gs - t);
+            __m512i k32 = _mm512_maskz_loadu_epi32(in, kw + t), v32 = _mm512_maskz_loadu_epi32(in, vw + t);
+            __m512 ka = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(k32));
+            __m512 kb = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(k32, 16)));
+            __m512 va = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v32));
+            __m512 vb = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v32, 16)));
+            _mm512_mask_storeu_ps(ks + t, in, _mm512_mul_ps(ka, vfix));
+            _mm512_mask_storeu_ps(kz + t, in, kb);
+            _mm512_mask_storeu_ps(vs + t, in, _mm512_mul_ps(va, vfix));
+            _mm512_mask_storeu_ps(vz + t, in, vb);
+        }
     }
     tm_scores(r, kind, recs, L->k_codes_off, nt, has_scale ? ks : NULL, has_zero ? kz : NULL);
     softmax_update_avx512(r, t0, nt);
