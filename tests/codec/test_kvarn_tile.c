@@ -25,6 +25,7 @@
 
 #include "kvarn/kvarn.h"
 #include "kvarn/record.h"
+#include "codec/cpu.h"
 #include "codec/hadamard.h"
 #include "common/testutil.h"
 
@@ -775,7 +776,8 @@ static void xs_tile(uint64_t *s, int kind, int D, int G, float *k, float *v)
  * caps the level per case (codec/cpu.h). The FNV-1a digest of all the
  * scalar records is pinned to what the scalar encoder produced before the
  * vectorized kernels existed (commit 7764d1d), so a change of the encoder's
- * arithmetic anywhere shows here. */
+ * arithmetic anywhere shows here. Levels above the one this process runs
+ * at (the CPU's, or an outer KVARN_SIMD cap) are left out, with a note. */
 static void test_simd_levels_identical(void **state)
 {
     (void)state;
@@ -784,6 +786,8 @@ static void test_simd_levels_identical(void **state)
     static const int dims[3] = {64, 128, 256}, tiles[3] = {32, 64, 128};
     static const int bits[4][2] = {{4, 2}, {4, 4}, {2, 8}, {8, 4}};
     const char *saved = getenv("KVARN_SIMD");
+    const int top = (int)kvarn__cpu_level(); /* 0 scalar, 1 avx2, 2 avx512 */
+    if (top < 2) printf("  NOTE: levels above %s not run here (CPU or KVARN_SIMD)\n", levels[top]);
     uint64_t digest = 0xcbf29ce484222325ull, s = 0x243f6a8885a308d3ull;
     int cases = 0;
     for (int di = 0; di < 3; di++)
@@ -801,7 +805,7 @@ static void test_simd_levels_identical(void **state)
                         digest ^= b.rec[i];
                         digest *= 0x100000001b3ull;
                     }
-                    for (int lv = 1; lv < 3; lv++) {
+                    for (int lv = 1; lv <= top; lv++) {
                         setenv("KVARN_SIMD", levels[lv], 1);
                         memset(b.rec2, 0x5A, b.L.record_bytes);
                         assert_int_equal(encode(&b, D, k, v, b.rec2, 8, 0), KVARN_OK);
