@@ -252,9 +252,10 @@ static void test_every_format(void **state)
 static void test_gqa(void **state)
 {
     (void)state;
-    const char *fmts[] = {"kvarn_k4v2_g64", "int8", "fp16"};
+    /* the non-preset KVarN widths run the 8-bit and 2-bit code paths */
+    const char *fmts[] = {"kvarn_k4v2_g64", "int8", "fp16", "kvarn_k8v2_g64", "kvarn_k2v8_g32"};
     const int groups[] = {1, 3, 4, 8};
-    for (int fi = 0; fi < 3; fi++)
+    for (int fi = 0; fi < 5; fi++)
         for (int gi = 0; gi < 4; gi++)
             for (int di = 0; di < 2; di++) {
                 attn_case c;
