@@ -94,6 +94,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvarn/alloc.h"
 #include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
 
@@ -138,6 +139,11 @@ typedef struct kvarn_cache_opts {
                                Per-token formats: must be 0. */
     int balance_iters;      /* KVarN variance-normalization iterations at
                                commit (kvarn_codec_opts), default 8 */
+    const kvarn_allocator *allocator; /* every allocation of the cache (its
+                               arenas, tables, scratch, each sequence's block
+                               table at seq create/fork) goes through it;
+                               copied, must outlive the cache; NULL (default)
+                               = malloc/free (alloc.h) */
 } kvarn_cache_opts;
 
 /* The defaults: format kvarn_k4v2_g128, block_size 0 (auto), sink_tiles 1,
@@ -150,7 +156,8 @@ kvarn_cache_opts kvarn_cache_default_opts(void);
  * holds (block bytes = n_layers * Hk * record_stride), allocates both arenas
  * (zeroed) and the bookkeeping.
  * Errors: KVARN_ERR_INVALID_ARG (NULL, bad numbers, a budget too small for
- * the pages plus one block), KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_NOMEM.
+ * the pages plus one block, an allocator with only one of alloc/free set),
+ * KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_NOMEM.
  * *out is set only on success. */
 kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out);
 

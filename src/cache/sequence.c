@@ -48,7 +48,7 @@ static kvarn_status seq_open(kvarn_cache *c, int *id)
 
     const size_t T = (size_t)c->max_tiles;
     const size_t bytes = 3 * T * sizeof(int32_t) + (size_t)c->info.n_layers * sizeof(int);
-    void *mem = malloc(bytes ? bytes : 1);
+    void *mem = kvarn__malloc(&c->alloc, bytes ? bytes : 1, 1);
     if (mem == NULL) return KVARN_ERR_NOMEM;
     kvarn_seq *s = &c->seqs[slot];
     memset(s, 0, sizeof *s);
@@ -119,7 +119,7 @@ kvarn_status kvarn_cache_seq_free(kvarn_cache *c, int seq)
     kvarn_seq *s = kvarn__seq_get(c, seq);
     if (s == NULL) return KVARN_ERR_INVALID_ARG;
     drop_tiles(c, s, 0);
-    free(s->mem);
+    kvarn__free(&c->alloc, s->mem);
     memset(s, 0, sizeof *s);
     c->n_live--;
     return KVARN_OK;
