@@ -199,7 +199,9 @@ kvarn_status kvarn_cache_plan(const kvarn_cache_opts *opts, kvarn_cache_info *ou
 /* ------------------------------------------------------------------------ */
 
 /* Make an empty sequence; its id (in [0, max_seqs)) goes to *seq. Allocates
- * its block table (max_seq_len / G entries).
+ * its block table (max_seq_len / G entries) unless it takes the slot of a
+ * freed sequence, which keeps its table: after a kvarn_cache_seq_free, one
+ * create never fails for memory.
  * Errors: KVARN_ERR_INVALID_ARG, KVARN_ERR_OUT_OF_BLOCKS (max_seqs sequences
  * are live), KVARN_ERR_NOMEM. */
 kvarn_status kvarn_cache_seq_create(kvarn_cache *c, int *seq);
@@ -214,7 +216,8 @@ kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child);
 
 /* Drop the sequence: every block and page it holds loses one reference and
  * returns to its pool when no sequence holds it any more. The id becomes
- * free for reuse. Errors: KVARN_ERR_INVALID_ARG (bad or freed id). */
+ * free for reuse; its block table's memory stays with the slot for the next
+ * sequence (freed by kvarn_cache_destroy). Errors: KVARN_ERR_INVALID_ARG (bad or freed id). */
 kvarn_status kvarn_cache_seq_free(kvarn_cache *c, int seq);
 
 /* State of a sequence. */

@@ -43,7 +43,8 @@ typedef struct kvarn_seq {
     int32_t *blk;       /* [max_tiles] block of tile i, -1 for KVarN sink */
     int32_t *pg;        /* [max_tiles] page of tile i, -1 when none */
     int *written;       /* [n_layers] tokens [0, written[l]) written in layer l */
-    void *mem;          /* the allocation behind the arrays */
+    void *mem;          /* the allocation behind the arrays; kept by a free
+                           slot for its next sequence */
 } kvarn_seq;
 
 struct kvarn_cache {

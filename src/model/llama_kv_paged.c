@@ -321,8 +321,9 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
                                                  &p->attn_opts);
         p->ws = p->ws_bytes ? kvarn__malloc(shape->alloc, p->ws_bytes, 1) : NULL;
         if (!p->ws) {
+            const size_t ws_bytes = p->ws_bytes; /* p is freed below */
             paged_destroy(&p->base);
-            return p->ws_bytes ? KVARN_ERR_NOMEM : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+            return ws_bytes ? KVARN_ERR_NOMEM : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
         }
     }
     *out = &p->base;
