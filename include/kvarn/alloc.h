@@ -15,7 +15,9 @@
  *   - alloc(opaque, bytes) returns bytes (> 0) of memory aligned for any
  *     object type (alignof(max_align_t), as malloc), or NULL when it cannot.
  *     The library never asks for 0 bytes. Memory it wants zeroed or more
- *     aligned (64-byte arenas) it zeroes and aligns itself.
+ *     aligned (64-byte arenas) it zeroes and aligns itself: with a caller's
+ *     allocator a cache's arenas are written at creation, where calloc
+ *     would have mapped their zero pages lazily.
  *   - free(opaque, ptr) releases a pointer alloc returned; the library never
  *     passes NULL.
  *   - Both are called from the thread that calls the library function that
