@@ -51,6 +51,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvarn/alloc.h"
 #include "kvarn/kvarn.h"
 
 #ifdef __cplusplus
@@ -93,6 +94,13 @@ typedef struct kvarn_thread_pool kvarn_thread_pool;
  * Errors: KVARN_ERR_INVALID_ARG (NULL out, n_threads out of range),
  * KVARN_ERR_NOMEM (allocation or thread creation failed; nothing leaks). */
 kvarn_status kvarn_thread_pool_create(int n_threads, kvarn_thread_pool **out);
+
+/* The same, with the pool and its thread table allocated through allocator
+ * (copied; must outlive the pool; NULL = malloc/free, alloc.h). The threads'
+ * stacks are the C library's. Errors as above, and KVARN_ERR_INVALID_ARG for
+ * an allocator with only one of alloc/free set. */
+kvarn_status kvarn_thread_pool_create_ex(int n_threads, const kvarn_allocator *allocator,
+                                         kvarn_thread_pool **out);
 
 /* Stop and join the workers, free the pool. NULL is a no-op. */
 void kvarn_thread_pool_destroy(kvarn_thread_pool *pool);

@@ -94,6 +94,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvarn/alloc.h"
 #include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
 
@@ -138,6 +139,11 @@ typedef struct kvarn_cache_opts {
                                Per-token formats: must be 0. */
     int balance_iters;      /* KVarN variance-normalization iterations at
                                commit (kvarn_codec_opts), default 8 */
+    const kvarn_allocator *allocator; /* every allocation of the cache (its
+                               arenas, tables, scratch, each sequence's block
+                               table at seq create/fork) goes through it;
+                               copied, must outlive the cache; NULL (default)
+                               = malloc/free (alloc.h) */
 } kvarn_cache_opts;
 
 /* The defaults: format kvarn_k4v2_g128, block_size 0 (auto), sink_tiles 1,
@@ -150,7 +156,8 @@ kvarn_cache_opts kvarn_cache_default_opts(void);
  * holds (block bytes = n_layers * Hk * record_stride), allocates both arenas
  * (zeroed) and the bookkeeping.
  * Errors: KVARN_ERR_INVALID_ARG (NULL, bad numbers, a budget too small for
- * the pages plus one block), KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_NOMEM.
+ * the pages plus one block, an allocator with only one of alloc/free set),
+ * KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_NOMEM.
  * *out is set only on success. */
 kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out);
 
@@ -192,7 +199,9 @@ kvarn_status kvarn_cache_plan(const kvarn_cache_opts *opts, kvarn_cache_info *ou
 /* ------------------------------------------------------------------------ */
 
 /* Make an empty sequence; its id (in [0, max_seqs)) goes to *seq. Allocates
- * its block table (max_seq_len / G entries).
+ * its block table (max_seq_len / G entries) unless it takes the slot of a
+ * freed sequence, which keeps its table: after a kvarn_cache_seq_free, one
+ * create never fails for memory.
  * Errors: KVARN_ERR_INVALID_ARG, KVARN_ERR_OUT_OF_BLOCKS (max_seqs sequences
  * are live), KVARN_ERR_NOMEM. */
 kvarn_status kvarn_cache_seq_create(kvarn_cache *c, int *seq);
@@ -207,7 +216,8 @@ kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child);
 
 /* Drop the sequence: every block and page it holds loses one reference and
  * returns to its pool when no sequence holds it any more. The id becomes
- * free for reuse. Errors: KVARN_ERR_INVALID_ARG (bad or freed id). */
+ * free for reuse; its block table's memory stays with the slot for the next
+ * sequence (freed by kvarn_cache_destroy). Errors: KVARN_ERR_INVALID_ARG (bad or freed id). */
 kvarn_status kvarn_cache_seq_free(kvarn_cache *c, int seq);
 
 /* State of a sequence. */

@@ -40,6 +40,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvarn/alloc.h"
 #include "kvarn/kvarn.h"
 
 #ifdef __cplusplus
@@ -157,6 +158,17 @@ kvarn_status kvarn_gguf_open(const char *path, kvarn_gguf **out,
  * KVARN_ERR_INVALID_ARG. */
 kvarn_status kvarn_gguf_open_memory(const void *data, size_t size,
                                     kvarn_gguf **out, char *err, size_t errlen);
+
+/* kvarn_gguf_open / kvarn_gguf_open_memory with the handle and its index
+ * (metadata and tensor tables) allocated through allocator (copied; must
+ * outlive the handle; NULL = malloc/free, alloc.h). The file's mapping is
+ * mmap's. Errors as those, and KVARN_ERR_INVALID_ARG for an allocator with
+ * only one of alloc/free set. */
+kvarn_status kvarn_gguf_open_ex(const char *path, const kvarn_allocator *allocator,
+                                kvarn_gguf **out, char *err, size_t errlen);
+kvarn_status kvarn_gguf_open_memory_ex(const void *data, size_t size,
+                                       const kvarn_allocator *allocator,
+                                       kvarn_gguf **out, char *err, size_t errlen);
 
 /* Unmap and free. NULL is allowed. Every pointer and view obtained from g
  * becomes invalid. */

@@ -36,6 +36,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvarn/alloc.h"
 #include "kvarn/gguf.h"
 #include "kvarn/kvarn.h"
 
@@ -79,6 +80,16 @@ kvarn_status kvarn_llama_load(const char *path, kvarn_llama **out);
  * without KVARN_ERR_IO. */
 kvarn_status kvarn_llama_load_gguf(const kvarn_gguf *g, kvarn_llama **out);
 
+/* kvarn_llama_load / kvarn_llama_load_gguf with the model and all its fp32
+ * weights allocated through allocator (copied; must outlive the model;
+ * NULL = malloc/free, alloc.h). _ex also opens the file's index with it.
+ * Errors as those, and KVARN_ERR_INVALID_ARG for an allocator with only one
+ * of alloc/free set. */
+kvarn_status kvarn_llama_load_ex(const char *path, const kvarn_allocator *allocator,
+                                 kvarn_llama **out);
+kvarn_status kvarn_llama_load_gguf_ex(const kvarn_gguf *g, const kvarn_allocator *allocator,
+                                      kvarn_llama **out);
+
 /* Free a model (NULL is fine). Free its sessions first. */
 void kvarn_llama_free(kvarn_llama *model);
 
@@ -114,9 +125,14 @@ typedef struct kvarn_llama_session_opts {
                                  docs/kv-dump.md); costs 8 * n_layers *
                                  n_kv_heads * head_dim bytes per token of
                                  max_tokens. 0: no copy. */
+    const kvarn_allocator *allocator; /* the session, its scratch, its cache
+                                 and thread pool are allocated through it
+                                 (copied; must outlive the session); NULL =
+                                 malloc/free (alloc.h). Independent of the
+                                 model's allocator. */
 } kvarn_llama_session_opts;
 
-#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0 }
+#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL }
 
 /* Create a session for model: allocates the cache for opts->max_tokens
  * tokens and all scratch for chunks up to opts->max_chunk tokens. opts may

@@ -48,6 +48,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvarn/alloc.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/gguf.h"
 
@@ -106,6 +107,16 @@ typedef struct kvarn_tokenizer kvarn_tokenizer;
 kvarn_status kvarn_tokenizer_create(const kvarn_tokenizer_desc *desc,
                                     kvarn_tokenizer **out);
 
+/* The same with allocator (copied; must outlive the tokenizer; NULL =
+ * malloc/free, alloc.h): the tokenizer's tables, PCRE2's compiled patterns
+ * and match data, every encode call's scratch and the arrays that
+ * kvarn_tokenizer_encode_alloc / _encode_chat return are allocated through
+ * it. Errors as kvarn_tokenizer_create, and KVARN_ERR_INVALID_ARG for an
+ * allocator with only one of alloc/free set. */
+kvarn_status kvarn_tokenizer_create_ex(const kvarn_tokenizer_desc *desc,
+                                       const kvarn_allocator *allocator,
+                                       kvarn_tokenizer **out);
+
 /* Build the tokenizer of a GGUF file from tokenizer.ggml.model (must be
  * "gpt2"), .tokens, .merges, .token_type (optional), .pre (optional,
  * default "gpt2"), .bos_token_id / .eos_token_id / .padding_token_id /
@@ -116,6 +127,12 @@ kvarn_status kvarn_tokenizer_create(const kvarn_tokenizer_desc *desc,
  * KVARN_ERR_NOMEM; and those of kvarn_tokenizer_create. */
 kvarn_status kvarn_tokenizer_from_gguf(const kvarn_gguf *g,
                                        kvarn_tokenizer **out);
+
+/* The same through allocator, as kvarn_tokenizer_create_ex (the temporary
+ * arrays read from the file too). */
+kvarn_status kvarn_tokenizer_from_gguf_ex(const kvarn_gguf *g,
+                                          const kvarn_allocator *allocator,
+                                          kvarn_tokenizer **out);
 
 /* Free. NULL is allowed. */
 void kvarn_tokenizer_free(kvarn_tokenizer *tok);
@@ -144,8 +161,10 @@ kvarn_status kvarn_tokenizer_encode(const kvarn_tokenizer *tok,
                                     unsigned flags, int32_t *ids,
                                     size_t max_ids, size_t *n_ids);
 
-/* The same into a new malloc'ed array: *ids (free it with free()) holds
- * *n_ids ids; *ids is NULL when there are none. On error *ids is NULL and
+/* The same into a new array allocated with the tokenizer's allocator:
+ * *ids holds *n_ids ids; release it with free() (a tokenizer made without
+ * an allocator) or with that allocator's free; *ids is NULL when there are
+ * none. On error *ids is NULL and
  * *n_ids 0. Errors as kvarn_tokenizer_encode, less BUFFER_TOO_SMALL. */
 kvarn_status kvarn_tokenizer_encode_alloc(const kvarn_tokenizer *tok,
                                           const char *text, size_t len,
@@ -246,7 +265,8 @@ kvarn_status kvarn_chat_format_chatml(const kvarn_chat_message *msgs,
  * as plain text (special texts inside them are not matched). The ids equal
  * those of encoding kvarn_chat_format_chatml's text with
  * KVARN_TOKENIZE_SPECIAL whenever no content holds a special token's text.
- *   ids, n_ids  a new malloc'ed array (free() it) and its length.
+ *   ids, n_ids  a new array and its length, allocated and released as
+ *               kvarn_tokenizer_encode_alloc's.
  * Errors: as kvarn_chat_format_chatml and kvarn_tokenizer_encode_alloc;
  * KVARN_ERR_UNSUPPORTED if the vocabulary has no "<|im_start|>" or
  * "<|im_end|>" token. */

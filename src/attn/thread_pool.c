@@ -12,8 +12,10 @@
 #include <stdlib.h>
 
 #include "attn/attn_internal.h"
+#include "codec/alloc_internal.h"
 
 struct kvarn_thread_pool {
+    kvarn_allocator alloc;    /* the pool and its thread table (alloc.h) */
     int n_threads;
     pthread_t *threads;
     pthread_mutex_t mu;
@@ -68,14 +70,23 @@ static void *worker_main(void *argp)
 
 kvarn_status kvarn_thread_pool_create(int n_threads, kvarn_thread_pool **out)
 {
+    return kvarn_thread_pool_create_ex(n_threads, NULL, out);
+}
+
+kvarn_status kvarn_thread_pool_create_ex(int n_threads, const kvarn_allocator *allocator,
+                                         kvarn_thread_pool **out)
+{
     if (out == NULL || n_threads < 1 || n_threads > 256) return KVARN_ERR_INVALID_ARG;
-    kvarn_thread_pool *p = calloc(1, sizeof *p);
+    kvarn_allocator alloc;
+    if (kvarn__alloc_init(&alloc, allocator) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
+    kvarn_thread_pool *p = kvarn__calloc(&alloc, 1, sizeof *p);
     if (p == NULL) return KVARN_ERR_NOMEM;
+    p->alloc = alloc;
     /* One allocation for the thread ids and the worker arguments. */
     size_t n = (size_t)n_threads;
-    p->threads = calloc(n, sizeof(pthread_t) + sizeof(worker_arg));
+    p->threads = kvarn__calloc(&alloc, n, sizeof(pthread_t) + sizeof(worker_arg));
     if (p->threads == NULL) {
-        free(p);
+        kvarn__free(&alloc, p);
         return KVARN_ERR_NOMEM;
     }
     worker_arg *args = (worker_arg *)(p->threads + n);
@@ -104,8 +115,8 @@ fail_done:
 fail_start:
     pthread_mutex_destroy(&p->mu);
 fail_mu:
-    free(p->threads);
-    free(p);
+    kvarn__free(&alloc, p->threads);
+    kvarn__free(&alloc, p);
     return KVARN_ERR_NOMEM;
 }
 
@@ -120,8 +131,9 @@ void kvarn_thread_pool_destroy(kvarn_thread_pool *p)
     pthread_cond_destroy(&p->done_cv);
     pthread_cond_destroy(&p->start_cv);
     pthread_mutex_destroy(&p->mu);
-    free(p->threads);
-    free(p);
+    const kvarn_allocator a = p->alloc;
+    kvarn__free(&a, p->threads);
+    kvarn__free(&a, p);
 }
 
 int kvarn_thread_pool_size(const kvarn_thread_pool *p)

@@ -9,17 +9,17 @@
 
 #include "cache/cache_internal.h"
 
-kvarn_status kvarn__pool_init(kvarn_id_pool *p, int n)
+kvarn_status kvarn__pool_init(kvarn_id_pool *p, int n, const kvarn_allocator *a)
 {
     p->n = n;
     p->n_free = n;
     p->refs = NULL;
     p->free_ids = NULL;
     if (n == 0) return KVARN_OK;
-    p->refs = calloc((size_t)n, sizeof *p->refs);
-    p->free_ids = malloc((size_t)n * sizeof *p->free_ids);
+    p->refs = kvarn__calloc(a, (size_t)n, sizeof *p->refs);
+    p->free_ids = kvarn__malloc(a, (size_t)n, sizeof *p->free_ids);
     if (p->refs == NULL || p->free_ids == NULL) {
-        kvarn__pool_release(p);
+        kvarn__pool_release(p, a);
         return KVARN_ERR_NOMEM;
     }
     /* Low ids on top of the stack, so a fresh cache hands out 0, 1, 2, ... */
@@ -27,10 +27,10 @@ kvarn_status kvarn__pool_init(kvarn_id_pool *p, int n)
     return KVARN_OK;
 }
 
-void kvarn__pool_release(kvarn_id_pool *p)
+void kvarn__pool_release(kvarn_id_pool *p, const kvarn_allocator *a)
 {
-    free(p->refs);
-    free(p->free_ids);
+    kvarn__free(a, p->refs);
+    kvarn__free(a, p->free_ids);
     p->refs = NULL;
     p->free_ids = NULL;
     p->n = p->n_free = 0;

@@ -28,39 +28,40 @@ kvarn_cache_opts kvarn_cache_default_opts(void)
 /* Zeroed arena aligned to 64 bytes. calloc, not aligned_alloc + memset: a
  * large calloc maps fresh zero pages lazily, so creating a cache does not
  * touch its whole budget. *mem receives the pointer to free. */
-static void *arena64(size_t bytes, void **mem)
+static void *arena64(const kvarn_allocator *a, size_t bytes, void **mem)
 {
     *mem = NULL;
     if (bytes == 0 || bytes > SIZE_MAX - 64) return NULL;
-    *mem = calloc(1, bytes + 64);
+    *mem = kvarn__calloc(a, 1, bytes + 64);
     if (*mem == NULL) return NULL;
     uintptr_t p = ((uintptr_t)*mem + 63) & ~(uintptr_t)63;
     return (void *)p;
 }
 
-static void *alloc64(size_t bytes)
+static void *alloc64(const kvarn_allocator *a, size_t bytes)
 {
     if (bytes == 0) return NULL;
     size_t rounded = (bytes + 63) & ~(size_t)63;
-    return aligned_alloc(64, rounded);
+    return kvarn__malloc_aligned(a, rounded, 64, 0);
 }
 
 void kvarn_cache_destroy(kvarn_cache *c)
 {
     if (c == NULL) return;
     if (c->seqs) {
-        for (int i = 0; i < c->info.max_seqs; i++) free(c->seqs[i].mem);
-        free(c->seqs);
+        for (int i = 0; i < c->info.max_seqs; i++) kvarn__free(&c->alloc, c->seqs[i].mem);
+        kvarn__free(&c->alloc, c->seqs);
     }
-    kvarn__pool_release(&c->block_pool);
-    kvarn__pool_release(&c->page_pool);
-    free(c->blocks_mem);
-    free(c->pages_mem);
-    free(c->tile_k);
-    free(c->tile_v);
-    free(c->vec);
-    free(c->enc_ws);
-    free(c);
+    const kvarn_allocator a = c->alloc;
+    kvarn__pool_release(&c->block_pool, &a);
+    kvarn__pool_release(&c->page_pool, &a);
+    kvarn__free(&a, c->blocks_mem);
+    kvarn__free(&a, c->pages_mem);
+    kvarn__free_aligned(&a, c->tile_k);
+    kvarn__free_aligned(&a, c->tile_v);
+    kvarn__free_aligned(&a, c->vec);
+    kvarn__free_aligned(&a, c->enc_ws);
+    kvarn__free(&a, c);
 }
 
 /* Check opts and work out the geometry into *info (no allocation). */
@@ -160,8 +161,11 @@ kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
     kvarn_status st = plan(opts, &info, &layout, 0);
     if (st != KVARN_OK) return st;
 
-    kvarn_cache *c = calloc(1, sizeof *c);
+    kvarn_allocator alloc;
+    if (kvarn__alloc_init(&alloc, opts->allocator) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
+    kvarn_cache *c = kvarn__calloc(&alloc, 1, sizeof *c);
     if (c == NULL) return KVARN_ERR_NOMEM;
+    c->alloc = alloc;
     c->info = info;
     c->layout = layout;
     c->is_kvarn = info.format.kind == KVARN_KIND_KVARN;
@@ -174,22 +178,22 @@ kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
     const size_t GD = (size_t)info.block_size * (size_t)info.head_dim;
     const size_t block_arena = (size_t)info.n_layers * (size_t)info.n_blocks * info.block_stride;
     const size_t page_arena = (size_t)info.n_layers * (size_t)info.n_pages * c->page_elems;
-    c->blocks = arena64(block_arena, &c->blocks_mem);
-    c->pages = page_arena ? arena64(page_arena * sizeof(uint16_t), &c->pages_mem) : NULL;
-    c->seqs = calloc((size_t)info.max_seqs, sizeof *c->seqs);
-    c->tile_k = alloc64(GD * sizeof(float));
-    c->tile_v = alloc64(GD * sizeof(float));
-    c->vec = alloc64((size_t)info.head_dim * sizeof(float));
+    c->blocks = arena64(&alloc, block_arena, &c->blocks_mem);
+    c->pages = page_arena ? arena64(&alloc, page_arena * sizeof(uint16_t), &c->pages_mem) : NULL;
+    c->seqs = kvarn__calloc(&alloc, (size_t)info.max_seqs, sizeof *c->seqs);
+    c->tile_k = alloc64(&alloc, GD * sizeof(float));
+    c->tile_v = alloc64(&alloc, GD * sizeof(float));
+    c->vec = alloc64(&alloc, (size_t)info.head_dim * sizeof(float));
     c->enc_ws_bytes = kvarn_encode_workspace_bytes(&info.format, info.head_dim);
-    c->enc_ws = c->enc_ws_bytes ? alloc64(c->enc_ws_bytes) : NULL;
+    c->enc_ws = c->enc_ws_bytes ? alloc64(&alloc, c->enc_ws_bytes) : NULL;
     if (c->blocks == NULL || (page_arena && c->pages == NULL) || c->seqs == NULL ||
         c->tile_k == NULL || c->tile_v == NULL || c->vec == NULL ||
         (c->enc_ws_bytes && c->enc_ws == NULL)) {
         kvarn_cache_destroy(c);
         return KVARN_ERR_NOMEM;
     }
-    if (kvarn__pool_init(&c->block_pool, info.n_blocks) != KVARN_OK ||
-        kvarn__pool_init(&c->page_pool, info.n_pages) != KVARN_OK) {
+    if (kvarn__pool_init(&c->block_pool, info.n_blocks, &alloc) != KVARN_OK ||
+        kvarn__pool_init(&c->page_pool, info.n_pages, &alloc) != KVARN_OK) {
         kvarn_cache_destroy(c);
         return KVARN_ERR_NOMEM;
     }

@@ -10,6 +10,7 @@
 
 #include "kvarn/cache.h"
 #include "kvarn/record.h"
+#include "codec/alloc_internal.h"
 
 /* A pool of ids (blocks or pages) with reference counts. Free ids sit on a
  * LIFO stack, so ids come back in the order they were freed (scrambled after
@@ -21,8 +22,8 @@ typedef struct kvarn_id_pool {
     int32_t *free_ids;/* [n] stack, top at n_free - 1 */
 } kvarn_id_pool;
 
-kvarn_status kvarn__pool_init(kvarn_id_pool *p, int n);
-void kvarn__pool_release(kvarn_id_pool *p);
+kvarn_status kvarn__pool_init(kvarn_id_pool *p, int n, const kvarn_allocator *a);
+void kvarn__pool_release(kvarn_id_pool *p, const kvarn_allocator *a);
 /* Pop a free id with refcount 1; caller checked n_free > 0. */
 int32_t kvarn__pool_alloc(kvarn_id_pool *p);
 void kvarn__pool_incref(kvarn_id_pool *p, int32_t id);
@@ -42,10 +43,12 @@ typedef struct kvarn_seq {
     int32_t *blk;       /* [max_tiles] block of tile i, -1 for KVarN sink */
     int32_t *pg;        /* [max_tiles] page of tile i, -1 when none */
     int *written;       /* [n_layers] tokens [0, written[l]) written in layer l */
-    void *mem;          /* the allocation behind the arrays */
+    void *mem;          /* the allocation behind the arrays; kept by a free
+                           slot for its next sequence */
 } kvarn_seq;
 
 struct kvarn_cache {
+    kvarn_allocator alloc;        /* every allocation below (alloc.h) */
     kvarn_cache_info info;
     kvarn_record_layout layout;   /* of one record (KVarN tile or one token) */
     kvarn_codec_opts codec_opts;  /* prerotated = 1 */

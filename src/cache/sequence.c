@@ -41,14 +41,16 @@ int kvarn__seq_frozen_len(const kvarn_cache *c, const kvarn_seq *s)
 /* A free slot with its arrays allocated, or an error. */
 static kvarn_status seq_open(kvarn_cache *c, int *id)
 {
+    /* A free slot, preferably one that kept its arrays from an earlier
+     * sequence (kvarn_cache_seq_free): that one needs no memory. */
     int slot = -1;
     for (int i = 0; i < c->info.max_seqs; i++)
-        if (!c->seqs[i].live) { slot = i; break; }
+        if (!c->seqs[i].live && (slot < 0 || (c->seqs[i].mem && !c->seqs[slot].mem))) slot = i;
     if (slot < 0) return KVARN_ERR_OUT_OF_BLOCKS;
 
     const size_t T = (size_t)c->max_tiles;
     const size_t bytes = 3 * T * sizeof(int32_t) + (size_t)c->info.n_layers * sizeof(int);
-    void *mem = malloc(bytes ? bytes : 1);
+    void *mem = c->seqs[slot].mem ? c->seqs[slot].mem : kvarn__malloc(&c->alloc, bytes ? bytes : 1, 1);
     if (mem == NULL) return KVARN_ERR_NOMEM;
     kvarn_seq *s = &c->seqs[slot];
     memset(s, 0, sizeof *s);
@@ -119,8 +121,11 @@ kvarn_status kvarn_cache_seq_free(kvarn_cache *c, int seq)
     kvarn_seq *s = kvarn__seq_get(c, seq);
     if (s == NULL) return KVARN_ERR_INVALID_ARG;
     drop_tiles(c, s, 0);
-    free(s->mem);
+    /* The slot keeps its arrays (freed with the cache), so a sequence made
+     * after a free needs no memory: a session reset cannot fail. */
+    void *mem = s->mem;
     memset(s, 0, sizeof *s);
+    s->mem = mem;
     c->n_live--;
     return KVARN_OK;
 }

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "kvarn/gguf.h"
+#include "codec/alloc_internal.h"
 
 #define GGUF_DEFAULT_ALIGNMENT 32u
 #define GGUF_MAX_KEY 65535u  /* keys are at most 2^16 - 1 bytes (format) */
@@ -39,6 +40,7 @@ typedef struct sorted_key {    /* for binary search and duplicate checks */
 } sorted_key;
 
 struct kvarn_gguf {
+    kvarn_allocator alloc;     /* the handle and its index (alloc.h) */
     const uint8_t *base;
     size_t size;
     int mapped;                /* munmap base on close */
@@ -63,6 +65,7 @@ typedef struct cursor {
     size_t pos;
     char *err;
     size_t errlen;
+    const kvarn_allocator *alloc; /* for the index being built */
 } cursor;
 
 static kvarn_status fail(cursor *c, kvarn_status st, const char *fmt, ...)
@@ -238,7 +241,7 @@ static kvarn_status parse_value(cursor *c, gguf_kv *kv, const char *key)
                     "the file (%zu bytes left)", key, (unsigned long long)n, at, left(c));
     kv->arr.data = NULL;
     if (n > 0) {
-        kv->strs = malloc((size_t)n * sizeof *kv->strs);
+        kv->strs = kvarn__malloc(c->alloc, (size_t)n, sizeof *kv->strs);
         if (!kv->strs)
             return fail(c, KVARN_ERR_NOMEM, "key '%s': out of memory for %llu strings", key,
                         (unsigned long long)n);
@@ -384,8 +387,8 @@ static kvarn_status parse_metadata(cursor *c, kvarn_gguf *g)
                     "(truncated or corrupt)",
                     (unsigned long long)g->n_kv);
     if (g->n_kv > 0) {
-        g->kv = calloc((size_t)g->n_kv, sizeof *g->kv);
-        g->kv_sorted = calloc((size_t)g->n_kv, sizeof *g->kv_sorted);
+        g->kv = kvarn__calloc(&g->alloc, (size_t)g->n_kv, sizeof *g->kv);
+        g->kv_sorted = kvarn__calloc(&g->alloc, (size_t)g->n_kv, sizeof *g->kv_sorted);
         if (!g->kv || !g->kv_sorted)
             return fail(c, KVARN_ERR_NOMEM, "out of memory for %llu metadata pairs",
                         (unsigned long long)g->n_kv);
@@ -488,8 +491,8 @@ static kvarn_status parse_tensors(cursor *c, kvarn_gguf *g)
                     "(truncated or corrupt)",
                     (unsigned long long)g->n_tensors);
     if (g->n_tensors > 0) {
-        g->tensors = calloc((size_t)g->n_tensors, sizeof *g->tensors);
-        g->tensor_sorted = calloc((size_t)g->n_tensors, sizeof *g->tensor_sorted);
+        g->tensors = kvarn__calloc(&g->alloc, (size_t)g->n_tensors, sizeof *g->tensors);
+        g->tensor_sorted = kvarn__calloc(&g->alloc, (size_t)g->n_tensors, sizeof *g->tensor_sorted);
         if (!g->tensors || !g->tensor_sorted)
             return fail(c, KVARN_ERR_NOMEM, "out of memory for %llu tensor infos",
                         (unsigned long long)g->n_tensors);
@@ -555,26 +558,28 @@ static kvarn_status parse(cursor *c, kvarn_gguf *g)
 static void free_index(kvarn_gguf *g)
 {
     if (g->kv)
-        for (uint64_t i = 0; i < g->n_kv; i++) free(g->kv[i].strs);
-    free(g->kv);
-    free(g->kv_sorted);
-    free(g->tensors);
-    free(g->tensor_sorted);
+        for (uint64_t i = 0; i < g->n_kv; i++) kvarn__free(&g->alloc, g->kv[i].strs);
+    kvarn__free(&g->alloc, g->kv);
+    kvarn__free(&g->alloc, g->kv_sorted);
+    kvarn__free(&g->alloc, g->tensors);
+    kvarn__free(&g->alloc, g->tensor_sorted);
 }
 
 static kvarn_status open_bytes(const uint8_t *base, size_t size, int mapped,
-                               kvarn_gguf **out, char *err, size_t errlen)
+                               const kvarn_allocator *alloc, kvarn_gguf **out,
+                               char *err, size_t errlen)
 {
-    cursor c = {base, size, 0, err, errlen};
-    kvarn_gguf *g = calloc(1, sizeof *g);
+    cursor c = {base, size, 0, err, errlen, alloc};
+    kvarn_gguf *g = kvarn__calloc(alloc, 1, sizeof *g);
     if (!g) return fail(&c, KVARN_ERR_NOMEM, "out of memory");
+    g->alloc = *alloc;
     g->base = base;
     g->size = size;
     g->mapped = mapped;
     kvarn_status st = parse(&c, g);
     if (st != KVARN_OK) {
         free_index(g); /* the caller unmaps */
-        free(g);
+        kvarn__free(alloc, g);
         return st;
     }
     *out = g;
@@ -588,21 +593,40 @@ static kvarn_status open_bytes(const uint8_t *base, size_t size, int mapped,
 kvarn_status kvarn_gguf_open_memory(const void *data, size_t size, kvarn_gguf **out,
                                     char *err, size_t errlen)
 {
-    cursor c = {data, size, 0, err, errlen};
+    return kvarn_gguf_open_memory_ex(data, size, NULL, out, err, errlen);
+}
+
+kvarn_status kvarn_gguf_open_memory_ex(const void *data, size_t size,
+                                       const kvarn_allocator *allocator, kvarn_gguf **out,
+                                       char *err, size_t errlen)
+{
+    cursor c = {data, size, 0, err, errlen, NULL};
     if (err && errlen) err[0] = '\0';
     if (!out) return fail(&c, KVARN_ERR_INVALID_ARG, "no output handle given");
     *out = NULL;
+    kvarn_allocator alloc;
+    if (kvarn__alloc_init(&alloc, allocator) != KVARN_OK)
+        return fail(&c, KVARN_ERR_INVALID_ARG, "allocator with only one of alloc/free set");
     if (!data && size > 0) return fail(&c, KVARN_ERR_INVALID_ARG, "no data given");
     if (size == 0) return fail(&c, KVARN_ERR_BAD_FILE, "empty input: not a GGUF file");
-    return open_bytes(data, size, 0, out, err, errlen);
+    return open_bytes(data, size, 0, &alloc, out, err, errlen);
 }
 
 kvarn_status kvarn_gguf_open(const char *path, kvarn_gguf **out, char *err, size_t errlen)
 {
-    cursor c = {NULL, 0, 0, err, errlen};
+    return kvarn_gguf_open_ex(path, NULL, out, err, errlen);
+}
+
+kvarn_status kvarn_gguf_open_ex(const char *path, const kvarn_allocator *allocator,
+                                kvarn_gguf **out, char *err, size_t errlen)
+{
+    cursor c = {NULL, 0, 0, err, errlen, NULL};
     if (err && errlen) err[0] = '\0';
     if (!out) return fail(&c, KVARN_ERR_INVALID_ARG, "no output handle given");
     *out = NULL;
+    kvarn_allocator alloc;
+    if (kvarn__alloc_init(&alloc, allocator) != KVARN_OK)
+        return fail(&c, KVARN_ERR_INVALID_ARG, "allocator with only one of alloc/free set");
     if (!path) return fail(&c, KVARN_ERR_INVALID_ARG, "no path given");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
@@ -631,7 +655,7 @@ kvarn_status kvarn_gguf_open(const char *path, kvarn_gguf **out, char *err, size
     close(fd); /* the mapping keeps the file open */
     if (map == MAP_FAILED)
         return fail(&c, KVARN_ERR_IO, "cannot map '%s': %s", path, strerror(e));
-    kvarn_status st = open_bytes(map, size, 1, out, err, errlen);
+    kvarn_status st = open_bytes(map, size, 1, &alloc, out, err, errlen);
     if (st != KVARN_OK) munmap(map, size);
     return st;
 }
@@ -641,7 +665,8 @@ void kvarn_gguf_close(kvarn_gguf *g)
     if (!g) return;
     free_index(g);
     if (g->mapped) munmap((void *)g->base, g->size);
-    free(g);
+    const kvarn_allocator a = g->alloc;
+    kvarn__free(&a, g);
 }
 
 uint32_t kvarn_gguf_version(const kvarn_gguf *g) { return g ? g->version : 0; }

@@ -12,6 +12,7 @@
 
 #include "kvarn/kvarn.h"
 #include "kvarn/model.h"
+#include "codec/alloc_internal.h"
 
 /* One transformer block. Every matrix is fp32, row-major [out][in] (a GGUF
  * matrix of ne = {in, out} dequantized as stored), so a chunk's activations
@@ -27,6 +28,7 @@ typedef struct llama_layer {
 } llama_layer;
 
 struct kvarn_llama {
+    kvarn_allocator alloc; /* the model and its weights (alloc.h) */
     kvarn_llama_hparams hp;
     float *tok_embd;    /* [vocab][hidden] */
     float *output_norm; /* [hidden] */
@@ -74,6 +76,7 @@ typedef struct llama_kv_shape {
     int n_layers, n_heads, n_kv_heads, head_dim;
     int max_tokens; /* context capacity */
     int max_chunk;  /* most tokens per begin/attend/end */
+    const kvarn_allocator *alloc; /* the session's: the store's memory */
 } llama_kv_shape;
 
 /* The exact fp32 store (llama_kv_exact.c). */
@@ -141,6 +144,7 @@ void llama_matmul(const float *x, int n, int in, const float *w, int out,
 /* ------------------------------------------------------------------------ */
 
 struct kvarn_llama_session {
+    kvarn_allocator alloc; /* the session, its scratch and its store */
     const kvarn_llama *model;
     llama_kv *kv;
     int pos;          /* tokens in the sequence */

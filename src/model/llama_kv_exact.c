@@ -76,10 +76,11 @@ static void exact_destroy(llama_kv *kv)
 {
     kv_exact *e = (kv_exact *)kv;
     if (!e) return;
-    free(e->k);
-    free(e->v);
-    free(e->scratch);
-    free(e);
+    const kvarn_allocator *a = e->sh.alloc;
+    kvarn__free(a, e->k);
+    kvarn__free(a, e->v);
+    kvarn__free(a, e->scratch);
+    kvarn__free(a, e);
 }
 
 static const char *exact_name(const llama_kv *kv)
@@ -95,14 +96,15 @@ static const llama_kv_ops exact_ops = {
 kvarn_status llama_kv_exact_create(const llama_kv_shape *shape, llama_kv **out)
 {
     *out = NULL;
-    kv_exact *e = calloc(1, sizeof *e);
+    kv_exact *e = kvarn__calloc(shape->alloc, 1, sizeof *e);
     if (!e) return KVARN_ERR_NOMEM;
     e->base.ops = &exact_ops;
     e->sh = *shape;
     size_t n = (size_t)shape->n_layers * layer_floats(shape);
-    e->k = malloc(sizeof(float) * n);
-    e->v = malloc(sizeof(float) * n);
-    e->scratch = malloc(sizeof(float) * llama_attn_f32_scratch_floats(shape->max_tokens));
+    e->k = kvarn__malloc(shape->alloc, n, sizeof(float));
+    e->v = kvarn__malloc(shape->alloc, n, sizeof(float));
+    e->scratch = kvarn__malloc(shape->alloc, llama_attn_f32_scratch_floats(shape->max_tokens),
+                               sizeof(float));
     if (!e->k || !e->v || !e->scratch) {
         exact_destroy(&e->base);
         return KVARN_ERR_NOMEM;

@@ -179,18 +179,19 @@ static void paged_destroy(llama_kv *kv)
     if (!p) return;
     kvarn_cache_destroy(p->cache);
     kvarn_thread_pool_destroy(p->pool);
-    free(p->views);
-    free(p->qbuf);
-    free(p->ws);
-    free(p->kbuf);
-    free(p->vbuf);
-    free(p->hist_k);
-    free(p->hist_v);
-    free(p->hist_out);
-    free(p->hist_lse);
-    free(p->lse);
-    free(p->scratch);
-    free(p);
+    const kvarn_allocator *a = p->sh.alloc;
+    kvarn__free(a, p->views);
+    kvarn__free(a, p->qbuf);
+    kvarn__free(a, p->ws);
+    kvarn__free(a, p->kbuf);
+    kvarn__free(a, p->vbuf);
+    kvarn__free(a, p->hist_k);
+    kvarn__free(a, p->hist_v);
+    kvarn__free(a, p->hist_out);
+    kvarn__free(a, p->hist_lse);
+    kvarn__free(a, p->lse);
+    kvarn__free(a, p->scratch);
+    kvarn__free(a, p);
 }
 
 static const char *paged_name(const llama_kv *kv)
@@ -216,6 +217,7 @@ static kvarn_status make_cache(const llama_kv_shape *sh, const kvarn_format *fmt
     o.n_kv_heads = sh->n_kv_heads;
     o.head_dim = sh->head_dim;
     o.max_seqs = 1;
+    o.allocator = sh->alloc;
     if (balance_iters >= 0) o.balance_iters = balance_iters;
     int G;
     if (fmt->per_tile) {
@@ -262,7 +264,7 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
                                    llama_kv **out)
 {
     *out = NULL;
-    kv_paged *p = calloc(1, sizeof *p);
+    kv_paged *p = kvarn__calloc(shape->alloc, 1, sizeof *p);
     if (!p) return KVARN_ERR_NOMEM;
     p->base.ops = &paged_ops;
     p->sh = *shape;
@@ -272,7 +274,7 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
                                  &p->cache);
     if (st == KVARN_OK) st = kvarn_cache_seq_create(p->cache, &p->seq);
     int threads = o->attn_threads > 0 ? o->attn_threads : 1;
-    if (st == KVARN_OK && threads > 1) st = kvarn_thread_pool_create(threads, &p->pool);
+    if (st == KVARN_OK && threads > 1) st = kvarn_thread_pool_create_ex(threads, shape->alloc, &p->pool);
     if (st != KVARN_OK) {
         paged_destroy(&p->base);
         return st;
@@ -280,15 +282,15 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
     size_t kd = (size_t)shape->n_kv_heads * shape->head_dim;
     size_t qd = (size_t)shape->n_heads * shape->head_dim;
     size_t C = (size_t)shape->max_chunk, T = (size_t)shape->max_tokens;
-    p->kbuf = malloc(sizeof(float) * C * kd);
-    p->vbuf = malloc(sizeof(float) * C * kd);
-    p->lse = malloc(sizeof(float) * C * shape->n_heads);
-    p->qbuf = malloc(sizeof(float) * C * qd);
-    p->hist_out = malloc(sizeof(float) * C * qd);
-    p->hist_lse = malloc(sizeof(float) * C * shape->n_heads);
-    p->scratch = malloc(sizeof(float) * llama_attn_f32_scratch_floats(
-                            p->exact_chunk ? shape->max_tokens : shape->max_chunk));
-    p->views = calloc((size_t)shape->n_layers, sizeof *p->views);
+    p->kbuf = kvarn__malloc(shape->alloc, C * kd, sizeof(float));
+    p->vbuf = kvarn__malloc(shape->alloc, C * kd, sizeof(float));
+    p->lse = kvarn__malloc(shape->alloc, C * shape->n_heads, sizeof(float));
+    p->qbuf = kvarn__malloc(shape->alloc, C * qd, sizeof(float));
+    p->hist_out = kvarn__malloc(shape->alloc, C * qd, sizeof(float));
+    p->hist_lse = kvarn__malloc(shape->alloc, C * shape->n_heads, sizeof(float));
+    p->scratch = kvarn__malloc(shape->alloc, llama_attn_f32_scratch_floats(
+                            p->exact_chunk ? shape->max_tokens : shape->max_chunk), sizeof(float));
+    p->views = kvarn__calloc(shape->alloc, (size_t)shape->n_layers, sizeof *p->views);
     if (!p->kbuf || !p->vbuf || !p->lse || !p->qbuf || !p->hist_out || !p->hist_lse ||
         !p->scratch || !p->views) {
         paged_destroy(&p->base);
@@ -306,8 +308,8 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
     p->attn_opts = ao;
     if (p->exact_chunk) {
         /* The cross-check path decodes whole histories into fp32. */
-        p->hist_k = malloc(sizeof(float) * T * kd);
-        p->hist_v = malloc(sizeof(float) * T * kd);
+        p->hist_k = kvarn__malloc(shape->alloc, T * kd, sizeof(float));
+        p->hist_v = kvarn__malloc(shape->alloc, T * kd, sizeof(float));
         if (!p->hist_k || !p->hist_v) {
             paged_destroy(&p->base);
             return KVARN_ERR_NOMEM;
@@ -317,10 +319,11 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
         p->ws_bytes = kvarn_attn_workspace_bytes(&p->views[0], shape->n_heads, 1,
                                                  shape->max_chunk, threads,
                                                  &p->attn_opts);
-        p->ws = p->ws_bytes ? malloc(p->ws_bytes) : NULL;
+        p->ws = p->ws_bytes ? kvarn__malloc(shape->alloc, p->ws_bytes, 1) : NULL;
         if (!p->ws) {
+            const size_t ws_bytes = p->ws_bytes; /* p is freed below */
             paged_destroy(&p->base);
-            return p->ws_bytes ? KVARN_ERR_NOMEM : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+            return ws_bytes ? KVARN_ERR_NOMEM : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
         }
     }
     *out = &p->base;

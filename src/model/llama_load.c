@@ -87,13 +87,11 @@ static kvarn_status load_tensor(const kvarn_gguf *g, const char *name, int in,
     return st == KVARN_ERR_INVALID_ARG ? KVARN_ERR_BAD_FILE : st;
 }
 
-static float *alloc_floats(size_t n)
+static float *alloc_floats(const kvarn_allocator *a, size_t n)
 {
     /* 64-byte aligned rows help the GEMMs; sizes are rounded up to 64 B. */
     size_t bytes = (n * sizeof(float) + 63) & ~(size_t)63;
-    void *p = NULL;
-    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) return NULL;
-    return p;
+    return kvarn__malloc_aligned(a, bytes ? bytes : 64, 64, 0);
 }
 
 void kvarn_llama_free(kvarn_llama *m)
@@ -102,33 +100,34 @@ void kvarn_llama_free(kvarn_llama *m)
     if (m->layers) {
         for (int l = 0; l < m->hp.n_layers; l++) {
             llama_layer *L = &m->layers[l];
-            free(L->attn_norm);
-            free(L->wqkv);
-            free(L->wo);
-            free(L->ffn_norm);
-            free(L->w_gate_up);
-            free(L->w_down);
+            kvarn__free_aligned(&m->alloc, L->attn_norm);
+            kvarn__free_aligned(&m->alloc, L->wqkv);
+            kvarn__free_aligned(&m->alloc, L->wo);
+            kvarn__free_aligned(&m->alloc, L->ffn_norm);
+            kvarn__free_aligned(&m->alloc, L->w_gate_up);
+            kvarn__free_aligned(&m->alloc, L->w_down);
         }
-        free(m->layers);
+        kvarn__free(&m->alloc, m->layers);
     }
-    if (m->output != m->tok_embd) free(m->output);
-    free(m->tok_embd);
-    free(m->output_norm);
-    free(m);
+    if (m->output != m->tok_embd) kvarn__free_aligned(&m->alloc, m->output);
+    kvarn__free_aligned(&m->alloc, m->tok_embd);
+    kvarn__free_aligned(&m->alloc, m->output_norm);
+    const kvarn_allocator a = m->alloc;
+    kvarn__free(&a, m);
 }
 
 static kvarn_status load_layer(const kvarn_gguf *g, const kvarn_llama_hparams *hp,
-                               int l, llama_layer *L)
+                               const kvarn_allocator *a, int l, llama_layer *L)
 {
     int E = hp->hidden, D = hp->head_dim, H = hp->n_heads, Hk = hp->n_kv_heads;
     int F = hp->ffn;
     size_t qd = (size_t)H * D, kd = (size_t)Hk * D;
-    L->attn_norm = alloc_floats(E);
-    L->wqkv = alloc_floats((qd + 2 * kd) * E);
-    L->wo = alloc_floats((size_t)E * qd);
-    L->ffn_norm = alloc_floats(E);
-    L->w_gate_up = alloc_floats((size_t)2 * F * E);
-    L->w_down = alloc_floats((size_t)E * F);
+    L->attn_norm = alloc_floats(a, E);
+    L->wqkv = alloc_floats(a, (qd + 2 * kd) * E);
+    L->wo = alloc_floats(a, (size_t)E * qd);
+    L->ffn_norm = alloc_floats(a, E);
+    L->w_gate_up = alloc_floats(a, (size_t)2 * F * E);
+    L->w_down = alloc_floats(a, (size_t)E * F);
     if (!L->attn_norm || !L->wqkv || !L->wo || !L->ffn_norm || !L->w_gate_up ||
         !L->w_down)
         return KVARN_ERR_NOMEM;
@@ -165,8 +164,8 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     hp->tied_output = kvarn_gguf_find_tensor(g, "output.weight") == NULL;
 
     size_t E = (size_t)hp->hidden;
-    m->tok_embd = alloc_floats((size_t)hp->vocab * E);
-    m->output_norm = alloc_floats(E);
+    m->tok_embd = alloc_floats(&m->alloc, (size_t)hp->vocab * E);
+    m->output_norm = alloc_floats(&m->alloc, E);
     if (!m->tok_embd || !m->output_norm) return KVARN_ERR_NOMEM;
     if ((st = load_tensor(g, "token_embd.weight", hp->hidden, hp->vocab, m->tok_embd)) ||
         (st = load_tensor(g, "output_norm.weight", hp->hidden, 1, m->output_norm)))
@@ -174,25 +173,33 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     if (hp->tied_output) {
         m->output = m->tok_embd;
     } else {
-        m->output = alloc_floats((size_t)hp->vocab * E);
+        m->output = alloc_floats(&m->alloc, (size_t)hp->vocab * E);
         if (!m->output) return KVARN_ERR_NOMEM;
         if ((st = load_tensor(g, "output.weight", hp->hidden, hp->vocab, m->output)))
             return st;
     }
-    m->layers = calloc((size_t)hp->n_layers, sizeof *m->layers);
+    m->layers = kvarn__calloc(&m->alloc, (size_t)hp->n_layers, sizeof *m->layers);
     if (!m->layers) return KVARN_ERR_NOMEM;
     for (int l = 0; l < hp->n_layers; l++)
-        if ((st = load_layer(g, hp, l, &m->layers[l]))) return st;
+        if ((st = load_layer(g, hp, &m->alloc, l, &m->layers[l]))) return st;
     return KVARN_OK;
 }
 
 kvarn_status kvarn_llama_load_gguf(const kvarn_gguf *g, kvarn_llama **out)
 {
+    return kvarn_llama_load_gguf_ex(g, NULL, out);
+}
+
+kvarn_status kvarn_llama_load_gguf_ex(const kvarn_gguf *g, const kvarn_allocator *allocator,
+                                      kvarn_llama **out)
+{
     if (!out) return KVARN_ERR_INVALID_ARG;
     *out = NULL;
-    if (!g) return KVARN_ERR_INVALID_ARG;
-    kvarn_llama *m = calloc(1, sizeof *m);
+    kvarn_allocator alloc;
+    if (!g || kvarn__alloc_init(&alloc, allocator) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
+    kvarn_llama *m = kvarn__calloc(&alloc, 1, sizeof *m);
     if (!m) return KVARN_ERR_NOMEM;
+    m->alloc = alloc;
     kvarn_status st = load_from(g, m);
     if (st != KVARN_OK) {
         /* n_layers may be set while layers is NULL: free handles both. */
@@ -205,13 +212,19 @@ kvarn_status kvarn_llama_load_gguf(const kvarn_gguf *g, kvarn_llama **out)
 
 kvarn_status kvarn_llama_load(const char *path, kvarn_llama **out)
 {
+    return kvarn_llama_load_ex(path, NULL, out);
+}
+
+kvarn_status kvarn_llama_load_ex(const char *path, const kvarn_allocator *allocator,
+                                 kvarn_llama **out)
+{
     if (!out) return KVARN_ERR_INVALID_ARG;
     *out = NULL;
     if (!path) return KVARN_ERR_INVALID_ARG;
     kvarn_gguf *g = NULL;
-    kvarn_status st = kvarn_gguf_open(path, &g, NULL, 0);
+    kvarn_status st = kvarn_gguf_open_ex(path, allocator, &g, NULL, 0);
     if (st != KVARN_OK) return st;
-    st = kvarn_llama_load_gguf(g, out);
+    st = kvarn_llama_load_gguf_ex(g, allocator, out);
     kvarn_gguf_close(g);
     return st;
 }

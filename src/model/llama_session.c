@@ -14,17 +14,18 @@ void kvarn_llama_session_free(kvarn_llama_session *s)
 {
     if (!s) return;
     if (s->kv) s->kv->ops->destroy(s->kv);
-    free(s->x);
-    free(s->xn);
-    free(s->qkv);
-    free(s->attn);
-    free(s->gu);
-    free(s->act);
-    free(s->rope_cos);
-    free(s->rope_sin);
-    free(s->keep_k);
-    free(s->keep_v);
-    free(s);
+    kvarn__free(&s->alloc, s->x);
+    kvarn__free(&s->alloc, s->xn);
+    kvarn__free(&s->alloc, s->qkv);
+    kvarn__free(&s->alloc, s->attn);
+    kvarn__free(&s->alloc, s->gu);
+    kvarn__free(&s->alloc, s->act);
+    kvarn__free(&s->alloc, s->rope_cos);
+    kvarn__free(&s->alloc, s->rope_sin);
+    kvarn__free(&s->alloc, s->keep_k);
+    kvarn__free(&s->alloc, s->keep_v);
+    const kvarn_allocator a = s->alloc;
+    kvarn__free(&a, s);
 }
 
 kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
@@ -46,6 +47,8 @@ kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
         (o.exact_chunk != 0 && o.exact_chunk != 1) ||
         (o.keep_kv_f32 != 0 && o.keep_kv_f32 != 1))
         return KVARN_ERR_INVALID_ARG;
+    kvarn_allocator alloc;
+    if (kvarn__alloc_init(&alloc, o.allocator) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
 
     kvarn_format fmt;
     kvarn_status st = KVARN_OK;
@@ -56,8 +59,9 @@ kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
         if (st != KVARN_OK) return st;
     }
 
-    kvarn_llama_session *s = calloc(1, sizeof *s);
+    kvarn_llama_session *s = kvarn__calloc(&alloc, 1, sizeof *s);
     if (!s) return KVARN_ERR_NOMEM;
+    s->alloc = alloc;
     s->model = model;
     s->max_tokens = o.max_tokens;
     s->max_chunk = o.max_chunk;
@@ -65,19 +69,19 @@ kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
     size_t E = (size_t)hp->hidden, D = (size_t)hp->head_dim;
     size_t qkvd = (size_t)(hp->n_heads + 2 * hp->n_kv_heads) * D;
     size_t qd = (size_t)hp->n_heads * D;
-    s->x = malloc(sizeof(float) * n * E);
-    s->xn = malloc(sizeof(float) * n * (E > qd ? E : qd));
-    s->qkv = malloc(sizeof(float) * n * qkvd);
-    s->attn = malloc(sizeof(float) * n * qd);
-    s->gu = malloc(sizeof(float) * n * 2 * hp->ffn);
-    s->act = malloc(sizeof(float) * n * hp->ffn);
-    s->rope_cos = malloc(sizeof(float) * n * (D / 2));
-    s->rope_sin = malloc(sizeof(float) * n * (D / 2));
+    s->x = kvarn__malloc(&alloc, n * E, sizeof(float));
+    s->xn = kvarn__malloc(&alloc, n * (E > qd ? E : qd), sizeof(float));
+    s->qkv = kvarn__malloc(&alloc, n * qkvd, sizeof(float));
+    s->attn = kvarn__malloc(&alloc, n * qd, sizeof(float));
+    s->gu = kvarn__malloc(&alloc, n * 2 * hp->ffn, sizeof(float));
+    s->act = kvarn__malloc(&alloc, n * hp->ffn, sizeof(float));
+    s->rope_cos = kvarn__malloc(&alloc, n * (D / 2), sizeof(float));
+    s->rope_sin = kvarn__malloc(&alloc, n * (D / 2), sizeof(float));
     if (o.keep_kv_f32) {
         size_t kept = (size_t)hp->n_layers * (size_t)o.max_tokens *
                       (size_t)hp->n_kv_heads * D;
-        s->keep_k = malloc(sizeof(float) * kept);
-        s->keep_v = malloc(sizeof(float) * kept);
+        s->keep_k = kvarn__malloc(&alloc, kept, sizeof(float));
+        s->keep_v = kvarn__malloc(&alloc, kept, sizeof(float));
     }
     if (!s->x || !s->xn || !s->qkv || !s->attn || !s->gu || !s->act ||
         !s->rope_cos || !s->rope_sin ||
@@ -86,7 +90,7 @@ kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
         return KVARN_ERR_NOMEM;
     }
     llama_kv_shape sh = { hp->n_layers, hp->n_heads, hp->n_kv_heads,
-                          hp->head_dim, o.max_tokens, o.max_chunk };
+                          hp->head_dim, o.max_tokens, o.max_chunk, &s->alloc };
     if (o.exact)
         st = llama_kv_exact_create(&sh, &s->kv);
     else

@@ -26,6 +26,9 @@ static const char k_gpt2_pattern[] =
 static const char k_digit_pattern[] = "\\p{N}";
 
 struct kvarn_pretok {
+    kvarn_allocator alloc;  /* the tokenizer's (alloc.h) */
+    pcre2_general_context *gctx; /* PCRE2's memory through alloc; NULL when
+                                    alloc is malloc/free */
     int split_digits;       /* 1 for smollm */
     pcre2_code *words;      /* the GPT-2 pattern */
     pcre2_code *digits;     /* \p{N}, or NULL */
@@ -64,18 +67,30 @@ void kvarn_gpt2_byte_chars(uint32_t cp[256])
     }
 }
 
-static pcre2_code *compile(const char *pattern)
+/* PCRE2's memory callbacks: data is the pretokenizer's kvarn_allocator. */
+static void *pcre_alloc(PCRE2_SIZE bytes, void *data)
+{
+    return kvarn__malloc(data, bytes, 1);
+}
+
+static void pcre_free(void *ptr, void *data)
+{
+    kvarn__free(data, ptr);
+}
+
+static pcre2_code *compile(const char *pattern, pcre2_compile_context *cctx)
 {
     int errcode;
     PCRE2_SIZE erroff;
     pcre2_code *code = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED,
                                      PCRE2_UTF | PCRE2_NO_UTF_CHECK, &errcode,
-                                     &erroff, NULL);
+                                     &erroff, cctx);
     if (code) (void)pcre2_jit_compile(code, PCRE2_JIT_COMPLETE); /* optional */
     return code;
 }
 
-kvarn_status kvarn_pretok_create(const char *name, kvarn_pretok **out)
+kvarn_status kvarn_pretok_create(const char *name, const kvarn_allocator *alloc,
+                                 kvarn_pretok **out)
 {
     if (!out) return KVARN_ERR_INVALID_ARG;
     *out = NULL;
@@ -84,11 +99,22 @@ kvarn_status kvarn_pretok_create(const char *name, kvarn_pretok **out)
     else if (!strcmp(name, "smollm")) split_digits = 1;
     else return KVARN_ERR_UNSUPPORTED;
 
-    kvarn_pretok *p = calloc(1, sizeof *p);
+    kvarn_pretok *p = kvarn__calloc(alloc, 1, sizeof *p);
     if (!p) return KVARN_ERR_NOMEM;
+    p->alloc = *alloc;
     p->split_digits = split_digits;
-    p->words = compile(k_gpt2_pattern);
-    if (split_digits) p->digits = compile(k_digit_pattern);
+    pcre2_compile_context *cctx = NULL;
+    if (p->alloc.alloc) {
+        p->gctx = pcre2_general_context_create(pcre_alloc, pcre_free, &p->alloc);
+        if (p->gctx) cctx = pcre2_compile_context_create(p->gctx);
+        if (!cctx) {
+            kvarn_pretok_free(p);
+            return KVARN_ERR_NOMEM;
+        }
+    }
+    p->words = compile(k_gpt2_pattern, cctx);
+    if (split_digits && p->words) p->digits = compile(k_digit_pattern, cctx);
+    pcre2_compile_context_free(cctx);
     if (!p->words || (split_digits && !p->digits)) {
         kvarn_pretok_free(p);
         return KVARN_ERR_NOMEM;
@@ -102,7 +128,9 @@ void kvarn_pretok_free(kvarn_pretok *p)
     if (!p) return;
     pcre2_code_free(p->words);
     pcre2_code_free(p->digits);
-    free(p);
+    pcre2_general_context_free(p->gctx);
+    const kvarn_allocator a = p->alloc;
+    kvarn__free(&a, p);
 }
 
 const char *kvarn_pretok_name(const kvarn_pretok *p)
@@ -113,8 +141,7 @@ const char *kvarn_pretok_name(const kvarn_pretok *p)
 void *kvarn_pretok_scratch_create(const kvarn_pretok *p)
 {
     /* Both patterns have no capture groups: one ovector pair suffices. */
-    (void)p;
-    return pcre2_match_data_create(1, NULL);
+    return pcre2_match_data_create(1, p->gctx);
 }
 
 void kvarn_pretok_scratch_free(void *scratch)
@@ -134,7 +161,7 @@ static kvarn_status split_words(const kvarn_pretok *p, pcre2_match_data *md,
     while (off < n) {
         int rc = pcre2_match(p->words, s, n, off, PCRE2_NO_UTF_CHECK, md, NULL);
         if (rc == PCRE2_ERROR_NOMATCH) return fn(ctx, s + off, n - off);
-        if (rc < 0) return KVARN_ERR_UNSUPPORTED;
+        if (rc < 0) return rc == PCRE2_ERROR_NOMEMORY ? KVARN_ERR_NOMEM : KVARN_ERR_UNSUPPORTED;
         PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
         size_t b = ov[0], e = ov[1];
         kvarn_status st;
@@ -159,7 +186,7 @@ static kvarn_status split_valid(const kvarn_pretok *p, pcre2_match_data *md,
     while (off < n) {
         int rc = pcre2_match(p->digits, s, n, off, PCRE2_NO_UTF_CHECK, md, NULL);
         if (rc == PCRE2_ERROR_NOMATCH) break;
-        if (rc < 0) return KVARN_ERR_UNSUPPORTED;
+        if (rc < 0) return rc == PCRE2_ERROR_NOMEMORY ? KVARN_ERR_NOMEM : KVARN_ERR_UNSUPPORTED;
         PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
         size_t b = ov[0], e = ov[1];
         if (e <= b) return KVARN_ERR_UNSUPPORTED; /* \p{N} is never empty */

@@ -32,6 +32,8 @@ typedef struct special_entry {
 } special_entry;
 
 struct kvarn_tokenizer {
+    kvarn_allocator alloc; /* the tokenizer, its tables, PCRE2's memory, and
+                              encode scratch and results (alloc.h) */
     int32_t n_vocab;
     char *text;            /* every token text, each followed by a NUL */
     size_t *text_off;      /* [n_vocab + 1]; text of id i at text_off[i],
@@ -226,13 +228,13 @@ static kvarn_status build_vocab(kvarn_tokenizer *t, const kvarn_tokenizer_desc *
         if (l > SIZE_MAX / 2 - total) return KVARN_ERR_INVALID_ARG;
         total += l + 1;
     }
-    t->text = malloc(total);
-    t->dec = malloc(total);
-    t->text_off = malloc(((size_t)n + 1) * sizeof *t->text_off);
-    t->dec_off = malloc(((size_t)n + 1) * sizeof *t->dec_off);
-    t->type = malloc((size_t)n);
+    t->text = kvarn__malloc(&t->alloc, total, 1);
+    t->dec = kvarn__malloc(&t->alloc, total, 1);
+    t->text_off = kvarn__malloc(&t->alloc, (size_t)n + 1, sizeof *t->text_off);
+    t->dec_off = kvarn__malloc(&t->alloc, (size_t)n + 1, sizeof *t->dec_off);
+    t->type = kvarn__malloc(&t->alloc, (size_t)n, 1);
     size_t slots = table_size((size_t)n);
-    t->tok_slots = malloc(slots * sizeof *t->tok_slots);
+    t->tok_slots = kvarn__malloc(&t->alloc, slots, sizeof *t->tok_slots);
     if (!t->text || !t->dec || !t->text_off || !t->dec_off || !t->type || !t->tok_slots)
         return KVARN_ERR_NOMEM;
     t->tok_mask = slots - 1;
@@ -266,7 +268,7 @@ static kvarn_status build_vocab(kvarn_tokenizer *t, const kvarn_tokenizer_desc *
 
     /* Special tokens, bucketed by first byte for a cheap scan of the text. */
     if (n_special) {
-        t->specials = malloc(n_special * sizeof *t->specials);
+        t->specials = kvarn__malloc(&t->alloc, n_special, sizeof *t->specials);
         if (!t->specials) return KVARN_ERR_NOMEM;
         for (int32_t i = 0; i < n; i++) {
             size_t l;
@@ -295,7 +297,7 @@ static kvarn_status build_vocab(kvarn_tokenizer *t, const kvarn_tokenizer_desc *
 static kvarn_status build_merges(kvarn_tokenizer *t, const kvarn_tokenizer_desc *d)
 {
     size_t slots = table_size((size_t)d->n_merges);
-    t->merge_slots = malloc(slots * sizeof *t->merge_slots);
+    t->merge_slots = kvarn__malloc(&t->alloc, slots, sizeof *t->merge_slots);
     if (!t->merge_slots) return KVARN_ERR_NOMEM;
     t->merge_mask = slots - 1;
     for (size_t i = 0; i < slots; i++) t->merge_slots[i].key = EMPTY_KEY;
@@ -304,7 +306,7 @@ static kvarn_status build_merges(kvarn_tokenizer *t, const kvarn_tokenizer_desc 
     size_t cap = 0;
     for (int32_t r = 0; r < d->n_merges; r++) {
         const char *m = d->merges[r];
-        if (!m) { free(buf); return KVARN_ERR_INVALID_ARG; }
+        if (!m) { kvarn__free(&t->alloc, buf); return KVARN_ERR_INVALID_ARG; }
         size_t l = d->merge_lens ? d->merge_lens[r] : strlen(m);
         /* Split at the first space after the first byte (a left part of
          * one space stays possible, as in llama.cpp). */
@@ -316,8 +318,8 @@ static kvarn_status build_merges(kvarn_tokenizer *t, const kvarn_tokenizer_desc 
         if (a < 0 || b < 0) continue;
         if (la + lb > cap) {
             size_t nc = (la + lb) * 2;
-            char *nb = realloc(buf, nc);
-            if (!nb) { free(buf); return KVARN_ERR_NOMEM; }
+            char *nb = kvarn__realloc(&t->alloc, buf, cap, nc);
+            if (!nb) { kvarn__free(&t->alloc, buf); return KVARN_ERR_NOMEM; }
             buf = nb;
             cap = nc;
         }
@@ -327,46 +329,57 @@ static kvarn_status build_merges(kvarn_tokenizer *t, const kvarn_tokenizer_desc 
         if (id < 0) continue;
         merge_insert(t, a, b, r, id);
     }
-    free(buf);
+    kvarn__free(&t->alloc, buf);
     return KVARN_OK;
 }
 
 void kvarn_tokenizer_free(kvarn_tokenizer *t)
 {
     if (!t) return;
-    free(t->text);
-    free(t->text_off);
-    free(t->type);
-    free(t->dec);
-    free(t->dec_off);
-    free(t->tok_slots);
-    free(t->merge_slots);
-    free(t->specials);
+    kvarn__free(&t->alloc, t->text);
+    kvarn__free(&t->alloc, t->text_off);
+    kvarn__free(&t->alloc, t->type);
+    kvarn__free(&t->alloc, t->dec);
+    kvarn__free(&t->alloc, t->dec_off);
+    kvarn__free(&t->alloc, t->tok_slots);
+    kvarn__free(&t->alloc, t->merge_slots);
+    kvarn__free(&t->alloc, t->specials);
     kvarn_pretok_free(t->pretok);
-    free(t);
+    const kvarn_allocator a = t->alloc;
+    kvarn__free(&a, t);
 }
 
 static int valid_special(int32_t id, int32_t n) { return id >= -1 && id < n; }
 
 kvarn_status kvarn_tokenizer_create(const kvarn_tokenizer_desc *d, kvarn_tokenizer **out)
 {
+    return kvarn_tokenizer_create_ex(d, NULL, out);
+}
+
+kvarn_status kvarn_tokenizer_create_ex(const kvarn_tokenizer_desc *d,
+                                       const kvarn_allocator *allocator,
+                                       kvarn_tokenizer **out)
+{
     if (!out) return KVARN_ERR_INVALID_ARG;
     *out = NULL;
+    kvarn_allocator alloc;
+    if (kvarn__alloc_init(&alloc, allocator) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
     if (!d || d->n_tokens < 1 || !d->tokens || d->n_merges < 0 ||
         (d->n_merges > 0 && !d->merges) || !valid_special(d->bos_id, d->n_tokens) ||
         !valid_special(d->eos_id, d->n_tokens) || !valid_special(d->pad_id, d->n_tokens) ||
         !valid_special(d->unk_id, d->n_tokens))
         return KVARN_ERR_INVALID_ARG;
 
-    kvarn_tokenizer *t = calloc(1, sizeof *t);
+    kvarn_tokenizer *t = kvarn__calloc(&alloc, 1, sizeof *t);
     if (!t) return KVARN_ERR_NOMEM;
+    t->alloc = alloc;
     t->n_vocab = d->n_tokens;
     t->bos = d->bos_id;
     t->eos = d->eos_id;
     t->pad = d->pad_id;
     t->unk = d->unk_id;
     t->add_bos = d->add_bos != 0;
-    kvarn_status st = kvarn_pretok_create(d->pre, &t->pretok);
+    kvarn_status st = kvarn_pretok_create(d->pre, &t->alloc, &t->pretok);
     if (st == KVARN_OK) st = build_vocab(t, d);
     if (st == KVARN_OK) st = build_merges(t, d);
     if (st != KVARN_OK) {
@@ -388,13 +401,14 @@ typedef struct sink {
     int32_t *ids;
     size_t cap, n;
     int grow;
+    const kvarn_allocator *alloc; /* the tokenizer's, when grow */
 } sink;
 
 static kvarn_status sink_push(sink *s, int32_t id)
 {
     if (s->n == s->cap && s->grow) {
         size_t nc = s->cap ? s->cap * 2 : 256;
-        int32_t *ni = realloc(s->ids, nc * sizeof *ni);
+        int32_t *ni = kvarn__realloc(s->alloc, s->ids, s->cap * sizeof *ni, nc * sizeof *ni);
         if (!ni) return KVARN_ERR_NOMEM;
         s->ids = ni;
         s->cap = nc;
@@ -416,19 +430,20 @@ typedef struct bpe_work {
 
 #define DEAD INT32_MIN
 
-static kvarn_status work_reserve(bpe_work *w, size_t n)
+static kvarn_status work_reserve(const kvarn_allocator *al, bpe_work *w, size_t n)
 {
     if (n <= w->cap) return KVARN_OK;
     size_t nc = w->cap ? w->cap : 64;
     while (nc < n) nc *= 2;
-    int32_t *a = realloc(w->sym, nc * sizeof *a);
+    const size_t oc = w->cap; /* each array holds oc entries (heap 3 * oc) */
+    int32_t *a = kvarn__realloc(al, w->sym, oc * sizeof *a, nc * sizeof *a);
     if (!a) return KVARN_ERR_NOMEM;
     w->sym = a;
-    if (!(a = realloc(w->prev, nc * sizeof *a))) return KVARN_ERR_NOMEM;
+    if (!(a = kvarn__realloc(al, w->prev, oc * sizeof *a, nc * sizeof *a))) return KVARN_ERR_NOMEM;
     w->prev = a;
-    if (!(a = realloc(w->next, nc * sizeof *a))) return KVARN_ERR_NOMEM;
+    if (!(a = kvarn__realloc(al, w->next, oc * sizeof *a, nc * sizeof *a))) return KVARN_ERR_NOMEM;
     w->next = a;
-    uint64_t *h = realloc(w->heap, 3 * nc * sizeof *h);
+    uint64_t *h = kvarn__realloc(al, w->heap, 3 * oc * sizeof *h, 3 * nc * sizeof *h);
     if (!h) return KVARN_ERR_NOMEM;
     w->heap = h;
     w->cap = nc;
@@ -488,7 +503,7 @@ static kvarn_status encode_piece(void *vctx, const uint8_t *p, size_t len)
     if (len == 1) return t->byte_id[p[0]] < 0 ? KVARN_OK : sink_push(&c->out, t->byte_id[p[0]]);
     if (len > (size_t)INT32_MAX) return KVARN_ERR_NOMEM;   /* positions are int32 */
     bpe_work *w = &c->work;
-    kvarn_status st = work_reserve(w, len);
+    kvarn_status st = work_reserve(&t->alloc, w, len);
     if (st != KVARN_OK) return st;
     size_t n = 0;
     for (size_t i = 0; i < len; i++)
@@ -568,10 +583,11 @@ static kvarn_status ctx_init(encode_ctx *c, const kvarn_tokenizer *t)
 
 static void ctx_release(encode_ctx *c)
 {
-    free(c->work.sym);
-    free(c->work.prev);
-    free(c->work.next);
-    free(c->work.heap);
+    const kvarn_allocator *a = &c->tok->alloc;
+    kvarn__free(a, c->work.sym);
+    kvarn__free(a, c->work.prev);
+    kvarn__free(a, c->work.next);
+    kvarn__free(a, c->work.heap);
     kvarn_pretok_scratch_free(c->scratch);
 }
 
@@ -586,7 +602,7 @@ kvarn_status kvarn_tokenizer_encode(const kvarn_tokenizer *t, const char *text,
     encode_ctx c;
     kvarn_status st = ctx_init(&c, t);
     if (st == KVARN_OK) {
-        c.out = (sink){ids, max_ids, 0, 0};
+        c.out = (sink){ids, max_ids, 0, 0, NULL};
         if ((flags & KVARN_TOKENIZE_ADD_BOS) && t->bos >= 0) st = sink_push(&c.out, t->bos);
         if (st == KVARN_OK) st = encode_text(&c, text, len, flags);
     }
@@ -607,13 +623,13 @@ kvarn_status kvarn_tokenizer_encode_alloc(const kvarn_tokenizer *t, const char *
         return KVARN_ERR_INVALID_ARG;
     encode_ctx c;
     kvarn_status st = ctx_init(&c, t);
-    c.out = (sink){NULL, 0, 0, 1};
+    c.out = (sink){NULL, 0, 0, 1, &t->alloc};
     if (st == KVARN_OK && (flags & KVARN_TOKENIZE_ADD_BOS) && t->bos >= 0)
         st = sink_push(&c.out, t->bos);
     if (st == KVARN_OK) st = encode_text(&c, text, len, flags);
     ctx_release(&c);
     if (st != KVARN_OK) {
-        free(c.out.ids);
+        kvarn__free(&t->alloc, c.out.ids);
         return st;
     }
     *ids = c.out.ids;
@@ -627,14 +643,14 @@ static kvarn_status chat_message(encode_ctx *c, const char *role, const char *co
 {
     const kvarn_tokenizer *t = c->tok;
     size_t lr = strlen(role), lc = strlen(content);
-    char *buf = malloc(lr + 1 + lc + 1);
+    char *buf = kvarn__malloc(&t->alloc, lr + 1 + lc + 1, 1);
     if (!buf) return KVARN_ERR_NOMEM;
     memcpy(buf, role, lr);
     buf[lr] = '\n';
     memcpy(buf + lr + 1, content, lc);
     kvarn_status st = sink_push(&c->out, t->im_start);
     if (st == KVARN_OK) st = encode_text(c, buf, lr + 1 + lc, 0);
-    free(buf);
+    kvarn__free(&t->alloc, buf);
     if (st == KVARN_OK) st = sink_push(&c->out, t->im_end);
     if (st == KVARN_OK) st = encode_text(c, "\n", 1, 0);
     return st;
@@ -655,7 +671,7 @@ kvarn_status kvarn_tokenizer_encode_chat(const kvarn_tokenizer *t,
     if (t->im_start < 0 || t->im_end < 0) return KVARN_ERR_UNSUPPORTED;
     encode_ctx c;
     kvarn_status st = ctx_init(&c, t);
-    c.out = (sink){NULL, 0, 0, 1};
+    c.out = (sink){NULL, 0, 0, 1, &t->alloc};
     if (st == KVARN_OK && default_system && (n == 0 || strcmp(msgs[0].role, "system")))
         st = chat_message(&c, "system", default_system);
     for (size_t i = 0; i < n && st == KVARN_OK; i++)
@@ -666,7 +682,7 @@ kvarn_status kvarn_tokenizer_encode_chat(const kvarn_tokenizer *t,
     }
     ctx_release(&c);
     if (st != KVARN_OK) {
-        free(c.out.ids);
+        kvarn__free(&t->alloc, c.out.ids);
         return st;
     }
     *ids = c.out.ids;

@@ -8,6 +8,7 @@
 
 #include "kvarn/gguf.h"
 #include "kvarn/tokenizer.h"
+#include "codec/alloc_internal.h"
 
 /* An optional token id: -1 when the key is absent. */
 static kvarn_status optional_id(const kvarn_gguf *g, const char *key, int32_t n,
@@ -24,15 +25,16 @@ static kvarn_status optional_id(const kvarn_gguf *g, const char *key, int32_t n,
 
 /* Views of a string array's elements as pointer + length arrays. */
 static kvarn_status string_array(const kvarn_gguf *g, const char *key,
-                                 const char ***ptrs, size_t **lens, int32_t *n)
+                                 const kvarn_allocator *al, const char ***ptrs,
+                                 size_t **lens, int32_t *n)
 {
     kvarn_gguf_array a;
     if (kvarn_gguf_get_array(g, key, &a) != KVARN_OK || a.type != KVARN_GGUF_STRING ||
         a.n > (uint64_t)INT32_MAX)
         return KVARN_ERR_BAD_FILE;
     *n = (int32_t)a.n;
-    *ptrs = malloc((a.n ? a.n : 1) * sizeof **ptrs);
-    *lens = malloc((a.n ? a.n : 1) * sizeof **lens);
+    *ptrs = kvarn__malloc(al, a.n ? a.n : 1, sizeof **ptrs);
+    *lens = kvarn__malloc(al, a.n ? a.n : 1, sizeof **lens);
     if (!*ptrs || !*lens) return KVARN_ERR_NOMEM;
     for (uint64_t i = 0; i < a.n; i++) {
         kvarn_gguf_str s;
@@ -46,9 +48,16 @@ static kvarn_status string_array(const kvarn_gguf *g, const char *key,
 
 kvarn_status kvarn_tokenizer_from_gguf(const kvarn_gguf *g, kvarn_tokenizer **out)
 {
+    return kvarn_tokenizer_from_gguf_ex(g, NULL, out);
+}
+
+kvarn_status kvarn_tokenizer_from_gguf_ex(const kvarn_gguf *g, const kvarn_allocator *allocator,
+                                          kvarn_tokenizer **out)
+{
     if (!out) return KVARN_ERR_INVALID_ARG;
     *out = NULL;
-    if (!g) return KVARN_ERR_INVALID_ARG;
+    kvarn_allocator alloc;
+    if (!g || kvarn__alloc_init(&alloc, allocator) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
 
     kvarn_gguf_str model;
     if (kvarn_gguf_get_string(g, "tokenizer.ggml.model", &model) != KVARN_OK)
@@ -61,18 +70,18 @@ kvarn_status kvarn_tokenizer_from_gguf(const kvarn_gguf *g, kvarn_tokenizer **ou
     size_t *token_lens = NULL, *merge_lens = NULL;
     int32_t *types = NULL;
     char *pre = NULL;
-    kvarn_status st = string_array(g, "tokenizer.ggml.tokens", &tokens, &token_lens,
+    kvarn_status st = string_array(g, "tokenizer.ggml.tokens", &alloc, &tokens, &token_lens,
                                    &d.n_tokens);
     if (st == KVARN_OK && d.n_tokens < 1) st = KVARN_ERR_BAD_FILE;
     if (st == KVARN_OK)
-        st = string_array(g, "tokenizer.ggml.merges", &merges, &merge_lens, &d.n_merges);
+        st = string_array(g, "tokenizer.ggml.merges", &alloc, &merges, &merge_lens, &d.n_merges);
 
     if (st == KVARN_OK && kvarn_gguf_find_key(g, "tokenizer.ggml.token_type") >= 0) {
         kvarn_gguf_array a;
         if (kvarn_gguf_get_array(g, "tokenizer.ggml.token_type", &a) != KVARN_OK ||
             a.n != (uint64_t)d.n_tokens)
             st = KVARN_ERR_BAD_FILE;
-        else if (!(types = malloc((size_t)d.n_tokens * sizeof *types)))
+        else if (!(types = kvarn__malloc(&alloc, (size_t)d.n_tokens, sizeof *types)))
             st = KVARN_ERR_NOMEM;
         for (int32_t i = 0; st == KVARN_OK && i < d.n_tokens; i++) {
             int64_t v;
@@ -87,7 +96,7 @@ kvarn_status kvarn_tokenizer_from_gguf(const kvarn_gguf *g, kvarn_tokenizer **ou
         kvarn_gguf_str s;
         if (kvarn_gguf_get_string(g, "tokenizer.ggml.pre", &s) != KVARN_OK || s.len > 256)
             st = KVARN_ERR_BAD_FILE;
-        else if (!(pre = malloc((size_t)s.len + 1)))
+        else if (!(pre = kvarn__malloc(&alloc, (size_t)s.len + 1, 1)))
             st = KVARN_ERR_NOMEM;
         else if (memchr(s.ptr, '\0', (size_t)s.len))
             st = KVARN_ERR_UNSUPPORTED;   /* no served name holds a NUL */
@@ -110,13 +119,13 @@ kvarn_status kvarn_tokenizer_from_gguf(const kvarn_gguf *g, kvarn_tokenizer **ou
         d.merges = merges;
         d.merge_lens = merge_lens;
         d.pre = pre;
-        st = kvarn_tokenizer_create(&d, out);
+        st = kvarn_tokenizer_create_ex(&d, &alloc, out);
     }
-    free(tokens);
-    free(token_lens);
-    free(merges);
-    free(merge_lens);
-    free(types);
-    free(pre);
+    kvarn__free(&alloc, tokens);
+    kvarn__free(&alloc, token_lens);
+    kvarn__free(&alloc, merges);
+    kvarn__free(&alloc, merge_lens);
+    kvarn__free(&alloc, types);
+    kvarn__free(&alloc, pre);
     return st;
 }

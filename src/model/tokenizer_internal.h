@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "kvarn/kvarn.h"
+#include "codec/alloc_internal.h"
 
 /* A compiled pre-tokenizer (owns its PCRE2 code objects). Immutable after
  * creation; split() may run on it from many threads, each with its own
@@ -19,7 +20,8 @@ typedef struct kvarn_pretok kvarn_pretok;
 /* Compile the pre-tokenizer named name ("smollm", "gpt2", "gpt-2"; NULL
  * means "gpt2"). Errors: KVARN_ERR_UNSUPPORTED (other names),
  * KVARN_ERR_NOMEM (allocation or PCRE2 compile failure). */
-kvarn_status kvarn_pretok_create(const char *name, kvarn_pretok **out);
+kvarn_status kvarn_pretok_create(const char *name, const kvarn_allocator *alloc,
+                                 kvarn_pretok **out);
 void kvarn_pretok_free(kvarn_pretok *p);
 
 /* Canonical name: "smollm" or "gpt2". */

@@ -392,7 +392,7 @@ static void test_fp16_prefill_decode_chunked(void **state)
 static void test_kernels_match_exact_chunk(void **state)
 {
     (void)state;
-    llama_kv_shape sh = { 2, NH, NKV, HD, 512, 128 };
+    llama_kv_shape sh = { 2, NH, NKV, HD, 512, 128, NULL };
     int qd = NH * HD, kd = NKV * HD;
     float *q = malloc(sizeof(float) * 128 * qd);
     float *k = malloc(sizeof(float) * 128 * kd);
