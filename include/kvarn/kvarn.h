@@ -42,7 +42,12 @@ typedef enum kvarn_status {
     KVARN_ERR_BAD_FILE = -9,           /* a file is truncated, malformed or hostile */
     KVARN_ERR_UNSUPPORTED = -10,       /* a valid request this build does not serve */
     KVARN_ERR_STATE = -11,             /* call not valid in the object's current state */
-    KVARN_ERR_NO_DEVICE = -12          /* no usable GPU (CUDA backend) */
+    KVARN_ERR_NO_DEVICE = -12,         /* no usable GPU (CUDA backend) */
+    KVARN_ERR_TOO_LARGE = -13          /* a count or byte size beyond what the
+                                          library can hold (more than its
+                                          token/id limits, or a size that
+                                          overflows 64 bits or size_t);
+                                          found before anything is allocated */
 } kvarn_status;
 
 /* Short, stable English name of a status code ("unknown cache format", ...).

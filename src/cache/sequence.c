@@ -46,6 +46,7 @@ static kvarn_status seq_open(kvarn_cache *c, int *id)
         if (!c->seqs[i].live) { slot = i; break; }
     if (slot < 0) return KVARN_ERR_OUT_OF_BLOCKS;
 
+    /* seq_bytes() in cache.c checked this sum against size_t at create. */
     const size_t T = (size_t)c->max_tiles;
     const size_t bytes = 3 * T * sizeof(int32_t) + (size_t)c->info.n_layers * sizeof(int);
     void *mem = malloc(bytes ? bytes : 1);

@@ -53,6 +53,7 @@ const char *kvarn_strerror(kvarn_status status)
     case KVARN_ERR_UNSUPPORTED: return "not supported";
     case KVARN_ERR_STATE: return "invalid state for this call";
     case KVARN_ERR_NO_DEVICE: return "no usable GPU";
+    case KVARN_ERR_TOO_LARGE: return "too large (beyond the library's size limits)";
     }
     return "unknown status";
 }
