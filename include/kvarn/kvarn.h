@@ -127,7 +127,8 @@ double kvarn_bytes_per_token_head(const kvarn_format *fmt, int head_dim);
 
 /* Tokens whose K/V for n_layers layers and n_kv_heads KV heads fit in
  * budget_bytes, counting whole records (a partial tile costs a full
- * record). 0 on bad arguments. */
+ * record). 0 on bad arguments and when one tile of every layer and head
+ * is beyond 64 bits (formed with checked products). */
 uint64_t kvarn_capacity_tokens(const kvarn_format *fmt, int head_dim,
                                int n_layers, int n_kv_heads,
                                uint64_t budget_bytes);
