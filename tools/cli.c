@@ -295,9 +295,14 @@ int cli_session_create(const char *cmd, const cli_model *m, const kvarn_llama_se
         if (!so->exact && kvarn_format_parse(format, &f) == KVARN_OK)
             per = kvarn_bytes_per_token_head(&f, hp->head_dim);
         double asked = (double)tokens * hp->n_layers * hp->n_kv_heads * per;
-        cli_error(cmd, "cannot allocate the KV cache: %s asked for %s; a context holds at most "
-                  "%d tokens%s%s", cli_fmt_bytes(asked, b1, sizeof b1), what,
-                  KVARN_CACHE_MAX_SEQ_LEN, hint ? "; " : "", hint ? hint : "");
+        cli_fmt_bytes(asked, b1, sizeof b1);
+        if (tokens > KVARN_CACHE_MAX_SEQ_LEN)
+            cli_error(cmd, "cannot allocate the KV cache: %s asked for %s; a context holds at "
+                      "most %d tokens%s%s", b1, what, KVARN_CACHE_MAX_SEQ_LEN,
+                      hint ? "; " : "", hint ? hint : "");
+        else
+            cli_error(cmd, "cannot allocate the KV cache: %s asked for %s; its buffers would "
+                      "not fit in 64 bits%s%s", b1, what, hint ? "; " : "", hint ? hint : "");
         return -1;
     }
     if (st != KVARN_OK) {
