@@ -1,6 +1,8 @@
 /* cli.c -- helpers shared by the kvarn subcommands (see cli.h). */
 #include "cli.h"
 
+#include "kvarn/cache.h"
+
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -107,9 +109,9 @@ int cli_parse_formats(const char *cmd, const char *list, kvarn_format *out, int 
 
 const char *cli_fmt_bytes(double bytes, char *buf, size_t len)
 {
-    static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
     int i = 0;
-    while (bytes >= 1024.0 && i < 4) { bytes /= 1024.0; i++; }
+    while (bytes >= 1024.0 && i < 6) { bytes /= 1024.0; i++; }
     snprintf(buf, len, i ? "%.1f %s" : "%.0f %s", bytes, u[i]);
     return buf;
 }
@@ -126,6 +128,9 @@ void cli_missing_model(const char *cmd, const char *path)
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/sysinfo.h>
+#endif
 
 int cli_model_open(const char *cmd, const char *path, cli_model *m)
 {
@@ -250,4 +255,81 @@ double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, l
     long fp16_tiles = tiles - quant;
     return ((double)quant * (double)kvarn_record_bytes(f, hp->head_dim) +
             (double)fp16_tiles * (double)G * 4.0 * hp->head_dim) * heads;
+}
+
+uint64_t cli_machine_memory(void)
+{
+#ifdef __linux__
+    struct sysinfo si;
+    if (sysinfo(&si) != 0) return 0;
+    return ((uint64_t)si.totalram + (uint64_t)si.totalswap) * (uint64_t)si.mem_unit;
+#else
+    return 0;
+#endif
+}
+
+/* "N tokens x L layers x Hk KV heads x D channels in FORMAT" */
+static void describe_kv(char *buf, size_t len, long tokens, const kvarn_llama_hparams *hp,
+                        const char *format)
+{
+    snprintf(buf, len, "%ld tokens x %d layers x %d KV heads x %d channels in %s", tokens,
+             hp->n_layers, hp->n_kv_heads, hp->head_dim, format);
+}
+
+int cli_session_create(const char *cmd, const cli_model *m, const kvarn_llama_session_opts *so,
+                       const char *hint, kvarn_llama_session **out)
+{
+    *out = NULL;
+    const kvarn_llama_hparams *hp = m->hp;
+    const char *format = so->exact ? "exact fp32" : so->cache_format ? so->cache_format : "fp16";
+    const long tokens = so->max_tokens > 0 ? so->max_tokens : hp->context_length;
+    char what[256], b1[32], b2[32], b3[32], msg[512];
+    describe_kv(what, sizeof what, tokens, hp, format);
+    kvarn_llama_session_info info;
+    kvarn_status st = kvarn_llama_session_plan(m->llama, so, &info);
+    if (st == KVARN_ERR_TOO_LARGE) {
+        /* No plan to quote: the K/V alone, at the format's bytes per
+         * token-head (K and V, scales, padding), in floating point. */
+        kvarn_format f;
+        double per = 8.0 * hp->head_dim; /* exact fp32 K and V */
+        if (!so->exact && kvarn_format_parse(format, &f) == KVARN_OK)
+            per = kvarn_bytes_per_token_head(&f, hp->head_dim);
+        double asked = (double)tokens * hp->n_layers * hp->n_kv_heads * per;
+        cli_fmt_bytes(asked, b1, sizeof b1);
+        if (tokens > KVARN_CACHE_MAX_SEQ_LEN)
+            cli_error(cmd, "cannot allocate the KV cache: %s asked for %s; a context holds at "
+                      "most %d tokens%s%s", b1, what, KVARN_CACHE_MAX_SEQ_LEN,
+                      hint ? "; " : "", hint ? hint : "");
+        else
+            cli_error(cmd, "cannot allocate the KV cache: %s asked for %s; its buffers would "
+                      "not fit in 64 bits%s%s", b1, what, hint ? "; " : "", hint ? hint : "");
+        return -1;
+    }
+    if (st != KVARN_OK) {
+        cli_error(cmd, "%s", kvarn_format_explain(st, format, hp->head_dim, msg, sizeof msg));
+        return -1;
+    }
+    cli_fmt_bytes((double)info.total_bytes, b1, sizeof b1);
+    cli_fmt_bytes((double)info.kv_bytes, b2, sizeof b2);
+    cli_fmt_bytes((double)info.other_bytes, b3, sizeof b3);
+    const uint64_t have = cli_machine_memory();
+    if (have > 0 && info.total_bytes > have) {
+        char b4[32];
+        cli_error(cmd, "cannot allocate the KV cache: %s asked for %s (%s of K/V, %s of "
+                  "scratch); this machine has %s of memory (RAM + swap)%s%s", b1, what, b2, b3,
+                  cli_fmt_bytes((double)have, b4, sizeof b4), hint ? "; " : "", hint ? hint : "");
+        return -1;
+    }
+    st = kvarn_llama_session_create(m->llama, so, out);
+    if (st == KVARN_ERR_NOMEM) {
+        cli_error(cmd, "cannot allocate the KV cache: %s asked for %s (%s of K/V, %s of "
+                  "scratch) and the allocation failed%s%s", b1, what, b2, b3, hint ? "; " : "",
+                  hint ? hint : "");
+        return -1;
+    }
+    if (st != KVARN_OK) {
+        cli_error(cmd, "%s", kvarn_format_explain(st, format, hp->head_dim, msg, sizeof msg));
+        return -1;
+    }
+    return 0;
 }

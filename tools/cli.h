@@ -63,6 +63,20 @@ typedef struct cli_model {
 int cli_model_open(const char *cmd, const char *path, cli_model *m);
 void cli_model_close(cli_model *m);
 
+/* Create a session of m with so, saying clearly what did not fit when it
+ * cannot be made: plans it first (kvarn_llama_session_plan) and refuses,
+ * without allocating, a context beyond the library's limits or one whose
+ * memory exceeds this machine's (RAM + swap); on an allocation failure
+ * names the bytes asked for. The messages read "cannot allocate the KV
+ * cache: 12.0 GiB asked for N tokens x L layers x Hk KV heads x D channels
+ * in FORMAT (...)" and end with hint (e.g. "lower --ctx"). 0 on success;
+ * -1 with the message printed. */
+int cli_session_create(const char *cmd, const cli_model *m, const kvarn_llama_session_opts *so,
+                       const char *hint, kvarn_llama_session **out);
+
+/* Bytes of memory this machine has (RAM + swap), 0 when unknown. */
+uint64_t cli_machine_memory(void);
+
 /* Read a whole file into a malloc'ed NUL-terminated buffer. -1 on error
  * (message printed). */
 int cli_read_file(const char *cmd, const char *path, char **data, size_t *len);

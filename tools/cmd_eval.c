@@ -197,10 +197,7 @@ int cmd_eval(int argc, char **argv)
     so.attn_threads = (int)threads;
     so.cache_format = "fp16";
     so.keep_kv_f32 = dump_path != NULL;
-    if ((st = kvarn_llama_session_create(m.llama, &so, &ref)) != KVARN_OK) {
-        cli_error("eval", "reference session: %s", kvarn_strerror(st));
-        goto out;
-    }
+    if (cli_session_create("eval", &m, &so, "lower --ctx", &ref)) goto out;
     so.keep_kv_f32 = 0;
     if (dump_layers == 0 || dump_layers > hp->n_layers) dump_layers = hp->n_layers;
     runs = calloc((size_t)nf, sizeof *runs);
@@ -208,12 +205,7 @@ int cmd_eval(int argc, char **argv)
     for (int f = 0; f < nf; f++) {
         runs[f].fmt = fmts[f];
         so.cache_format = fmts[f].name;
-        st = kvarn_llama_session_create(m.llama, &so, &runs[f].sess);
-        if (st != KVARN_OK) {
-            char msg[512];
-            cli_error("eval", "%s", kvarn_format_explain(st, fmts[f].name, hp->head_dim, msg, sizeof msg));
-            goto out;
-        }
+        if (cli_session_create("eval", &m, &so, "lower --ctx", &runs[f].sess)) goto out;
         if (eval_stats_init(&runs[f].st, (size_t)windows * (size_t)ctx)) goto out;
     }
     if (eval_stats_init(&ref_st, (size_t)windows * (size_t)ctx)) goto out;

@@ -13,7 +13,8 @@ static void generate_usage(FILE *f)
 {
     fprintf(f,
             "usage: kvarn generate -m MODEL [--kv-cache-dtype NAME] (-p PROMPT | --chat [-p PROMPT])\n"
-            "                      [-n 128] [--temp 0.7] [--top-p 0.9] [--seed 1] [--threads 1]\n\n"
+            "                      [-n 128] [--temp 0.7] [--top-p 0.9] [--seed 1] [--threads 1]\n"
+            "                      [--ctx N]\n\n"
             "-p PROMPT         complete PROMPT as plain text; with --chat, PROMPT is one user\n"
             "                  message in the model's chat template\n"
             "--chat            without -p: a conversation, one user message per line of stdin\n"
@@ -23,6 +24,9 @@ static void generate_usage(FILE *f)
             "--seed S          sampling seed (default 1)\n"
             "--kv-cache-dtype  cache format (default kvarn_k4v2_g128)\n"
             "--threads T       attention worker threads (default 1)\n"
+            "--ctx N           context capacity in tokens, prompt and replies together\n"
+            "                  (alias --max-tokens; default: the model's context length);\n"
+            "                  the KV cache is sized for it at start\n"
             "Prints the text as it is generated; then, on stderr, the KV-cache bytes used\n"
             "against an fp16 cache and the prompt and generation speeds.\n");
 }
@@ -137,7 +141,7 @@ int cmd_generate(int argc, char **argv)
 {
     const char *model_path = NULL, *prompt = NULL, *dtype = "kvarn_k4v2_g128";
     int chat = 0;
-    long n_gen = 128, threads = 1, seed = 1;
+    long n_gen = 128, threads = 1, seed = 1, ctx = 0;
     double temp = 0.7, top_p = 0.9;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -151,6 +155,8 @@ int cmd_generate(int argc, char **argv)
         else if (strcmp(a, "--kv-cache-dtype") == 0) dtype = v;
         else if (strcmp(a, "-n") == 0) bad = cli_parse_int(v, 1, 1 << 20, &n_gen);
         else if (strcmp(a, "--threads") == 0) bad = cli_parse_int(v, 1, 256, &threads);
+        else if (strcmp(a, "--ctx") == 0 || strcmp(a, "--max-tokens") == 0)
+            bad = cli_parse_int(v, 1, 0x7fffffffL, &ctx);
         else if (strcmp(a, "--seed") == 0) bad = cli_parse_int(v, 0, 0x7fffffffL, &seed);
         else if (strcmp(a, "--temp") == 0) bad = cli_parse_double(v, &temp) || temp < 0;
         else if (strcmp(a, "--top-p") == 0) bad = cli_parse_double(v, &top_p) || top_p <= 0 || top_p > 1;
@@ -177,7 +183,7 @@ int cmd_generate(int argc, char **argv)
     g.top_p = top_p;
     g.rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)seed;
     g.max_chunk = 512;
-    g.max_tokens = m.hp->context_length;
+    g.max_tokens = ctx > 0 ? (int)ctx : m.hp->context_length;
     int32_t *ids = NULL;
     size_t n_ids = 0;
     kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
@@ -185,12 +191,10 @@ int cmd_generate(int argc, char **argv)
     so.max_tokens = g.max_tokens;
     so.max_chunk = g.max_chunk;
     so.attn_threads = (int)threads;
-    st = kvarn_llama_session_create(m.llama, &so, &g.sess);
-    if (st != KVARN_OK) {
-        char msg[512];
-        cli_error("generate", "%s", kvarn_format_explain(st, fmt.name, m.hp->head_dim, msg, sizeof msg));
-        goto out;
-    }
+    if (cli_session_create("generate", &m, &so, "lower --ctx", &g.sess)) goto out;
+    if (g.max_tokens > m.hp->context_length)
+        fprintf(stderr, "[note: --ctx %d is beyond the model's trained context of %d tokens]\n",
+                g.max_tokens, m.hp->context_length);
     g.logits = malloc(sizeof(float) * (size_t)m.hp->vocab);
     g.scratch = malloc(sizeof(cand) * (size_t)m.hp->vocab);
     if (!g.logits || !g.scratch) { cli_error("generate", "out of memory"); goto out; }

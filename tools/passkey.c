@@ -89,12 +89,7 @@ int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_op
     so.attn_threads = o->threads;
     for (int f = 0; f <= nf; f++) {
         so.cache_format = f == 0 ? "fp16" : fmts[f - 1].name;
-        kvarn_status st = kvarn_llama_session_create(m->llama, &so, &sess[f]);
-        if (st != KVARN_OK) {
-            char msg[512];
-            cli_error("passkey", "%s", kvarn_format_explain(st, so.cache_format, m->hp->head_dim, msg, sizeof msg));
-            goto out;
-        }
+        if (cli_session_create("passkey", m, &so, "use shorter lengths", &sess[f])) goto out;
     }
     memset(correct, 0, sizeof(int) * (size_t)(nf + 1) * (size_t)o->n_lengths);
     uint64_t rng = o->seed * 0x9e3779b97f4a7c15ull + 1;

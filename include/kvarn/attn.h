@@ -138,7 +138,11 @@ typedef struct kvarn_attn_opts {
  * max_total_q = max_seqs) on a pool of n_threads workers (1 for no pool),
  * with these options (NULL: defaults). 0 on bad arguments (unsupported
  * format or head_dim, n_q_heads not a positive multiple of n_kv_heads,
- * negative counts). Allocate once for the largest batch, reuse. */
+ * negative counts) and when the workspace or the query array
+ * (max_total_q * n_q_heads * head_dim floats) would not fit size_t: sizes
+ * are formed in 64 bits with checked products, never wrapped; the calls
+ * below then return KVARN_ERR_TOO_LARGE. Allocate once for the largest
+ * batch, reuse. */
 size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
                                   int max_seqs, int max_total_q,
                                   int n_threads, const kvarn_attn_opts *opts);
@@ -157,7 +161,8 @@ size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
  * multiple of Hk, bad view geometry, seq_len < 0, committed_tiles out of
  * range, a block table entry outside the arena, bad opts),
  * KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_NONFINITE (NaN/Inf in q),
- * KVARN_ERR_BUFFER_TOO_SMALL (workspace). */
+ * KVARN_ERR_BUFFER_TOO_SMALL (workspace), KVARN_ERR_TOO_LARGE (a workspace
+ * beyond size_t, see kvarn_attn_workspace_bytes). */
 kvarn_status kvarn_attn_decode(const kvarn_paged_kv *kv,
                                const kvarn_seq_view *seqs, int n_seqs,
                                int n_q_heads, const float *q, float *out,

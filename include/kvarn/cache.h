@@ -104,6 +104,11 @@ extern "C" {
 
 typedef struct kvarn_cache kvarn_cache;
 
+/* Most tokens one sequence may hold (max_seq_len), 2^30: token positions,
+ * tile counts and block/page ids are int32 and stay far from INT32_MAX. A
+ * cache also has at most 2^30 blocks and 2^30 pages. */
+#define KVARN_CACHE_MAX_SEQ_LEN (1 << 30)
+
 /* ------------------------------------------------------------------------ */
 /* Creation                                                                 */
 /* ------------------------------------------------------------------------ */
@@ -122,12 +127,16 @@ typedef struct kvarn_cache_opts {
                                (default 1). Per-token formats: ignored, they
                                have no sink (always 0). */
     uint64_t budget_bytes;  /* bytes for the quantized arena plus the fp16
-                               page pool (all layers). Bookkeeping (block
+                               page pool (all layers), an upper bound: blocks
+                               beyond 2^30 are not made. Bookkeeping (block
                                tables, refcounts, scratch) is not counted. */
     int max_seqs;           /* live sequences at once, >= 1 (default 64) */
-    int max_seq_len;        /* tokens per sequence; 0 = auto: every block and
-                               every sink tile, i.e. (n_blocks + sink_tiles) * G.
-                               Sets the size of each sequence's block table. */
+    int max_seq_len;        /* tokens per sequence, at most
+                               KVARN_CACHE_MAX_SEQ_LEN; 0 = auto: every block
+                               and every sink tile, i.e. (n_blocks +
+                               sink_tiles) * G, capped at
+                               KVARN_CACHE_MAX_SEQ_LEN. Sets the size of each
+                               sequence's block table (12 bytes per tile). */
     int n_pages;            /* KVarN fp16 pages; 0 = auto: max_seqs *
                                (sink_tiles + 2) (the sink, the tail tile and a
                                second tail tile for tokens being verified).
@@ -155,10 +164,16 @@ kvarn_cache_opts kvarn_cache_default_opts(void);
  * (page bytes = n_layers * Hk * 2 * G * D * 2) and as many blocks as the rest
  * holds (block bytes = n_layers * Hk * record_stride), allocates both arenas
  * (zeroed) and the bookkeeping.
+ * Every size is computed in 64 bits with checked products before anything
+ * is allocated.
  * Errors: KVARN_ERR_INVALID_ARG (NULL, bad numbers, a budget too small for
  * the pages plus one block, an allocator with only one of alloc/free set),
- * KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_NOMEM.
- * *out is set only on success. */
+ * KVARN_ERR_UNSUPPORTED_HEAD_DIM,
+ * KVARN_ERR_TOO_LARGE (max_seq_len above KVARN_CACHE_MAX_SEQ_LEN, more than
+ * 2^30 pages, or a byte size -- page bytes x n_pages, an arena, one
+ * sequence's block table -- that overflows 64 bits or size_t),
+ * KVARN_ERR_NOMEM. *out is set only on success; on error nothing stays
+ * allocated. */
 kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out);
 
 /* Free everything. NULL is fine. Views into the cache become invalid. */
@@ -190,7 +205,9 @@ kvarn_status kvarn_cache_get_info(const kvarn_cache *c, kvarn_cache_info *out);
  * fills *out exactly as kvarn_cache_get_info would (n_blocks, n_pages,
  * block_bytes, page_bytes, ...), e.g. to size budget_bytes for a wanted
  * number of blocks. budget_bytes = 0 is accepted here (only here) and gives
- * n_blocks = 0 with every per-block and per-page size filled in.
+ * n_blocks = 0 with every per-block and per-page size filled in. A plan
+ * that succeeds is one kvarn_cache_create can build if arena_bytes (plus
+ * max_seqs block tables) can be allocated.
  * Errors: as kvarn_cache_create, except KVARN_ERR_NOMEM. */
 kvarn_status kvarn_cache_plan(const kvarn_cache_opts *opts, kvarn_cache_info *out);
 

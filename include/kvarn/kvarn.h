@@ -42,7 +42,12 @@ typedef enum kvarn_status {
     KVARN_ERR_BAD_FILE = -9,           /* a file is truncated, malformed or hostile */
     KVARN_ERR_UNSUPPORTED = -10,       /* a valid request this build does not serve */
     KVARN_ERR_STATE = -11,             /* call not valid in the object's current state */
-    KVARN_ERR_NO_DEVICE = -12          /* no usable GPU (CUDA backend) */
+    KVARN_ERR_NO_DEVICE = -12,         /* no usable GPU (CUDA backend) */
+    KVARN_ERR_TOO_LARGE = -13          /* a count or byte size beyond what the
+                                          library can hold (more than its
+                                          token/id limits, or a size that
+                                          overflows 64 bits or size_t);
+                                          found before anything is allocated */
 } kvarn_status;
 
 /* Short, stable English name of a status code ("unknown cache format", ...).
@@ -122,7 +127,8 @@ double kvarn_bytes_per_token_head(const kvarn_format *fmt, int head_dim);
 
 /* Tokens whose K/V for n_layers layers and n_kv_heads KV heads fit in
  * budget_bytes, counting whole records (a partial tile costs a full
- * record). 0 on bad arguments. */
+ * record). 0 on bad arguments and when one tile of every layer and head
+ * is beyond 64 bits (formed with checked products). */
 uint64_t kvarn_capacity_tokens(const kvarn_format *fmt, int head_dim,
                                int n_layers, int n_kv_heads,
                                uint64_t budget_bytes);

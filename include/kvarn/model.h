@@ -71,7 +71,10 @@ typedef struct kvarn_llama_session kvarn_llama_session;
  * Errors: KVARN_ERR_INVALID_ARG (NULL), KVARN_ERR_IO (cannot open/read),
  * KVARN_ERR_BAD_FILE (not GGUF, not llama, a tensor missing or of the wrong
  * shape, inconsistent hyper-parameters), KVARN_ERR_UNSUPPORTED (a tensor
- * type or a partial RoPE this runner does not serve), KVARN_ERR_NOMEM.
+ * type or a partial RoPE this runner does not serve), KVARN_ERR_TOO_LARGE
+ * (hyper-parameters whose weight sizes, formed in checked 64-bit
+ * arithmetic, overflow size_t, or a Q/K width n_heads * head_dim beyond
+ * INT32_MAX; found before the first weight is allocated), KVARN_ERR_NOMEM.
  * On error *out is NULL. */
 kvarn_status kvarn_llama_load(const char *path, kvarn_llama **out);
 
@@ -100,8 +103,9 @@ const kvarn_llama_hparams *kvarn_llama_get_hparams(const kvarn_llama *model);
 typedef struct kvarn_llama_session_opts {
     const char *cache_format; /* any name kvarn_format_parse accepts;
                                  NULL = "fp16" (the unquantized reference) */
-    int max_tokens;           /* context capacity in tokens; 0 = the model's
-                                 context_length */
+    int max_tokens;           /* context capacity in tokens, at most
+                                 KVARN_CACHE_MAX_SEQ_LEN (cache.h, 2^30);
+                                 0 = the model's context_length */
     int max_chunk;            /* most tokens per forward call; 0 = 512 */
     int sink_tiles;           /* KVarN: fp16 sink tiles kept for good;
                                  -1 = default (1) */
@@ -134,13 +138,42 @@ typedef struct kvarn_llama_session_opts {
 
 #define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL }
 
+/* What a session would be and take (kvarn_llama_session_plan). */
+typedef struct kvarn_llama_session_info {
+    int max_tokens;        /* context capacity, tokens (0 in opts resolved) */
+    int max_chunk;         /* most tokens per forward call */
+    int exact;             /* 1: the exact fp32 store (format unused) */
+    kvarn_format format;   /* the cache format */
+    int n_layers, n_kv_heads, head_dim; /* the K/V geometry of the model */
+    uint64_t kv_bytes;     /* the K/V store: the paged cache's arena (blocks
+                              + fp16 pages, all layers), or the exact fp32
+                              K and V */
+    uint64_t other_bytes;  /* everything else the session allocates: forward
+                              scratch, attention workspace, block table and
+                              id pools, keep_kv_f32 copies */
+    uint64_t total_bytes;  /* kv_bytes + other_bytes */
+} kvarn_llama_session_info;
+
+/* Work out what kvarn_llama_session_create(model, opts) would allocate,
+ * without allocating: resolves the options as create does and computes
+ * every size in 64 bits with checked products. Lets a caller say how much
+ * memory a context asks for before trying (or after KVARN_ERR_NOMEM).
+ * Errors: as kvarn_llama_session_create, except KVARN_ERR_NOMEM. */
+kvarn_status kvarn_llama_session_plan(const kvarn_llama *model,
+                                      const kvarn_llama_session_opts *opts,
+                                      kvarn_llama_session_info *out);
+
 /* Create a session for model: allocates the cache for opts->max_tokens
  * tokens and all scratch for chunks up to opts->max_chunk tokens. opts may
- * be NULL for the defaults.
+ * be NULL for the defaults. Every size is checked first
+ * (kvarn_llama_session_plan), so a context that cannot be held fails here,
+ * with nothing allocated, never later as an exhausted cache.
  * Errors: KVARN_ERR_INVALID_ARG (NULL model, bad option),
  * KVARN_ERR_UNKNOWN_FORMAT, KVARN_ERR_UNSUPPORTED_HEAD_DIM (the format
- * cannot serve the model's head_dim), KVARN_ERR_NOMEM. On error *out is
- * NULL. */
+ * cannot serve the model's head_dim), KVARN_ERR_TOO_LARGE (max_tokens, or
+ * the model's context_length when max_tokens is 0, above
+ * KVARN_CACHE_MAX_SEQ_LEN = 2^30 tokens, or a buffer size beyond 64 bits /
+ * size_t), KVARN_ERR_NOMEM. On error *out is NULL. */
 kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
                                         const kvarn_llama_session_opts *opts,
                                         kvarn_llama_session **out);

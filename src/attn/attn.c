@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "attn/attn_internal.h"
+#include "codec/checked.h"
 #include "codec/cpu.h"
 #include "codec/hadamard.h"
 
@@ -40,18 +41,33 @@ typedef struct attn_geom {
     int is_kvarn;
     size_t thread_floats;  /* per-worker scratch */
     size_t max_items, max_groups, partial_floats;
+    size_t ws_bytes;       /* the whole workspace a call needs */
 } attn_geom;
 
 static size_t round_f(size_t n) { return (n + ALIGN_F - 1) / ALIGN_F * ALIGN_F; }
+/* The same in 64 bits for the checked sizes, for n < 2^63. */
+static uint64_t round_u64(uint64_t n) { return (n + ALIGN_F - 1) / ALIGN_F * ALIGN_F; }
 
-static size_t thread_scratch_floats(int rows, int D, int gs_)
+/* Per-worker scratch in floats, checked (codec/checked.h): 0 when the sum
+ * fits, 1 when it overflows. */
+static int thread_scratch_floats(int rows, int D, int gs_, size_t *out)
 {
-    size_t R = (size_t)rows, gs = (size_t)gs_;
-    return 3 * round_f(R * D)           /* q, acc, qa */
-           + round_f(R * gs)            /* s */
-           + 7 * round_f(R)             /* qsum, m, l, rc, lo, hi (+1 spare) */
-           + round_f(3 * (size_t)D + 4 * gs) /* tile metadata */
-           + round_f(gs * sizeof(void *) / sizeof(float)); /* token pointers */
+    /* rows < 2^31, D <= 1024 (format check), gs <= 4103: no term can come
+     * near 2^63, so the roundings cannot wrap; the products and the sum are
+     * checked all the same. */
+    const uint64_t R = (uint64_t)rows, gs = (uint64_t)gs_;
+    uint64_t rd, rs, sum = 0;
+    int bad = kvarn__mul_u64(R, (uint64_t)D, &rd) | kvarn__mul_u64(R, gs, &rs);
+    if (bad) return 1;
+    const uint64_t t[5] = {
+        3 * round_u64(rd),                                /* q, acc, qa */
+        round_u64(rs),                                    /* s */
+        7 * round_u64(R),                  /* qsum, m, l, rc, lo, hi (+1 spare) */
+        round_u64(3 * (uint64_t)D + 4 * gs),              /* tile metadata */
+        round_u64(gs * sizeof(void *) / sizeof(float)),   /* token pointers */
+    };
+    for (int i = 0; i < 5; i++) bad |= kvarn__add_u64(sum, t[i], &sum);
+    return bad | kvarn__u64_to_size(sum, out);
 }
 
 static int opts_valid(const kvarn_attn_opts *o)
@@ -87,25 +103,52 @@ static kvarn_status make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_s
     int qb = g->qblock < (max_total_q > 0 ? max_total_q : 1) ? g->qblock
                                                             : (max_total_q > 0 ? max_total_q : 1);
     g->rows_max = qb * g->group;
-    g->thread_floats = thread_scratch_floats(g->rows_max, g->D, g->gs);
-    size_t base = (size_t)g->Hk * ((size_t)max_seqs + ((size_t)max_total_q + g->qblock - 1) / g->qblock);
+    /* Every count below is formed in 64 bits with checked products: a
+     * geometry whose workspace (or query array) does not fit size_t is
+     * refused here, never wrapped into a small size. */
+    int bad = thread_scratch_floats(g->rows_max, g->D, g->gs, &g->thread_floats);
+    uint64_t q_floats, base, split_chunks = 0, partial;
+    bad |= kvarn__mul3_u64((uint64_t)max_total_q, (uint64_t)n_q_heads, (uint64_t)g->D, &q_floats);
+    bad |= kvarn__mul_u64((uint64_t)g->Hk,
+                          (uint64_t)max_seqs + kvarn__ceil_div_u64((uint64_t)max_total_q,
+                                                                   (uint64_t)g->qblock),
+                          &base);
     /* Items: forced split s: at most base * s. Auto (plan()): unsplit, at
      * most base; split only when n_base < 4 * threads, into fewer than
      * n_base + 4 * threads < 8 * threads chunks. */
-    const size_t T8 = 8 * (size_t)n_threads;
-    size_t split_chunks = o->split_k >= 2 ? base * (size_t)o->split_k : o->split_k == 0 ? T8 : 0;
-    g->max_items = base + split_chunks;
-    g->max_groups = base;
-    g->partial_floats = split_chunks * (size_t)g->rows_max * ((size_t)g->D + 2);
-    return KVARN_OK;
+    if (o->split_k >= 2) bad |= kvarn__mul_u64(base, (uint64_t)o->split_k, &split_chunks);
+    else if (o->split_k == 0) split_chunks = 8 * (uint64_t)n_threads;
+    uint64_t items;
+    bad |= kvarn__add_u64(base, split_chunks, &items);
+    bad |= kvarn__mul3_u64(split_chunks, (uint64_t)g->rows_max, (uint64_t)g->D + 2, &partial);
+    size_t sz;
+    bad |= kvarn__u64_to_size(q_floats, &sz);
+    bad |= kvarn__u64_to_size(items, &g->max_items);
+    bad |= kvarn__u64_to_size(base, &g->max_groups);
+    bad |= kvarn__u64_to_size(partial, &g->partial_floats);
+    if (bad) return KVARN_ERR_TOO_LARGE;
+    /* Workspace bytes: alignment slack, per-worker scratch, the item list,
+     * the group list and the split-K partials (carved in this order).
+     * base <= 2^63 (Hk < 2^31 times a sum < 2^32), so base + 1 and its
+     * rounding cannot wrap. */
+    uint64_t t, ws = 64;
+    bad |= kvarn__mul3_u64((uint64_t)n_threads, g->thread_floats, sizeof(float), &t);
+    bad |= kvarn__add_u64(ws, t, &ws);
+    bad |= kvarn__mul_u64(items, sizeof(attn_item), &t);
+    bad |= kvarn__mul_u64(round_u64(t / sizeof(float) + 1), sizeof(float), &t);
+    bad |= kvarn__add_u64(ws, t, &ws);
+    bad |= kvarn__mul_u64(round_u64(base + 1), sizeof(float), &t);
+    bad |= kvarn__add_u64(ws, t, &ws);
+    bad |= kvarn__mul_u64(partial, sizeof(float), &t);
+    bad |= kvarn__add_u64(ws, t, &ws);
+    bad |= kvarn__u64_to_size(ws, &g->ws_bytes);
+    return bad ? KVARN_ERR_TOO_LARGE : KVARN_OK;
 }
 
 static size_t workspace_bytes(const attn_geom *g, int n_threads)
 {
-    return 64 + (size_t)n_threads * g->thread_floats * sizeof(float) +
-           round_f(g->max_items * sizeof(attn_item) / sizeof(float) + 1) * sizeof(float) +
-           round_f(g->max_groups + 1) * sizeof(float) +
-           g->partial_floats * sizeof(float);
+    (void)n_threads; /* counted by make_geom */
+    return g->ws_bytes;
 }
 
 static kvarn_attn_opts opts_or_default(const kvarn_attn_opts *opts, int head_dim)

@@ -8,10 +8,14 @@
 #include <string.h>
 
 #include "cache/cache_internal.h"
+#include "codec/checked.h"
 
 #define DEFAULT_PER_TOKEN_BLOCK 16   /* vLLM's default block size */
 #define MAX_BLOCK_SIZE 1024
 #define MAX_IDS (1 << 30)            /* block/page ids stay far from INT32_MAX */
+
+_Static_assert(KVARN_CACHE_MAX_SEQ_LEN <= INT_MAX - MAX_BLOCK_SIZE,
+               "max_tiles * G must fit an int");
 
 kvarn_cache_opts kvarn_cache_default_opts(void)
 {
@@ -64,8 +68,24 @@ void kvarn_cache_destroy(kvarn_cache *c)
     kvarn__free(&a, c);
 }
 
-/* Check opts and work out the geometry into *info (no allocation). */
-/* sizing = 1: budget_bytes 0 is accepted and gives n_blocks 0 (see
+/* Bytes of one sequence's bookkeeping (seq_open in sequence.c): the block
+ * table, tile -> block and tile -> page arrays of max_tiles int32 each, and
+ * the written length of every layer. */
+static int seq_bytes(uint64_t max_tiles, uint64_t n_layers, size_t *out)
+{
+    uint64_t tables, written, total;
+    int bad = kvarn__mul3_u64(3, max_tiles, sizeof(int32_t), &tables);
+    bad |= kvarn__mul_u64(n_layers, sizeof(int), &written);
+    bad |= kvarn__add_u64(tables, written, &total);
+    return bad | kvarn__u64_to_size(total, out);
+}
+
+/* Check opts and work out the geometry into *info (no allocation). Every
+ * count and byte size is formed in 64 bits with checked products
+ * (codec/checked.h); one that does not fit, or an arena or a sequence's
+ * bookkeeping larger than size_t, is KVARN_ERR_TOO_LARGE here, before
+ * kvarn_cache_create allocates anything.
+ * sizing = 1: budget_bytes 0 is accepted and gives n_blocks 0 (see
  * kvarn_cache_plan). */
 static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
                          kvarn_record_layout *layout, int sizing)
@@ -92,36 +112,66 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
         if (o->n_pages != 0) return KVARN_ERR_INVALID_ARG;
         sink = 0;
     }
+    /* Token positions and ids are int32: a sequence longer than this, or
+     * more pages than ids, cannot be held (not clamped: the caller asked
+     * for it). */
+    if (o->max_seq_len > KVARN_CACHE_MAX_SEQ_LEN || o->n_pages > MAX_IDS)
+        return KVARN_ERR_TOO_LARGE;
 
     const uint64_t L = (uint64_t)o->n_layers, H = (uint64_t)o->n_kv_heads;
     const uint64_t D = (uint64_t)o->head_dim;
-    size_t record_stride, token_record = 0;
+    int bad = 0;
+    uint64_t record_stride, token_record = 0;
     if (is_kvarn) {
         record_stride = layout->record_bytes;
     } else {
         token_record = layout->record_bytes;
-        record_stride = (size_t)G * token_record;
+        bad |= kvarn__mul_u64((uint64_t)G, token_record, &record_stride);
     }
-    const size_t block_stride = (size_t)H * record_stride;
-    const uint64_t block_bytes = L * block_stride;
-    const uint64_t page_bytes = is_kvarn ? L * H * 2 * (uint64_t)G * D * 2 : 0;
+    uint64_t block_stride, block_bytes, page_bytes = 0;
+    bad |= kvarn__mul_u64(H, record_stride, &block_stride);
+    bad |= kvarn__mul_u64(L, block_stride, &block_bytes);
+    /* K and V, G x D fp16 each, per layer and KV head */
+    if (is_kvarn) bad |= kvarn__mul3_u64(L * H, (uint64_t)G * D, 2 * sizeof(uint16_t), &page_bytes);
 
     uint64_t n_pages = (uint64_t)o->n_pages;
     if (is_kvarn && n_pages == 0) n_pages = (uint64_t)o->max_seqs * (uint64_t)(sink + 2);
-    if (n_pages > MAX_IDS || (page_bytes && n_pages > UINT64_MAX / page_bytes))
-        return KVARN_ERR_INVALID_ARG;
-    const uint64_t page_total = n_pages * page_bytes;
+    if (n_pages > MAX_IDS) return KVARN_ERR_TOO_LARGE;
+    uint64_t page_total;
+    bad |= kvarn__mul_u64(n_pages, page_bytes, &page_total);
+    if (bad) return KVARN_ERR_TOO_LARGE;
+
     uint64_t n_blocks = 0;
     if (!(sizing && o->budget_bytes == 0)) {
         if (o->budget_bytes < page_total || o->budget_bytes - page_total < block_bytes)
             return KVARN_ERR_INVALID_ARG;
         n_blocks = (o->budget_bytes - page_total) / block_bytes;
     }
+    /* budget_bytes is an upper bound: a budget beyond MAX_IDS blocks buys
+     * MAX_IDS blocks (info.n_blocks and arena_bytes say so). */
     if (n_blocks > MAX_IDS) n_blocks = MAX_IDS;
 
     uint64_t max_len = (uint64_t)o->max_seq_len;
-    if (max_len == 0) max_len = (n_blocks + (uint64_t)sink) * (uint64_t)G;
-    if (max_len > (uint64_t)(INT_MAX / 2)) max_len = (uint64_t)(INT_MAX / 2);
+    if (max_len == 0) {
+        /* auto: every block and every sink tile, as far as the limit goes */
+        max_len = (n_blocks + (uint64_t)sink) * (uint64_t)G; /* < 2^41 */
+        if (max_len > KVARN_CACHE_MAX_SEQ_LEN) max_len = KVARN_CACHE_MAX_SEQ_LEN;
+    }
+
+    /* What kvarn_cache_create allocates must be expressible as size_t:
+     * both arenas (plus the 64 bytes of alignment slack arena64 adds) and
+     * one sequence's bookkeeping. */
+    uint64_t block_total, arena_bytes, slack;
+    bad |= kvarn__mul_u64(n_blocks, block_bytes, &block_total);
+    bad |= kvarn__add_u64(block_total, page_total, &arena_bytes);
+    size_t sz;
+    bad |= kvarn__add_u64(block_total, 64, &slack) | kvarn__u64_to_size(slack, &sz);
+    bad |= kvarn__add_u64(page_total, 64, &slack) | kvarn__u64_to_size(slack, &sz);
+    bad |= seq_bytes(kvarn__ceil_div_u64(max_len, (uint64_t)G), L, &sz);
+    size_t rs, bs, bb, pb;
+    bad |= kvarn__u64_to_size(record_stride, &rs) | kvarn__u64_to_size(block_stride, &bs);
+    bad |= kvarn__u64_to_size(block_bytes, &bb) | kvarn__u64_to_size(page_bytes, &pb);
+    if (bad) return KVARN_ERR_TOO_LARGE;
 
     info->format = o->format;
     info->n_layers = o->n_layers;
@@ -133,12 +183,12 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     info->n_pages = (int)n_pages;
     info->max_seqs = o->max_seqs;
     info->max_seq_len = (int)max_len;
-    info->record_stride = record_stride;
-    info->block_stride = block_stride;
-    info->token_record_bytes = token_record;
-    info->block_bytes = (size_t)block_bytes;
-    info->page_bytes = (size_t)page_bytes;
-    info->arena_bytes = n_blocks * block_bytes + page_total;
+    info->record_stride = rs;
+    info->block_stride = bs;
+    info->token_record_bytes = (size_t)token_record;
+    info->block_bytes = bb;
+    info->page_bytes = pb;
+    info->arena_bytes = arena_bytes;
     info->capacity_tokens = n_blocks * (uint64_t)G;
     return KVARN_OK;
 }
@@ -175,9 +225,12 @@ kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
     c->page_elems = (size_t)info.n_kv_heads * 2 * (size_t)info.block_size *
                     (size_t)info.head_dim;
 
+    /* plan() proved both arenas fit size_t; the products below are the
+     * ones it checked (block_bytes = n_layers * block_stride, page_bytes =
+     * n_layers * page_elems * 2). */
     const size_t GD = (size_t)info.block_size * (size_t)info.head_dim;
-    const size_t block_arena = (size_t)info.n_layers * (size_t)info.n_blocks * info.block_stride;
-    const size_t page_arena = (size_t)info.n_layers * (size_t)info.n_pages * c->page_elems;
+    const size_t block_arena = (size_t)info.n_blocks * info.block_bytes;
+    const size_t page_arena = (size_t)info.n_pages * (info.page_bytes / sizeof(uint16_t));
     c->blocks = arena64(&alloc, block_arena, &c->blocks_mem);
     c->pages = page_arena ? arena64(&alloc, page_arena * sizeof(uint16_t), &c->pages_mem) : NULL;
     c->seqs = kvarn__calloc(&alloc, (size_t)info.max_seqs, sizeof *c->seqs);

@@ -48,6 +48,7 @@ static kvarn_status seq_open(kvarn_cache *c, int *id)
         if (!c->seqs[i].live && (slot < 0 || (c->seqs[i].mem && !c->seqs[slot].mem))) slot = i;
     if (slot < 0) return KVARN_ERR_OUT_OF_BLOCKS;
 
+    /* seq_bytes() in cache.c checked this sum against size_t at create. */
     const size_t T = (size_t)c->max_tiles;
     const size_t bytes = 3 * T * sizeof(int32_t) + (size_t)c->info.n_layers * sizeof(int);
     void *mem = c->seqs[slot].mem ? c->seqs[slot].mem : kvarn__malloc(&c->alloc, bytes ? bytes : 1, 1);

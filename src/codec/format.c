@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "codec/checked.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/record.h"
 
@@ -53,6 +54,7 @@ const char *kvarn_strerror(kvarn_status status)
     case KVARN_ERR_UNSUPPORTED: return "not supported";
     case KVARN_ERR_STATE: return "invalid state for this call";
     case KVARN_ERR_NO_DEVICE: return "no usable GPU";
+    case KVARN_ERR_TOO_LARGE: return "too large (beyond the library's size limits)";
     }
     return "unknown status";
 }
@@ -245,6 +247,11 @@ uint64_t kvarn_capacity_tokens(const kvarn_format *fmt, int head_dim,
 {
     size_t r = kvarn_record_bytes(fmt, head_dim);
     if (r == 0 || n_layers <= 0 || n_kv_heads <= 0) return 0;
-    uint64_t per_tile = (uint64_t)r * (uint64_t)n_layers * (uint64_t)n_kv_heads;
-    return budget_bytes / per_tile * (uint64_t)fmt->tile_tokens;
+    /* A tile of every layer and head beyond 64 bits is beyond any budget
+     * (it used to wrap, to 0 for some shapes: a division by zero). */
+    uint64_t per_tile, tiles, tokens;
+    if (kvarn__mul3_u64((uint64_t)r, (uint64_t)n_layers, (uint64_t)n_kv_heads, &per_tile))
+        return 0;
+    tiles = budget_bytes / per_tile;
+    return kvarn__mul_u64(tiles, (uint64_t)fmt->tile_tokens, &tokens) ? UINT64_MAX : tokens;
 }

@@ -88,6 +88,19 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
                                    const kvarn_llama_session_opts *opts,
                                    llama_kv **out);
 
+/* What the _create above would allocate, without allocating: *kv_bytes
+ * for the K/V themselves (the cache arena: blocks + fp16 pages; or the
+ * fp32 K and V), *other_bytes for the store's scratch and bookkeeping.
+ * Every size is checked in 64 bits (codec/checked.h). The _create calls
+ * run the same checks first, so they fail before allocating.
+ * Errors: KVARN_ERR_TOO_LARGE (max_tokens above KVARN_CACHE_MAX_SEQ_LEN,
+ * or a size beyond 64 bits / size_t); the cache's option errors. */
+kvarn_status llama_kv_exact_plan(const llama_kv_shape *shape, uint64_t *kv_bytes,
+                                 uint64_t *other_bytes);
+kvarn_status llama_kv_paged_plan(const llama_kv_shape *shape, const kvarn_format *fmt,
+                                 const kvarn_llama_session_opts *opts, uint64_t *kv_bytes,
+                                 uint64_t *other_bytes);
+
 /* ------------------------------------------------------------------------ */
 /* fp32 attention (llama_attn_f32.c)                                        */
 /* ------------------------------------------------------------------------ */

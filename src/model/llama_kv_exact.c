@@ -3,11 +3,13 @@
  * kept in fp32, attention over all of it in fp32. Not a cache format: it is
  * the cross-check that the paged cache's fp16 format is measured against
  * (and what the numpy reference computes). Memory: 8 * layers * Hk * D bytes
- * per token.
+ * per token, at most KVARN_CACHE_MAX_SEQ_LEN tokens like the paged cache.
  */
 #include <stdlib.h>
 #include <string.h>
 
+#include "codec/checked.h"
+#include "kvarn/cache.h"
 #include "model/llama_internal.h"
 
 typedef struct kv_exact {
@@ -93,18 +95,45 @@ static const llama_kv_ops exact_ops = {
     exact_begin, exact_attend, exact_end, exact_abort, exact_reset, exact_destroy, exact_name,
 };
 
+/* Bytes of K (= of V), all layers, and of the attention scratch, checked. */
+static kvarn_status exact_sizes(const llama_kv_shape *sh, size_t *kv_bytes,
+                                size_t *scratch_bytes)
+{
+    if (sh->max_tokens > KVARN_CACHE_MAX_SEQ_LEN) return KVARN_ERR_TOO_LARGE;
+    uint64_t v;
+    int bad = kvarn__mul3_u64((uint64_t)sh->n_layers * (uint64_t)sh->n_kv_heads,
+                              (uint64_t)sh->max_tokens * (uint64_t)sh->head_dim,
+                              sizeof(float), &v);
+    bad |= kvarn__u64_to_size(v, kv_bytes);
+    bad |= kvarn__mul_size(llama_attn_f32_scratch_floats(sh->max_tokens), sizeof(float),
+                           scratch_bytes);
+    return bad ? KVARN_ERR_TOO_LARGE : KVARN_OK;
+}
+
+kvarn_status llama_kv_exact_plan(const llama_kv_shape *shape, uint64_t *kv_bytes,
+                                 uint64_t *other_bytes)
+{
+    size_t kvb, scr;
+    kvarn_status st = exact_sizes(shape, &kvb, &scr);
+    if (st != KVARN_OK) return st;
+    if (kvarn__add_u64(kvb, kvb, kv_bytes)) return KVARN_ERR_TOO_LARGE; /* K and V */
+    *other_bytes = scr;
+    return KVARN_OK;
+}
+
 kvarn_status llama_kv_exact_create(const llama_kv_shape *shape, llama_kv **out)
 {
     *out = NULL;
+    size_t kv_bytes, scratch_bytes;
+    kvarn_status st = exact_sizes(shape, &kv_bytes, &scratch_bytes);
+    if (st != KVARN_OK) return st;
     kv_exact *e = kvarn__calloc(shape->alloc, 1, sizeof *e);
     if (!e) return KVARN_ERR_NOMEM;
     e->base.ops = &exact_ops;
     e->sh = *shape;
-    size_t n = (size_t)shape->n_layers * layer_floats(shape);
-    e->k = kvarn__malloc(shape->alloc, n, sizeof(float));
-    e->v = kvarn__malloc(shape->alloc, n, sizeof(float));
-    e->scratch = kvarn__malloc(shape->alloc, llama_attn_f32_scratch_floats(shape->max_tokens),
-                               sizeof(float));
+    e->k = kvarn__malloc(shape->alloc, kv_bytes, 1);
+    e->v = kvarn__malloc(shape->alloc, kv_bytes, 1);
+    e->scratch = kvarn__malloc(shape->alloc, scratch_bytes, 1);
     if (!e->k || !e->v || !e->scratch) {
         exact_destroy(&e->base);
         return KVARN_ERR_NOMEM;

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "kvarn/attn.h"
+#include "codec/checked.h"
 #include "kvarn/cache.h"
 #include "model/llama_internal.h"
 
@@ -203,14 +204,19 @@ static const llama_kv_ops paged_ops = {
     paged_begin, paged_attend, paged_end, paged_abort, paged_reset, paged_destroy, paged_name,
 };
 
-/* Create a one-sequence cache that holds max_tokens tokens and chunks of
- * max_chunk tokens: enough blocks for every non-sink tile and enough fp16
- * pages for the sink plus every tile a chunk can leave in the tail. The
- * budget is computed from the cache's own geometry (a probe cache). */
-static kvarn_status make_cache(const llama_kv_shape *sh, const kvarn_format *fmt,
-                               int sink_tiles, int balance_iters,
-                               kvarn_cache **out)
+/* Settings of a one-sequence cache that holds max_tokens tokens and chunks
+ * of max_chunk tokens: enough blocks for every non-sink tile and enough
+ * fp16 pages for the sink plus every tile a chunk can leave in the tail;
+ * max_seq_len = max_tokens, so the cache itself refuses a token past the
+ * context. The budget is computed from the cache's own geometry
+ * (kvarn_cache_plan with budget 0), in 64 bits with checked products.
+ * Errors: KVARN_ERR_TOO_LARGE (more than KVARN_CACHE_MAX_SEQ_LEN tokens, or
+ * a budget beyond 64 bits), errors of kvarn_cache_plan. No allocation. */
+static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format *fmt,
+                                   int sink_tiles, int balance_iters,
+                                   kvarn_cache_opts *out, kvarn_cache_info *info)
 {
+    if (sh->max_tokens > KVARN_CACHE_MAX_SEQ_LEN) return KVARN_ERR_TOO_LARGE;
     kvarn_cache_opts o = kvarn_cache_default_opts();
     o.format = *fmt;
     o.n_layers = sh->n_layers;
@@ -218,44 +224,118 @@ static kvarn_status make_cache(const llama_kv_shape *sh, const kvarn_format *fmt
     o.head_dim = sh->head_dim;
     o.max_seqs = 1;
     o.allocator = sh->alloc;
+    o.max_seq_len = sh->max_tokens;
     if (balance_iters >= 0) o.balance_iters = balance_iters;
-    int G;
+    uint64_t G;
     if (fmt->per_tile) {
-        G = fmt->tile_tokens;
+        G = (uint64_t)fmt->tile_tokens;
         o.sink_tiles = sink_tiles >= 0 ? sink_tiles : 1;
         /* Sink, the partly filled tile a chunk starts in, and every tile
-         * the chunk opens. */
-        o.n_pages = o.sink_tiles + (sh->max_chunk + G - 1) / G + 2;
+         * the chunk opens (max_chunk <= 2^30, so this stays an int). */
+        o.n_pages = o.sink_tiles + (int)kvarn__ceil_div_u64((uint64_t)sh->max_chunk, G) + 2;
     } else {
         G = 16;
-        o.block_size = G;
+        o.block_size = (int)G;
         o.n_pages = 0;
     }
-    int tiles = (sh->max_tokens + G - 1) / G;
-    /* Probe with a budget that surely fits one block and the pages, to
-     * learn block_bytes and page_bytes. */
-    o.budget_bytes = (uint64_t)1 << 40;
-    kvarn_cache_info info;
-    {
-        kvarn_cache_opts probe = o;
-        size_t rec = kvarn_record_bytes(fmt, sh->head_dim);
-        uint64_t blk = (uint64_t)sh->n_layers * sh->n_kv_heads *
-                       (fmt->per_tile ? rec : rec * G);
-        uint64_t page = (uint64_t)sh->n_layers * sh->n_kv_heads * 2 * G *
-                        sh->head_dim * 2;
-        probe.budget_bytes = (uint64_t)probe.n_pages * page + 4 * (blk + 4096);
-        kvarn_cache *c = NULL;
-        kvarn_status st = kvarn_cache_create(&probe, &c);
-        if (st != KVARN_OK) return st;
-        st = kvarn_cache_get_info(c, &info);
-        kvarn_cache_destroy(c);
-        if (st != KVARN_OK) return st;
+    const uint64_t tiles = kvarn__ceil_div_u64((uint64_t)sh->max_tokens, G);
+    const uint64_t sink = fmt->per_tile ? (uint64_t)o.sink_tiles : 0;
+    const uint64_t blocks = tiles > sink ? tiles - sink : 1;
+    /* budget 0: the plan gives block_bytes and page_bytes only */
+    o.budget_bytes = 0;
+    kvarn_cache_info geo;
+    kvarn_status st = kvarn_cache_plan(&o, &geo);
+    if (st != KVARN_OK) return st;
+    uint64_t block_total, page_total;
+    int bad = kvarn__mul_u64(blocks, geo.block_bytes, &block_total);
+    bad |= kvarn__mul_u64((uint64_t)geo.n_pages, geo.page_bytes, &page_total);
+    bad |= kvarn__add_u64(block_total, page_total, &o.budget_bytes);
+    if (bad) return KVARN_ERR_TOO_LARGE;
+    st = kvarn_cache_plan(&o, info);
+    if (st != KVARN_OK) return st;
+    *out = o;
+    return KVARN_OK;
+}
+
+/* Bytes of every buffer llama_kv_paged_create allocates besides the cache
+ * arena, each checked to fit size_t. */
+typedef struct paged_sizes {
+    size_t chunk_kv;     /* kbuf, vbuf: [max_chunk][Hk][D] floats */
+    size_t chunk_q;      /* qbuf, hist_out: [max_chunk][H][D] floats */
+    size_t chunk_lse;    /* lse, hist_lse: [max_chunk][H] floats */
+    size_t scratch;      /* llama_attn_f32 scratch */
+    size_t hist;         /* hist_k, hist_v (exact_chunk): [max_tokens][Hk][D] */
+    size_t ws;           /* attention workspace (kernel path) */
+    uint64_t cache_books;/* the cache's block table and id pools */
+} paged_sizes;
+
+static kvarn_status paged_sizes_get(const llama_kv_shape *sh, const kvarn_cache_info *ci,
+                                    int exact_chunk, int threads, paged_sizes *z)
+{
+    memset(z, 0, sizeof *z);
+    const uint64_t F = sizeof(float), C = (uint64_t)sh->max_chunk;
+    const uint64_t T = (uint64_t)sh->max_tokens, D = (uint64_t)sh->head_dim;
+    uint64_t v;
+    int bad = kvarn__mul3_u64(C, (uint64_t)sh->n_kv_heads * D, F, &v) |
+              kvarn__u64_to_size(v, &z->chunk_kv);
+    bad |= kvarn__mul3_u64(C, (uint64_t)sh->n_heads * D, F, &v) |
+           kvarn__u64_to_size(v, &z->chunk_q);
+    bad |= kvarn__mul3_u64(C, (uint64_t)sh->n_heads, F, &v) |
+           kvarn__u64_to_size(v, &z->chunk_lse);
+    bad |= kvarn__mul_size(llama_attn_f32_scratch_floats(exact_chunk ? sh->max_tokens
+                                                                      : sh->max_chunk),
+                           sizeof(float), &z->scratch);
+    if (exact_chunk)
+        bad |= kvarn__mul3_u64(T, (uint64_t)sh->n_kv_heads * D, F, &v) |
+               kvarn__u64_to_size(v, &z->hist);
+    /* block table, tile -> block and tile -> page (int32 each per tile),
+     * refcount and free stack (int32 each per block and per page) */
+    uint64_t tiles = kvarn__ceil_div_u64((uint64_t)ci->max_seq_len, (uint64_t)ci->block_size);
+    z->cache_books = 12 * tiles + 8 * ((uint64_t)ci->n_blocks + (uint64_t)ci->n_pages);
+    if (bad) return KVARN_ERR_TOO_LARGE;
+    if (!exact_chunk) {
+        /* Sized for the largest call: one sequence, max_chunk queries. The
+         * workspace depends on the view's geometry only, not its arenas. */
+        kvarn_paged_kv view;
+        memset(&view, 0, sizeof view);
+        view.fmt = ci->format;
+        view.head_dim = ci->head_dim;
+        view.n_kv_heads = ci->n_kv_heads;
+        view.block_size = ci->block_size;
+        view.sink_tiles = ci->sink_tiles;
+        kvarn_attn_opts ao = KVARN_ATTN_OPTS_DEFAULT(1.0f / sqrtf((float)sh->head_dim));
+        ao.causal = 0;
+        z->ws = kvarn_attn_workspace_bytes(&view, sh->n_heads, 1, sh->max_chunk, threads, &ao);
+        /* the format serves head_dim (checked by the cache plan), so 0
+         * means a workspace beyond size_t */
+        if (z->ws == 0) return KVARN_ERR_TOO_LARGE;
     }
-    int sink = fmt->per_tile ? o.sink_tiles : 0;
-    int blocks = tiles > sink ? tiles - sink : 1;
-    o.budget_bytes = (uint64_t)blocks * info.block_bytes +
-                     (uint64_t)info.n_pages * info.page_bytes;
-    return kvarn_cache_create(&o, out);
+    return KVARN_OK;
+}
+
+kvarn_status llama_kv_paged_plan(const llama_kv_shape *shape, const kvarn_format *fmt,
+                                 const kvarn_llama_session_opts *o, uint64_t *kv_bytes,
+                                 uint64_t *other_bytes)
+{
+    kvarn_cache_opts co;
+    kvarn_cache_info ci;
+    kvarn_status st = cache_settings(shape, fmt, o->sink_tiles, o->balance_iters, &co, &ci);
+    if (st != KVARN_OK) return st;
+    paged_sizes z;
+    int threads = o->attn_threads > 0 ? o->attn_threads : 1;
+    st = paged_sizes_get(shape, &ci, o->exact_chunk, threads, &z);
+    if (st != KVARN_OK) return st;
+    uint64_t other = z.cache_books;
+    int bad = kvarn__add_u64(other, 2 * (uint64_t)z.chunk_kv, &other);
+    bad |= kvarn__add_u64(other, 2 * (uint64_t)z.chunk_q, &other);
+    bad |= kvarn__add_u64(other, 2 * (uint64_t)z.chunk_lse, &other);
+    bad |= kvarn__add_u64(other, (uint64_t)z.scratch, &other);
+    bad |= kvarn__add_u64(other, 2 * (uint64_t)z.hist, &other);
+    bad |= kvarn__add_u64(other, (uint64_t)z.ws, &other);
+    if (bad) return KVARN_ERR_TOO_LARGE;
+    *kv_bytes = ci.arena_bytes;
+    *other_bytes = other;
+    return KVARN_OK;
 }
 
 kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
@@ -264,32 +344,35 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
                                    llama_kv **out)
 {
     *out = NULL;
+    /* Every size first (checked, no allocation): a context the cache
+     * cannot hold fails here, not later as an exhausted block pool. */
+    kvarn_cache_opts co;
+    kvarn_cache_info ci;
+    paged_sizes z;
+    int threads = o->attn_threads > 0 ? o->attn_threads : 1;
+    kvarn_status st = cache_settings(shape, fmt, o->sink_tiles, o->balance_iters, &co, &ci);
+    if (st == KVARN_OK) st = paged_sizes_get(shape, &ci, o->exact_chunk, threads, &z);
+    if (st != KVARN_OK) return st;
     kv_paged *p = kvarn__calloc(shape->alloc, 1, sizeof *p);
     if (!p) return KVARN_ERR_NOMEM;
     p->base.ops = &paged_ops;
     p->sh = *shape;
     p->fmt = *fmt;
     p->exact_chunk = o->exact_chunk;
-    kvarn_status st = make_cache(shape, fmt, o->sink_tiles, o->balance_iters,
-                                 &p->cache);
+    st = kvarn_cache_create(&co, &p->cache);
     if (st == KVARN_OK) st = kvarn_cache_seq_create(p->cache, &p->seq);
-    int threads = o->attn_threads > 0 ? o->attn_threads : 1;
     if (st == KVARN_OK && threads > 1) st = kvarn_thread_pool_create_ex(threads, shape->alloc, &p->pool);
     if (st != KVARN_OK) {
         paged_destroy(&p->base);
         return st;
     }
-    size_t kd = (size_t)shape->n_kv_heads * shape->head_dim;
-    size_t qd = (size_t)shape->n_heads * shape->head_dim;
-    size_t C = (size_t)shape->max_chunk, T = (size_t)shape->max_tokens;
-    p->kbuf = kvarn__malloc(shape->alloc, C * kd, sizeof(float));
-    p->vbuf = kvarn__malloc(shape->alloc, C * kd, sizeof(float));
-    p->lse = kvarn__malloc(shape->alloc, C * shape->n_heads, sizeof(float));
-    p->qbuf = kvarn__malloc(shape->alloc, C * qd, sizeof(float));
-    p->hist_out = kvarn__malloc(shape->alloc, C * qd, sizeof(float));
-    p->hist_lse = kvarn__malloc(shape->alloc, C * shape->n_heads, sizeof(float));
-    p->scratch = kvarn__malloc(shape->alloc, llama_attn_f32_scratch_floats(
-                            p->exact_chunk ? shape->max_tokens : shape->max_chunk), sizeof(float));
+    p->kbuf = kvarn__malloc(shape->alloc, z.chunk_kv, 1);
+    p->vbuf = kvarn__malloc(shape->alloc, z.chunk_kv, 1);
+    p->lse = kvarn__malloc(shape->alloc, z.chunk_lse, 1);
+    p->qbuf = kvarn__malloc(shape->alloc, z.chunk_q, 1);
+    p->hist_out = kvarn__malloc(shape->alloc, z.chunk_q, 1);
+    p->hist_lse = kvarn__malloc(shape->alloc, z.chunk_lse, 1);
+    p->scratch = kvarn__malloc(shape->alloc, z.scratch, 1);
     p->views = kvarn__calloc(shape->alloc, (size_t)shape->n_layers, sizeof *p->views);
     if (!p->kbuf || !p->vbuf || !p->lse || !p->qbuf || !p->hist_out || !p->hist_lse ||
         !p->scratch || !p->views) {
@@ -308,22 +391,19 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
     p->attn_opts = ao;
     if (p->exact_chunk) {
         /* The cross-check path decodes whole histories into fp32. */
-        p->hist_k = kvarn__malloc(shape->alloc, T * kd, sizeof(float));
-        p->hist_v = kvarn__malloc(shape->alloc, T * kd, sizeof(float));
+        p->hist_k = kvarn__malloc(shape->alloc, z.hist, 1);
+        p->hist_v = kvarn__malloc(shape->alloc, z.hist, 1);
         if (!p->hist_k || !p->hist_v) {
             paged_destroy(&p->base);
             return KVARN_ERR_NOMEM;
         }
     } else {
         /* Sized for the largest call: one sequence, max_chunk queries. */
-        p->ws_bytes = kvarn_attn_workspace_bytes(&p->views[0], shape->n_heads, 1,
-                                                 shape->max_chunk, threads,
-                                                 &p->attn_opts);
-        p->ws = p->ws_bytes ? kvarn__malloc(shape->alloc, p->ws_bytes, 1) : NULL;
+        p->ws_bytes = z.ws;
+        p->ws = kvarn__malloc(shape->alloc, p->ws_bytes, 1);
         if (!p->ws) {
-            const size_t ws_bytes = p->ws_bytes; /* p is freed below */
             paged_destroy(&p->base);
-            return ws_bytes ? KVARN_ERR_NOMEM : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+            return KVARN_ERR_NOMEM;
         }
     }
     *out = &p->base;

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "codec/checked.h"
 #include "kvarn/gguf.h"
 #include "model/llama_internal.h"
 
@@ -87,9 +88,40 @@ static kvarn_status load_tensor(const kvarn_gguf *g, const char *name, int in,
     return st == KVARN_ERR_INVALID_ARG ? KVARN_ERR_BAD_FILE : st;
 }
 
+/* Float counts of every weight buffer (llama_internal.h's layout), formed
+ * in 64 bits with checked products; each fits size_t with room for the
+ * 64-byte rounding of alloc_floats, and the Q and K/V widths fit the int
+ * tensor dimensions load_tensor takes. */
+typedef struct weight_sizes {
+    size_t wqkv, wo, w_gate_up, w_down, embd; /* floats */
+} weight_sizes;
+
+static kvarn_status weight_sizes_get(const kvarn_llama_hparams *hp, weight_sizes *w)
+{
+    const uint64_t E = (uint64_t)hp->hidden, D = (uint64_t)hp->head_dim;
+    const uint64_t qd = (uint64_t)hp->n_heads * D, kd = (uint64_t)hp->n_kv_heads * D;
+    const uint64_t F = (uint64_t)hp->ffn, limit = (SIZE_MAX - 64) / sizeof(float);
+    if (qd > INT32_MAX || kd > INT32_MAX) return KVARN_ERR_TOO_LARGE;
+    uint64_t v[5];
+    int bad = kvarn__mul_u64(qd + 2 * kd, E, &v[0]);
+    bad |= kvarn__mul_u64(E, qd, &v[1]);
+    bad |= kvarn__mul3_u64(2, F, E, &v[2]);
+    bad |= kvarn__mul_u64(E, F, &v[3]);
+    bad |= kvarn__mul_u64((uint64_t)hp->vocab, E, &v[4]);
+    for (int i = 0; i < 5; i++) bad |= v[i] > limit;
+    if (bad) return KVARN_ERR_TOO_LARGE;
+    w->wqkv = (size_t)v[0];
+    w->wo = (size_t)v[1];
+    w->w_gate_up = (size_t)v[2];
+    w->w_down = (size_t)v[3];
+    w->embd = (size_t)v[4];
+    return KVARN_OK;
+}
+
 static float *alloc_floats(const kvarn_allocator *a, size_t n)
 {
-    /* 64-byte aligned rows help the GEMMs; sizes are rounded up to 64 B. */
+    /* 64-byte aligned rows help the GEMMs; sizes are rounded up to 64 B.
+     * n <= (SIZE_MAX - 64) / 4 (weight_sizes_get), so this cannot wrap. */
     size_t bytes = (n * sizeof(float) + 63) & ~(size_t)63;
     return kvarn__malloc_aligned(a, bytes ? bytes : 64, 64, 0);
 }
@@ -122,12 +154,15 @@ static kvarn_status load_layer(const kvarn_gguf *g, const kvarn_llama_hparams *h
     int E = hp->hidden, D = hp->head_dim, H = hp->n_heads, Hk = hp->n_kv_heads;
     int F = hp->ffn;
     size_t qd = (size_t)H * D, kd = (size_t)Hk * D;
+    weight_sizes w;
+    kvarn_status st = weight_sizes_get(hp, &w);
+    if (st != KVARN_OK) return st;
     L->attn_norm = alloc_floats(a, E);
-    L->wqkv = alloc_floats(a, (qd + 2 * kd) * E);
-    L->wo = alloc_floats(a, (size_t)E * qd);
+    L->wqkv = alloc_floats(a, w.wqkv);
+    L->wo = alloc_floats(a, w.wo);
     L->ffn_norm = alloc_floats(a, E);
-    L->w_gate_up = alloc_floats(a, (size_t)2 * F * E);
-    L->w_down = alloc_floats(a, (size_t)E * F);
+    L->w_gate_up = alloc_floats(a, w.w_gate_up);
+    L->w_down = alloc_floats(a, w.w_down);
     if (!L->attn_norm || !L->wqkv || !L->wo || !L->ffn_norm || !L->w_gate_up ||
         !L->w_down)
         return KVARN_ERR_NOMEM;
@@ -162,9 +197,13 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
         return KVARN_ERR_BAD_FILE;
     hp->vocab = (int)emb->ne[1];
     hp->tied_output = kvarn_gguf_find_tensor(g, "output.weight") == NULL;
+    /* Every weight size checked before the first allocation. */
+    weight_sizes w;
+    st = weight_sizes_get(hp, &w);
+    if (st != KVARN_OK) return st;
 
     size_t E = (size_t)hp->hidden;
-    m->tok_embd = alloc_floats(&m->alloc, (size_t)hp->vocab * E);
+    m->tok_embd = alloc_floats(&m->alloc, w.embd);
     m->output_norm = alloc_floats(&m->alloc, E);
     if (!m->tok_embd || !m->output_norm) return KVARN_ERR_NOMEM;
     if ((st = load_tensor(g, "token_embd.weight", hp->hidden, hp->vocab, m->tok_embd)) ||
@@ -173,7 +212,7 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     if (hp->tied_output) {
         m->output = m->tok_embd;
     } else {
-        m->output = alloc_floats(&m->alloc, (size_t)hp->vocab * E);
+        m->output = alloc_floats(&m->alloc, w.embd);
         if (!m->output) return KVARN_ERR_NOMEM;
         if ((st = load_tensor(g, "output.weight", hp->hidden, hp->vocab, m->output)))
             return st;

@@ -289,7 +289,7 @@ static void test_create_and_geometry(void **state)
     huge.n_kv_heads = 4096;
     huge.n_pages = 1 << 29;
     huge.budget_bytes = UINT64_MAX;
-    assert_int_equal(kvarn_cache_create(&huge, &c), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cache_create(&huge, &c), KVARN_ERR_TOO_LARGE);
     assert_int_equal(kvarn_cache_create(NULL, &c), KVARN_ERR_INVALID_ARG);
     assert_int_equal(kvarn_cache_create(&good, NULL), KVARN_ERR_INVALID_ARG);
     kvarn_cache_destroy(NULL);
@@ -1021,6 +1021,106 @@ static void test_hostile_args(void **state)
     kvarn_cache_destroy(c);
 }
 
+/* Size arithmetic at the edges (issue 8): every option at INT32_MAX and
+ * budget_bytes at UINT64_MAX either gives a plan whose numbers are the
+ * exact products (checked here against sums formed independently) or is
+ * refused at creation with a clear status, never wrapped or clamped. No
+ * case below allocates more than a few KiB: the huge ones are plans or
+ * refusals. */
+static void test_size_edges(void **state)
+{
+    (void)state;
+    kvarn_cache_info pi;
+    kvarn_cache *c = (kvarn_cache *)&pi; /* sentinel: must stay */
+    const kvarn_cache_opts good = fx_opts("int8", L, HK, D, 16, 0, 3, 0, 2);
+
+    /* max_seq_len: up to KVARN_CACHE_MAX_SEQ_LEN is kept exactly, beyond
+     * is refused (it was clamped to INT_MAX / 2 before: a sequence shorter
+     * than asked for, found out only when reserve failed). */
+    kvarn_cache_opts o = good;
+    o.max_seq_len = KVARN_CACHE_MAX_SEQ_LEN;
+    assert_int_equal(kvarn_cache_plan(&o, &pi), KVARN_OK);
+    assert_int_equal(pi.max_seq_len, KVARN_CACHE_MAX_SEQ_LEN);
+    const int too_long[] = {KVARN_CACHE_MAX_SEQ_LEN + 1, INT32_MAX};
+    for (int i = 0; i < 2; i++) {
+        o.max_seq_len = too_long[i];
+        assert_int_equal(kvarn_cache_plan(&o, &pi), KVARN_ERR_TOO_LARGE);
+        assert_int_equal(kvarn_cache_create(&o, &c), KVARN_ERR_TOO_LARGE);
+        assert_ptr_equal(c, (kvarn_cache *)&pi);
+    }
+
+    /* every int option at INT32_MAX: refused, nothing created */
+    kvarn_cache_opts bad[7];
+    for (int i = 0; i < 7; i++) bad[i] = good;
+    bad[0].n_layers = INT32_MAX;
+    bad[1].n_kv_heads = INT32_MAX;
+    bad[2].head_dim = INT32_MAX;
+    bad[3].max_seqs = INT32_MAX;
+    bad[4].block_size = INT32_MAX;
+    bad[5] = fx_opts("kvarn_k4v2_g32", L, HK, D, 0, 1, 3, 4, 2);
+    bad[5].n_pages = INT32_MAX;     /* more pages than ids */
+    bad[6] = fx_opts("kvarn_k4v2_g32", L, HK, D, 0, 1, 3, 4, 2);
+    bad[6].sink_tiles = INT32_MAX;
+    const kvarn_status want[7] = {KVARN_ERR_INVALID_ARG, KVARN_ERR_INVALID_ARG,
+                                  KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_INVALID_ARG,
+                                  KVARN_ERR_INVALID_ARG, KVARN_ERR_TOO_LARGE,
+                                  KVARN_ERR_INVALID_ARG};
+    for (int i = 0; i < 7; i++) {
+        assert_int_equal(kvarn_cache_plan(&bad[i], &pi), want[i]);
+        assert_int_equal(kvarn_cache_create(&bad[i], &c), want[i]);
+        assert_ptr_equal(c, (kvarn_cache *)&pi);
+    }
+
+    /* budget_bytes = UINT64_MAX buys 2^30 blocks (the id limit); the
+     * totals are the exact products, and max_seq_len (auto) stops at the
+     * sequence limit instead of wrapping. */
+    kvarn_cache_opts k = fx_opts("kvarn_k4v2_g32", L, HK, D, 0, 1, 3, 4, 2);
+    k.budget_bytes = UINT64_MAX;
+    assert_int_equal(kvarn_cache_plan(&k, &pi), KVARN_OK);
+    const uint64_t rec = kvarn_record_bytes(&k.format, D);
+    const uint64_t block = (uint64_t)L * HK * rec, page = (uint64_t)L * HK * 2 * 32 * D * 2;
+    assert_int_equal(pi.n_blocks, 1 << 30);
+    assert_int_equal(pi.block_bytes, block);
+    assert_int_equal(pi.page_bytes, page);
+    assert_true(pi.arena_bytes == ((uint64_t)1 << 30) * block + 4 * page);
+    assert_true(pi.capacity_tokens == ((uint64_t)1 << 30) * 32);
+    assert_int_equal(pi.max_seq_len, KVARN_CACHE_MAX_SEQ_LEN);
+
+    /* the largest geometry the option checks let through: 4096 layers x
+     * 4096 KV heads x head_dim 256, G = 128: one page is 2^41 bytes; with
+     * the auto page count of 10^6 sequences x 1026 tiles (under the id
+     * limit) the page pool is ~2^71 bytes: refused, not wrapped. */
+    kvarn_cache_opts big = fx_opts("kvarn_k4v2_g128", 1, 1, 256, 0, 1, 1, 1, 2);
+    big.n_layers = 4096;
+    big.n_kv_heads = 4096;
+    big.max_seqs = 1000000;
+    big.sink_tiles = 1024;
+    big.n_pages = 0;
+    big.budget_bytes = UINT64_MAX;
+    assert_int_equal(kvarn_cache_plan(&big, &pi), KVARN_ERR_TOO_LARGE);
+    assert_int_equal(kvarn_cache_create(&big, &c), KVARN_ERR_TOO_LARGE);
+    assert_ptr_equal(c, (kvarn_cache *)&pi);
+    /* ... while one page per sequence of it is a valid plan: 2^20 pages
+     * would be 2^61 bytes; the sizing plan reports the page bytes exactly */
+    big.max_seqs = 1;
+    big.sink_tiles = 1;
+    big.budget_bytes = 0;
+    assert_int_equal(kvarn_cache_plan(&big, &pi), KVARN_OK);
+    assert_true(pi.page_bytes == (uint64_t)4096 * 4096 * 2 * 128 * 256 * 2);
+    assert_int_equal(pi.n_pages, 3);
+
+    /* per-token formats at the block-size limit: block_bytes exact */
+    kvarn_cache_opts pt = fx_opts("int8", 4096, 4096, 1024, 1024, 0, 1, 0, 1);
+    pt.budget_bytes = 0;
+    assert_int_equal(kvarn_cache_plan(&pt, &pi), KVARN_OK);
+    const uint64_t tok = kvarn_record_bytes(&pt.format, 1024);
+    assert_true(pi.block_bytes == (uint64_t)4096 * 4096 * 1024 * tok);
+    pt.budget_bytes = UINT64_MAX;
+    assert_int_equal(kvarn_cache_plan(&pt, &pi), KVARN_OK);
+    assert_true((uint64_t)pi.n_blocks == UINT64_MAX / pi.block_bytes);
+    assert_true(pi.arena_bytes == (uint64_t)pi.n_blocks * pi.block_bytes);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1035,6 +1135,7 @@ int main(void)
         cmocka_unit_test(test_scrambled_block_ids),
         cmocka_unit_test(test_slot_mapping),
         cmocka_unit_test(test_hostile_args),
+        cmocka_unit_test(test_size_edges),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -151,6 +151,14 @@ static void test_capacity(void **state)
     assert_int_equal(kvarn_capacity_tokens(&h, 64, 30, 3, 256ull * 90 * 1000), 1000);
     assert_int_equal(kvarn_capacity_tokens(&h, 64, 0, 3, 1000000), 0);
     assert_int_equal(kvarn_capacity_tokens(&h, 63, 30, 3, 1000000), 0);
+    /* issue 8: 256 bytes x 2^30 layers x 2^26 heads is exactly 2^64: the
+     * product wrapped to 0 (a division by zero); a tile beyond 64 bits
+     * fits no budget. Just below, the product fits and is exact. */
+    assert_int_equal(kvarn_capacity_tokens(&h, 64, 1 << 30, 1 << 26, UINT64_MAX), 0);
+    assert_int_equal(kvarn_capacity_tokens(&h, 64, INT32_MAX, INT32_MAX, UINT64_MAX), 0);
+    const uint64_t big_tile = 256ull << 54; /* 2^30 layers x 2^24 heads */
+    assert_true(kvarn_capacity_tokens(&h, 64, 1 << 30, 1 << 24, UINT64_MAX) ==
+                UINT64_MAX / big_tile * h.tile_tokens);
 }
 
 static void test_strerror(void **state)

@@ -23,6 +23,7 @@
 #include <cmocka.h>
 
 #include "common/testutil.h"
+#include "kvarn/cache.h"
 #include "kvarn/gguf.h"
 #include "kvarn/model.h"
 #include "model/llama_internal.h"
@@ -145,8 +146,14 @@ static void make_tensor(wtensor *t, const char *name, int in, int out,
     free(x);
 }
 
-/* The whole file: metadata (arch as given), then the tensors. */
-static buf write_gguf(const char *arch, int drop_tensor)
+/* Metadata a test may change; the tensors keep the shapes of the enum. */
+typedef struct wmeta {
+    uint32_t context_length, head_count, head_count_kv, key_length;
+} wmeta;
+static const wmeta k_meta = { 1024, NH, NKV, HD };
+
+/* The whole file: metadata (arch and *meta as given), then the tensors. */
+static buf write_gguf(const char *arch, int drop_tensor, const wmeta *meta)
 {
     test_rng rng;
     test_rng_seed(&rng, 1234);
@@ -193,11 +200,11 @@ static buf write_gguf(const char *arch, int drop_tensor)
     kv_u32(&b, "llama.block_count", NL);
     kv_u32(&b, "llama.embedding_length", E);
     kv_u32(&b, "llama.feed_forward_length", FF);
-    kv_u32(&b, "llama.attention.head_count", NH);
-    kv_u32(&b, "llama.attention.head_count_kv", NKV);
-    kv_u32(&b, "llama.attention.key_length", HD);
-    kv_u32(&b, "llama.context_length", 1024);
-    kv_u32(&b, "llama.rope.dimension_count", HD);
+    kv_u32(&b, "llama.attention.head_count", meta->head_count);
+    kv_u32(&b, "llama.attention.head_count_kv", meta->head_count_kv);
+    kv_u32(&b, "llama.attention.key_length", meta->key_length);
+    kv_u32(&b, "llama.context_length", meta->context_length);
+    kv_u32(&b, "llama.rope.dimension_count", meta->key_length);
     kv_f32(&b, "llama.rope.freq_base", 10000.0f);
     kv_f32(&b, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
     uint64_t off = 0;
@@ -236,7 +243,7 @@ typedef struct fixture {
 static int setup(void **state)
 {
     fixture *f = calloc(1, sizeof *f);
-    f->file = write_gguf("llama", 0);
+    f->file = write_gguf("llama", 0, &k_meta);
     char err[256];
     if (kvarn_gguf_open_memory(f->file.p, f->file.n, &f->g, err, sizeof err) != KVARN_OK) {
         fprintf(stderr, "gguf: %s\n", err);
@@ -726,7 +733,7 @@ static void test_bad_files(void **state)
     const char *arch[2] = { "gpt2", "llama" };
     for (int i = 0; i < 2; i++) {
         /* i = 0: another architecture; i = 1: the last tensor missing. */
-        buf b = write_gguf(arch[i], i);
+        buf b = write_gguf(arch[i], i, &k_meta);
         kvarn_gguf *g = NULL;
         assert_int_equal(kvarn_gguf_open_memory(b.p, b.n, &g, NULL, 0), KVARN_OK);
         assert_int_equal(kvarn_llama_load_gguf(g, &m), KVARN_ERR_BAD_FILE);
@@ -734,6 +741,103 @@ static void test_bad_files(void **state)
         kvarn_gguf_close(g);
         free(b.p);
     }
+    /* Hyper-parameters whose weight sizes cannot be held: 2^16 heads of
+     * 2^16 channels make Q 2^32 rows wide, beyond the int dimensions of a
+     * tensor (and wqkv 3 * 2^32 * 128 floats). Refused before the first
+     * weight is allocated, not tried as a 6 TiB allocation. */
+    wmeta wide = k_meta;
+    wide.head_count = wide.head_count_kv = wide.key_length = 1u << 16;
+    buf b = write_gguf("llama", 0, &wide);
+    kvarn_gguf *g = NULL;
+    assert_int_equal(kvarn_gguf_open_memory(b.p, b.n, &g, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_load_gguf(g, &m), KVARN_ERR_TOO_LARGE);
+    assert_null(m);
+    kvarn_gguf_close(g);
+    free(b.p);
+}
+
+/* Contexts at the size limits (issue 8). max_tokens = INT32_MAX, or a GGUF
+ * whose llama.context_length is INT32_MAX, used to give a session with a
+ * one-block cache (the tile count overflowed int) that failed with "block
+ * pool exhausted" after 16 (int8) or 256 (KVarN) tokens. Now such a
+ * session is refused at creation with KVARN_ERR_TOO_LARGE and nothing
+ * allocated; a context at the limit is a valid plan whose byte counts are
+ * the products formed here from the record sizes. */
+static void test_context_limits(void **state)
+{
+    fixture *f = *state;
+    static const char *formats[] = { "int8", "kvarn_k4v2_g128", "fp16" };
+    kvarn_llama_session *s = (kvarn_llama_session *)f; /* sentinel */
+    kvarn_llama_session_info info;
+    for (int i = 0; i < 4; i++) {
+        kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+        if (i < 3) o.cache_format = formats[i];
+        else o.exact = 1;
+        const int too_long[] = { INT32_MAX, KVARN_CACHE_MAX_SEQ_LEN + 1 };
+        for (int j = 0; j < 2; j++) {
+            o.max_tokens = too_long[j];
+            s = NULL;
+            assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_TOO_LARGE);
+            assert_null(s);
+            assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_ERR_TOO_LARGE);
+        }
+    }
+
+    /* The same through the model's own context length (max_tokens = 0). */
+    wmeta meta = k_meta;
+    meta.context_length = (uint32_t)INT32_MAX;
+    buf b = write_gguf("llama", 0, &meta);
+    kvarn_gguf *g = NULL;
+    kvarn_llama *m = NULL;
+    assert_int_equal(kvarn_gguf_open_memory(b.p, b.n, &g, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_load_gguf(g, &m), KVARN_OK);
+    assert_int_equal(kvarn_llama_get_hparams(m)->context_length, INT32_MAX);
+    for (int i = 0; i < 3; i++) {
+        kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+        o.cache_format = formats[i];
+        s = NULL;
+        assert_int_equal(kvarn_llama_session_create(m, &o, &s), KVARN_ERR_TOO_LARGE);
+        assert_null(s);
+        /* an explicit context below the model's is fine, and runs */
+        o.max_tokens = 300;
+        assert_int_equal(kvarn_llama_session_create(m, &o, &s), KVARN_OK);
+        assert_int_equal(kvarn_llama_forward(s, f->ids, 300, KVARN_LLAMA_LOGITS_NONE, NULL, 0),
+                         KVARN_OK);
+        kvarn_llama_session_free(s);
+    }
+    kvarn_llama_free(m);
+    kvarn_gguf_close(g);
+    free(b.p);
+
+    /* At the limit: a plan, not an allocation. Cache bytes from the record
+     * sizes: int8 keeps whole 16-token blocks of NL * NKV token records;
+     * KVarN keeps every tile but the sink as a record and holds
+     * sink + ceil(max_chunk / G) + 2 fp16 pages of NL * NKV * 2 * G * HD
+     * halves; the exact store 2 * NL * NKV * HD floats per token. */
+    const uint64_t T = KVARN_CACHE_MAX_SEQ_LEN;
+    kvarn_format fmt;
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.max_tokens = (int)T;
+    o.cache_format = "int8";
+    assert_int_equal(kvarn_format_parse("int8", &fmt), KVARN_OK);
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
+    assert_int_equal(info.max_tokens, T);
+    assert_int_equal(info.max_chunk, 512);
+    assert_true(info.kv_bytes == T * NL * NKV * kvarn_record_bytes(&fmt, HD));
+    assert_true(info.total_bytes == info.kv_bytes + info.other_bytes);
+    /* other: at least the block table (12 bytes per 16-token tile) */
+    assert_true(info.other_bytes >= T / 16 * 12);
+    o.cache_format = "kvarn_k4v2_g128";
+    assert_int_equal(kvarn_format_parse("kvarn_k4v2_g128", &fmt), KVARN_OK);
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
+    const uint64_t pages = 1 + 512 / 128 + 2;
+    assert_true(info.kv_bytes == (T / 128 - 1) * NL * NKV * kvarn_record_bytes(&fmt, HD) +
+                                    pages * NL * NKV * 2 * 128 * HD * 2);
+    o.exact = 1;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
+    assert_true(info.kv_bytes == 2 * T * NL * NKV * HD * sizeof(float));
+    assert_int_equal(kvarn_llama_session_plan(NULL, &o, &info), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, NULL), KVARN_ERR_INVALID_ARG);
 }
 
 int main(void)
@@ -750,6 +854,7 @@ int main(void)
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),
+        cmocka_unit_test(test_context_limits),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -76,3 +76,74 @@ def test_empty_text_file(kvarn_bin, model_path, tmp_path):
     assert r.returncode == 1 and "empty" in r.stderr
     r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(tmp_path / "absent.txt")])
     assert r.returncode == 1 and "cannot open" in r.stderr
+
+
+# Contexts the KV cache cannot hold (issue 8): a clear message naming what
+# did not fit and how much was asked, exit code 1, no crash, and no attempt
+# to allocate it. SmolLM2-135M: 30 layers x 3 KV heads x head_dim 64; int8
+# keeps 2 * 64 + 8 = 136 bytes per token-head (K and V, two fp32 scales).
+INT8_BYTES_PER_TOKEN = 30 * 3 * (2 * 64 + 8)
+
+
+def test_context_beyond_the_library_limit(kvarn_bin, model_path):
+    # above KVARN_CACHE_MAX_SEQ_LEN = 2^30 tokens: refused by the plan
+    for opt, ctx in (("--ctx", 2147483647), ("--max-tokens", 2 ** 30 + 1)):
+        r = run([kvarn_bin, "generate", "-m", model_path, "-p", "hi", "-n", "1",
+                 "--kv-cache-dtype", "int8", opt, str(ctx)])
+        assert r.returncode == 1, r.stderr
+        assert f"cannot allocate the KV cache: " in r.stderr
+        assert f"asked for {ctx} tokens x 30 layers x 3 KV heads x 64 channels in int8" in r.stderr
+        assert f"at most {2 ** 30} tokens" in r.stderr and "lower --ctx" in r.stderr
+        # the K/V bytes of ctx tokens, in TiB with one decimal (cli_fmt_bytes)
+        asked = ctx * INT8_BYTES_PER_TOKEN / 2 ** 40
+        assert f"{asked:.1f} TiB asked" in r.stderr
+
+
+def test_context_beyond_this_machine(kvarn_bin, model_path):
+    # 10^9 tokens is within the library's limit but needs 10^9 / 16 int8
+    # blocks of 16 tokens = 10^9 * 12240 bytes = 11.1 TiB of K/V: refused
+    # against RAM + swap before anything is allocated (no machine this runs
+    # on has 11 TiB).
+    ctx = 10 ** 9
+    r = run([kvarn_bin, "generate", "-m", model_path, "-p", "hi", "-n", "1",
+             "--kv-cache-dtype", "int8", "--ctx", str(ctx)])
+    assert r.returncode == 1, r.stderr
+    kv = ctx * INT8_BYTES_PER_TOKEN / 2 ** 40
+    assert (f"asked for {ctx} tokens x 30 layers x 3 KV heads x 64 channels in int8 "
+            f"({kv:.1f} TiB of K/V") in r.stderr
+    assert "this machine has" in r.stderr and "lower --ctx" in r.stderr
+
+
+def test_context_option_out_of_range(kvarn_bin, model_path):
+    for bad in ("0", "-5", "99999999999", "1e9"):
+        r = run([kvarn_bin, "generate", "-m", model_path, "-p", "hi", "--ctx", bad])
+        assert r.returncode == 2, (bad, r.stderr)
+        assert f"bad value '{bad}' for --ctx" in r.stderr and "2147483647" in r.stderr
+
+
+def test_model_context_length_at_int32_max(kvarn_bin, model_path, tmp_path):
+    # The model's own llama.context_length (the default context) patched to
+    # INT32_MAX: refused at start with the same message, not a one-block
+    # cache that runs out after 16 tokens.
+    data = bytearray(open(model_path, "rb").read())
+    key = b"llama.context_length"
+    at = data.find(key)
+    assert at > 0 and data.find(key, at + 1) < 0
+    # key string, then the value type (4 = uint32), then the value
+    assert int.from_bytes(data[at + len(key):at + len(key) + 4], "little") == 4
+    val = at + len(key) + 4
+    assert int.from_bytes(data[val:val + 4], "little") == 8192
+    data[val:val + 4] = (2 ** 31 - 1).to_bytes(4, "little")
+    patched = tmp_path / "ctx_int32_max.gguf"
+    patched.write_bytes(bytes(data))
+    for fmt in ("int8", "kvarn_k4v2_g128"):
+        r = run([kvarn_bin, "generate", "-m", str(patched), "-p", "hi", "-n", "1",
+                 "--kv-cache-dtype", fmt])
+        assert r.returncode == 1, r.stderr
+        assert (f"cannot allocate the KV cache: " in r.stderr and
+                f"asked for 2147483647 tokens x 30 layers x 3 KV heads x 64 channels in {fmt}"
+                in r.stderr)
+    # an explicit context within the model's runs as before
+    r = run([kvarn_bin, "generate", "-m", str(patched), "-p", "hi", "-n", "2", "--temp", "0",
+             "--kv-cache-dtype", "int8", "--ctx", "64"])
+    assert r.returncode == 0, r.stderr
