@@ -25,7 +25,7 @@ tsan_tests=$(for f in tests/attn/test_*.c; do basename "$f" .c; done)
 cmake --build build-tsan -j"$jobs" --target $tsan_tests
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   ctest --test-dir build-tsan --output-on-failure --no-tests=error -j"$jobs" \
-        -R "^($(echo $tsan_tests | tr ' ' '|'))\$"
+        -R "^($(echo "$tsan_tests" | paste -sd'|' -))\$"
 
 if ls tests/python/test_*.py >/dev/null 2>&1; then
   echo "== Python tests (real model)" >&2
