@@ -4,7 +4,7 @@
  * memcpy bandwidth for scale.
  *
  *   bench_attn [--quick] [--contexts 1024,4096,...] [--shapes smol,llama]
- *              [--batches 1,16] [--threads 1,2] [--formats fp16,int8,...]
+ *              [--batches 1,16] [--threads 1,2] [--formats fp16,int8,...|all]
  *              [--min-time SECONDS] [--max-mb MB] [--working-set MB]
  *              [--block-size G] [--scalar]
  *
@@ -30,8 +30,10 @@
 #include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/record.h"
+#include "format_list.h"
 
 #define MAXL 16
+#define MAX_FORMATS 64
 
 typedef struct list { int n; int v[MAXL]; } list;
 
@@ -263,7 +265,20 @@ int main(int argc, char **argv)
     printf("kernels: %s\n", kvarn_attn_kernel_name(&o0));
     printf("%-6s %5s %6s %3s %-16s %10s %9s %9s\n", "shape", "batch", "ctx", "thr", "format",
            "us/call", "vs fp16", "GB/s");
-    int nf = kvarn_format_count();
+    /* fp16 first (every ratio's baseline), then the listed formats (default
+     * all), through the command's own list parser: an unknown name or an
+     * empty item is an error, any name the library accepts runs. */
+    kvarn_format fmts[MAX_FORMATS + 1], listed[MAX_FORMATS];
+    char err[1024];
+    int n_listed = format_list_parse(formats ? formats : "all", listed, MAX_FORMATS, err, sizeof err);
+    if (n_listed < 0) {
+        fprintf(stderr, "bench_attn: --formats: %s\n", err);
+        return 2;
+    }
+    int nf = 0;
+    kvarn_format_parse("fp16", &fmts[nf++]);
+    for (int i = 0; i < n_listed; i++)
+        if (strcmp(listed[i].name, "fp16") != 0) fmts[nf++] = listed[i];
     for (int si = 0; si < 2; si++) {
         if (!strstr(shapes, shp[si].name)) continue;
         const int D = shp[si].D, Hk = shp[si].Hk, Hq = shp[si].Hq;
@@ -272,20 +287,8 @@ int main(int argc, char **argv)
                 const int batch = batches.v[bi], ctx = ctxs.v[ci];
                 double t_fp16[MAXL] = {0};
                 for (int fi = 0; fi < nf; fi++) {
-                    const char *fname = kvarn_format_name_at(fi);
-                    if (formats && fi > 0) {
-                        /* match a whole item of the comma-separated list */
-                        const char *p = formats;
-                        size_t len = strlen(fname);
-                        int found = 0;
-                        while ((p = strstr(p, fname)) != NULL) {
-                            if ((p == formats || p[-1] == ',') && (p[len] == ',' || p[len] == 0)) found = 1;
-                            p += len;
-                        }
-                        if (!found) continue;
-                    }
-                    kvarn_format fmt;
-                    kvarn_format_parse(fname, &fmt);
+                    const kvarn_format fmt = fmts[fi];
+                    const char *fname = fmt.name;
                     if (cache_bytes(&fmt, D, Hk, ctx, batch) > max_mb * 1e6) {
                         printf("%-6s %5d %6d %3s %-16s   skipped (cache over --max-mb)\n", shp[si].name,
                                batch, ctx, "-", fname);

@@ -13,7 +13,8 @@
  * machine), after a warm-up run. The default settings take about 7 s of CPU
  * time; --quick about 1 s.
  *
- * Usage: bench_codec [--quick] [--runs N] [--min-ms MS] [--format NAME] [--dim D]
+ * Usage: bench_codec [--quick] [--runs N] [--min-ms MS] [--formats NAME[,NAME...]|all] [--dim D]
+ *        (--format is the same option)
  *   --quick   3 runs of >= 5 ms (about 1 s in all); default 5 of >= 20 ms.
  */
 #include <stdint.h>
@@ -23,6 +24,7 @@
 #include <time.h>
 
 #include "kvarn/kvarn.h"
+#include "format_list.h"
 
 #define PER_TOKEN_BLOCK 128
 #define BATCH_INPUT_BYTES (1u << 20)
@@ -185,7 +187,7 @@ static void teardown(bench_ctx *c)
 static void usage(const char *argv0)
 {
     fprintf(stderr,
-            "usage: %s [--quick] [--runs N] [--min-ms MS] [--format NAME] [--dim D]\n"
+            "usage: %s [--quick] [--runs N] [--min-ms MS] [--formats NAME[,NAME...]|all] [--dim D]\n"
             "  encode/decode throughput of each cache format vs memcpy, single thread\n",
             argv0);
 }
@@ -197,17 +199,22 @@ int main(int argc, char **argv)
         if (strcmp(argv[i], "--quick") == 0) { cfg.runs = 3; cfg.min_s = 0.005; }
         else if (strcmp(argv[i], "--runs") == 0 && i + 1 < argc) cfg.runs = atoi(argv[++i]);
         else if (strcmp(argv[i], "--min-ms") == 0 && i + 1 < argc) cfg.min_s = atof(argv[++i]) / 1000.0;
-        else if (strcmp(argv[i], "--format") == 0 && i + 1 < argc) cfg.only_format = argv[++i];
+        else if ((strcmp(argv[i], "--format") == 0 || strcmp(argv[i], "--formats") == 0) && i + 1 < argc)
+            cfg.only_format = argv[++i];
         else if (strcmp(argv[i], "--dim") == 0 && i + 1 < argc) cfg.only_dim = atoi(argv[++i]);
         else { usage(argv[0]); return 2; }
     }
     if (cfg.runs < 1 || cfg.runs > 101 || cfg.min_s <= 0) { usage(argv[0]); return 2; }
 
-    const char *names[64];
-    int n_names = 0;
-    if (cfg.only_format) names[n_names++] = cfg.only_format;
-    else
-        for (int i = 0; i < kvarn_format_count() && n_names < 64; i++) names[n_names++] = kvarn_format_name_at(i);
+    /* The kvarn command's own list parser: an unknown name or an empty item
+     * is an error, any name the library accepts runs. */
+    kvarn_format fmts[64];
+    char err[1024];
+    int n_names = format_list_parse(cfg.only_format ? cfg.only_format : "all", fmts, 64, err, sizeof err);
+    if (n_names < 0) {
+        fprintf(stderr, "bench_codec: --format: %s\n", err);
+        return 2;
+    }
     const int dims[2] = {64, 128};
 
     printf("bench_codec: single thread, median of %d runs of >= %.0f ms, fp16-input bytes "
@@ -220,8 +227,8 @@ int main(int argc, char **argv)
         for (int di = 0; di < 2; di++) {
             if (cfg.only_dim && dims[di] != cfg.only_dim) continue;
             bench_ctx c;
-            if (setup(&c, names[fi], dims[di]) != 0) {
-                printf("%-16s %4d  (not served or out of memory)\n", names[fi], dims[di]);
+            if (setup(&c, fmts[fi].name, dims[di]) != 0) {
+                printf("%-16s %4d  (not served or out of memory)\n", fmts[fi].name, dims[di]);
                 teardown(&c);
                 continue;
             }

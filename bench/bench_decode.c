@@ -21,6 +21,7 @@
 #include "kvarn/gguf.h"
 #include "kvarn/model.h"
 #include "kvarn/tokenizer.h"
+#include "format_list.h"
 
 static double now(void)
 {
@@ -70,26 +71,20 @@ int main(int argc, char **argv)
     }
     if (n_decode < 1 || repeat < 1 || repeat > 64 || threads < 1) return 2;
 
-    /* formats: fp16 first (the baseline), then the list */
-    kvarn_format fmts[64];
+    /* formats: fp16 first (the baseline), then the list, through the kvarn
+     * command's own list parser (an unknown name or an empty item is an
+     * error) */
+    kvarn_format fmts[65], listed[64];
+    char lerr[1024];
+    int n_listed = format_list_parse(dtypes, listed, 64, lerr, sizeof lerr);
+    if (n_listed < 0) {
+        fprintf(stderr, "bench_decode: --kv-cache-dtype: %s\n", lerr);
+        return 2;
+    }
     int nf = 0;
     kvarn_format_parse("fp16", &fmts[nf++]);
-    if (!strcmp(dtypes, "all")) {
-        for (int i = 0; i < kvarn_format_count() && nf < 64; i++)
-            if (strcmp(kvarn_format_name_at(i), "fp16")) kvarn_format_parse(kvarn_format_name_at(i), &fmts[nf++]);
-    } else {
-        char *copy = strdup(dtypes), *save = NULL;
-        for (char *t = strtok_r(copy, ",", &save); t && nf < 64; t = strtok_r(NULL, ",", &save)) {
-            if (kvarn_format_parse(t, &fmts[nf]) != KVARN_OK) {
-                fprintf(stderr, "bench_decode: unknown cache format '%s'; accepted: %s\n", t,
-                        kvarn_format_accepted_names());
-                free(copy);
-                return 2;
-            }
-            if (strcmp(fmts[nf].name, "fp16")) nf++;
-        }
-        free(copy);
-    }
+    for (int i = 0; i < n_listed; i++)
+        if (strcmp(listed[i].name, "fp16") != 0) fmts[nf++] = listed[i];
 
     char err[256] = "";
     kvarn_gguf *g = NULL;

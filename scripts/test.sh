@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # test.sh -- the whole test suite on a fresh machine: installs what it needs,
-# builds, runs the C unit tests (plain and ASan+UBSan builds) and the Python
-# tests against the real model.
+# builds, runs the C unit tests (plain and ASan+UBSan builds), the attention
+# tests under ThreadSanitizer, and the Python tests against the real model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
@@ -17,6 +17,15 @@ echo "== ASan + UBSan build + tests" >&2
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKVARN_SANITIZE=ON -DKVARN_CUDA=OFF >/dev/null
 cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j"$jobs"
+
+echo "== ThreadSanitizer build + attention tests (tests/attn: kernels, thread pool, split-K)" >&2
+cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DKVARN_TSAN=ON -DKVARN_CUDA=OFF >/dev/null
+tsan_tests=$(for f in tests/attn/test_*.c; do basename "$f" .c; done)
+# shellcheck disable=SC2086
+cmake --build build-tsan -j"$jobs" --target $tsan_tests
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+  ctest --test-dir build-tsan --output-on-failure --no-tests=error -j"$jobs" \
+        -R "^($(echo "$tsan_tests" | paste -sd'|' -))\$"
 
 if ls tests/python/test_*.py >/dev/null 2>&1; then
   echo "== Python tests (real model)" >&2

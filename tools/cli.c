@@ -1,5 +1,6 @@
 /* cli.c -- helpers shared by the kvarn subcommands (see cli.h). */
 #include "cli.h"
+#include "format_list.h"
 
 #include "kvarn/cache.h"
 
@@ -77,34 +78,10 @@ int cli_parse_double(const char *s, double *out)
 
 int cli_parse_formats(const char *cmd, const char *list, kvarn_format *out, int max)
 {
-    if (strcmp(list, "all") == 0) {
-        int n = kvarn_format_count();
-        if (n > max) n = max;
-        for (int i = 0; i < n; i++) kvarn_format_parse(kvarn_format_name_at(i), &out[i]);
-        return n;
-    }
-    char *copy = strdup(list);
-    if (copy == NULL) return -1;
-    int n = 0;
-    char *save = NULL;
-    for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        if (n == max) {
-            cli_error(cmd, "too many cache formats (at most %d)", max);
-            free(copy);
-            return -1;
-        }
-        kvarn_status st = kvarn_format_parse(tok, &out[n]);
-        if (st != KVARN_OK) {
-            char msg[512];
-            cli_error(cmd, "%s", kvarn_format_explain(st, tok, 0, msg, sizeof msg));
-            free(copy);
-            return -1;
-        }
-        n++;
-    }
-    free(copy);
-    if (n == 0) cli_error(cmd, "empty --kv-cache-dtype list; accepted: %s", kvarn_format_accepted_names());
-    return n ? n : -1;
+    char msg[1024];
+    int n = format_list_parse(list, out, max, msg, sizeof msg);
+    if (n < 0) cli_error(cmd, "%s", msg);
+    return n;
 }
 
 const char *cli_fmt_bytes(double bytes, char *buf, size_t len)

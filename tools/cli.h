@@ -34,8 +34,10 @@ int cli_parse_double(const char *s, double *out);
 const char *cli_expected(void);
 void cli_expect(const char *what);
 
-/* Parse "NAME,NAME,..." or "all" into formats (all: every row of the table).
- * On an unknown name prints the accepted list and returns -1; else the count. */
+/* Parse "NAME,NAME,..." or "all" into formats with format_list_parse
+ * (format_list.h: the one list parser of every command and benchmark). On a
+ * bad list prints its message ("kvarn CMD: ...", with the accepted names)
+ * and returns -1; else the count (>= 1). */
 int cli_parse_formats(const char *cmd, const char *list, kvarn_format *out, int max);
 
 /* Human-readable bytes ("12.3 MiB") into buf. */

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "cli.h"
 #include "eval_stats.h"
 #include "passkey.h"
@@ -101,6 +103,11 @@ static int write_kv_dump(const char *path, const kvarn_llama_session *s,
     free(v);
     return bad;
 }
+
+/* JSON members of the --json report; each returns 1 when added, 0 when an
+ * allocation failed (o may be NULL: then nothing is added). */
+static int jnum(cJSON *o, const char *key, double v) { return cJSON_AddNumberToObject(o, key, v) != NULL; }
+static int jstr(cJSON *o, const char *key, const char *v) { return cJSON_AddStringToObject(o, key, v) != NULL; }
 
 static double effective_bytes_per_token(const kvarn_format *f, const kvarn_llama_hparams *hp, int ctx)
 {
@@ -308,12 +315,22 @@ int cmd_eval(int argc, char **argv)
     double fp16_bpt_rec = kvarn_bytes_per_token_head(&fp16, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
     double ref_ppl = eval_stats_ppl(&ref_st);
     double ref_tps = ref_decode_n ? ref_decode_n / ref_decode_s : 0.0;
+    cJSON *jroot = NULL, *jformats = NULL;
+    int jok = 1;
     if (json) {
-        printf("{\"model\": \"%s\", \"text\": \"%s\", \"tokens\": %zu, \"ctx\": %ld, \"chunk\": %ld, "
-               "\"windows\": %ld, \"decode_tokens\": %ld,\n \"reference\": {\"format\": \"fp16\", "
-               "\"ppl\": %.6f, \"decode_tok_s\": %.3f, \"passkey\": %d, \"passkey_trials\": %d},\n \"formats\": [",
-               model_path, text_path, n_ids, ctx, chunk, windows, decode_tokens, ref_ppl, ref_tps,
-               pk_correct[0], pk_total);
+        /* cJSON escapes whatever bytes the paths hold (quotes, backslashes,
+         * control characters) and writes NaN/Inf as null. */
+        jroot = cJSON_CreateObject();
+        cJSON *jref = cJSON_CreateObject();
+        jok = jstr(jroot, "model", model_path) & jstr(jroot, "text", text_path) &
+              jnum(jroot, "tokens", (double)n_ids) & jnum(jroot, "ctx", (double)ctx) &
+              jnum(jroot, "chunk", (double)chunk) & jnum(jroot, "windows", (double)windows) &
+              jnum(jroot, "decode_tokens", (double)decode_tokens) & jstr(jref, "format", "fp16") &
+              jnum(jref, "ppl", ref_ppl) & jnum(jref, "decode_tok_s", ref_tps) &
+              jnum(jref, "passkey", pk_correct[0]) & jnum(jref, "passkey_trials", pk_total);
+        if (jref && !cJSON_AddItemToObject(jroot, "reference", jref)) { cJSON_Delete(jref); jok = 0; }
+        jformats = cJSON_AddArrayToObject(jroot, "formats");
+        jok = jok && jref && jformats;
     } else {
         printf("%-17s %9s %9s %7s %9s %9s %9s %9s %7s %9s %8s %7s %9s %7s\n", "format", "B/token", "eff B/tok",
                "x fp16", "KLD mean", "median", "p99", "max", "top-1", "PPL", "dPPL", "passkey", "dec tok/s",
@@ -332,15 +349,18 @@ int cmd_eval(int argc, char **argv)
         double tps = runs[f].decode_n ? runs[f].decode_n / runs[f].decode_s : 0.0;
         double ppl = eval_stats_ppl(&runs[f].st);
         if (json) {
-            printf("%s\n  {\"format\": \"%s\", \"bytes_per_token\": %.1f, \"effective_bytes_per_token\": %.1f, "
-                   "\"capacity_x_fp16\": %.4f, \"effective_x_fp16\": %.4f, \"kld_mean\": %.6g, \"kld_median\": %.6g, \"kld_p99\": %.6g, "
-                   "\"kld_max\": %.6g, \"top1\": %.6f, \"ppl\": %.6f, \"ppl_delta\": %.6f, "
-                   "\"decode_tok_s\": %.3f, \"decode_x_fp16\": %.4f, \"positions\": %zu, "
-                   "\"passkey\": %d, \"passkey_trials\": %d}",
-                   f ? "," : "", runs[f].fmt.name, bpt, eff, fp16_bpt_rec / bpt, fp16_bpt / eff, s.kld_mean,
-                   s.kld_median,
-                   s.kld_p99, s.kld_max, s.top1, ppl, ppl - ref_ppl, tps, ref_tps > 0 ? tps / ref_tps : 0.0,
-                   s.n, pk_correct[f + 1], pk_total);
+            cJSON *o = cJSON_CreateObject();
+            int ok = jstr(o, "format", runs[f].fmt.name) & jnum(o, "bytes_per_token", bpt) &
+                     jnum(o, "effective_bytes_per_token", eff) &
+                     jnum(o, "capacity_x_fp16", fp16_bpt_rec / bpt) &
+                     jnum(o, "effective_x_fp16", fp16_bpt / eff) & jnum(o, "kld_mean", s.kld_mean) &
+                     jnum(o, "kld_median", s.kld_median) & jnum(o, "kld_p99", s.kld_p99) &
+                     jnum(o, "kld_max", s.kld_max) & jnum(o, "top1", s.top1) & jnum(o, "ppl", ppl) &
+                     jnum(o, "ppl_delta", ppl - ref_ppl) & jnum(o, "decode_tok_s", tps) &
+                     jnum(o, "decode_x_fp16", ref_tps > 0 ? tps / ref_tps : 0.0) &
+                     jnum(o, "positions", (double)s.n) & jnum(o, "passkey", pk_correct[f + 1]) &
+                     jnum(o, "passkey_trials", pk_total);
+            if (!ok || !cJSON_AddItemToArray(jformats, o)) { cJSON_Delete(o); jok = 0; }
         } else {
             char speed[48] = "        -       -";
             if (tps > 0 && ref_tps > 0) snprintf(speed, sizeof speed, "%9.1f %6.2fx", tps, tps / ref_tps);
@@ -349,7 +369,16 @@ int cmd_eval(int argc, char **argv)
                    s.kld_max, 100.0 * s.top1, ppl, ppl - ref_ppl, pk_text[f + 1], speed);
         }
     }
-    if (json) printf("\n ]}\n");
+    if (json) {
+        char *report = jok ? cJSON_Print(jroot) : NULL;
+        cJSON_Delete(jroot);
+        if (report == NULL) {
+            cli_error("eval", "out of memory writing the JSON report");
+            goto out;
+        }
+        printf("%s\n", report);
+        cJSON_free(report);
+    }
     rc = 0;
 out:
     cli_progress_end();

@@ -166,13 +166,17 @@ int cmd_generate(int argc, char **argv)
     }
     if (model_path == NULL) { cli_error("generate", "need -m MODEL (see kvarn generate --help)"); return 2; }
     if (prompt == NULL && !chat) { cli_error("generate", "need -p PROMPT or --chat"); return 2; }
-    kvarn_format fmt;
-    kvarn_status st = kvarn_format_parse(dtype, &fmt);
-    if (st != KVARN_OK) {
-        char msg[512];
-        cli_error("generate", "%s", kvarn_format_explain(st, dtype, 0, msg, sizeof msg));
+    /* The same list parser as every other command, then exactly one format. */
+    kvarn_format fmts[CLI_MAX_FORMATS];
+    int nf = cli_parse_formats("generate", dtype, fmts, CLI_MAX_FORMATS);
+    if (nf < 0) return 2;
+    if (nf != 1) {
+        cli_error("generate", "--kv-cache-dtype '%s' names %d cache formats; generate takes one "
+                  "(eval and passkey compare several)", dtype, nf);
         return 2;
     }
+    const kvarn_format fmt = fmts[0];
+    kvarn_status st;
     cli_model m;
     if (cli_model_open("generate", model_path, &m)) return 1;
     int rc = 1;

@@ -14,6 +14,7 @@
 
 #include "fuzz_format.c"
 #include "common/testutil.h"
+#include "fuzz/corpus_replay.h"
 
 #define MAX_IN 256
 
@@ -150,6 +151,24 @@ static void test_harness_sees_parse(void **state)
     assert_int_equal(kvarn_fuzz_format((const uint8_t *)"int8\0\x40\x00\x00", 8), 0);
 }
 
+static int replay_format(const uint8_t *data, size_t size, const char *name)
+{
+    (void)name;
+    return kvarn_fuzz_format(data, size);
+}
+
+/* The committed corpus (tests/fuzz/corpus/format): the seeds of
+ * scripts/fuzz.sh and every input a campaign found crashing. */
+static void test_corpus_replay(void **state)
+{
+    (void)state;
+    char bad[256] = "";
+    int n = corpus_replay("format", replay_format, bad, sizeof bad);
+    if (n == -3) fail_msg("corpus input %s broke an invariant", bad);
+    if (n < 0) fail_msg("cannot read tests/fuzz/corpus/format (KVARN_SOURCE_DIR unset? run through ctest)");
+    assert_true(n >= 11); /* at least the committed seeds */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -157,6 +176,7 @@ int main(void)
         cmocka_unit_test(test_mutations),
         cmocka_unit_test(test_random_bytes),
         cmocka_unit_test(test_harness_sees_parse),
+        cmocka_unit_test(test_corpus_replay),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

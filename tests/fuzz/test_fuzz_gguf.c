@@ -16,6 +16,7 @@
 
 #include "fuzz/fuzz_gguf.c"
 #include "model/gguf_writer.h"
+#include "fuzz/corpus_replay.h"
 
 enum { N_MUTANTS = 20000 };
 
@@ -131,11 +132,34 @@ static void test_fuzz_random_headers(void **state)
     }
 }
 
+/* Accepted in full or rejected with a message; never a crash or a leak. */
+static int replay_gguf(const uint8_t *data, size_t size, const char *name)
+{
+    double sum = 0.0;
+    kvarn_status st = fuzz_gguf_one(data, size, &sum);
+    /* the seeds are valid files and must be read back in full */
+    if (strncmp(name, "seed-", 5) == 0) return st != KVARN_OK;
+    return !(st == KVARN_OK || st == KVARN_ERR_BAD_FILE || st == KVARN_ERR_UNSUPPORTED);
+}
+
+/* The committed corpus (tests/fuzz/corpus/gguf): the seeds of
+ * scripts/fuzz.sh and every input a campaign found crashing. */
+static void test_corpus_replay(void **state)
+{
+    (void)state;
+    char bad[256] = "";
+    int n = corpus_replay("gguf", replay_gguf, bad, sizeof bad);
+    if (n == -3) fail_msg("corpus input %s broke an invariant", bad);
+    if (n < 0) fail_msg("cannot read tests/fuzz/corpus/gguf (KVARN_SOURCE_DIR unset? run through ctest)");
+    assert_true(n >= 2); /* at least the committed seeds */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fuzz_mutations),
         cmocka_unit_test(test_fuzz_random_headers),
+        cmocka_unit_test(test_corpus_replay),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

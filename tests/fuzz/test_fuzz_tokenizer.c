@@ -15,6 +15,7 @@
 
 #include "fuzz_tokenizer.c"
 #include "common/testutil.h"
+#include "fuzz/corpus_replay.h"
 
 #define MAX_IN 1024
 
@@ -108,6 +109,24 @@ static void test_harness(void **state)
     kvarn_tokenizer_free(t);
 }
 
+static int replay_tokenizer(const uint8_t *data, size_t size, const char *name)
+{
+    (void)name;
+    return kvarn_fuzz_tokenizer(data, size);
+}
+
+/* The committed corpus (tests/fuzz/corpus/tokenizer): the seeds of
+ * scripts/fuzz.sh and every input a campaign found crashing. */
+static void test_corpus_replay(void **state)
+{
+    (void)state;
+    char bad[256] = "";
+    int n = corpus_replay("tokenizer", replay_tokenizer, bad, sizeof bad);
+    if (n == -3) fail_msg("corpus input %s broke an invariant", bad);
+    if (n < 0) fail_msg("cannot read tests/fuzz/corpus/tokenizer (KVARN_SOURCE_DIR unset? run through ctest)");
+    assert_true(n >= 4); /* at least the committed seeds */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -115,6 +134,7 @@ int main(void)
         cmocka_unit_test(test_fragments),
         cmocka_unit_test(test_long_runs),
         cmocka_unit_test(test_harness),
+        cmocka_unit_test(test_corpus_replay),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

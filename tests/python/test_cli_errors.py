@@ -2,6 +2,8 @@
 non-zero exit, nothing else broken (issue: the kvarn command, tests)."""
 import subprocess
 
+import pytest
+
 
 def run(args, **kw):
     return subprocess.run(args, capture_output=True, text=True, timeout=600, **kw)
@@ -147,3 +149,109 @@ def test_model_context_length_at_int32_max(kvarn_bin, model_path, tmp_path):
     r = run([kvarn_bin, "generate", "-m", str(patched), "-p", "hi", "-n", "2", "--temp", "0",
              "--kv-cache-dtype", "int8", "--ctx", "64"])
     assert r.returncode == 0, r.stderr
+
+
+# ---- cache-format lists: one parser, one behaviour (issue 8) -------------
+# Every command and benchmark parses its format list with tools/format_list.c:
+# an empty item, an unknown name or 'all' inside a list is a usage error
+# (exit 2) with the same message everywhere; 'all' alone is every format.
+
+BAD_LISTS = {
+    "fp16,,int8": "empty item 2 in the cache-format list 'fp16,,int8'",
+    ",int8": "empty item 1 in the cache-format list ',int8'",
+    "int8,": "empty item 2 in the cache-format list 'int8,'",
+    "": "empty cache-format list",
+    "all,int8": "'all' must stand alone",
+    "kvarn_k2v2_g128,bogus": "unknown cache format 'bogus'",
+}
+
+# Quick settings, so that a benchmark that wrongly accepts a list ends fast.
+ATTN_QUICK = ["--contexts", "256", "--batches", "1", "--threads", "1", "--shapes", "smol",
+              "--min-time", "0.001", "--working-set", "0"]
+CODEC_QUICK = ["--runs", "1", "--min-ms", "1", "--dim", "64"]
+
+
+def bench_bin(name):
+    from conftest import BUILD
+    exe = BUILD / name
+    assert exe.exists(), f"{exe} is missing: a full build (cmake --build build) makes it"
+    return str(exe)
+
+
+def list_commands(kvarn_bin, model_path, dtypes):
+    """(label, argv, prefix of its error line) of every user of a format list."""
+    return [
+        ("generate", [kvarn_bin, "generate", "-m", model_path, "-p", "hi", "--kv-cache-dtype", dtypes],
+         "kvarn generate: "),
+        ("eval", [kvarn_bin, "eval", "-m", model_path, "-f", "absent.txt", "--kv-cache-dtype", dtypes],
+         "kvarn eval: "),
+        ("passkey", [kvarn_bin, "passkey", "-m", model_path, "--kv-cache-dtype", dtypes], "kvarn passkey: "),
+        ("inspect", [kvarn_bin, "inspect", "--layers", "1", "--kv-heads", "1", "--head-dim", "64",
+                     "--kv-cache-dtype", dtypes], "kvarn inspect: "),
+        ("bench_attn", [bench_bin("bench_attn"), "--formats", dtypes] + ATTN_QUICK,
+         "bench_attn: --formats: "),
+        ("bench_codec", [bench_bin("bench_codec"), "--format", dtypes] + CODEC_QUICK,
+         "bench_codec: --format: "),
+        # a missing model: a list wrongly accepted fails on the model instead
+        ("bench_decode", [bench_bin("bench_decode"), "-m", "absent.gguf", "--kv-cache-dtype", dtypes],
+         "bench_decode: --kv-cache-dtype: "),
+    ]
+
+
+@pytest.mark.parametrize("dtypes", list(BAD_LISTS))
+def test_bad_format_list_same_error_everywhere(kvarn_bin, model_path, dtypes):
+    messages = {}
+    for label, argv, prefix in list_commands(kvarn_bin, model_path, dtypes):
+        r = run(argv)
+        assert r.returncode == 2, (label, r.returncode, r.stderr)
+        line = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
+        assert line.startswith(prefix), (label, r.stderr)
+        assert BAD_LISTS[dtypes] in line, (label, line)
+        assert "accepted: " in line and "kvarn_k4v2_g128" in line and "fp8_e4m3" in line, (label, line)
+        messages[label] = line[len(prefix):]
+    assert len(set(messages.values())) == 1, messages
+
+
+def inspect_rows(kvarn_bin, dtypes):
+    r = run([kvarn_bin, "inspect", "--layers", "2", "--kv-heads", "2", "--head-dim", "64",
+             "--kv-cache-dtype", dtypes])
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()[2:]
+
+
+def test_all_expands_to_every_format(kvarn_bin):
+    rows = inspect_rows(kvarn_bin, "all")
+    names = [row.split()[0] for row in rows]
+    # 'all' is the table in ladder order; the same names listed one by one
+    # give the same rows.
+    assert names[:6] == ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
+    assert "kvarn_k4v2_g128" in names and len(names) == len(set(names))
+    assert inspect_rows(kvarn_bin, ",".join(names)) == rows
+    # accepted names outside the table (aliases, any k/v/g) are accepted too
+    extra = inspect_rows(kvarn_bin, "fp8,auto,kvarn_k2v2_g128")
+    assert [row.split()[0] for row in extra] == ["fp8_e4m3", "fp16", "kvarn_k2v2_g128"]
+
+
+def test_generate_takes_one_format(kvarn_bin, model_path):
+    r = run([kvarn_bin, "generate", "-m", model_path, "-p", "hi", "--kv-cache-dtype", "int8,fp16"])
+    assert r.returncode == 2 and "names 2 cache formats; generate takes one" in r.stderr
+
+
+def test_bench_attn_runs_every_accepted_name(kvarn_bin):
+    # kvarn_k2v2_g128 is not a table row but the library accepts it: it must
+    # run (it was silently dropped), after the fp16 baseline.
+    r = run([bench_bin("bench_attn"), "--formats", "kvarn_k2v2_g128,int8"] + ATTN_QUICK)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("smol ")]
+    assert [row[4] for row in rows] == ["fp16", "kvarn_k2v2_g128", "int8"], r.stdout
+    for row in rows:
+        assert float(row[5]) > 0, row   # us/call measured
+
+
+def test_bench_codec_runs_a_list(kvarn_bin):
+    r = run([bench_bin("bench_codec"), "--format", "kvarn_k2v2_g128,int8"] + CODEC_QUICK)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:2] in
+            (["kvarn_k2v2_g128", "64"], ["int8", "64"])]
+    assert [row[0] for row in rows] == ["kvarn_k2v2_g128", "int8"], r.stdout
+    assert "not served" not in r.stdout

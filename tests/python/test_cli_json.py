@@ -1,0 +1,61 @@
+"""`kvarn eval --json` writes valid JSON whatever bytes the model and text
+paths hold (issue 8: the CLI's JSON was printf'ed, so a path with a quote or
+a backslash broke it). The report is parsed back with Python's json, and the
+paths must come back exactly as given."""
+import json
+import math
+import os
+import subprocess
+
+import pytest
+
+# Each a part of a directory or file name: JSON's two escaped printables, the
+# C0 control characters JSON forbids raw (tab, newline, 0x01, 0x1f, escape),
+# DEL, and non-ASCII UTF-8 of 2, 3 and 4 bytes. '/' and NUL cannot be in a
+# file name.
+HOSTILE = ['q"uote', "back\\slash", "tab\there", "new\nline", "ctl\x01\x1f\x1b",
+           "del\x7f", "caf\u00e9", "\u65e5\u672c", "\U0001f389", '\\"\\\\" ']
+
+
+def run_eval(kvarn_bin, model, text, extra=()):
+    return subprocess.run(
+        [kvarn_bin, "eval", "-m", model, "-f", text, "--ctx", "24", "--chunk", "8",
+         "--decode-tokens", "2", "--kv-cache-dtype", "int8,kvarn_k4v2_g64", "--json", *extra],
+        capture_output=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def hostile_paths(tmp_path_factory, model_path):
+    """The model (a symlink) and a short text, both under directories and
+    names made of HOSTILE."""
+    base = tmp_path_factory.mktemp("json")
+    d = base / "".join(HOSTILE[:5])
+    d.mkdir()
+    model = d / ("m" + "".join(HOSTILE[5:]) + ".gguf")
+    os.symlink(os.path.abspath(model_path), model)
+    text = d / ("t" + "".join(HOSTILE) + ".txt")
+    text.write_text("It is a truth universally acknowledged, that a single man in possession "
+                    "of a good fortune, must be in want of a wife. " * 3, encoding="utf-8")
+    return str(model), str(text)
+
+
+def test_eval_json_with_hostile_paths(kvarn_bin, hostile_paths):
+    model, text = hostile_paths
+    r = run_eval(kvarn_bin, model, text)
+    assert r.returncode == 0, r.stderr.decode("utf-8", "replace")
+    out = r.stdout.decode("utf-8")   # valid UTF-8, or this raises
+    rep = json.loads(out)            # strict: raw control characters are refused
+    assert rep["model"] == model
+    assert rep["text"] == text
+    assert rep["ctx"] == 24 and rep["chunk"] == 8 and rep["decode_tokens"] == 2
+    assert [f["format"] for f in rep["formats"]] == ["int8", "kvarn_k4v2_g64"]
+    assert rep["reference"]["format"] == "fp16"
+    # Every number is a finite JSON number (printf would write inf/nan, which
+    # are not JSON); the positions scored are ctx - 1 per window.
+    for row in rep["formats"]:
+        for k, v in row.items():
+            if k != "format":
+                assert isinstance(v, (int, float)) and math.isfinite(v), (k, v)
+        assert row["positions"] == 23
+        assert row["kld_mean"] >= 0 and 0 <= row["top1"] <= 1
+    assert math.isfinite(rep["reference"]["ppl"]) and rep["reference"]["ppl"] > 1
