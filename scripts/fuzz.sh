@@ -51,14 +51,8 @@ for src in src/common/*.c src/codec/*.c src/cache/*.c src/attn/*.c src/model/*.c
   esac
   obj="$out/obj/$(echo "${src#src/}" | tr / _).o"
   if [ ! -f "$obj" ] || [ "$src" -nt "$obj" ]; then
-    if [ "$src" = src/codec/cpu.c ]; then
-      # clang 14 does not know __builtin_cpu_supports("f16c"): the CPU
-      # feature probe (no input parsing in it) is compiled by gcc, plain.
-      gcc -std=c11 -O1 -D_POSIX_C_SOURCE=200809L -Iinclude -Isrc -c "$src" -o "$obj"
-    else
-      # shellcheck disable=SC2086
-      $CC $cflags $blas_inc $san -fsanitize=fuzzer-no-link $simd -c "$src" -o "$obj"
-    fi
+    # shellcheck disable=SC2086
+    $CC $cflags $blas_inc $san -fsanitize=fuzzer-no-link $simd -c "$src" -o "$obj"
   fi
   objs+=("$obj")
 done

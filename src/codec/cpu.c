@@ -5,12 +5,21 @@
 
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 static kvarn_cpu_level hardware_level(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-               __builtin_cpu_supports("f16c");
+    /* FMA and F16C from CPUID leaf 1 ECX (bits 12 and 29): clang 14's
+     * __builtin_cpu_supports does not know "f16c". AVX2 and AVX-512 go
+     * through the builtin, which also checks that the OS saves the wide
+     * registers. */
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return KVARN_CPU_SCALAR;
+    int fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
+    int avx2 = __builtin_cpu_supports("avx2") && fma && f16c;
     if (!avx2) return KVARN_CPU_SCALAR;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl"))
