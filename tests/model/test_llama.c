@@ -327,7 +327,16 @@ static void test_hparams(void **state)
 }
 
 /* Exact store: one prefill, token-by-token decode and chunks of 7 and 128
- * see the same exact K/V, so only fp32 summation order differs. */
+ * see the same exact K/V, so only fp32 summation order differs (GEMM vs
+ * GEMV, attention over different key ranges). Bound: the worst-case
+ * relative error of an n-term fp32 dot product is gamma_n = n u / (1 - n u)
+ * (u = 2^-24); the longest sums here have n = NTOK = 300 terms (attention
+ * over the whole context), gamma_300 = 1.8e-5. Each path carries that
+ * through the depth: per layer QKV, attention, output, gate/up, down (5
+ * stages, 2 layers), then the head: 11 stages; the difference of two paths
+ * is at most twice one path's error: 2 * 11 * gamma_300 = 3.9e-4 of
+ * max|logit| (relative to the terms' magnitudes, which the RMSNorms keep at
+ * the logits' scale). */
 static void test_exact_prefill_decode_chunked(void **state)
 {
     fixture *f = *state;
@@ -336,10 +345,15 @@ static void test_exact_prefill_decode_chunked(void **state)
     float *c7 = run(f, NULL, EXACT, 7);
     float *c128 = run(f, NULL, EXACT, 128);
     double scale = max_abs(pre);
+    const double u = 1.0 / 16777216.0, gamma = NTOK * u / (1.0 - NTOK * u);
+    const double tol = 2.0 * (5 * NL + 1) * gamma;
+    print_message("exact store max|diff| vs prefill (max|logit| %.2f): decode %.2e, "
+                  "chunk 7 %.2e, chunk 128 %.2e (bound %.2e)\n", scale, max_diff(pre, dec),
+                  max_diff(pre, c7), max_diff(pre, c128), tol * scale);
     assert_true(scale > 1.0);
-    assert_true(max_diff(pre, dec) < 1e-4 * scale);
-    assert_true(max_diff(pre, c7) < 1e-4 * scale);
-    assert_true(max_diff(pre, c128) < 1e-4 * scale);
+    assert_true(max_diff(pre, dec) <= tol * scale);
+    assert_true(max_diff(pre, c7) <= tol * scale);
+    assert_true(max_diff(pre, c128) <= tol * scale);
     free(pre);
     free(dec);
     free(c7);
@@ -347,9 +361,14 @@ static void test_exact_prefill_decode_chunked(void **state)
 }
 
 /* fp16 cache. Both paths: a chunk sees its own K/V exact and the history
- * at fp16 from the cache, so a full prefill never reads the cache (it is
- * the exact run), and decode and chunks of 128 agree with it to fp16
- * rounding; the two paths agree with each other to fp32 summation order. */
+ * at fp16 from the cache, so a full prefill never reads the cache: it runs
+ * the exact store's operations in the same order and gives the same
+ * logits bit for bit. Decode and chunks of 128 read fp16 history; their
+ * distance from the exact run is fp16's own effect, which (fp16 step 2^-11
+ * relative, bf16 2^-8) is to first order 1/8 of bf16's: bounded here by
+ * bf16's effect on the same run. The two paths (kernels, exact-chunk)
+ * differ where a K/V element flips one fp16 step between them: at most
+ * twice fp16's own effect (see test_model_kernels_match_exact_chunk). */
 static void test_fp16_prefill_decode_chunked(void **state)
 {
     fixture *f = *state;
@@ -359,27 +378,35 @@ static void test_fp16_prefill_decode_chunked(void **state)
     float *c128 = run(f, "fp16", KERNELS, 128);
     float *pre_x = run(f, "fp16", EXACT_CHUNK, NTOK);
     float *dec_x = run(f, "fp16", EXACT_CHUNK, 1);
+    float *dec_bf = run(f, "bf16", KERNELS, 1);
+    float *c128_bf = run(f, "bf16", KERNELS, 128);
     double scale = max_abs(ex);
-    double d_pre = max_diff(ex, pre), d_dec = max_diff(pre, dec);
-    double d_c128 = max_diff(pre, c128), d_prex = max_diff(ex, pre_x);
+    double d_pre = max_diff(ex, pre), d_dec = max_diff(ex, dec);
+    double d_c128 = max_diff(ex, c128), d_prex = max_diff(ex, pre_x);
     double d_decx = max_diff(dec_x, dec);
+    double d_dec_bf = max_diff(ex, dec_bf), d_c128_bf = max_diff(ex, c128_bf);
     print_message("fp16 max|diff| (max|logit| %.2f): prefill-exact %.2e, "
-                  "decode-prefill %.2e, chunk128-prefill %.2e, exact-chunk "
-                  "prefill-exact %.2e, exact-chunk decode vs kernels decode %.2e\n",
-                  scale, d_pre, d_dec, d_c128, d_prex, d_decx);
-    assert_true(d_pre < 1e-5 * scale);
-    assert_true(d_dec < 2e-3 * scale);
-    assert_true(d_c128 < 2e-3 * scale);
-    assert_true(d_prex < 1e-5 * scale);
-    assert_true(d_decx < 1e-4 * scale);
-    /* ... and the cache really is read by decode (fp16 is not bit-exact). */
+                  "decode-exact %.2e (bf16 %.2e), chunk128-exact %.2e (bf16 %.2e), "
+                  "exact-chunk prefill-exact %.2e, exact-chunk decode vs kernels "
+                  "decode %.2e\n", scale, d_pre, d_dec, d_dec_bf, d_c128, d_c128_bf,
+                  d_prex, d_decx);
+    assert_true(scale > 1.0);
+    assert_true(d_pre == 0.0);
+    assert_true(d_prex == 0.0);
+    /* ... the cache really is read by decode (fp16 is not bit-exact) ... */
     assert_true(d_dec > 0.0 && d_c128 > 0.0);
+    /* ... and its effect is below bf16's (8x the step). */
+    assert_true(d_dec <= d_dec_bf);
+    assert_true(d_c128 <= d_c128_bf);
+    assert_true(d_decx <= 2.0 * d_dec);
     free(ex);
     free(pre);
     free(dec);
     free(c128);
     free(pre_x);
     free(dec_x);
+    free(dec_bf);
+    free(c128_bf);
 }
 
 /* The paged kernels read the same history that kvarn_cache_read decodes,
@@ -452,36 +479,105 @@ static void test_kernels_match_exact_chunk(void **state)
     free(ob);
 }
 
-/* The whole model, every format: the kernel path equals the exact-chunk
- * path (same K/V semantics: the chunk exact, the history as the cache
- * holds it) for chunks of one tile, chunks that straddle tiles, and
- * token-by-token decode. Small K/V differences can move a rounding of the
- * quantizer in one path and not the other, so the bound is looser for the
- * quantized formats than for the attention alone. */
+/* Mean over positions of KL(softmax(p) || softmax(q)), in nats, in double. */
+static double mean_kld(const float *p, const float *q)
+{
+    double sum = 0;
+    for (int t = 0; t < NTOK; t++) {
+        const float *a = p + (size_t)t * VOCAB, *b = q + (size_t)t * VOCAB;
+        double ma = a[0], mb = b[0], za = 0, zb = 0, kl = 0;
+        for (int j = 1; j < VOCAB; j++) {
+            ma = fmax(ma, a[j]);
+            mb = fmax(mb, b[j]);
+        }
+        for (int j = 0; j < VOCAB; j++) {
+            za += exp(a[j] - ma);
+            zb += exp(b[j] - mb);
+        }
+        for (int j = 0; j < VOCAB; j++) {
+            double la = a[j] - ma - log(za), lb = b[j] - mb - log(zb);
+            kl += exp(la) * (la - lb);
+        }
+        sum += kl;
+    }
+    return sum / NTOK;
+}
+
+/* Positions whose argmax differs. */
+static int top1_flips(const float *a, const float *b)
+{
+    int flips = 0;
+    for (int t = 0; t < NTOK; t++) {
+        const float *x = a + (size_t)t * VOCAB, *y = b + (size_t)t * VOCAB;
+        int ix = 0, iy = 0;
+        for (int j = 1; j < VOCAB; j++) {
+            if (x[j] > x[ix]) ix = j;
+            if (y[j] > y[iy]) iy = j;
+        }
+        flips += ix != iy;
+    }
+    return flips;
+}
+
+/* The whole model, every format: the kernel path agrees with the
+ * exact-chunk path (same K/V semantics: the chunk exact, the history as the
+ * cache holds it) for chunks of one tile, chunks that straddle tiles, and
+ * token-by-token decode.
+ *
+ * What is compared, and why not max|logit diff| against a fixed fraction:
+ * the two paths sum in different fp32 orders (and OpenBLAS picks different
+ * GEMM kernels on different CPUs), so layer 1's input differs in the last
+ * fp32 bits, and where a K/V element sits near a rounding boundary of the
+ * format, one path stores it one step (one fp16/bf16 ulp, one int/fp8 code)
+ * away from the other. Which elements flip depends on the machine; the
+ * softmax then amplifies them (this model's attention is peaky). A fixed
+ * bound on max|diff| is therefore one machine's measurement (2e-4 of
+ * max|logit| here failed on a Xeon at bf16, chunk 1). The attention itself
+ * on identical inputs is checked tightly by test_kernels_match_exact_chunk.
+ *
+ * The bound instead comes from the format's own error, measured in the
+ * same run: the format run against the exact (fp32 K/V) store. Rounding to
+ * the format moves EVERY K/V element by up to half a step; a flip between
+ * the paths moves SOME elements by one step, i.e. at most twice the
+ * rounding of that element. To first order (the logits are a smooth
+ * function of K/V at this scale) the path difference is then at most 2x
+ * the format's own effect in the max norm, and 4x in KLD (quadratic in
+ * the logit change). The 16-bit formats are checked the same way: bf16's
+ * step is 2^-8 relative, fp16's 2^-11. */
 static void test_model_kernels_match_exact_chunk(void **state)
 {
     fixture *f = *state;
     const int chunks[] = {128, 100, 1};
+    float *ex[3];
+    for (int c = 0; c < 3; c++) ex[c] = run(f, NULL, EXACT, chunks[c]);
     for (int i = 0; i < kvarn_format_count(); i++) {
         const char *name = kvarn_format_name_at(i);
         kvarn_format fmt;
         assert_int_equal(kvarn_format_parse(name, &fmt), KVARN_OK);
-        int sixteen = fmt.kind == KVARN_KIND_FP16 || fmt.kind == KVARN_KIND_BF16;
         for (int c = 0; c < 3; c++) {
             float *a = run(f, name, KERNELS, chunks[c]);
             float *b = run(f, name, EXACT_CHUNK, chunks[c]);
             double d = max_diff(a, b), scale = max_abs(b);
-            print_message("%-16s chunk %3d: kernels vs exact-chunk logits max|diff| "
-                          "%.2e (max|logit| %.2f)\n", name, chunks[c], d, scale);
+            double d_fmt = max_diff(ex[c], b);
+            double kld = mean_kld(b, a), kld_fmt = mean_kld(ex[c], b);
+            int flips = top1_flips(a, b), flips_fmt = top1_flips(ex[c], b);
+            print_message("%-16s chunk %3d: kernels vs exact-chunk max|diff| %.2e "
+                          "(format vs exact %.2e, ratio %.3f), KLD %.2e (format %.2e, "
+                          "ratio %.3f), top-1 flips %d (format %d) of %d\n",
+                          name, chunks[c], d, d_fmt, d / d_fmt, kld, kld_fmt,
+                          kld / kld_fmt, flips, flips_fmt, NTOK);
             assert_true(scale > 1.0);
-            /* 16-bit: 1-ulp fp16/bf16 rounding flips; quantized: a flipped
-             * code now and then (measured up to ~1.1e-3 of max|logit|),
-             * far below reading the chunk's own records quantized. */
-            assert_true(d < (sixteen ? 2e-4 : 3e-3) * scale);
+            /* The format must change the logits at all, or the bounds
+             * below would be 0 (every format rounds fp32 K/V). */
+            assert_true(d_fmt > 0.0 && kld_fmt > 0.0);
+            /* One step per flipped element vs half a step on every one. */
+            assert_true(d <= 2.0 * d_fmt);
+            assert_true(kld <= 4.0 * kld_fmt);
             free(a);
             free(b);
         }
     }
+    for (int c = 0; c < 3; c++) free(ex[c]);
 }
 
 /* Every format of the table runs chunked (one tile per call) with finite
