@@ -155,14 +155,6 @@ static kvarn_cache *make(const char *name, int G, int sink, int n_blocks, int n_
     return c;
 }
 
-static int ready(const char *name)
-{
-    kvarn_format f = fx_format(name);
-    if (fx_codec_ready(&f, D)) return 1;
-    print_message("  (codec does not encode %s yet: part skipped)\n", name);
-    return 0;
-}
-
 /* ------------------------------------------------------------------------ */
 
 static void test_create_and_geometry(void **state)
@@ -312,10 +304,7 @@ static void test_roundtrip_every_format(void **state)
                            "kvarn_k8v8_g32", "kvarn_k2v2_g64"};
     test_rng r;
     test_rng_seed(&r, 11);
-    int ran = 0;
     for (size_t f = 0; f < sizeof names / sizeof names[0]; f++) {
-        if (!ready(names[f])) continue;
-        ran++;
         kvarn_format fmt = fx_format(names[f]);
         const int G = fx_block_size(&fmt, 16);
         const int n = 3 * G + 5;
@@ -361,7 +350,6 @@ static void test_roundtrip_every_format(void **state)
         tok_free(&t);
         kvarn_cache_destroy(c);
     }
-    if (ran == 0) skip();
 }
 
 /* Decode-style: one token at a time, commit lagging by 2 tokens (tokens
@@ -412,7 +400,6 @@ static void sink_tail_case(int sink)
 static void test_kvarn_sink_tail_commit(void **state)
 {
     (void)state;
-    if (!ready("kvarn_k4v2_g32")) skip();
     sink_tail_case(1);
     sink_tail_case(0);
     sink_tail_case(2);
@@ -495,11 +482,9 @@ static void rollback_case(const char *name)
 static void test_rollback_exact(void **state)
 {
     (void)state;
-    int ran = 0;
-    if (ready("kvarn_k4v2_g32")) { rollback_case("kvarn_k4v2_g32"); ran++; }
-    if (ready("int8")) { rollback_case("int8"); ran++; }
-    if (ready("fp16")) { rollback_case("fp16"); ran++; }
-    if (!ran) skip();
+    rollback_case("kvarn_k4v2_g32");
+    rollback_case("int8");
+    rollback_case("fp16");
 }
 
 /* KVarN refuses to cut into a quantized tile; per-token formats never do. */
@@ -508,9 +493,7 @@ static void test_truncate_into_committed(void **state)
     (void)state;
     test_rng r;
     test_rng_seed(&r, 51);
-    int ran = 0;
-    if (ready("kvarn_k4v2_g32")) {
-        ran++;
+    { /* kvarn_k4v2_g32 */
         kvarn_cache *c = make("kvarn_k4v2_g32", 0, 1, 6, 6, 2);
         tokens t = tok_new(100, &r, 1.0f);
         int s;
@@ -549,8 +532,7 @@ static void test_truncate_into_committed(void **state)
         tok_free(&t);
         kvarn_cache_destroy(c);
     }
-    if (ready("int4")) {
-        ran++;
+    { /* int4 */
         kvarn_cache *c = make("int4", 16, 0, 10, 0, 2);
         tokens t = tok_new(100, &r, 1.0f), u = tok_new(100, &r, 1.0f);
         int s;
@@ -572,7 +554,6 @@ static void test_truncate_into_committed(void **state)
         tok_free(&u);
         kvarn_cache_destroy(c);
     }
-    if (!ran) skip();
 }
 
 /* Fork, copy-on-write, free: nobody else's contents change; refcounts. */
@@ -708,11 +689,9 @@ static void fork_case(const char *name)
 static void test_fork_cow_free(void **state)
 {
     (void)state;
-    int ran = 0;
-    if (ready("kvarn_k4v2_g32")) { fork_case("kvarn_k4v2_g32"); ran++; }
-    if (ready("int8")) { fork_case("int8"); ran++; }
-    if (ready("fp8_e4m3")) { fork_case("fp8_e4m3"); ran++; }
-    if (!ran) skip();
+    fork_case("kvarn_k4v2_g32");
+    fork_case("int8");
+    fork_case("fp8_e4m3");
 }
 
 /* Exhaustion: a clear error and nothing changed (contents, tables, counters). */
@@ -741,7 +720,6 @@ static snapshot snap(kvarn_cache *c, const int *seqs, int n)
 static void test_exhaustion(void **state)
 {
     (void)state;
-    if (!ready("kvarn_k4v2_g32")) skip();
     test_rng r;
     test_rng_seed(&r, 71);
     /* 6 blocks, 4 pages, 3 sequences */
@@ -800,7 +778,6 @@ static void test_exhaustion(void **state)
     kvarn_cache_destroy(c);
 
     /* per-token format: blocks only */
-    if (!ready("int8")) return;
     c = make("int8", 16, 0, 5, 0, 2);
     tokens t = tok_new(100, &r, 1.0f);
     assert_int_equal(kvarn_cache_seq_create(c, &seqs[0]), KVARN_OK);
@@ -862,10 +839,8 @@ static void scrambled_case(const char *name)
 static void test_scrambled_block_ids(void **state)
 {
     (void)state;
-    int ran = 0;
-    if (ready("kvarn_k4v2_g32")) { scrambled_case("kvarn_k4v2_g32"); ran++; }
-    if (ready("int4")) { scrambled_case("int4"); ran++; }
-    if (!ran) skip();
+    scrambled_case("kvarn_k4v2_g32");
+    scrambled_case("int4");
 }
 
 static void test_slot_mapping(void **state)
@@ -892,7 +867,7 @@ static void test_slot_mapping(void **state)
     const uint16_t *pv = kv.fp16_pages + ((size_t)((slots[45] / 32) * HK + 1) * 2 + 1) * 32 * D +
                          (size_t)(slots[45] % 32) * D;
     for (int d = 0; d < D; d++) assert_true(kvarn_fp16_to_fp32(pv[d]) == want[d]);
-    if (ready("kvarn_k4v2_g32")) {
+    { /* kvarn_k4v2_g32 */
         assert_int_equal(kvarn_cache_commit(c, s, 70), KVARN_OK);
         assert_int_equal(kvarn_cache_slot_mapping(c, s, 30, 5, slots), KVARN_ERR_STATE);
         assert_int_equal(kvarn_cache_slot_mapping(c, s, 64, 6, slots), KVARN_OK);
@@ -904,7 +879,6 @@ static void test_slot_mapping(void **state)
     tok_free(&t);
     kvarn_cache_destroy(c);
 
-    if (!ready("int8")) return;
     c = make("int8", 16, 0, 8, 0, 2);
     t = tok_new(100, &r, 1.0f);
     assert_int_equal(kvarn_cache_seq_create(c, &s), KVARN_OK);
