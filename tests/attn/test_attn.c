@@ -127,7 +127,10 @@ static case_result run_case(const attn_case *c, uint64_t seed)
     test_rng_seed(&rng, seed ^ 0x5151);
     for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
     for (size_t i = 0; i < nq; i++) out[i] = 12345.0f;
-    assert_int_equal(run_attn(&f, c, qsl, q, out, NULL), KVARN_OK);
+    kvarn_thread_pool *pool = NULL;
+    if (test_threads(1) > 1) assert_int_equal(kvarn_thread_pool_create(test_threads(1), &pool), KVARN_OK);
+    assert_int_equal(run_attn(&f, c, qsl, q, out, pool), KVARN_OK);
+    kvarn_thread_pool_destroy(pool);
 
     case_result res = {0, 0, 0};
     const double scale = 1.0 / sqrt((double)D);

@@ -267,6 +267,7 @@ enum { KERNELS = 0, EXACT_CHUNK = 1, EXACT = 2 };
 static float *run(const fixture *f, const char *format, int mode, int chunk)
 {
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.attn_threads = test_threads(1);
     o.cache_format = format;
     o.exact = mode == EXACT;
     o.exact_chunk = mode == EXACT_CHUNK;
@@ -433,6 +434,7 @@ static void test_kernels_match_exact_chunk(void **state)
         assert_int_equal(kvarn_format_parse(name, &fmt), KVARN_OK);
         const double tol = 1e-5;
         kvarn_llama_session_opts oa_opts = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+        oa_opts.attn_threads = test_threads(1);
         kvarn_llama_session_opts ob_opts = oa_opts;
         ob_opts.exact_chunk = 1;
         llama_kv *A = NULL, *B = NULL;
@@ -613,6 +615,7 @@ static void test_read_kv(void **state)
     fixture *f = *state;
     const int T = 40, kd = NKV * HD, qd = NH * HD;
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.attn_threads = test_threads(1);
     o.cache_format = "int4";
     o.max_tokens = T;
     o.max_chunk = 16;
@@ -706,6 +709,7 @@ static void test_last_and_reset(void **state)
 {
     fixture *f = *state;
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.attn_threads = test_threads(1);
     o.cache_format = "kvarn_k4v2_g128";
     o.max_tokens = NTOK;
     o.max_chunk = 160;
@@ -742,6 +746,7 @@ static void test_errors(void **state)
 {
     fixture *f = *state;
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.attn_threads = test_threads(1);
     kvarn_llama_session *s = NULL;
     o.cache_format = "fp12";
     assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_UNKNOWN_FORMAT);
@@ -785,6 +790,7 @@ static void test_nonfinite_rolls_back(void **state)
     static const char *formats[] = { "fp16", "int4", "kvarn_k4v2_g128" };
     for (int i = 0; i < 3; i++) {
         kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+        o.attn_threads = test_threads(1);
         o.cache_format = formats[i];
         o.max_tokens = NTOK;
         o.max_chunk = 128;
