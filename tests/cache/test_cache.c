@@ -420,9 +420,35 @@ static void test_kvarn_tail_exact(void **state)
     check_contents(c, s, &t);
     float k[ROW];
     assert_int_equal(kvarn_cache_read(c, s, 0, 149, 1, k, NULL, 0), KVARN_OK);
-    /* fp16-rounded, not exact: but within fp16 precision of the input */
-    for (size_t i = 0; i < ROW; i++)
-        assert_true(fabsf(k[i] - t.k[0][149 * ROW + i]) <= 4e-3f * (1.0f + fabsf(t.k[0][149 * ROW + i])));
+    /* The tail holds H x (rotated in fp32, rounded to fp16) and the read
+     * rotates back in fp32. Per head, with r = H x in double, L = log2 D,
+     * g = L u (u = 2^-24; each fp32 transform: gamma_L sum|in| / sqrt(D) +
+     * 2u |out|, see test_hadamard.c):
+     *   e_j = g sum|x| / sqrt(D) + 2u |r_j|      (forward rotation)
+     *       + 2^-11 (|r_j| + e_j) + 2^-25        (fp16: half an ulp)
+     *   |k_i - x_i| <= sum_j e_j / sqrt(D)       (H is orthonormal)
+     *               + g sum|r| / sqrt(D) + 2u |x_i| (back rotation). */
+    const double u = ldexp(1.0, -24), g = 6 * u; /* L = log2(64) = 6 */
+    for (int h = 0; h < HK; h++) {
+        const float *x = t.k[0] + 149 * ROW + (size_t)h * D;
+        double rj[D], l1x = 0.0, l1r = 0.0, se = 0.0;
+        for (int j = 0; j < D; j++) {
+            rj[j] = 0.0;
+            for (int i = 0; i < D; i++)
+                rj[j] += (__builtin_popcount((unsigned)(i & j)) & 1 ? -x[i] : x[i]) / sqrt((double)D);
+            l1x += fabs(x[j]);
+        }
+        for (int j = 0; j < D; j++) {
+            double e = g * l1x / sqrt((double)D) + 2 * u * fabs(rj[j]);
+            e += ldexp(fabs(rj[j]) + e, -11) + ldexp(1.0, -25);
+            se += e;
+            l1r += fabs(rj[j]);
+        }
+        for (int i = 0; i < D; i++) {
+            double bound = se / sqrt((double)D) + g * l1r / sqrt((double)D) + 2 * u * fabs(x[i]);
+            assert_true(fabs(k[h * D + i] - x[i]) <= bound);
+        }
+    }
     tok_free(&t);
     kvarn_cache_destroy(c);
 }
