@@ -13,6 +13,25 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs"
 
+# The configuration matrix (README "Tests"): the Release tests again with the
+# SIMD kernels capped (KVARN_SIMD, read by the library), the attention worker
+# count of the tests (KVARN_TEST_THREADS, read by the tests only), OpenBLAS's
+# thread count, and OpenBLAS's GEMM kernels forced to other CPUs' (generic
+# SSE3 "Prescott", AVX2 "Haswell"), which is how results differ between
+# machines. Not a full product (3 x 3 x 2 x 3): each value appears at least
+# once, each run ~12 s.
+matrix=("KVARN_SIMD=scalar KVARN_TEST_THREADS=1 OPENBLAS_NUM_THREADS=1"
+        "KVARN_SIMD=avx2 KVARN_TEST_THREADS=2 OPENBLAS_NUM_THREADS=2")
+if [ "$(uname -m)" = x86_64 ]; then
+  matrix+=("KVARN_TEST_THREADS=3 OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE=Prescott")
+  grep -qw avx2 /proc/cpuinfo &&
+    matrix+=("KVARN_SIMD=scalar KVARN_TEST_THREADS=2 OPENBLAS_NUM_THREADS=2 OPENBLAS_CORETYPE=Haswell")
+fi
+for cfg in "${matrix[@]}"; do
+  echo "== release tests with $cfg" >&2
+  env $cfg ctest --test-dir build --output-on-failure -j"$jobs"
+done
+
 echo "== ASan + UBSan build + tests" >&2
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKVARN_SANITIZE=ON -DKVARN_CUDA=OFF >/dev/null
 cmake --build build-asan -j"$jobs"

@@ -143,7 +143,10 @@ static case_result run_case(const attn_case *c, uint64_t seed)
     test_rng_seed(&rng, seed ^ 0x5151);
     for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
     for (size_t i = 0; i < nq; i++) out[i] = 12345.0f;
-    assert_int_equal(run_attn(&f, c, qsl, q, out, NULL), KVARN_OK);
+    kvarn_thread_pool *pool = NULL;
+    if (test_threads(1) > 1) assert_int_equal(kvarn_thread_pool_create(test_threads(1), &pool), KVARN_OK);
+    assert_int_equal(run_attn(&f, c, qsl, q, out, pool), KVARN_OK);
+    kvarn_thread_pool_destroy(pool);
 
     case_result res = {0, 0, 0};
     const double scale = 1.0 / sqrt((double)D);
@@ -204,13 +207,13 @@ static case_result run_case(const attn_case *c, uint64_t seed)
 static void test_every_format(void **state)
 {
     (void)state;
-    /* Per-format ceiling on the max relative error against attention over
-     * the ORIGINAL K/V (this fixture: Gaussian K/V, outlier key channels).
-     * Measured values are printed; the ceilings sit ~2x above them. */
-    struct { const char *name; double ceil; } fm[] = {
-        {"fp16", 0.005}, {"bf16", 0.02}, {"fp8_e4m3", 0.2}, {"fp8_e5m2", 0.4},
-        {"int8", 0.05}, {"int4", 0.8}, {"kvarn_k4v4_g128", 0.5}, {"kvarn_k4v4_g64", 0.5},
-        {"kvarn_k4v2_g128", 1.2}, {"kvarn_k4v2_g64", 1.2}};
+    /* Against attention over the ORIGINAL K/V each row is held to the bound
+     * derived from its own round-trip error (orig_bound, in run_case); the
+     * relative error is only printed (a fixed per-format ceiling would be
+     * this fixture's measurement). */
+    struct { const char *name; } fm[] = {
+        {"fp16"}, {"bf16"}, {"fp8_e4m3"}, {"fp8_e5m2"}, {"int8"}, {"int4"},
+        {"kvarn_k4v4_g128"}, {"kvarn_k4v4_g64"}, {"kvarn_k4v2_g128"}, {"kvarn_k4v2_g64"}};
     for (size_t i = 0; i < sizeof fm / sizeof fm[0]; i++) {
         for (int di = 0; di < 2; di++) {
             double worst_deq = 0, worst_orig = 0, worst_use = 0;
@@ -240,10 +243,10 @@ static void test_every_format(void **state)
                 worst_orig = fmax(worst_orig, r.max_rel_orig);
                 worst_use = fmax(worst_use, r.max_bound_use);
             }
-            printf("  %-16s D=%3d  rel err vs dequantized %.2e, vs original %.3f "
-                   "(ceiling %.2f), error/derived bound %.3f\n",
-                   fm[i].name, di ? 128 : 64, worst_deq, worst_orig, fm[i].ceil, worst_use);
-            assert_true(worst_orig < fm[i].ceil);
+            printf("  %-16s D=%3d  rel err vs dequantized %.2e, vs original %.3f, "
+                   "error/derived bound %.3f\n",
+                   fm[i].name, di ? 128 : 64, worst_deq, worst_orig, worst_use);
+            assert_true(worst_use <= 1.0);
         }
     }
 }

@@ -74,13 +74,15 @@ static void check_format(const char *name)
     float *q = malloc(nq * sizeof(float)), *out = malloc(nq * sizeof(float));
     for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    size_t wsz = kvarn_attn_workspace_bytes(&kv, Hq, 2, qsl[2], 1, &o);
+    kvarn_thread_pool *pool = NULL;
+    if (test_threads(1) > 1) assert_int_equal(kvarn_thread_pool_create(test_threads(1), &pool), KVARN_OK);
+    size_t wsz = kvarn_attn_workspace_bytes(&kv, Hq, 2, qsl[2], kvarn_thread_pool_size(pool), &o);
     void *ws = malloc(wsz);
     for (int multi = 0; multi < 2; multi++) {
         const int32_t dq[3] = {0, 1, 2};
         const int32_t *starts = multi ? qsl : dq;
-        kvarn_status st = multi ? kvarn_attn_multi(&kv, views, 2, qsl, Hq, q, out, &o, NULL, ws, wsz)
-                                : kvarn_attn_decode(&kv, views, 2, Hq, q, out, &o, NULL, ws, wsz);
+        kvarn_status st = multi ? kvarn_attn_multi(&kv, views, 2, qsl, Hq, q, out, &o, pool, ws, wsz)
+                                : kvarn_attn_decode(&kv, views, 2, Hq, q, out, &o, pool, ws, wsz);
         assert_int_equal(st, KVARN_OK);
         for (int s = 0; s < 2; s++) {
             int ql = starts[s + 1] - starts[s];

@@ -56,17 +56,21 @@ static kvarn_status run(const paged_fixture *f, const kvarn_seq_view *views, int
     o.force_scalar = c->scalar;
     o.sliding_window = window;
     int total_q = c->multi ? qsl[n_seqs] : n_seqs;
-    size_t wsz = kvarn_attn_workspace_bytes(&f->kv, Hq, n_seqs, total_q, 1, &o);
+    kvarn_thread_pool *pool = NULL;
+    if (test_threads(1) > 1) assert_int_equal(kvarn_thread_pool_create(test_threads(1), &pool), KVARN_OK);
+    size_t wsz = kvarn_attn_workspace_bytes(&f->kv, Hq, n_seqs, total_q,
+                                            kvarn_thread_pool_size(pool), &o);
     assert_true(wsz > 0);
     void *ws = malloc(wsz);
     kvarn_status st;
     if (c->multi)
-        st = lse ? kvarn_attn_multi_lse(&f->kv, views, n_seqs, qsl, Hq, q, out, lse, &o, NULL, ws, wsz)
-                 : kvarn_attn_multi(&f->kv, views, n_seqs, qsl, Hq, q, out, &o, NULL, ws, wsz);
+        st = lse ? kvarn_attn_multi_lse(&f->kv, views, n_seqs, qsl, Hq, q, out, lse, &o, pool, ws, wsz)
+                 : kvarn_attn_multi(&f->kv, views, n_seqs, qsl, Hq, q, out, &o, pool, ws, wsz);
     else
-        st = lse ? kvarn_attn_decode_lse(&f->kv, views, n_seqs, Hq, q, out, lse, &o, NULL, ws, wsz)
-                 : kvarn_attn_decode(&f->kv, views, n_seqs, Hq, q, out, &o, NULL, ws, wsz);
+        st = lse ? kvarn_attn_decode_lse(&f->kv, views, n_seqs, Hq, q, out, lse, &o, pool, ws, wsz)
+                 : kvarn_attn_decode(&f->kv, views, n_seqs, Hq, q, out, &o, pool, ws, wsz);
     free(ws);
+    kvarn_thread_pool_destroy(pool);
     return st;
 }
 

@@ -51,24 +51,6 @@ static inline kvarn_cache_opts fx_opts(const char *name, int L, int Hk, int D,
     return o;
 }
 
-/* Whether the codec of this build encodes format f (the codec is written in
- * parallel; a placeholder answers KVARN_ERR_UNSUPPORTED). */
-static inline int fx_codec_ready(const kvarn_format *f, int D)
-{
-    const int G = f->tile_tokens;
-    size_t n = (size_t)G * D, rb = kvarn_record_bytes(f, D);
-    size_t wb = kvarn_encode_workspace_bytes(f, D);
-    float *x = calloc(n, sizeof *x);
-    void *rec = malloc(rb), *ws = wb ? aligned_alloc(16, (wb + 15) & ~(size_t)15) : NULL;
-    for (size_t i = 0; i < n; i++) x[i] = (float)(i % 7) - 3.0f;
-    kvarn_status st = kvarn_encode(f, D, x, x, rec, rb, ws, wb, NULL);
-    if (st == KVARN_OK) st = kvarn_decode(f, D, rec, rb, x, x, 0);
-    free(x);
-    free(rec);
-    free(ws);
-    return st == KVARN_OK;
-}
-
 /* assert_memory_equal, fast on the (usual) equal path: cmocka's byte loop
  * dominates the randomized test otherwise. */
 #define fx_assert_same(a, b, bytes)                                           \

@@ -289,10 +289,6 @@ static void run(const char *name, int G, int sink, uint64_t seed, int steps)
     model m;
     memset(&m, 0, sizeof m);
     m.fmt = fx_format(name);
-    if (!fx_codec_ready(&m.fmt, D)) {
-        print_message("  (codec does not encode %s yet: skipped)\n", name);
-        return;
-    }
     kvarn_cache_opts o = fx_opts(name, L, HK, D, G, sink, NBLK, NPG, MAXS);
     kvarn_cache *c = NULL;
     assert_int_equal(kvarn_cache_create(&o, &c), KVARN_OK);

@@ -6,16 +6,26 @@
   same token ids (tokenized by HF tokenizers, also independent).
 - The fp16 row, run as a format, is bit-identical to the reference: KLD 0,
   top-1 100%.
-- Every format's KLD is finite and under a bound set from measurement with a
-  stated margin; kvarn_k4v2_g128 and int8 keep top-1 agreement above bounds
-  likewise set.
-
-Bounds: MEASURED below holds what this window gave; the KLD bounds are 3x
-the measured mean and 2x the measured p99, the top-1 bounds 3 points below
-the measured agreement.
+- Every format's KLD is finite and positive, and the formats rank by their
+  rounding step. KLD is, to first order, quadratic in the logit change and
+  so in the K/V step, but the constant (how the 30 layers amplify a step)
+  is the model's, not the format's: no absolute bound derives from the step
+  alone, and the measured values (README ladder) vary with the CPU's GEMM
+  kernels. What derives is the order: of two formats on the same
+  (per-token, or per-tile) scheme, the one with the finer step loses less:
+    bf16 (8 significant bits) < fp8_e4m3 (4) < fp8_e5m2 (3)
+    int8 (255 levels) < int4 (15); int8 < fp8_e4m3 (at a token's largest
+      values, int8's step is 1/127 of them, e4m3's 1/16)
+    kvarn_k4v4 < kvarn_k4v2 (V at 4 vs 2 bits; same K and tile)
+  in KLD mean and in top-1 agreement, with the 2047 positions of the window
+  as the sample.
+- Passkey: the fp16 row equals the reference's count (the same
+  computation), and `kvarn passkey` with the same construction (length,
+  depths 0/50/100, one trial, seed 1, chunk 128) gives the same counts.
 """
 import json
 import math
+import re
 import subprocess
 
 import numpy as np
@@ -26,27 +36,10 @@ from reference_llama import LlamaReference
 
 CTX = 2048
 
-# Measured on this window (ctx 2048, chunk 128, 8 decode tokens; every chunk
-# attends to its own exact K/V and to the cached history) on 2026-11-29,
-# x86-64 with AVX-512: format -> (KLD mean, KLD p99, top-1).
-MEASURED = {
-    "fp16": (0, 0, 1.0000),
-    "bf16": (9.77e-06, 9.52e-05, 0.9976),
-    "fp8_e4m3": (0.000966, 0.00852, 0.9844),
-    "fp8_e5m2": (0.0056, 0.0522, 0.9697),
-    "int8": (5.63e-05, 0.000514, 0.9966),
-    "int4": (0.0222, 0.375, 0.9370),
-    "kvarn_k4v4_g128": (0.00229, 0.0206, 0.9751),
-    "kvarn_k4v4_g64": (0.00145, 0.0112, 0.9800),
-    "kvarn_k4v2_g128": (0.00925, 0.0903, 0.9492),
-    "kvarn_k4v2_g64": (0.00985, 0.0838, 0.9433),
-}
-
-# The margins: 3x the measured KLD mean, 2x the measured p99, 3 points of
-# top-1 agreement.
-KLD_MEAN_MAX = {k: 3.0 * v[0] for k, v in MEASURED.items()}
-KLD_P99_MAX = {k: 2.0 * v[1] for k, v in MEASURED.items()}
-TOP1_MIN = {k: v[2] - 0.03 for k, v in MEASURED.items()}
+# (finer, coarser): the finer step must lose less (see the top comment).
+FINER_THAN = [("bf16", "fp8_e4m3"), ("fp8_e4m3", "fp8_e5m2"), ("int8", "int4"),
+              ("int8", "fp8_e4m3"), ("kvarn_k4v4_g128", "kvarn_k4v2_g128"),
+              ("kvarn_k4v4_g64", "kvarn_k4v2_g64")]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +93,7 @@ def test_fp16_row_is_the_reference(report):
     assert row["ppl"] == pytest.approx(report["reference"]["ppl"], rel=1e-12)
 
 
-def test_every_format_kld_finite_and_bounded(report):
+def test_every_format_kld_finite_and_positive(report):
     seen = set()
     for f in report["formats"]:
         name = f["format"]
@@ -108,15 +101,21 @@ def test_every_format_kld_finite_and_bounded(report):
         for key in ("kld_mean", "kld_median", "kld_p99", "kld_max", "ppl"):
             assert math.isfinite(f[key]), (name, key)
         assert f["positions"] == CTX - 1
-        assert f["kld_mean"] <= KLD_MEAN_MAX[name], (name, f["kld_mean"])
-        assert f["kld_p99"] <= KLD_P99_MAX[name], (name, f["kld_p99"])
+        if name != "fp16":
+            # every other format rounds the K/V: the logits must move
+            assert f["kld_mean"] > 0.0, name
+        assert f["kld_median"] <= f["kld_p99"] <= f["kld_max"], name
     assert {"fp16", "int8", "int4", "kvarn_k4v2_g128"} <= seen
 
 
-@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "int8"])
-def test_top1_agreement(report, name):
-    f = next(f for f in report["formats"] if f["format"] == name)
-    assert f["top1"] >= TOP1_MIN[name], f["top1"]
+@pytest.mark.parametrize("finer,coarser", FINER_THAN)
+def test_finer_step_loses_less(report, finer, coarser):
+    by = {f["format"]: f for f in report["formats"]}
+    a, b = by[finer], by[coarser]
+    print(f"{finer}: KLD {a['kld_mean']:.3g} top-1 {a['top1']:.4f}; "
+          f"{coarser}: KLD {b['kld_mean']:.3g} top-1 {b['top1']:.4f}")
+    assert a["kld_mean"] < b["kld_mean"]
+    assert a["top1"] >= b["top1"]
 
 
 def test_capacity_column(report):
@@ -128,24 +127,50 @@ def test_capacity_column(report):
 
 
 def test_kvarn_beats_int4_at_similar_size(report):
-    """The point of KVarN: at fewer bytes than per-token int4 it loses less.
-    Measured: k4v2_g128 KLD 0.42x int4's, k4v4_g128 0.10x."""
+    """The point of KVarN: at fewer bytes than per-token int4 it loses less
+    (the README ladder's measurement: k4v2_g128 about 0.4x int4's KLD,
+    k4v4_g128 about 0.1x; asserted is only the claim, < 1x)."""
     by = {f["format"]: f for f in report["formats"]}
     assert by["kvarn_k4v2_g128"]["bytes_per_token"] < by["int4"]["bytes_per_token"]
-    assert by["kvarn_k4v2_g128"]["kld_mean"] < 0.75 * by["int4"]["kld_mean"]
+    assert by["kvarn_k4v2_g128"]["kld_mean"] < by["int4"]["kld_mean"]
     assert by["kvarn_k4v2_g128"]["top1"] > by["int4"]["top1"]
-    assert by["kvarn_k4v4_g128"]["kld_mean"] < 0.25 * by["int4"]["kld_mean"]
+    assert by["kvarn_k4v4_g128"]["kld_mean"] < by["int4"]["kld_mean"]
+
+
+PASSKEY_FORMATS = ["fp16", "int8", "kvarn_k4v2_g128"]
 
 
 def test_passkey_column(kvarn_bin, model_path, window):
-    """--passkey adds retrieval counts per format beside the reference's."""
+    """--passkey adds retrieval counts per format beside the reference's.
+    What they must be follows from the construction (tools/passkey.c): the
+    fp16 row runs the reference's computation, so it finds exactly as many
+    keys; `kvarn passkey` at the same length, depths 0/50/100, one trial,
+    seed 1 and chunk 128 builds the same three prompts and so gives the same
+    count for every format."""
     path, _ = window
     r = subprocess.run([kvarn_bin, "eval", "-m", model_path, "-f", path, "--ctx", "256",
-                        "--decode-tokens", "2", "--kv-cache-dtype", "int8,kvarn_k4v2_g128",
+                        "--decode-tokens", "2", "--kv-cache-dtype", ",".join(PASSKEY_FORMATS),
                         "--passkey", "1", "--json"], capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["reference"]["passkey_trials"] == 3
-    assert 0 <= rep["reference"]["passkey"] <= 3
+    by = {f["format"]: f for f in rep["formats"]}
+    assert sorted(by) == sorted(PASSKEY_FORMATS)
     for f in rep["formats"]:
-        assert f["passkey_trials"] == 3 and 0 <= f["passkey"] <= 3
+        assert f["passkey_trials"] == 3
+    assert by["fp16"]["passkey"] == rep["reference"]["passkey"]
+
+    r = subprocess.run([kvarn_bin, "passkey", "-m", model_path, "--kv-cache-dtype",
+                        ",".join(PASSKEY_FORMATS), "--lengths", "256", "--depths", "0,50,100",
+                        "--trials", "1", "--seed", "1", "--chunk", "128"],
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr
+    counts = {}
+    for line in r.stdout.splitlines():
+        m = re.match(r"(\S+)(?: \(reference\))?\s+(\d+)/3\s", line)
+        if m:
+            counts["reference" if "(reference)" in line else m.group(1)] = int(m.group(2))
+    print(r.stdout, rep["reference"], {k: v["passkey"] for k, v in by.items()})
+    assert counts["reference"] == rep["reference"]["passkey"]
+    for name in PASSKEY_FORMATS:
+        assert counts[name] == by[name]["passkey"], name

@@ -18,6 +18,8 @@ import pytest
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from conftest import require_model
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILD = Path(os.environ.get("KVARN_BUILD_DIR", REPO / "build"))
@@ -46,9 +48,7 @@ def dump_tensor(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reader():
-    if not MODEL.exists():
-        pytest.skip(f"{MODEL} not found: run scripts/get_model.sh")
-    return GGUFReader(str(MODEL))
+    return GGUFReader(require_model())
 
 
 def pick_tensors(reader):

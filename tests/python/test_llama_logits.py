@@ -14,14 +14,25 @@ model_path of conftest.py).
 Tolerances (all on raw logits; SmolLM2's logits reach ~40 in magnitude):
   C with exact fp32 K/V (the "exact" store, any chunking, and a one-chunk
   prefill with the fp16 cache on either path: the chunk never reads the
-  cache) vs numpy float64:
-      max |diff| <= 1e-3 absolute, same argmax everywhere
-  fp16 cache, chunks of 128 / token by token vs one prefill:
-      max |diff| <= 0.1 absolute, top-1 agreement >= 99%
-  kernels vs exact-chunk path, same format and chunking: max |diff| <=
-      ABS_TOL_PATHS, top-1 agreement >= 99% (the paths differ in fp32
-      summation order only, which now and then moves one rounding of the
-      quantizer, and that moves later logits a little)
+  cache) vs numpy float64: the C side's fp32 rounding only. A dot product
+  of n terms in fp32 is off by about sqrt(n) u of its terms' magnitude
+  (u = 2^-24, the probabilistic bound of Higham and Mary; the worst case
+  n u is never approached by sums of mixed signs), n at most FFN = 1536
+  here; the error passes through 5 stages per layer (QKV, attention,
+  output, gate/up, down) and 30 layers plus the head, and adds up at worst
+  linearly: max |diff| <= (5 * 30 + 1) * sqrt(1536) * u * max|logit|
+  (1.4e-2 at max|logit| 40); same argmax everywhere.
+  fp16 cache, chunks of 128 / token by token vs one prefill (= the exact
+      run): fp16's own effect. fp16's step (2^-11 relative) is 1/8 of
+      bf16's (2^-8), so to first order its effect is 1/8 of bf16's on the
+      same run: bounded by bf16's; top-1 agreement >= bf16's.
+  kernels vs exact-chunk path, same format and chunking: the paths differ
+      in fp32 summation order, which now and then moves an element across
+      a rounding boundary of the format: one step on some elements, where
+      the format itself moves every element by up to half a step. To first
+      order max |diff| <= 2 x the format's own effect (format vs exact run,
+      same chunking), and at least as many positions keep their argmax as
+      between the format and the exact run.
 Measured numbers: printed by each test (pytest -s).
 """
 import os
@@ -37,9 +48,9 @@ sys.path.insert(0, HERE)
 
 BUILD = os.environ.get("KVARN_BUILD_DIR", os.path.join(ROOT, "build"))
 
-ABS_TOL_EXACT = 1e-3
-ABS_TOL_FP16 = 1e-1
-ABS_TOL_PATHS = 1e-1
+U = 2.0 ** -24                              # fp32 unit roundoff
+N_LAYERS, FFN = 30, 1536                    # SmolLM2-135M
+REL_TOL_EXACT = (5 * N_LAYERS + 1) * np.sqrt(FFN) * U
 N_TOKENS = 300
 
 
@@ -108,14 +119,14 @@ def _report(name, a, b):
 def test_exact_matches_numpy(helper, model_path, work, numpy_logits, fmt, chunk):
     c = run_c(helper, model_path, work, fmt, chunk)
     d, top1 = _report(f"C {fmt} chunk {chunk} vs numpy", c, numpy_logits)
-    assert d <= ABS_TOL_EXACT
+    assert d <= REL_TOL_EXACT * np.abs(numpy_logits).max()
     assert top1 == 1.0
 
 
 def test_fp16_prefill_matches_numpy(fp16_prefill, numpy_logits):
     # One chunk: every query sees only the chunk's own exact K/V.
     d, top1 = _report("C fp16 prefill vs numpy", fp16_prefill, numpy_logits)
-    assert d <= ABS_TOL_EXACT
+    assert d <= REL_TOL_EXACT * np.abs(numpy_logits).max()
     assert top1 == 1.0
 
 
@@ -123,9 +134,12 @@ def test_fp16_prefill_matches_numpy(fp16_prefill, numpy_logits):
 def test_fp16_chunked_and_decode_match_prefill(helper, model_path, work,
                                                fp16_prefill, chunk):
     c = run_c(helper, model_path, work, "fp16", chunk)
+    bf = run_c(helper, model_path, work, "bf16", chunk)
     d, top1 = _report(f"C fp16 chunk {chunk} vs fp16 prefill", c, fp16_prefill)
-    assert d <= ABS_TOL_FP16
-    assert top1 >= 0.99
+    d_bf, top1_bf = _report(f"C bf16 chunk {chunk} vs fp16 prefill", bf, fp16_prefill)
+    assert d > 0.0                      # the cache is read
+    assert d <= d_bf
+    assert top1 >= top1_bf
 
 
 # Token-by-token decode of a per-token quantized format re-quantizes every
@@ -140,6 +154,9 @@ def test_fp16_chunked_and_decode_match_prefill(helper, model_path, work,
 def test_kernels_match_exact_chunk(helper, model_path, work, fmt, chunk):
     a = run_c(helper, model_path, work, fmt, chunk)
     b = run_c(helper, model_path, work, fmt + ":xc", chunk)
+    ex = run_c(helper, model_path, work, "exact", chunk)
     d, top1 = _report(f"C {fmt} chunk {chunk}: kernels vs exact-chunk", a, b)
-    assert d <= ABS_TOL_PATHS
-    assert top1 >= 0.99
+    d_fmt, top1_fmt = _report(f"C {fmt} chunk {chunk}: exact-chunk vs exact store", b, ex)
+    assert d_fmt > 0.0
+    assert d <= 2.0 * d_fmt
+    assert top1 >= top1_fmt

@@ -12,10 +12,12 @@ import random
 import subprocess
 
 import pytest
-from conftest import CONTROL
+from conftest import CONTROL, require_model
 
-gguf = pytest.importorskip("gguf")
-tokenizers = pytest.importorskip("tokenizers")
+# scripts/setup.sh installs both: a missing one is a broken set-up (fail),
+# not a reason to skip.
+import gguf  # noqa: F401
+import tokenizers  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.path.join(REPO, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -24,11 +26,10 @@ BUILD = os.environ.get("KVARN_BUILD_DIR", os.path.join(REPO, "build"))
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
-    if not os.path.exists(MODEL):
-        pytest.skip(f"{MODEL} absent: run scripts/get_model.sh")
+    require_model()
     lib = os.path.join(BUILD, "libkvarn.a")
     if not os.path.exists(lib):
-        pytest.skip(f"{lib} absent: build first (scripts/test.sh, or set KVARN_BUILD_DIR)")
+        pytest.fail(f"{lib} absent: build first (scripts/test.sh, or set KVARN_BUILD_DIR)")
     exe = str(tmp_path_factory.mktemp("tok") / "tokenize_cli")
     subprocess.run(
         ["cc", "-std=c11", "-O2", "-D_POSIX_C_SOURCE=200809L",
@@ -36,6 +37,10 @@ def cli(tmp_path_factory):
          os.path.join(REPO, "tests", "python", "tokenize_cli.c"), lib,
          "-lpcre2-8", "-lopenblas", "-lm", "-lpthread", "-o", exe],
         check=True)
+    # The model is present: it must load (an empty batch of lines).
+    r = subprocess.run([exe, MODEL, "lines"], input=b"", capture_output=True)
+    if r.returncode != 0:
+        pytest.fail(f"{MODEL} is present but does not load: {r.stderr.decode(errors='replace')}")
     return exe
 
 
@@ -186,8 +191,10 @@ def test_invalid_utf8_round_trip(cli, vocab):
         assert all(0 <= i < len(vocab[0]) for i in ids)
 
 
-def test_speed_whole_austen(cli):
+def test_whole_austen(cli):
+    """All of Austen in one call (no time limit: speed is a benchmark's job;
+    the time is printed)."""
     out = subprocess.run([cli, MODEL, "file", AUSTEN], capture_output=True, check=True)
     nbytes, ntok, secs = out.stdout.decode().split()
+    print(f"encoded {nbytes} bytes into {ntok} tokens in {secs} s")
     assert int(nbytes) > 3_000_000 and int(ntok) > 500_000
-    assert float(secs) < 20.0, f"encoding {nbytes} bytes took {secs} s"
