@@ -42,7 +42,7 @@ done
 
 # The library, instrumented for coverage but without libFuzzer's main.
 objs=()
-for src in src/common/*.c src/codec/*.c src/cache/*.c src/attn/*.c src/model/*.c; do
+for src in src/common/*.c src/codec/*.c src/cache/*.c src/attn/*.c src/gguf/*.c src/tokenizer/*.c src/model/*.c; do
   [ -f "$src" ] || continue
   simd=""
   case "$src" in

@@ -15,7 +15,7 @@
 #include <cmocka.h>
 
 #include "fuzz/fuzz_gguf.c"
-#include "model/gguf_writer.h"
+#include "gguf/gguf_writer.h"
 #include "fuzz/corpus_replay.h"
 
 enum { N_MUTANTS = 20000 };

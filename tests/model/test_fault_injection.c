@@ -39,7 +39,7 @@
 #include "kvarn/gguf.h"
 #include "kvarn/model.h"
 #include "kvarn/tokenizer.h"
-#include "model/gguf_writer.h"
+#include "gguf/gguf_writer.h"
 
 /* ------------------------------------------------------------------------ */
 /* The fault-injecting allocator                                            */

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/tokenizer_internal.h"
+#include "tokenizer/tokenizer_internal.h"
 
 /* Unicode White_Space (the set HF tokenizers' regex engine and Python's
  * str.isspace agree on), written out so that the pieces do not depend on

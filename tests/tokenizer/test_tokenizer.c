@@ -18,7 +18,7 @@
 #include "common/testutil.h"
 #include "kvarn/gguf.h"
 #include "kvarn/tokenizer.h"
-#include "model/gguf_writer.h"
+#include "gguf/gguf_writer.h"
 #include "common/gpt2_bytes.h"
 
 /* ------------------------------------------------------------------------ */

@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "kvarn/tokenizer.h"
-#include "model/tokenizer_internal.h"
+#include "tokenizer/tokenizer_internal.h"
 
 typedef struct merge_slot {
     uint64_t key;          /* left << 32 | right; EMPTY_KEY when free */

@@ -16,7 +16,7 @@
 
 #include "common/testutil.h"
 #include "kvarn/gguf.h"
-#include "model/gguf_writer.h"
+#include "gguf/gguf_writer.h"
 
 /* Open a copy of w's bytes in a buffer of exactly that size, so that any
  * read past the end is caught by ASan. */
