@@ -1,6 +1,6 @@
 /*
  * tokenizer_internal.h -- pieces of the byte-level BPE tokenizer shared by
- * src/model/tokenizer.c (vocabulary, BPE, decode), pretokenize.c (PCRE2
+ * src/tokenizer/tokenizer.c (vocabulary, BPE, decode), pretokenize.c (PCRE2
  * pre-tokenization), tokenizer_gguf.c and chat_template.c. Not installed.
  */
 #ifndef KVARN_TOKENIZER_INTERNAL_H

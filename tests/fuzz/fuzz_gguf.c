@@ -7,7 +7,7 @@
  *
  * Built two ways:
  *   - with libFuzzer: clang -fsanitize=fuzzer,address -DKVARN_LIBFUZZER -Isrc
- *       -Iinclude tests/fuzz/fuzz_gguf.c src/model/gguf.c src/model/dequant.c
+ *       -Iinclude tests/fuzz/fuzz_gguf.c src/gguf/gguf.c src/gguf/dequant.c
  *       src/codec/fp_convert.c
  *   - included by tests/fuzz/test_fuzz_gguf.c, a cmocka driver that feeds it
  *     mutations of a valid synthetic file (run by ctest, ASan in CI). */

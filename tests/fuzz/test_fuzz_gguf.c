@@ -1,6 +1,6 @@
 /* test_fuzz_gguf.c -- cmocka driver of the GGUF fuzz target
  * (tests/fuzz/fuzz_gguf.c): thousands of deterministic mutations of the
- * valid synthetic file of tests/model/gguf_writer.h (bit flips, interesting
+ * valid synthetic file of tests/gguf/gguf_writer.h (bit flips, interesting
  * values in length and count fields, inserted and deleted bytes,
  * truncations), each opened from an exactly-sized buffer so that ASan sees
  * any read past the end. A mutated file must be either rejected with a
