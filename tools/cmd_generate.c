@@ -2,34 +2,223 @@
  * cmd_generate.c -- `kvarn generate`: stream text from a model whose KV
  * cache is in the chosen format; at the end, the cache's bytes against fp16
  * and the speed.
+ *
+ * Three steps, each its own functions: the options (one table drives
+ * getopt_long, the value checks and --help), the run (prompt or chat turns,
+ * the text streamed to stdout, counts and times gathered in gen_stats), and
+ * the report of those counts on stderr.
  */
+#include <getopt.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
 
+/* ---- options ------------------------------------------------------------ */
+
+typedef struct gen_opts {
+    const char *model_path, *prompt, *dtype;
+    int chat, help;
+    long n_gen, threads, seed, ctx; /* ctx 0: the model's context length */
+    double temp, top_p;
+} gen_opts;
+
+static const gen_opts k_defaults = {
+    .dtype = "kvarn_k4v2_g128", .n_gen = 128, .threads = 1, .seed = 1, .temp = 0.7, .top_p = 0.9,
+};
+
+/* How an option's value is read: FLAG sets an int to 1 (no value); TEXT
+ * keeps the string; INT and REAL parse a number within [lo, hi] (REAL with
+ * lo_open: (lo, hi]). */
+typedef enum { ARG_FLAG, ARG_TEXT, ARG_INT, ARG_REAL } arg_kind;
+
+/* One row per option name (an alias is a row of its own without help):
+ * what getopt_long matches, where the value goes, how it is checked, and
+ * its --help line. */
+typedef struct gen_option {
+    const char *name;     /* --name; NULL: short only */
+    char letter;          /* -letter; 0: long only */
+    arg_kind kind;
+    size_t field;         /* offsetof(gen_opts, the field it sets) */
+    double lo, hi;        /* ARG_INT, ARG_REAL: accepted range */
+    int lo_open;          /* ARG_REAL: lo itself is refused */
+    const char *synopsis; /* --help: first column; NULL: not listed */
+    const char *help;     /* --help: text, '\n' between its lines */
+} gen_option;
+
+#define OPT(f) offsetof(gen_opts, f)
+static const gen_option k_options[] = {
+    {"model", 'm', ARG_TEXT, OPT(model_path), 0, 0, 0, NULL, NULL},
+    {"prompt", 'p', ARG_TEXT, OPT(prompt), 0, 0, 0, "-p PROMPT",
+     "complete PROMPT as plain text; with --chat, PROMPT is one user\n"
+     "message in the model's chat template"},
+    {"chat", 0, ARG_FLAG, OPT(chat), 0, 0, 0, "--chat",
+     "without -p: a conversation, one user message per line of stdin"},
+    {NULL, 'n', ARG_INT, OPT(n_gen), 1, 1 << 20, 0, "-n N", "tokens to generate per reply (default 128)"},
+    {"temp", 0, ARG_REAL, OPT(temp), 0, HUGE_VAL, 0, "--temp T",
+     "sampling temperature; 0 = greedy (default 0.7)"},
+    {"top-p", 0, ARG_REAL, OPT(top_p), 0, 1, 1, "--top-p P", "nucleus sampling mass (default 0.9)"},
+    {"seed", 0, ARG_INT, OPT(seed), 0, 0x7fffffffL, 0, "--seed S", "sampling seed (default 1)"},
+    {"kv-cache-dtype", 0, ARG_TEXT, OPT(dtype), 0, 0, 0, "--kv-cache-dtype",
+     "cache format (default kvarn_k4v2_g128)"},
+    {"threads", 0, ARG_INT, OPT(threads), 1, 256, 0, "--threads T",
+     "attention worker threads (default 1)"},
+    {"ctx", 0, ARG_INT, OPT(ctx), 1, 0x7fffffffL, 0, "--ctx N",
+     "context capacity in tokens, prompt and replies together\n"
+     "(alias --max-tokens; default: the model's context length);\n"
+     "the KV cache is sized for it at start"},
+    {"max-tokens", 0, ARG_INT, OPT(ctx), 1, 0x7fffffffL, 0, NULL, NULL},
+    {"help", 'h', ARG_FLAG, OPT(help), 0, 0, 0, NULL, NULL},
+};
+#undef OPT
+#define N_OPTIONS (sizeof k_options / sizeof k_options[0])
+/* getopt_long returns LONG_VAL + i for the long name of row i; the short
+ * names return their letter. */
+enum { LONG_VAL = 256, HELP_COLUMN = 18 };
+
 static void generate_usage(FILE *f)
 {
-    fprintf(f,
-            "usage: kvarn generate -m MODEL [--kv-cache-dtype NAME] (-p PROMPT | --chat [-p PROMPT])\n"
-            "                      [-n 128] [--temp 0.7] [--top-p 0.9] [--seed 1] [--threads 1]\n"
-            "                      [--ctx N]\n\n"
-            "-p PROMPT         complete PROMPT as plain text; with --chat, PROMPT is one user\n"
-            "                  message in the model's chat template\n"
-            "--chat            without -p: a conversation, one user message per line of stdin\n"
-            "-n N              tokens to generate per reply (default 128)\n"
-            "--temp T          sampling temperature; 0 = greedy (default 0.7)\n"
-            "--top-p P         nucleus sampling mass (default 0.9)\n"
-            "--seed S          sampling seed (default 1)\n"
-            "--kv-cache-dtype  cache format (default kvarn_k4v2_g128)\n"
-            "--threads T       attention worker threads (default 1)\n"
-            "--ctx N           context capacity in tokens, prompt and replies together\n"
-            "                  (alias --max-tokens; default: the model's context length);\n"
-            "                  the KV cache is sized for it at start\n"
-            "Prints the text as it is generated; then, on stderr, the KV-cache bytes used\n"
-            "against an fp16 cache and the prompt and generation speeds.\n");
+    fprintf(f, "usage: kvarn generate -m MODEL [--kv-cache-dtype NAME] (-p PROMPT | --chat [-p PROMPT])\n"
+               "                      [-n 128] [--temp 0.7] [--top-p 0.9] [--seed 1] [--threads 1]\n"
+               "                      [--ctx N]\n\n");
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        const gen_option *r = &k_options[i];
+        if (r->synopsis == NULL) continue;
+        fprintf(f, "%-*s", HELP_COLUMN, r->synopsis);
+        for (const char *s = r->help; *s; s++) {
+            fputc(*s, f);
+            if (*s == '\n') fprintf(f, "%*s", HELP_COLUMN, "");
+        }
+        fputc('\n', f);
+    }
+    fprintf(f, "Prints the text as it is generated; then, on stderr, the KV-cache bytes used\n"
+               "against an fp16 cache and the prompt and generation speeds.\n");
 }
+
+/* getopt_long's tables from k_options: longs[N_OPTIONS + 1] (NULL-ended),
+ * shorts[2 + 2 N_OPTIONS + 1]. "+": stop at the first non-option; ":": a
+ * missing value is reported as ':' (not as an unknown option). */
+static void getopt_tables(struct option *longs, char *shorts)
+{
+    size_t nl = 0, ns = 0;
+    shorts[ns++] = '+';
+    shorts[ns++] = ':';
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        const gen_option *r = &k_options[i];
+        int has_arg = r->kind == ARG_FLAG ? no_argument : required_argument;
+        if (r->name) longs[nl++] = (struct option){r->name, has_arg, NULL, LONG_VAL + (int)i};
+        if (r->letter) {
+            shorts[ns++] = r->letter;
+            if (has_arg == required_argument) shorts[ns++] = ':';
+        }
+    }
+    longs[nl] = (struct option){NULL, 0, NULL, 0};
+    shorts[ns] = '\0';
+}
+
+/* The row getopt_long's answer c names, NULL for none; its spelling
+ * ("--ctx", "-n") into name[cap]. */
+static const gen_option *option_row(int c, char *name, size_t cap)
+{
+    if (c >= LONG_VAL && c < LONG_VAL + (int)N_OPTIONS) {
+        snprintf(name, cap, "--%s", k_options[c - LONG_VAL].name);
+        return &k_options[c - LONG_VAL];
+    }
+    for (size_t i = 0; i < N_OPTIONS; i++)
+        if (k_options[i].letter && k_options[i].letter == c) {
+            snprintf(name, cap, "-%c", c);
+            return &k_options[i];
+        }
+    return NULL;
+}
+
+/* Store v into the field of row r of o. 0, or -1 when v is out of r's
+ * range (cli_expected() then says what was expected). */
+static int set_option(const gen_option *r, const char *v, gen_opts *o)
+{
+    char *field = (char *)o + r->field;
+    switch (r->kind) {
+    case ARG_FLAG: *(int *)(void *)field = 1; return 0;
+    case ARG_TEXT: *(const char **)(void *)field = v; return 0;
+    case ARG_INT: return cli_parse_int(v, (long)r->lo, (long)r->hi, (long *)(void *)field);
+    case ARG_REAL: {
+        double x;
+        int bad = cli_parse_double(v, &x) || x < r->lo || x > r->hi || (r->lo_open && x == r->lo);
+        if (bad) {
+            char what[96];
+            if (r->lo_open) snprintf(what, sizeof what, "a number above %g and at most %g", r->lo, r->hi);
+            else if (isinf(r->hi)) snprintf(what, sizeof what, "a finite number from %g up", r->lo);
+            else snprintf(what, sizeof what, "a number from %g to %g", r->lo, r->hi);
+            cli_expect(what);
+            return -1;
+        }
+        *(double *)(void *)field = x;
+        return 0;
+    }
+    }
+    return -1;
+}
+
+/* Parse argv into o (which holds the defaults). Returns -1 to run, or the
+ * exit code: 0 after --help, 2 after a usage error (message printed). */
+static int parse_options(int argc, char **argv, gen_opts *o)
+{
+    struct option longs[N_OPTIONS + 1];
+    char shorts[2 + 2 * N_OPTIONS + 1], name[64];
+    getopt_tables(longs, shorts);
+    opterr = 0;
+    optind = 1;
+    for (int c; (c = getopt_long(argc, argv, shorts, longs, NULL)) != -1;) {
+        if (c == ':') {
+            cli_error("generate", "option '%s' needs a value", argv[optind - 1]);
+            return 2;
+        }
+        const gen_option *r = c == '?' ? NULL : option_row(c, name, sizeof name);
+        if (r == NULL) {
+            if (optopt > 0 && optopt < LONG_VAL) cli_error("generate", "unknown option '-%c'", optopt);
+            else cli_error("generate", "unknown option '%s'", argv[optind - 1]);
+            generate_usage(stderr);
+            return 2;
+        }
+        if (set_option(r, optarg, o)) {
+            cli_error("generate", "bad value '%s' for %s (expected %s)", optarg, name, cli_expected());
+            return 2;
+        }
+        if (o->help) {
+            generate_usage(stdout);
+            return 0;
+        }
+    }
+    if (optind < argc) {
+        cli_error("generate", "unknown option '%s'", argv[optind]);
+        generate_usage(stderr);
+        return 2;
+    }
+    return -1;
+}
+
+/* What parse_options cannot check alone: the required options and exactly
+ * one cache format. 0, or 2 with the message printed. */
+static int check_options(const gen_opts *o, kvarn_format *fmt)
+{
+    if (o->model_path == NULL) { cli_error("generate", "need -m MODEL (see kvarn generate --help)"); return 2; }
+    if (o->prompt == NULL && !o->chat) { cli_error("generate", "need -p PROMPT or --chat"); return 2; }
+    /* The same list parser as every other command, then exactly one format. */
+    kvarn_format fmts[CLI_MAX_FORMATS];
+    int nf = cli_parse_formats("generate", o->dtype, fmts, CLI_MAX_FORMATS);
+    if (nf < 0) return 2;
+    if (nf != 1) {
+        cli_error("generate", "--kv-cache-dtype '%s' names %d cache formats; generate takes one "
+                  "(eval and passkey compare several)", o->dtype, nf);
+        return 2;
+    }
+    *fmt = fmts[0];
+    return 0;
+}
+
+/* ---- running ------------------------------------------------------------ */
 
 /* xorshift64* sampler state */
 static double rng_uniform(uint64_t *s)
@@ -70,6 +259,13 @@ static int sample(const float *logits, int V, double temp, double top_p, uint64_
     return scratch[keep - 1].id;
 }
 
+/* What a run measured, for the report. */
+typedef struct gen_stats {
+    long n_tokens;          /* tokens in the cache at the end */
+    long prompt_n, gen_n;   /* tokens fed as prompt / generated one by one */
+    double prompt_s, gen_s; /* seconds in the forward calls of each */
+} gen_stats;
+
 typedef struct gen_state {
     cli_model *m;
     kvarn_llama_session *sess;
@@ -78,8 +274,7 @@ typedef struct gen_state {
     cand *scratch;
     uint64_t rng;
     double temp, top_p;
-    double prompt_s, gen_s;
-    long prompt_n, gen_n;
+    gen_stats stats;
 } gen_state;
 
 /* Feed ids (in chunks); logits of the last one land in g->logits. */
@@ -97,8 +292,8 @@ static int feed(gen_state *g, const int32_t *ids, size_t n)
                                               g->logits, (size_t)g->m->hp->vocab);
         if (st != KVARN_OK) { cli_error("generate", "forward: %s", kvarn_strerror(st)); return -1; }
     }
-    g->prompt_s += cli_now() - t0;
-    g->prompt_n += (long)n;
+    g->stats.prompt_s += cli_now() - t0;
+    g->stats.prompt_n += (long)n;
     return 0;
 }
 
@@ -121,8 +316,8 @@ static int reply(gen_state *g, long n)
         double t0 = cli_now();
         kvarn_status st = kvarn_llama_forward(g->sess, &id, 1, KVARN_LLAMA_LOGITS_LAST, g->logits,
                                               (size_t)g->m->hp->vocab);
-        g->gen_s += cli_now() - t0;
-        g->gen_n++;
+        g->stats.gen_s += cli_now() - t0;
+        g->stats.gen_n++;
         if (st != KVARN_OK) { cli_error("generate", "forward: %s", kvarn_strerror(st)); return -1; }
     }
     fputc('\n', stdout);
@@ -137,139 +332,133 @@ static int encode_text(cli_model *m, const char *text, unsigned flags, int32_t *
     return 0;
 }
 
+/* One user message in the chat template (with the default system prompt
+ * when system is set), fed. */
+static int feed_chat_message(gen_state *g, const char *text, const char *system)
+{
+    kvarn_chat_message msg = {"user", text};
+    int32_t *ids = NULL;
+    size_t n = 0;
+    kvarn_status st = kvarn_tokenizer_encode_chat(g->m->tok, &msg, 1, system, 1, &ids, &n);
+    if (st != KVARN_OK) { cli_error("generate", "chat template: %s", kvarn_strerror(st)); return -1; }
+    int r = feed(g, ids, n);
+    free(ids);
+    return r;
+}
+
+/* -p PROMPT: one prompt (plain text, or one chat message with --chat), one
+ * reply. */
+static int run_prompt(gen_state *g, const gen_opts *o)
+{
+    if (o->chat) return feed_chat_message(g, o->prompt, KVARN_CHAT_SMOLLM2_SYSTEM) || reply(g, o->n_gen);
+    int32_t *ids = NULL;
+    size_t n = 0;
+    unsigned bos = kvarn_tokenizer_add_bos(g->m->tok) ? KVARN_TOKENIZE_ADD_BOS : 0;
+    if (encode_text(g->m, o->prompt, bos, &ids, &n)) return -1;
+    int r = -1;
+    if (n == 0) cli_error("generate", "the prompt is empty");
+    else r = feed(g, ids, n) || reply(g, o->n_gen);
+    free(ids);
+    return r ? -1 : 0;
+}
+
+/* --chat without -p: a conversation, one user message per line of stdin;
+ * the template's system prompt comes with the first. */
+static int run_chat(gen_state *g, const gen_opts *o)
+{
+    char line[8192];
+    int turn = 0;
+    fprintf(stderr, "[chat: one message per line; end with Ctrl-D]\n");
+    while (fgets(line, sizeof line, stdin)) {
+        line[strcspn(line, "\n")] = '\0';
+        if (line[0] == '\0') continue;
+        if (turn) {
+            /* close the previous assistant message first */
+            int32_t *close_ids = NULL;
+            size_t close_n = 0;
+            if (encode_text(g->m, "<|im_end|>\n", KVARN_TOKENIZE_SPECIAL, &close_ids, &close_n)) return -1;
+            int r = feed(g, close_ids, close_n);
+            free(close_ids);
+            if (r) return -1;
+        }
+        if (feed_chat_message(g, line, turn ? NULL : KVARN_CHAT_SMOLLM2_SYSTEM) || reply(g, o->n_gen))
+            return -1;
+        turn++;
+    }
+    return 0;
+}
+
+/* The session (cache in fmt, sized for --ctx) and the sampler's buffers.
+ * 0, or -1 with the message printed; gen_free cleans up either way. */
+static int gen_init(gen_state *g, cli_model *m, const gen_opts *o, const kvarn_format *fmt)
+{
+    memset(g, 0, sizeof *g);
+    g->m = m;
+    g->temp = o->temp;
+    g->top_p = o->top_p;
+    g->rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)o->seed;
+    g->max_chunk = 512;
+    g->max_tokens = o->ctx > 0 ? (int)o->ctx : m->hp->context_length;
+    kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    so.cache_format = fmt->name;
+    so.max_tokens = g->max_tokens;
+    so.max_chunk = g->max_chunk;
+    so.attn_threads = (int)o->threads;
+    if (cli_session_create("generate", m, &so, "lower --ctx", &g->sess)) return -1;
+    if (g->max_tokens > m->hp->context_length)
+        fprintf(stderr, "[note: --ctx %d is beyond the model's trained context of %d tokens]\n",
+                g->max_tokens, m->hp->context_length);
+    g->logits = malloc(sizeof(float) * (size_t)m->hp->vocab);
+    g->scratch = malloc(sizeof(cand) * (size_t)m->hp->vocab);
+    if (!g->logits || !g->scratch) { cli_error("generate", "out of memory"); return -1; }
+    return 0;
+}
+
+static void gen_free(gen_state *g)
+{
+    free(g->logits);
+    free(g->scratch);
+    kvarn_llama_session_free(g->sess);
+}
+
+/* ---- reporting ---------------------------------------------------------- */
+
+/* On stderr: the cache's bytes for the tokens held against an fp16 cache's,
+ * and the prompt and generation speeds. */
+static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llama_hparams *hp)
+{
+    kvarn_format fp16;
+    kvarn_format_parse("fp16", &fp16);
+    double used = cli_kv_bytes_used(fmt, hp, s->n_tokens), base = cli_kv_bytes_used(&fp16, hp, s->n_tokens);
+    char b1[32], b2[32];
+    fprintf(stderr, "[%s] KV cache for %ld tokens: %s; an fp16 cache: %s (%.0f%% of it)", fmt->name,
+            s->n_tokens, cli_fmt_bytes(used, b1, sizeof b1), cli_fmt_bytes(base, b2, sizeof b2),
+            base > 0 ? 100.0 * used / base : 0.0);
+    if (fmt->per_tile)
+        fprintf(stderr, "; the first %d-token tile (sink) and the last partial tile stay fp16, so "
+                "short texts gain little; %s reaches %.2fx the fp16 capacity on long contexts",
+                fmt->tile_tokens, fmt->name, 4.0 * hp->head_dim / kvarn_bytes_per_token_head(fmt, hp->head_dim));
+    fprintf(stderr, "\n[%s] prompt %.1f tok/s, generation %.1f tok/s\n", fmt->name,
+            s->prompt_s > 0 ? s->prompt_n / s->prompt_s : 0.0, s->gen_s > 0 ? s->gen_n / s->gen_s : 0.0);
+}
+
 int cmd_generate(int argc, char **argv)
 {
-    const char *model_path = NULL, *prompt = NULL, *dtype = "kvarn_k4v2_g128";
-    int chat = 0;
-    long n_gen = 128, threads = 1, seed = 1, ctx = 0;
-    double temp = 0.7, top_p = 0.9;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) { generate_usage(stdout); return 0; }
-        if (strcmp(a, "--chat") == 0) { chat = 1; continue; }
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (v == NULL) { cli_error("generate", "option '%s' needs a value (or is unknown)", a); return 2; }
-        int bad = 0;
-        if (strcmp(a, "-m") == 0 || strcmp(a, "--model") == 0) model_path = v;
-        else if (strcmp(a, "-p") == 0 || strcmp(a, "--prompt") == 0) prompt = v;
-        else if (strcmp(a, "--kv-cache-dtype") == 0) dtype = v;
-        else if (strcmp(a, "-n") == 0) bad = cli_parse_int(v, 1, 1 << 20, &n_gen);
-        else if (strcmp(a, "--threads") == 0) bad = cli_parse_int(v, 1, 256, &threads);
-        else if (strcmp(a, "--ctx") == 0 || strcmp(a, "--max-tokens") == 0)
-            bad = cli_parse_int(v, 1, 0x7fffffffL, &ctx);
-        else if (strcmp(a, "--seed") == 0) bad = cli_parse_int(v, 0, 0x7fffffffL, &seed);
-        else if (strcmp(a, "--temp") == 0) bad = cli_parse_double(v, &temp) || temp < 0;
-        else if (strcmp(a, "--top-p") == 0) bad = cli_parse_double(v, &top_p) || top_p <= 0 || top_p > 1;
-        else { cli_error("generate", "unknown option '%s'", a); generate_usage(stderr); return 2; }
-        if (bad) { cli_error("generate", "bad value '%s' for %s (expected %s)", v, a, cli_expected()); return 2; }
-        i++;
-    }
-    if (model_path == NULL) { cli_error("generate", "need -m MODEL (see kvarn generate --help)"); return 2; }
-    if (prompt == NULL && !chat) { cli_error("generate", "need -p PROMPT or --chat"); return 2; }
-    /* The same list parser as every other command, then exactly one format. */
-    kvarn_format fmts[CLI_MAX_FORMATS];
-    int nf = cli_parse_formats("generate", dtype, fmts, CLI_MAX_FORMATS);
-    if (nf < 0) return 2;
-    if (nf != 1) {
-        cli_error("generate", "--kv-cache-dtype '%s' names %d cache formats; generate takes one "
-                  "(eval and passkey compare several)", dtype, nf);
-        return 2;
-    }
-    const kvarn_format fmt = fmts[0];
-    kvarn_status st;
+    gen_opts o = k_defaults;
+    int rc = parse_options(argc, argv, &o);
+    if (rc >= 0) return rc;
+    kvarn_format fmt;
+    if (check_options(&o, &fmt)) return 2;
     cli_model m;
-    if (cli_model_open("generate", model_path, &m)) return 1;
-    int rc = 1;
+    if (cli_model_open("generate", o.model_path, &m)) return 1;
     gen_state g;
-    memset(&g, 0, sizeof g);
-    g.m = &m;
-    g.temp = temp;
-    g.top_p = top_p;
-    g.rng = 0x9e3779b97f4a7c15ull ^ (uint64_t)seed;
-    g.max_chunk = 512;
-    g.max_tokens = ctx > 0 ? (int)ctx : m.hp->context_length;
-    int32_t *ids = NULL;
-    size_t n_ids = 0;
-    kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-    so.cache_format = fmt.name;
-    so.max_tokens = g.max_tokens;
-    so.max_chunk = g.max_chunk;
-    so.attn_threads = (int)threads;
-    if (cli_session_create("generate", &m, &so, "lower --ctx", &g.sess)) goto out;
-    if (g.max_tokens > m.hp->context_length)
-        fprintf(stderr, "[note: --ctx %d is beyond the model's trained context of %d tokens]\n",
-                g.max_tokens, m.hp->context_length);
-    g.logits = malloc(sizeof(float) * (size_t)m.hp->vocab);
-    g.scratch = malloc(sizeof(cand) * (size_t)m.hp->vocab);
-    if (!g.logits || !g.scratch) { cli_error("generate", "out of memory"); goto out; }
-    unsigned bos = kvarn_tokenizer_add_bos(m.tok) ? KVARN_TOKENIZE_ADD_BOS : 0;
-
-    if (prompt != NULL) {
-        if (chat) {
-            kvarn_chat_message msg = {"user", prompt};
-            st = kvarn_tokenizer_encode_chat(m.tok, &msg, 1, KVARN_CHAT_SMOLLM2_SYSTEM, 1, &ids, &n_ids);
-            if (st != KVARN_OK) { cli_error("generate", "chat template: %s", kvarn_strerror(st)); goto out; }
-        } else if (encode_text(&m, prompt, bos, &ids, &n_ids)) {
-            goto out;
-        }
-        if (n_ids == 0) { cli_error("generate", "the prompt is empty"); goto out; }
-        if (feed(&g, ids, n_ids) || reply(&g, n_gen)) goto out;
-    } else {
-        /* A conversation: one user message per line of stdin. */
-        char line[8192];
-        int turn = 0;
-        fprintf(stderr, "[chat: one message per line; end with Ctrl-D]\n");
-        while (fgets(line, sizeof line, stdin)) {
-            line[strcspn(line, "\n")] = '\0';
-            if (line[0] == '\0') continue;
-            free(ids);
-            ids = NULL;
-            kvarn_chat_message msg = {"user", line};
-            int32_t *turn_ids = NULL;
-            size_t turn_n = 0;
-            st = kvarn_tokenizer_encode_chat(m.tok, &msg, 1, turn ? NULL : KVARN_CHAT_SMOLLM2_SYSTEM, 1,
-                                             &turn_ids, &turn_n);
-            if (st != KVARN_OK) { cli_error("generate", "chat template: %s", kvarn_strerror(st)); goto out; }
-            if (turn) {
-                /* close the previous assistant message first */
-                int32_t *close_ids = NULL;
-                size_t close_n = 0;
-                if (encode_text(&m, "<|im_end|>\n", KVARN_TOKENIZE_SPECIAL, &close_ids, &close_n)) {
-                    free(turn_ids);
-                    goto out;
-                }
-                int r = feed(&g, close_ids, close_n);
-                free(close_ids);
-                if (r) { free(turn_ids); goto out; }
-            }
-            int r = feed(&g, turn_ids, turn_n);
-            free(turn_ids);
-            if (r || reply(&g, n_gen)) goto out;
-            turn++;
-        }
+    rc = 1;
+    if (gen_init(&g, &m, &o, &fmt) == 0 && (o.prompt ? run_prompt(&g, &o) : run_chat(&g, &o)) == 0) {
+        g.stats.n_tokens = kvarn_llama_session_pos(g.sess);
+        report(&g.stats, &fmt, m.hp);
+        rc = 0;
     }
-    {
-        long n_tok = kvarn_llama_session_pos(g.sess);
-        kvarn_format fp16;
-        kvarn_format_parse("fp16", &fp16);
-        double used = cli_kv_bytes_used(&fmt, m.hp, n_tok), base = cli_kv_bytes_used(&fp16, m.hp, n_tok);
-        char b1[32], b2[32];
-        fprintf(stderr, "[%s] KV cache for %ld tokens: %s; an fp16 cache: %s (%.0f%% of it)", fmt.name,
-                n_tok, cli_fmt_bytes(used, b1, sizeof b1), cli_fmt_bytes(base, b2, sizeof b2),
-                base > 0 ? 100.0 * used / base : 0.0);
-        if (fmt.per_tile)
-            fprintf(stderr, "; the first %d-token tile (sink) and the last partial tile stay fp16, so "
-                    "short texts gain little; %s reaches %.2fx the fp16 capacity on long contexts",
-                    fmt.tile_tokens, fmt.name, 4.0 * m.hp->head_dim / kvarn_bytes_per_token_head(&fmt, m.hp->head_dim));
-        fprintf(stderr, "\n[%s] prompt %.1f tok/s, generation %.1f tok/s\n", fmt.name,
-                g.prompt_s > 0 ? g.prompt_n / g.prompt_s : 0.0, g.gen_s > 0 ? g.gen_n / g.gen_s : 0.0);
-    }
-    rc = 0;
-out:
-    free(ids);
-    free(g.logits);
-    free(g.scratch);
-    kvarn_llama_session_free(g.sess);
+    gen_free(&g);
     cli_model_close(&m);
     return rc;
 }

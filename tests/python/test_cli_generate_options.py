@@ -1,0 +1,79 @@
+"""`kvarn generate`'s options (tools/cmd_generate.c: one table drives
+getopt_long, the value checks and --help): each option's spelling and
+range, the usage errors (exit 2) and what --help lists. The error texts
+that every command shares are in test_cli_errors.py."""
+import subprocess
+
+import pytest
+
+
+def generate(kvarn_bin, *args, stdin=None):
+    return subprocess.run([kvarn_bin, "generate", *args], capture_output=True, text=True,
+                          timeout=600, input=stdin)
+
+
+def test_help_lists_every_documented_option(kvarn_bin):
+    r = generate(kvarn_bin, "--help")
+    assert r.returncode == 0 and r.stderr == ""
+    first_column = [line.split()[0] for line in r.stdout.splitlines()[4:]
+                    if line.startswith("-")]
+    assert first_column == ["-p", "--chat", "-n", "--temp", "--top-p", "--seed",
+                            "--kv-cache-dtype", "--threads", "--ctx"]
+    assert "(alias --max-tokens;" in r.stdout
+    # -h is --help, wherever it stands (even after a value error would come)
+    assert generate(kvarn_bin, "-m", "x", "-h", "-n", "0").stdout == r.stdout
+
+
+def test_missing_value_and_unknown_option_are_told_apart(kvarn_bin):
+    for opt in ("-n", "--ctx", "-p", "--max-tokens", "-m"):
+        r = generate(kvarn_bin, "-m", "x", opt)
+        assert r.returncode == 2, (opt, r.stderr)
+        assert r.stderr == f"kvarn generate: option '{opt}' needs a value\n", opt
+    for args, name in ((["--bogus"], "--bogus"), (["--bogus", "1"], "--bogus"), (["-x"], "-x"),
+                       (["--chat=1"], "--chat=1"), (["-p", "hi", "stray"], "stray")):
+        r = generate(kvarn_bin, "-m", "x", *args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.startswith(f"kvarn generate: unknown option '{name}'\nusage: kvarn generate"), args
+
+
+# (option, a value outside its range, the range as the message states it)
+OUT_OF_RANGE = [
+    ("-n", "0", "an integer from 1 to 1048576"),
+    ("--threads", "257", "an integer from 1 to 256"),
+    ("--seed", "-1", "an integer from 0 to 2147483647"),
+    ("--ctx", "0", "an integer from 1 to 2147483647"),
+    ("--max-tokens", "2147483648", "an integer from 1 to 2147483647"),
+    ("--temp", "-0.5", "a finite number from 0 up"),
+    ("--temp", "inf", "a finite number from 0 up"),
+    ("--top-p", "0", "a number above 0 and at most 1"),
+    ("--top-p", "1.01", "a number above 0 and at most 1"),
+]
+
+
+@pytest.mark.parametrize("opt,value,expected", OUT_OF_RANGE)
+def test_value_out_of_range(kvarn_bin, opt, value, expected):
+    r = generate(kvarn_bin, "-m", "x", "-p", "hi", opt, value)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"kvarn generate: bad value '{value}' for {opt} (expected {expected})\n"
+
+
+def test_spellings_of_one_run_agree(kvarn_bin, model_path):
+    # Greedy, so every spelling of the same options must print the same text
+    # and the same cache size line.
+    base = ["-m", model_path, "-p", "The capital of France is", "--temp", "0",
+            "--kv-cache-dtype", "int8"]
+    runs = [
+        base + ["-n", "3", "--ctx", "64"],
+        base + ["-n3", "--max-tokens", "64"],
+        base + ["-n", "3", "--ctx=64"],
+        ["--model", model_path, "--prompt", "The capital of France is", "--temp=0",
+         "--kv-cache-dtype=int8", "-n", "3", "--ctx", "64"],
+    ]
+    outs = []
+    for args in runs:
+        r = generate(kvarn_bin, *args)
+        assert r.returncode == 0, (args, r.stderr)
+        kv_line = [line for line in r.stderr.splitlines() if "KV cache for" in line]
+        outs.append((r.stdout, kv_line))
+    assert outs[0][0].strip(), outs[0]
+    assert all(o == outs[0] for o in outs), outs
