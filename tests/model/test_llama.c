@@ -656,14 +656,14 @@ static void test_read_kv(void **state)
     assert_true(bk && bv);
     double worst = 0, scale = 0, use = 0;
     for (int t = 0; t < T; t++) {
-        const float *x = f->m->tok_embd + (size_t)f->ids[t] * E;
+        const float *x = f->m->tok_embd.f32 + (size_t)f->ids[t] * E;
         double ss = 0, h[E];
         for (int i = 0; i < E; i++) ss += (double)x[i] * x[i];
         double r = 1.0 / sqrt(ss / E + hp->rms_eps);
         for (int i = 0; i < E; i++) h[i] = x[i] * r * L->attn_norm[i];
         for (int j = 0; j < kd; j++) {
             double kk = 0, vv = 0, sk = 0, sv = 0;
-            const float *wk = L->wqkv + (size_t)(qd + j) * E, *wv = L->wqkv + (size_t)(qd + kd + j) * E;
+            const float *wk = L->wqkv.f32 + (size_t)(qd + j) * E, *wv = L->wqkv.f32 + (size_t)(qd + kd + j) * E;
             for (int i = 0; i < E; i++) {
                 kk += h[i] * wk[i];
                 vv += h[i] * wv[i];
@@ -770,7 +770,7 @@ static void test_last_and_reset(void **state)
     const double u = 1.0 / 16777216.0, gamma = E * u / (1.0 - E * u);
     for (int j = 0; j < VOCAB; j++) {
         double l1 = 0;
-        for (int i = 0; i < E; i++) l1 += fabs((double)xn[i] * f->m->output[(size_t)j * E + i]);
+        for (int i = 0; i < E; i++) l1 += fabs((double)xn[i] * f->m->output.f32[(size_t)j * E + i]);
         assert_true(fabs((double)last[j] - all[(size_t)139 * VOCAB + j]) <= 2 * gamma * l1);
     }
     kvarn_llama_session_reset(s);
