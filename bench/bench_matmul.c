@@ -27,7 +27,6 @@
 #include <cblas.h>
 
 #include "kvarn/kvarn.h"
-#include "model/llama_internal.h"
 
 #ifdef KVARN_BENCH_DNNL
 #include <oneapi/dnnl/dnnl.h>
@@ -164,7 +163,12 @@ static void run(job *j, int v)
     size_t mk = (size_t)j->m * j->k;
     switch (v) {
     case V_F32:
-        llama_matmul(j->x, j->m, j->k, j->w, j->n, j->y);
+        if (j->m == 1)
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, j->n, j->k, 1.0f, j->w, j->k, j->x, 1,
+                        0.0f, j->y, 1);
+        else
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, j->m, j->n, j->k, 1.0f, j->x,
+                        j->k, j->w, j->k, 0.0f, j->y, j->n);
         break;
     case V_SBGEMM:
         /* activations rounded to bf16 each call: part of the cost */
