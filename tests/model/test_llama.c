@@ -822,6 +822,58 @@ static void test_errors(void **state)
     kvarn_llama_session_free(s);
 }
 
+/* Load options: the weight precision. ctest sets KVARN_WEIGHTS=fp32, so the
+ * fixture's model is fp32; bf16 asked for explicitly holds half the bytes
+ * (2 per weight instead of 4, exactly), runs with finite logits, and a
+ * session of it plans its bf16 activation buffer on top of fp32's. */
+static void test_weights_option(void **state)
+{
+    fixture *f = *state;
+    assert_int_equal(kvarn_llama_get_weights(f->m), KVARN_LLAMA_WEIGHTS_FP32);
+    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    kvarn_llama *m = (kvarn_llama *)f; /* must be reset to NULL on error */
+    lo.weights = (kvarn_llama_weights)7;
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_ERR_INVALID_ARG);
+    assert_null(m);
+    /* AUTO reads KVARN_WEIGHTS: anything but fp32 / bf16 is refused. */
+    lo.weights = KVARN_LLAMA_WEIGHTS_AUTO;
+    assert_int_equal(setenv("KVARN_WEIGHTS", "fp64", 1), 0);
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_ERR_INVALID_ARG);
+    assert_null(m);
+    assert_int_equal(setenv("KVARN_WEIGHTS", "fp32", 1), 0);
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
+    assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_FP32);
+    assert_true(kvarn_llama_weight_bytes(m) == kvarn_llama_weight_bytes(f->m));
+    kvarn_llama_free(m);
+
+    lo.weights = KVARN_LLAMA_WEIGHTS_BF16;
+    kvarn_status st = kvarn_llama_load_gguf_with(f->g, &lo, &m);
+    if (st == KVARN_ERR_UNSUPPORTED) skip(); /* built without oneDNN */
+    assert_int_equal(st, KVARN_OK);
+    assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_BF16);
+    assert_true(2 * kvarn_llama_weight_bytes(m) == kvarn_llama_weight_bytes(f->m));
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.max_tokens = NTOK;
+    o.max_chunk = 64;
+    kvarn_llama_session_info i32, i16;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, &i32), KVARN_OK);
+    assert_int_equal(kvarn_llama_session_plan(m, &o, &i16), KVARN_OK);
+    /* at least max_chunk rows of the widest matmul input (H D = 256) in bf16 */
+    assert_true(i16.other_bytes >= i32.other_bytes + 64u * NH * HD * 2u);
+    kvarn_llama_session *s = NULL;
+    assert_int_equal(kvarn_llama_session_create(m, &o, &s), KVARN_OK);
+    float *lg = malloc(sizeof(float) * 64 * VOCAB);
+    assert_non_null(lg);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 64, KVARN_LLAMA_LOGITS_ALL, lg,
+                                         (size_t)64 * VOCAB), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids + 64, 1, KVARN_LLAMA_LOGITS_LAST, lg,
+                                         VOCAB), KVARN_OK);
+    for (int j = 0; j < VOCAB; j++) assert_true(isfinite(lg[j]));
+    free(lg);
+    kvarn_llama_session_free(s);
+    kvarn_llama_free(m);
+}
+
 /* A NaN reaching the cache fails the call with KVARN_ERR_NONFINITE and
  * leaves the session as before: the same tokens then give the logits of a
  * session that never saw the failure. */
@@ -988,6 +1040,7 @@ int main(void)
         cmocka_unit_test(test_last_and_reset),
         cmocka_unit_test(test_read_kv),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_weights_option),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),
         cmocka_unit_test(test_context_limits),
