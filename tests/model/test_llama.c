@@ -249,7 +249,10 @@ static int setup(void **state)
         fprintf(stderr, "gguf: %s\n", err);
         return -1;
     }
-    if (kvarn_llama_load_gguf(f->g, &f->m) != KVARN_OK) return -1;
+    /* fp32 weights: every bound below is derived for them. */
+    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    lo.weights = KVARN_LLAMA_WEIGHTS_FP32;
+    if (kvarn_llama_load_gguf_with(f->g, &lo, &f->m) != KVARN_OK) return -1;
     test_rng rng;
     test_rng_seed(&rng, 99);
     for (int i = 0; i < NTOK; i++) f->ids[i] = (int32_t)test_rng_below(&rng, VOCAB - 1);
@@ -822,8 +825,8 @@ static void test_errors(void **state)
     kvarn_llama_session_free(s);
 }
 
-/* Load options: the weight precision. ctest sets KVARN_WEIGHTS=fp32, so the
- * fixture's model is fp32; bf16 asked for explicitly holds half the bytes
+/* Load options: the weight precision. The fixture's model is fp32; bf16
+ * asked for explicitly holds half the bytes
  * (2 per weight instead of 4, exactly), runs with finite logits, and a
  * session of it plans its bf16 activation buffer on top of fp32's. */
 static void test_weights_option(void **state)
@@ -836,6 +839,9 @@ static void test_weights_option(void **state)
     assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_ERR_INVALID_ARG);
     assert_null(m);
     /* AUTO reads KVARN_WEIGHTS: anything but fp32 / bf16 is refused. */
+    const char *env = getenv("KVARN_WEIGHTS");
+    char saved[16] = "";
+    if (env) snprintf(saved, sizeof saved, "%s", env);
     lo.weights = KVARN_LLAMA_WEIGHTS_AUTO;
     assert_int_equal(setenv("KVARN_WEIGHTS", "fp64", 1), 0);
     assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_ERR_INVALID_ARG);
@@ -845,6 +851,8 @@ static void test_weights_option(void **state)
     assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_FP32);
     assert_true(kvarn_llama_weight_bytes(m) == kvarn_llama_weight_bytes(f->m));
     kvarn_llama_free(m);
+    if (env) assert_int_equal(setenv("KVARN_WEIGHTS", saved, 1), 0);
+    else assert_int_equal(unsetenv("KVARN_WEIGHTS"), 0);
 
     lo.weights = KVARN_LLAMA_WEIGHTS_BF16;
     kvarn_status st = kvarn_llama_load_gguf_with(f->g, &lo, &m);
