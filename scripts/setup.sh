@@ -15,7 +15,7 @@ for a in "$@"; do
   esac
 done
 
-DEB_PKGS="build-essential cmake pkg-config libcmocka-dev libopenblas-dev libpcre2-dev zlib1g-dev libcjson-dev"
+DEB_PKGS="build-essential cmake pkg-config libcmocka-dev libopenblas-dev libpcre2-dev zlib1g-dev libcjson-dev libdnnl-dev"
 missing=""
 for p in $DEB_PKGS; do
   dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"

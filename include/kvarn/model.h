@@ -3,7 +3,7 @@
  * any kvarn format.
  *
  * Two objects, both owned by the caller:
- *   kvarn_llama          the weights (dequantized to fp32 at load) and the
+ *   kvarn_llama          the weights (fp32 or bf16 in memory, chosen at load) and the
  *                        hyper-parameters. Read-only after load; several
  *                        sessions may share one model (one thread each).
  *   kvarn_llama_session  one sequence: its paged KV cache (cache.h) in the
@@ -63,8 +63,10 @@ typedef struct kvarn_llama kvarn_llama;
 typedef struct kvarn_llama_session kvarn_llama_session;
 
 /* Load a llama-architecture GGUF: checks general.architecture == "llama",
- * reads the hyper-parameters and dequantizes every weight to fp32 (tensor
- * types F32, F16, BF16, Q8_0, Q4_0, Q4_1; SmolLM2-135M takes ~540 MB).
+ * reads the hyper-parameters and dequantizes every weight (tensor types
+ * F32, F16, BF16, Q8_0, Q4_0, Q4_1) to the precision
+ * KVARN_LLAMA_WEIGHTS_AUTO picks (kvarn_llama_load_with below; SmolLM2-135M
+ * takes ~540 MB in fp32, ~270 MB in bf16).
  * Tensors used: token_embd, output_norm, output (optional: tied to
  * token_embd when absent), and per layer blk.N.{attn_norm, attn_q, attn_k,
  * attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight.
@@ -83,7 +85,7 @@ kvarn_status kvarn_llama_load(const char *path, kvarn_llama **out);
  * without KVARN_ERR_IO. */
 kvarn_status kvarn_llama_load_gguf(const kvarn_gguf *g, kvarn_llama **out);
 
-/* kvarn_llama_load / kvarn_llama_load_gguf with the model and all its fp32
+/* kvarn_llama_load / kvarn_llama_load_gguf with the model and all its
  * weights allocated through allocator (copied; must outlive the model;
  * NULL = malloc/free, alloc.h). _ex also opens the file's index with it.
  * Errors as those, and KVARN_ERR_INVALID_ARG for an allocator with only one
@@ -92,6 +94,53 @@ kvarn_status kvarn_llama_load_ex(const char *path, const kvarn_allocator *alloca
                                  kvarn_llama **out);
 kvarn_status kvarn_llama_load_gguf_ex(const kvarn_gguf *g, const kvarn_allocator *allocator,
                                       kvarn_llama **out);
+
+/* How the weight matrices are held in memory (docs/model.md "Weight
+ * precision"). Norm weights are always fp32. */
+typedef enum kvarn_llama_weights {
+    KVARN_LLAMA_WEIGHTS_AUTO = 0, /* the environment's KVARN_WEIGHTS ("fp32"
+                                     or "bf16") when set, else bf16 where
+                                     this build and CPU can run it, else
+                                     fp32 */
+    KVARN_LLAMA_WEIGHTS_FP32 = 1, /* every matrix dequantized to fp32 (4
+                                     bytes/weight; OpenBLAS sgemm/sgemv);
+                                     the cross-check tests' precision */
+    KVARN_LLAMA_WEIGHTS_BF16 = 2  /* rounded to bf16 (2 bytes/weight; oneDNN
+                                     bf16 matmul: activations rounded to bf16
+                                     at each matmul's input, fp32 sums) */
+} kvarn_llama_weights;
+
+/* Load settings. Start from KVARN_LLAMA_LOAD_OPTS_DEFAULT. */
+typedef struct kvarn_llama_load_opts {
+    const kvarn_allocator *allocator; /* the model and its weights (copied;
+                                         must outlive the model); NULL =
+                                         malloc/free. oneDNN's own objects
+                                         (engine, primitives) are its own. */
+    kvarn_llama_weights weights;      /* AUTO, FP32 or BF16 */
+} kvarn_llama_load_opts;
+
+#define KVARN_LLAMA_LOAD_OPTS_DEFAULT { NULL, KVARN_LLAMA_WEIGHTS_AUTO }
+
+/* kvarn_llama_load / kvarn_llama_load_gguf with settings (opts NULL = the
+ * defaults; the calls above use the defaults with their allocator).
+ * Errors: as those, and KVARN_ERR_INVALID_ARG (an unknown weights value, an
+ * allocator with only one of alloc/free set, KVARN_WEIGHTS set to anything
+ * but "fp32" or "bf16" under AUTO), KVARN_ERR_UNSUPPORTED (BF16 asked for,
+ * or named by KVARN_WEIGHTS, where this build has no oneDNN or oneDNN
+ * cannot make a bf16 matmul on this CPU). */
+kvarn_status kvarn_llama_load_with(const char *path, const kvarn_llama_load_opts *opts,
+                                   kvarn_llama **out);
+kvarn_status kvarn_llama_load_gguf_with(const kvarn_gguf *g,
+                                        const kvarn_llama_load_opts *opts,
+                                        kvarn_llama **out);
+
+/* The precision the model's weights are held in (FP32 or BF16, AUTO
+ * resolved); FP32 for NULL. */
+kvarn_llama_weights kvarn_llama_get_weights(const kvarn_llama *model);
+
+/* Bytes of the model's weight matrices as held (every matrix, the tied head
+ * counted once); 0 for NULL. */
+uint64_t kvarn_llama_weight_bytes(const kvarn_llama *model);
 
 /* Free a model (NULL is fine). Free its sessions first. */
 void kvarn_llama_free(kvarn_llama *model);
@@ -223,7 +272,9 @@ typedef enum kvarn_llama_logits {
  * KVARN_ERR_OUT_OF_BLOCKS (pos + n > max_tokens), KVARN_ERR_NONFINITE
  * (NaN/Inf reached the cache). On any error the session is as before the
  * call: argument errors are found before any work, and a failure inside
- * the pass drops the chunk's tokens from the cache again. */
+ * the pass drops the chunk's tokens from the cache again (logits may then
+ * hold partial results). KVARN_ERR_NOMEM / KVARN_ERR_UNSUPPORTED only with
+ * bf16 weights: oneDNN refused a matmul call. */
 kvarn_status kvarn_llama_forward(kvarn_llama_session *s, const int32_t *tokens,
                                  int n, kvarn_llama_logits which,
                                  float *logits, size_t logits_len);

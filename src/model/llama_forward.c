@@ -54,18 +54,25 @@ kvarn_status kvarn_llama_forward(kvarn_llama_session *s, const int32_t *tokens,
     int F = hp->ffn;
     int qd = H * D, kd = Hk * D, qkvd = qd + 2 * kd;
 
-    for (int t = 0; t < n; t++) {
-        const float *e = m->tok_embd + (size_t)tokens[t] * E;
-        float *x = s->x + (size_t)t * E;
-        for (int i = 0; i < E; i++) x[i] = e[i];
-    }
+    for (int t = 0; t < n; t++)
+        llama_matrix_get_row(&m->tok_embd, tokens[t], s->x + (size_t)t * E);
     llama_rope_table(pos, n, D, hp->rope_theta, s->rope_cos, s->rope_sin);
 
+    /* A failed matmul (bf16: oneDNN's per-call descriptors) rolls the store
+     * back like a failed attention. */
+#define MATMUL(x, rows, w, y)                                                 \
+    do {                                                                      \
+        st = llama_matmul(&s->mm, (x), (rows), (w), (y));                     \
+        if (st != KVARN_OK) {                                                 \
+            kv->ops->abort(kv, pos);                                          \
+            return st;                                                        \
+        }                                                                     \
+    } while (0)
     for (int l = 0; l < hp->n_layers; l++) {
         const llama_layer *L = &m->layers[l];
         /* Attention block. */
         llama_rmsnorm(s->x, L->attn_norm, hp->rms_eps, n, E, s->xn);
-        llama_matmul(s->xn, n, E, L->wqkv, qkvd, s->qkv);
+        MATMUL(s->xn, n, &L->wqkv, s->qkv);
         llama_rope_apply(s->qkv, qkvd, n, H, D, s->rope_cos, s->rope_sin);
         llama_rope_apply(s->qkv + qd, qkvd, n, Hk, D, s->rope_cos, s->rope_sin);
         if (s->keep_k) keep_kv(s, l, pos, n, qd, kd, qkvd);
@@ -75,29 +82,30 @@ kvarn_status kvarn_llama_forward(kvarn_llama_session *s, const int32_t *tokens,
             kv->ops->abort(kv, pos);
             return st;
         }
-        llama_matmul(s->attn, n, qd, L->wo, E, s->xn);
+        MATMUL(s->attn, n, &L->wo, s->xn);
         add_rows(s->x, s->xn, (size_t)n * E);
         /* SwiGLU feed-forward block. */
         llama_rmsnorm(s->x, L->ffn_norm, hp->rms_eps, n, E, s->xn);
-        llama_matmul(s->xn, n, E, L->w_gate_up, 2 * F, s->gu);
+        MATMUL(s->xn, n, &L->w_gate_up, s->gu);
         llama_swiglu(s->gu, n, F, s->act);
-        llama_matmul(s->act, n, F, L->w_down, E, s->xn);
+        MATMUL(s->act, n, &L->w_down, s->xn);
         add_rows(s->x, s->xn, (size_t)n * E);
     }
+    /* The head, before the commit, so that a failure still rolls back. */
+    if (which == KVARN_LLAMA_LOGITS_ALL) {
+        llama_rmsnorm(s->x, m->output_norm, hp->rms_eps, n, E, s->xn);
+        MATMUL(s->xn, n, &m->output, logits);
+    } else if (which == KVARN_LLAMA_LOGITS_LAST) {
+        llama_rmsnorm(s->x + (size_t)(n - 1) * E, m->output_norm, hp->rms_eps, 1,
+                      E, s->xn);
+        MATMUL(s->xn, 1, &m->output, logits);
+    }
+#undef MATMUL
     st = kv->ops->end(kv, pos, n);
     if (st != KVARN_OK) {
         kv->ops->abort(kv, pos);
         return st;
     }
     s->pos = pos + n;
-
-    if (which == KVARN_LLAMA_LOGITS_ALL) {
-        llama_rmsnorm(s->x, m->output_norm, hp->rms_eps, n, E, s->xn);
-        llama_matmul(s->xn, n, E, m->output, hp->vocab, logits);
-    } else if (which == KVARN_LLAMA_LOGITS_LAST) {
-        llama_rmsnorm(s->x + (size_t)(n - 1) * E, m->output_norm, hp->rms_eps, 1,
-                      E, s->xn);
-        llama_matmul(s->xn, 1, E, m->output, hp->vocab, logits);
-    }
     return KVARN_OK;
 }

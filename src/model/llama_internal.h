@@ -14,27 +14,89 @@
 #include "kvarn/model.h"
 #include "codec/alloc_internal.h"
 
-/* One transformer block. Every matrix is fp32, row-major [out][in] (a GGUF
- * matrix of ne = {in, out} dequantized as stored), so a chunk's activations
- * X [n][in] give Y = X W^T. Q, K and V are stacked into one matrix and gate
+/* One weight matrix, row-major [out][in] (a GGUF matrix of ne = {in, out}
+ * as stored), so a chunk's activations X [n][in] give Y = X W^T. Held in
+ * fp32 (f32 set) or in bf16 (bf16 set: each weight rounded to nearest even
+ * at load, multiplied through oneDNN's bf16 matmul, llama_weights.c).
+ * prim is that matmul (M given per call), scratch_bytes its scratchpad. */
+typedef struct llama_matrix {
+    int out, in;
+    float *f32;         /* [out][in], or NULL */
+    uint16_t *bf16;     /* [out][in], or NULL */
+    void *prim;         /* dnnl_primitive_t for bf16; NULL for fp32 */
+    void *wmem;         /* dnnl_memory_t over bf16 */
+    size_t scratch_bytes;
+} llama_matrix;
+
+/* One transformer block. Q, K and V are stacked into one matrix and gate
  * and up into another, so each is a single GEMM per chunk. */
 typedef struct llama_layer {
-    float *attn_norm;   /* [hidden] */
-    float *wqkv;        /* [(H + 2 Hk) D][hidden]: Q rows, then K, then V */
-    float *wo;          /* [hidden][H D] */
-    float *ffn_norm;    /* [hidden] */
-    float *w_gate_up;   /* [2 ffn][hidden]: gate rows, then up rows */
-    float *w_down;      /* [hidden][ffn] */
+    float *attn_norm;       /* [hidden] */
+    llama_matrix wqkv;      /* [(H + 2 Hk) D][hidden]: Q rows, then K, then V */
+    llama_matrix wo;        /* [hidden][H D] */
+    float *ffn_norm;        /* [hidden] */
+    llama_matrix w_gate_up; /* [2 ffn][hidden]: gate rows, then up rows */
+    llama_matrix w_down;    /* [hidden][ffn] */
 } llama_layer;
 
 struct kvarn_llama {
     kvarn_allocator alloc; /* the model and its weights (alloc.h) */
     kvarn_llama_hparams hp;
-    float *tok_embd;    /* [vocab][hidden] */
-    float *output_norm; /* [hidden] */
-    float *output;      /* [vocab][hidden]; == tok_embd when tied */
-    llama_layer *layers; /* [n_layers] */
+    kvarn_llama_weights weights; /* FP32 or BF16 (resolved) */
+    llama_matrix tok_embd;  /* [vocab][hidden]; rows looked up by token */
+    float *output_norm;     /* [hidden] */
+    llama_matrix output;    /* [vocab][hidden]; a copy of tok_embd's
+                               pointers when tied (owns = 0) */
+    int output_owned;
+    llama_layer *layers;    /* [n_layers] */
+    void *engine;           /* dnnl_engine_t when weights == BF16 */
+    size_t scratch_bytes;   /* largest scratchpad of any matrix */
 };
+
+/* ------------------------------------------------------------------------ */
+/* Weight matrices (llama_weights.c)                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Allocate m for [out][in] in the model's precision (m->f32 or m->bf16,
+ * through the model's allocator; the contents are filled by
+ * llama_matrix_set_rows). Errors: KVARN_ERR_NOMEM. */
+kvarn_status llama_matrix_alloc(kvarn_llama *model, llama_matrix *m, int out, int in);
+/* Rows [r0, r0 + rows) of m from fp32 src [rows][in] (rounded to bf16 when
+ * m is bf16). */
+void llama_matrix_set_rows(llama_matrix *m, int r0, int rows, const float *src);
+/* Row r of m in fp32 (widened when bf16) into dst [in]. */
+void llama_matrix_get_row(const llama_matrix *m, int r, float *dst);
+/* Make m ready to multiply (bf16: its oneDNN matmul primitive). Errors:
+ * KVARN_ERR_NOMEM, KVARN_ERR_UNSUPPORTED (oneDNN cannot make it here). */
+kvarn_status llama_matrix_prepare(kvarn_llama *model, llama_matrix *m);
+void llama_matrix_free(kvarn_llama *model, llama_matrix *m);
+
+/* The model's oneDNN engine for bf16 weights. Errors: KVARN_ERR_UNSUPPORTED
+ * (built without oneDNN, or no CPU engine), KVARN_ERR_NOMEM. */
+kvarn_status llama_weights_engine_create(kvarn_llama *model);
+void llama_weights_engine_destroy(kvarn_llama *model);
+
+/* Per-session state of the matmuls: a oneDNN stream, the activations in
+ * bf16 ([max_chunk][max_in] halves) and the scratchpad. */
+typedef struct llama_mm_ctx {
+    void *stream;       /* dnnl_stream_t; NULL for fp32 weights */
+    uint16_t *xb;       /* [max_chunk][max_in] */
+    void *scratch;      /* model->scratch_bytes */
+} llama_mm_ctx;
+
+/* Bytes llama_mm_ctx_create allocates for chunks of max_chunk rows of at
+ * most max_in floats (0 for fp32 weights), checked: KVARN_ERR_TOO_LARGE. */
+kvarn_status llama_mm_ctx_plan(const kvarn_llama *model, int max_chunk, int max_in,
+                               uint64_t *bytes);
+kvarn_status llama_mm_ctx_create(const kvarn_llama *model, const kvarn_allocator *a,
+                                 int max_chunk, int max_in, llama_mm_ctx *c);
+void llama_mm_ctx_destroy(const kvarn_allocator *a, llama_mm_ctx *c);
+
+/* Y[n][out] = X[n][in] W^T (fp32: OpenBLAS, GEMV for n == 1; bf16: X
+ * rounded to bf16, oneDNN matmul, fp32 sums and Y). Errors (bf16 only):
+ * KVARN_ERR_NOMEM (oneDNN's per-call descriptors), KVARN_ERR_UNSUPPORTED. */
+kvarn_status llama_matmul(llama_mm_ctx *c, const float *x, int n, const llama_matrix *w,
+                          float *y);
 
 /* ------------------------------------------------------------------------ */
 /* K/V store interface                                                      */
@@ -148,10 +210,6 @@ void llama_rope_apply(float *x, int ld, int n, int n_heads, int head_dim,
 /* act[t][j] = silu(gu[t][j]) * gu[t][ffn + j] for n tokens. */
 void llama_swiglu(const float *gu, int n, int ffn, float *act);
 
-/* Y[n][out] = X[n][in] W^T with W [out][in] (OpenBLAS; GEMV for n == 1). */
-void llama_matmul(const float *x, int n, int in, const float *w, int out,
-                  float *y);
-
 /* ------------------------------------------------------------------------ */
 /* Session                                                                  */
 /* ------------------------------------------------------------------------ */
@@ -172,6 +230,7 @@ struct kvarn_llama_session {
     float *act;       /* [n][ffn] */
     float *rope_cos;  /* [n][D/2] */
     float *rope_sin;  /* [n][D/2] */
+    llama_mm_ctx mm;  /* the weight matmuls' stream and scratch */
     /* keep_kv_f32: fp32 K (post-RoPE) and V of every token as computed,
      * [n_layers][max_tokens][Hk D] each; NULL when not kept. */
     float *keep_k, *keep_v;

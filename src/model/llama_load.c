@@ -1,7 +1,8 @@
 /*
  * llama_load.c -- load a llama-architecture GGUF: hyper-parameters from the
- * llama.* metadata, every weight dequantized to fp32 (include/kvarn/gguf.h)
- * and laid out for batched GEMMs (src/model/llama_internal.h).
+ * llama.* metadata, every weight dequantized (include/kvarn/gguf.h) to the
+ * precision chosen (fp32 or bf16, llama_weights.c) and laid out for batched
+ * GEMMs (src/model/llama_internal.h).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -74,24 +75,56 @@ static kvarn_status read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *hp)
     return KVARN_OK;
 }
 
-/* Dequantize tensor name, which must be ne = {in, out} (out = 1 and n_dims
- * 1 for a vector), into dst[out * in]. */
-static kvarn_status load_tensor(const kvarn_gguf *g, const char *name, int in,
-                                int out, float *dst)
+/* Check that tensor name is ne = {in, out} (out = 1 and n_dims 1 for a
+ * vector). */
+static kvarn_status find_tensor(const kvarn_gguf *g, const char *name, int in, int out,
+                                const kvarn_gguf_tensor **t)
 {
-    const kvarn_gguf_tensor *t = kvarn_gguf_find_tensor(g, name);
-    if (!t) return KVARN_ERR_BAD_FILE;
-    if (t->ne[0] != (uint64_t)in || t->ne[1] != (uint64_t)out || t->ne[2] != 1 ||
-        t->ne[3] != 1)
+    *t = kvarn_gguf_find_tensor(g, name);
+    if (!*t) return KVARN_ERR_BAD_FILE;
+    if ((*t)->ne[0] != (uint64_t)in || (*t)->ne[1] != (uint64_t)out || (*t)->ne[2] != 1 ||
+        (*t)->ne[3] != 1)
         return KVARN_ERR_BAD_FILE;
-    kvarn_status st = kvarn_gguf_tensor_dequantize(t, 0, t->n_elements, dst);
+    return KVARN_OK;
+}
+
+static kvarn_status dequant_status(kvarn_status st)
+{
     return st == KVARN_ERR_INVALID_ARG ? KVARN_ERR_BAD_FILE : st;
+}
+
+/* Dequantize vector tensor name [in] into dst[in] (fp32). */
+static kvarn_status load_vector(const kvarn_gguf *g, const char *name, int in, float *dst)
+{
+    const kvarn_gguf_tensor *t;
+    kvarn_status st = find_tensor(g, name, in, 1, &t);
+    if (st != KVARN_OK) return st;
+    return dequant_status(kvarn_gguf_tensor_dequantize(t, 0, t->n_elements, dst));
+}
+
+/* Dequantize matrix tensor name (ne = {in, out}) into rows [r0, r0 + out)
+ * of m, LOAD_ROWS rows at a time through rowbuf (LOAD_ROWS * in floats). */
+#define LOAD_ROWS 64
+static kvarn_status load_rows(const kvarn_gguf *g, const char *name, int in, int out,
+                              llama_matrix *m, int r0, float *rowbuf)
+{
+    const kvarn_gguf_tensor *t;
+    kvarn_status st = find_tensor(g, name, in, out, &t);
+    if (st != KVARN_OK) return st;
+    for (int r = 0; r < out; r += LOAD_ROWS) {
+        int rows = out - r < LOAD_ROWS ? out - r : LOAD_ROWS;
+        st = kvarn_gguf_tensor_dequantize(t, (uint64_t)r * (uint64_t)in,
+                                          (uint64_t)rows * (uint64_t)in, rowbuf);
+        if (st != KVARN_OK) return dequant_status(st);
+        llama_matrix_set_rows(m, r0 + r, rows, rowbuf);
+    }
+    return KVARN_OK;
 }
 
 /* Float counts of every weight buffer (llama_internal.h's layout), formed
  * in 64 bits with checked products; each fits size_t with room for the
- * 64-byte rounding of alloc_floats, and the Q and K/V widths fit the int
- * tensor dimensions load_tensor takes. */
+ * 64-byte rounding of alloc_floats, and the matrix heights fit the int
+ * llama_matrix takes. */
 typedef struct weight_sizes {
     size_t wqkv, wo, w_gate_up, w_down, embd; /* floats */
 } weight_sizes;
@@ -101,7 +134,8 @@ static kvarn_status weight_sizes_get(const kvarn_llama_hparams *hp, weight_sizes
     const uint64_t E = (uint64_t)hp->hidden, D = (uint64_t)hp->head_dim;
     const uint64_t qd = (uint64_t)hp->n_heads * D, kd = (uint64_t)hp->n_kv_heads * D;
     const uint64_t F = (uint64_t)hp->ffn, limit = (SIZE_MAX - 64) / sizeof(float);
-    if (qd > INT32_MAX || kd > INT32_MAX) return KVARN_ERR_TOO_LARGE;
+    /* Matrix heights (llama_matrix.out is an int): Q + 2 K/V rows, 2 ffn. */
+    if (qd + 2 * kd > INT32_MAX || 2 * F > INT32_MAX) return KVARN_ERR_TOO_LARGE;
     uint64_t v[5];
     int bad = kvarn__mul_u64(qd + 2 * kd, E, &v[0]);
     bad |= kvarn__mul_u64(E, qd, &v[1]);
@@ -133,56 +167,56 @@ void kvarn_llama_free(kvarn_llama *m)
         for (int l = 0; l < m->hp.n_layers; l++) {
             llama_layer *L = &m->layers[l];
             kvarn__free_aligned(&m->alloc, L->attn_norm);
-            kvarn__free_aligned(&m->alloc, L->wqkv);
-            kvarn__free_aligned(&m->alloc, L->wo);
+            llama_matrix_free(m, &L->wqkv);
+            llama_matrix_free(m, &L->wo);
             kvarn__free_aligned(&m->alloc, L->ffn_norm);
-            kvarn__free_aligned(&m->alloc, L->w_gate_up);
-            kvarn__free_aligned(&m->alloc, L->w_down);
+            llama_matrix_free(m, &L->w_gate_up);
+            llama_matrix_free(m, &L->w_down);
         }
         kvarn__free(&m->alloc, m->layers);
     }
-    if (m->output != m->tok_embd) kvarn__free_aligned(&m->alloc, m->output);
-    kvarn__free_aligned(&m->alloc, m->tok_embd);
+    if (m->output_owned) llama_matrix_free(m, &m->output);
+    llama_matrix_free(m, &m->tok_embd);
     kvarn__free_aligned(&m->alloc, m->output_norm);
+    llama_weights_engine_destroy(m);
     const kvarn_allocator a = m->alloc;
     kvarn__free(&a, m);
 }
 
-static kvarn_status load_layer(const kvarn_gguf *g, const kvarn_llama_hparams *hp,
-                               const kvarn_allocator *a, int l, llama_layer *L)
+static kvarn_status load_layer(const kvarn_gguf *g, kvarn_llama *m, int l, float *rowbuf)
 {
+    const kvarn_llama_hparams *hp = &m->hp;
+    const kvarn_allocator *a = &m->alloc;
+    llama_layer *L = &m->layers[l];
     int E = hp->hidden, D = hp->head_dim, H = hp->n_heads, Hk = hp->n_kv_heads;
     int F = hp->ffn;
-    size_t qd = (size_t)H * D, kd = (size_t)Hk * D;
-    weight_sizes w;
-    kvarn_status st = weight_sizes_get(hp, &w);
-    if (st != KVARN_OK) return st;
+    int qd = H * D, kd = Hk * D; /* fit int: weight_sizes_get */
+    kvarn_status st;
     L->attn_norm = alloc_floats(a, E);
-    L->wqkv = alloc_floats(a, w.wqkv);
-    L->wo = alloc_floats(a, w.wo);
     L->ffn_norm = alloc_floats(a, E);
-    L->w_gate_up = alloc_floats(a, w.w_gate_up);
-    L->w_down = alloc_floats(a, w.w_down);
-    if (!L->attn_norm || !L->wqkv || !L->wo || !L->ffn_norm || !L->w_gate_up ||
-        !L->w_down)
-        return KVARN_ERR_NOMEM;
+    if (!L->attn_norm || !L->ffn_norm) return KVARN_ERR_NOMEM;
+    if ((st = llama_matrix_alloc(m, &L->wqkv, qd + 2 * kd, E)) ||
+        (st = llama_matrix_alloc(m, &L->wo, E, qd)) ||
+        (st = llama_matrix_alloc(m, &L->w_gate_up, 2 * F, E)) ||
+        (st = llama_matrix_alloc(m, &L->w_down, E, F)))
+        return st;
     char name[KVARN_GGUF_MAX_NAME + 1];
-#define LOAD(suffix, in, out, dst)                                          \
-    do {                                                                    \
-        snprintf(name, sizeof name, "blk.%d." suffix ".weight", l);         \
-        kvarn_status st_ = load_tensor(g, name, (in), (out), (dst));        \
-        if (st_ != KVARN_OK) return st_;                                    \
-    } while (0)
-    LOAD("attn_norm", E, 1, L->attn_norm);
-    LOAD("attn_q", E, (int)qd, L->wqkv);
-    LOAD("attn_k", E, (int)kd, L->wqkv + qd * E);
-    LOAD("attn_v", E, (int)kd, L->wqkv + (qd + kd) * E);
-    LOAD("attn_output", (int)qd, E, L->wo);
-    LOAD("ffn_norm", E, 1, L->ffn_norm);
-    LOAD("ffn_gate", E, F, L->w_gate_up);
-    LOAD("ffn_up", E, F, L->w_gate_up + (size_t)F * E);
-    LOAD("ffn_down", F, E, L->w_down);
-#undef LOAD
+#define NAME(suffix) (snprintf(name, sizeof name, "blk.%d." suffix ".weight", l), name)
+    if ((st = load_vector(g, NAME("attn_norm"), E, L->attn_norm)) ||
+        (st = load_rows(g, NAME("attn_q"), E, qd, &L->wqkv, 0, rowbuf)) ||
+        (st = load_rows(g, NAME("attn_k"), E, kd, &L->wqkv, qd, rowbuf)) ||
+        (st = load_rows(g, NAME("attn_v"), E, kd, &L->wqkv, qd + kd, rowbuf)) ||
+        (st = load_rows(g, NAME("attn_output"), qd, E, &L->wo, 0, rowbuf)) ||
+        (st = load_vector(g, NAME("ffn_norm"), E, L->ffn_norm)) ||
+        (st = load_rows(g, NAME("ffn_gate"), E, F, &L->w_gate_up, 0, rowbuf)) ||
+        (st = load_rows(g, NAME("ffn_up"), E, F, &L->w_gate_up, F, rowbuf)) ||
+        (st = load_rows(g, NAME("ffn_down"), F, E, &L->w_down, 0, rowbuf)))
+        return st;
+#undef NAME
+    if ((st = llama_matrix_prepare(m, &L->wqkv)) || (st = llama_matrix_prepare(m, &L->wo)) ||
+        (st = llama_matrix_prepare(m, &L->w_gate_up)) ||
+        (st = llama_matrix_prepare(m, &L->w_down)))
+        return st;
     return KVARN_OK;
 }
 
@@ -202,44 +236,92 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     st = weight_sizes_get(hp, &w);
     if (st != KVARN_OK) return st;
 
-    size_t E = (size_t)hp->hidden;
-    m->tok_embd = alloc_floats(&m->alloc, w.embd);
-    m->output_norm = alloc_floats(&m->alloc, E);
-    if (!m->tok_embd || !m->output_norm) return KVARN_ERR_NOMEM;
-    if ((st = load_tensor(g, "token_embd.weight", hp->hidden, hp->vocab, m->tok_embd)) ||
-        (st = load_tensor(g, "output_norm.weight", hp->hidden, 1, m->output_norm)))
+    if (m->weights == KVARN_LLAMA_WEIGHTS_BF16 && (st = llama_weights_engine_create(m)))
         return st;
-    if (hp->tied_output) {
+    /* Rows are dequantized LOAD_ROWS at a time through one buffer as wide as
+     * the widest matrix row (hidden, H D or ffn floats). */
+    int wmax = hp->hidden;
+    if (hp->n_heads * hp->head_dim > wmax) wmax = hp->n_heads * hp->head_dim;
+    if (hp->ffn > wmax) wmax = hp->ffn;
+    float *rowbuf = alloc_floats(&m->alloc, (size_t)LOAD_ROWS * (size_t)wmax);
+    if (!rowbuf) return KVARN_ERR_NOMEM;
+    m->output_norm = alloc_floats(&m->alloc, (size_t)hp->hidden);
+    if (!m->output_norm) st = KVARN_ERR_NOMEM;
+    if (!st) st = llama_matrix_alloc(m, &m->tok_embd, hp->vocab, hp->hidden);
+    if (!st) st = load_rows(g, "token_embd.weight", hp->hidden, hp->vocab, &m->tok_embd, 0, rowbuf);
+    if (!st) st = load_vector(g, "output_norm.weight", hp->hidden, m->output_norm);
+    if (!st && hp->tied_output) {
+        st = llama_matrix_prepare(m, &m->tok_embd);
         m->output = m->tok_embd;
-    } else {
-        m->output = alloc_floats(&m->alloc, w.embd);
-        if (!m->output) return KVARN_ERR_NOMEM;
-        if ((st = load_tensor(g, "output.weight", hp->hidden, hp->vocab, m->output)))
-            return st;
+    } else if (!st) {
+        m->output_owned = 1;
+        st = llama_matrix_alloc(m, &m->output, hp->vocab, hp->hidden);
+        if (!st) st = load_rows(g, "output.weight", hp->hidden, hp->vocab, &m->output, 0, rowbuf);
+        if (!st) st = llama_matrix_prepare(m, &m->output);
     }
-    m->layers = kvarn__calloc(&m->alloc, (size_t)hp->n_layers, sizeof *m->layers);
-    if (!m->layers) return KVARN_ERR_NOMEM;
-    for (int l = 0; l < hp->n_layers; l++)
-        if ((st = load_layer(g, hp, &m->alloc, l, &m->layers[l]))) return st;
+    if (!st) {
+        m->layers = kvarn__calloc(&m->alloc, (size_t)hp->n_layers, sizeof *m->layers);
+        if (!m->layers) st = KVARN_ERR_NOMEM;
+    }
+    for (int l = 0; !st && l < hp->n_layers; l++) st = load_layer(g, m, l, rowbuf);
+    kvarn__free_aligned(&m->alloc, rowbuf);
+    return st;
+}
+
+/* AUTO: KVARN_WEIGHTS when set, else bf16 when this build and CPU can make
+ * oneDNN's bf16 matmul (tried: the engine and one primitive), else fp32. */
+static kvarn_status resolve_weights(kvarn_llama_weights asked, const kvarn_allocator *alloc,
+                                    kvarn_llama_weights *out)
+{
+    if (asked == KVARN_LLAMA_WEIGHTS_FP32 || asked == KVARN_LLAMA_WEIGHTS_BF16) {
+        *out = asked;
+        return KVARN_OK;
+    }
+    if (asked != KVARN_LLAMA_WEIGHTS_AUTO) return KVARN_ERR_INVALID_ARG;
+    const char *env = getenv("KVARN_WEIGHTS");
+    if (env && *env) {
+        if (!strcmp(env, "fp32")) *out = KVARN_LLAMA_WEIGHTS_FP32;
+        else if (!strcmp(env, "bf16")) *out = KVARN_LLAMA_WEIGHTS_BF16;
+        else return KVARN_ERR_INVALID_ARG;
+        return KVARN_OK;
+    }
+    /* A 1 x 32 bf16 matrix: can oneDNN run it here? */
+    kvarn_llama probe;
+    memset(&probe, 0, sizeof probe);
+    probe.alloc = *alloc;
+    probe.weights = KVARN_LLAMA_WEIGHTS_BF16;
+    llama_matrix m;
+    kvarn_status st = llama_weights_engine_create(&probe);
+    if (!st) st = llama_matrix_alloc(&probe, &m, 1, 32);
+    if (!st) {
+        memset(m.bf16, 0, 64);
+        st = llama_matrix_prepare(&probe, &m);
+        llama_matrix_free(&probe, &m);
+    }
+    llama_weights_engine_destroy(&probe);
+    if (st == KVARN_ERR_NOMEM) return st;
+    *out = st == KVARN_OK ? KVARN_LLAMA_WEIGHTS_BF16 : KVARN_LLAMA_WEIGHTS_FP32;
     return KVARN_OK;
 }
 
-kvarn_status kvarn_llama_load_gguf(const kvarn_gguf *g, kvarn_llama **out)
-{
-    return kvarn_llama_load_gguf_ex(g, NULL, out);
-}
-
-kvarn_status kvarn_llama_load_gguf_ex(const kvarn_gguf *g, const kvarn_allocator *allocator,
-                                      kvarn_llama **out)
+kvarn_status kvarn_llama_load_gguf_with(const kvarn_gguf *g,
+                                        const kvarn_llama_load_opts *opts,
+                                        kvarn_llama **out)
 {
     if (!out) return KVARN_ERR_INVALID_ARG;
     *out = NULL;
+    kvarn_llama_load_opts o = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    if (opts) o = *opts;
     kvarn_allocator alloc;
-    if (!g || kvarn__alloc_init(&alloc, allocator) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
+    if (!g || kvarn__alloc_init(&alloc, o.allocator) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
+    kvarn_llama_weights weights;
+    kvarn_status st = resolve_weights(o.weights, &alloc, &weights);
+    if (st != KVARN_OK) return st;
     kvarn_llama *m = kvarn__calloc(&alloc, 1, sizeof *m);
     if (!m) return KVARN_ERR_NOMEM;
     m->alloc = alloc;
-    kvarn_status st = load_from(g, m);
+    m->weights = weights;
+    st = load_from(g, m);
     if (st != KVARN_OK) {
         /* n_layers may be set while layers is NULL: free handles both. */
         kvarn_llama_free(m);
@@ -249,23 +331,66 @@ kvarn_status kvarn_llama_load_gguf_ex(const kvarn_gguf *g, const kvarn_allocator
     return KVARN_OK;
 }
 
-kvarn_status kvarn_llama_load(const char *path, kvarn_llama **out)
-{
-    return kvarn_llama_load_ex(path, NULL, out);
-}
-
-kvarn_status kvarn_llama_load_ex(const char *path, const kvarn_allocator *allocator,
-                                 kvarn_llama **out)
+kvarn_status kvarn_llama_load_with(const char *path, const kvarn_llama_load_opts *opts,
+                                   kvarn_llama **out)
 {
     if (!out) return KVARN_ERR_INVALID_ARG;
     *out = NULL;
     if (!path) return KVARN_ERR_INVALID_ARG;
     kvarn_gguf *g = NULL;
-    kvarn_status st = kvarn_gguf_open_ex(path, allocator, &g, NULL, 0);
+    kvarn_status st = kvarn_gguf_open_ex(path, opts ? opts->allocator : NULL, &g, NULL, 0);
     if (st != KVARN_OK) return st;
-    st = kvarn_llama_load_gguf_ex(g, allocator, out);
+    st = kvarn_llama_load_gguf_with(g, opts, out);
     kvarn_gguf_close(g);
     return st;
+}
+
+kvarn_llama_weights kvarn_llama_get_weights(const kvarn_llama *m)
+{
+    return m ? m->weights : KVARN_LLAMA_WEIGHTS_FP32;
+}
+
+static uint64_t matrix_bytes(const llama_matrix *w)
+{
+    return (uint64_t)w->out * (uint64_t)w->in * (w->bf16 ? 2u : 4u);
+}
+
+uint64_t kvarn_llama_weight_bytes(const kvarn_llama *m)
+{
+    if (!m) return 0;
+    uint64_t b = matrix_bytes(&m->tok_embd) + (m->output_owned ? matrix_bytes(&m->output) : 0);
+    for (int l = 0; l < m->hp.n_layers; l++) {
+        const llama_layer *L = &m->layers[l];
+        b += matrix_bytes(&L->wqkv) + matrix_bytes(&L->wo) + matrix_bytes(&L->w_gate_up) +
+             matrix_bytes(&L->w_down);
+    }
+    return b;
+}
+
+kvarn_status kvarn_llama_load_gguf(const kvarn_gguf *g, kvarn_llama **out)
+{
+    return kvarn_llama_load_gguf_with(g, NULL, out);
+}
+
+kvarn_status kvarn_llama_load_gguf_ex(const kvarn_gguf *g, const kvarn_allocator *allocator,
+                                      kvarn_llama **out)
+{
+    kvarn_llama_load_opts o = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    o.allocator = allocator;
+    return kvarn_llama_load_gguf_with(g, &o, out);
+}
+
+kvarn_status kvarn_llama_load(const char *path, kvarn_llama **out)
+{
+    return kvarn_llama_load_with(path, NULL, out);
+}
+
+kvarn_status kvarn_llama_load_ex(const char *path, const kvarn_allocator *allocator,
+                                 kvarn_llama **out)
+{
+    kvarn_llama_load_opts o = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    o.allocator = allocator;
+    return kvarn_llama_load_with(path, &o, out);
 }
 
 const kvarn_llama_hparams *kvarn_llama_get_hparams(const kvarn_llama *m)

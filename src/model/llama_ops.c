@@ -1,8 +1,7 @@
 /*
  * llama_ops.c -- the element-wise pieces of the llama forward pass (RMSNorm,
- * RoPE, SwiGLU) and the weight matmul through OpenBLAS.
+ * RoPE, SwiGLU). The weight matmul is in llama_weights.c.
  */
-#include <cblas.h>
 #include <math.h>
 
 #include "model/llama_internal.h"
@@ -61,15 +60,4 @@ void llama_swiglu(const float *gu, int n, int ffn, float *act)
         float *a = act + (size_t)t * ffn;
         for (int j = 0; j < ffn; j++) a[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
-}
-
-void llama_matmul(const float *x, int n, int in, const float *w, int out,
-                  float *y)
-{
-    if (n == 1)
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, out, in, 1.0f, w, in, x, 1,
-                    0.0f, y, 1);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f,
-                    x, in, w, in, 0.0f, y, out);
 }

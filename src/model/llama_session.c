@@ -16,6 +16,7 @@ void kvarn_llama_session_free(kvarn_llama_session *s)
 {
     if (!s) return;
     if (s->kv) s->kv->ops->destroy(s->kv);
+    llama_mm_ctx_destroy(&s->alloc, &s->mm);
     kvarn__free(&s->alloc, s->x);
     kvarn__free(&s->alloc, s->xn);
     kvarn__free(&s->alloc, s->qkv);
@@ -106,6 +107,12 @@ static kvarn_status session_plan(const kvarn_llama *model,
     const size_t parts[] = { z->x, z->xn, z->qkv, z->attn, z->gu, z->act, z->rope, z->rope };
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++)
         bad |= kvarn__add_u64(other, parts[i], &other);
+    /* The weight matmuls' bf16 activations and scratchpad (bf16 weights). */
+    uint64_t max_in = E > qd ? E : qd, mm_bytes;
+    if (ffn > max_in) max_in = ffn;
+    st = llama_mm_ctx_plan(model, o->max_chunk, (int)max_in, &mm_bytes);
+    if (st != KVARN_OK) return st;
+    bad |= kvarn__add_u64(other, mm_bytes, &other);
     uint64_t kept2, total;
     bad |= kvarn__add_u64(z->kept, z->kept, &kept2);
     bad |= kvarn__add_u64(other, kept2, &other);
@@ -181,6 +188,17 @@ kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
         (o.keep_kv_f32 && (!s->keep_k || !s->keep_v))) {
         kvarn_llama_session_free(s);
         return KVARN_ERR_NOMEM;
+    }
+    {
+        const kvarn_llama_hparams *hp = &model->hp;
+        int max_in = hp->hidden;
+        if (hp->n_heads * hp->head_dim > max_in) max_in = hp->n_heads * hp->head_dim;
+        if (hp->ffn > max_in) max_in = hp->ffn;
+        st = llama_mm_ctx_create(model, &s->alloc, o.max_chunk, max_in, &s->mm);
+        if (st != KVARN_OK) {
+            kvarn_llama_session_free(s);
+            return st;
+        }
     }
     sh.alloc = &s->alloc;
     if (o.exact)

@@ -641,8 +641,9 @@ static void test_gguf_model_tokenizer_load(void **state)
     assert_int_equal(fault_loop(&op, &fa), 7);
 
     op = (fault_op){ "kvarn_llama_load_gguf_ex", load_run, load_undo, NULL, &x, 0 };
-    /* The model, 3 whole-model tensors, the layer table, 6 per layer. */
-    assert_int_equal(fault_loop(&op, &fa), 1 + 3 + 1 + 6 * NL);
+    /* The model, the row buffer, 3 whole-model tensors, the layer table, 6
+     * per layer (fp32 weights: ctest sets KVARN_WEIGHTS=fp32). */
+    assert_int_equal(fault_loop(&op, &fa), 1 + 1 + 3 + 1 + 6 * NL);
 
     op = (fault_op){ "kvarn_tokenizer_from_gguf_ex", tok_gguf_run, tok_undo, NULL, &x, 1 };
     fault_loop(&op, &fa);
@@ -654,7 +655,7 @@ static void test_gguf_model_tokenizer_load(void **state)
     assert_int_equal(fault_loop(&op, &fa), 7);
     op = (fault_op){ "kvarn_llama_load_ex", load_run, load_undo, NULL, &x, 0 };
     /* The file's index (freed at the end of the load), then the model. */
-    assert_int_equal(fault_loop(&op, &fa), 7 + 1 + 3 + 1 + 6 * NL);
+    assert_int_equal(fault_loop(&op, &fa), 7 + 1 + 1 + 3 + 1 + 6 * NL);
     assert_int_equal(unlink(path), 0);
 
     kvarn_gguf_close(g);
@@ -921,10 +922,11 @@ static void test_real_model(void **state)
     kvarn_llama *m = NULL;
     assert_int_equal(kvarn_llama_load_gguf_ex(g, &a, &m), KVARN_OK);
     const long total = fa.calls;
-    /* The model, tok_embd, output_norm, output unless tied to tok_embd,
-     * the layer table, 6 per layer. */
+    /* The model, the row buffer, output_norm, tok_embd, output unless tied
+     * to tok_embd, the layer table, 6 per layer (fp32 weights: ctest sets
+     * KVARN_WEIGHTS=fp32). */
     const kvarn_llama_hparams *hp = kvarn_llama_get_hparams(m);
-    assert_int_equal(total, 1 + 2 + (hp->tied_output ? 0 : 1) + 1 + 6 * hp->n_layers);
+    assert_int_equal(total, 1 + 3 + (hp->tied_output ? 0 : 1) + 1 + 6 * hp->n_layers);
     kvarn_llama_free(m);
     assert_int_equal(fa.live, 0);
     const long at[3] = { 1, total / 2, total };

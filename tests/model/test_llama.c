@@ -249,7 +249,10 @@ static int setup(void **state)
         fprintf(stderr, "gguf: %s\n", err);
         return -1;
     }
-    if (kvarn_llama_load_gguf(f->g, &f->m) != KVARN_OK) return -1;
+    /* fp32 weights: every bound below is derived for them. */
+    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    lo.weights = KVARN_LLAMA_WEIGHTS_FP32;
+    if (kvarn_llama_load_gguf_with(f->g, &lo, &f->m) != KVARN_OK) return -1;
     test_rng rng;
     test_rng_seed(&rng, 99);
     for (int i = 0; i < NTOK; i++) f->ids[i] = (int32_t)test_rng_below(&rng, VOCAB - 1);
@@ -656,14 +659,14 @@ static void test_read_kv(void **state)
     assert_true(bk && bv);
     double worst = 0, scale = 0, use = 0;
     for (int t = 0; t < T; t++) {
-        const float *x = f->m->tok_embd + (size_t)f->ids[t] * E;
+        const float *x = f->m->tok_embd.f32 + (size_t)f->ids[t] * E;
         double ss = 0, h[E];
         for (int i = 0; i < E; i++) ss += (double)x[i] * x[i];
         double r = 1.0 / sqrt(ss / E + hp->rms_eps);
         for (int i = 0; i < E; i++) h[i] = x[i] * r * L->attn_norm[i];
         for (int j = 0; j < kd; j++) {
             double kk = 0, vv = 0, sk = 0, sv = 0;
-            const float *wk = L->wqkv + (size_t)(qd + j) * E, *wv = L->wqkv + (size_t)(qd + kd + j) * E;
+            const float *wk = L->wqkv.f32 + (size_t)(qd + j) * E, *wv = L->wqkv.f32 + (size_t)(qd + kd + j) * E;
             for (int i = 0; i < E; i++) {
                 kk += h[i] * wk[i];
                 vv += h[i] * wv[i];
@@ -770,7 +773,7 @@ static void test_last_and_reset(void **state)
     const double u = 1.0 / 16777216.0, gamma = E * u / (1.0 - E * u);
     for (int j = 0; j < VOCAB; j++) {
         double l1 = 0;
-        for (int i = 0; i < E; i++) l1 += fabs((double)xn[i] * f->m->output[(size_t)j * E + i]);
+        for (int i = 0; i < E; i++) l1 += fabs((double)xn[i] * f->m->output.f32[(size_t)j * E + i]);
         assert_true(fabs((double)last[j] - all[(size_t)139 * VOCAB + j]) <= 2 * gamma * l1);
     }
     kvarn_llama_session_reset(s);
@@ -820,6 +823,63 @@ static void test_errors(void **state)
                      KVARN_ERR_OUT_OF_BLOCKS);
     assert_int_equal(kvarn_llama_session_pos(s), 64);
     kvarn_llama_session_free(s);
+}
+
+/* Load options: the weight precision. The fixture's model is fp32; bf16
+ * asked for explicitly holds half the bytes
+ * (2 per weight instead of 4, exactly), runs with finite logits, and a
+ * session of it plans its bf16 activation buffer on top of fp32's. */
+static void test_weights_option(void **state)
+{
+    fixture *f = *state;
+    assert_int_equal(kvarn_llama_get_weights(f->m), KVARN_LLAMA_WEIGHTS_FP32);
+    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    kvarn_llama *m = (kvarn_llama *)f; /* must be reset to NULL on error */
+    lo.weights = (kvarn_llama_weights)7;
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_ERR_INVALID_ARG);
+    assert_null(m);
+    /* AUTO reads KVARN_WEIGHTS: anything but fp32 / bf16 is refused. */
+    const char *env = getenv("KVARN_WEIGHTS");
+    char saved[16] = "";
+    if (env) snprintf(saved, sizeof saved, "%s", env);
+    lo.weights = KVARN_LLAMA_WEIGHTS_AUTO;
+    assert_int_equal(setenv("KVARN_WEIGHTS", "fp64", 1), 0);
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_ERR_INVALID_ARG);
+    assert_null(m);
+    assert_int_equal(setenv("KVARN_WEIGHTS", "fp32", 1), 0);
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
+    assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_FP32);
+    assert_true(kvarn_llama_weight_bytes(m) == kvarn_llama_weight_bytes(f->m));
+    kvarn_llama_free(m);
+    if (env) assert_int_equal(setenv("KVARN_WEIGHTS", saved, 1), 0);
+    else assert_int_equal(unsetenv("KVARN_WEIGHTS"), 0);
+
+    lo.weights = KVARN_LLAMA_WEIGHTS_BF16;
+    kvarn_status st = kvarn_llama_load_gguf_with(f->g, &lo, &m);
+    if (st == KVARN_ERR_UNSUPPORTED) skip(); /* built without oneDNN */
+    assert_int_equal(st, KVARN_OK);
+    assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_BF16);
+    assert_true(2 * kvarn_llama_weight_bytes(m) == kvarn_llama_weight_bytes(f->m));
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.max_tokens = NTOK;
+    o.max_chunk = 64;
+    kvarn_llama_session_info i32, i16;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, &i32), KVARN_OK);
+    assert_int_equal(kvarn_llama_session_plan(m, &o, &i16), KVARN_OK);
+    /* at least max_chunk rows of the widest matmul input (H D = 256) in bf16 */
+    assert_true(i16.other_bytes >= i32.other_bytes + 64u * NH * HD * 2u);
+    kvarn_llama_session *s = NULL;
+    assert_int_equal(kvarn_llama_session_create(m, &o, &s), KVARN_OK);
+    float *lg = malloc(sizeof(float) * 64 * VOCAB);
+    assert_non_null(lg);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 64, KVARN_LLAMA_LOGITS_ALL, lg,
+                                         (size_t)64 * VOCAB), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids + 64, 1, KVARN_LLAMA_LOGITS_LAST, lg,
+                                         VOCAB), KVARN_OK);
+    for (int j = 0; j < VOCAB; j++) assert_true(isfinite(lg[j]));
+    free(lg);
+    kvarn_llama_session_free(s);
+    kvarn_llama_free(m);
 }
 
 /* A NaN reaching the cache fails the call with KVARN_ERR_NONFINITE and
@@ -988,6 +1048,7 @@ int main(void)
         cmocka_unit_test(test_last_and_reset),
         cmocka_unit_test(test_read_kv),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_weights_option),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),
         cmocka_unit_test(test_context_limits),

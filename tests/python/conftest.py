@@ -13,6 +13,23 @@ BUILD = pathlib.Path(os.environ.get("KVARN_BUILD_DIR", REPO / "build"))
 MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 AUSTEN = REPO / "data" / "austen" / "all.txt"
 
+# The bounds of these tests are derived for fp32 weights: every run of the
+# library (the kvarn command, the helpers) loads them in fp32 unless a test
+# asks for bf16 itself (KVARN_WEIGHTS in its subprocess environment).
+os.environ["KVARN_WEIGHTS"] = "fp32"
+
+
+def ext_libs():
+    """What a program linking build/libkvarn.a needs besides it: OpenBLAS,
+    PCRE2, and oneDNN when the build found it (CMakeCache's DNNL_LIB)."""
+    libs = ["-lopenblas", "-lpcre2-8", "-lm", "-lpthread"]
+    cache = BUILD / "CMakeCache.txt"
+    if cache.exists():
+        for line in cache.read_text().splitlines():
+            if line.startswith("DNNL_LIB:") and not line.endswith("NOTFOUND"):
+                libs.insert(0, line.split("=", 1)[1])
+    return libs
+
 
 @pytest.fixture(scope="session")
 def kvarn_bin():

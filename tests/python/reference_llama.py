@@ -12,6 +12,11 @@ so agreement with the C runner checks the C RoPE convention too.
 Usage as a module:
     ref = LlamaReference(path)
     logits = ref.forward(token_ids)       # [n_tokens, vocab], float64
+    ref16 = LlamaReference(path, bf16=True)
+bf16=True models the C runner's bf16 weights (docs/model.md "Weight
+precision"): every weight matrix (not the norm vectors) rounded to bf16, and
+every matmul's input activations rounded to bf16 (round to nearest even
+from float32, as kvarn_fp32_to_bf16), products and sums still float64.
 Usage from the command line (writes float32 logits to a .npy file):
     python3 reference_llama.py MODEL.gguf OUT.npy ID ID ID ...
 """
@@ -29,8 +34,17 @@ def _field(reader, key, default=None):
     return f.contents()
 
 
+def round_bf16(x):
+    """x (any float array) to float32, then to bf16 by round to nearest
+    even, returned as float64. NaN/Inf do not occur in these tensors."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
 class LlamaReference:
-    def __init__(self, path):
+    def __init__(self, path, bf16=False):
+        self.bf16 = bf16
         r = GGUFReader(path)
         arch = _field(r, "general.architecture")
         if arch != "llama":
@@ -49,6 +63,8 @@ class LlamaReference:
             # GGUF shape is [ne0, ne1, ...] with ne0 fastest; numpy rows = ne1.
             shape = [int(x) for x in reversed(list(ten.shape))]
             self.t[ten.name] = w.reshape(shape)
+            if bf16 and len(shape) == 2 and shape[0] > 1:
+                self.t[ten.name] = round_bf16(self.t[ten.name])
         self.vocab = self.t["token_embd.weight"].shape[0]
         self.out_w = self.t.get("output.weight", self.t["token_embd.weight"])
         # Undo the converter's row permutation of Q and K (per head: GGUF row
@@ -60,6 +76,10 @@ class LlamaReference:
                 d = self.head_dim
                 self.t[key] = (w.reshape(nh, d // 2, 2, -1).swapaxes(1, 2)
                                .reshape(w.shape))
+
+    def _in(self, x):
+        # A matmul's input: rounded to bf16 in the bf16 model.
+        return round_bf16(x) if self.bf16 else x
 
     def _rms(self, x, w):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
@@ -85,7 +105,7 @@ class LlamaReference:
         mask = np.triu(np.full((n, n), -np.inf), k=1)
         for l in range(self.n_layers):
             p = f"blk.{l}."
-            h = self._rms(x, self.t[p + "attn_norm.weight"])
+            h = self._in(self._rms(x, self.t[p + "attn_norm.weight"]))
             q = (h @ self.t[p + "attn_q.weight"].T).reshape(n, H, D)
             k = (h @ self.t[p + "attn_k.weight"].T).reshape(n, Hk, D)
             v = (h @ self.t[p + "attn_v.weight"].T).reshape(n, Hk, D)
@@ -99,13 +119,13 @@ class LlamaReference:
                 pr = np.exp(s)
                 pr /= pr.sum(axis=1, keepdims=True)
                 o[:, hh, :] = pr @ v[:, kh, :]
-            x = x + o.reshape(n, H * D) @ self.t[p + "attn_output.weight"].T
-            h = self._rms(x, self.t[p + "ffn_norm.weight"])
+            x = x + self._in(o.reshape(n, H * D)) @ self.t[p + "attn_output.weight"].T
+            h = self._in(self._rms(x, self.t[p + "ffn_norm.weight"]))
             g = h @ self.t[p + "ffn_gate.weight"].T
             u = h @ self.t[p + "ffn_up.weight"].T
             a = g / (1.0 + np.exp(-g)) * u
-            x = x + a @ self.t[p + "ffn_down.weight"].T
-        x = self._rms(x, self.t["output_norm.weight"])
+            x = x + self._in(a) @ self.t[p + "ffn_down.weight"].T
+        x = self._in(self._rms(x, self.t["output_norm.weight"]))
         return x @ self.out_w.T
 
 

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# bench_vs_llamacpp.sh -- kvarn's decode speed side by side with llama.cpp's
+# on the same GGUF. Builds nothing from elsewhere: kvarn's side is
+# build/bench_decode (cmake --build build --target bench_decode); llama.cpp's
+# side runs only when a `llama-bench` binary is on PATH, else only kvarn's
+# side is printed, and the script says so.
+#
+#   scripts/bench_vs_llamacpp.sh [-m MODEL] [-t THREADS] [-r ROUNDS]
+#                                [-d 0,2048,8192] [-n DECODE]
+#
+# Per round, the two engines take turns (kvarn, then llama.cpp), so that load
+# from other users of the machine falls on both alike; each figure is the
+# median over the rounds. kvarn: decode tokens/s of single-token forward
+# calls starting at each depth (DECODE x 3 tokens, the median third), caches
+# fp16, int8, kvarn_k4v2_g128, weights as the library chooses (KVARN_WEIGHTS
+# overrides). llama.cpp: llama-bench -p 0 -n DECODE*3 -d DEPTH with K and V
+# caches f16, q8_0, q4_0 (flash attention on, which quantized V needs).
+# Both use THREADS threads (kvarn: weights and attention).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
+THREADS=2
+ROUNDS=3
+DEPTHS=0,2048,8192
+DECODE=16
+while getopts "m:t:r:d:n:h" o; do
+  case "$o" in
+    m) MODEL=$OPTARG ;;
+    t) THREADS=$OPTARG ;;
+    r) ROUNDS=$OPTARG ;;
+    d) DEPTHS=$OPTARG ;;
+    n) DECODE=$OPTARG ;;
+    *) sed -n 2,19p "$0"; exit 2 ;;
+  esac
+done
+BENCH=${KVARN_BUILD_DIR:-build}/bench_decode
+[ -x "$BENCH" ] || { echo "no $BENCH: cmake --build build --target bench_decode" >&2; exit 2; }
+[ -f "$MODEL" ] || { echo "no $MODEL: bash scripts/setup.sh --model" >&2; exit 2; }
+LLAMA_BENCH=$(command -v llama-bench || true)
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+# kvarn decodes DECODE x 3 tokens ending at depth + DECODE x 3.
+KV_CTX=$(echo "$DEPTHS" | tr ',' '\n' | awk -v n=$((DECODE * 3)) '{printf "%s%d", s, $1 + n; s=","}')
+NGEN=$((DECODE * 3))
+for r in $(seq 1 "$ROUNDS"); do
+  echo "round $r/$ROUNDS: kvarn" >&2
+  OPENBLAS_NUM_THREADS=$THREADS OMP_NUM_THREADS=$THREADS "$BENCH" -m "$MODEL" \
+    --ctx "$KV_CTX" --kv-cache-dtype int8,kvarn_k4v2_g128 --decode "$DECODE" --repeat 3 \
+    --threads "$THREADS" 2>/dev/null > "$TMP/kvarn.$r"
+  # rows: "<format> <tok/s> <ratio>x ..." after the header line
+  awk -v r="$r" 'f && NF { for (i = 2; i <= NF; i += 2) print "kvarn", $1, (i / 2), $i }
+                 /^format/ { f = 1 }' "$TMP/kvarn.$r" >> "$TMP/rows"
+  grep '^weights:' "$TMP/kvarn.$r" > "$TMP/weights" || true
+  if [ -n "$LLAMA_BENCH" ]; then
+    for ct in f16 q8_0 q4_0; do
+      echo "round $r/$ROUNDS: llama.cpp $ct" >&2
+      "$LLAMA_BENCH" -m "$MODEL" -t "$THREADS" -p 0 -n "$NGEN" -d "$DEPTHS" -r 1 \
+        -ctk "$ct" -ctv "$ct" -fa 1 -o csv 2>/dev/null > "$TMP/llama.$r.$ct" || true
+      # the csv's avg_ts column, one row per depth, in the order given
+      awk -F, -v ct="$ct" 'NR == 1 { for (i = 1; i <= NF; i++) { h = $i; gsub(/"/, "", h); if (h == "avg_ts") c = i } next }
+                           c { v = $c; gsub(/"/, "", v); print "llama.cpp", ct, NR - 1, v }' \
+        "$TMP/llama.$r.$ct" >> "$TMP/rows"
+    done
+  fi
+done
+
+echo
+echo "model: $MODEL, $THREADS threads, median of $ROUNDS rounds, engines alternating"
+cat "$TMP/weights" 2>/dev/null || true
+[ -n "$LLAMA_BENCH" ] || echo "llama-bench is not on PATH: kvarn's side only (llama.cpp is not built by this script)"
+python3 - "$TMP/rows" "$DEPTHS" <<'PY'
+import collections, statistics, sys
+rows = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    eng, cache, col, v = line.split()
+    try:
+        rows[(eng, cache, int(col))].append(float(v))
+    except ValueError:
+        pass
+depths = sys.argv[2].split(",")
+med = {k: statistics.median(v) for k, v in rows.items()}
+order = [("kvarn", "fp16"), ("kvarn", "int8"), ("kvarn", "kvarn_k4v2_g128"),
+         ("llama.cpp", "f16"), ("llama.cpp", "q8_0"), ("llama.cpp", "q4_0")]
+base = ("llama.cpp", "f16") if any(k[:2] == ("llama.cpp", "f16") for k in med) else ("kvarn", "fp16")
+print(f"{'engine':10} {'cache':16}" + "".join(f" {'d ' + d + ' tok/s':>14} {'x ' + base[0] + ' ' + base[1]:>16}" for d in depths))
+for eng, cache in order:
+    if not any(k[:2] == (eng, cache) for k in med):
+        continue
+    line = f"{eng:10} {cache:16}"
+    for i in range(len(depths)):
+        v, b = med.get((eng, cache, i + 1)), med.get(base + (i + 1,))
+        line += f" {v:14.1f} {v / b:15.2f}x" if v and b else f" {'-':>14} {'-':>16}"
+    print(line)
+PY

@@ -1,0 +1,272 @@
+/*
+ * llama_weights.c -- the weight matrices of the llama runner in the
+ * precision chosen at load, and the one matmul the forward pass calls.
+ *
+ *   fp32  [out][in] floats; OpenBLAS sgemv (one token) or sgemm.
+ *   bf16  [out][in] bf16 (fp32 rounded to nearest even); oneDNN's matmul
+ *         (libdnnl-dev, Debian 12: 2.6) with src bf16 [M][in], weights
+ *         bf16 in their plain layout (oneDNN's "ba" over [in][out]), dst
+ *         fp32 [M][out], M given per call. The activations are rounded to
+ *         bf16 at each matmul's input (oneDNN 2.6 has no fp32 x bf16
+ *         matmul); products are exact in fp32 and summed in fp32.
+ * Why oneDNN: Debian's OpenBLAS 0.3.21 is built without BUILD_BFLOAT16
+ * (cblas_sbgemm is declared, not exported), and oneDNN's bf16 matmul ran
+ * 1.9x-2.2x fp32 OpenBLAS at one token and 1.9x-2.0x at 128 on SmolLM2's
+ * shapes (bench/bench_matmul.c; docs/model.md "Weight precision").
+ * The primitives are made at load and only read afterwards, with a user
+ * scratchpad that each session owns, so sessions on different threads can
+ * share a model.
+ */
+#include <cblas.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "codec/checked.h"
+#include "model/llama_internal.h"
+
+#ifdef KVARN_HAVE_DNNL
+#include <oneapi/dnnl/dnnl.h>
+#endif
+
+kvarn_status llama_matrix_alloc(kvarn_llama *model, llama_matrix *m, int out, int in)
+{
+    memset(m, 0, sizeof *m);
+    m->out = out;
+    m->in = in;
+    /* out * in * 4 fits size_t with 64 to spare (weight_sizes_get). */
+    size_t n = (size_t)out * (size_t)in;
+    if (model->weights == KVARN_LLAMA_WEIGHTS_BF16) {
+        size_t bytes = (n * sizeof(uint16_t) + 63) & ~(size_t)63;
+        m->bf16 = kvarn__malloc_aligned(&model->alloc, bytes ? bytes : 64, 64, 0);
+        return m->bf16 ? KVARN_OK : KVARN_ERR_NOMEM;
+    }
+    size_t bytes = (n * sizeof(float) + 63) & ~(size_t)63;
+    m->f32 = kvarn__malloc_aligned(&model->alloc, bytes ? bytes : 64, 64, 0);
+    return m->f32 ? KVARN_OK : KVARN_ERR_NOMEM;
+}
+
+void llama_matrix_set_rows(llama_matrix *m, int r0, int rows, const float *src)
+{
+    size_t off = (size_t)r0 * m->in, cnt = (size_t)rows * m->in;
+    if (m->f32) {
+        memcpy(m->f32 + off, src, cnt * sizeof(float));
+        return;
+    }
+    for (size_t i = 0; i < cnt; i++) m->bf16[off + i] = kvarn_fp32_to_bf16(src[i]);
+}
+
+void llama_matrix_get_row(const llama_matrix *m, int r, float *dst)
+{
+    size_t off = (size_t)r * m->in;
+    if (m->f32) {
+        memcpy(dst, m->f32 + off, sizeof(float) * (size_t)m->in);
+        return;
+    }
+    for (int i = 0; i < m->in; i++) dst[i] = kvarn_bf16_to_fp32(m->bf16[off + i]);
+}
+
+#ifdef KVARN_HAVE_DNNL
+
+static kvarn_status from_dnnl(dnnl_status_t s)
+{
+    return s == dnnl_success ? KVARN_OK
+         : s == dnnl_out_of_memory ? KVARN_ERR_NOMEM : KVARN_ERR_UNSUPPORTED;
+}
+
+kvarn_status llama_weights_engine_create(kvarn_llama *model)
+{
+    dnnl_engine_t e = NULL;
+    kvarn_status st = from_dnnl(dnnl_engine_create(&e, dnnl_cpu, 0));
+    if (st != KVARN_OK) return st;
+    model->engine = e;
+    return KVARN_OK;
+}
+
+void llama_weights_engine_destroy(kvarn_llama *model)
+{
+    if (model->engine) dnnl_engine_destroy((dnnl_engine_t)model->engine);
+    model->engine = NULL;
+}
+
+kvarn_status llama_matrix_prepare(kvarn_llama *model, llama_matrix *m)
+{
+    if (!m->bf16) return KVARN_OK;
+    dnnl_engine_t eng = (dnnl_engine_t)model->engine;
+    dnnl_memory_desc_t smd, wmd, dmd;
+    dnnl_dims_t sd = {DNNL_RUNTIME_DIM_VAL, m->in}, wd = {m->in, m->out},
+                dd = {DNNL_RUNTIME_DIM_VAL, m->out};
+    dnnl_matmul_desc_t md;
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_primitive_t prim = NULL;
+    dnnl_memory_t wmem = NULL;
+    kvarn_status st = from_dnnl(dnnl_memory_desc_init_by_tag(&smd, 2, sd, dnnl_bf16, dnnl_ab));
+    if (!st) st = from_dnnl(dnnl_memory_desc_init_by_tag(&wmd, 2, wd, dnnl_bf16, dnnl_ba));
+    if (!st) st = from_dnnl(dnnl_memory_desc_init_by_tag(&dmd, 2, dd, dnnl_f32, dnnl_ab));
+    if (!st) st = from_dnnl(dnnl_matmul_desc_init(&md, &smd, &wmd, NULL, &dmd));
+    if (!st) st = from_dnnl(dnnl_primitive_attr_create(&attr));
+    if (!st) st = from_dnnl(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user));
+    if (!st) st = from_dnnl(dnnl_primitive_desc_create(&pd, &md, attr, eng, NULL));
+    if (!st) st = from_dnnl(dnnl_primitive_create(&prim, pd));
+    if (!st) st = from_dnnl(dnnl_memory_create(&wmem, &wmd, eng, m->bf16));
+    if (!st) {
+        const dnnl_memory_desc_t *sp = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+        m->scratch_bytes = sp ? dnnl_memory_desc_get_size(sp) : 0;
+        if (m->scratch_bytes > model->scratch_bytes) model->scratch_bytes = m->scratch_bytes;
+        m->prim = prim;
+        m->wmem = wmem;
+        prim = NULL;
+        wmem = NULL;
+    }
+    if (wmem) dnnl_memory_destroy(wmem);
+    if (prim) dnnl_primitive_destroy(prim);
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    if (attr) dnnl_primitive_attr_destroy(attr);
+    return st;
+}
+
+static void matrix_release_dnnl(llama_matrix *m)
+{
+    if (m->wmem) dnnl_memory_destroy((dnnl_memory_t)m->wmem);
+    if (m->prim) dnnl_primitive_destroy((dnnl_primitive_t)m->prim);
+    m->wmem = NULL;
+    m->prim = NULL;
+}
+
+#else /* no oneDNN: bf16 weights cannot be served */
+
+kvarn_status llama_weights_engine_create(kvarn_llama *model)
+{
+    (void)model;
+    return KVARN_ERR_UNSUPPORTED;
+}
+
+void llama_weights_engine_destroy(kvarn_llama *model) { (void)model; }
+
+kvarn_status llama_matrix_prepare(kvarn_llama *model, llama_matrix *m)
+{
+    (void)model;
+    return m->bf16 ? KVARN_ERR_UNSUPPORTED : KVARN_OK;
+}
+
+static void matrix_release_dnnl(llama_matrix *m) { (void)m; }
+
+#endif
+
+void llama_matrix_free(kvarn_llama *model, llama_matrix *m)
+{
+    matrix_release_dnnl(m);
+    kvarn__free_aligned(&model->alloc, m->f32);
+    kvarn__free_aligned(&model->alloc, m->bf16);
+    m->f32 = NULL;
+    m->bf16 = NULL;
+}
+
+kvarn_status llama_mm_ctx_plan(const kvarn_llama *model, int max_chunk, int max_in,
+                               uint64_t *bytes)
+{
+    *bytes = 0;
+    if (model->weights != KVARN_LLAMA_WEIGHTS_BF16) return KVARN_OK;
+    uint64_t xb, total;
+    int bad = kvarn__mul3_u64((uint64_t)max_chunk, (uint64_t)max_in, sizeof(uint16_t), &xb);
+    bad |= kvarn__add_u64(xb, (uint64_t)model->scratch_bytes, &total);
+    bad |= total > SIZE_MAX - 128;
+    if (bad) return KVARN_ERR_TOO_LARGE;
+    *bytes = total;
+    return KVARN_OK;
+}
+
+kvarn_status llama_mm_ctx_create(const kvarn_llama *model, const kvarn_allocator *a,
+                                 int max_chunk, int max_in, llama_mm_ctx *c)
+{
+    memset(c, 0, sizeof *c);
+    if (model->weights != KVARN_LLAMA_WEIGHTS_BF16) return KVARN_OK;
+#ifdef KVARN_HAVE_DNNL
+    uint64_t total;
+    kvarn_status st = llama_mm_ctx_plan(model, max_chunk, max_in, &total);
+    if (st != KVARN_OK) return st;
+    size_t xb = (size_t)max_chunk * (size_t)max_in * sizeof(uint16_t);
+    c->xb = kvarn__malloc(a, xb ? xb : 1, 1);
+    c->scratch = kvarn__malloc_aligned(a, model->scratch_bytes ? model->scratch_bytes : 64, 64, 0);
+    if (!c->xb || !c->scratch) {
+        llama_mm_ctx_destroy(a, c);
+        return KVARN_ERR_NOMEM;
+    }
+    dnnl_stream_t strm = NULL;
+    st = from_dnnl(dnnl_stream_create(&strm, (dnnl_engine_t)model->engine,
+                                      dnnl_stream_default_flags));
+    if (st != KVARN_OK) {
+        llama_mm_ctx_destroy(a, c);
+        return st;
+    }
+    c->stream = strm;
+    return KVARN_OK;
+#else
+    (void)a;
+    (void)max_chunk;
+    (void)max_in;
+    return KVARN_ERR_UNSUPPORTED;
+#endif
+}
+
+void llama_mm_ctx_destroy(const kvarn_allocator *a, llama_mm_ctx *c)
+{
+#ifdef KVARN_HAVE_DNNL
+    if (c->stream) dnnl_stream_destroy((dnnl_stream_t)c->stream);
+#endif
+    kvarn__free(a, c->xb);
+    kvarn__free_aligned(a, c->scratch);
+    memset(c, 0, sizeof *c);
+}
+
+kvarn_status llama_matmul(llama_mm_ctx *c, const float *x, int n, const llama_matrix *w,
+                          float *y)
+{
+    if (w->f32) {
+        if (n == 1)
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, w->out, w->in, 1.0f, w->f32, w->in,
+                        x, 1, 0.0f, y, 1);
+        else
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, w->out, w->in, 1.0f,
+                        x, w->in, w->f32, w->in, 0.0f, y, w->out);
+        return KVARN_OK;
+    }
+#ifdef KVARN_HAVE_DNNL
+    size_t cnt = (size_t)n * (size_t)w->in;
+    for (size_t i = 0; i < cnt; i++) c->xb[i] = kvarn_fp32_to_bf16(x[i]);
+    dnnl_engine_t eng = NULL;
+    dnnl_primitive_desc_t pd = NULL;
+    if (dnnl_primitive_get_primitive_desc((dnnl_primitive_t)w->prim,
+                                          (const_dnnl_primitive_desc_t *)&pd) != dnnl_success ||
+        dnnl_primitive_desc_query(pd, dnnl_query_engine, 0, &eng) != dnnl_success)
+        return KVARN_ERR_UNSUPPORTED;
+    dnnl_memory_desc_t smd, dmd, spmd;
+    dnnl_dims_t sd = {n, w->in}, dd = {n, w->out}, spd = {(dnnl_dim_t)w->scratch_bytes};
+    dnnl_memory_t sm = NULL, dm = NULL, spm = NULL;
+    kvarn_status st = from_dnnl(dnnl_memory_desc_init_by_tag(&smd, 2, sd, dnnl_bf16, dnnl_ab));
+    if (!st) st = from_dnnl(dnnl_memory_desc_init_by_tag(&dmd, 2, dd, dnnl_f32, dnnl_ab));
+    if (!st) st = from_dnnl(dnnl_memory_create(&sm, &smd, eng, c->xb));
+    if (!st) st = from_dnnl(dnnl_memory_create(&dm, &dmd, eng, y));
+    if (!st && w->scratch_bytes) {
+        st = from_dnnl(dnnl_memory_desc_init_by_tag(&spmd, 1, spd, dnnl_u8, dnnl_a));
+        if (!st) st = from_dnnl(dnnl_memory_create(&spm, &spmd, eng, c->scratch));
+    }
+    if (!st) {
+        dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, sm}, {DNNL_ARG_WEIGHTS, (dnnl_memory_t)w->wmem},
+                                   {DNNL_ARG_DST, dm}, {DNNL_ARG_SCRATCHPAD, spm}};
+        st = from_dnnl(dnnl_primitive_execute((dnnl_primitive_t)w->prim,
+                                              (dnnl_stream_t)c->stream, spm ? 4 : 3, args));
+        if (!st) st = from_dnnl(dnnl_stream_wait((dnnl_stream_t)c->stream));
+    }
+    if (spm) dnnl_memory_destroy(spm);
+    if (dm) dnnl_memory_destroy(dm);
+    if (sm) dnnl_memory_destroy(sm);
+    return st;
+#else
+    (void)c;
+    (void)x;
+    (void)n;
+    (void)y;
+    return KVARN_ERR_UNSUPPORTED;
+#endif
+}

@@ -1,0 +1,149 @@
+/*
+ * test_weights.c -- the weight matrices of the llama runner
+ * (src/model/llama_weights.c): the bf16 matmul (oneDNN) and the fp32 one
+ * (OpenBLAS) against a double-precision reference on random matrices of
+ * SmolLM2's shapes, for one token (decode), a prefill chunk and odd counts.
+ *
+ * Bound. In bf16 the matmul rounds X to bf16 (x^) and holds W in bf16
+ * (w^, rounded at load); a product of two bf16 numbers (8-bit significands)
+ * is exact in fp32 (24 bits), so the only error left is the fp32 summation
+ * of K exact terms in some order: |y - sum x^ w^| <= gamma_K sum |x^ w^|,
+ * gamma_K = K u / (1 - K u), u = 2^-24 (Higham, Accuracy and Stability,
+ * eq. 3.5; any order, any blocking). The reference applies the same
+ * rounding (kvarn_fp32_to_bf16, nearest even) and sums in double (its own
+ * error, K 2^-53 sum|.|, is far below). In fp32 the same bound holds for the
+ * unrounded x, w (OpenBLAS: fp32 products, one rounding each, are covered
+ * by gamma_(K+1) instead: used for both). A matmul that truncated instead of
+ * rounding, read W in another layout or summed in bf16 exceeds it by orders
+ * of magnitude (2^-8 relative against 1536 * 2^-24 = 2^-13.4).
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "common/testutil.h"
+#include "model/llama_internal.h"
+
+/* A model shell holding only what llama_weights.c reads. */
+static kvarn_llama *shell(kvarn_llama_weights w)
+{
+    kvarn_llama *m = calloc(1, sizeof *m);
+    assert_non_null(m);
+    assert_int_equal(kvarn__alloc_init(&m->alloc, NULL), KVARN_OK);
+    m->weights = w;
+    return m;
+}
+
+static void check_shape(kvarn_llama_weights wt, int out, int in, const int *ns, int n_ns)
+{
+    kvarn_llama *m = shell(wt);
+    if (wt == KVARN_LLAMA_WEIGHTS_BF16) {
+        kvarn_status st = llama_weights_engine_create(m);
+        if (st == KVARN_ERR_UNSUPPORTED) { free(m); skip(); }
+        assert_int_equal(st, KVARN_OK);
+    }
+    llama_matrix w;
+    assert_int_equal(llama_matrix_alloc(m, &w, out, in), KVARN_OK);
+    test_rng rng;
+    test_rng_seed(&rng, (uint64_t)out * 7919 + (uint64_t)in);
+    float *row = malloc(sizeof(float) * (size_t)in);
+    assert_non_null(row);
+    for (int r = 0; r < out; r++) {
+        for (int i = 0; i < in; i++) row[i] = (float)(test_rng_normal(&rng) * 0.05);
+        llama_matrix_set_rows(&w, r, 1, row);
+    }
+    assert_int_equal(llama_matrix_prepare(m, &w), KVARN_OK);
+    int nmax = 0;
+    for (int i = 0; i < n_ns; i++) nmax = ns[i] > nmax ? ns[i] : nmax;
+    llama_mm_ctx c;
+    assert_int_equal(llama_mm_ctx_create(m, &m->alloc, nmax, in, &c), KVARN_OK);
+    float *x = malloc(sizeof(float) * (size_t)nmax * in);
+    float *y = malloc(sizeof(float) * (size_t)nmax * out);
+    float *wr = malloc(sizeof(float) * (size_t)out * in);
+    assert_true(x && y && wr);
+    for (int r = 0; r < out; r++) llama_matrix_get_row(&w, r, wr + (size_t)r * in);
+    const int bf = wt == KVARN_LLAMA_WEIGHTS_BF16;
+    const double u = 1.0 / 16777216.0, gamma = (in + 1) * u / (1.0 - (in + 1) * u);
+    for (int k = 0; k < n_ns; k++) {
+        int n = ns[k];
+        /* activations of both signs and a spread of magnitudes, as after
+         * RMSNorm (|x| up to ~10) */
+        for (size_t i = 0; i < (size_t)n * in; i++)
+            x[i] = (float)(test_rng_normal(&rng) * (i % 97 == 0 ? 8.0 : 1.0));
+        assert_int_equal(llama_matmul(&c, x, n, &w, y), KVARN_OK);
+        double worst = 0;
+        for (int t = 0; t < n; t++)
+            for (int j = 0; j < out; j++) {
+                double s = 0, l1 = 0;
+                for (int i = 0; i < in; i++) {
+                    float xi = x[(size_t)t * in + i];
+                    if (bf) xi = kvarn_bf16_to_fp32(kvarn_fp32_to_bf16(xi));
+                    double p = (double)xi * wr[(size_t)j * in + i];
+                    s += p;
+                    l1 += fabs(p);
+                }
+                double e = fabs((double)y[(size_t)t * out + j] - s);
+                double b = gamma * l1;
+                if (!(e <= b)) {
+                    print_error("%s [%d x %d] n %d: y[%d][%d] = %.9g, ref %.9g, bound %.3g\n",
+                                bf ? "bf16" : "fp32", out, in, n, t, j, (double)y[(size_t)t * out + j],
+                                s, b);
+                    fail();
+                }
+                if (e / (b > 0 ? b : 1) > worst) worst = e / b;
+            }
+        (void)worst;
+    }
+    if (bf) {
+        /* the weights are bf16: each within half a bf16 step (2^-8
+         * relative) of what was given, and exactly representable */
+        for (int i = 0; i < in; i++) {
+            float v = wr[(size_t)(out - 1) * in + i];
+            assert_true(kvarn_bf16_to_fp32(kvarn_fp32_to_bf16(v)) == v);
+        }
+    }
+    llama_mm_ctx_destroy(&m->alloc, &c);
+    llama_matrix_free(m, &w);
+    llama_weights_engine_destroy(m);
+    free(x);
+    free(y);
+    free(wr);
+    free(row);
+    free(m);
+}
+
+/* SmolLM2-135M's matrices (hidden 576, QKV 960, ffn 1536), tokens: one
+ * (decode), a 128-token chunk, and odd counts. */
+static const int NS[] = { 1, 2, 37, 128 };
+
+static void test_bf16_matmul(void **state)
+{
+    (void)state;
+    check_shape(KVARN_LLAMA_WEIGHTS_BF16, 960, 576, NS, 4);
+    check_shape(KVARN_LLAMA_WEIGHTS_BF16, 576, 1536, NS, 4);
+    check_shape(KVARN_LLAMA_WEIGHTS_BF16, 3072, 576, NS, 2);
+    check_shape(KVARN_LLAMA_WEIGHTS_BF16, 33, 70, NS, 4); /* odd sizes */
+}
+
+static void test_fp32_matmul(void **state)
+{
+    (void)state;
+    check_shape(KVARN_LLAMA_WEIGHTS_FP32, 960, 576, NS, 4);
+    check_shape(KVARN_LLAMA_WEIGHTS_FP32, 576, 1536, NS, 4);
+    check_shape(KVARN_LLAMA_WEIGHTS_FP32, 33, 70, NS, 4);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bf16_matmul),
+        cmocka_unit_test(test_fp32_matmul),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
