@@ -118,12 +118,26 @@ static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, i
     n_blocks *= batch;
     c->n_layers = n_layers;
     c->blocks_bytes = (size_t)(n_blocks ? n_blocks : 1) * block_stride;
-    c->pages_bytes = (size_t)(n_pages ? n_pages : 1) * Hk * 2 * G * D * sizeof(uint16_t);
+    kvarn_paged_kv *kv = &c->kv;
+    kv->fmt = *fmt;
+    kv->head_dim = D;
+    kv->n_kv_heads = Hk;
+    kv->block_size = G;
+    kv->sink_tiles = sink;
+    kv->block_stride = block_stride;
+    kv->record_stride = rec_stride;
+    kv->token_record_bytes = kvarn ? 0 : L.record_bytes;
+    kvarn_paged_pack_pages(kv); /* kvarn_cache's layout */
+    kv->n_blocks = n_blocks;
+    kv->n_fp16_pages = n_pages;
+    c->pages_bytes = (size_t)(n_pages ? n_pages : 1) * kv->page_stride;
     c->blocks = malloc(c->blocks_bytes * n_layers);
     c->pages = malloc(c->pages_bytes * n_layers);
     c->tables = malloc(sizeof(int32_t) * (size_t)nt * batch);
     c->views = malloc(sizeof(kvarn_seq_view) * (size_t)batch);
     if (!c->blocks || !c->pages || !c->tables || !c->views) return -2;
+    kv->blocks = c->blocks;
+    kv->fp16_pages = c->pages;
 
     /* A pool of encoded records, copied round robin into every block. */
     enum { POOL = 8 };
@@ -147,9 +161,9 @@ static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, i
     }
     for (int b = 0; b < n_blocks; b++)
         for (int h = 0; h < Hk; h++)
-            memcpy(c->blocks + (size_t)b * block_stride + (size_t)h * rec_stride,
+            memcpy(kvarn_paged_record(kv, b, h),
                    pool + (size_t)((b * 7 + h) % POOL) * rec_stride, rec_stride);
-    for (size_t i = 0; i < (size_t)n_pages * Hk * 2 * G * D; i++)
+    for (size_t i = 0; i < (size_t)n_pages * kv->page_stride / sizeof(uint16_t); i++)
         c->pages[i] = kvarn_fp32_to_fp16((float)rnd());
     free(k); free(v); free(pool); free(ws);
 
@@ -179,19 +193,6 @@ static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, i
         c->views[s].committed_tiles = committed;
     }
     free(bid); free(pid);
-    kvarn_paged_kv *kv = &c->kv;
-    kv->fmt = *fmt;
-    kv->head_dim = D;
-    kv->n_kv_heads = Hk;
-    kv->block_size = G;
-    kv->sink_tiles = sink;
-    kv->blocks = c->blocks;
-    kv->block_stride = block_stride;
-    kv->record_stride = rec_stride;
-    kv->token_record_bytes = kvarn ? 0 : L.record_bytes;
-    kv->fp16_pages = c->pages;
-    kv->n_blocks = n_blocks;
-    kv->n_fp16_pages = n_pages;
     for (int l = 1; l < n_layers; l++) {
         memcpy(c->blocks + l * c->blocks_bytes, c->blocks, c->blocks_bytes);
         memcpy((uint8_t *)c->pages + l * c->pages_bytes, c->pages, c->pages_bytes);
@@ -204,7 +205,7 @@ static kvarn_paged_kv layer_kv(const bench_cache *c, int l)
 {
     kvarn_paged_kv kv = c->kv;
     kv.blocks = c->blocks + (size_t)l * c->blocks_bytes;
-    kv.fp16_pages = (const uint16_t *)((const uint8_t *)c->pages + (size_t)l * c->pages_bytes);
+    kv.fp16_pages = (uint16_t *)((uint8_t *)c->pages + (size_t)l * c->pages_bytes);
     return kv;
 }
 

@@ -3,7 +3,7 @@
  * (items and split-K chunks), the per-item loop over tiles, the
  * log-sum-exp merge of split chunks, and the final normalization and
  * inverse Hadamard rotation. The per-tile math lives in kernel_ref.c and
- * kernel_avx2.c. Layout: include/kvarn/attn.h; method: docs/attention.md;
+ * kernel_avx2.c. Layout: include/kvarn/paged.h; method: docs/attention.md;
  * source: ../shared/spec/KVARN.md "Attention over records", "The fp16 tail
  * and the sink".
  */
@@ -200,8 +200,7 @@ static int n_tiles_of(int seq_len, int G) { return (seq_len + G - 1) / G; }
 /* Whether tile i of a sequence is an fp16 page (KVarN sink or tail). */
 static int tile_is_page(const kvarn_paged_kv *kv, const kvarn_seq_view *sv, int i)
 {
-    if (kv->fmt.kind != KVARN_KIND_KVARN) return 0;
-    return i < kv->sink_tiles || i >= sv->committed_tiles;
+    return kvarn_paged_tile_is_page(kv, sv->committed_tiles, i);
 }
 
 static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout *L)
@@ -217,6 +216,16 @@ static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout
             return KVARN_ERR_INVALID_ARG;
     }
     if (kv->block_stride < hk * kv->record_stride) return KVARN_ERR_INVALID_ARG;
+    /* fp16 pages (KVarN): a whole K+V tile per head, heads inside a page,
+     * 2-byte aligned (include/kvarn/paged.h). */
+    if (kv->fmt.kind == KVARN_KIND_KVARN && kv->fp16_pages != NULL) {
+        uint64_t heads;
+        if (kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
+            kv->page_head_stride % 2 != 0 || kv->page_stride % 2 != 0 ||
+            ((uintptr_t)kv->fp16_pages % 2) != 0 ||
+            kvarn__mul_u64(hk, kv->page_head_stride, &heads) || kv->page_stride < heads)
+            return KVARN_ERR_INVALID_ARG;
+    }
     return KVARN_OK;
 }
 
@@ -449,7 +458,6 @@ static void item_task(void *ctx, int task, int worker)
     }
     memset(r.acc, 0, (size_t)n * D * sizeof(float));
 
-    const uint8_t *head_base = kv->blocks ? kv->blocks + (size_t)it->kvh * kv->record_stride : NULL;
     const size_t tile_bytes = g->is_kvarn ? run->L.record_bytes : (size_t)G * kv->token_record_bytes;
     const int step = g->span_tiles;
     attn_prefetch pf;
@@ -460,24 +468,24 @@ static void item_task(void *ctx, int task, int worker)
         /* The next tiles' records are elsewhere in the arena: the kernel
          * fetches them while it computes this one (attn_internal.h). */
         pf.n = pf.tile = pf.line = 0;
-        for (int nx = end; nx < end + step && nx < it->tile1 && head_base; nx++) {
+        for (int nx = end; nx < end + step && nx < it->tile1 && kv->blocks; nx++) {
             if (tile_is_page(kv, sv, nx)) continue;
-            pf.base[pf.n++] = head_base + (size_t)sv->block_table[nx] * kv->block_stride;
+            pf.base[pf.n++] = kvarn_paged_record(kv, sv->block_table[nx], it->kvh);
         }
         int t0 = tile * G, nt = sv->seq_len - t0 < G ? sv->seq_len - t0 : G;
         int32_t id = sv->block_table[tile];
         if (tile_is_page(kv, sv, tile)) {
-            const uint16_t *k = kv->fp16_pages + ((size_t)id * g->Hk + it->kvh) * 2 * (size_t)G * D;
-            run->kern->fp16_tile(&r, k, k + (size_t)G * D, t0, nt);
+            run->kern->fp16_tile(&r, kvarn_paged_page_k(kv, id, it->kvh),
+                                 kvarn_paged_page_v(kv, id, it->kvh), t0, nt);
         } else if (g->is_kvarn) {
-            run->kern->kvarn_tile(&r, &run->L, head_base + (size_t)id * kv->block_stride, t0, nt);
+            run->kern->kvarn_tile(&r, &run->L, kvarn_paged_record(kv, id, it->kvh), t0, nt);
         } else {
             /* A span of whole blocks; only a sequence's last block is partial. */
             int span = 0;
             for (int i = tile; i < end; i++) {
-                const uint8_t *b = head_base + (size_t)sv->block_table[i] * kv->block_stride;
                 int cnt = sv->seq_len - i * G < G ? sv->seq_len - i * G : G;
-                for (int j = 0; j < cnt; j++) r.tok[span++] = b + (size_t)j * kv->token_record_bytes;
+                for (int j = 0; j < cnt; j++)
+                    r.tok[span++] = kvarn_paged_token_record(kv, sv->block_table[i], it->kvh, j);
             }
             run->kern->token_tile(&r, kv->fmt.kind, &run->L, r.tok, t0, span);
             tile = end;

@@ -606,6 +606,20 @@ static void test_bad_inputs(void **state)
     kv = f.kv;
     kv.fp16_pages = NULL;
     EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
+    /* fp16 page strides (include/kvarn/paged.h): a head's K+V tile must fit,
+     * the heads must fit in a page, and fp16 needs 2-byte steps */
+    kv = f.kv;
+    kv.page_head_stride = kvarn_paged_fp16_tile_bytes(kv.block_size, kv.head_dim) - 2;
+    EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
+    kv = f.kv;
+    kv.page_stride = (size_t)kv.n_kv_heads * kv.page_head_stride - 2;
+    EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
+    kv = f.kv;
+    kv.page_stride += 1;
+    EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
+    kv = f.kv;
+    kv.page_head_stride = SIZE_MAX / 2 + 1; /* Hk * stride wraps size_t */
+    EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
     /* multi-query: NULL / malformed query_start_loc, q_len > seq_len */
     int32_t qsl[3] = {0, 1, 2};
     EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_multi(&f.kv, f.views, 2, NULL, Hq, q, out, &o, NULL, ws, wsz));
