@@ -22,6 +22,7 @@
  * Each configuration runs at least --min-time seconds (3 calls at least)
  * and reports its fastest call: with 1 thread timed by the thread's CPU
  * clock, with more threads by the wall clock. */
+#define KVARN_EXPERIMENTAL_API /* the testing knobs (attn.h, cache.h) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -261,7 +262,8 @@ int main(int argc, char **argv)
     }
     struct { const char *name; int Hq, Hk, D; } shp[2] = {{"smol", 9, 3, 64}, {"llama", 32, 8, 128}};
     kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    o0.force_scalar = scalar;
+    kvarn_attn_testing knobs = {0, scalar};
+    o0.testing = &knobs;
     printf("memcpy bandwidth (1 thread, 256 MiB): %.1f GB/s copied\n", memcpy_gbs());
     printf("kernels: %s\n", kvarn_attn_kernel_name(&o0));
     printf("%-6s %5s %6s %3s %-16s %10s %9s %9s\n", "shape", "batch", "ctx", "thr", "format",

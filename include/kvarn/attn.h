@@ -67,6 +67,10 @@ int kvarn_thread_pool_size(const kvarn_thread_pool *pool);
 /* Attention                                                                */
 /* ------------------------------------------------------------------------ */
 
+/* Knobs for tests and benchmarks (split-K forcing, scalar kernels): declared
+ * in the experimental section at the end of this header. */
+struct kvarn_attn_testing;
+
 /* Options of one attention call. */
 typedef struct kvarn_attn_opts {
     float softmax_scale; /* multiplies q.k (usually 1/sqrt(D)); finite, > 0 */
@@ -76,17 +80,16 @@ typedef struct kvarn_attn_opts {
     int causal;          /* multi-query: 1 (default) query i of a chunk of
                             q_len sees positions <= seq_len - q_len + i;
                             0: every query sees the whole sequence */
-    int split_k;         /* 0: automatic (with fewer than 4 work items per
-                            thread, split contexts into chunks of >= 512
-                            tokens, ~4 per thread in all);
-                            1: never split; s >= 2: split every work item's
-                            context into up to s chunks (for tests) */
-    int force_scalar;    /* 1: use the scalar reference kernels even when
-                            the CPU has AVX2 or AVX-512 (KVARN_SIMD=avx2
-                            or =scalar caps the level for a whole process) */
+    const struct kvarn_attn_testing *testing; /* NULL (default): split-K
+                            automatic (with fewer than 4 work items per
+                            thread, contexts are split into chunks of >= 512
+                            tokens, ~4 per thread in all), the best kernels
+                            KVARN_SIMD allows. Else the experimental knobs
+                            (KVARN_EXPERIMENTAL_API, below); borrowed for
+                            the call. */
 } kvarn_attn_opts;
 
-#define KVARN_ATTN_OPTS_DEFAULT(scale) { (scale), 0, 1, 0, 0 }
+#define KVARN_ATTN_OPTS_DEFAULT(scale) { (scale), 0, 1, NULL }
 
 /* Bytes of workspace a call needs, an upper bound for any call with at most
  * max_seqs sequences and max_total_q query tokens in all (decode:
@@ -177,9 +180,9 @@ kvarn_status kvarn_attn_multi_lse(const kvarn_paged_kv *kv,
 
 /* Name of the kernel set a call with these options would use on this CPU,
  * at the SIMD level the environment variable KVARN_SIMD (scalar|avx2|avx512)
- * caps: "avx512", "avx2" or "scalar". Never NULL. A head_dim that the level
- * does not take (AVX-512: D % 32 != 0; AVX2: D % 16 != 0) steps down to the
- * next level that takes it. */
+ * caps (and opts->testing's force_scalar): "avx512", "avx2" or "scalar".
+ * Never NULL. A head_dim that the level does not take (AVX-512: D % 32 !=
+ * 0; AVX2: D % 16 != 0) steps down to the next level that takes it. */
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
 
 #ifdef __cplusplus
@@ -187,3 +190,35 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
 #endif
 
 #endif /* KVARN_ATTN_H */
+
+/* ======================================================================== */
+/* EXPERIMENTAL / TESTING API                                               */
+/* ======================================================================== */
+/* Seen only by code that defines KVARN_EXPERIMENTAL_API before including
+ * this header (the tests and the benchmarks do). Knobs for tests and
+ * measurements, not for production: no stable meaning, may change or
+ * vanish in any release. The stable part above never depends on them: a
+ * kvarn_attn_opts with testing = NULL is all a user needs. */
+#if defined(KVARN_EXPERIMENTAL_API) && !defined(KVARN_ATTN_H_EXPERIMENTAL)
+#define KVARN_ATTN_H_EXPERIMENTAL
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* What kvarn_attn_opts.testing points at. All zero = the defaults. */
+typedef struct kvarn_attn_testing {
+    int split_k;      /* 0: automatic (as with testing = NULL); 1: never
+                         split; s in [2, 1024]: split every work item's
+                         context into up to s chunks (so that short test
+                         contexts go through the log-sum-exp merge) */
+    int force_scalar; /* 1: the scalar reference kernels even when the CPU
+                         has AVX2 or AVX-512 (KVARN_SIMD=avx2 or =scalar
+                         caps the level for a whole process); 0: the best */
+} kvarn_attn_testing;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVARN_EXPERIMENTAL_API */

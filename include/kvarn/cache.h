@@ -372,8 +372,27 @@ typedef struct kvarn_cache_stats {
 
 kvarn_status kvarn_cache_get_stats(const kvarn_cache *c, kvarn_cache_stats *out);
 
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVARN_CACHE_H */
+
+/* ======================================================================== */
+/* EXPERIMENTAL / TESTING API                                               */
+/* ======================================================================== */
+/* Seen only by code that defines KVARN_EXPERIMENTAL_API before including
+ * this header (the tests do). For tests and debugging, not for production:
+ * may change or vanish in any release. */
+#if defined(KVARN_EXPERIMENTAL_API) && !defined(KVARN_CACHE_H_EXPERIMENTAL)
+#define KVARN_CACHE_H_EXPERIMENTAL
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Reference count of a block or page id (how many sequences hold it), or
- * -1 for an id out of range or a NULL cache. For tests and debugging. */
+ * -1 for an id out of range or a NULL cache. */
 int kvarn_cache_block_refs(const kvarn_cache *c, int32_t block);
 int kvarn_cache_page_refs(const kvarn_cache *c, int32_t page);
 
@@ -381,4 +400,4 @@ int kvarn_cache_page_refs(const kvarn_cache *c, int32_t page);
 }
 #endif
 
-#endif /* KVARN_CACHE_H */
+#endif /* KVARN_EXPERIMENTAL_API */

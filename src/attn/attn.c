@@ -7,6 +7,7 @@
  * source: ../shared/spec/KVARN.md "Attention over records", "The fp16 tail
  * and the sink".
  */
+#define KVARN_EXPERIMENTAL_API /* the testing knobs of kvarn_attn_opts */
 #include <math.h>
 #include <string.h>
 
@@ -70,12 +71,19 @@ static int thread_scratch_floats(int rows, int D, int gs_, size_t *out)
     return bad | kvarn__u64_to_size(sum, out);
 }
 
+/* The experimental knobs (attn.h's testing section); 0 without them. */
+static int split_k_of(const kvarn_attn_opts *o) { return o->testing ? o->testing->split_k : 0; }
+static int force_scalar_of(const kvarn_attn_opts *o)
+{
+    return o->testing ? o->testing->force_scalar : 0;
+}
+
 static int opts_valid(const kvarn_attn_opts *o)
 {
     return isfinite(o->softmax_scale) && o->softmax_scale > 0.0f &&
            o->sliding_window >= 0 && (o->causal == 0 || o->causal == 1) &&
-           o->split_k >= 0 && o->split_k <= 1024 &&
-           (o->force_scalar == 0 || o->force_scalar == 1);
+           split_k_of(o) >= 0 && split_k_of(o) <= 1024 &&
+           (force_scalar_of(o) == 0 || force_scalar_of(o) == 1);
 }
 
 /* Geometry and workspace bounds; 0 on success, else a status. */
@@ -116,8 +124,8 @@ static kvarn_status make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_s
     /* Items: forced split s: at most base * s. Auto (plan()): unsplit, at
      * most base; split only when n_base < 4 * threads, into fewer than
      * n_base + 4 * threads < 8 * threads chunks. */
-    if (o->split_k >= 2) bad |= kvarn__mul_u64(base, (uint64_t)o->split_k, &split_chunks);
-    else if (o->split_k == 0) split_chunks = 8 * (uint64_t)n_threads;
+    if (split_k_of(o) >= 2) bad |= kvarn__mul_u64(base, (uint64_t)split_k_of(o), &split_chunks);
+    else if (split_k_of(o) == 0) split_chunks = 8 * (uint64_t)n_threads;
     uint64_t items;
     bad |= kvarn__add_u64(base, split_chunks, &items);
     bad |= kvarn__mul3_u64(split_chunks, (uint64_t)g->rows_max, (uint64_t)g->D + 2, &partial);
@@ -177,7 +185,7 @@ size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
  * AVX2 D % 16 == 0; anything else runs the scalar reference. */
 static const attn_kernels *pick_kernels(const kvarn_attn_opts *o, int head_dim)
 {
-    if (o->force_scalar) return &attn_kernels_ref;
+    if (force_scalar_of(o)) return &attn_kernels_ref;
     const kvarn_cpu_level level = kvarn__cpu_level();
     if (level >= KVARN_CPU_AVX512 && head_dim % 32 == 0) return &attn_kernels_avx512;
     if (level >= KVARN_CPU_AVX2 && head_dim % 16 == 0) return &attn_kernels_avx2;
@@ -186,7 +194,7 @@ static const attn_kernels *pick_kernels(const kvarn_attn_opts *o, int head_dim)
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
 {
-    if (opts != NULL && opts->force_scalar) return attn_kernels_ref.name;
+    if (opts != NULL && force_scalar_of(opts)) return attn_kernels_ref.name;
     const kvarn_cpu_level level = kvarn__cpu_level();
     if (level >= KVARN_CPU_AVX512) return attn_kernels_avx512.name;
     if (level >= KVARN_CPU_AVX2) return attn_kernels_avx2.name;
@@ -322,10 +330,11 @@ static int plan(attn_run *run, int n_seqs, int n_threads)
         if (ql > 0 && run->seqs[s].seq_len > 0) n_base += g->Hk * ((ql + g->qblock - 1) / g->qblock);
     }
     int want = 1;
-    if (run->o.split_k >= 2) want = run->o.split_k;
-    else if (run->o.split_k == 0 && n_threads > 1 && n_base > 0 && n_base < 4 * n_threads)
+    const int split_k = split_k_of(&run->o);
+    if (split_k >= 2) want = split_k;
+    else if (split_k == 0 && n_threads > 1 && n_base > 0 && n_base < 4 * n_threads)
         want = (4 * n_threads + n_base - 1) / n_base; /* ~4 chunks per worker */
-    int min_tiles = run->o.split_k >= 2 ? 1 : (SPLIT_MIN_TOKENS + g->G - 1) / g->G;
+    int min_tiles = split_k >= 2 ? 1 : (SPLIT_MIN_TOKENS + g->G - 1) / g->G;
 
     int n = 0, ng = 0;
     size_t poff = 0;

@@ -3,6 +3,7 @@
  * pages and quantized blocks, allocating both arenas), its geometry, its
  * counters, and the per-layer view attention reads (include/kvarn/paged.h).
  */
+#define KVARN_EXPERIMENTAL_API /* kvarn_cache_block_refs, _page_refs */
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>

@@ -4,6 +4,7 @@
  * KVarN sink / tail / commit, rollback, truncate into a quantized tile,
  * fork + copy-on-write + free, pool exhaustion, scrambled block ids, hostile
  * arguments. The randomized model test is test_cache_random.c. */
+#define KVARN_EXPERIMENTAL_API /* the testing knobs (attn.h, cache.h) */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
