@@ -162,9 +162,9 @@ typedef struct kvarn_cache_opts {
 kvarn_cache_opts kvarn_cache_default_opts(void);
 
 /* Create a cache: checks opts, splits budget_bytes into n_pages fp16 pages
- * (page bytes = n_layers * Hk * 2 * G * D * 2) and as many blocks as the rest
- * holds (block bytes = n_layers * Hk * record_stride), allocates both arenas
- * (zeroed) and the bookkeeping.
+ * (page bytes = n_layers * Hk * kvarn_paged_fp16_tile_bytes(G, D), paged.h)
+ * and as many blocks as the rest holds (block bytes = n_layers * Hk *
+ * record_stride), allocates both arenas (zeroed) and the bookkeeping.
  * Every size is computed in 64 bits with checked products before anything
  * is allocated.
  * Errors: KVARN_ERR_INVALID_ARG (NULL, bad numbers, a budget too small for
