@@ -22,6 +22,7 @@
  * Each configuration runs at least --min-time seconds (3 calls at least)
  * and reports its fastest call: with 1 thread timed by the thread's CPU
  * clock, with more threads by the wall clock. */
+#define KVARN_EXPERIMENTAL_API /* the testing knobs (attn.h, cache.h) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,12 +119,26 @@ static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, i
     n_blocks *= batch;
     c->n_layers = n_layers;
     c->blocks_bytes = (size_t)(n_blocks ? n_blocks : 1) * block_stride;
-    c->pages_bytes = (size_t)(n_pages ? n_pages : 1) * Hk * 2 * G * D * sizeof(uint16_t);
+    kvarn_paged_kv *kv = &c->kv;
+    kv->fmt = *fmt;
+    kv->head_dim = D;
+    kv->n_kv_heads = Hk;
+    kv->block_size = G;
+    kv->sink_tiles = sink;
+    kv->block_stride = block_stride;
+    kv->record_stride = rec_stride;
+    kv->token_record_bytes = kvarn ? 0 : L.record_bytes;
+    kvarn_paged_pack_pages(kv); /* kvarn_cache's layout */
+    kv->n_blocks = n_blocks;
+    kv->n_fp16_pages = n_pages;
+    c->pages_bytes = (size_t)(n_pages ? n_pages : 1) * kv->page_stride;
     c->blocks = malloc(c->blocks_bytes * n_layers);
     c->pages = malloc(c->pages_bytes * n_layers);
     c->tables = malloc(sizeof(int32_t) * (size_t)nt * batch);
     c->views = malloc(sizeof(kvarn_seq_view) * (size_t)batch);
     if (!c->blocks || !c->pages || !c->tables || !c->views) return -2;
+    kv->blocks = c->blocks;
+    kv->fp16_pages = c->pages;
 
     /* A pool of encoded records, copied round robin into every block. */
     enum { POOL = 8 };
@@ -147,9 +162,9 @@ static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, i
     }
     for (int b = 0; b < n_blocks; b++)
         for (int h = 0; h < Hk; h++)
-            memcpy(c->blocks + (size_t)b * block_stride + (size_t)h * rec_stride,
+            memcpy(kvarn_paged_record(kv, b, h),
                    pool + (size_t)((b * 7 + h) % POOL) * rec_stride, rec_stride);
-    for (size_t i = 0; i < (size_t)n_pages * Hk * 2 * G * D; i++)
+    for (size_t i = 0; i < (size_t)n_pages * kv->page_stride / sizeof(uint16_t); i++)
         c->pages[i] = kvarn_fp32_to_fp16((float)rnd());
     free(k); free(v); free(pool); free(ws);
 
@@ -179,19 +194,6 @@ static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, i
         c->views[s].committed_tiles = committed;
     }
     free(bid); free(pid);
-    kvarn_paged_kv *kv = &c->kv;
-    kv->fmt = *fmt;
-    kv->head_dim = D;
-    kv->n_kv_heads = Hk;
-    kv->block_size = G;
-    kv->sink_tiles = sink;
-    kv->blocks = c->blocks;
-    kv->block_stride = block_stride;
-    kv->record_stride = rec_stride;
-    kv->token_record_bytes = kvarn ? 0 : L.record_bytes;
-    kv->fp16_pages = c->pages;
-    kv->n_blocks = n_blocks;
-    kv->n_fp16_pages = n_pages;
     for (int l = 1; l < n_layers; l++) {
         memcpy(c->blocks + l * c->blocks_bytes, c->blocks, c->blocks_bytes);
         memcpy((uint8_t *)c->pages + l * c->pages_bytes, c->pages, c->pages_bytes);
@@ -204,7 +206,7 @@ static kvarn_paged_kv layer_kv(const bench_cache *c, int l)
 {
     kvarn_paged_kv kv = c->kv;
     kv.blocks = c->blocks + (size_t)l * c->blocks_bytes;
-    kv.fp16_pages = (const uint16_t *)((const uint8_t *)c->pages + (size_t)l * c->pages_bytes);
+    kv.fp16_pages = (uint16_t *)((uint8_t *)c->pages + (size_t)l * c->pages_bytes);
     return kv;
 }
 
@@ -260,7 +262,8 @@ int main(int argc, char **argv)
     }
     struct { const char *name; int Hq, Hk, D; } shp[2] = {{"smol", 9, 3, 64}, {"llama", 32, 8, 128}};
     kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    o0.force_scalar = scalar;
+    kvarn_attn_testing knobs = {0, scalar};
+    o0.testing = &knobs;
     printf("memcpy bandwidth (1 thread, 256 MiB): %.1f GB/s copied\n", memcpy_gbs());
     printf("kernels: %s\n", kvarn_attn_kernel_name(&o0));
     printf("%-6s %5s %6s %3s %-16s %10s %9s %9s\n", "shape", "batch", "ctx", "thr", "format",

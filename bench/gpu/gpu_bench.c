@@ -105,10 +105,10 @@ static void *dmalloc(size_t n)
 
 /* The paged-cache description of one layer: records packed back to back,
  * block = Hk records (per-token: G token records per head). */
-static kvarn_cuda_paged_kv describe(const kvarn_format *f, int D, int Hk, int n_blocks,
+static kvarn_paged_kv describe(const kvarn_format *f, int D, int Hk, int n_blocks,
                                     int n_pages)
 {
-    kvarn_cuda_paged_kv kv;
+    kvarn_paged_kv kv;
     memset(&kv, 0, sizeof kv);
     kv.fmt = *f;
     kv.head_dim = D;
@@ -122,13 +122,14 @@ static kvarn_cuda_paged_kv describe(const kvarn_format *f, int D, int Hk, int n_
     kv.block_stride = kv.record_stride * (size_t)Hk;
     kv.n_blocks = n_blocks;
     kv.n_fp16_pages = kvarn ? n_pages : 0;
+    kvarn_paged_pack_pages(&kv);
     return kv;
 }
 
 /* Bytes one decode step reads for B sequences of C tokens: records (or
  * token records) of every quantized tile, fp16 pages of the sink and tail
  * tiles, the queries and the outputs. */
-static double step_bytes(const kvarn_cuda_paged_kv *kv, int B, int C, int Hq)
+static double step_bytes(const kvarn_paged_kv *kv, int B, int C, int Hq)
 {
     const int G = kv->block_size, tiles = (C + G - 1) / G, D = kv->head_dim;
     const int kvarn = kv->fmt.kind == KVARN_KIND_KVARN;
@@ -146,7 +147,7 @@ static int cmd_plan(const opts *o)
     const int G = f.kind == KVARN_KIND_KVARN ? f.tile_tokens : 16;
     const int tiles = (o->ctx + G - 1) / G;
     static _Alignas(64) uint8_t fake[64];
-    kvarn_cuda_paged_kv kv = describe(&f, o->d, o->hk, o->batch * tiles, o->batch);
+    kvarn_paged_kv kv = describe(&f, o->d, o->hk, o->batch * tiles, o->batch);
     kv.blocks = fake;
     kv.fp16_pages = (uint16_t *)(void *)fake;
     kvarn_status st = kvarn_cuda_check_kv(&kv);
@@ -180,9 +181,9 @@ static int cmd_time(const opts *o)
     const int B = o->batch, C = o->ctx, Hk = o->hk, Hq = o->hq, D = o->d;
     const int G = kvarn ? f.tile_tokens : 16, tiles = (C + G - 1) / G;
     const int n_blocks = B * tiles, n_pages = kvarn ? B * 2 : 1;
-    kvarn_cuda_paged_kv kv = describe(&f, D, Hk, n_blocks, n_pages);
+    kvarn_paged_kv kv = describe(&f, D, Hk, n_blocks, n_pages);
     const size_t arena = kv.block_stride * (size_t)n_blocks;
-    const size_t page_bytes = (size_t)2 * Hk * G * D * 2;
+    const size_t page_bytes = kv.page_stride;
     kv.blocks = dmalloc(arena);
     kv.fp16_pages = kvarn ? dmalloc(page_bytes * n_pages) : NULL;
     KV(kvarn_cuda_check_kv(&kv));
@@ -208,7 +209,7 @@ static int cmd_time(const opts *o)
         int32_t *dsrc = dmalloc(sizeof(int32_t) * chunk_tiles), *ddst = dmalloc(sizeof(int32_t) * chunk_tiles);
         for (int i0 = 0; i0 < chunk_tiles; i0 += n_pages) {
             const int n = chunk_tiles - i0 < n_pages ? chunk_tiles - i0 : n_pages;
-            for (int t = 0; t < n * G; t++) slots[t] = (int64_t)(t / G) * G + t % G;
+            for (int t = 0; t < n * G; t++) slots[t] = kvarn_paged_slot(t / G, G, t % G);
             for (int i = 0; i < n; i++) { src[i] = i; dst[i] = i0 + i; }
             CK(cudaMemcpy(dslots, slots, sizeof(int64_t) * n * G, cudaMemcpyHostToDevice));
             CK(cudaMemcpy(dsrc, src, sizeof(int32_t) * n, cudaMemcpyHostToDevice));
@@ -219,7 +220,7 @@ static int cmd_time(const opts *o)
         }
         /* the sink pages (page p = 2s) and spare pages hold real rows too */
         for (int p = 0; p < n_pages; p++) {
-            for (int t = 0; t < G; t++) slots[t] = (int64_t)p * G + t;
+            for (int t = 0; t < G; t++) slots[t] = kvarn_paged_slot(p, G, t);
             CK(cudaMemcpy(dslots, slots, sizeof(int64_t) * G, cudaMemcpyHostToDevice));
             KV(kvarn_cuda_store(&kv, KVARN_CUDA_F16, dk, dv, dslots, G, NULL));
         }
@@ -371,8 +372,8 @@ static int cmd_dump(const opts *o)
 
         /* One sequence of T tokens. KVarN: tile i -> page i, full tiles
          * after the sink commit to block i. Per-token: tile i -> block i. */
-        kvarn_cuda_paged_kv kv = describe(&f, D, Hk, tiles, tiles);
-        const size_t arena = kv.block_stride * (size_t)tiles, pbytes = (size_t)tiles * 2 * Hk * G * D * 2;
+        kvarn_paged_kv kv = describe(&f, D, Hk, tiles, tiles);
+        const size_t arena = kv.block_stride * (size_t)tiles, pbytes = (size_t)tiles * kv.page_stride;
         kv.blocks = dmalloc(arena);
         kv.fp16_pages = kvarn ? dmalloc(pbytes) : NULL;
         CK(cudaMemset(kv.blocks, 0, arena));
@@ -403,6 +404,9 @@ static int cmd_dump(const opts *o)
         uint16_t *pages = kvarn ? xmalloc(pbytes) : NULL;
         CK(cudaMemcpy(blocks, kv.blocks, arena, cudaMemcpyDeviceToHost));
         if (kvarn) CK(cudaMemcpy(pages, kv.fp16_pages, pbytes, cudaMemcpyDeviceToHost));
+        kvarn_paged_kv host = kv; /* the same layout over the host copies */
+        host.blocks = blocks;
+        host.fp16_pages = pages;
 
         /* Records against the CPU encoder. */
         long codes = 0, code_bad = 0, scale_bad = 0;
@@ -416,10 +420,10 @@ static int cmd_dump(const opts *o)
             co.prerotated = 1;
             for (int i = 1; i < committed; i++)
                 for (int hh = 0; hh < Hk; hh++) {
-                    const uint16_t *pk = pages + ((size_t)(i * Hk + hh) * 2) * G * D;
-                    for (int e = 0; e < G * D; e++) { tk[e] = kvarn_fp16_to_fp32(pk[e]); tv[e] = kvarn_fp16_to_fp32(pk[G * D + e]); }
+                    const uint16_t *pk = kvarn_paged_page_k(&host, i, hh), *pv = kvarn_paged_page_v(&host, i, hh);
+                    for (int e = 0; e < G * D; e++) { tk[e] = kvarn_fp16_to_fp32(pk[e]); tv[e] = kvarn_fp16_to_fp32(pv[e]); }
                     if (kvarn_encode(&f, D, tk, tv, want, L.record_bytes, ws, wsb, &co) != KVARN_OK) { scale_bad++; continue; }
-                    const uint8_t *g = blocks + (size_t)i * kv.block_stride + (size_t)hh * kv.record_stride;
+                    const uint8_t *g = kvarn_paged_record(&host, i, hh);
                     for (size_t b = 0; b < L.k_a_off; b++) /* K codes */
                         for (int s = 0; s < 8; s += L.key_bits) code_bad += ((g[b] >> s) ^ (want[b] >> s)) & ((1u << L.key_bits) - 1) ? 1 : 0;
                     for (size_t b = L.v_codes_off; b < L.v_schan_off; b++)
@@ -488,17 +492,16 @@ static int cmd_dump(const opts *o)
                     for (int pass = 0; pass < 2; pass++)
                         for (int i = lo / G; i <= pos / G; i++) {
                             /* K/V of tile i, attention basis */
-                            const int page = kvarn && (i < 1 || i >= committed);
+                            const int page = kvarn_paged_tile_is_page(&host, committed, i);
                             if (page) {
-                                const uint16_t *pk = pages + ((size_t)(i * Hk + hk) * 2) * G * D;
-                                for (int e = 0; e < G * D; e++) { tk[e] = kvarn_fp16_to_fp32(pk[e]); tv[e] = kvarn_fp16_to_fp32(pk[G * D + e]); }
+                                const uint16_t *pk = kvarn_paged_page_k(&host, i, hk), *pv = kvarn_paged_page_v(&host, i, hk);
+                                for (int e = 0; e < G * D; e++) { tk[e] = kvarn_fp16_to_fp32(pk[e]); tv[e] = kvarn_fp16_to_fp32(pv[e]); }
                             } else if (kvarn) {
-                                KV(kvarn_decode(&f, D, blocks + (size_t)i * kv.block_stride + (size_t)hk * kv.record_stride,
+                                KV(kvarn_decode(&f, D, kvarn_paged_record(&host, i, hk),
                                                 L.record_bytes, tk, tv, KVARN_DECODE_ROTATED));
                             } else {
                                 for (int t = 0; t < G && i * G + t < T; t++)
-                                    KV(kvarn_decode(&f, D, blocks + (size_t)i * kv.block_stride + (size_t)hk * kv.record_stride +
-                                                    (size_t)t * kv.token_record_bytes, kv.token_record_bytes,
+                                    KV(kvarn_decode(&f, D, kvarn_paged_token_record(&host, i, hk, t), kv.token_record_bytes,
                                                     tk + (size_t)t * D, tv + (size_t)t * D, 0));
                             }
                             for (int t = 0; t < G; t++) {

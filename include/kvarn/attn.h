@@ -1,34 +1,11 @@
 /*
  * attn.h -- attention that reads the paged KV cache directly, in any format.
  *
- * The paged layout is written down here once; the cache (cache.h) fills
- * these views, the CPU kernels (src/attn) and the CUDA kernels (src/cuda)
- * read them the same way.
- *
- * Paged layout of one layer (vLLM's PagedAttention vocabulary):
- *   - A sequence of n tokens covers ceil(n / G) tiles; tile i holds tokens
- *     [i*G, (i+1)*G). The sequence's block table maps tile i to an id.
- *   - Tile i is an fp16 page when i < sink_tiles (KVarN formats only: the
- *     attention-sink tiles kept in fp16 for good) or i >= committed_tiles
- *     (the fp16 staging tail not yet quantized); otherwise it is a block of
- *     the quantized arena. Per-token formats have sink_tiles = 0 and write
- *     records at once, so committed_tiles = ceil(n / G) for them.
- *   - Quantized block b, KV head h: the record at
- *       blocks + b * block_stride + h * record_stride
- *     For KVarN it is one record (include/kvarn/record.h). For per-token
- *     formats it is G token records back to back, token j at
- *       + j * token_record_bytes.
- *   - fp16 page p, KV head h: K then V, each fp16 [G][D] token-major:
- *       K at fp16_pages + ((p * n_kv_heads + h) * 2 + 0) * G * D
- *       V at fp16_pages + ((p * n_kv_heads + h) * 2 + 1) * G * D
- *     For KVarN formats the fp16 K and V are stored already rotated by
- *     H/sqrt(D) (../shared/spec/KVARN.md "The fp16 tail and the sink"), so
- *     attention works in the rotated basis throughout: the query is rotated
- *     in once and the output rotated back once.
- *   - Slot mapping (what an engine passes when storing): slot = block * G +
- *     offset for the token at offset within its tile.
- *   - n_blocks and n_fp16_pages bound the arenas: attention checks every
- *     block table entry it will read against them and never reads outside.
+ * The paged layout (the views kvarn_paged_kv and kvarn_seq_view, block
+ * table, fp16 pages, strides, slot mapping) is written down once, in
+ * include/kvarn/paged.h; the cache (cache.h) fills those views for its own
+ * arenas, a caller may fill them for arenas it owns, and the CPU kernels
+ * (src/attn) and the CUDA kernels (src/cuda) read them through its helpers.
  *
  * Attention (docs/attention.md). Queries and outputs are fp32 in the
  * ORIGINAL basis. Query head j reads KV head j / (Hq / Hk) (GQA). Scores are
@@ -53,33 +30,11 @@
 
 #include "kvarn/alloc.h"
 #include "kvarn/kvarn.h"
+#include "kvarn/paged.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* One layer's paged K/V, as attention reads it. Borrowed pointers. */
-typedef struct kvarn_paged_kv {
-    kvarn_format fmt;
-    int head_dim;               /* D */
-    int n_kv_heads;             /* Hk */
-    int block_size;             /* G, tokens per block (= tile_tokens for KVarN) */
-    int sink_tiles;             /* fp16 sink tiles at the start (KVarN only) */
-    const uint8_t *blocks;      /* quantized arena of this layer */
-    size_t block_stride;        /* bytes between blocks (>= Hk * record_stride) */
-    size_t record_stride;       /* bytes between KV heads inside a block */
-    size_t token_record_bytes;  /* per-token formats: bytes of one token record */
-    const uint16_t *fp16_pages; /* fp16 page arena of this layer */
-    int n_blocks;               /* blocks in the quantized arena: ids [0, n_blocks) */
-    int n_fp16_pages;           /* pages in the fp16 arena: ids [0, n_fp16_pages) */
-} kvarn_paged_kv;
-
-/* One sequence, as attention reads it. */
-typedef struct kvarn_seq_view {
-    const int32_t *block_table; /* [ceil(seq_len / G)] block or page ids */
-    int seq_len;                /* tokens of context, >= 0 */
-    int committed_tiles;        /* tiles [sink_tiles, committed_tiles) are quantized */
-} kvarn_seq_view;
 
 /* ------------------------------------------------------------------------ */
 /* Thread pool                                                              */
@@ -112,6 +67,10 @@ int kvarn_thread_pool_size(const kvarn_thread_pool *pool);
 /* Attention                                                                */
 /* ------------------------------------------------------------------------ */
 
+/* Knobs for tests and benchmarks (split-K forcing, scalar kernels): declared
+ * in the experimental section at the end of this header. */
+struct kvarn_attn_testing;
+
 /* Options of one attention call. */
 typedef struct kvarn_attn_opts {
     float softmax_scale; /* multiplies q.k (usually 1/sqrt(D)); finite, > 0 */
@@ -121,17 +80,16 @@ typedef struct kvarn_attn_opts {
     int causal;          /* multi-query: 1 (default) query i of a chunk of
                             q_len sees positions <= seq_len - q_len + i;
                             0: every query sees the whole sequence */
-    int split_k;         /* 0: automatic (with fewer than 4 work items per
-                            thread, split contexts into chunks of >= 512
-                            tokens, ~4 per thread in all);
-                            1: never split; s >= 2: split every work item's
-                            context into up to s chunks (for tests) */
-    int force_scalar;    /* 1: use the scalar reference kernels even when
-                            the CPU has AVX2 or AVX-512 (KVARN_SIMD=avx2
-                            or =scalar caps the level for a whole process) */
+    const struct kvarn_attn_testing *testing; /* NULL (default): split-K
+                            automatic (with fewer than 4 work items per
+                            thread, contexts are split into chunks of >= 512
+                            tokens, ~4 per thread in all), the best kernels
+                            KVARN_SIMD allows. Else the experimental knobs
+                            (KVARN_EXPERIMENTAL_API, below); borrowed for
+                            the call. */
 } kvarn_attn_opts;
 
-#define KVARN_ATTN_OPTS_DEFAULT(scale) { (scale), 0, 1, 0, 0 }
+#define KVARN_ATTN_OPTS_DEFAULT(scale) { (scale), 0, 1, NULL }
 
 /* Bytes of workspace a call needs, an upper bound for any call with at most
  * max_seqs sequences and max_total_q query tokens in all (decode:
@@ -222,9 +180,9 @@ kvarn_status kvarn_attn_multi_lse(const kvarn_paged_kv *kv,
 
 /* Name of the kernel set a call with these options would use on this CPU,
  * at the SIMD level the environment variable KVARN_SIMD (scalar|avx2|avx512)
- * caps: "avx512", "avx2" or "scalar". Never NULL. A head_dim that the level
- * does not take (AVX-512: D % 32 != 0; AVX2: D % 16 != 0) steps down to the
- * next level that takes it. */
+ * caps (and opts->testing's force_scalar): "avx512", "avx2" or "scalar".
+ * Never NULL. A head_dim that the level does not take (AVX-512: D % 32 !=
+ * 0; AVX2: D % 16 != 0) steps down to the next level that takes it. */
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
 
 #ifdef __cplusplus
@@ -232,3 +190,35 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
 #endif
 
 #endif /* KVARN_ATTN_H */
+
+/* ======================================================================== */
+/* EXPERIMENTAL / TESTING API                                               */
+/* ======================================================================== */
+/* Seen only by code that defines KVARN_EXPERIMENTAL_API before including
+ * this header (the tests and the benchmarks do). Knobs for tests and
+ * measurements, not for production: no stable meaning, may change or
+ * vanish in any release. The stable part above never depends on them: a
+ * kvarn_attn_opts with testing = NULL is all a user needs. */
+#if defined(KVARN_EXPERIMENTAL_API) && !defined(KVARN_ATTN_H_EXPERIMENTAL)
+#define KVARN_ATTN_H_EXPERIMENTAL
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* What kvarn_attn_opts.testing points at. All zero = the defaults. */
+typedef struct kvarn_attn_testing {
+    int split_k;      /* 0: automatic (as with testing = NULL); 1: never
+                         split; s in [2, 1024]: split every work item's
+                         context into up to s chunks (so that short test
+                         contexts go through the log-sum-exp merge) */
+    int force_scalar; /* 1: the scalar reference kernels even when the CPU
+                         has AVX2 or AVX-512 (KVARN_SIMD=avx2 or =scalar
+                         caps the level for a whole process); 0: the best */
+} kvarn_attn_testing;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVARN_EXPERIMENTAL_API */

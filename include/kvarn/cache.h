@@ -2,7 +2,7 @@
  * cache.h -- the paged, quantized KV cache (vLLM PagedAttention vocabulary).
  *
  * One kvarn_cache holds the K/V of every layer of one model for many
- * sequences. It fills the views of include/kvarn/attn.h (kvarn_paged_kv per
+ * sequences. It fills the views of include/kvarn/paged.h (kvarn_paged_kv per
  * layer, kvarn_seq_view per sequence), which is where the paged layout is
  * written down; this header says how the cache manages it. Design notes and
  * the life of a token: docs/paged-cache.md. Source for the KVarN parts:
@@ -28,8 +28,9 @@
  *
  * Memory (all allocated in kvarn_cache_create; see docs/paged-cache.md)
  *   quantized arena  [layer][block][kv_head] records, block_stride =
- *                    Hk * record_stride bytes (attn.h's layout).
- *   fp16 page pool   [layer][page][kv_head][K,V][G][D] uint16 (IEEE half).
+ *                    Hk * record_stride bytes (paged.h's packed layout).
+ *   fp16 page pool   [layer][page][kv_head][K,V][G][D] uint16 (IEEE half):
+ *                    paged.h's packed pages (kvarn_paged_pack_pages).
  *   per sequence     its block table and bookkeeping, allocated by
  *                    kvarn_cache_seq_create / _fork for max_seq_len tokens,
  *                    so reserve/write/commit/truncate never allocate.
@@ -44,7 +45,7 @@
  *
  * The block table of a sequence (what attention and an engine read) maps
  * tile i to a PAGE id when i < sink_tiles or i >= committed_tiles, else to a
- * BLOCK id (attn.h). For per-token formats every entry is a block id.
+ * BLOCK id (paged.h). For per-token formats every entry is a block id.
  *
  * Order of calls for one model step of one sequence (n new tokens):
  *   1. kvarn_cache_reserve(c, seq, n)       allocate for all layers; atomic:
@@ -95,8 +96,8 @@
 #include <stdint.h>
 
 #include "kvarn/alloc.h"
-#include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
+#include "kvarn/paged.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -161,9 +162,9 @@ typedef struct kvarn_cache_opts {
 kvarn_cache_opts kvarn_cache_default_opts(void);
 
 /* Create a cache: checks opts, splits budget_bytes into n_pages fp16 pages
- * (page bytes = n_layers * Hk * 2 * G * D * 2) and as many blocks as the rest
- * holds (block bytes = n_layers * Hk * record_stride), allocates both arenas
- * (zeroed) and the bookkeeping.
+ * (page bytes = n_layers * Hk * kvarn_paged_fp16_tile_bytes(G, D), paged.h)
+ * and as many blocks as the rest holds (block bytes = n_layers * Hk *
+ * record_stride), allocates both arenas (zeroed) and the bookkeeping.
  * Every size is computed in 64 bits with checked products before anything
  * is allocated.
  * Errors: KVARN_ERR_INVALID_ARG (NULL, bad numbers, a budget too small for
@@ -311,14 +312,14 @@ kvarn_status kvarn_cache_truncate(kvarn_cache *c, int seq, int new_len);
 /* What attention and engines read                                          */
 /* ------------------------------------------------------------------------ */
 
-/* Fill *out with layer's paged K/V as include/kvarn/attn.h describes it
+/* Fill *out with layer's paged K/V as include/kvarn/paged.h describes it
  * (pointers into the arenas, valid for the cache's lifetime).
  * Errors: KVARN_ERR_INVALID_ARG (NULL, layer out of [0, n_layers)). */
 kvarn_status kvarn_cache_layer_view(const kvarn_cache *c, int layer,
                                     kvarn_paged_kv *out);
 
 /* Fill *out with the sequence's block table, seq_len and committed_tiles as
- * attn.h describes them. The table pointer is borrowed (see the top).
+ * paged.h describes them. The table pointer is borrowed (see the top).
  * Errors: KVARN_ERR_INVALID_ARG. */
 kvarn_status kvarn_cache_seq_view(const kvarn_cache *c, int seq,
                                   kvarn_seq_view *out);
@@ -371,8 +372,27 @@ typedef struct kvarn_cache_stats {
 
 kvarn_status kvarn_cache_get_stats(const kvarn_cache *c, kvarn_cache_stats *out);
 
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVARN_CACHE_H */
+
+/* ======================================================================== */
+/* EXPERIMENTAL / TESTING API                                               */
+/* ======================================================================== */
+/* Seen only by code that defines KVARN_EXPERIMENTAL_API before including
+ * this header (the tests do). For tests and debugging, not for production:
+ * may change or vanish in any release. */
+#if defined(KVARN_EXPERIMENTAL_API) && !defined(KVARN_CACHE_H_EXPERIMENTAL)
+#define KVARN_CACHE_H_EXPERIMENTAL
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Reference count of a block or page id (how many sequences hold it), or
- * -1 for an id out of range or a NULL cache. For tests and debugging. */
+ * -1 for an id out of range or a NULL cache. */
 int kvarn_cache_block_refs(const kvarn_cache *c, int32_t block);
 int kvarn_cache_page_refs(const kvarn_cache *c, int32_t page);
 
@@ -380,4 +400,4 @@ int kvarn_cache_page_refs(const kvarn_cache *c, int32_t page);
 }
 #endif
 
-#endif /* KVARN_CACHE_H */
+#endif /* KVARN_EXPERIMENTAL_API */

@@ -2,9 +2,10 @@
  * cuda.h -- the CUDA backend: store, commit and attention kernels that read
  * and write the paged KV cache in device memory, behind a plain C ABI.
  *
- * Read top to bottom. The paged layout is the one of include/kvarn/attn.h
- * (block table, slot mapping, fp16 pages, quantized blocks), the record
- * layout the one of include/kvarn/record.h; nothing here invents its own.
+ * Read top to bottom. The paged layout is the one of include/kvarn/paged.h
+ * (block table, slot mapping, fp16 pages, quantized blocks, strides), the
+ * record layout the one of include/kvarn/record.h; nothing here invents its
+ * own.
  *
  * Rules every call keeps (so that a caller can capture calls in a CUDA graph):
  *   - no allocation and no synchronization inside: every device buffer,
@@ -43,6 +44,7 @@
 #include <stdint.h>
 
 #include "kvarn/kvarn.h"
+#include "kvarn/paged.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -65,16 +67,12 @@ kvarn_status kvarn_cuda_sm_count(int device, int *num_sms);
 /* The paged cache of one layer, in device memory                           */
 /* ------------------------------------------------------------------------ */
 
-/* Mirror of kvarn_paged_kv (attn.h) with writable device pointers; the
- * geometry fields mean exactly the same:
- *   blocks      quantized arena: block b, KV head h at
- *               blocks + b * block_stride + h * record_stride; per-token
- *               formats hold G token records there, token j at
- *               + j * token_record_bytes.
- *   fp16_pages  fp16 page arena (KVarN only; NULL otherwise): page p, KV head
- *               h: K at fp16_pages + ((p * n_kv_heads + h) * 2 + 0) * G * D,
- *               V at ... + 1) * G * D, each fp16 [G][D] token-major, stored
- *               already rotated by H/sqrt(D).
+/* A layer is described by kvarn_paged_kv (include/kvarn/paged.h, where the
+ * layout, its strides and its address helpers are written down), with
+ * device pointers in blocks and fp16_pages; the kernels write through them
+ * (store, commit). The arenas may be the caller's own, e.g. a vLLM
+ * per-layer cache tensor [num_blocks][Hk][G][bytes_per_token] and an fp16
+ * sink/staging pool [num_pages][Hk][2][G][D], described by their strides.
  * How the store knows where a token goes: the slot mapping's id is a page
  * id for KVarN (every new token lands in the fp16 staging area; a full,
  * accepted tile moves into the arena with kvarn_cuda_commit) and a block id
@@ -85,21 +83,8 @@ kvarn_status kvarn_cuda_sm_count(int device, int *num_sms);
  * block table or commit list are skipped by the kernels (never read or
  * written), as negative ones are.
  * Alignment: blocks, block_stride, record_stride and token_record_bytes must
- * be multiples of 4 bytes; fp16_pages of 16 bytes. */
-typedef struct kvarn_cuda_paged_kv {
-    kvarn_format fmt;
-    int head_dim;               /* D */
-    int n_kv_heads;             /* Hk */
-    int block_size;             /* G, tokens per block (= tile_tokens for KVarN) */
-    int sink_tiles;             /* fp16 sink tiles at the start (KVarN only) */
-    uint8_t *blocks;            /* device: quantized arena of this layer */
-    size_t block_stride;        /* bytes between blocks (>= Hk * record_stride) */
-    size_t record_stride;       /* bytes between KV heads inside a block */
-    size_t token_record_bytes;  /* per-token formats: bytes of one token record */
-    uint16_t *fp16_pages;       /* device: fp16 page arena (KVarN) */
-    int n_blocks;               /* blocks in the arena: ids [0, n_blocks) */
-    int n_fp16_pages;           /* pages in the fp16 arena: ids [0, n_fp16_pages) */
-} kvarn_cuda_paged_kv;
+ * be multiples of 4 bytes; fp16_pages, page_stride and page_head_stride
+ * (KVarN) of 16 bytes. */
 
 /* Whether this build has kernels for fmt at head_dim D (the table above).
  * Host only; works without a GPU. Returns KVARN_OK,
@@ -112,9 +97,11 @@ kvarn_status kvarn_cuda_supports(const kvarn_format *fmt, int head_dim);
  * block_size (= tile_tokens for KVarN, in [1, 128] otherwise), strides large
  * enough for the record (record_stride >= record bytes, block_stride >=
  * n_kv_heads * record_stride, per-token: token_record_bytes >= record bytes
- * and record_stride >= G * token_record_bytes), alignment, sink_tiles >= 0,
+ * and record_stride >= G * token_record_bytes; KVarN: page_head_stride >=
+ * kvarn_paged_fp16_tile_bytes(G, D), page_stride >= n_kv_heads *
+ * page_head_stride), alignment, sink_tiles >= 0,
  * non-NULL arenas, n_blocks >= 1 (and n_fp16_pages >= 1 for KVarN). Host only. KVARN_OK or the first error found. */
-kvarn_status kvarn_cuda_check_kv(const kvarn_cuda_paged_kv *kv);
+kvarn_status kvarn_cuda_check_kv(const kvarn_paged_kv *kv);
 
 /* ------------------------------------------------------------------------ */
 /* Store and commit (../shared/spec/KVARN.md "Store pipeline")              */
@@ -139,7 +126,7 @@ typedef enum kvarn_cuda_dtype {
  * num_tokens == 0 enqueues nothing and returns KVARN_OK.
  * Errors: KVARN_ERR_INVALID_ARG (NULL, num_tokens < 0, bad dtype, bad kv),
  * KVARN_ERR_UNSUPPORTED(_HEAD_DIM), KVARN_ERR_NO_DEVICE. */
-kvarn_status kvarn_cuda_store(const kvarn_cuda_paged_kv *kv, kvarn_cuda_dtype dtype,
+kvarn_status kvarn_cuda_store(const kvarn_paged_kv *kv, kvarn_cuda_dtype dtype,
                               const void *k, const void *v,
                               const int64_t *slot_mapping, int num_tokens,
                               void *stream);
@@ -158,7 +145,7 @@ kvarn_status kvarn_cuda_store(const kvarn_cuda_paged_kv *kv, kvarn_cuda_dtype dt
  * Errors: KVARN_ERR_INVALID_ARG (NULL, num_tiles < 0, per-token format,
  * balance_iters outside [0, 64]), KVARN_ERR_UNSUPPORTED(_HEAD_DIM),
  * KVARN_ERR_NO_DEVICE. */
-kvarn_status kvarn_cuda_commit(const kvarn_cuda_paged_kv *kv,
+kvarn_status kvarn_cuda_commit(const kvarn_paged_kv *kv,
                                const int32_t *src_pages, const int32_t *dst_blocks,
                                int num_tiles, const kvarn_codec_opts *opts,
                                void *stream);
@@ -203,7 +190,7 @@ typedef struct kvarn_cuda_attn_plan {
  * Errors: KVARN_ERR_INVALID_ARG (NULL, sizes out of range, num_heads not a
  * multiple of n_kv_heads, softmax_scale not finite and > 0, bad kv),
  * KVARN_ERR_UNSUPPORTED(_HEAD_DIM). */
-kvarn_status kvarn_cuda_attn_plan_make(const kvarn_cuda_paged_kv *kv,
+kvarn_status kvarn_cuda_attn_plan_make(const kvarn_paged_kv *kv,
                                   const kvarn_cuda_attn_shape *shape, int num_sms,
                                   kvarn_cuda_attn_plan *plan);
 
@@ -238,7 +225,7 @@ typedef struct kvarn_cuda_attn_args {
  * Errors: KVARN_ERR_INVALID_ARG (NULL arrays, plan not made for kv),
  * KVARN_ERR_BUFFER_TOO_SMALL (workspace), KVARN_ERR_UNSUPPORTED(_HEAD_DIM),
  * KVARN_ERR_NO_DEVICE. */
-kvarn_status kvarn_cuda_attention(const kvarn_cuda_paged_kv *kv,
+kvarn_status kvarn_cuda_attention(const kvarn_paged_kv *kv,
                                   const kvarn_cuda_attn_plan *plan,
                                   const kvarn_cuda_attn_args *args,
                                   void *workspace, size_t workspace_bytes,

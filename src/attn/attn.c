@@ -3,10 +3,11 @@
  * (items and split-K chunks), the per-item loop over tiles, the
  * log-sum-exp merge of split chunks, and the final normalization and
  * inverse Hadamard rotation. The per-tile math lives in kernel_ref.c and
- * kernel_avx2.c. Layout: include/kvarn/attn.h; method: docs/attention.md;
+ * kernel_avx2.c. Layout: include/kvarn/paged.h; method: docs/attention.md;
  * source: ../shared/spec/KVARN.md "Attention over records", "The fp16 tail
  * and the sink".
  */
+#define KVARN_EXPERIMENTAL_API /* the testing knobs of kvarn_attn_opts */
 #include <math.h>
 #include <string.h>
 
@@ -70,12 +71,19 @@ static int thread_scratch_floats(int rows, int D, int gs_, size_t *out)
     return bad | kvarn__u64_to_size(sum, out);
 }
 
+/* The experimental knobs (attn.h's testing section); 0 without them. */
+static int split_k_of(const kvarn_attn_opts *o) { return o->testing ? o->testing->split_k : 0; }
+static int force_scalar_of(const kvarn_attn_opts *o)
+{
+    return o->testing ? o->testing->force_scalar : 0;
+}
+
 static int opts_valid(const kvarn_attn_opts *o)
 {
     return isfinite(o->softmax_scale) && o->softmax_scale > 0.0f &&
            o->sliding_window >= 0 && (o->causal == 0 || o->causal == 1) &&
-           o->split_k >= 0 && o->split_k <= 1024 &&
-           (o->force_scalar == 0 || o->force_scalar == 1);
+           split_k_of(o) >= 0 && split_k_of(o) <= 1024 &&
+           (force_scalar_of(o) == 0 || force_scalar_of(o) == 1);
 }
 
 /* Geometry and workspace bounds; 0 on success, else a status. */
@@ -116,8 +124,8 @@ static kvarn_status make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_s
     /* Items: forced split s: at most base * s. Auto (plan()): unsplit, at
      * most base; split only when n_base < 4 * threads, into fewer than
      * n_base + 4 * threads < 8 * threads chunks. */
-    if (o->split_k >= 2) bad |= kvarn__mul_u64(base, (uint64_t)o->split_k, &split_chunks);
-    else if (o->split_k == 0) split_chunks = 8 * (uint64_t)n_threads;
+    if (split_k_of(o) >= 2) bad |= kvarn__mul_u64(base, (uint64_t)split_k_of(o), &split_chunks);
+    else if (split_k_of(o) == 0) split_chunks = 8 * (uint64_t)n_threads;
     uint64_t items;
     bad |= kvarn__add_u64(base, split_chunks, &items);
     bad |= kvarn__mul3_u64(split_chunks, (uint64_t)g->rows_max, (uint64_t)g->D + 2, &partial);
@@ -177,7 +185,7 @@ size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
  * AVX2 D % 16 == 0; anything else runs the scalar reference. */
 static const attn_kernels *pick_kernels(const kvarn_attn_opts *o, int head_dim)
 {
-    if (o->force_scalar) return &attn_kernels_ref;
+    if (force_scalar_of(o)) return &attn_kernels_ref;
     const kvarn_cpu_level level = kvarn__cpu_level();
     if (level >= KVARN_CPU_AVX512 && head_dim % 32 == 0) return &attn_kernels_avx512;
     if (level >= KVARN_CPU_AVX2 && head_dim % 16 == 0) return &attn_kernels_avx2;
@@ -186,7 +194,7 @@ static const attn_kernels *pick_kernels(const kvarn_attn_opts *o, int head_dim)
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
 {
-    if (opts != NULL && opts->force_scalar) return attn_kernels_ref.name;
+    if (opts != NULL && force_scalar_of(opts)) return attn_kernels_ref.name;
     const kvarn_cpu_level level = kvarn__cpu_level();
     if (level >= KVARN_CPU_AVX512) return attn_kernels_avx512.name;
     if (level >= KVARN_CPU_AVX2) return attn_kernels_avx2.name;
@@ -200,8 +208,7 @@ static int n_tiles_of(int seq_len, int G) { return (seq_len + G - 1) / G; }
 /* Whether tile i of a sequence is an fp16 page (KVarN sink or tail). */
 static int tile_is_page(const kvarn_paged_kv *kv, const kvarn_seq_view *sv, int i)
 {
-    if (kv->fmt.kind != KVARN_KIND_KVARN) return 0;
-    return i < kv->sink_tiles || i >= sv->committed_tiles;
+    return kvarn_paged_tile_is_page(kv, sv->committed_tiles, i);
 }
 
 static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout *L)
@@ -217,6 +224,16 @@ static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout
             return KVARN_ERR_INVALID_ARG;
     }
     if (kv->block_stride < hk * kv->record_stride) return KVARN_ERR_INVALID_ARG;
+    /* fp16 pages (KVarN): a whole K+V tile per head, heads inside a page,
+     * 2-byte aligned (include/kvarn/paged.h). */
+    if (kv->fmt.kind == KVARN_KIND_KVARN && kv->fp16_pages != NULL) {
+        uint64_t heads;
+        if (kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
+            kv->page_head_stride % 2 != 0 || kv->page_stride % 2 != 0 ||
+            ((uintptr_t)kv->fp16_pages % 2) != 0 ||
+            kvarn__mul_u64(hk, kv->page_head_stride, &heads) || kv->page_stride < heads)
+            return KVARN_ERR_INVALID_ARG;
+    }
     return KVARN_OK;
 }
 
@@ -313,10 +330,11 @@ static int plan(attn_run *run, int n_seqs, int n_threads)
         if (ql > 0 && run->seqs[s].seq_len > 0) n_base += g->Hk * ((ql + g->qblock - 1) / g->qblock);
     }
     int want = 1;
-    if (run->o.split_k >= 2) want = run->o.split_k;
-    else if (run->o.split_k == 0 && n_threads > 1 && n_base > 0 && n_base < 4 * n_threads)
+    const int split_k = split_k_of(&run->o);
+    if (split_k >= 2) want = split_k;
+    else if (split_k == 0 && n_threads > 1 && n_base > 0 && n_base < 4 * n_threads)
         want = (4 * n_threads + n_base - 1) / n_base; /* ~4 chunks per worker */
-    int min_tiles = run->o.split_k >= 2 ? 1 : (SPLIT_MIN_TOKENS + g->G - 1) / g->G;
+    int min_tiles = split_k >= 2 ? 1 : (SPLIT_MIN_TOKENS + g->G - 1) / g->G;
 
     int n = 0, ng = 0;
     size_t poff = 0;
@@ -449,7 +467,6 @@ static void item_task(void *ctx, int task, int worker)
     }
     memset(r.acc, 0, (size_t)n * D * sizeof(float));
 
-    const uint8_t *head_base = kv->blocks ? kv->blocks + (size_t)it->kvh * kv->record_stride : NULL;
     const size_t tile_bytes = g->is_kvarn ? run->L.record_bytes : (size_t)G * kv->token_record_bytes;
     const int step = g->span_tiles;
     attn_prefetch pf;
@@ -460,24 +477,24 @@ static void item_task(void *ctx, int task, int worker)
         /* The next tiles' records are elsewhere in the arena: the kernel
          * fetches them while it computes this one (attn_internal.h). */
         pf.n = pf.tile = pf.line = 0;
-        for (int nx = end; nx < end + step && nx < it->tile1 && head_base; nx++) {
+        for (int nx = end; nx < end + step && nx < it->tile1 && kv->blocks; nx++) {
             if (tile_is_page(kv, sv, nx)) continue;
-            pf.base[pf.n++] = head_base + (size_t)sv->block_table[nx] * kv->block_stride;
+            pf.base[pf.n++] = kvarn_paged_record(kv, sv->block_table[nx], it->kvh);
         }
         int t0 = tile * G, nt = sv->seq_len - t0 < G ? sv->seq_len - t0 : G;
         int32_t id = sv->block_table[tile];
         if (tile_is_page(kv, sv, tile)) {
-            const uint16_t *k = kv->fp16_pages + ((size_t)id * g->Hk + it->kvh) * 2 * (size_t)G * D;
-            run->kern->fp16_tile(&r, k, k + (size_t)G * D, t0, nt);
+            run->kern->fp16_tile(&r, kvarn_paged_page_k(kv, id, it->kvh),
+                                 kvarn_paged_page_v(kv, id, it->kvh), t0, nt);
         } else if (g->is_kvarn) {
-            run->kern->kvarn_tile(&r, &run->L, head_base + (size_t)id * kv->block_stride, t0, nt);
+            run->kern->kvarn_tile(&r, &run->L, kvarn_paged_record(kv, id, it->kvh), t0, nt);
         } else {
             /* A span of whole blocks; only a sequence's last block is partial. */
             int span = 0;
             for (int i = tile; i < end; i++) {
-                const uint8_t *b = head_base + (size_t)sv->block_table[i] * kv->block_stride;
                 int cnt = sv->seq_len - i * G < G ? sv->seq_len - i * G : G;
-                for (int j = 0; j < cnt; j++) r.tok[span++] = b + (size_t)j * kv->token_record_bytes;
+                for (int j = 0; j < cnt; j++)
+                    r.tok[span++] = kvarn_paged_token_record(kv, sv->block_table[i], it->kvh, j);
             }
             run->kern->token_tile(&r, kv->fmt.kind, &run->L, r.tok, t0, span);
             tile = end;

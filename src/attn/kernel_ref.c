@@ -1,7 +1,7 @@
 /*
  * kernel_ref.c -- scalar reference tile kernels of the attention: the
  * oracle the SIMD kernels are tested against, and the fallback on CPUs
- * without AVX2 (or when opts.force_scalar is set).
+ * without AVX2 (or when opts.testing->force_scalar is set, attn.h).
  *
  * Every kernel does the same three steps for one tile and every row of a
  * work item: scores, online-softmax update, weighted sum of V. The scale

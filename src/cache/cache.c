@@ -1,8 +1,9 @@
 /*
  * cache.c -- creating a kvarn_cache (splitting the byte budget into fp16
  * pages and quantized blocks, allocating both arenas), its geometry, its
- * counters, and the per-layer view attention reads (include/kvarn/attn.h).
+ * counters, and the per-layer view attention reads (include/kvarn/paged.h).
  */
+#define KVARN_EXPERIMENTAL_API /* kvarn_cache_block_refs, _page_refs */
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -222,12 +223,12 @@ kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
     c->codec_opts.balance_iters = opts->balance_iters;
     c->codec_opts.prerotated = 1;
     c->max_tiles = (info.max_seq_len + info.block_size - 1) / info.block_size;
-    c->page_elems = (size_t)info.n_kv_heads * 2 * (size_t)info.block_size *
-                    (size_t)info.head_dim;
+    c->page_stride = (size_t)info.n_kv_heads *
+                     kvarn_paged_fp16_tile_bytes(info.block_size, info.head_dim);
 
     /* plan() proved both arenas fit size_t; the products below are the
      * ones it checked (block_bytes = n_layers * block_stride, page_bytes =
-     * n_layers * page_elems * 2). */
+     * n_layers * page_stride). */
     const size_t GD = (size_t)info.block_size * (size_t)info.head_dim;
     const size_t block_arena = (size_t)info.n_blocks * info.block_bytes;
     const size_t page_arena = (size_t)info.n_pages * (info.page_bytes / sizeof(uint16_t));
@@ -301,22 +302,7 @@ kvarn_status kvarn_cache_layer_view(const kvarn_cache *c, int layer, kvarn_paged
 {
     if (c == NULL || out == NULL || layer < 0 || layer >= c->info.n_layers)
         return KVARN_ERR_INVALID_ARG;
-    kvarn_paged_kv v;
-    memset(&v, 0, sizeof v);
-    v.fmt = c->info.format;
-    v.head_dim = c->info.head_dim;
-    v.n_kv_heads = c->info.n_kv_heads;
-    v.block_size = c->info.block_size;
-    v.sink_tiles = c->info.sink_tiles;
-    v.blocks = c->blocks + (size_t)layer * (size_t)c->info.n_blocks * c->info.block_stride;
-    v.block_stride = c->info.block_stride;
-    v.record_stride = c->info.record_stride;
-    v.token_record_bytes = c->info.token_record_bytes;
-    v.fp16_pages = c->pages ? c->pages + (size_t)layer * (size_t)c->info.n_pages * c->page_elems
-                            : NULL;
-    v.n_blocks = c->info.n_blocks;
-    v.n_fp16_pages = c->info.n_pages;
-    *out = v;
+    *out = kvarn__layer_view(c, layer);
     return KVARN_OK;
 }
 

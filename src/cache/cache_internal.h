@@ -7,8 +7,10 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kvarn/cache.h"
+#include "kvarn/paged.h"
 #include "kvarn/record.h"
 #include "codec/alloc_internal.h"
 
@@ -54,7 +56,7 @@ struct kvarn_cache {
     kvarn_codec_opts codec_opts;  /* prerotated = 1 */
     int is_kvarn;
     int max_tiles;                /* block table entries per sequence */
-    size_t page_elems;            /* uint16 per page per layer: Hk * 2 * G * D */
+    size_t page_stride;           /* bytes per page per layer (paged.h, packed) */
     uint8_t *blocks;              /* [layer][block][kv_head] records */
     uint16_t *pages;              /* [layer][page][kv_head][K,V][G][D] */
     void *blocks_mem, *pages_mem; /* the allocations behind them */
@@ -68,23 +70,44 @@ struct kvarn_cache {
     size_t enc_ws_bytes;
 };
 
-/* Where things are. */
+/* Where things are: the view of one layer (include/kvarn/paged.h, the
+ * packed layout), from which every address is taken with paged.h's helpers.
+ * Layer l's blocks and pages follow the l earlier layers' ones. */
+static inline kvarn_paged_kv kvarn__layer_view(const kvarn_cache *c, int layer)
+{
+    kvarn_paged_kv v;
+    memset(&v, 0, sizeof v);
+    v.fmt = c->info.format;
+    v.head_dim = c->info.head_dim;
+    v.n_kv_heads = c->info.n_kv_heads;
+    v.block_size = c->info.block_size;
+    v.sink_tiles = c->info.sink_tiles;
+    v.block_stride = c->info.block_stride;
+    v.record_stride = c->info.record_stride;
+    v.token_record_bytes = c->info.token_record_bytes;
+    v.n_blocks = c->info.n_blocks;
+    v.n_fp16_pages = c->info.n_pages;
+    kvarn_paged_pack_pages(&v);
+    v.blocks = c->blocks + (size_t)layer * (size_t)c->info.n_blocks * c->info.block_stride;
+    v.fp16_pages = c->pages ? (uint16_t *)((uint8_t *)c->pages + (size_t)layer *
+                                           (size_t)c->info.n_pages * v.page_stride)
+                            : NULL;
+    return v;
+}
+
 static inline uint8_t *kvarn__block_record(const kvarn_cache *c, int layer,
                                            int32_t block, int head)
 {
-    return c->blocks + ((size_t)layer * (size_t)c->info.n_blocks + (size_t)block) *
-                           c->info.block_stride +
-           (size_t)head * c->info.record_stride;
+    const kvarn_paged_kv v = kvarn__layer_view(c, layer);
+    return kvarn_paged_record(&v, block, head);
 }
 
 /* K (kv = 0) or V (kv = 1) fp16 [G][D] of one page, layer and KV head. */
 static inline uint16_t *kvarn__page_kv(const kvarn_cache *c, int layer,
                                        int32_t page, int head, int kv)
 {
-    size_t GD = (size_t)c->info.block_size * (size_t)c->info.head_dim;
-    return c->pages + ((size_t)layer * (size_t)c->info.n_pages + (size_t)page) *
-                          c->page_elems +
-           ((size_t)head * 2 + (size_t)kv) * GD;
+    const kvarn_paged_kv v = kvarn__layer_view(c, layer);
+    return kv ? kvarn_paged_page_v(&v, page, head) : kvarn_paged_page_k(&v, page, head);
 }
 
 /* The live sequence with this id, or NULL. */

@@ -3,7 +3,7 @@
  * by reference counts), free, reserve (block and page allocation for all
  * layers, copy-on-write of a shared tile, atomic), truncate (rollback), and
  * the block table and slot mapping an engine reads.
- * Source: include/kvarn/attn.h (the paged layout), ../shared/spec/KVARN.md
+ * Source: include/kvarn/paged.h (the paged layout), ../shared/spec/KVARN.md
  * "The fp16 tail and the sink".
  */
 #include <stdlib.h>
@@ -158,7 +158,7 @@ static void copy_page(kvarn_cache *c, int32_t dst, int32_t src)
 {
     for (int l = 0; l < c->info.n_layers; l++)
         memcpy(kvarn__page_kv(c, l, dst, 0, 0), kvarn__page_kv(c, l, src, 0, 0),
-               c->page_elems * sizeof(uint16_t));
+               c->page_stride);
 }
 
 static void copy_block(kvarn_cache *c, int32_t dst, int32_t src)
@@ -277,7 +277,7 @@ kvarn_status kvarn_cache_slot_mapping(const kvarn_cache *c, int seq, int pos,
     for (int j = 0; j < n; j++) {
         int t = (pos + j) / G;
         int32_t id = c->is_kvarn ? s->pg[t] : s->blk[t];
-        slots[j] = (int64_t)id * G + (pos + j) % G;
+        slots[j] = kvarn_paged_slot(id, G, (pos + j) % G);
     }
     return KVARN_OK;
 }

@@ -3,7 +3,7 @@
  * per-token record), commit (a full KVarN tail tile into its block with
  * kvarn_encode(prerotated = 1)), and read back as fp32.
  * Source: ../shared/spec/KVARN.md "The fp16 tail and the sink";
- * include/kvarn/attn.h for where every byte lives.
+ * include/kvarn/paged.h for where every byte lives.
  */
 #include <math.h>
 #include <string.h>

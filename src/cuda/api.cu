@@ -67,24 +67,17 @@ bool served_format(const kvarn_format *f, int D)
 }
 
 /* Fill the device view; kv must have passed kvarn_cuda_check_kv. */
-kc_geom make_geom(const kvarn_cuda_paged_kv *kv)
+kc_geom make_geom(const kvarn_paged_kv *kv)
 {
     kvarn_record_layout L;
     kvarn_record_layout_get(&kv->fmt, kv->head_dim, &L);
     kc_geom g;
     memset(&g, 0, sizeof g);
-    g.blocks = kv->blocks;
-    g.block_stride = kv->block_stride;
-    g.record_stride = kv->record_stride;
-    g.token_record_bytes = kv->token_record_bytes;
-    g.pages = kv->fp16_pages;
+    g.kv = *kv;
     g.kind = (int)kv->fmt.kind;
     g.D = kv->head_dim;
     g.G = kv->block_size;
     g.Hk = kv->n_kv_heads;
-    g.sink_tiles = kv->sink_tiles;
-    g.n_blocks = kv->n_blocks;
-    g.n_pages = kv->n_fp16_pages;
     g.key_bits = kv->fmt.key_bits;
     g.value_bits = kv->fmt.value_bits;
     g.k_codes_off = (int)L.k_codes_off;
@@ -140,7 +133,7 @@ kvarn_status kvarn_cuda_supports(const kvarn_format *fmt, int head_dim)
     return served_format(fmt, head_dim) ? KVARN_OK : KVARN_ERR_UNSUPPORTED;
 }
 
-kvarn_status kvarn_cuda_check_kv(const kvarn_cuda_paged_kv *kv)
+kvarn_status kvarn_cuda_check_kv(const kvarn_paged_kv *kv)
 {
     if (kv == NULL) return KVARN_ERR_INVALID_ARG;
     kvarn_status st = kvarn_cuda_supports(&kv->fmt, kv->head_dim);
@@ -159,7 +152,9 @@ kvarn_status kvarn_cuda_check_kv(const kvarn_cuda_paged_kv *kv)
         (kvarn && (kv->fp16_pages == NULL || kv->n_fp16_pages < 1)))
         return KVARN_ERR_INVALID_ARG;
     if (!aligned(kv->blocks, 4) || kv->block_stride % 4 || kv->record_stride % 4 ||
-        kv->token_record_bytes % 4 || (kvarn && !aligned(kv->fp16_pages, 16)))
+        kv->token_record_bytes % 4 ||
+        (kvarn && (!aligned(kv->fp16_pages, 16) || kv->page_stride % 16 ||
+                   kv->page_head_stride % 16)))
         return KVARN_ERR_INVALID_ARG;
     size_t head_bytes = L.record_bytes;
     if (!kvarn) {
@@ -169,10 +164,13 @@ kvarn_status kvarn_cuda_check_kv(const kvarn_cuda_paged_kv *kv)
     if (kv->record_stride < head_bytes ||
         kv->block_stride < kv->record_stride * (size_t)kv->n_kv_heads)
         return KVARN_ERR_BUFFER_TOO_SMALL;
+    if (kvarn && (kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
+                  kv->page_stride < kv->page_head_stride * (size_t)kv->n_kv_heads))
+        return KVARN_ERR_BUFFER_TOO_SMALL;
     return KVARN_OK;
 }
 
-kvarn_status kvarn_cuda_store(const kvarn_cuda_paged_kv *kv, kvarn_cuda_dtype dtype,
+kvarn_status kvarn_cuda_store(const kvarn_paged_kv *kv, kvarn_cuda_dtype dtype,
                               const void *k, const void *v,
                               const int64_t *slot_mapping, int num_tokens, void *stream)
 {
@@ -187,7 +185,7 @@ kvarn_status kvarn_cuda_store(const kvarn_cuda_paged_kv *kv, kvarn_cuda_dtype dt
                                           (cudaStream_t)stream));
 }
 
-kvarn_status kvarn_cuda_commit(const kvarn_cuda_paged_kv *kv,
+kvarn_status kvarn_cuda_commit(const kvarn_paged_kv *kv,
                                const int32_t *src_pages, const int32_t *dst_blocks,
                                int num_tiles, const kvarn_codec_opts *opts, void *stream)
 {
@@ -205,7 +203,7 @@ kvarn_status kvarn_cuda_commit(const kvarn_cuda_paged_kv *kv,
                                            o.balance_iters, (cudaStream_t)stream));
 }
 
-kvarn_status kvarn_cuda_attn_plan_make(const kvarn_cuda_paged_kv *kv,
+kvarn_status kvarn_cuda_attn_plan_make(const kvarn_paged_kv *kv,
                                   const kvarn_cuda_attn_shape *shape, int num_sms,
                                   kvarn_cuda_attn_plan *plan)
 {
@@ -249,7 +247,7 @@ kvarn_status kvarn_cuda_attn_plan_make(const kvarn_cuda_paged_kv *kv,
     return KVARN_OK;
 }
 
-kvarn_status kvarn_cuda_attention(const kvarn_cuda_paged_kv *kv,
+kvarn_status kvarn_cuda_attention(const kvarn_paged_kv *kv,
                                   const kvarn_cuda_attn_plan *plan,
                                   const kvarn_cuda_attn_args *args,
                                   void *workspace, size_t workspace_bytes, void *stream)

@@ -441,14 +441,13 @@ __global__ void __launch_bounds__(NT) attn_kernel(kc_attn a)
             const int bid = bt[i];
             const int tok0 = i * G;
             const int tlo = max(ulo - tok0, 0), thi = min(uhi - tok0, G);
-            const bool page = KVARN && (i < a.g.sink_tiles || i >= committed);
-            if (bid < 0 || bid >= (page ? a.g.n_pages : a.g.n_blocks)) continue;
-            row_tile rt = {nullptr, nullptr, nullptr, a.g.token_record_bytes};
-            const uint8_t *rec = a.g.blocks + (size_t)bid * a.g.block_stride +
-                                 (size_t)hk * a.g.record_stride;
+            const bool page = KVARN && kvarn_paged_tile_is_page(&a.g.kv, committed, i);
+            if (bid < 0 || bid >= (page ? a.g.kv.n_fp16_pages : a.g.kv.n_blocks)) continue;
+            row_tile rt = {nullptr, nullptr, nullptr, a.g.kv.token_record_bytes};
+            const uint8_t *rec = page ? nullptr : kvarn_paged_record(&a.g.kv, bid, hk);
             if (page) {
-                rt.pk = a.g.pages + ((size_t)bid * a.g.Hk + hk) * 2 * (size_t)G * D;
-                rt.pv = rt.pk + (size_t)G * D;
+                rt.pk = kvarn_paged_page_k(&a.g.kv, bid, hk);
+                rt.pv = kvarn_paged_page_v(&a.g.kv, bid, hk);
             } else {
                 rt.blk = rec;
             }

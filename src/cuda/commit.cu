@@ -211,14 +211,15 @@ __global__ void __launch_bounds__(kThreads)
 commit_kernel(kc_geom g, const int32_t *src_pages, const int32_t *dst_blocks, int iters)
 {
     const int p = src_pages[blockIdx.x], b = dst_blocks[blockIdx.x], h = blockIdx.y;
-    if (p < 0 || b < 0 || p >= g.n_pages || b >= g.n_blocks) return;
+    if (p < 0 || b < 0 || p >= g.kv.n_fp16_pages || b >= g.kv.n_blocks) return;
     KC_DYNAMIC_SMEM(uint4, smem_u4);
     __half *x = reinterpret_cast<__half *>(smem_u4);
     constexpr int L = G > D ? G : D;
     float *work = reinterpret_cast<float *>(x + G * D);
 
-    const uint4 *page = reinterpret_cast<const uint4 *>(g.pages + ((size_t)p * g.Hk + h) * 2 * G * D);
-    uint8_t *rec = g.blocks + (size_t)b * g.block_stride + (size_t)h * g.record_stride;
+    /* K then V of this head: one 16-byte aligned fp16 tile (paged.h) */
+    const uint4 *page = reinterpret_cast<const uint4 *>(kvarn_paged_page_k(&g.kv, p, h));
+    uint8_t *rec = kvarn_paged_record(&g.kv, b, h);
     constexpr int N4 = G * D * 2 / 16;
 
     /* K: D rows (channels) x G columns (tokens). */

@@ -18,6 +18,7 @@
 
 #include "cuda/dispatch.h"
 #include "kvarn/kvarn.h"
+#include "kvarn/paged.h"
 
 /* Kernel launch and dynamic shared memory, spelled through macros so that
  * tests/cuda/emu can run the same kernels on the CPU (KC_EMULATE). */
@@ -29,15 +30,14 @@
 #define KC_DYNAMIC_SMEM(type, name) extern __shared__ type name[]
 #endif
 
-/* Device view of one layer's paged cache plus its record layout. Byte
+/* Device view of one layer's paged cache plus its record layout: the
+ * caller's kvarn_paged_kv (include/kvarn/paged.h; every address through its
+ * helpers), its geometry as plain ints for the dispatch tables, and the byte
  * offsets inside one record (KVarN) or one token record (per-token), filled
  * from kvarn_record_layout_get so that no kernel does its own layout sums. */
 struct kc_geom {
-    uint8_t *blocks;
-    size_t block_stride, record_stride, token_record_bytes;
-    uint16_t *pages;
-    int kind, D, G, Hk, sink_tiles, key_bits, value_bits;
-    int n_blocks, n_pages;
+    kvarn_paged_kv kv;
+    int kind, D, G, Hk, key_bits, value_bits;
     int k_codes_off, k_a_off, k_b_off, k_stok_off;
     int v_codes_off, v_schan_off, v_a_off, v_b_off;
     int payload_bytes, record_bytes; /* of one record (one token record) */

@@ -49,7 +49,7 @@ store_kernel(kc_geom g, int dtype, const void *k, const void *v, const int64_t *
     if (slot < 0) return; /* padding */
     const int64_t id = slot / g.G;
     const int off = (int)(slot % g.G);
-    if (id >= (g.kind == KVARN_KIND_KVARN ? g.n_pages : g.n_blocks)) return;
+    if (id >= (g.kind == KVARN_KIND_KVARN ? g.kv.n_fp16_pages : g.kv.n_blocks)) return;
 
     const uint16_t *src = static_cast<const uint16_t *>(warp == 0 ? k : v) +
                           ((size_t)tok * g.Hk + h) * D + (size_t)lane * E;
@@ -59,15 +59,15 @@ store_kernel(kc_geom g, int dtype, const void *k, const void *v, const int64_t *
 
     if (g.kind == KVARN_KIND_KVARN) {
         kc_warp_fwht<D>(x);
-        uint16_t *dst = g.pages + (((size_t)id * g.Hk + h) * 2 + warp) * (size_t)g.G * D +
+        uint16_t *dst = (warp == 0 ? kvarn_paged_page_k(&g.kv, (int32_t)id, h)
+                                   : kvarn_paged_page_v(&g.kv, (int32_t)id, h)) +
                         (size_t)off * D + (size_t)lane * E;
 #pragma unroll
         for (int e = 0; e < E; e++) dst[e] = kc_f2h(x[e]);
         return;
     }
 
-    uint8_t *rec = g.blocks + (size_t)id * g.block_stride + (size_t)h * g.record_stride +
-                   (size_t)off * g.token_record_bytes;
+    uint8_t *rec = kvarn_paged_token_record(&g.kv, (int32_t)id, h, off);
     uint8_t *codes = rec + (warp == 0 ? g.k_codes_off : g.v_codes_off);
     uint8_t *pa = rec + (warp == 0 ? g.k_a_off : g.v_a_off);
     uint8_t *pb = rec + (warp == 0 ? g.k_b_off : g.v_b_off);

@@ -7,6 +7,7 @@
  * non-causal, empty sequences); every SIMD level the CPU has (AVX2,
  * AVX-512; KVARN_SIMD set per case) and threads against the scalar
  * reference; determinism; bad inputs. */
+#define KVARN_EXPERIMENTAL_API /* the testing knobs (attn.h, cache.h) */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -105,8 +106,8 @@ static kvarn_status run_attn(const paged_fixture *f, const attn_case *c, const i
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)(1.0 / sqrt((double)c->D)));
     o.sliding_window = c->window;
     o.causal = c->causal;
-    o.split_k = c->split;
-    o.force_scalar = c->force_scalar;
+    kvarn_attn_testing knobs = {c->split, c->force_scalar};
+    o.testing = &knobs;
     set_level(c->force_scalar ? LV_SCALAR : c->level ? c->level : LV_AVX512); /* 0: the best */
     int total_q = c->multi ? qsl[c->n_seqs] : c->n_seqs;
     size_t wsz = kvarn_attn_workspace_bytes(&f->kv, Hq, c->n_seqs, total_q,
@@ -574,6 +575,12 @@ static void test_bad_inputs(void **state)
     bad = o;
     bad.sliding_window = -1;
     EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&f.kv, f.views, 2, Hq, q, out, &bad, NULL, ws, wsz));
+    const kvarn_attn_testing bad_knobs[3] = {{-1, 0}, {1025, 0}, {0, 2}};
+    for (int i = 0; i < 3; i++) {
+        bad = o;
+        bad.testing = &bad_knobs[i];
+        EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&f.kv, f.views, 2, Hq, q, out, &bad, NULL, ws, wsz));
+    }
     /* bad sequence views */
     kvarn_seq_view v[2] = {f.views[0], f.views[1]};
     v[1].seq_len = -1;
@@ -605,6 +612,20 @@ static void test_bad_inputs(void **state)
     EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
     kv = f.kv;
     kv.fp16_pages = NULL;
+    EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
+    /* fp16 page strides (include/kvarn/paged.h): a head's K+V tile must fit,
+     * the heads must fit in a page, and fp16 needs 2-byte steps */
+    kv = f.kv;
+    kv.page_head_stride = kvarn_paged_fp16_tile_bytes(kv.block_size, kv.head_dim) - 2;
+    EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
+    kv = f.kv;
+    kv.page_stride = (size_t)kv.n_kv_heads * kv.page_head_stride - 2;
+    EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
+    kv = f.kv;
+    kv.page_stride += 1;
+    EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
+    kv = f.kv;
+    kv.page_head_stride = SIZE_MAX / 2 + 1; /* Hk * stride wraps size_t */
     EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&kv, f.views, 2, Hq, q, out, &o, NULL, ws, wsz));
     /* multi-query: NULL / malformed query_start_loc, q_len > seq_len */
     int32_t qsl[3] = {0, 1, 2};

@@ -1,9 +1,10 @@
 /* test_attn_cache.c -- attention over the views of the real paged cache
  * (include/kvarn/cache.h), so that the cache and the kernels read the
- * layout of include/kvarn/attn.h the same way: sequences written through
+ * layout of include/kvarn/paged.h the same way: sequences written through
  * kvarn_cache_write, partly committed (fp16 sink, quantized middle, fp16
  * tail), decode and multi-query attention against double-precision attention
- * over what kvarn_cache_read returns in the attention basis. */
+ * over what kvarn_cache_read returns in the attention basis; then the same
+ * bytes in caller-owned, padded arenas give the same outputs bit for bit. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -100,6 +101,38 @@ static void check_format(const char *name)
                 }
         }
     }
+
+    /* The same layer copied into arenas the caller owns, shaped as a vLLM
+     * plug-in hands them over (include/kvarn/paged.h): records
+     * [n_blocks][Hk][record_stride + 64 bytes], 128 more bytes after each
+     * block; fp16 pages [n_pages][Hk][K+V tile + 32 bytes], 64 more after each
+     * page; padding 0xff (NaN in fp16), so reading it would show. Same bytes,
+     * same kernels, same order of operations: only the addresses differ, so
+     * the outputs must be equal bit for bit. */
+    kvarn_paged_kv own = kv;
+    own.record_stride = kv.record_stride + 64;
+    own.block_stride = (size_t)Hk * own.record_stride + 128;
+    own.page_head_stride = kvarn_paged_fp16_tile_bytes(kv.block_size, D) + 32;
+    own.page_stride = (size_t)Hk * own.page_head_stride + 64;
+    uint8_t *blocks = malloc((size_t)kv.n_blocks * own.block_stride);
+    uint16_t *pages = malloc((size_t)kv.n_fp16_pages * own.page_stride + 2);
+    memset(blocks, 0xff, (size_t)kv.n_blocks * own.block_stride);
+    memset(pages, 0xff, (size_t)kv.n_fp16_pages * own.page_stride + 2);
+    own.blocks = blocks;
+    own.fp16_pages = kv.fp16_pages ? pages : NULL;
+    for (int id = 0; id < kv.n_blocks; id++)
+        for (int h = 0; h < Hk; h++)
+            memcpy(kvarn_paged_record(&own, id, h), kvarn_paged_record(&kv, id, h), kv.record_stride);
+    for (int id = 0; kv.fp16_pages && id < kv.n_fp16_pages; id++)
+        for (int h = 0; h < Hk; h++)
+            memcpy(kvarn_paged_page_k(&own, id, h), kvarn_paged_page_k(&kv, id, h),
+                   kvarn_paged_fp16_tile_bytes(kv.block_size, D));
+    float *out2 = malloc(nq * sizeof(float));
+    assert_int_equal(kvarn_attn_multi(&kv, views, 2, qsl, Hq, q, out, &o, pool, ws, wsz), KVARN_OK);
+    assert_int_equal(kvarn_attn_multi(&own, views, 2, qsl, Hq, q, out2, &o, pool, ws, wsz), KVARN_OK);
+    assert_memory_equal(out, out2, nq * sizeof(float));
+    free(out2); free(blocks); free(pages);
+
     free(ws); free(q); free(out);
     for (int s = 0; s < 2; s++) { free(kd[s]); free(vd[s]); }
     kvarn_cache_destroy(c);

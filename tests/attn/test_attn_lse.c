@@ -5,6 +5,7 @@
  * split-K on and off; the lse-less calls give the same outputs; empty
  * sequences give zeros and -inf; attention over two halves of a context
  * merged by LSE equals attention over the whole (1e-5 relative). */
+#define KVARN_EXPERIMENTAL_API /* the testing knobs (attn.h, cache.h) */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -52,8 +53,8 @@ static kvarn_status run(const paged_fixture *f, const kvarn_seq_view *views, int
 {
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)(1.0 / sqrt((double)f->D)));
     o.causal = c->causal;
-    o.split_k = c->split;
-    o.force_scalar = c->scalar;
+    kvarn_attn_testing knobs = {c->split, c->scalar};
+    o.testing = &knobs;
     o.sliding_window = window;
     int total_q = c->multi ? qsl[n_seqs] : n_seqs;
     kvarn_thread_pool *pool = NULL;

@@ -4,6 +4,7 @@
  * size_t gives 0 (and the calls KVARN_ERR_TOO_LARGE, before reading any
  * sequence), never a wrapped small size; a geometry that fits gives a size
  * that grows with its arguments. Views only: nothing here reads an arena. */
+#define KVARN_EXPERIMENTAL_API /* the testing knobs (attn.h, cache.h) */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -31,7 +32,8 @@ static void test_workspace_overflow_is_refused(void **state)
 {
     (void)state;
     kvarn_attn_opts split = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    split.split_k = 1024;
+    kvarn_attn_testing knobs = {1024, 0};
+    split.testing = &knobs;
     const int H = 1 << 30;
     /* work items: 2^30 KV heads x (2^31 sequences + 2^31 / 256 query
      * blocks) ~ 2^61, times 1024 split chunks: beyond 64 bits */
@@ -71,7 +73,8 @@ static void test_workspace_large_but_valid(void **state)
      * wrapped or truncated size would be below that. */
     kvarn_paged_kv kv = view("int8", 1);
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    o.split_k = 1;
+    kvarn_attn_testing no_split = {1, 0};
+    o.testing = &no_split;
     size_t big = kvarn_attn_workspace_bytes(&kv, 1, INT32_MAX, INT32_MAX, 1, &o);
     size_t half = kvarn_attn_workspace_bytes(&kv, 1, INT32_MAX / 2, INT32_MAX / 2, 1, &o);
     assert_true(big >= (size_t)8 * INT32_MAX);

@@ -4,6 +4,7 @@
  * KVarN sink / tail / commit, rollback, truncate into a quantized tile,
  * fork + copy-on-write + free, pool exhaustion, scrambled block ids, hostile
  * arguments. The randomized model test is test_cache_random.c. */
+#define KVARN_EXPERIMENTAL_API /* the testing knobs (attn.h, cache.h) */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -94,7 +95,7 @@ static void check_contents(kvarn_cache *c, int seq, const tokens *src)
 }
 
 /* Decode a sequence's layer through the views only, with the address
- * formulas of include/kvarn/attn.h, in the original basis. */
+ * helpers of include/kvarn/paged.h, in the original basis. */
 static void read_via_views(kvarn_cache *c, int seq, int layer, float *k, float *v)
 {
     kvarn_paged_kv kv;
@@ -109,13 +110,13 @@ static void read_via_views(kvarn_cache *c, int seq, int layer, float *k, float *
     const int nt = (sv.seq_len + G - 1) / G;
     for (int t = 0; t < nt; t++) {
         const int id = sv.block_table[t];
-        const int page = is_kvarn && (t < kv.sink_tiles || t >= sv.committed_tiles);
+        const int page = kvarn_paged_tile_is_page(&kv, sv.committed_tiles, t);
         if (page) assert_true(id >= 0 && id < kv.n_fp16_pages);
         else assert_true(id >= 0 && id < kv.n_blocks);
         for (int h = 0; h < H; h++) {
             if (page) {
-                const uint16_t *pk = kv.fp16_pages + ((size_t)(id * H + h) * 2 + 0) * GD;
-                const uint16_t *pv = kv.fp16_pages + ((size_t)(id * H + h) * 2 + 1) * GD;
+                const uint16_t *pk = kvarn_paged_page_k(&kv, id, h);
+                const uint16_t *pv = kvarn_paged_page_v(&kv, id, h);
                 for (size_t i = 0; i < GD; i++) {
                     tk[i] = kvarn_fp16_to_fp32(pk[i]);
                     tv[i] = kvarn_fp16_to_fp32(pv[i]);
@@ -123,12 +124,12 @@ static void read_via_views(kvarn_cache *c, int seq, int layer, float *k, float *
                 kvarn_hadamard_rows(tk, G, Dd);
                 kvarn_hadamard_rows(tv, G, Dd);
             } else {
-                const uint8_t *rec = kv.blocks + (size_t)id * kv.block_stride + (size_t)h * kv.record_stride;
+                const uint8_t *rec = kvarn_paged_record(&kv, id, h);
                 if (is_kvarn) {
                     assert_int_equal(kvarn_decode(&kv.fmt, Dd, rec, rb, tk, tv, 0), KVARN_OK);
                 } else {
                     for (int j = 0; j < G; j++)
-                        assert_int_equal(kvarn_decode(&kv.fmt, Dd, rec + (size_t)j * kv.token_record_bytes,
+                        assert_int_equal(kvarn_decode(&kv.fmt, Dd, kvarn_paged_token_record(&kv, id, h, j),
                                                       kv.token_record_bytes, tk + (size_t)j * Dd,
                                                       tv + (size_t)j * Dd, 0),
                                          KVARN_OK);

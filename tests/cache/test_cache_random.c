@@ -6,6 +6,7 @@
  * the per-token codec at once), and abstract block/page ownership (fresh
  * ids, shared on fork, replaced on copy-on-write) from which it predicts
  * every counter, every refcount and every OUT_OF_BLOCKS / STATE answer. */
+#define KVARN_EXPERIMENTAL_API /* the testing knobs (attn.h, cache.h) */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

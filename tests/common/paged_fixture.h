@@ -1,12 +1,15 @@
 /* paged_fixture.h -- builds one layer of a paged KV cache by hand for the
  * attention tests and benchmark (header only, so it is not linked into every
  * test program): random K/V, records written with kvarn_encode, fp16 pages
- * (rotated for KVarN, as include/kvarn/attn.h says), block and page ids
+ * (rotated for KVarN, as include/kvarn/paged.h says), block and page ids
  * handed out in shuffled order so that no sequence is contiguous, and the
  * unwritten rest of partial blocks/pages filled with 0xff bytes (NaN as
  * fp16) so that reading them would show. It also keeps, per sequence, the
  * original K/V and the dequantized K/V attention must see (kvarn_decode;
- * rotated basis for KVarN), for double-precision reference attention. */
+ * rotated basis for KVarN), for double-precision reference attention.
+ * The arenas are the caller's, not kvarn_cache's, and padded (blocks, heads
+ * inside a page, pages), so that every reader must follow the view's strides;
+ * every address is taken with paged.h's helpers. */
 #ifndef KVARN_PAGED_FIXTURE_H
 #define KVARN_PAGED_FIXTURE_H
 
@@ -17,6 +20,7 @@
 #include "common/testutil.h"
 #include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
+#include "kvarn/paged.h"
 #include "kvarn/record.h"
 
 typedef struct pf_seq_spec {
@@ -102,10 +106,29 @@ static inline int pf_build(paged_fixture *f, const char *fmt_name, int D, int Hk
     size_t token_rec = is_kvarn ? 0 : L.record_bytes;
     size_t record_stride = is_kvarn ? L.record_bytes : (size_t)G * token_rec;
     size_t block_stride = (size_t)Hk * record_stride + 8; /* some padding */
+    /* padded pages: 16 bytes after each head's K+V tile, 32 after a page */
+    size_t page_head_stride = kvarn_paged_fp16_tile_bytes(G, D) + 16;
+    size_t page_stride = (size_t)Hk * page_head_stride + 32;
     f->blocks = malloc((size_t)n_blocks * block_stride);
-    f->pages = malloc((size_t)n_pages * Hk * 2 * G * D * sizeof(uint16_t));
+    f->pages = malloc((size_t)n_pages * page_stride);
     memset(f->blocks, 0xff, (size_t)n_blocks * block_stride);
-    memset(f->pages, 0xff, (size_t)n_pages * Hk * 2 * G * D * sizeof(uint16_t));
+    memset(f->pages, 0xff, (size_t)n_pages * page_stride);
+
+    kvarn_paged_kv *kv = &f->kv;
+    kv->fmt = f->fmt;
+    kv->head_dim = D;
+    kv->n_kv_heads = Hk;
+    kv->block_size = G;
+    kv->sink_tiles = sink_tiles;
+    kv->blocks = f->blocks;
+    kv->block_stride = block_stride;
+    kv->record_stride = record_stride;
+    kv->token_record_bytes = token_rec;
+    kv->fp16_pages = f->pages;
+    kv->page_stride = page_stride;
+    kv->page_head_stride = page_head_stride;
+    kv->n_blocks = n_blocks;
+    kv->n_fp16_pages = n_pages;
     int32_t *bids = malloc(sizeof(int32_t) * (size_t)n_blocks);
     int32_t *pids = malloc(sizeof(int32_t) * (size_t)n_pages);
     for (int i = 0; i < n_blocks; i++) bids[i] = i;
@@ -154,8 +177,8 @@ static inline int pf_build(paged_fixture *f, const char *fmt_name, int D, int Hk
                     memcpy(tv + (size_t)t * D, vo + ((size_t)(t0 + t) * Hk + h) * D, sizeof(float) * D);
                 }
                 if (page) {
-                    uint16_t *pk = f->pages + (((size_t)tab[i] * Hk + h) * 2) * G * D;
-                    uint16_t *pv = pk + (size_t)G * D;
+                    uint16_t *pk = kvarn_paged_page_k(kv, tab[i], h);
+                    uint16_t *pv = kvarn_paged_page_v(kv, tab[i], h);
                     for (int t = 0; t < cnt; t++) {
                         double xk[1024], xv[1024];
                         for (int d = 0; d < D; d++) {
@@ -172,14 +195,13 @@ static inline int pf_build(paged_fixture *f, const char *fmt_name, int D, int Hk
                         }
                     }
                 } else if (is_kvarn) {
-                    uint8_t *rec = f->blocks + (size_t)tab[i] * block_stride + (size_t)h * record_stride;
+                    uint8_t *rec = kvarn_paged_record(kv, tab[i], h);
                     if (kvarn_encode(&f->fmt, D, tk, tv, rec, L.record_bytes, ws, wsz, NULL) != KVARN_OK ||
                         kvarn_decode(&f->fmt, D, rec, L.record_bytes, dk, dv, KVARN_DECODE_ROTATED) != KVARN_OK)
                         rc = -3;
                 } else {
-                    uint8_t *blk = f->blocks + (size_t)tab[i] * block_stride + (size_t)h * record_stride;
                     for (int t = 0; t < cnt && rc == 0; t++) {
-                        uint8_t *rec = blk + (size_t)t * token_rec;
+                        uint8_t *rec = kvarn_paged_token_record(kv, tab[i], h, t);
                         if (kvarn_encode(&f->fmt, D, tk + (size_t)t * D, tv + (size_t)t * D, rec,
                                          token_rec, NULL, 0, NULL) != KVARN_OK ||
                             kvarn_decode(&f->fmt, D, rec, token_rec, dk + (size_t)t * D,
@@ -199,20 +221,6 @@ static inline int pf_build(paged_fixture *f, const char *fmt_name, int D, int Hk
     }
     free(tk); free(tv); free(dk); free(dv); free(ws);
     free(bids); free(pids); free(committed);
-
-    kvarn_paged_kv *kv = &f->kv;
-    kv->fmt = f->fmt;
-    kv->head_dim = D;
-    kv->n_kv_heads = Hk;
-    kv->block_size = G;
-    kv->sink_tiles = sink_tiles;
-    kv->blocks = f->blocks;
-    kv->block_stride = block_stride;
-    kv->record_stride = record_stride;
-    kv->token_record_bytes = token_rec;
-    kv->fp16_pages = f->pages;
-    kv->n_blocks = n_blocks;
-    kv->n_fp16_pages = n_pages;
     return rc;
 }
 

@@ -61,10 +61,10 @@ static kvarn_format fmt_of(const char *name)
 }
 
 /* A paged-cache description for format `name`; arenas at blocks/pages. */
-static kvarn_cuda_paged_kv make_kv(const char *name, int D, int Hk, int G, void *blocks,
+static kvarn_paged_kv make_kv(const char *name, int D, int Hk, int G, void *blocks,
                                    int n_blocks, void *pages, int n_pages)
 {
-    kvarn_cuda_paged_kv kv;
+    kvarn_paged_kv kv;
     memset(&kv, 0, sizeof kv);
     kv.fmt = fmt_of(name);
     kv.head_dim = D;
@@ -83,6 +83,7 @@ static kvarn_cuda_paged_kv make_kv(const char *name, int D, int Hk, int G, void 
     kv.n_blocks = n_blocks;
     kv.fp16_pages = kv.fmt.kind == KVARN_KIND_KVARN ? pages : NULL;
     kv.n_fp16_pages = kv.fmt.kind == KVARN_KIND_KVARN ? n_pages : 0;
+    kvarn_paged_pack_pages(&kv);
     return kv;
 }
 
@@ -176,12 +177,12 @@ static void test_supports(void **state)
 static void test_check_kv(void **state)
 {
     (void)state;
-    kvarn_cuda_paged_kv kv = make_kv("kvarn_k4v2_g128", 128, 8, 0, fake_arena, 10, fake_arena, 4);
+    kvarn_paged_kv kv = make_kv("kvarn_k4v2_g128", 128, 8, 0, fake_arena, 10, fake_arena, 4);
     assert_int_equal(kv.record_stride, 13824);
     assert_int_equal(kvarn_cuda_check_kv(&kv), KVARN_OK);
     assert_int_equal(kvarn_cuda_check_kv(NULL), KVARN_ERR_INVALID_ARG);
 
-    kvarn_cuda_paged_kv b = kv;
+    kvarn_paged_kv b = kv;
     b.block_size = 64; /* KVarN block size must be the tile size */
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
     b = kv;
@@ -202,6 +203,22 @@ static void test_check_kv(void **state)
     b = kv;
     b.fp16_pages = (uint16_t *)(void *)(fake_arena + 4); /* not 16-byte aligned */
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
+    /* fp16 page strides (paged.h): a head's K+V tile must fit, the heads
+     * must fit in a page, 16-byte steps (the commit reads 16-byte words) */
+    b = kv;
+    b.page_head_stride -= 16;
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_BUFFER_TOO_SMALL);
+    b = kv;
+    b.page_stride -= 16;
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_BUFFER_TOO_SMALL);
+    b = kv;
+    b.page_head_stride += 8;
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
+    b = kv;
+    b.page_stride += 32; /* padding between pages is fine */
+    b.page_head_stride += 16;
+    b.page_stride += (size_t)16 * b.n_kv_heads;
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_OK);
     b = kv;
     b.n_kv_heads = 0;
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
@@ -212,7 +229,7 @@ static void test_check_kv(void **state)
     b.head_dim = 96;
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
 
-    kvarn_cuda_paged_kv t = make_kv("fp8_e4m3", 64, 3, 16, fake_arena, 10, NULL, 0);
+    kvarn_paged_kv t = make_kv("fp8_e4m3", 64, 3, 16, fake_arena, 10, NULL, 0);
     assert_int_equal(t.token_record_bytes, 132);
     assert_int_equal(kvarn_cuda_check_kv(&t), KVARN_OK);
     b = t;
@@ -246,7 +263,7 @@ static void test_plan(void **state)
 {
     (void)state;
     /* Llama-3-8B shapes: 32 query heads, 8 KV heads, D = 128. */
-    kvarn_cuda_paged_kv kv = make_kv("kvarn_k4v2_g128", 128, 8, 0, fake_arena, 10, fake_arena, 4);
+    kvarn_paged_kv kv = make_kv("kvarn_k4v2_g128", 128, 8, 0, fake_arena, 10, fake_arena, 4);
     kvarn_cuda_attn_plan p;
     memset(&p, 0x5a, sizeof p);
 
@@ -297,7 +314,7 @@ static void test_plan(void **state)
     }
     assert_int_equal(kvarn_cuda_attn_plan_make(&kv, NULL, 132, &p), KVARN_ERR_INVALID_ARG);
     assert_int_equal(kvarn_cuda_attn_plan_make(&kv, &s, 132, NULL), KVARN_ERR_INVALID_ARG);
-    kvarn_cuda_paged_kv u = kv;
+    kvarn_paged_kv u = kv;
     u.fmt = fmt_of("kvarn_k2v2_g32");
     u.block_size = 32;
     u.record_stride = kvarn_record_bytes(&u.fmt, 128);
@@ -308,8 +325,8 @@ static void test_plan(void **state)
 static void test_arguments(void **state)
 {
     (void)state;
-    kvarn_cuda_paged_kv kv = make_kv("kvarn_k4v2_g128", 128, 8, 0, fake_arena, 10, fake_arena, 4);
-    kvarn_cuda_paged_kv tok = make_kv("int8", 128, 8, 16, fake_arena, 10, NULL, 0);
+    kvarn_paged_kv kv = make_kv("kvarn_k4v2_g128", 128, 8, 0, fake_arena, 10, fake_arena, 4);
+    kvarn_paged_kv tok = make_kv("int8", 128, 8, 16, fake_arena, 10, NULL, 0);
     const void *x = fake_arena;
     const int64_t *slots = (const int64_t *)(const void *)fake_arena;
     const int32_t *ids = (const int32_t *)(const void *)fake_arena;
@@ -392,7 +409,7 @@ static void test_gpu_store_per_token(void **state)
     const int Hk = 2, G = 16, n_blocks = 20, n = EMU_SMALL ? 40 : 200, n_in = n + 8;
     for (size_t fi = 0; fi < sizeof kinds / sizeof kinds[0]; fi++)
         for (int D = 64; D <= 256; D *= 2) {
-            kvarn_cuda_paged_kv kv = make_kv(kinds[fi], D, Hk, G, NULL, n_blocks, NULL, 0);
+            kvarn_paged_kv kv = make_kv(kinds[fi], D, Hk, G, NULL, n_blocks, NULL, 0);
             const size_t arena = kv.block_stride * n_blocks, rec = kv.token_record_bytes;
             kv.blocks = dev_alloc(arena);
             CK(cudaMemset(kv.blocks, 0xa5, arena));
@@ -437,8 +454,10 @@ static void test_gpu_store_per_token(void **state)
                         vf[d] = dtype == KVARN_CUDA_BF16 ? kvarn_bf16_to_fp32(vv) : kvarn_fp16_to_fp32(vv);
                     }
                     assert_int_equal(kvarn_encode(&kv.fmt, D, kf, vf, want, rec, NULL, 0, NULL), KVARN_OK);
-                    const uint8_t *g = got + (size_t)(slots[t] / G) * kv.block_stride +
-                                       (size_t)h * kv.record_stride + (size_t)(slots[t] % G) * rec;
+                    kvarn_paged_kv host = kv; /* the same layout over the copy */
+                    host.blocks = got;
+                    const uint8_t *g = kvarn_paged_token_record(&host, (int32_t)(slots[t] / G), h,
+                                                                (int)(slots[t] % G));
                     bad += memcmp(g, want, rec) != 0;
                     written++;
                 }
@@ -487,11 +506,11 @@ static void test_gpu_store_commit_kvarn(void **state)
     test_rng_seed(&rng, 12);
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
         const int D = cases[ci].D, Hk = 2, tiles = EMU_SMALL ? 2 : 32;
-        kvarn_cuda_paged_kv kv = make_kv(cases[ci].name, D, Hk, 0, NULL, tiles + 5, NULL, tiles + 3);
+        kvarn_paged_kv kv = make_kv(cases[ci].name, D, Hk, 0, NULL, tiles + 5, NULL, tiles + 3);
         const int G = kv.block_size;
         const size_t rec = kvarn_record_bytes(&kv.fmt, D);
         const size_t arena = kv.block_stride * kv.n_blocks;
-        const size_t page_elems = (size_t)2 * Hk * G * D, pages_bytes = 2 * page_elems * kv.n_fp16_pages;
+        const size_t pages_bytes = kv.page_stride * kv.n_fp16_pages;
         kv.blocks = dev_alloc(arena);
         kv.fp16_pages = dev_alloc(pages_bytes);
 
@@ -512,7 +531,7 @@ static void test_gpu_store_commit_kvarn(void **state)
                 for (int c = 0; c < Hk * D; c++) k[(size_t)t * Hk * D + c] = v[(size_t)t * Hk * D + c] = 0x7e00;
                 continue;
             }
-            slots[t] = (int64_t)page_of[r / G] * G + r % G;
+            slots[t] = kvarn_paged_slot(page_of[r / G], G, r % G);
             r++;
         }
         int32_t src[tiles + 1], dst[tiles + 1];
@@ -572,7 +591,10 @@ static void test_gpu_store_commit_kvarn(void **state)
                     const uint16_t *in = (kvi ? v : k) + ((size_t)t * Hk + h) * D;
                     for (int d = 0; d < D; d++) row[d] = kvarn_fp16_to_fp32(in[d]);
                     kvarn_hadamard_scalar(row, D);
-                    const uint16_t *pg = pages + ((size_t)(p * Hk + h) * 2 + kvi) * G * D + off * D;
+                    kvarn_paged_kv host = kv; /* the same layout over the copy */
+                    host.fp16_pages = pages;
+                    const uint16_t *pg = (kvi ? kvarn_paged_page_v(&host, (int32_t)p, h)
+                                              : kvarn_paged_page_k(&host, (int32_t)p, h)) + off * D;
                     for (int d = 0; d < D; d++) page_bad += pg[d] != kvarn_fp32_to_fp16(row[d]);
                 }
         }
@@ -591,13 +613,17 @@ static void test_gpu_store_commit_kvarn(void **state)
         long codes = 0, code_bad = 0, scale_bad = 0, pad_bad = 0;
         for (int i = 0; i < tiles; i++)
             for (int h = 0; h < Hk; h++) {
-                const uint16_t *pk = pages + ((size_t)(src[i] * Hk + h) * 2) * G * D;
+                kvarn_paged_kv host = kv; /* the same layout over the copies */
+                host.fp16_pages = pages;
+                host.blocks = run[0];
+                const uint16_t *pk = kvarn_paged_page_k(&host, src[i], h);
+                const uint16_t *pv = kvarn_paged_page_v(&host, src[i], h);
                 for (int e = 0; e < G * D; e++) {
                     kf[e] = kvarn_fp16_to_fp32(pk[e]);
-                    vf[e] = kvarn_fp16_to_fp32(pk[G * D + e]);
+                    vf[e] = kvarn_fp16_to_fp32(pv[e]);
                 }
                 assert_int_equal(kvarn_encode(&kv.fmt, D, kf, vf, want, rec, ws, wsb, &o), KVARN_OK);
-                const uint8_t *g = run[0] + (size_t)dst[i] * kv.block_stride + (size_t)h * kv.record_stride;
+                const uint8_t *g = kvarn_paged_record(&host, dst[i], h);
                 for (int d = 0; d < D; d++)
                     for (int t = 0; t < G; t++)
                         code_bad += code_at(g, L.k_codes_off, G, L.key_bits, d, t) !=
@@ -620,7 +646,9 @@ static void test_gpu_store_commit_kvarn(void **state)
         assert_int_equal(pad_bad, 0);
         /* the skipped commit entry and unused blocks keep their poison */
         for (int i = tiles; i < kv.n_blocks; i++) {
-            const uint8_t *g = run[0] + (size_t)block_of[i] * kv.block_stride;
+            kvarn_paged_kv host = kv;
+            host.blocks = run[0];
+            const uint8_t *g = kvarn_paged_record(&host, block_of[i], 0);
             for (size_t b = 0; b < kv.block_stride; b++) assert_int_equal(g[b], 0xa5);
         }
         free(ws); free(kf); free(vf); free(want); free(row); free(pages); free(run[0]); free(run[1]);
@@ -633,23 +661,27 @@ static void test_gpu_store_commit_kvarn(void **state)
 /* --------------------------------------------- attention vs reference */
 
 /* K and V (attention basis) of token pos of one sequence, in double. */
-static void ref_kv_at(const kvarn_cuda_paged_kv *kv, const uint8_t *blocks, const uint16_t *pages,
+static void ref_kv_at(const kvarn_paged_kv *kv, const uint8_t *blocks, const uint16_t *pages,
                       const int32_t *table, int committed, int h, int pos, double *k, double *v)
 {
     const int D = kv->head_dim, G = kv->block_size, i = pos / G, t = pos % G;
     const int id = table[i];
-    if (kv->fmt.kind == KVARN_KIND_KVARN && (i < kv->sink_tiles || i >= committed)) {
-        const uint16_t *pk = pages + ((size_t)(id * kv->n_kv_heads + h) * 2) * G * D + (size_t)t * D;
+    kvarn_paged_kv host = *kv; /* the same layout over the host copies */
+    host.blocks = (uint8_t *)(uintptr_t)blocks;
+    host.fp16_pages = (uint16_t *)(uintptr_t)pages;
+    if (kvarn_paged_tile_is_page(&host, committed, i)) {
+        const uint16_t *pk = kvarn_paged_page_k(&host, id, h) + (size_t)t * D;
+        const uint16_t *pv = kvarn_paged_page_v(&host, id, h) + (size_t)t * D;
         for (int d = 0; d < D; d++) {
             k[d] = kvarn_fp16_to_fp32(pk[d]);
-            v[d] = kvarn_fp16_to_fp32(pk[(size_t)G * D + d]);
+            v[d] = kvarn_fp16_to_fp32(pv[d]);
         }
         return;
     }
-    const uint8_t *rec = blocks + (size_t)id * kv->block_stride + (size_t)h * kv->record_stride;
+    const uint8_t *rec = kvarn_paged_record(&host, id, h);
     if (kv->fmt.kind != KVARN_KIND_KVARN) {
         float kf[256], vf[256];
-        assert_int_equal(kvarn_decode(&kv->fmt, D, rec + (size_t)t * kv->token_record_bytes,
+        assert_int_equal(kvarn_decode(&kv->fmt, D, kvarn_paged_token_record(&host, id, h, t),
                                       kv->token_record_bytes, kf, vf, 0), KVARN_OK);
         for (int d = 0; d < D; d++) { k[d] = kf[d]; v[d] = vf[d]; }
         return;
@@ -704,7 +736,7 @@ static void test_gpu_attention(void **state)
     test_rng_seed(&rng, 13);
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
         const attn_case *c = &cases[ci];
-        kvarn_cuda_paged_kv kv = make_kv(c->name, c->D, c->Hk, c->G, NULL, 1, NULL, 1);
+        kvarn_paged_kv kv = make_kv(c->name, c->D, c->Hk, c->G, NULL, 1, NULL, 1);
         const int D = c->D, Hk = c->Hk, Hq = c->Hq, G = kv.block_size;
         const int kvarn = kv.fmt.kind == KVARN_KIND_KVARN;
         enum { S = 5 };
@@ -722,8 +754,16 @@ static void test_gpu_attention(void **state)
         }
         kv.n_blocks = total_tiles;
         kv.n_fp16_pages = kvarn ? total_tiles : 0;
+        /* arenas the caller owns, padded (paged.h): 64 bytes after each
+         * head's record, 128 after a block, 32 after each head's fp16 tile,
+         * 64 after a page; the padding holds 0xff (NaN in fp16), so a
+         * kernel that read it would show */
+        kv.record_stride += 64;
+        kv.block_stride = kv.record_stride * (size_t)Hk + 128;
+        kv.page_head_stride += 32;
+        kv.page_stride = kv.page_head_stride * (size_t)Hk + 64;
         const size_t arena = kv.block_stride * kv.n_blocks;
-        const size_t pages_bytes = kvarn ? (size_t)kv.n_fp16_pages * 2 * Hk * G * D * 2 : 0;
+        const size_t pages_bytes = kvarn ? kv.page_stride * kv.n_fp16_pages : 0;
         kv.blocks = dev_alloc(arena);
         if (kvarn) kv.fp16_pages = dev_alloc(pages_bytes);
         CK(cudaMemset(kv.blocks, 0xff, arena));
@@ -751,7 +791,7 @@ static void test_gpu_attention(void **state)
                     table[s * MB + i] = bids[tile0 + i];
                 }
             }
-            for (int t = 0; t < lens[s]; t++) slots[tok0 + t] = (int64_t)ids[tile0 + t / G] * G + t % G;
+            for (int t = 0; t < lens[s]; t++) slots[tok0 + t] = kvarn_paged_slot(ids[tile0 + t / G], G, t % G);
             tile0 += tiles[s];
             tok0 += lens[s];
         }

@@ -1,0 +1,182 @@
+/*
+ * paged.h -- the paged KV layout of one layer, written down once: the view
+ * structs and the address helpers every reader and writer of the layout uses
+ * (the cache, the CPU attention kernels, the CUDA kernels, the tests, the
+ * benchmarks, a plug-in). Nothing else spells out an address.
+ *
+ * Vocabulary (vLLM's PagedAttention): G tokens per block (= the KVarN tile),
+ * Hk KV heads, head_dim D, a block table per sequence, a slot mapping for
+ * stores.
+ *
+ * Tiles. A sequence of n tokens covers ceil(n / G) tiles; tile i holds
+ * tokens [i*G, (i+1)*G). The sequence's block table maps tile i to an id.
+ * Tile i is an fp16 page when the format is KVarN and i < sink_tiles (the
+ * attention-sink tiles kept in fp16 for good) or i >= committed_tiles (the
+ * fp16 staging tail not yet quantized); otherwise it is a block of the
+ * quantized arena (kvarn_paged_tile_is_page). Per-token formats have
+ * sink_tiles = 0, no pages, and write records at once.
+ *
+ * Quantized arena (bytes). Block b, KV head h: the tile record at
+ *     blocks + b * block_stride + h * record_stride          (kvarn_paged_record)
+ *   KVarN: one record of kvarn_record_bytes(fmt, D) bytes (include/kvarn/
+ *   record.h). Per-token formats: G token records back to back, token j of
+ *   the block at + j * token_record_bytes                   (kvarn_paged_token_record)
+ *   Constraints: record_stride >= the tile record's bytes (KVarN) or
+ *   >= G * token_record_bytes (per-token); block_stride >= Hk * record_stride.
+ *
+ * fp16 page arena (bytes; KVarN only). Page p, KV head h: an fp16 tile of
+ * kvarn_paged_fp16_tile_bytes(G, D) = 2 * G * D * 2 bytes at
+ *     fp16_pages + p * page_stride + h * page_head_stride    (kvarn_paged_page_k)
+ *   holding K then V, each fp16 (IEEE half) [G][D], token-major:
+ *     K row t at + t * D * 2 bytes, V row t at + (G + t) * D * 2 bytes
+ *                                                             (kvarn_paged_page_v)
+ *   For KVarN the fp16 K and V are stored already rotated by H/sqrt(D)
+ *   (../shared/spec/KVARN.md "The fp16 tail and the sink"), so attention
+ *   works in the rotated basis throughout.
+ *   Constraints: page_head_stride >= kvarn_paged_fp16_tile_bytes(G, D),
+ *   page_stride >= Hk * page_head_stride, both multiples of 2.
+ *
+ * Who owns the arenas. The strides make the view describe any arena:
+ *   - kvarn_cache's own (include/kvarn/cache.h), packed: record_stride =
+ *     tile record bytes, block_stride = Hk * record_stride, page_head_stride
+ *     = kvarn_paged_fp16_tile_bytes(G, D), page_stride = Hk * page_head_stride
+ *     (kvarn_paged_pack_pages); layer l's view points at arena + l * (the
+ *     bytes of one layer's blocks or pages).
+ *   - a caller's page arena, e.g. a vLLM per-layer cache tensor of shape
+ *     [num_blocks][Hk][G][bytes_per_token] (uint8): blocks = its data
+ *     pointer, block_stride = its stride(0) and record_stride = its stride(1)
+ *     in bytes, n_blocks = num_blocks; and an fp16 sink/staging pool
+ *     [num_pages][Hk][2][G][D] (fp16) keyed by its own ids: fp16_pages = its
+ *     data pointer, page_stride = stride(0) * 2, page_head_stride =
+ *     stride(1) * 2.
+ *
+ * Slot mapping (what an engine passes when storing): slot = id * G + offset
+ * for the token at offset within its tile (kvarn_paged_slot); id is the page
+ * for KVarN (every store lands in the fp16 sink or tail) and the block for
+ * per-token formats.
+ *
+ * n_blocks and n_fp16_pages bound the arenas: readers check every id they
+ * will follow against them and never reach outside. The helpers below do
+ * not check: they are the arithmetic only, for ids already checked.
+ */
+#ifndef KVARN_PAGED_H
+#define KVARN_PAGED_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvarn/kvarn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The helpers are plain inline arithmetic, callable from C, C++ and CUDA
+ * device code alike. */
+#if defined(__CUDACC__)
+#define KVARN_PAGED_FN static inline __host__ __device__
+#else
+#define KVARN_PAGED_FN static inline
+#endif
+
+/* One layer's paged K/V. Borrowed pointers: the view owns nothing. CPU
+ * attention (attn.h) only reads through it; the CUDA store and commit
+ * (cuda.h) write through it (device pointers there). */
+typedef struct kvarn_paged_kv {
+    kvarn_format fmt;
+    int head_dim;               /* D, channels */
+    int n_kv_heads;             /* Hk */
+    int block_size;             /* G, tokens per block (= tile_tokens for KVarN) */
+    int sink_tiles;             /* fp16 sink tiles at the start (KVarN only) */
+    uint8_t *blocks;            /* quantized arena of this layer */
+    size_t block_stride;        /* bytes between blocks (>= Hk * record_stride) */
+    size_t record_stride;       /* bytes between KV heads inside a block */
+    size_t token_record_bytes;  /* per-token formats: bytes of one token record */
+    uint16_t *fp16_pages;       /* fp16 page arena of this layer (KVarN; may be
+                                   NULL for per-token formats) */
+    size_t page_stride;         /* bytes between pages (>= Hk * page_head_stride) */
+    size_t page_head_stride;    /* bytes between KV heads inside a page
+                                   (>= kvarn_paged_fp16_tile_bytes(G, D)) */
+    int n_blocks;               /* blocks in the quantized arena: ids [0, n_blocks) */
+    int n_fp16_pages;           /* pages in the fp16 arena: ids [0, n_fp16_pages) */
+} kvarn_paged_kv;
+
+/* One sequence, as attention reads it. */
+typedef struct kvarn_seq_view {
+    const int32_t *block_table; /* [ceil(seq_len / G)] block or page ids */
+    int seq_len;                /* tokens of context, >= 0 */
+    int committed_tiles;        /* tiles [sink_tiles, committed_tiles) are quantized */
+} kvarn_seq_view;
+
+/* Bytes of one KV head's fp16 tile in a page: K and V, fp16 [G][D] each. */
+KVARN_PAGED_FN size_t kvarn_paged_fp16_tile_bytes(int block_size, int head_dim)
+{
+    return (size_t)2 * (size_t)block_size * (size_t)head_dim * sizeof(uint16_t);
+}
+
+/* Set page_head_stride and page_stride to the packed page layout
+ * [page][Hk][K, V][G][D] from kv->block_size, head_dim and n_kv_heads (the
+ * layout kvarn_cache uses). For G <= 1024, D <= 1024, Hk <= 65535 the
+ * products stay below 2^38. */
+KVARN_PAGED_FN void kvarn_paged_pack_pages(kvarn_paged_kv *kv)
+{
+    kv->page_head_stride = kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim);
+    kv->page_stride = (size_t)kv->n_kv_heads * kv->page_head_stride;
+}
+
+/* Byte offset of (id, KV head) in an arena with these strides (bytes). The
+ * one place the paged address is formed. id and head >= 0. */
+KVARN_PAGED_FN size_t kvarn_paged_offset(size_t id_stride, size_t head_stride,
+                                         int32_t id, int head)
+{
+    return (size_t)id * id_stride + (size_t)head * head_stride;
+}
+
+/* Tile record of block `block`, KV head `head` (KVarN: the record; per-token:
+ * the first of its G token records). block in [0, n_blocks), head in [0, Hk). */
+KVARN_PAGED_FN uint8_t *kvarn_paged_record(const kvarn_paged_kv *kv, int32_t block, int head)
+{
+    return kv->blocks + kvarn_paged_offset(kv->block_stride, kv->record_stride, block, head);
+}
+
+/* Per-token formats: the record of token `token` (in [0, G)) of block
+ * `block`, KV head `head`. */
+KVARN_PAGED_FN uint8_t *kvarn_paged_token_record(const kvarn_paged_kv *kv, int32_t block,
+                                                 int head, int token)
+{
+    return kvarn_paged_record(kv, block, head) + (size_t)token * kv->token_record_bytes;
+}
+
+/* fp16 K [G][D] of page `page`, KV head `head` (page in [0, n_fp16_pages)). */
+KVARN_PAGED_FN uint16_t *kvarn_paged_page_k(const kvarn_paged_kv *kv, int32_t page, int head)
+{
+    return (uint16_t *)((uint8_t *)kv->fp16_pages +
+                        kvarn_paged_offset(kv->page_stride, kv->page_head_stride, page, head));
+}
+
+/* fp16 V [G][D] of page `page`, KV head `head`: right after its K. */
+KVARN_PAGED_FN uint16_t *kvarn_paged_page_v(const kvarn_paged_kv *kv, int32_t page, int head)
+{
+    return kvarn_paged_page_k(kv, page, head) + (size_t)kv->block_size * (size_t)kv->head_dim;
+}
+
+/* Whether tile i of a sequence with committed_tiles quantized tiles is an
+ * fp16 page (1) or a block of the quantized arena (0). */
+KVARN_PAGED_FN int kvarn_paged_tile_is_page(const kvarn_paged_kv *kv, int committed_tiles, int i)
+{
+    if (kv->fmt.kind != KVARN_KIND_KVARN) return 0;
+    return i < kv->sink_tiles || i >= committed_tiles;
+}
+
+/* Slot of the token at `offset` (in [0, G)) of the tile stored at id (a
+ * page for KVarN, a block for per-token formats): id * G + offset. */
+KVARN_PAGED_FN int64_t kvarn_paged_slot(int32_t id, int block_size, int offset)
+{
+    return (int64_t)id * block_size + offset;
+}
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVARN_PAGED_H */
