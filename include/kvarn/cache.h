@@ -211,6 +211,52 @@ kvarn_status kvarn_cache_get_info(const kvarn_cache *c, kvarn_cache_info *out);
  * Errors: as kvarn_cache_create, except KVARN_ERR_NOMEM. */
 kvarn_status kvarn_cache_plan(const kvarn_cache_opts *opts, kvarn_cache_info *out);
 
+/* What a cache built from some opts holds: the one capacity computation
+ * that kvarn inspect, generate's memory line, the eval ladder and
+ * bench_capacity report (docs/paged-cache.md "Capacity").
+ *
+ * The fill it describes: sequences are grown one token at a time, each
+ * reserve followed by the write of every layer and a commit of the whole
+ * sequence (committed_len = seq_len, the decode steady state), so a full
+ * non-sink tile holds a block only and a partial one a block and a page.
+ * Opening a non-sink tile needs one free page even when that tile is then
+ * filled and committed at once (its tokens wait in the page meanwhile). */
+typedef struct kvarn_cache_capacity {
+    kvarn_cache_info info;   /* kvarn_cache_plan(opts) */
+    uint64_t books_bytes;    /* bytes besides the two arenas that
+                                kvarn_cache_create and max_seqs sequences
+                                allocate: the cache struct, id pools (8 bytes
+                                per block and per page), max_seqs block
+                                tables (12 bytes per tile of max_seq_len plus
+                                4 per layer each), commit/read scratch */
+    uint64_t total_bytes;    /* info.arena_bytes + books_bytes: every byte */
+    uint64_t tokens;         /* tokens n_seqs sequences hold together when
+                                each is filled as far as it goes, one after
+                                the other (max_seq_len, blocks and pages
+                                limit it); one more token into any of them
+                                fails with KVARN_ERR_OUT_OF_BLOCKS */
+    int seq_blocks;          /* blocks one sequence of seq_len tokens holds */
+    int seq_pages;           /* fp16 pages it holds (sink tiles, partial tail) */
+    int seqs;                /* sequences of seq_len tokens held at once:
+                                the most k <= max_seqs with k * seq_blocks <=
+                                n_blocks and k * seq_pages (+ 1 page to open
+                                the last tile when it ends full) <= n_pages;
+                                0 when seq_len > max_seq_len */
+    uint64_t seq_arena_bytes;/* arena bytes one such sequence holds:
+                                seq_blocks * block_bytes + seq_pages * page_bytes */
+} kvarn_cache_capacity;
+
+/* Fill *out for the cache kvarn_cache_create(opts) would build, n_seqs
+ * concurrent sequences (1 <= n_seqs <= opts->max_seqs) and a sequence
+ * length seq_len in tokens (>= 0). No allocation. budget_bytes = 0 is
+ * accepted as in kvarn_cache_plan (no blocks: tokens and seqs count only
+ * what pages hold, the per-sequence fields are filled).
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, n_seqs or seq_len out of range),
+ * errors of kvarn_cache_plan (KVARN_ERR_INVALID_ARG when the budget does
+ * not even hold the fp16 pages plus one block). */
+kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
+                                      int seq_len, kvarn_cache_capacity *out);
+
 /* ------------------------------------------------------------------------ */
 /* Sequences                                                                */
 /* ------------------------------------------------------------------------ */
