@@ -228,8 +228,14 @@ typedef struct kvarn_cache_capacity {
                                 allocate: the cache struct, id pools (8 bytes
                                 per block and per page), max_seqs block
                                 tables (12 bytes per tile of max_seq_len plus
-                                4 per layer each), commit/read scratch */
-    uint64_t total_bytes;    /* info.arena_bytes + books_bytes: every byte */
+                                4 per layer each), commit/read scratch, and
+                                the alignment slack of the arenas and the
+                                scratch: exactly what the allocator is asked
+                                for besides the arenas' n_blocks * block_bytes
+                                + n_pages * page_bytes */
+    uint64_t total_bytes;    /* info.arena_bytes + books_bytes: every byte
+                                the cache and max_seqs sequences ask the
+                                allocator for */
     uint64_t tokens;         /* tokens n_seqs sequences hold together when
                                 each is filled as far as it goes, one after
                                 the other (max_seq_len, blocks and pages
@@ -256,6 +262,27 @@ typedef struct kvarn_cache_capacity {
  * not even hold the fp16 pages plus one block). */
 kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
                                       int seq_len, kvarn_cache_capacity *out);
+
+/* Set out->budget_bytes (the arenas' share) to the largest value whose
+ * total_bytes (arenas plus bookkeeping, kvarn_cache_capacity) stays within
+ * total_budget bytes; every other field is copied from opts. This is how
+ * "fits in N bytes" is meant everywhere in kvarn: all memory counted.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, or total_budget too small for the
+ * pages, one block and the bookkeeping), errors of kvarn_cache_plan. */
+kvarn_status kvarn_cache_fit_budget(const kvarn_cache_opts *opts, uint64_t total_budget,
+                                    kvarn_cache_opts *out);
+
+/* How many requests of seq_len tokens fit in total_budget bytes (all memory
+ * counted): the largest k such that the cache made from opts with
+ * max_seqs = k, max_seq_len = seq_len and kvarn_cache_fit_budget holds k
+ * sequences of seq_len at once (kvarn_cache_capacity.seqs >= k). *k = 0
+ * when not even one fits. When out_opts is not NULL it receives those opts
+ * (undefined when *k = 0). seq_len in [1, KVARN_CACHE_MAX_SEQ_LEN]; k is
+ * searched in [1, 10^6]. No allocation.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, seq_len out of range, bad opts),
+ * KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_TOO_LARGE. */
+kvarn_status kvarn_cache_seqs_fit(const kvarn_cache_opts *opts, uint64_t total_budget,
+                                  int seq_len, int *k, kvarn_cache_opts *out_opts);
 
 /* ------------------------------------------------------------------------ */
 /* Sequences                                                                */

@@ -203,7 +203,12 @@ kvarn_status kvarn_cache_plan(const kvarn_cache_opts *opts, kvarn_cache_info *ou
     return st;
 }
 
-static uint64_t round64(uint64_t b) { return (b + 63) & ~(uint64_t)63; }
+/* What alloc64 asks the allocator for: rounded to 64 bytes, plus the
+ * alignment slack and the saved pointer of kvarn__malloc_aligned. */
+static uint64_t aligned_bytes(uint64_t b)
+{
+    return b ? ((b + 63) & ~(uint64_t)63) + 64 + sizeof(void *) : 0;
+}
 
 /* Tokens one sequence reaches in the fill of kvarn_cache_capacity (grown a
  * token at a time, committed as it goes) with *B free blocks and *P free
@@ -258,12 +263,12 @@ kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
      * below 2^64 (max_seqs <= 10^6, a table < 2^34 bytes). */
     const uint64_t max_tiles = kvarn__ceil_div_u64((uint64_t)in->max_seq_len, G);
     const uint64_t GD = G * (uint64_t)in->head_dim;
+    const uint64_t ws = kvarn_encode_workspace_bytes(&in->format, in->head_dim);
     uint64_t books = sizeof(kvarn_cache) + max_seqs * sizeof(kvarn_seq) + 8 * (NB + NP) +
                      max_seqs * (3 * max_tiles * sizeof(int32_t) + L * sizeof(int)) +
-                     2 * round64(GD * sizeof(float)) +
-                     round64((uint64_t)in->head_dim * sizeof(float)) +
-                     round64(kvarn_encode_workspace_bytes(&in->format, in->head_dim)) +
-                     (NB ? 64 : 0) + (NP ? 64 : 0);
+                     2 * aligned_bytes(GD * sizeof(float)) +
+                     aligned_bytes((uint64_t)in->head_dim * sizeof(float)) +
+                     aligned_bytes(ws) + (NB ? 64 : 0) + (NP ? 64 : 0);
     cap.books_bytes = books;
     if (kvarn__add_u64(in->arena_bytes, books, &cap.total_bytes)) return KVARN_ERR_TOO_LARGE;
 
@@ -299,6 +304,87 @@ kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
     }
     cap.seqs = (int)k;
     *out = cap;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_fit_budget(const kvarn_cache_opts *opts, uint64_t total_budget,
+                                    kvarn_cache_opts *out)
+{
+    if (opts == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    /* budget -> total is monotone and total - budget (the bookkeeping)
+     * grows with the blocks: start from the whole budget and give the
+     * bookkeeping of the last try back until the total fits. Each step
+     * lowers the budget by at least one byte while it does not fit; the
+     * bookkeeping is a small fraction of a block per block, so this ends
+     * in a few steps (bounded at 64 for safety). */
+    kvarn_cache_opts o = *opts;
+    uint64_t b = total_budget;
+    for (int it = 0; it < 64; it++) {
+        if (b == 0) return KVARN_ERR_INVALID_ARG; /* 0 means "sizing" to the plan */
+        o.budget_bytes = b;
+        kvarn_cache_capacity cap;
+        kvarn_status st = kvarn_cache_capacity_get(&o, 1, 0, &cap);
+        if (st != KVARN_OK) return st;
+        if (cap.total_bytes <= total_budget) {
+            *out = o;
+            return KVARN_OK;
+        }
+        uint64_t over = cap.total_bytes - total_budget;
+        if (over >= b) return KVARN_ERR_INVALID_ARG;
+        b -= over;
+    }
+    return KVARN_ERR_INVALID_ARG;
+}
+
+/* Does a cache of k sequences of seq_len fit total_budget (all counted)? */
+static kvarn_status seqs_pred(const kvarn_cache_opts *opts, uint64_t total_budget, int seq_len,
+                              int k, int *yes, kvarn_cache_opts *fitted)
+{
+    kvarn_cache_opts o = *opts;
+    o.max_seqs = k;
+    o.max_seq_len = seq_len;
+    *yes = 0;
+    kvarn_status st = kvarn_cache_fit_budget(&o, total_budget, fitted);
+    if (st == KVARN_ERR_INVALID_ARG) return KVARN_OK; /* does not fit at all */
+    if (st != KVARN_OK) return st;
+    kvarn_cache_capacity cap;
+    st = kvarn_cache_capacity_get(fitted, 1, seq_len, &cap);
+    if (st != KVARN_OK) return st;
+    *yes = cap.seqs >= k;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_seqs_fit(const kvarn_cache_opts *opts, uint64_t total_budget,
+                                  int seq_len, int *k, kvarn_cache_opts *out_opts)
+{
+    if (opts == NULL || k == NULL || seq_len < 1 || seq_len > KVARN_CACHE_MAX_SEQ_LEN)
+        return KVARN_ERR_INVALID_ARG;
+    /* the opts themselves must be sound: a plan of one sequence, budget 0 */
+    kvarn_cache_opts probe = *opts;
+    probe.max_seqs = 1;
+    probe.max_seq_len = seq_len;
+    probe.budget_bytes = 0;
+    kvarn_cache_info pi;
+    kvarn_status st = kvarn_cache_plan(&probe, &pi);
+    if (st != KVARN_OK) return st;
+    /* fits(k) is monotone: more sequences take more pages, blocks and
+     * tables from the same budget. Binary search for the last k that fits. */
+    kvarn_cache_opts best, tmp;
+    memset(&best, 0, sizeof best);
+    int lo = 0, hi = 1000000, yes;
+    while (lo < hi) {
+        int mid = lo + (hi - lo + 1) / 2;
+        st = seqs_pred(opts, total_budget, seq_len, mid, &yes, &tmp);
+        if (st != KVARN_OK) return st;
+        if (yes) {
+            lo = mid;
+            best = tmp;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    *k = lo;
+    if (out_opts != NULL && lo > 0) *out_opts = best;
     return KVARN_OK;
 }
 

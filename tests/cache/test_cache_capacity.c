@@ -16,6 +16,19 @@
 
 enum { L = 2, HK = 1, D = 64 };
 
+/* A counting allocator: bytes asked for, all calls together. */
+typedef struct counter { uint64_t bytes; } counter;
+static void *count_alloc(void *op, size_t bytes)
+{
+    ((counter *)op)->bytes += bytes;
+    return malloc(bytes);
+}
+static void count_free(void *op, void *p)
+{
+    (void)op;
+    free(p);
+}
+
 /* One token into seq: reserve, write every layer, commit the whole
  * sequence. Returns the reserve's status (a failed reserve changes nothing). */
 static kvarn_status grow1(kvarn_cache *c, int seq, const float *kv)
@@ -83,11 +96,23 @@ static void check_case(const char *fmt, int G, int sink, int nb, int n_pages, in
     float kvbuf[2 * HK * D];
     for (int i = 0; i < 2 * HK * D; i++) kvbuf[i] = (float)((i * 37) % 11) * 0.1f - 0.5f;
 
-    /* (1) the token fill: n_seqs sequences, one after the other */
+    /* (0) every byte: a cache and max_seqs sequences ask the allocator for
+     * exactly total_bytes */
+    counter cnt = {0};
+    kvarn_allocator al = {count_alloc, count_free, &cnt};
+    kvarn_cache_opts oc = o;
+    oc.allocator = &al;
     kvarn_cache *c = NULL;
-    assert_int_equal(kvarn_cache_create(&o, &c), KVARN_OK);
+    assert_int_equal(kvarn_cache_create(&oc, &c), KVARN_OK);
     int *ids = malloc((size_t)max_seqs * sizeof *ids);
     assert_non_null(ids);
+    for (int i = 0; i < max_seqs; i++) assert_int_equal(kvarn_cache_seq_create(c, &ids[i]), KVARN_OK);
+    assert_int_equal(cnt.bytes, cap.total_bytes);
+    kvarn_cache_destroy(c);
+
+    /* (1) the token fill: n_seqs sequences, one after the other */
+    c = NULL;
+    assert_int_equal(kvarn_cache_create(&o, &c), KVARN_OK);
     uint64_t held = 0;
     for (int i = 0; i < n_seqs; i++) {
         assert_int_equal(kvarn_cache_seq_create(c, &ids[i]), KVARN_OK);
@@ -167,11 +192,69 @@ static void test_budget_below_pages(void **state)
     assert_int_equal(cap.seqs, 0);
 }
 
+/* kvarn_cache_fit_budget: the fitted cache asks for at most the budget, and
+ * one block more would not fit; kvarn_cache_seqs_fit: k requests fit, k + 1
+ * do not. */
+static void test_fit_budget_and_seqs(void **state)
+{
+    (void)state;
+    const char *fmts[] = {"kvarn_k4v2_g32", "int8"};
+    const uint64_t budgets[] = {300000, 1000000};
+    for (int f = 0; f < 2; f++)
+        for (int b = 0; b < 2; b++) {
+            kvarn_cache_opts o = kvarn_cache_default_opts();
+            o.format = fx_format(fmts[f]);
+            o.n_layers = L;
+            o.n_kv_heads = HK;
+            o.head_dim = D;
+            o.max_seqs = 3;
+            kvarn_cache_opts fit;
+            assert_int_equal(kvarn_cache_fit_budget(&o, budgets[b], &fit), KVARN_OK);
+            kvarn_cache_capacity cap, more;
+            assert_int_equal(kvarn_cache_capacity_get(&fit, 1, 0, &cap), KVARN_OK);
+            assert_true(cap.total_bytes <= budgets[b]);
+            kvarn_cache_opts up = fit;
+            up.budget_bytes = (cap.info.n_blocks + 1ull) * cap.info.block_bytes +
+                              (uint64_t)cap.info.n_pages * cap.info.page_bytes;
+            assert_int_equal(kvarn_cache_capacity_get(&up, 1, 0, &more), KVARN_OK);
+            assert_int_equal(more.info.n_blocks, cap.info.n_blocks + 1);
+            assert_true(more.total_bytes > budgets[b]);
+
+            int k = -1;
+            kvarn_cache_opts ko;
+            assert_int_equal(kvarn_cache_seqs_fit(&o, budgets[b], 100, &k, &ko), KVARN_OK);
+            assert_true(k >= 1);
+            assert_int_equal(ko.max_seqs, k);
+            assert_int_equal(kvarn_cache_capacity_get(&ko, 1, 100, &cap), KVARN_OK);
+            assert_true(cap.seqs >= k && cap.total_bytes <= budgets[b]);
+            kvarn_cache_opts o1 = o, f1;
+            o1.max_seqs = k + 1;
+            o1.max_seq_len = 100;
+            kvarn_status st = kvarn_cache_fit_budget(&o1, budgets[b], &f1);
+            if (st == KVARN_OK) {
+                assert_int_equal(kvarn_cache_capacity_get(&f1, 1, 100, &more), KVARN_OK);
+                assert_true(more.seqs < k + 1);
+            } else {
+                assert_int_equal(st, KVARN_ERR_INVALID_ARG);
+            }
+        }
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    int k = 7;
+    assert_int_equal(kvarn_cache_seqs_fit(&o, 1000, 100, &k, NULL), KVARN_ERR_INVALID_ARG);
+    o.n_layers = L;
+    o.n_kv_heads = HK;
+    o.head_dim = D;
+    assert_int_equal(kvarn_cache_seqs_fit(&o, 1000, 0, &k, NULL), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cache_seqs_fit(&o, 1000, 100, &k, NULL), KVARN_OK);
+    assert_int_equal(k, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fill_to_the_count),
         cmocka_unit_test(test_budget_below_pages),
+        cmocka_unit_test(test_fit_budget_and_seqs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
