@@ -135,7 +135,13 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     if (is_kvarn) bad |= kvarn__mul3_u64(L * H, (uint64_t)G * D, 2 * sizeof(uint16_t), &page_bytes);
 
     uint64_t n_pages = (uint64_t)o->n_pages;
-    if (is_kvarn && n_pages == 0) n_pages = (uint64_t)o->max_seqs * (uint64_t)(sink + 2);
+    if (is_kvarn && n_pages == 0) {
+        /* auto: each sequence its sink and one tail page, and a shared
+         * reserve of one page per 8 sequences for tokens in flight across
+         * a tile boundary (a verified draft or a chunk not yet committed) */
+        const uint64_t S = (uint64_t)o->max_seqs;
+        n_pages = S * (uint64_t)(sink + 1) + kvarn__ceil_div_u64(S, 8);
+    }
     if (n_pages > MAX_IDS) return KVARN_ERR_TOO_LARGE;
     uint64_t page_total;
     bad |= kvarn__mul_u64(n_pages, page_bytes, &page_total);

@@ -45,6 +45,21 @@ K4V2_BLOCK = L * HK * 7296
 PAGE = L * HK * 2 * 128 * D * 2     # fp16 K and V of one 128-token tile
 
 
+def auto_pages(k):
+    """Auto fp16 pages of a KVarN cache for k sequences, sink_tiles 1
+    (docs/paged-cache.md): the sink and one tail page each, and one shared
+    page per 8 sequences."""
+    return 2 * k + -(-k // 8)
+
+
+def kvarn_seqs(budget, blocks_per_seq):
+    """Most k whose auto pages and k x blocks_per_seq blocks fit budget."""
+    k = 0
+    while auto_pages(k + 1) * PAGE + (k + 1) * blocks_per_seq * K4V2_BLOCK <= budget:
+        k += 1
+    return k
+
+
 def test_seqs_fit_fp16_and_kvarn(kvarn_bin):
     rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "fp16,kvarn_k4v2_g128")
     # fp16: a 2k request is 128 blocks of 16 tokens, nothing else.
@@ -52,44 +67,42 @@ def test_seqs_fit_fp16_and_kvarn(kvarn_bin):
     want = one_value((GIB - BOOKS_MAX) // per, GIB // per)
     assert int(rows["fp16"][7]) == want, out
     # kvarn_k4v2_g128: a 2k request is 16 tiles: the sink (a page) and 15
-    # blocks; a cache for k sequences keeps k x (sink + 2) pages (auto).
-    per = 3 * PAGE + 15 * K4V2_BLOCK
-    want = one_value((GIB - BOOKS_MAX) // per, GIB // per)
+    # blocks; a cache for k sequences keeps auto_pages(k) pages.
+    want = one_value(kvarn_seqs(GIB - BOOKS_MAX, 15), kvarn_seqs(GIB, 15))
     assert int(rows["kvarn_k4v2_g128"][7]) == want, out
-    # 8k: 64 tiles, 1 sink page + 63 blocks, 3 pages per sequence
-    per = 3 * PAGE + 63 * K4V2_BLOCK
-    want = one_value((GIB - BOOKS_MAX) // per, GIB // per)
+    # 8k: 64 tiles, 1 sink page + 63 blocks
+    want = one_value(kvarn_seqs(GIB - BOOKS_MAX, 63), kvarn_seqs(GIB, 63))
     assert int(rows["kvarn_k4v2_g128"][8]) == want, out
 
 
 def test_tokens_fit_counts_the_pages(kvarn_bin):
     # The issue's case: 1 GiB, 64 sequences. The pages of 64 sequences
-    # (3 each) are taken first; the blocks share the rest; every sequence
+    # (auto_pages(64) = 136) are taken first; the blocks share the rest; every sequence
     # holds its sink tile and the first one all the blocks.
     # The bookkeeping (BOOKS_MAX) may cost the last block or two, so the
     # count lies between the two bounds; the old answer (209,280 tokens, the
     # pages not counted) lies far above them.
     rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128")
-    rest = GIB - 64 * 3 * PAGE
+    rest = GIB - auto_pages(64) * PAGE
     lo, hi = (rest - BOOKS_MAX) // K4V2_BLOCK, rest // K4V2_BLOCK
     tokens = int(rows["kvarn_k4v2_g128"][5])
     assert tokens % 128 == 0 and lo <= tokens // 128 - 64 <= hi, out
-    # one sequence: 3 pages
+    # one sequence: auto_pages(1) = 3 pages
     rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--max-seqs", "1",
                         "--kv-cache-dtype", "kvarn_k4v2_g128")
-    rest = GIB - 3 * PAGE
+    rest = GIB - auto_pages(1) * PAGE
     lo, hi = (rest - BOOKS_MAX) // K4V2_BLOCK, rest // K4V2_BLOCK
     tokens = int(rows["kvarn_k4v2_g128"][5])
     assert tokens % 128 == 0 and lo <= tokens // 128 - 1 <= hi, out
 
 
 def test_budget_below_the_pages_is_shown(kvarn_bin):
-    # 256 MiB < 64 x 3 pages (566 MB): a cache for 64 sequences cannot be
+    # 256 MiB < auto_pages(64) = 136 pages (401 MB): a cache for 64 sequences cannot be
     # created, and the table says so instead of a token count.
     rows, out = inspect(kvarn_bin, "--budget", "256MiB", "--kv-cache-dtype", "kvarn_k4v2_g128")
     assert rows["kvarn_k4v2_g128"][5] == "-", out
     assert "lower --max-seqs" in out
     # but requests of 2k still fit in a cache sized for them
-    per = 3 * PAGE + 15 * K4V2_BLOCK
     b = 256 << 20
-    assert int(rows["kvarn_k4v2_g128"][7]) == one_value((b - BOOKS_MAX) // per, b // per), out
+    assert int(rows["kvarn_k4v2_g128"][7]) == one_value(kvarn_seqs(b - BOOKS_MAX, 15),
+                                                        kvarn_seqs(b, 15)), out
