@@ -39,7 +39,8 @@
  * the record into that already-owned block and releases the page. So commit
  * never runs out of blocks and capacity in tokens is n_blocks * G (plus the
  * sink tiles, which live in pages). Sink tiles take a page only. Pages are
- * the staging overhead, counted in kvarn_cache_stats.arena_bytes_per_token.
+ * the staging overhead, counted in kvarn_cache_stats.arena_bytes_per_token
+ * and in kvarn_cache_capacity_get, which says what a cache really holds.
  * Per-token formats: a tile takes one block; records are written at once.
  *
  * The block table of a sequence (what attention and an engine read) maps
@@ -138,8 +139,11 @@ typedef struct kvarn_cache_opts {
                                KVARN_CACHE_MAX_SEQ_LEN. Sets the size of each
                                sequence's block table (12 bytes per tile). */
     int n_pages;            /* KVarN fp16 pages; 0 = auto: max_seqs *
-                               (sink_tiles + 2) (the sink, the tail tile and a
-                               second tail tile for tokens being verified).
+                               (sink_tiles + 1) + ceil(max_seqs / 8) (each
+                               sequence its sink and tail tile, and a shared
+                               reserve of one page per 8 sequences for
+                               tokens in flight across a tile boundary,
+                               e.g. draft tokens being verified).
                                Every token waits in a page until its tile is
                                committed, so a chunk of n tokens (a prefill)
                                needs about ceil(n / G) + 1 pages of its own
