@@ -141,6 +141,6 @@ int main(int argc, char **argv)
     }
     printf("x fp16: the same memory holds that many times more such requests; records: the\n"
            "multiple from record bytes alone; fp16 part: share of the total in fp16 pages\n"
-           "(sink and tail of a KVarN cache, max_seqs x (sink_tiles + 2) of them)\n");
+           "(sink and tail of a KVarN cache, max_seqs x (sink_tiles + 1) + ceil(max_seqs / 8))\n");
     return rc;
 }
