@@ -216,22 +216,60 @@ void cli_progress_end(void)
     g_progress_decile = -1;
 }
 
+static kvarn_cache_opts cli_cache_opts(const kvarn_format *f, int layers, int kv_heads,
+                                       int head_dim)
+{
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    o.format = *f;
+    o.n_layers = layers;
+    o.n_kv_heads = kv_heads;
+    o.head_dim = head_dim;
+    return o;
+}
+
 double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens)
 {
-    double heads = (double)hp->n_layers * hp->n_kv_heads;
-    if (!f->per_tile) {
-        /* whole blocks of the cache's default block size for these formats */
-        const long B = 16;
-        long blocks = (n_tokens + B - 1) / B;
-        return (double)(blocks * B) * (double)kvarn_record_bytes(f, hp->head_dim) * heads;
+    if (n_tokens < 0 || n_tokens > KVARN_CACHE_MAX_SEQ_LEN) return -1.0;
+    kvarn_cache_opts o = cli_cache_opts(f, hp->n_layers, hp->n_kv_heads, hp->head_dim);
+    o.max_seqs = 1;
+    o.max_seq_len = n_tokens > 0 ? (int)n_tokens : 1;
+    o.budget_bytes = 0; /* sizing: per-sequence numbers only */
+    kvarn_cache_capacity cap;
+    if (kvarn_cache_capacity_get(&o, 1, (int)n_tokens, &cap) != KVARN_OK) return -1.0;
+    return (double)cap.seq_arena_bytes;
+}
+
+kvarn_status cli_capacity_get(const kvarn_format *f, int layers, int kv_heads, int head_dim,
+                              uint64_t budget, int max_seqs, const int *lens, int n_lens,
+                              cli_capacity *out)
+{
+    memset(out, 0, sizeof *out);
+    if (n_lens < 0 || n_lens > 8) return KVARN_ERR_INVALID_ARG;
+    kvarn_cache_opts o = cli_cache_opts(f, layers, kv_heads, head_dim);
+    o.max_seqs = max_seqs;
+    kvarn_cache_opts fit;
+    kvarn_cache_capacity cap;
+    kvarn_status st = kvarn_cache_fit_budget(&o, budget, &fit);
+    if (st == KVARN_OK) {
+        st = kvarn_cache_capacity_get(&fit, max_seqs, 0, &cap);
+        if (st != KVARN_OK) return st;
+        out->fits = 1;
+        out->tokens = cap.tokens;
+        out->block_size = cap.info.block_size;
+    } else if (st == KVARN_ERR_INVALID_ARG) {
+        /* the geometry alone, for the G column */
+        o.budget_bytes = 0;
+        st = kvarn_cache_capacity_get(&o, 1, 0, &cap);
+        if (st != KVARN_OK) return st;
+        out->block_size = cap.info.block_size;
+    } else {
+        return st;
     }
-    long G = f->tile_tokens, tiles = (n_tokens + G - 1) / G;
-    long sink = tiles < 1 ? tiles : 1;
-    long full = n_tokens / G;
-    long quant = full - sink > 0 ? full - sink : 0;
-    long fp16_tiles = tiles - quant;
-    return ((double)quant * (double)kvarn_record_bytes(f, hp->head_dim) +
-            (double)fp16_tiles * (double)G * 4.0 * hp->head_dim) * heads;
+    for (int i = 0; i < n_lens; i++) {
+        st = kvarn_cache_seqs_fit(&o, budget, lens[i], &out->seqs[i], NULL);
+        if (st != KVARN_OK) return st;
+    }
+    return KVARN_OK;
 }
 
 uint64_t cli_machine_memory(void)

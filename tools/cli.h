@@ -92,12 +92,26 @@ double cli_now(void);
 void cli_progress(const char *label, long done, long total);
 void cli_progress_end(void);
 
-/* KV-cache bytes that n_tokens of one sequence occupy in format f for the
- * model (all layers and KV heads, K and V), counted as the paged cache
- * holds them: per-token formats in whole blocks of 16 tokens (the cache's
- * default block size); tile-committed formats as whole records plus the
- * fp16 sink tile (the default sink_tiles = 1) and the fp16 staging tail as
- * fp16 pages of G tokens. */
+/* Bytes of the paged cache's arenas that one sequence of n_tokens holds in
+ * format f for the model (all layers and KV heads, K and V, as the cache
+ * keeps it with its default settings, every full tile committed): the
+ * library's kvarn_cache_capacity_get seq_arena_bytes. -1 on a format the
+ * model's head_dim does not take or n_tokens out of [0, 2^30]. */
 double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens);
+
+/* What a cache in a byte budget holds, all memory counted (the library's
+ * kvarn_cache_fit_budget, kvarn_cache_capacity_get, kvarn_cache_seqs_fit):
+ * tokens of a cache for max_seqs sequences (its default settings otherwise),
+ * and for each of lens[0..n_lens) the requests of that length that fit. */
+typedef struct cli_capacity {
+    int block_size;     /* G, tokens */
+    int fits;           /* 0: the budget does not hold max_seqs' fp16 pages
+                           plus one block (tokens is then 0) */
+    uint64_t tokens;
+    int seqs[8];        /* per lens[i] */
+} cli_capacity;
+kvarn_status cli_capacity_get(const kvarn_format *f, int layers, int kv_heads, int head_dim,
+                              uint64_t budget, int max_seqs, const int *lens, int n_lens,
+                              cli_capacity *out);
 
 #endif

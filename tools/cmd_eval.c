@@ -23,17 +23,21 @@ static void eval_usage(FILE *f)
 {
     fprintf(f,
             "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
-            "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 32]\n"
+            "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 320]\n"
             "                  [--threads 1] [--passkey N] [--json] [--dump-kv FILE [--dump-layers N]]\n\n"
             "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
             "tokens (every chunk after the first attends to the cached history, as chunked\n"
             "prefill and decode do), once with the unquantized fp16 cache (the reference)\n"
-            "and once per format, and prints per format: bytes per token (all layers, K+V,\n"
-            "metadata counted; 'eff' adds the fp16 sink and staging tail at --ctx), the\n"
-            "capacity multiple against fp16 (from the record bytes: what long contexts reach), KL divergence of the next-token distribution\n"
-            "against the reference (mean, median, p99, max), top-1 agreement, perplexity\n"
-            "and its delta, and decode speed (the last --decode-tokens tokens of each\n"
-            "window fed one at a time) as tokens/s and as a ratio to fp16.\n"
+            "and once per format; the last --decode-tokens tokens of each window are fed one\n"
+            "at a time (decode, after the chunked prefill). Prints per format: bytes per\n"
+            "token (all layers, K+V, metadata counted; 'eff' is what the paged cache holds\n"
+            "for one sequence of --ctx tokens, fp16 sink and tail pages counted), the\n"
+            "capacity multiple against fp16 (from the record bytes: what long contexts\n"
+            "reach), KL divergence of the next-token distribution against the reference\n"
+            "over the chunk-fed positions (mean, median, p99, max) and top-1 agreement,\n"
+            "the same KLD mean and top-1 over the decoded positions ('dec': what a chat\n"
+            "user gets, tokens arriving one at a time), perplexity over all positions and\n"
+            "its delta, and decode speed as tokens/s and as a ratio to fp16.\n"
             "Default formats: all (the ladder of ../shared/EVAL.md).\n"
             "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
             "0/50/100%%, N keys per depth, as retrieved/tried beside the fp16 cache's own.\n"
@@ -45,7 +49,8 @@ static void eval_usage(FILE *f)
 typedef struct fmt_run {
     kvarn_format fmt;
     kvarn_llama_session *sess;
-    eval_stats st;
+    eval_stats st;      /* positions fed in chunks (prefill) */
+    eval_stats dst;     /* positions fed one token at a time (decode) */
     double decode_s;
     long decode_n;
 } fmt_run;
@@ -117,7 +122,7 @@ static double effective_bytes_per_token(const kvarn_format *f, const kvarn_llama
 int cmd_eval(int argc, char **argv)
 {
     const char *model_path = NULL, *text_path = NULL, *dtypes = "all", *dump_path = NULL;
-    long ctx = 2048, chunk = 128, windows = 1, decode_tokens = 32, threads = 1, dump_layers = 0,
+    long ctx = 2048, chunk = 128, windows = 1, decode_tokens = 320, threads = 1, dump_layers = 0,
          passkey_trials = 0;
     int json = 0;
     for (int i = 1; i < argc; i++) {
@@ -213,7 +218,8 @@ int cmd_eval(int argc, char **argv)
         runs[f].fmt = fmts[f];
         so.cache_format = fmts[f].name;
         if (cli_session_create("eval", &m, &so, "lower --ctx", &runs[f].sess)) goto out;
-        if (eval_stats_init(&runs[f].st, (size_t)windows * (size_t)ctx)) goto out;
+        if (eval_stats_init(&runs[f].st, (size_t)windows * (size_t)ctx) ||
+            eval_stats_init(&runs[f].dst, (size_t)windows * (size_t)decode_tokens + 1)) goto out;
     }
     if (eval_stats_init(&ref_st, (size_t)windows * (size_t)ctx)) goto out;
     ref_logits = malloc(sizeof(float) * (size_t)chunk * V);
@@ -283,8 +289,8 @@ int cmd_eval(int argc, char **argv)
                     for (int v = 0; v < V; v++)
                         kld += (double)p[v] * (((double)rl[v] - ref_lse[i]) - ((double)lg[v] - lse));
                     if (kld < 0.0) kld = 0.0;   /* rounding below zero */
-                    eval_stats_add(&runs[f].st, kld, argmax(lg, V) == ref_top[i],
-                                   lse - (double)lg[win[pos + i + 1]]);
+                    eval_stats_add(decoding ? &runs[f].dst : &runs[f].st, kld,
+                                   argmax(lg, V) == ref_top[i], lse - (double)lg[win[pos + i + 1]]);
                 }
             }
             pos += n;
@@ -332,22 +338,25 @@ int cmd_eval(int argc, char **argv)
         jformats = cJSON_AddArrayToObject(jroot, "formats");
         jok = jok && jref && jformats;
     } else {
-        printf("%-17s %9s %9s %7s %9s %9s %9s %9s %7s %9s %8s %7s %9s %7s\n", "format", "B/token", "eff B/tok",
-               "x fp16", "KLD mean", "median", "p99", "max", "top-1", "PPL", "dPPL", "passkey", "dec tok/s",
-               "x fp16");
+        printf("%-17s %9s %9s %7s %9s %9s %9s %9s %7s %9s %7s %9s %8s %7s %9s %7s\n", "format", "B/token",
+               "eff B/tok", "x fp16", "KLD mean", "median", "p99", "max", "top-1", "dec KLD", "dec top1",
+               "PPL", "dPPL", "passkey", "dec tok/s", "x fp16");
         /* x fp16 (capacity) from the record bytes: what long contexts reach;
          * eff B/tok adds the fp16 sink and tail at this --ctx. */
-        printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9.4f %8s %7s %9.1f %6.2fx\n", "fp16 (reference)",
-               fp16_bpt_rec,
-               fp16_bpt, 1.0, "-", "-", "-", "-", "-", ref_ppl, "-", pk_text[0], ref_tps, 1.0);
+        printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9s %7s %9.4f %8s %7s %9.1f %6.2fx\n",
+               "fp16 (reference)", fp16_bpt_rec, fp16_bpt, 1.0, "-", "-", "-", "-", "-", "-", "-", ref_ppl,
+               "-", pk_text[0], ref_tps, 1.0);
     }
     for (int f = 0; f < nf; f++) {
-        eval_summary s;
+        eval_summary s, ds;
         eval_stats_summarize(&runs[f].st, &s);
+        eval_stats_summarize(&runs[f].dst, &ds);
         double bpt = kvarn_bytes_per_token_head(&runs[f].fmt, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
         double eff = effective_bytes_per_token(&runs[f].fmt, hp, (int)ctx);
         double tps = runs[f].decode_n ? runs[f].decode_n / runs[f].decode_s : 0.0;
-        double ppl = eval_stats_ppl(&runs[f].st);
+        /* perplexity over every scored position, chunked and decoded */
+        size_t n_all = runs[f].st.n + runs[f].dst.n;
+        double ppl = n_all ? exp((runs[f].st.nll + runs[f].dst.nll) / (double)n_all) : 0.0;
         if (json) {
             cJSON *o = cJSON_CreateObject();
             int ok = jstr(o, "format", runs[f].fmt.name) & jnum(o, "bytes_per_token", bpt) &
@@ -358,15 +367,23 @@ int cmd_eval(int argc, char **argv)
                      jnum(o, "kld_max", s.kld_max) & jnum(o, "top1", s.top1) & jnum(o, "ppl", ppl) &
                      jnum(o, "ppl_delta", ppl - ref_ppl) & jnum(o, "decode_tok_s", tps) &
                      jnum(o, "decode_x_fp16", ref_tps > 0 ? tps / ref_tps : 0.0) &
-                     jnum(o, "positions", (double)s.n) & jnum(o, "passkey", pk_correct[f + 1]) &
+                     jnum(o, "positions", (double)n_all) & jnum(o, "chunk_positions", (double)s.n) &
+                     jnum(o, "decode_positions", (double)ds.n) &
+                     jnum(o, "decode_kld_mean", ds.kld_mean) & jnum(o, "decode_kld_p99", ds.kld_p99) &
+                     jnum(o, "decode_top1", ds.top1) & jnum(o, "passkey", pk_correct[f + 1]) &
                      jnum(o, "passkey_trials", pk_total);
             if (!ok || !cJSON_AddItemToArray(jformats, o)) { cJSON_Delete(o); jok = 0; }
         } else {
             char speed[48] = "        -       -";
             if (tps > 0 && ref_tps > 0) snprintf(speed, sizeof speed, "%9.1f %6.2fx", tps, tps / ref_tps);
-            printf("%-17s %9.0f %9.0f %6.2fx %9.5f %9.5f %9.5f %9.4f %6.2f%% %9.4f %+8.4f %7s %s\n",
+            char dk[16] = "-", dt[16] = "-";
+            if (ds.n) {
+                snprintf(dk, sizeof dk, "%.5f", ds.kld_mean);
+                snprintf(dt, sizeof dt, "%.2f%%", 100.0 * ds.top1);
+            }
+            printf("%-17s %9.0f %9.0f %6.2fx %9.5f %9.5f %9.5f %9.4f %6.2f%% %9s %7s %9.4f %+8.4f %7s %s\n",
                    runs[f].fmt.name, bpt, eff, fp16_bpt_rec / bpt, s.kld_mean, s.kld_median, s.kld_p99,
-                   s.kld_max, 100.0 * s.top1, ppl, ppl - ref_ppl, pk_text[f + 1], speed);
+                   s.kld_max, 100.0 * s.top1, dk, dt, ppl, ppl - ref_ppl, pk_text[f + 1], speed);
         }
     }
     if (json) {
@@ -386,6 +403,7 @@ out:
         for (int f = 0; f < nf; f++) {
             kvarn_llama_session_free(runs[f].sess);
             eval_stats_free(&runs[f].st);
+            eval_stats_free(&runs[f].dst);
         }
         free(runs);
     }

@@ -12,12 +12,15 @@ static void inspect_usage(FILE *f)
     fprintf(f,
             "usage: kvarn inspect --kv-cache-dtype NAME[,NAME...|all]\n"
             "                     (-m MODEL | --layers L --kv-heads H --head-dim D)\n"
-            "                     [--budget 16GiB]\n\n"
-            "Prints, for each format: record bytes per (tile, KV head), bytes per token\n"
-            "(all layers and KV heads, K and V, metadata and padding counted), the\n"
-            "capacity multiple against fp16, and the tokens whose KV cache fits in the\n"
-            "budget (whole tiles). -m reads the shape from a llama GGUF's metadata (the weights\n"
-            "are not loaded). Default formats: all; default budget: 16GiB.\n");
+            "                     [--budget 16GiB] [--max-seqs 64]\n\n"
+            "Prints, for each format: the block size G, the record bytes per token (all\n"
+            "layers and KV heads, K and V, metadata and padding counted) and the multiple\n"
+            "against fp16 they give long contexts; then what a paged cache in the budget\n"
+            "really holds, every byte counted (records, fp16 sink and tail pages, block\n"
+            "tables, pools; kvarn_cache_capacity_get): the tokens a cache for --max-seqs\n"
+            "sequences holds, and how many requests of 2k / 8k / 32k tokens fit at once.\n"
+            "-m reads the shape from a llama GGUF's metadata (the weights are not loaded).\n"
+            "Default formats: all; default budget: 16GiB; default --max-seqs: 64.\n");
 }
 
 /* The KV shape of a llama GGUF from its metadata alone. */
@@ -60,6 +63,7 @@ int cmd_inspect(int argc, char **argv)
     const char *dtypes = NULL, *model_path = NULL;
     long layers = 0, kv_heads = 0, head_dim = 0;
     uint64_t budget = 16ull << 30;
+    long max_seqs = 64;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *val = (i + 1 < argc) ? argv[i + 1] : NULL;
@@ -79,6 +83,8 @@ int cmd_inspect(int argc, char **argv)
             if (cli_parse_int(val, 1, 100000, &kv_heads)) { cli_error("inspect", "bad --kv-heads '%s'", val); return 2; }
         } else if (strcmp(a, "--head-dim") == 0) {
             if (cli_parse_int(val, 1, 100000, &head_dim)) { cli_error("inspect", "bad --head-dim '%s'", val); return 2; }
+        } else if (strcmp(a, "--max-seqs") == 0) {
+            if (cli_parse_int(val, 1, 1000000, &max_seqs)) { cli_error("inspect", "bad --max-seqs '%s'", val); return 2; }
         } else if (strcmp(a, "--budget") == 0) {
             if (cli_parse_bytes(val, &budget)) { cli_error("inspect", "bad --budget '%s' (e.g. 16GiB, 512MiB, 2GB)", val); return 2; }
         } else {
@@ -98,14 +104,22 @@ int cmd_inspect(int argc, char **argv)
     int n = cli_parse_formats("inspect", dtypes, fmts, CLI_MAX_FORMATS);
     if (n < 0) return 2;
 
+    const int lens[3] = {2048, 8192, 32768};
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
-    double fp16_tok = kvarn_bytes_per_token_head(&fp16, (int)head_dim) * layers * kv_heads;
     char b1[32], b2[32];
-    printf("shape: %ld layers x %ld KV heads x head_dim %ld; budget %s\n",
+    printf("shape: %ld layers x %ld KV heads x head_dim %ld; budget %s, all memory counted "
+           "(records, fp16 sink and tail pages, tables)\n",
            layers, kv_heads, head_dim, cli_fmt_bytes((double)budget, b1, sizeof b1));
-    printf("%-18s %4s %12s %14s %9s %14s\n", "format", "G", "record B", "bytes/token", "x fp16", "tokens fit");
-    int rc = 0;
+    printf("%-18s %4s %12s %9s %12s %8s %8s %8s %8s\n", "format", "G", "bytes/token", "x fp16",
+           "tokens fit", "x fp16", "2k seqs", "8k seqs", "32k seqs");
+    printf("%-18s %4s %12s %9s %12s %8s %8s %8s %8s\n", "", "", "(records)", "(records)",
+           "", "(tokens)", "", "", "");
+    double fp16_tok = kvarn_bytes_per_token_head(&fp16, (int)head_dim) * layers * kv_heads;
+    cli_capacity base;
+    int have_base = cli_capacity_get(&fp16, (int)layers, (int)kv_heads, (int)head_dim, budget,
+                                     (int)max_seqs, lens, 3, &base) == KVARN_OK;
+    int rc = 0, refused = 0;
     for (int i = 0; i < n; i++) {
         kvarn_status st = kvarn_format_check_head_dim(&fmts[i], (int)head_dim);
         if (st != KVARN_OK) {
@@ -115,10 +129,31 @@ int cmd_inspect(int argc, char **argv)
             continue;
         }
         double tok = kvarn_bytes_per_token_head(&fmts[i], (int)head_dim) * layers * kv_heads;
-        uint64_t fit = kvarn_capacity_tokens(&fmts[i], (int)head_dim, (int)layers, (int)kv_heads, budget);
-        printf("%-18s %4d %12zu %14s %8.2fx %14llu\n", fmts[i].name, fmts[i].tile_tokens,
-               kvarn_record_bytes(&fmts[i], (int)head_dim), cli_fmt_bytes(tok, b2, sizeof b2),
-               fp16_tok / tok, (unsigned long long)fit);
+        cli_capacity cc;
+        st = cli_capacity_get(&fmts[i], (int)layers, (int)kv_heads, (int)head_dim, budget,
+                              (int)max_seqs, lens, 3, &cc);
+        if (st != KVARN_OK) {
+            char msg[512];
+            cli_error("inspect", "%s", kvarn_format_explain(st, fmts[i].name, (int)head_dim, msg, sizeof msg));
+            rc = 1;
+            continue;
+        }
+        char tokens[32], ratio[32];
+        if (cc.fits) snprintf(tokens, sizeof tokens, "%llu", (unsigned long long)cc.tokens);
+        else snprintf(tokens, sizeof tokens, "-");
+        if (cc.fits && have_base && base.fits && base.tokens > 0)
+            snprintf(ratio, sizeof ratio, "%.2fx", (double)cc.tokens / (double)base.tokens);
+        else snprintf(ratio, sizeof ratio, "-");
+        refused |= !cc.fits;
+        printf("%-18s %4d %12s %8.2fx %12s %8s %8d %8d %8d\n", fmts[i].name, cc.block_size,
+               cli_fmt_bytes(tok, b2, sizeof b2), fp16_tok / tok, tokens, ratio, cc.seqs[0],
+               cc.seqs[1], cc.seqs[2]);
     }
+    printf("tokens fit: what a cache for %ld sequences (--max-seqs) holds, filled one after "
+           "another; Nk seqs: requests of N*1024 tokens that fit at once in a cache sized for "
+           "them\n", max_seqs);
+    if (refused)
+        printf("-: the budget does not hold the fp16 pages of %ld sequences plus one block "
+               "(a cache created so is refused); lower --max-seqs\n", max_seqs);
     return rc;
 }

@@ -40,7 +40,8 @@
  * the record into that already-owned block and releases the page. So commit
  * never runs out of blocks and capacity in tokens is n_blocks * G (plus the
  * sink tiles, which live in pages). Sink tiles take a page only. Pages are
- * the staging overhead, counted in kvarn_cache_stats.arena_bytes_per_token.
+ * the staging overhead, counted in kvarn_cache_stats.arena_bytes_per_token
+ * and in kvarn_cache_capacity_get, which says what a cache really holds.
  * Per-token formats: a tile takes one block; records are written at once.
  *
  * The block table of a sequence (what attention and an engine read) maps
@@ -139,8 +140,11 @@ typedef struct kvarn_cache_opts {
                                KVARN_CACHE_MAX_SEQ_LEN. Sets the size of each
                                sequence's block table (12 bytes per tile). */
     int n_pages;            /* KVarN fp16 pages; 0 = auto: max_seqs *
-                               (sink_tiles + 2) (the sink, the tail tile and a
-                               second tail tile for tokens being verified).
+                               (sink_tiles + 1) + ceil(max_seqs / 8) (each
+                               sequence its sink and tail tile, and a shared
+                               reserve of one page per 8 sequences for
+                               tokens in flight across a tile boundary,
+                               e.g. draft tokens being verified).
                                Every token waits in a page until its tile is
                                committed, so a chunk of n tokens (a prefill)
                                needs about ceil(n / G) + 1 pages of its own
@@ -211,6 +215,79 @@ kvarn_status kvarn_cache_get_info(const kvarn_cache *c, kvarn_cache_info *out);
  * max_seqs block tables) can be allocated.
  * Errors: as kvarn_cache_create, except KVARN_ERR_NOMEM. */
 kvarn_status kvarn_cache_plan(const kvarn_cache_opts *opts, kvarn_cache_info *out);
+
+/* What a cache built from some opts holds: the one capacity computation
+ * that kvarn inspect, generate's memory line, the eval ladder and
+ * bench_capacity report (docs/paged-cache.md "Capacity").
+ *
+ * The fill it describes: sequences are grown one token at a time, each
+ * reserve followed by the write of every layer and a commit of the whole
+ * sequence (committed_len = seq_len, the decode steady state), so a full
+ * non-sink tile holds a block only and a partial one a block and a page.
+ * Opening a non-sink tile needs one free page even when that tile is then
+ * filled and committed at once (its tokens wait in the page meanwhile). */
+typedef struct kvarn_cache_capacity {
+    kvarn_cache_info info;   /* kvarn_cache_plan(opts) */
+    uint64_t books_bytes;    /* bytes besides the two arenas that
+                                kvarn_cache_create and max_seqs sequences
+                                allocate: the cache struct, id pools (8 bytes
+                                per block and per page), max_seqs block
+                                tables (12 bytes per tile of max_seq_len plus
+                                4 per layer each), commit/read scratch, and
+                                the alignment slack of the arenas and the
+                                scratch: exactly what the allocator is asked
+                                for besides the arenas' n_blocks * block_bytes
+                                + n_pages * page_bytes */
+    uint64_t total_bytes;    /* info.arena_bytes + books_bytes: every byte
+                                the cache and max_seqs sequences ask the
+                                allocator for */
+    uint64_t tokens;         /* tokens n_seqs sequences hold together when
+                                each is filled as far as it goes, one after
+                                the other (max_seq_len, blocks and pages
+                                limit it); one more token into any of them
+                                fails with KVARN_ERR_OUT_OF_BLOCKS */
+    int seq_blocks;          /* blocks one sequence of seq_len tokens holds */
+    int seq_pages;           /* fp16 pages it holds (sink tiles, partial tail) */
+    int seqs;                /* sequences of seq_len tokens held at once:
+                                the most k <= max_seqs with k * seq_blocks <=
+                                n_blocks and k * seq_pages (+ 1 page to open
+                                the last tile when it ends full) <= n_pages;
+                                0 when seq_len > max_seq_len */
+    uint64_t seq_arena_bytes;/* arena bytes one such sequence holds:
+                                seq_blocks * block_bytes + seq_pages * page_bytes */
+} kvarn_cache_capacity;
+
+/* Fill *out for the cache kvarn_cache_create(opts) would build, n_seqs
+ * concurrent sequences (1 <= n_seqs <= opts->max_seqs) and a sequence
+ * length seq_len in tokens (>= 0). No allocation. budget_bytes = 0 is
+ * accepted as in kvarn_cache_plan (no blocks: tokens and seqs count only
+ * what pages hold, the per-sequence fields are filled).
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, n_seqs or seq_len out of range),
+ * errors of kvarn_cache_plan (KVARN_ERR_INVALID_ARG when the budget does
+ * not even hold the fp16 pages plus one block). */
+kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
+                                      int seq_len, kvarn_cache_capacity *out);
+
+/* Set out->budget_bytes (the arenas' share) to the largest value whose
+ * total_bytes (arenas plus bookkeeping, kvarn_cache_capacity) stays within
+ * total_budget bytes; every other field is copied from opts. This is how
+ * "fits in N bytes" is meant everywhere in kvarn: all memory counted.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, or total_budget too small for the
+ * pages, one block and the bookkeeping), errors of kvarn_cache_plan. */
+kvarn_status kvarn_cache_fit_budget(const kvarn_cache_opts *opts, uint64_t total_budget,
+                                    kvarn_cache_opts *out);
+
+/* How many requests of seq_len tokens fit in total_budget bytes (all memory
+ * counted): the largest k such that the cache made from opts with
+ * max_seqs = k, max_seq_len = seq_len and kvarn_cache_fit_budget holds k
+ * sequences of seq_len at once (kvarn_cache_capacity.seqs >= k). *k = 0
+ * when not even one fits. When out_opts is not NULL it receives those opts
+ * (undefined when *k = 0). seq_len in [1, KVARN_CACHE_MAX_SEQ_LEN]; k is
+ * searched in [1, 10^6]. No allocation.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, seq_len out of range, bad opts),
+ * KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_TOO_LARGE. */
+kvarn_status kvarn_cache_seqs_fit(const kvarn_cache_opts *opts, uint64_t total_budget,
+                                  int seq_len, int *k, kvarn_cache_opts *out_opts);
 
 /* ------------------------------------------------------------------------ */
 /* Sequences                                                                */

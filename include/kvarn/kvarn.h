@@ -128,7 +128,10 @@ double kvarn_bytes_per_token_head(const kvarn_format *fmt, int head_dim);
 /* Tokens whose K/V for n_layers layers and n_kv_heads KV heads fit in
  * budget_bytes, counting whole records (a partial tile costs a full
  * record). 0 on bad arguments and when one tile of every layer and head
- * is beyond 64 bits (formed with checked products). */
+ * is beyond 64 bits (formed with checked products). Records only: what a
+ * paged cache in that budget holds (fp16 sink and tail pages, tables
+ * counted) is kvarn_cache_capacity_get in cache.h, which every kvarn tool
+ * reports. */
 uint64_t kvarn_capacity_tokens(const kvarn_format *fmt, int head_dim,
                                int n_layers, int n_kv_heads,
                                uint64_t budget_bytes);

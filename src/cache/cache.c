@@ -136,7 +136,13 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     if (is_kvarn) bad |= kvarn__mul3_u64(L * H, (uint64_t)G * D, 2 * sizeof(uint16_t), &page_bytes);
 
     uint64_t n_pages = (uint64_t)o->n_pages;
-    if (is_kvarn && n_pages == 0) n_pages = (uint64_t)o->max_seqs * (uint64_t)(sink + 2);
+    if (is_kvarn && n_pages == 0) {
+        /* auto: each sequence its sink and one tail page, and a shared
+         * reserve of one page per 8 sequences for tokens in flight across
+         * a tile boundary (a verified draft or a chunk not yet committed) */
+        const uint64_t S = (uint64_t)o->max_seqs;
+        n_pages = S * (uint64_t)(sink + 1) + kvarn__ceil_div_u64(S, 8);
+    }
     if (n_pages > MAX_IDS) return KVARN_ERR_TOO_LARGE;
     uint64_t page_total;
     bad |= kvarn__mul_u64(n_pages, page_bytes, &page_total);
@@ -202,6 +208,191 @@ kvarn_status kvarn_cache_plan(const kvarn_cache_opts *opts, kvarn_cache_info *ou
     kvarn_status st = plan(opts, &info, &layout, 1);
     if (st == KVARN_OK) *out = info;
     return st;
+}
+
+/* What alloc64 asks the allocator for: rounded to 64 bytes, plus the
+ * alignment slack and the saved pointer of kvarn__malloc_aligned. */
+static uint64_t aligned_bytes(uint64_t b)
+{
+    return b ? ((b + 63) & ~(uint64_t)63) + 64 + sizeof(void *) : 0;
+}
+
+/* Tokens one sequence reaches in the fill of kvarn_cache_capacity (grown a
+ * token at a time, committed as it goes) with *B free blocks and *P free
+ * pages, at most max_len tokens; takes what it holds from *B and *P. */
+static uint64_t fill_one(const kvarn_cache_info *in, uint64_t max_len, uint64_t *B, uint64_t *P)
+{
+    const uint64_t G = (uint64_t)in->block_size;
+    if (in->format.kind != KVARN_KIND_KVARN) {
+        uint64_t len = *B * G < max_len ? *B * G : max_len;
+        *B -= kvarn__ceil_div_u64(len, G);
+        return len;
+    }
+    const uint64_t S = (uint64_t)in->sink_tiles;
+    /* the sink: one page per tile, never released */
+    uint64_t sink_len = (S < *P ? S : *P) * G;
+    if (sink_len > max_len) sink_len = max_len;
+    *P -= kvarn__ceil_div_u64(sink_len, G);
+    if (sink_len < S * G || sink_len == max_len || *P == 0 || *B == 0) return sink_len;
+    /* full tiles: a block each (the page they wait in comes back at commit) */
+    const uint64_t rest = max_len - sink_len;
+    uint64_t full = rest / G < *B ? rest / G : *B;
+    *B -= full;
+    uint64_t len = sink_len + full * G;
+    if (full == rest / G && rest % G != 0 && *B > 0) {
+        /* a partial tail tile keeps its block and its page */
+        *B -= 1;
+        *P -= 1;
+        len = max_len;
+    }
+    return len;
+}
+
+kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
+                                      int seq_len, kvarn_cache_capacity *out)
+{
+    if (opts == NULL || out == NULL || n_seqs < 1 || n_seqs > opts->max_seqs || seq_len < 0)
+        return KVARN_ERR_INVALID_ARG;
+    kvarn_cache_capacity cap;
+    memset(&cap, 0, sizeof cap);
+    kvarn_record_layout layout;
+    kvarn_status st = plan(opts, &cap.info, &layout, 1);
+    if (st != KVARN_OK) return st;
+    const kvarn_cache_info *in = &cap.info;
+    const uint64_t G = (uint64_t)in->block_size, S = (uint64_t)in->sink_tiles;
+    const uint64_t NB = (uint64_t)in->n_blocks, NP = (uint64_t)in->n_pages;
+    const uint64_t L = (uint64_t)in->n_layers, max_seqs = (uint64_t)in->max_seqs;
+    const int is_kvarn = in->format.kind == KVARN_KIND_KVARN;
+
+    /* Bookkeeping: what kvarn_cache_create and max_seqs seq_create
+     * allocate besides the arenas (the 64 alignment bytes of each arena
+     * included). plan() checked each term; the sum of these few is far
+     * below 2^64 (max_seqs <= 10^6, a table < 2^34 bytes). */
+    const uint64_t max_tiles = kvarn__ceil_div_u64((uint64_t)in->max_seq_len, G);
+    const uint64_t GD = G * (uint64_t)in->head_dim;
+    const uint64_t ws = kvarn_encode_workspace_bytes(&in->format, in->head_dim);
+    uint64_t books = sizeof(kvarn_cache) + max_seqs * sizeof(kvarn_seq) + 8 * (NB + NP) +
+                     max_seqs * (3 * max_tiles * sizeof(int32_t) + L * sizeof(int)) +
+                     2 * aligned_bytes(GD * sizeof(float)) +
+                     aligned_bytes((uint64_t)in->head_dim * sizeof(float)) +
+                     aligned_bytes(ws) + (NB ? 64 : 0) + (NP ? 64 : 0);
+    cap.books_bytes = books;
+    if (kvarn__add_u64(in->arena_bytes, books, &cap.total_bytes)) return KVARN_ERR_TOO_LARGE;
+
+    /* the fill of n_seqs sequences, one after the other */
+    uint64_t B = NB, P = NP;
+    for (int i = 0; i < n_seqs; i++) cap.tokens += fill_one(in, (uint64_t)in->max_seq_len, &B, &P);
+
+    /* one sequence of seq_len tokens */
+    const uint64_t nt = kvarn__ceil_div_u64((uint64_t)seq_len, G);
+    uint64_t sb, sp, open = 0;
+    if (is_kvarn) {
+        sb = nt > S ? nt - S : 0;
+        sp = (nt < S ? nt : S) + (nt > S && (uint64_t)seq_len % G != 0);
+        open = nt > S && (uint64_t)seq_len % G == 0;
+    } else {
+        sb = nt;
+        sp = 0;
+    }
+    cap.seq_blocks = (int)sb;   /* <= 2^30 tiles: seq_len is an int */
+    cap.seq_pages = (int)sp;
+    cap.seq_arena_bytes = sb * (uint64_t)in->block_bytes + sp * (uint64_t)in->page_bytes;
+    uint64_t k = 0;
+    if (seq_len <= in->max_seq_len) {
+        k = max_seqs;
+        if (sb > 0 && NB / sb < k) k = NB / sb;
+        if (sp + open > 0) {
+            /* k * sp + open <= NP */
+            uint64_t kp = NP >= open ? (NP - open) / (sp ? sp : 1) : 0;
+            if (sp == 0 && NP < open) kp = 0;
+            if (sp == 0 && NP >= open) kp = k;
+            if (kp < k) k = kp;
+        }
+    }
+    cap.seqs = (int)k;
+    *out = cap;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_fit_budget(const kvarn_cache_opts *opts, uint64_t total_budget,
+                                    kvarn_cache_opts *out)
+{
+    if (opts == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    /* budget -> total is monotone and total - budget (the bookkeeping)
+     * grows with the blocks: start from the whole budget and give the
+     * bookkeeping of the last try back until the total fits. Each step
+     * lowers the budget by at least one byte while it does not fit; the
+     * bookkeeping is a small fraction of a block per block, so this ends
+     * in a few steps (bounded at 64 for safety). */
+    kvarn_cache_opts o = *opts;
+    uint64_t b = total_budget;
+    for (int it = 0; it < 64; it++) {
+        if (b == 0) return KVARN_ERR_INVALID_ARG; /* 0 means "sizing" to the plan */
+        o.budget_bytes = b;
+        kvarn_cache_capacity cap;
+        kvarn_status st = kvarn_cache_capacity_get(&o, 1, 0, &cap);
+        if (st != KVARN_OK) return st;
+        if (cap.total_bytes <= total_budget) {
+            *out = o;
+            return KVARN_OK;
+        }
+        uint64_t over = cap.total_bytes - total_budget;
+        if (over >= b) return KVARN_ERR_INVALID_ARG;
+        b -= over;
+    }
+    return KVARN_ERR_INVALID_ARG;
+}
+
+/* Does a cache of k sequences of seq_len fit total_budget (all counted)? */
+static kvarn_status seqs_pred(const kvarn_cache_opts *opts, uint64_t total_budget, int seq_len,
+                              int k, int *yes, kvarn_cache_opts *fitted)
+{
+    kvarn_cache_opts o = *opts;
+    o.max_seqs = k;
+    o.max_seq_len = seq_len;
+    *yes = 0;
+    kvarn_status st = kvarn_cache_fit_budget(&o, total_budget, fitted);
+    if (st == KVARN_ERR_INVALID_ARG) return KVARN_OK; /* does not fit at all */
+    if (st != KVARN_OK) return st;
+    kvarn_cache_capacity cap;
+    st = kvarn_cache_capacity_get(fitted, 1, seq_len, &cap);
+    if (st != KVARN_OK) return st;
+    *yes = cap.seqs >= k;
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_cache_seqs_fit(const kvarn_cache_opts *opts, uint64_t total_budget,
+                                  int seq_len, int *k, kvarn_cache_opts *out_opts)
+{
+    if (opts == NULL || k == NULL || seq_len < 1 || seq_len > KVARN_CACHE_MAX_SEQ_LEN)
+        return KVARN_ERR_INVALID_ARG;
+    /* the opts themselves must be sound: a plan of one sequence, budget 0 */
+    kvarn_cache_opts probe = *opts;
+    probe.max_seqs = 1;
+    probe.max_seq_len = seq_len;
+    probe.budget_bytes = 0;
+    kvarn_cache_info pi;
+    kvarn_status st = kvarn_cache_plan(&probe, &pi);
+    if (st != KVARN_OK) return st;
+    /* fits(k) is monotone: more sequences take more pages, blocks and
+     * tables from the same budget. Binary search for the last k that fits. */
+    kvarn_cache_opts best, tmp;
+    memset(&best, 0, sizeof best);
+    int lo = 0, hi = 1000000, yes;
+    while (lo < hi) {
+        int mid = lo + (hi - lo + 1) / 2;
+        st = seqs_pred(opts, total_budget, seq_len, mid, &yes, &tmp);
+        if (st != KVARN_OK) return st;
+        if (yes) {
+            lo = mid;
+            best = tmp;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    *k = lo;
+    if (out_opts != NULL && lo > 0) *out_opts = best;
+    return KVARN_OK;
 }
 
 kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)

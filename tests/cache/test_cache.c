@@ -286,12 +286,12 @@ static void test_create_and_geometry(void **state)
     assert_int_equal(kvarn_cache_create(NULL, &c), KVARN_ERR_INVALID_ARG);
     assert_int_equal(kvarn_cache_create(&good, NULL), KVARN_ERR_INVALID_ARG);
     kvarn_cache_destroy(NULL);
-    /* auto pages: max_seqs * (sink + 2) */
-    kvarn_cache_opts ap = fx_opts("kvarn_k4v2_g32", L, HK, D, 0, 2, 6, 3 * (2 + 2), 3);
+    /* auto pages: max_seqs * (sink + 1) + ceil(max_seqs / 8) */
+    kvarn_cache_opts ap = fx_opts("kvarn_k4v2_g32", L, HK, D, 0, 2, 6, 3 * (2 + 1) + 1, 3);
     ap.n_pages = 0;
     assert_int_equal(kvarn_cache_create(&ap, &c), KVARN_OK);
     assert_int_equal(kvarn_cache_get_info(c, &ci), KVARN_OK);
-    assert_int_equal(ci.n_pages, 12);
+    assert_int_equal(ci.n_pages, 10);
     assert_int_equal(ci.n_blocks, 6);
     kvarn_cache_destroy(c);
 }

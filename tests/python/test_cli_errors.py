@@ -216,7 +216,13 @@ def inspect_rows(kvarn_bin, dtypes):
     r = run([kvarn_bin, "inspect", "--layers", "2", "--kv-heads", "2", "--head-dim", "64",
              "--kv-cache-dtype", dtypes])
     assert r.returncode == 0, r.stderr
-    return r.stdout.splitlines()[2:]
+    # a shape line and two header lines, then one row per format until the notes
+    rows = []
+    for line in r.stdout.splitlines()[3:]:
+        if line.startswith("tokens fit:"):
+            break
+        rows.append(line)
+    return rows
 
 
 def test_all_expands_to_every_format(kvarn_bin):

@@ -174,3 +174,20 @@ def test_passkey_column(kvarn_bin, model_path, window):
     assert counts["reference"] == rep["reference"]["passkey"]
     for name in PASSKEY_FORMATS:
         assert counts[name] == by[name]["passkey"], name
+
+
+def test_decode_columns(report):
+    # --decode-tokens 8: the last 8 tokens of the window are fed one at a
+    # time; 7 of them have a next token to score. The chunk-fed positions
+    # and the decoded ones together are every scored position.
+    for f in report["formats"]:
+        name = f["format"]
+        assert f["decode_positions"] == 7, name
+        assert f["chunk_positions"] + f["decode_positions"] == f["positions"] == CTX - 1, name
+        for key in ("decode_kld_mean", "decode_kld_p99", "decode_top1"):
+            assert math.isfinite(f[key]), (name, key)
+        if name == "fp16":
+            # the same computation as the reference, token by token too
+            assert f["decode_kld_mean"] == 0.0 and f["decode_top1"] == 1.0
+        else:
+            assert f["decode_kld_mean"] > 0.0, name

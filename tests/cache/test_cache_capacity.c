@@ -1,0 +1,260 @@
+/* test_cache_capacity.c -- kvarn_cache_capacity_get (include/kvarn/cache.h)
+ * against caches created with the same opts and filled the way it says
+ * (one token at a time, every layer written, committed as it goes): the
+ * tokens it prints are held and one more token into any sequence fails;
+ * the sequences of seq_len it prints are held and one more is not; a
+ * budget it refuses, kvarn_cache_create refuses too. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "cache/cache_fixture.h"
+
+enum { L = 2, HK = 1, D = 64 };
+
+/* A counting allocator: bytes asked for, all calls together. */
+typedef struct counter { uint64_t bytes; } counter;
+static void *count_alloc(void *op, size_t bytes)
+{
+    ((counter *)op)->bytes += bytes;
+    return malloc(bytes);
+}
+static void count_free(void *op, void *p)
+{
+    (void)op;
+    free(p);
+}
+
+/* One token into seq: reserve, write every layer, commit the whole
+ * sequence. Returns the reserve's status (a failed reserve changes nothing). */
+static kvarn_status grow1(kvarn_cache *c, int seq, const float *kv)
+{
+    kvarn_cache_seq_info si;
+    assert_int_equal(kvarn_cache_seq_get_info(c, seq, &si), KVARN_OK);
+    kvarn_status st = kvarn_cache_reserve(c, seq, 1);
+    if (st != KVARN_OK) return st;
+    for (int l = 0; l < L; l++)
+        assert_int_equal(kvarn_cache_write(c, seq, l, si.seq_len, 1, kv, kv + HK * D), KVARN_OK);
+    assert_int_equal(kvarn_cache_commit(c, seq, si.seq_len + 1), KVARN_OK);
+    return KVARN_OK;
+}
+
+/* Grow seq up to len tokens (or until it fails); its final length. */
+static int grow_to(kvarn_cache *c, int seq, int len, const float *kv)
+{
+    kvarn_cache_seq_info si;
+    assert_int_equal(kvarn_cache_seq_get_info(c, seq, &si), KVARN_OK);
+    int n = si.seq_len;
+    while (n < len) {
+        kvarn_status st = grow1(c, seq, kv);
+        if (st != KVARN_OK) {
+            assert_int_equal(st, KVARN_ERR_OUT_OF_BLOCKS);
+            break;
+        }
+        n++;
+    }
+    return n;
+}
+
+/* A budget that gives nb blocks after the auto (or explicit) pages, plus
+ * `extra` bytes (less than a block: they buy nothing). */
+static uint64_t budget_for(kvarn_cache_opts o, int nb, uint64_t extra)
+{
+    o.budget_bytes = 0;
+    kvarn_cache_info pi;
+    assert_int_equal(kvarn_cache_plan(&o, &pi), KVARN_OK);
+    return (uint64_t)pi.n_pages * pi.page_bytes + (uint64_t)nb * pi.block_bytes + extra;
+}
+
+static void check_case(const char *fmt, int G, int sink, int nb, int n_pages, int max_seqs,
+                       int max_seq_len, int n_seqs, int seq_len)
+{
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    o.format = fx_format(fmt);
+    o.n_layers = L;
+    o.n_kv_heads = HK;
+    o.head_dim = D;
+    const int kv = o.format.kind == KVARN_KIND_KVARN;
+    o.block_size = kv ? 0 : G;
+    o.sink_tiles = kv ? sink : 0;
+    o.n_pages = kv ? n_pages : 0;
+    o.max_seqs = max_seqs;
+    o.max_seq_len = max_seq_len;
+    o.budget_bytes = budget_for(o, nb, 17);
+
+    kvarn_cache_capacity cap;
+    assert_int_equal(kvarn_cache_capacity_get(&o, n_seqs, seq_len, &cap), KVARN_OK);
+    kvarn_cache_info pi;
+    assert_int_equal(kvarn_cache_plan(&o, &pi), KVARN_OK);
+    assert_memory_equal(&cap.info, &pi, sizeof pi);
+    assert_int_equal(cap.total_bytes, cap.info.arena_bytes + cap.books_bytes);
+
+    float kvbuf[2 * HK * D];
+    for (int i = 0; i < 2 * HK * D; i++) kvbuf[i] = (float)((i * 37) % 11) * 0.1f - 0.5f;
+
+    /* (0) every byte: a cache and max_seqs sequences ask the allocator for
+     * exactly total_bytes */
+    counter cnt = {0};
+    kvarn_allocator al = {count_alloc, count_free, &cnt};
+    kvarn_cache_opts oc = o;
+    oc.allocator = &al;
+    kvarn_cache *c = NULL;
+    assert_int_equal(kvarn_cache_create(&oc, &c), KVARN_OK);
+    int *ids = malloc((size_t)max_seqs * sizeof *ids);
+    assert_non_null(ids);
+    for (int i = 0; i < max_seqs; i++) assert_int_equal(kvarn_cache_seq_create(c, &ids[i]), KVARN_OK);
+    assert_int_equal(cnt.bytes, cap.total_bytes);
+    kvarn_cache_destroy(c);
+
+    /* (1) the token fill: n_seqs sequences, one after the other */
+    c = NULL;
+    assert_int_equal(kvarn_cache_create(&o, &c), KVARN_OK);
+    uint64_t held = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        assert_int_equal(kvarn_cache_seq_create(c, &ids[i]), KVARN_OK);
+        held += (uint64_t)grow_to(c, ids[i], INT32_MAX, kvbuf);
+    }
+    assert_int_equal(held, cap.tokens);
+    for (int i = 0; i < n_seqs; i++)
+        assert_int_equal(kvarn_cache_reserve(c, ids[i], 1), KVARN_ERR_OUT_OF_BLOCKS);
+    kvarn_cache_destroy(c);
+
+    /* (2) sequences of seq_len: cap.seqs of them are held, one more is not */
+    c = NULL;
+    assert_int_equal(kvarn_cache_create(&o, &c), KVARN_OK);
+    for (int i = 0; i < cap.seqs; i++) {
+        assert_int_equal(kvarn_cache_seq_create(c, &ids[i]), KVARN_OK);
+        assert_int_equal(grow_to(c, ids[i], seq_len, kvbuf), seq_len);
+    }
+    kvarn_cache_stats s;
+    assert_int_equal(kvarn_cache_get_stats(c, &s), KVARN_OK);
+    assert_int_equal(s.blocks_in_use, cap.seqs * cap.seq_blocks);
+    assert_int_equal(s.pages_in_use, cap.seqs * cap.seq_pages);
+    if (cap.seqs < max_seqs) {
+        int extra;
+        assert_int_equal(kvarn_cache_seq_create(c, &extra), KVARN_OK);
+        assert_true(grow_to(c, extra, seq_len, kvbuf) < seq_len);
+    }
+    free(ids);
+    kvarn_cache_destroy(c);
+}
+
+static void test_fill_to_the_count(void **state)
+{
+    (void)state;
+    /* fmt, G, sink, blocks, pages (0 = auto), max_seqs, max_seq_len, n_seqs, seq_len */
+    check_case("kvarn_k4v2_g32", 0, 1, 20, 0, 4, 0, 1, 100);       /* auto len: all blocks */
+    check_case("kvarn_k4v2_g32", 0, 1, 20, 0, 4, 0, 4, 96);        /* seq ends on a tile */
+    check_case("kvarn_k4v2_g32", 0, 1, 20, 0, 4, 150, 4, 150);     /* partial tails */
+    check_case("kvarn_k4v2_g32", 0, 2, 13, 0, 3, 200, 3, 70);      /* two sink tiles */
+    check_case("kvarn_k4v2_g32", 0, 0, 9, 0, 3, 100, 3, 64);       /* no sink */
+    check_case("kvarn_k4v2_g32", 0, 1, 30, 3, 4, 300, 4, 100);     /* pages run out first */
+    check_case("kvarn_k4v2_g32", 0, 1, 30, 2, 4, 300, 2, 64);      /* no page left to open a tile */
+    check_case("kvarn_k4v2_g32", 0, 1, 7, 0, 2, 40, 2, 20);        /* sink-only sequences */
+    check_case("kvarn_k4v2_g128", 0, 1, 6, 0, 2, 0, 2, 300);
+    check_case("int8", 16, 0, 25, 0, 5, 0, 1, 50);
+    check_case("int8", 16, 0, 25, 0, 5, 70, 5, 70);
+    check_case("int4", 7, 0, 30, 0, 4, 64, 3, 33);
+    check_case("fp16", 16, 0, 10, 0, 3, 50, 2, 48);
+}
+
+/* The issue's failure: a budget below the auto fp16 pages of max_seqs
+ * sequences. capacity_get refuses it as kvarn_cache_create does. */
+static void test_budget_below_pages(void **state)
+{
+    (void)state;
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    o.format = fx_format("kvarn_k4v2_g128");
+    o.n_layers = 30;
+    o.n_kv_heads = 3;
+    o.head_dim = 64;
+    o.budget_bytes = 256ull << 20;
+    kvarn_cache_capacity cap;
+    kvarn_cache *c = NULL;
+    kvarn_status want = kvarn_cache_create(&o, &c);
+    kvarn_cache_destroy(c);
+    assert_int_equal(want, KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cache_capacity_get(&o, 1, 2048, &cap), want);
+    /* bad arguments */
+    o.budget_bytes = 1ull << 30;
+    assert_int_equal(kvarn_cache_capacity_get(NULL, 1, 1, &cap), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cache_capacity_get(&o, 1, 1, NULL), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cache_capacity_get(&o, 0, 1, &cap), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cache_capacity_get(&o, o.max_seqs + 1, 1, &cap), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cache_capacity_get(&o, 1, -1, &cap), KVARN_ERR_INVALID_ARG);
+    /* a sequence longer than max_seq_len never fits */
+    o.max_seq_len = 1000;
+    assert_int_equal(kvarn_cache_capacity_get(&o, 1, 1001, &cap), KVARN_OK);
+    assert_int_equal(cap.seqs, 0);
+}
+
+/* kvarn_cache_fit_budget: the fitted cache asks for at most the budget, and
+ * one block more would not fit; kvarn_cache_seqs_fit: k requests fit, k + 1
+ * do not. */
+static void test_fit_budget_and_seqs(void **state)
+{
+    (void)state;
+    const char *fmts[] = {"kvarn_k4v2_g32", "int8"};
+    const uint64_t budgets[] = {300000, 1000000};
+    for (int f = 0; f < 2; f++)
+        for (int b = 0; b < 2; b++) {
+            kvarn_cache_opts o = kvarn_cache_default_opts();
+            o.format = fx_format(fmts[f]);
+            o.n_layers = L;
+            o.n_kv_heads = HK;
+            o.head_dim = D;
+            o.max_seqs = 3;
+            kvarn_cache_opts fit;
+            assert_int_equal(kvarn_cache_fit_budget(&o, budgets[b], &fit), KVARN_OK);
+            kvarn_cache_capacity cap, more;
+            assert_int_equal(kvarn_cache_capacity_get(&fit, 1, 0, &cap), KVARN_OK);
+            assert_true(cap.total_bytes <= budgets[b]);
+            kvarn_cache_opts up = fit;
+            up.budget_bytes = (cap.info.n_blocks + 1ull) * cap.info.block_bytes +
+                              (uint64_t)cap.info.n_pages * cap.info.page_bytes;
+            assert_int_equal(kvarn_cache_capacity_get(&up, 1, 0, &more), KVARN_OK);
+            assert_int_equal(more.info.n_blocks, cap.info.n_blocks + 1);
+            assert_true(more.total_bytes > budgets[b]);
+
+            int k = -1;
+            kvarn_cache_opts ko;
+            assert_int_equal(kvarn_cache_seqs_fit(&o, budgets[b], 100, &k, &ko), KVARN_OK);
+            assert_true(k >= 1);
+            assert_int_equal(ko.max_seqs, k);
+            assert_int_equal(kvarn_cache_capacity_get(&ko, 1, 100, &cap), KVARN_OK);
+            assert_true(cap.seqs >= k && cap.total_bytes <= budgets[b]);
+            kvarn_cache_opts o1 = o, f1;
+            o1.max_seqs = k + 1;
+            o1.max_seq_len = 100;
+            kvarn_status st = kvarn_cache_fit_budget(&o1, budgets[b], &f1);
+            if (st == KVARN_OK) {
+                assert_int_equal(kvarn_cache_capacity_get(&f1, 1, 100, &more), KVARN_OK);
+                assert_true(more.seqs < k + 1);
+            } else {
+                assert_int_equal(st, KVARN_ERR_INVALID_ARG);
+            }
+        }
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    int k = 7;
+    assert_int_equal(kvarn_cache_seqs_fit(&o, 1000, 100, &k, NULL), KVARN_ERR_INVALID_ARG);
+    o.n_layers = L;
+    o.n_kv_heads = HK;
+    o.head_dim = D;
+    assert_int_equal(kvarn_cache_seqs_fit(&o, 1000, 0, &k, NULL), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cache_seqs_fit(&o, 1000, 100, &k, NULL), KVARN_OK);
+    assert_int_equal(k, 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fill_to_the_count),
+        cmocka_unit_test(test_budget_below_pages),
+        cmocka_unit_test(test_fit_budget_and_seqs),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,108 @@
+"""kvarn inspect's capacity table (issue 11) against the byte arithmetic of
+the record layout (../shared/spec/KVARN.md) and the paged cache's documented
+pools (docs/paged-cache.md "Capacity"), computed here independently of the
+library. The fill of a created cache to the printed count is
+tests/cache/test_cache_capacity.c; this checks that the tool prints the
+library's numbers for a real model shape. No model needed: the shape is
+SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64)."""
+import subprocess
+
+L, HK, D = 30, 3, 64
+GIB = 1 << 30
+# Bookkeeping (block tables, id pools, scratch) of these caches stays below
+# this many bytes: 8 bytes per block or page and 12 per tile per sequence,
+# under 20,000 blocks and 64 sequences of <= 1,700 tiles, plus a few tile
+# scratch buffers of 128 x 64 floats: < 0.2 + 1.4 + 0.2 MB.
+BOOKS_MAX = 2 << 20
+
+
+def inspect(kvarn_bin, *args):
+    r = subprocess.run([kvarn_bin, "inspect", "--layers", str(L), "--kv-heads", str(HK),
+                        "--head-dim", str(D)] + list(args), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = {}
+    for line in r.stdout.splitlines()[3:]:
+        if line.startswith("tokens fit:"):
+            break
+        f = line.split()
+        rows[f[0]] = f
+    return rows, r.stdout
+
+
+def one_value(lo, hi):
+    """The count the bounds pin down; the budgets here are chosen so that
+    the unknown bookkeeping bytes cannot move it."""
+    assert lo == hi, (lo, hi)
+    return lo
+
+
+# fp16: 2 (K, V) x 64 channels x 2 bytes per token-head; blocks of 16 tokens.
+FP16_TOKEN = L * HK * 2 * D * 2
+# kvarn_k4v2_g128, D = 64: one (tile, head) record holds 128 x 64 4-bit K
+# codes, 128 x 64 2-bit V codes and the scales: 7296 bytes (KVARN.md), i.e.
+# 5130 bytes per token over all 90 token-heads.
+K4V2_BLOCK = L * HK * 7296
+PAGE = L * HK * 2 * 128 * D * 2     # fp16 K and V of one 128-token tile
+
+
+def auto_pages(k):
+    """Auto fp16 pages of a KVarN cache for k sequences, sink_tiles 1
+    (docs/paged-cache.md): the sink and one tail page each, and one shared
+    page per 8 sequences."""
+    return 2 * k + -(-k // 8)
+
+
+def kvarn_seqs(budget, blocks_per_seq):
+    """Most k whose auto pages and k x blocks_per_seq blocks fit budget."""
+    k = 0
+    while auto_pages(k + 1) * PAGE + (k + 1) * blocks_per_seq * K4V2_BLOCK <= budget:
+        k += 1
+    return k
+
+
+def test_seqs_fit_fp16_and_kvarn(kvarn_bin):
+    rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "fp16,kvarn_k4v2_g128")
+    # fp16: a 2k request is 128 blocks of 16 tokens, nothing else.
+    per = 2048 * FP16_TOKEN
+    want = one_value((GIB - BOOKS_MAX) // per, GIB // per)
+    assert int(rows["fp16"][7]) == want, out
+    # kvarn_k4v2_g128: a 2k request is 16 tiles: the sink (a page) and 15
+    # blocks; a cache for k sequences keeps auto_pages(k) pages.
+    want = one_value(kvarn_seqs(GIB - BOOKS_MAX, 15), kvarn_seqs(GIB, 15))
+    assert int(rows["kvarn_k4v2_g128"][7]) == want, out
+    # 8k: 64 tiles, 1 sink page + 63 blocks
+    want = one_value(kvarn_seqs(GIB - BOOKS_MAX, 63), kvarn_seqs(GIB, 63))
+    assert int(rows["kvarn_k4v2_g128"][8]) == want, out
+
+
+def test_tokens_fit_counts_the_pages(kvarn_bin):
+    # The issue's case: 1 GiB, 64 sequences. The pages of 64 sequences
+    # (auto_pages(64) = 136) are taken first; the blocks share the rest; every sequence
+    # holds its sink tile and the first one all the blocks.
+    # The bookkeeping (BOOKS_MAX) may cost the last block or two, so the
+    # count lies between the two bounds; the old answer (209,280 tokens, the
+    # pages not counted) lies far above them.
+    rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128")
+    rest = GIB - auto_pages(64) * PAGE
+    lo, hi = (rest - BOOKS_MAX) // K4V2_BLOCK, rest // K4V2_BLOCK
+    tokens = int(rows["kvarn_k4v2_g128"][5])
+    assert tokens % 128 == 0 and lo <= tokens // 128 - 64 <= hi, out
+    # one sequence: auto_pages(1) = 3 pages
+    rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--max-seqs", "1",
+                        "--kv-cache-dtype", "kvarn_k4v2_g128")
+    rest = GIB - auto_pages(1) * PAGE
+    lo, hi = (rest - BOOKS_MAX) // K4V2_BLOCK, rest // K4V2_BLOCK
+    tokens = int(rows["kvarn_k4v2_g128"][5])
+    assert tokens % 128 == 0 and lo <= tokens // 128 - 1 <= hi, out
+
+
+def test_budget_below_the_pages_is_shown(kvarn_bin):
+    # 256 MiB < auto_pages(64) = 136 pages (401 MB): a cache for 64 sequences cannot be
+    # created, and the table says so instead of a token count.
+    rows, out = inspect(kvarn_bin, "--budget", "256MiB", "--kv-cache-dtype", "kvarn_k4v2_g128")
+    assert rows["kvarn_k4v2_g128"][5] == "-", out
+    assert "lower --max-seqs" in out
+    # but requests of 2k still fit in a cache sized for them
+    b = 256 << 20
+    assert int(rows["kvarn_k4v2_g128"][7]) == one_value(kvarn_seqs(b - BOOKS_MAX, 15),
+                                                        kvarn_seqs(b, 15)), out
