@@ -23,6 +23,8 @@
  * and reports its fastest call: with 1 thread timed by the thread's CPU
  * clock, with more threads by the wall clock. */
 #define KVARN_EXPERIMENTAL_API /* the testing knobs (attn.h, cache.h) */
+#include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,15 +66,41 @@ static double rnd(void) /* uniform [-1, 1) */
     return (double)(rng_state >> 11) / 4503599627370496.0 - 1.0;
 }
 
-static list parse_list(const char *s)
+/* A comma-separated list of positive integers ("1024,4096"). Returns 0 and
+ * fills *out, or -1 for an empty list, an empty item, a non-number, a value
+ * outside [1, INT_MAX] or more than MAXL items (*out untouched). */
+static int parse_list(const char *s, list *out)
 {
     list l = {0, {0}};
-    while (*s && l.n < MAXL) {
-        l.v[l.n++] = (int)strtol(s, (char **)&s, 10);
-        if (*s == ',') s++;
-        else break;
+    for (;;) {
+        if (l.n == MAXL) return -1;
+        char *end;
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (end == s || errno != 0 || v < 1 || v > INT_MAX) return -1;
+        l.v[l.n++] = (int)v;
+        if (*end == '\0') break;
+        if (*end != ',') return -1;
+        s = end + 1;
     }
-    return l;
+    *out = l;
+    return 0;
+}
+
+/* Whether every item of a comma-separated shape list names a shape of
+ * names[0..n); sets used[i] for each shape listed. */
+static int parse_shapes(const char *s, const char *const *names, int n, int *used)
+{
+    for (int i = 0; i < n; i++) used[i] = 0;
+    while (1) {
+        size_t len = strcspn(s, ",");
+        int found = 0;
+        for (int i = 0; i < n; i++)
+            if (len == strlen(names[i]) && strncmp(s, names[i], len) == 0) used[i] = found = 1;
+        if (!found) return -1;
+        if (s[len] == '\0') return 0;
+        s += len + 1;
+    }
 }
 
 typedef struct bench_cache {
@@ -231,21 +259,24 @@ static double memcpy_gbs(void)
 
 int main(int argc, char **argv)
 {
-    list ctxs = parse_list("1024,4096,8192,16384,32768"), batches = parse_list("1,16");
-    list threads = parse_list("1,2");
+    list ctxs, batches, threads;
+    parse_list("1024,4096,8192,16384,32768", &ctxs);
+    parse_list("1,16", &batches);
+    parse_list("1,2", &threads);
+    int bad_list = 0;
     const char *shapes = "smol,llama", *formats = NULL;
     double min_time = 0.3, max_mb = 3000, ws_mb = 256;
     int scalar = 0, block_size = 16;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *nx = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick")) {
-            ctxs = parse_list("1024,8192");
-            batches = parse_list("1");
-            threads = parse_list("1");
+            parse_list("1024,8192", &ctxs);
+            parse_list("1", &batches);
+            parse_list("1", &threads);
             min_time = 0.1;
-        } else if (!strcmp(a, "--contexts") && nx) { ctxs = parse_list(nx); i++; }
-        else if (!strcmp(a, "--batches") && nx) { batches = parse_list(nx); i++; }
-        else if (!strcmp(a, "--threads") && nx) { threads = parse_list(nx); i++; }
+        } else if (!strcmp(a, "--contexts") && nx) { bad_list |= parse_list(nx, &ctxs) ? 1 : 0; i++; }
+        else if (!strcmp(a, "--batches") && nx) { bad_list |= parse_list(nx, &batches) ? 2 : 0; i++; }
+        else if (!strcmp(a, "--threads") && nx) { bad_list |= parse_list(nx, &threads) ? 4 : 0; i++; }
         else if (!strcmp(a, "--shapes") && nx) { shapes = nx; i++; }
         else if (!strcmp(a, "--formats") && nx) { formats = nx; i++; }
         else if (!strcmp(a, "--min-time") && nx) { min_time = atof(nx); i++; }
@@ -261,6 +292,19 @@ int main(int argc, char **argv)
         }
     }
     struct { const char *name; int Hq, Hk, D; } shp[2] = {{"smol", 9, 3, 64}, {"llama", 32, 8, 128}};
+    const char *const shape_names[2] = {shp[0].name, shp[1].name};
+    int shape_used[2];
+    if (bad_list) {
+        fprintf(stderr, "bench_attn: --%s: expected a comma-separated list of integers in "
+                        "[1, %d], at most %d items\n",
+                bad_list & 1 ? "contexts" : bad_list & 2 ? "batches" : "threads", INT_MAX, MAXL);
+        return 2;
+    }
+    if (parse_shapes(shapes, shape_names, 2, shape_used) != 0) {
+        fprintf(stderr, "bench_attn: --shapes: unknown or empty shape in '%s' (accepted: smol, llama)\n",
+                shapes);
+        return 2;
+    }
     kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
     kvarn_attn_testing knobs = {0, scalar};
     o0.testing = &knobs;
@@ -283,7 +327,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < n_listed; i++)
         if (strcmp(listed[i].name, "fp16") != 0) fmts[nf++] = listed[i];
     for (int si = 0; si < 2; si++) {
-        if (!strstr(shapes, shp[si].name)) continue;
+        if (!shape_used[si]) continue;
         const int D = shp[si].D, Hk = shp[si].Hk, Hq = shp[si].Hq;
         for (int bi = 0; bi < batches.n; bi++)
             for (int ci = 0; ci < ctxs.n; ci++) {

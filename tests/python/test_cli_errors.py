@@ -261,3 +261,29 @@ def test_bench_codec_runs_a_list(kvarn_bin):
             (["kvarn_k2v2_g128", "64"], ["int8", "64"])]
     assert [row[0] for row in rows] == ["kvarn_k2v2_g128", "int8"], r.stdout
     assert "not served" not in r.stdout
+
+
+# bench_attn's other lists (issue 8's kind: a name or number it does not
+# take is an error, never a silent empty run). Before: '--shapes smoll' ran
+# nothing (strstr), '--contexts 256,x' took 256 and dropped the rest.
+@pytest.mark.parametrize("opt,value", [
+    ("--shapes", "smoll"), ("--shapes", "smol,,llama"), ("--shapes", ""),
+    ("--contexts", "256,x"), ("--contexts", "0"), ("--batches", "1,"),
+    ("--threads", "-1"), ("--contexts", "99999999999"),
+])
+def test_bench_attn_rejects_bad_lists(kvarn_bin, opt, value):
+    argv = [bench_bin("bench_attn"), "--formats", "int8"] + ATTN_QUICK + [opt, value]
+    r = run(argv)
+    assert r.returncode == 2, (opt, value, r.stdout, r.stderr)
+    assert f"bench_attn: {opt}: " in r.stderr, r.stderr
+    assert not any(line.startswith(("smol ", "llama ")) for line in r.stdout.splitlines())
+
+
+def test_bench_attn_runs_each_listed_shape(kvarn_bin):
+    quick = [a for a in ATTN_QUICK]
+    quick[quick.index("--shapes") + 1] = "llama,smol"
+    r = run([bench_bin("bench_attn"), "--formats", "int8"] + quick)
+    assert r.returncode == 0, r.stderr
+    shapes = [line.split()[0] for line in r.stdout.splitlines()
+              if line.startswith(("smol ", "llama "))]
+    assert sorted(set(shapes)) == ["llama", "smol"], r.stdout
