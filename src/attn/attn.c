@@ -215,15 +215,19 @@ static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout
 {
     if (kv->n_blocks < 0 || kv->n_fp16_pages < 0 || kv->sink_tiles < 0)
         return KVARN_ERR_INVALID_ARG;
-    size_t hk = (size_t)kv->n_kv_heads;
+    size_t hk = (size_t)kv->n_kv_heads, tokens_bytes, heads_bytes;
     if (kv->fmt.kind == KVARN_KIND_KVARN) {
         if (kv->record_stride < L->record_bytes) return KVARN_ERR_INVALID_ARG;
     } else {
+        /* checked: a wrapped product would let token records overlap */
         if (kv->token_record_bytes < L->record_bytes ||
-            kv->record_stride < (size_t)kv->block_size * kv->token_record_bytes)
+            kvarn__mul_size((size_t)kv->block_size, kv->token_record_bytes, &tokens_bytes) ||
+            kv->record_stride < tokens_bytes)
             return KVARN_ERR_INVALID_ARG;
     }
-    if (kv->block_stride < hk * kv->record_stride) return KVARN_ERR_INVALID_ARG;
+    /* checked: a wrapped Hk x record_stride would let heads overlap */
+    if (kvarn__mul_size(hk, kv->record_stride, &heads_bytes) || kv->block_stride < heads_bytes)
+        return KVARN_ERR_INVALID_ARG;
     /* fp16 pages (KVarN): a whole K+V tile per head, heads inside a page,
      * 2-byte aligned (include/kvarn/paged.h). */
     if (kv->fmt.kind == KVARN_KIND_KVARN && kv->fp16_pages != NULL) {

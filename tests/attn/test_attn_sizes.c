@@ -64,6 +64,36 @@ static void test_workspace_overflow_is_refused(void **state)
     assert_memory_equal(out, sentinel, sizeof out);
 }
 
+/* Record and block strides whose products wrap: Hk x record_stride and
+ * block_size x token_record_bytes are checked products in check_kv, so a
+ * view whose heads would overlap (or reach outside the block) through a
+ * wrapped product is refused, not read. Hk = 3 and record_stride =
+ * SIZE_MAX / 3 + 2: 3 x record_stride wraps to 5 bytes. */
+static void test_stride_products_do_not_wrap(void **state)
+{
+    (void)state;
+    static uint8_t arena[4096];
+    kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
+    for (int f = 0; f < 2; f++) {
+        kvarn_paged_kv kv = view(f ? "kvarn_k4v2_g128" : "int8", 3);
+        kv.blocks = arena;
+        kv.n_blocks = 1;
+        kv.token_record_bytes = kv.fmt.kind == KVARN_KIND_KVARN ? 0 : kvarn_record_bytes(&kv.fmt, 64);
+        kv.record_stride = SIZE_MAX / 3 + 2;
+        kv.block_stride = 64;
+        size_t ws_bytes = kvarn_attn_workspace_bytes(&kv, 3, 1, 1, 1, &o);
+        assert_true(ws_bytes > 0 && ws_bytes <= 1 << 20);
+        static char ws[1 << 20];
+        int32_t table[1] = {0};
+        kvarn_seq_view sv = {table, 1, 0};
+        float q[3 * 64] = {0}, out[3 * 64], sentinel[3 * 64];
+        for (int i = 0; i < 3 * 64; i++) out[i] = sentinel[i] = -7.0f;
+        assert_int_equal(kvarn_attn_decode(&kv, &sv, 1, 3, q, out, &o, NULL, ws, ws_bytes),
+                         KVARN_ERR_INVALID_ARG);
+        assert_memory_equal(out, sentinel, sizeof out);
+    }
+}
+
 static void test_workspace_large_but_valid(void **state)
 {
     (void)state;
@@ -93,6 +123,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_workspace_overflow_is_refused),
         cmocka_unit_test(test_workspace_large_but_valid),
+        cmocka_unit_test(test_stride_products_do_not_wrap),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
