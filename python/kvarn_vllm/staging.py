@@ -1,0 +1,178 @@
+"""The fp16 staging pool beside vLLM's pages: sink and tail tiles, keyed by
+vLLM block id, and the per-step plan (which tiles receive tokens where,
+which tiles commit). One Staging per worker process; block ids are shared
+by every layer (vLLM allocates a block in all layers at once), so the
+bookkeeping is done once per step (at the first layer) and the pool has one
+fp16 tile per (layer, slot).
+
+Sizing (docs/vllm.md "Capacity"): a running sequence holds at most
+sink_tiles + 1 slots (its sink tiles and its partial tail tile), so the pool
+has max_num_seqs * (sink_tiles + 1) slots, taken out of vLLM's KV budget.
+Full non-sink tiles of a prefill chunk never take a slot: they are staged
+in a per-step scratch and committed at once. Sink slots of blocks that only
+vLLM's prefix cache still holds are reclaimed when the pool runs short (the
+tile's record, committed like every full tile, serves them from then on).
+"""
+import numpy as np
+
+from . import _lib
+
+
+def pool_slots(max_num_seqs: int, sink_tiles: int) -> int:
+    return max_num_seqs * (sink_tiles + 1)
+
+
+def pool_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tile: int,
+               max_num_seqs: int, sink_tiles: int) -> int:
+    """Bytes of the fp16 staging pool: slots x layers x Hk x (K, V) x G x D x 2."""
+    return (pool_slots(max_num_seqs, sink_tiles) * n_layers * n_kv_heads * 2 * tile
+            * head_dim * 2)
+
+
+class StepPlan:
+    """What one model step does to the cache, worked out at its first layer."""
+
+    def __init__(self):
+        self.store_slots = None      # int64 [n_tokens]: pool slot or -1
+        self.scratch_slots = None    # int64 [n_tokens]: scratch slot or -1
+        self.n_scratch = 0           # scratch tiles used
+        self.hist_tables = None      # int32 [n_seqs, max_tiles]: kvarn ids
+        self.hist_lens = None        # int32 [n_seqs]: history tokens (before the chunk)
+        self.hist_committed = None   # int32 [n_seqs]
+        self.hist_has_sink = None    # bool [n_seqs]
+        self.commit_pool = []        # (slot, block) pairs committed from the pool
+        self.commit_scratch = []     # (scratch tile, block) pairs
+        self.free_after = []         # slots released after the last layer
+        self.mark_committed = []     # blocks whose tile is a record after the step
+
+
+class Staging:
+    def __init__(self, n_slots: int, tile: int, sink_tiles: int, n_blocks: int):
+        self.G = tile
+        self.sink_tiles = sink_tiles
+        self.n_slots = n_slots
+        self.slot_of = np.full(n_blocks, -1, dtype=np.int64)
+        self.block_of = np.full(n_slots, -1, dtype=np.int64)
+        self.is_sink = np.zeros(n_slots, dtype=bool)
+        self.committed = np.zeros(n_blocks, dtype=bool)
+        self.free = list(range(n_slots - 1, -1, -1))
+        self.live_blocks = None      # callable -> set of block ids still in use
+
+    # -- vLLM hands blocks out again: forget what they held ------------------
+    def reset_blocks(self, block_ids) -> None:
+        for b in block_ids:
+            s = self.slot_of[b]
+            if s >= 0:
+                self._release(int(s))
+            self.committed[b] = False
+
+    def _release(self, s: int) -> None:
+        b = self.block_of[s]
+        if b >= 0:
+            self.slot_of[b] = -1
+        self.block_of[s] = -1
+        self.is_sink[s] = False
+        self.free.append(s)
+
+    def _take(self, block: int, sink: bool, protect) -> int:
+        if not self.free:
+            self._reclaim(protect)
+        if not self.free:
+            raise _lib.KvarnError(
+                f"kvarn: the fp16 staging pool ({self.n_slots} tiles) is exhausted; "
+                "it is sized for max_num_seqs sequences: this cannot happen unless "
+                "more sequences run than max_num_seqs")
+        s = self.free.pop()
+        self.slot_of[block] = s
+        self.block_of[s] = block
+        self.is_sink[s] = sink
+        return s
+
+    def _reclaim(self, protect) -> None:
+        """Free the slots of blocks no running request holds: tails of
+        finished requests, and sink copies kept only by the prefix cache
+        (their records serve from then on)."""
+        live = set(protect)
+        if self.live_blocks is not None:
+            live |= self.live_blocks()
+        for s in range(self.n_slots):
+            b = self.block_of[s]
+            if b >= 0 and int(b) not in live:
+                self._release(s)
+
+    # -- one step ------------------------------------------------------------
+    def plan(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+             block_table: np.ndarray, n_tokens: int) -> StepPlan:
+        G, S = self.G, self.sink_tiles
+        n_seqs = len(seq_lens)
+        p = StepPlan()
+        p.store_slots = np.full(n_tokens, -1, dtype=np.int64)
+        p.scratch_slots = np.full(n_tokens, -1, dtype=np.int64)
+        max_tiles = max(1, int(block_table.shape[1]))
+        p.hist_tables = np.zeros((n_seqs, max_tiles), dtype=np.int32)
+        p.hist_lens = np.zeros(n_seqs, dtype=np.int32)
+        p.hist_committed = np.zeros(n_seqs, dtype=np.int32)
+        p.hist_has_sink = np.ones(n_seqs, dtype=bool)
+        protect = set()
+        for i in range(n_seqs):
+            n = int(seq_lens[i])
+            protect.update(int(b) for b in block_table[i, :(n + G - 1) // G])
+        for i in range(n_seqs):
+            q0, q1 = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            L = int(seq_lens[i])
+            L0 = L - (q1 - q0)
+            row = block_table[i]
+            # history view: tiles below L0 // G are records (sink tiles: their
+            # fp16 slot when it is still there), the partial tile its slot.
+            full0 = L0 // G
+            for t in range((L0 + G - 1) // G):
+                b = int(row[t])
+                s = int(self.slot_of[b])
+                if t < full0:
+                    if t < S:
+                        if s < 0:
+                            p.hist_has_sink[i] = False
+                            p.hist_tables[i, t] = b
+                        else:
+                            p.hist_tables[i, t] = s
+                    else:
+                        p.hist_tables[i, t] = b
+                else:
+                    p.hist_tables[i, t] = s  # partial tail: always staged
+            p.hist_lens[i] = L0
+            p.hist_committed[i] = full0
+            # the chunk's tokens: tile by tile
+            pos = L0
+            while pos < L:
+                t = pos // G
+                end = min(L, (t + 1) * G)
+                b = int(row[t])
+                j0, j1 = q0 + (pos - L0), q0 + (end - L0)
+                offs = np.arange(pos - t * G, end - t * G, dtype=np.int64)
+                if self.committed[b]:
+                    pass  # a record already (prefix-cache recompute): keep it
+                elif end == (t + 1) * G and t >= S and self.slot_of[b] < 0:
+                    # a whole non-sink tile within this chunk: scratch, commit
+                    k = p.n_scratch
+                    p.n_scratch += 1
+                    p.scratch_slots[j0:j1] = k * G + offs
+                    p.commit_scratch.append((k, b))
+                    p.mark_committed.append(b)
+                else:
+                    s = int(self.slot_of[b])
+                    if s < 0:
+                        s = self._take(b, t < S, protect)
+                    p.store_slots[j0:j1] = s * G + offs
+                    if end == (t + 1) * G:
+                        p.commit_pool.append((s, b))
+                        p.mark_committed.append(b)
+                        if t >= S:
+                            p.free_after.append(s)
+                pos = end
+        return p
+
+    def finish(self, p: StepPlan) -> None:
+        for b in p.mark_committed:
+            self.committed[b] = True
+        for s in p.free_after:
+            self._release(s)

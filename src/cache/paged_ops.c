@@ -1,0 +1,193 @@
+/*
+ * paged_ops.c -- store and commit into caller-owned paged arenas
+ * (include/kvarn/paged_ops.h): the CPU side of what a serving engine such
+ * as vLLM needs when it owns the block pool and kvarn owns the codec.
+ */
+#include "kvarn/paged_ops.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "codec/checked.h"
+#include "codec/fp_convert.h"
+#include "codec/hadamard.h"
+#include "kvarn/record.h"
+
+#define MAX_KVARN_D 256 /* KVarN serves D in {64, 128, 256} */
+
+kvarn_status kvarn_paged_check(const kvarn_paged_kv *kv)
+{
+    if (kv == NULL || kv->n_kv_heads < 1 || kv->n_blocks < 0 || kv->sink_tiles < 0 ||
+        kv->blocks == NULL)
+        return KVARN_ERR_INVALID_ARG;
+    kvarn_status st = kvarn_format_check_head_dim(&kv->fmt, kv->head_dim);
+    if (st != KVARN_OK) return st;
+    const int is_kvarn = kv->fmt.kind == KVARN_KIND_KVARN;
+    if (is_kvarn ? kv->block_size != kv->fmt.tile_tokens
+                 : (kv->block_size < 1 || kv->block_size > 1024))
+        return KVARN_ERR_INVALID_ARG;
+    kvarn_record_layout L;
+    st = kvarn_record_layout_get(&kv->fmt, kv->head_dim, &L);
+    if (st != KVARN_OK) return st;
+    size_t need, heads;
+    if (is_kvarn) {
+        need = L.record_bytes;
+    } else {
+        if (kv->token_record_bytes < L.record_bytes ||
+            kvarn__mul_size((size_t)kv->block_size, kv->token_record_bytes, &need))
+            return KVARN_ERR_INVALID_ARG;
+    }
+    if (kv->record_stride < need ||
+        kvarn__mul_size((size_t)kv->n_kv_heads, kv->record_stride, &heads) ||
+        kv->block_stride < heads)
+        return KVARN_ERR_INVALID_ARG;
+    if (is_kvarn) {
+        if (kv->fp16_pages == NULL || kv->n_fp16_pages < 0 ||
+            ((uintptr_t)kv->fp16_pages % 2) != 0 || kv->page_head_stride % 2 != 0 ||
+            kv->page_stride % 2 != 0 ||
+            kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
+            kvarn__mul_size((size_t)kv->n_kv_heads, kv->page_head_stride, &heads) ||
+            kv->page_stride < heads)
+            return KVARN_ERR_INVALID_ARG;
+    }
+    return KVARN_OK;
+}
+
+/* Whether every rotated component of x (D values) fits fp16: |(Hx)_i| <=
+ * ||x||_2, so the exact rotation is computed only when the norm is beyond
+ * fp16's largest finite value. Also rejects NaN/Inf. */
+static int rotated_fits(const float *x, int D)
+{
+    double ss = 0.0;
+    for (int d = 0; d < D; d++) {
+        if (!isfinite(x[d])) return 0;
+        ss += (double)x[d] * (double)x[d];
+    }
+    if (sqrt(ss) <= 65504.0) return 1;
+    float tmp[MAX_KVARN_D];
+    memcpy(tmp, x, (size_t)D * sizeof(float));
+    kvarn_hadamard(tmp, D);
+    for (int d = 0; d < D; d++)
+        if (!(fabsf(tmp[d]) <= 65504.0f)) return 0;
+    return 1;
+}
+
+static int all_finite(const float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) return 0;
+    return 1;
+}
+
+static kvarn_status check_store(const kvarn_paged_kv *kv, const float *k, const float *v,
+                                const int64_t *slots, int n)
+{
+    const int G = kv->block_size, H = kv->n_kv_heads, D = kv->head_dim;
+    const int is_kvarn = kv->fmt.kind == KVARN_KIND_KVARN;
+    const int64_t n_ids = is_kvarn ? kv->n_fp16_pages : kv->n_blocks;
+    for (int j = 0; j < n; j++) {
+        if (slots[j] < 0) continue;
+        if (slots[j] / G >= n_ids) return KVARN_ERR_INVALID_ARG;
+    }
+    for (int j = 0; j < n; j++) {
+        if (slots[j] < 0) continue;
+        const size_t row = (size_t)j * (size_t)H * (size_t)D;
+        for (int h = 0; h < H; h++) {
+            const float *kx = k + row + (size_t)h * D, *vx = v + row + (size_t)h * D;
+            if (is_kvarn ? !(rotated_fits(kx, D) && rotated_fits(vx, D))
+                         : !(all_finite(kx, (size_t)D) && all_finite(vx, (size_t)D)))
+                return KVARN_ERR_NONFINITE;
+        }
+    }
+    return KVARN_OK;
+}
+
+kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const float *v,
+                               const int64_t *slot_mapping, int n_tokens)
+{
+    if (n_tokens < 0 || (n_tokens > 0 && (k == NULL || v == NULL || slot_mapping == NULL)))
+        return KVARN_ERR_INVALID_ARG;
+    kvarn_status st = kvarn_paged_check(kv);
+    if (st != KVARN_OK || n_tokens == 0) return st;
+    st = check_store(kv, k, v, slot_mapping, n_tokens);
+    if (st != KVARN_OK) return st;
+
+    const int G = kv->block_size, H = kv->n_kv_heads, D = kv->head_dim;
+    float vec[MAX_KVARN_D];
+    for (int j = 0; j < n_tokens; j++) {
+        if (slot_mapping[j] < 0) continue;
+        const int32_t id = (int32_t)(slot_mapping[j] / G);
+        const int off = (int)(slot_mapping[j] % G);
+        const size_t row = (size_t)j * (size_t)H * (size_t)D;
+        for (int h = 0; h < H; h++) {
+            const float *kx = k + row + (size_t)h * D, *vx = v + row + (size_t)h * D;
+            if (kv->fmt.kind == KVARN_KIND_KVARN) {
+                uint16_t *dk = kvarn_paged_page_k(kv, id, h) + (size_t)off * D;
+                uint16_t *dv = kvarn_paged_page_v(kv, id, h) + (size_t)off * D;
+                for (int which = 0; which < 2; which++) {
+                    memcpy(vec, which ? vx : kx, (size_t)D * sizeof(float));
+                    kvarn_hadamard(vec, D);
+                    uint16_t *dst = which ? dv : dk;
+                    for (int d = 0; d < D; d++) dst[d] = kvarn__fp16_from_f32(vec[d]);
+                }
+            } else {
+                st = kvarn_encode(&kv->fmt, D, kx, vx,
+                                  kvarn_paged_token_record(kv, id, h, off),
+                                  kv->token_record_bytes, NULL, 0, NULL);
+                if (st != KVARN_OK) return st; /* cannot happen after the checks */
+            }
+        }
+    }
+    return KVARN_OK;
+}
+
+size_t kvarn_paged_commit_workspace_bytes(const kvarn_paged_kv *kv)
+{
+    if (kvarn_paged_check(kv) != KVARN_OK || kv->fmt.kind != KVARN_KIND_KVARN) return 0;
+    const size_t tile = (size_t)kv->block_size * (size_t)kv->head_dim * sizeof(float);
+    return 2 * tile + kvarn_encode_workspace_bytes(&kv->fmt, kv->head_dim);
+}
+
+kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pages,
+                                const int32_t *dst_blocks, int n_tiles,
+                                const kvarn_codec_opts *opts,
+                                void *workspace, size_t workspace_size)
+{
+    if (n_tiles < 0 || (n_tiles > 0 && (src_pages == NULL || dst_blocks == NULL)))
+        return KVARN_ERR_INVALID_ARG;
+    kvarn_status st = kvarn_paged_check(kv);
+    if (st != KVARN_OK) return st;
+    if (kv->fmt.kind != KVARN_KIND_KVARN) return KVARN_ERR_INVALID_ARG;
+    if (n_tiles == 0) return KVARN_OK;
+    const size_t need = kvarn_paged_commit_workspace_bytes(kv);
+    if (workspace == NULL || workspace_size < need) return KVARN_ERR_BUFFER_TOO_SMALL;
+    for (int i = 0; i < n_tiles; i++) {
+        if (src_pages[i] < 0 || dst_blocks[i] < 0) continue;
+        if (src_pages[i] >= kv->n_fp16_pages || dst_blocks[i] >= kv->n_blocks)
+            return KVARN_ERR_INVALID_ARG;
+    }
+    kvarn_codec_opts co = KVARN_CODEC_OPTS_DEFAULT;
+    if (opts != NULL) co = *opts;
+    co.prerotated = 1;
+
+    const int G = kv->block_size, D = kv->head_dim;
+    const size_t GD = (size_t)G * (size_t)D;
+    float *tk = (float *)workspace, *tv = tk + GD;
+    void *enc = tv + GD;
+    const size_t enc_bytes = workspace_size - 2 * GD * sizeof(float);
+    for (int i = 0; i < n_tiles; i++) {
+        if (src_pages[i] < 0 || dst_blocks[i] < 0) continue;
+        for (int h = 0; h < kv->n_kv_heads; h++) {
+            const uint16_t *pk = kvarn_paged_page_k(kv, src_pages[i], h);
+            const uint16_t *pv = kvarn_paged_page_v(kv, src_pages[i], h);
+            for (size_t e = 0; e < GD; e++) {
+                tk[e] = kvarn__fp16_to_f32(pk[e]);
+                tv[e] = kvarn__fp16_to_f32(pv[e]);
+            }
+            st = kvarn_encode(&kv->fmt, D, tk, tv, kvarn_paged_record(kv, dst_blocks[i], h),
+                              kv->record_stride, enc, enc_bytes, &co);
+            if (st != KVARN_OK) return st;
+        }
+    }
+    return KVARN_OK;
+}
