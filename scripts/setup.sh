@@ -2,16 +2,21 @@
 # setup.sh -- install what kvarn needs on a fresh Debian 12 machine.
 #   scripts/setup.sh --deps    Debian build/test packages and the Python test packages
 #   scripts/setup.sh --model   also the evaluation model and text (../shared/EVAL.md)
+#   scripts/setup.sh --vllm    also vLLM's CPU build in .venv-vllm, the kvarn_vllm
+#                              plug-in (python/) and the model converted for vLLM
+#                              (needs the model and build/libkvarn.so; docs/vllm.md)
 # Re-running it does nothing when everything is in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 want_model=0
+want_vllm=0
 for a in "$@"; do
   case "$a" in
     --deps) ;;
     --model) want_model=1 ;;
-    *) echo "usage: scripts/setup.sh [--deps] [--model]" >&2; exit 2 ;;
+    --vllm) want_model=1; want_vllm=1 ;;
+    *) echo "usage: scripts/setup.sh [--deps] [--model] [--vllm]" >&2; exit 2 ;;
   esac
 done
 
@@ -35,4 +40,8 @@ fi
 
 if [ "$want_model" = 1 ]; then
   bash scripts/get_model.sh
+fi
+
+if [ "$want_vllm" = 1 ]; then
+  bash scripts/setup_vllm.sh
 fi

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test.sh -- the whole test suite on a fresh machine: installs what it needs,
 # builds, runs the C unit tests (plain and ASan+UBSan builds), the attention
-# tests under ThreadSanitizer, and the Python tests against the real model.
+# tests under ThreadSanitizer, the Python tests against the real model, and
+# the vLLM plug-in tests on vLLM's CPU build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
@@ -50,3 +51,9 @@ if ls tests/python/test_*.py >/dev/null 2>&1; then
   echo "== Python tests (real model)" >&2
   python3 -m pytest -q tests/python
 fi
+
+# The vLLM plug-in (python/kvarn_vllm) on vLLM's CPU build, end to end on the
+# converted model: installs .venv-vllm the first time (docs/vllm.md).
+echo "== vLLM plug-in tests (tests/vllm)" >&2
+bash scripts/setup.sh --vllm
+.venv-vllm/bin/python -m pytest -q tests/vllm

@@ -22,7 +22,7 @@ def convert(gguf_path: str, out_dir: str) -> None:
     folder, name = os.path.split(os.path.abspath(gguf_path))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                               torch_dtype=torch.float32)
+                                               dtype=torch.float32)
     config = src.config
     config.torch_dtype = "float32"
     for key in ("quantization_config",):

@@ -1,0 +1,104 @@
+"""Offline serving throughput on vLLM's CPU build at one fixed KV budget:
+vLLM's bf16 cache vs the kvarn plug-in (and vLLM's own fp8 cache), the same
+requests, in one run (docs/vllm.md "Benchmark"; README "Serve with vLLM").
+
+    .venv-vllm/bin/python bench/vllm_throughput.py [--requests 32]
+        [--prompt-tokens 2048] [--gen 128] [--kv-bytes 536870912]
+        [--max-num-seqs 32] [--dtypes bfloat16,kvarn_k4v2_g128,fp8_e5m2]
+
+Prompts are distinct Austen passages (data/austen/all.txt) cut to
+--prompt-tokens tokens. Each cache format runs in a fresh process with the
+engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the scheduler
+can be watched: peak running requests and preemptions are counted by
+wrapping Scheduler.schedule and Scheduler._preempt_request. Prints per
+format: KV tokens vLLM reports, requests/s, output tokens/s, peak running,
+preemptions, and the ratios to the first format.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-hf")
+
+
+def one(cfg: dict) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.core.sched.scheduler import Scheduler
+    stats = {"peak_running": 0, "preemptions": 0}
+    orig_schedule, orig_preempt = Scheduler.schedule, Scheduler._preempt_request
+
+    def schedule(self, *a, **k):
+        out = orig_schedule(self, *a, **k)
+        stats["peak_running"] = max(stats["peak_running"], len(self.running))
+        return out
+
+    def preempt(self, *a, **k):
+        stats["preemptions"] += 1
+        return orig_preempt(self, *a, **k)
+    Scheduler.schedule, Scheduler._preempt_request = schedule, preempt
+
+    llm = LLM(model=MODEL, dtype=cfg["model_dtype"], enforce_eager=True, seed=0,
+              kv_cache_dtype=cfg["dtype"], block_size=128,
+              kv_cache_memory_bytes=cfg["kv_bytes"], max_num_seqs=cfg["max_num_seqs"],
+              max_model_len=cfg["prompt_tokens"] + cfg["gen"] + 128)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    text = open(os.path.join(ROOT, "data", "austen", "all.txt"), encoding="utf-8").read()
+    ids = tok(text[: cfg["requests"] * cfg["prompt_tokens"] * 6])["input_ids"]
+    P = cfg["prompt_tokens"]
+    prompts = [TokensPrompt(prompt_token_ids=ids[i * P:(i + 1) * P]) for i in range(cfg["requests"])]
+    sp = SamplingParams(temperature=0, max_tokens=cfg["gen"], ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    cc = llm.llm_engine.vllm_config.cache_config
+    return dict(dtype=cfg["dtype"], kv_tokens=cc.num_gpu_blocks * cc.block_size, seconds=dt,
+                req_s=len(outs) / dt, out_tok_s=n_out / dt, **stats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--kv-bytes", type=int, default=512 << 20)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--model-dtype", default="bfloat16")
+    ap.add_argument("--dtypes", default="bfloat16,kvarn_k4v2_g128,fp8_e5m2")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print("RESULT " + json.dumps(one(json.loads(a.one))), flush=True)
+        return
+    rows = []
+    for d in a.dtypes.split(","):
+        cfg = dict(dtype=d, requests=a.requests, prompt_tokens=a.prompt_tokens, gen=a.gen,
+                   kv_bytes=a.kv_bytes, max_num_seqs=a.max_num_seqs, model_dtype=a.model_dtype)
+        p = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
+                           capture_output=True, text=True)
+        res = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+        if p.returncode != 0 or not res:
+            print(f"{d}: failed (rc {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
+            continue
+        rows.append(json.loads(res[0][7:]))
+    print(f"{a.requests} requests x {a.prompt_tokens} prompt + {a.gen} generated tokens, "
+          f"KV budget {a.kv_bytes / 2**20:.0f} MiB, max_num_seqs {a.max_num_seqs}, "
+          f"model {a.model_dtype}, {os.cpu_count()} CPUs")
+    print(f"{'cache':18} {'KV tokens':>10} {'req/s':>8} {'out tok/s':>10} {'peak run':>9} "
+          f"{'preempt':>8} {'x req/s':>8} {'x run':>6}")
+    for r in rows:
+        b = rows[0]
+        print(f"{r['dtype']:18} {r['kv_tokens']:>10} {r['req_s']:>8.3f} {r['out_tok_s']:>10.1f} "
+              f"{r['peak_running']:>9} {r['preemptions']:>8} {r['req_s'] / b['req_s']:>8.2f} "
+              f"{r['peak_running'] / max(1, b['peak_running']):>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

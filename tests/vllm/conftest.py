@@ -1,0 +1,39 @@
+"""Fixtures of the vLLM plug-in tests. They run under the vLLM venv's
+python (scripts/setup.sh --vllm makes .venv-vllm; scripts/test.sh runs
+them): vLLM, the plug-in and the converted model must be there, and a
+missing piece fails the tests (it is not a skip)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+HF_MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-hf")
+GGUF_MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+KVARN_CLI = os.path.join(ROOT, "build", "kvarn")
+RUN_LLM = os.path.join(os.path.dirname(__file__), "run_llm.py")
+
+
+def run_llm(cfg: dict, expect_ok: bool = True, timeout: int = 900):
+    """One engine in a fresh process; returns (result dict or None, stderr)."""
+    cfg = dict(cfg)
+    cfg.setdefault("model", HF_MODEL)
+    p = subprocess.run([sys.executable, RUN_LLM, json.dumps(cfg)], capture_output=True,
+                       text=True, timeout=timeout, cwd=ROOT)
+    res = None
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+    if expect_ok and (p.returncode != 0 or res is None):
+        raise AssertionError(f"vLLM run failed (rc {p.returncode}) for {cfg}:\n"
+                             f"{p.stderr[-6000:]}")
+    return res, p.stderr
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    assert os.path.exists(os.path.join(HF_MODEL, "config.json")), \
+        f"{HF_MODEL} missing: run scripts/setup.sh --vllm"
+    return HF_MODEL

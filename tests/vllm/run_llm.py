@@ -1,0 +1,66 @@
+"""Run one vLLM configuration in a fresh process and print its results as
+one JSON line (the tests compare runs; a process per run keeps each engine's
+state and the plug-in's per-process staging pool apart).
+
+    python run_llm.py '{"kv_cache_dtype": "kvarn_k4v2_g128", "prompts": [...], ...}'
+
+Keys: model, kv_cache_dtype, block_size (128), kv_space_gib (1),
+max_num_seqs (8), max_num_batched_tokens (null: vLLM's), prefix_caching
+(false), warm_prompts (run first, e.g. to fill the prefix cache),
+load_format, prompts (text) or prompt_ids (token-id lists), max_tokens (16),
+logprobs (null), prompt_logprobs (null), max_logprobs (20).
+Prints {"kv_tokens": N, "outputs": [{"text", "token_ids", "logprobs",
+"prompt_logprobs"}...]}; logprobs as [{token_id: logprob}] per position.
+"""
+import json
+import os
+import sys
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.get("kv_space_gib", 1))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    kw = dict(model=cfg["model"], dtype="float32", enforce_eager=True, seed=0,
+              kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"),
+              block_size=cfg.get("block_size", 128),
+              max_num_seqs=cfg.get("max_num_seqs", 8),
+              max_model_len=cfg.get("max_model_len", 2048),
+              enable_prefix_caching=cfg.get("prefix_caching", False),
+              max_logprobs=cfg.get("max_logprobs", 20))
+    if cfg.get("load_format"):
+        kw["load_format"] = cfg["load_format"]
+    if cfg.get("max_num_batched_tokens"):
+        kw["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
+        kw["enable_chunked_prefill"] = True
+    llm = LLM(**kw)
+    sp = SamplingParams(temperature=0, max_tokens=cfg.get("max_tokens", 16),
+                        logprobs=cfg.get("logprobs"), prompt_logprobs=cfg.get("prompt_logprobs"))
+    if "prompt_ids" in cfg:
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cfg["prompt_ids"]]
+    else:
+        prompts = cfg["prompts"]
+    for w in cfg.get("warm_prompts", []):
+        llm.generate([w], sp, use_tqdm=False)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+
+    def lp(seq):
+        if seq is None:
+            return None
+        return [None if d is None else {str(t): v.logprob for t, v in d.items()} for d in seq]
+
+    res = {"outputs": [{"text": o.outputs[0].text,
+                        "token_ids": list(o.outputs[0].token_ids),
+                        "prompt_token_ids": list(o.prompt_token_ids),
+                        "logprobs": lp(o.outputs[0].logprobs),
+                        "prompt_logprobs": lp(o.prompt_logprobs),
+                        "num_cached_tokens": o.num_cached_tokens} for o in outs]}
+    cc = llm.llm_engine.vllm_config.cache_config
+    res["kv_blocks"] = cc.num_gpu_blocks
+    res["kv_tokens"] = None if cc.num_gpu_blocks is None else cc.num_gpu_blocks * cc.block_size
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Registration and flag parsing: the kvarn names reach vLLM's CLI and
+EngineArgs, an unknown kvarn name gets the C library's own error (which
+lists what is accepted), vLLM's own names keep working, and another vLLM
+version is refused at load."""
+import importlib.metadata
+import subprocess
+import sys
+
+import pytest
+
+import kvarn_vllm
+from kvarn_vllm import plugin
+from conftest import ROOT
+
+PRESETS = ["kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k4v4_g64"]
+
+
+def test_entry_point_is_installed():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.value == "kvarn_vllm.plugin:register" for ep in eps)
+
+
+def _parser():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    plugin.register()
+    return EngineArgs.add_cli_args(FlexibleArgumentParser())
+
+
+@pytest.mark.parametrize("name", PRESETS + ["kvarn_k8v8_g32", "kvarn_k2v2_g64"])
+def test_cli_accepts_every_kvarn_name(name):
+    args = _parser().parse_args(["--kv-cache-dtype", name])
+    assert args.kv_cache_dtype == name
+
+
+@pytest.mark.parametrize("name", ["auto", "fp8", "fp8_e5m2", "bfloat16"])
+def test_cli_keeps_vllm_names(name):
+    assert _parser().parse_args(["--kv-cache-dtype", name]).kv_cache_dtype == name
+
+
+def test_cli_unknown_kvarn_name_gets_library_error():
+    # In a subprocess: argparse exits, and its message goes to stderr.
+    code = ("from vllm.engine.arg_utils import EngineArgs;"
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser;"
+            "import kvarn_vllm.plugin as p; p.register();"
+            "EngineArgs.add_cli_args(FlexibleArgumentParser())"
+            ".parse_args(['--kv-cache-dtype', 'kvarn_k3v2_g128'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0
+    assert "unknown cache format 'kvarn_k3v2_g128'" in r.stderr
+    assert "kvarn_k4v2_g128" in r.stderr and "accepted" in r.stderr
+
+
+def test_cli_rejects_garbage_non_kvarn_name():
+    code = ("from vllm.engine.arg_utils import EngineArgs;"
+            "from vllm.utils.argparse_utils import FlexibleArgumentParser;"
+            "import kvarn_vllm.plugin as p; p.register();"
+            "EngineArgs.add_cli_args(FlexibleArgumentParser())"
+            ".parse_args(['--kv-cache-dtype', 'int3'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0 and "int3" in r.stderr
+
+
+def test_engine_args_and_cache_config(hf_model):
+    from vllm.config import CacheConfig
+    from vllm.engine.arg_utils import EngineArgs
+    plugin.register()
+    assert CacheConfig(cache_dtype="kvarn_k4v2_g128").cache_dtype == "kvarn_k4v2_g128"
+    with pytest.raises(ValueError, match="accepted"):
+        EngineArgs(model=hf_model, kv_cache_dtype="kvarn_k4v3_g128")
+    ea = EngineArgs(model=hf_model, kv_cache_dtype="kvarn_k4v2_g128")
+    assert ea.kv_cache_dtype == "kvarn_k4v2_g128"
+
+
+def test_other_vllm_version_is_refused(monkeypatch):
+    import vllm
+    monkeypatch.setattr(vllm, "__version__", "0.31.1")
+    monkeypatch.setattr(plugin, "_done", False)
+    with pytest.raises(RuntimeError, match=kvarn_vllm.SUPPORTED_VLLM.replace(".", r"\.")):
+        plugin.register()
