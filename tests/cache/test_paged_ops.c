@@ -468,6 +468,49 @@ static void test_errors_leave_arenas_intact(void **state)
     check_errors("fp8_e4m3", 128);
 }
 
+/* Per-token formats: a finite value the format cannot hold (its fp16 field
+ * would overflow: fp16 values beyond 65504, an int8/int4 zero-point below
+ * -65504, an fp8 scale amax / fp8_max beyond 65504; -1e8 is all of these)
+ * is refused by kvarn_encode with KVARN_ERR_NONFINITE. kvarn_paged_store
+ * must refuse the whole batch the same way before writing any token: here
+ * the bad token comes after two good ones. (Regression: the store checked
+ * only isfinite for per-token formats, so it wrote the good tokens and then
+ * failed in kvarn_encode, leaving a partly stored batch.) */
+static void test_per_token_unstorable_finite(void **state)
+{
+    (void)state;
+    const char *fmts[4] = {"int8", "int4", "fp8_e4m3", "fp16"};
+    const int D = 64, G = 8;
+    const size_t row = (size_t)HK * D;
+    for (int f = 0; f < 4; f++) {
+        pa_arena a;
+        assert_int_equal(pa_make(&a, fmts[f], D, HK, G, 2, 0), 0);
+        test_rng rng;
+        test_rng_seed(&rng, 55 + (uint64_t)f);
+        float *k = malloc(sizeof(float) * 3 * row), *v = malloc(sizeof(float) * 3 * row);
+        fill_kv(&rng, k, v, 3, D);
+        for (int which = 0; which < 2; which++) {
+            float *x = (which ? v : k) + 2 * row + (size_t)(HK - 1) * D + 7;
+            const float keep = *x;
+            *x = -1e8f;
+            /* the codec's own verdict on that token-head */
+            uint8_t rec[1024];
+            const float *kk = k + 2 * row + (size_t)(HK - 1) * D, *vv = v + 2 * row + (size_t)(HK - 1) * D;
+            assert_int_equal(kvarn_encode(&a.kv.fmt, D, kk, vv, rec, sizeof rec, NULL, 0, NULL),
+                             KVARN_ERR_NONFINITE);
+            uint8_t *snap = pa_snapshot(&a);
+            const int64_t slots[3] = {kvarn_paged_slot(1, G, 0), kvarn_paged_slot(0, G, 3),
+                                      kvarn_paged_slot(1, G, 1)};
+            assert_int_equal(kvarn_paged_store(&a.kv, k, v, slots, 3), KVARN_ERR_NONFINITE);
+            assert_true(pa_equals(&a, snap));
+            free(snap);
+            *x = keep;
+        }
+        free(k); free(v);
+        pa_free(&a);
+    }
+}
+
 /* A NaN in an fp16 page (a caller writing pages by hand) stops the commit
  * at that tile with KVARN_ERR_NONFINITE; the tiles before it are written,
  * the one with the NaN and the ones after it are not. */
@@ -514,6 +557,7 @@ int main(void)
         cmocka_unit_test(test_commit_is_unrotated_encode),
         cmocka_unit_test(test_per_token_store),
         cmocka_unit_test(test_errors_leave_arenas_intact),
+        cmocka_unit_test(test_per_token_unstorable_finite),
         cmocka_unit_test(test_commit_nonfinite_page),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
