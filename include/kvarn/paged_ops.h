@@ -71,8 +71,10 @@ size_t kvarn_paged_commit_workspace_bytes(const kvarn_paged_kv *kv);
  * caller writing pages by hand) stops at that tile with
  * KVARN_ERR_NONFINITE; earlier tiles were written.
  * Errors: KVARN_ERR_INVALID_ARG (NULL with n_tiles > 0, n_tiles < 0,
- * per-token format, bad view or opts, an id outside its arena),
- * KVARN_ERR_BUFFER_TOO_SMALL (workspace), KVARN_ERR_NONFINITE. */
+ * per-token format, bad view or opts (also when every entry is skipped),
+ * workspace not 16-byte aligned, an id outside its arena),
+ * KVARN_ERR_BUFFER_TOO_SMALL (workspace NULL or too small),
+ * KVARN_ERR_NONFINITE. */
 kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pages,
                                 const int32_t *dst_blocks, int n_tiles,
                                 const kvarn_codec_opts *opts,

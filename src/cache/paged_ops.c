@@ -165,9 +165,14 @@ kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pag
     kvarn_status st = kvarn_paged_check(kv);
     if (st != KVARN_OK) return st;
     if (kv->fmt.kind != KVARN_KIND_KVARN) return KVARN_ERR_INVALID_ARG;
+    /* opts' range as kvarn.h gives it, checked here too so that it is
+     * refused even when every entry is skipped */
+    if (opts != NULL && (opts->balance_iters < 0 || opts->balance_iters > 64))
+        return KVARN_ERR_INVALID_ARG;
     if (n_tiles == 0) return KVARN_OK;
     const size_t need = kvarn_paged_commit_workspace_bytes(kv);
     if (workspace == NULL || workspace_size < need) return KVARN_ERR_BUFFER_TOO_SMALL;
+    if ((uintptr_t)workspace % 16 != 0) return KVARN_ERR_INVALID_ARG; /* fp32 scratch on it */
     for (int i = 0; i < n_tiles; i++) {
         if (src_pages[i] < 0 || dst_blocks[i] < 0) continue;
         if (src_pages[i] >= kv->n_fp16_pages || dst_blocks[i] >= kv->n_blocks)

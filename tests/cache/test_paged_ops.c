@@ -444,13 +444,28 @@ static void check_errors(const char *name, int D)
                              KVARN_ERR_INVALID_ARG);
             assert_true(pa_equals(&a, snap));
         }
-        /* bad codec options (balance_iters outside [0, 64]) */
+        /* bad codec options (balance_iters outside [0, 64]): refused
+         * whether or not any entry is committed (regression: with every
+         * entry skipped they were accepted) */
         const kvarn_codec_opts bo[2] = {{65, 1}, {-1, 1}};
+        const int32_t skip[1] = {-1};
         for (int i = 0; i < 2; i++) {
             assert_int_equal(kvarn_paged_commit(kv, ok_src, ok_dst, 1, &bo[i], ws, wsz),
                              KVARN_ERR_INVALID_ARG);
+            assert_int_equal(kvarn_paged_commit(kv, skip, skip, 1, &bo[i], ws, wsz),
+                             KVARN_ERR_INVALID_ARG);
             assert_true(pa_equals(&a, snap));
         }
+        /* a workspace that is not 16-byte aligned (paged_ops.h) is refused,
+         * not used (regression: the encoder's fp32 scratch was laid on it,
+         * a misaligned access UBSan stops at) */
+        uint8_t *wbig = ws_alloc(wsz + 16);
+        for (int mis = 1; mis < 16; mis += 7) {
+            assert_int_equal(kvarn_paged_commit(kv, ok_src, ok_dst, 1, NULL, wbig + mis, wsz),
+                             KVARN_ERR_INVALID_ARG);
+            assert_true(pa_equals(&a, snap));
+        }
+        free(wbig);
     } else {
         assert_int_equal(kvarn_paged_commit(kv, ok_src, ok_dst, 1, NULL, ws, 0), KVARN_ERR_INVALID_ARG);
         assert_true(pa_equals(&a, snap));
