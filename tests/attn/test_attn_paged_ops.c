@@ -7,7 +7,9 @@
  * tail page} must equal double-precision attention over what the codec says
  * those tiles hold: the fp16 rounding of the rotated K/V for the sink and
  * tail pages, kvarn_decode(KVARN_DECODE_ROTATED) of the codec's own record
- * for the block. The store/commit bytes themselves are
+ * for the block. Per-token formats (int8, fp8_e4m3; padded token records)
+ * the same way without pages: attention over kvarn_decode of each token's
+ * kvarn_encode. The store/commit bytes themselves are
  * tests/cache/test_paged_ops.c. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -26,10 +28,11 @@ enum { HK = 2, GROUP = 3, HQ = HK * GROUP };
 static void check_format(const char *name, int D, uint64_t seed)
 {
     pa_arena a;
-    assert_int_equal(pa_make(&a, name, D, HK, 0, 3, 5), 0);
+    assert_int_equal(pa_make(&a, name, D, HK, 16, 4, 5), 0);
     const kvarn_paged_kv *kv = &a.kv;
+    const int is_kvarn = kv->fmt.kind == KVARN_KIND_KVARN;
     const int G = kv->block_size, len = 2 * G + G / 2;
-    assert_int_equal(kv->sink_tiles, 1);
+    assert_int_equal(kv->sink_tiles, is_kvarn ? 1 : 0);
     const size_t row = (size_t)HK * D;
     test_rng rng;
     test_rng_seed(&rng, seed);
@@ -39,9 +42,10 @@ static void check_format(const char *name, int D, uint64_t seed)
         k[i] = (float)(chan * test_rng_normal(&rng));
         v[i] = (float)test_rng_normal(&rng);
     }
-    /* tile 0 -> page 3 (sink), tile 1 -> page 1 (committed into block 2
-     * below), tile 2 -> page 4 (tail, half full) */
-    const int32_t page_of[3] = {3, 1, 4};
+    /* KVarN: tile 0 -> page 3 (sink), tile 1 -> page 1 (committed into
+     * block 2 below), tile 2 -> page 4 (tail, half full). Per-token
+     * formats: the tiles go to blocks 3, 1, 2 directly. */
+    const int32_t page_of[3] = {3, 1, is_kvarn ? 4 : 2};
     int64_t *slots = malloc(sizeof(int64_t) * (size_t)len);
     for (int t = 0; t < len; t++) slots[t] = kvarn_paged_slot(page_of[t / G], G, t % G);
     /* a prefill chunk ending inside tile 1, the rest of the prompt, then
@@ -53,30 +57,37 @@ static void check_format(const char *name, int D, uint64_t seed)
                          KVARN_OK);
     const int32_t src = 1, dst = 2;
     size_t cw = kvarn_paged_commit_workspace_bytes(kv);
-    void *cws = malloc(cw);
-    assert_int_equal(kvarn_paged_commit(kv, &src, &dst, 1, NULL, cws, cw), KVARN_OK);
-    /* the engine frees page 1: NaN there would show if attention read it */
-    for (int h = 0; h < HK; h++)
-        memset(kvarn_paged_page_k(kv, 1, h), 0xff, kvarn_paged_fp16_tile_bytes(G, D));
-
-    /* What attention must see, rotated basis, [len][Hk][D], from the codec
-     * (paged_arena.h's oracles), not from the arena. */
-    float *kd = malloc(sizeof(float) * len * row), *vd = malloc(sizeof(float) * len * row);
-    uint16_t rk[256];
-    for (int t = 0; t < len; t++) {
-        if (t / G == 1) continue;
+    void *cws = malloc(cw + 1);
+    if (is_kvarn) {
+        assert_int_equal(kvarn_paged_commit(kv, &src, &dst, 1, NULL, cws, cw), KVARN_OK);
+        /* the engine frees page 1: NaN there would show if attention read it */
         for (int h = 0; h < HK; h++)
-            for (int which = 0; which < 2; which++) {
-                const float *x = (which ? v : k) + (size_t)t * row + (size_t)h * D;
-                float *y = (which ? vd : kd) + (size_t)t * row + (size_t)h * D;
-                pa_expect_page_row(rk, x, D);
-                for (int d = 0; d < D; d++) y[d] = kvarn_fp16_to_fp32(rk[d]);
-            }
+            memset(kvarn_paged_page_k(kv, 1, h), 0xff, kvarn_paged_fp16_tile_bytes(G, D));
     }
+
+    /* What attention must see, [len][Hk][D] (rotated basis for KVarN),
+     * from the codec (paged_arena.h's oracles), not from the arena. */
+    float *kd = malloc(sizeof(float) * len * row), *vd = malloc(sizeof(float) * len * row);
     size_t rb = a.L.record_bytes;
     uint8_t *rec = malloc(rb);
+    uint16_t rk[256];
+    for (int t = 0; t < len; t++) {
+        if (is_kvarn && t / G == 1) continue;
+        for (int h = 0; h < HK; h++) {
+            const size_t at = (size_t)t * row + (size_t)h * D;
+            if (!is_kvarn) {
+                assert_int_equal(kvarn_encode(&kv->fmt, D, k + at, v + at, rec, rb, NULL, 0, NULL), KVARN_OK);
+                assert_int_equal(kvarn_decode(&kv->fmt, D, rec, rb, kd + at, vd + at, 0), KVARN_OK);
+                continue;
+            }
+            for (int which = 0; which < 2; which++) {
+                pa_expect_page_row(rk, (which ? v : k) + at, D);
+                for (int d = 0; d < D; d++) (which ? vd : kd)[at + d] = kvarn_fp16_to_fp32(rk[d]);
+            }
+        }
+    }
     float *tk = malloc(sizeof(float) * (size_t)G * D), *tv = malloc(sizeof(float) * (size_t)G * D);
-    for (int h = 0; h < HK; h++) {
+    for (int h = 0; is_kvarn && h < HK; h++) {
         pa_gather_tile(k, v, HK, D, h, G, G, tk, tv);
         assert_int_equal(pa_oracle_record(&kv->fmt, D, tk, tv, rec, rb, NULL), KVARN_OK);
         assert_int_equal(kvarn_decode(&kv->fmt, D, rec, rb, tk, tv, KVARN_DECODE_ROTATED), KVARN_OK);
@@ -87,7 +98,8 @@ static void check_format(const char *name, int D, uint64_t seed)
     }
 
     const int32_t table[3] = {3, 2, 4};
-    kvarn_seq_view view = {table, len, 2};
+    const int32_t table_pt[3] = {3, 1, 2};
+    kvarn_seq_view view = {is_kvarn ? table : table_pt, len, is_kvarn ? 2 : 3};
     float *q = malloc(sizeof(float) * HQ * D), *out = malloc(sizeof(float) * HQ * D);
     for (int i = 0; i < HQ * D; i++) q[i] = (float)test_rng_normal(&rng);
     const double scale = 1.0 / sqrt((double)D);
@@ -133,8 +145,8 @@ static void check_format(const char *name, int D, uint64_t seed)
 static void test_attention_through_arena(void **state)
 {
     (void)state;
-    const char *fmts[2] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64"};
-    for (int f = 0; f < 2; f++)
+    const char *fmts[4] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "int8", "fp8_e4m3"};
+    for (int f = 0; f < 4; f++)
         for (int di = 0; di < 2; di++)
             check_format(fmts[f], di ? 128 : 64, 1300 + (uint64_t)(f * 2 + di));
 }
