@@ -40,13 +40,15 @@ kvarn_status kvarn_paged_check(const kvarn_paged_kv *kv);
  *                 a block for per-token formats. Negative = padding, skipped.
  * KVarN: each token-head's K and V are rotated by H/sqrt(D) and stored as
  * fp16 (round to nearest even) in the page row. Per-token formats: the
- * token record is encoded in place with kvarn_encode.
+ * token record is encoded in place with kvarn_encode (each token-head is
+ * encoded twice: once into scratch by the checks, once in place).
  * Everything is checked before anything is written: on any error nothing
  * was stored. No allocation; n_tokens == 0 is a no-op.
  * Errors: KVARN_ERR_INVALID_ARG (NULL with n_tokens > 0, n_tokens < 0, bad
  * view, a slot's id outside the arena), KVARN_ERR_UNSUPPORTED_HEAD_DIM,
- * KVARN_ERR_NONFINITE (NaN/Inf in k or v, or a rotated value beyond fp16's
- * range). */
+ * KVARN_ERR_NONFINITE (NaN/Inf in k or v; KVarN: a rotated value beyond
+ * fp16's range; per-token: a finite value kvarn_encode refuses because a
+ * stored fp16 field would overflow, e.g. an int8 zero-point below -65504). */
 kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const float *v,
                                const int64_t *slot_mapping, int n_tokens);
 
@@ -69,8 +71,10 @@ size_t kvarn_paged_commit_workspace_bytes(const kvarn_paged_kv *kv);
  * caller writing pages by hand) stops at that tile with
  * KVARN_ERR_NONFINITE; earlier tiles were written.
  * Errors: KVARN_ERR_INVALID_ARG (NULL with n_tiles > 0, n_tiles < 0,
- * per-token format, bad view or opts, an id outside its arena),
- * KVARN_ERR_BUFFER_TOO_SMALL (workspace), KVARN_ERR_NONFINITE. */
+ * per-token format, bad view or opts (also when every entry is skipped),
+ * workspace not 16-byte aligned, an id outside its arena),
+ * KVARN_ERR_BUFFER_TOO_SMALL (workspace NULL or too small),
+ * KVARN_ERR_NONFINITE. */
 kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pages,
                                 const int32_t *dst_blocks, int n_tiles,
                                 const kvarn_codec_opts *opts,

@@ -14,6 +14,9 @@
 #include "kvarn/record.h"
 
 #define MAX_KVARN_D 256 /* KVarN serves D in {64, 128, 256} */
+/* Largest per-token record: fp16/bf16, 4 * D bytes at D = 1024
+ * (include/kvarn/record.h; kvarn_format_check_head_dim). */
+#define MAX_TOKEN_RECORD (4 * 1024)
 
 kvarn_status kvarn_paged_check(const kvarn_paged_kv *kv)
 {
@@ -72,13 +75,6 @@ static int rotated_fits(const float *x, int D)
     return 1;
 }
 
-static int all_finite(const float *x, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(x[i])) return 0;
-    return 1;
-}
-
 static kvarn_status check_store(const kvarn_paged_kv *kv, const float *k, const float *v,
                                 const int64_t *slots, int n)
 {
@@ -89,14 +85,25 @@ static kvarn_status check_store(const kvarn_paged_kv *kv, const float *k, const 
         if (slots[j] < 0) continue;
         if (slots[j] / G >= n_ids) return KVARN_ERR_INVALID_ARG;
     }
+    /* Per-token formats refuse more than NaN/Inf: a finite value whose fp16
+     * scale, zero-point or value would overflow (an int8 zero-point below
+     * -65504, say). Only the codec knows each format's limits, so every
+     * token-head is encoded once into scratch here and thrown away: a
+     * batch is refused before any token of it is written. */
+    unsigned char scratch[MAX_TOKEN_RECORD];
+    const size_t rec_bytes = is_kvarn ? 0 : kvarn_record_bytes(&kv->fmt, D);
+    if (rec_bytes > sizeof scratch) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
     for (int j = 0; j < n; j++) {
         if (slots[j] < 0) continue;
         const size_t row = (size_t)j * (size_t)H * (size_t)D;
         for (int h = 0; h < H; h++) {
             const float *kx = k + row + (size_t)h * D, *vx = v + row + (size_t)h * D;
-            if (is_kvarn ? !(rotated_fits(kx, D) && rotated_fits(vx, D))
-                         : !(all_finite(kx, (size_t)D) && all_finite(vx, (size_t)D)))
-                return KVARN_ERR_NONFINITE;
+            if (is_kvarn) {
+                if (!(rotated_fits(kx, D) && rotated_fits(vx, D))) return KVARN_ERR_NONFINITE;
+            } else {
+                kvarn_status st = kvarn_encode(&kv->fmt, D, kx, vx, scratch, rec_bytes, NULL, 0, NULL);
+                if (st != KVARN_OK) return st;
+            }
         }
     }
     return KVARN_OK;
@@ -158,9 +165,14 @@ kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pag
     kvarn_status st = kvarn_paged_check(kv);
     if (st != KVARN_OK) return st;
     if (kv->fmt.kind != KVARN_KIND_KVARN) return KVARN_ERR_INVALID_ARG;
+    /* opts' range as kvarn.h gives it, checked here too so that it is
+     * refused even when every entry is skipped */
+    if (opts != NULL && (opts->balance_iters < 0 || opts->balance_iters > 64))
+        return KVARN_ERR_INVALID_ARG;
     if (n_tiles == 0) return KVARN_OK;
     const size_t need = kvarn_paged_commit_workspace_bytes(kv);
     if (workspace == NULL || workspace_size < need) return KVARN_ERR_BUFFER_TOO_SMALL;
+    if ((uintptr_t)workspace % 16 != 0) return KVARN_ERR_INVALID_ARG; /* fp32 scratch on it */
     for (int i = 0; i < n_tiles; i++) {
         if (src_pages[i] < 0 || dst_blocks[i] < 0) continue;
         if (src_pages[i] >= kv->n_fp16_pages || dst_blocks[i] >= kv->n_blocks)
