@@ -70,6 +70,7 @@ def lib():
         "kvarn_format_count": (I, []),
         "kvarn_format_name_at": (S, [I]),
         "kvarn_record_bytes": (Z, [ctypes.POINTER(Format), I]),
+        "kvarn_decode": (I, [ctypes.POINTER(Format), I, P, Z, P, P, ctypes.c_uint]),
         "kvarn_paged_check": (I, [ctypes.POINTER(PagedKV)]),
         "kvarn_paged_store": (I, [ctypes.POINTER(PagedKV), P, P, P, I]),
         "kvarn_paged_commit_workspace_bytes": (Z, [ctypes.POINTER(PagedKV)]),

@@ -252,77 +252,127 @@ class KvarnAttentionImpl(AttentionImpl):
         q = query[:n].reshape(n, Hq, D).float().contiguous()
         k = key[:n].reshape(n, Hk, D).float()
         v = value[:n].reshape(n, Hk, D).float()
-        qsl = md.query_start_loc.cpu().numpy().astype(np.int32)
+        # full tiles first: the queries of later tiles read their records
+        self._commit(kv_cache, p)
         o_hist = torch.zeros((n, Hq, D), dtype=torch.float32)
         lse_hist = torch.full((n, Hq), -math.inf, dtype=torch.float32)
-        self._history(kv_cache, p, qsl, q, o_hist, lse_hist)
-        out = output[:n].view(n, Hq, D)
-        g = Hq // Hk
-        for i in range(len(qsl) - 1):
-            a, b = int(qsl[i]), int(qsl[i + 1])
-            if b <= a:
-                continue
-            qi = q[a:b].transpose(0, 1)                               # [Hq, m, D]
-            ki = k[a:b].transpose(0, 1).repeat_interleave(g, dim=0)   # [Hq, m, D]
-            vi = v[a:b].transpose(0, 1).repeat_interleave(g, dim=0)
-            s = torch.matmul(qi, ki.transpose(1, 2)) * self.scale     # [Hq, m, m]
-            m = b - a
-            mask = torch.ones(m, m, dtype=torch.bool).tril_()
-            if self.sliding_window:
-                mask &= ~torch.ones(m, m, dtype=torch.bool).tril_(-self.sliding_window)
-            s = s.masked_fill(~mask, -math.inf)
-            lse_own = torch.logsumexp(s, dim=-1)                      # [Hq, m]
-            o_own = torch.matmul(torch.exp(s - lse_own.unsqueeze(-1)), vi)  # [Hq, m, D]
-            lh = lse_hist[a:b].transpose(0, 1)                        # [Hq, m]
-            lse = torch.logaddexp(lh, lse_own)
-            w_h = torch.exp(lh - lse).unsqueeze(-1)
-            w_o = torch.exp(lse_own - lse).unsqueeze(-1)
-            res = w_h * o_hist[a:b].transpose(0, 1) + w_o * o_own
-            out[a:b] = res.transpose(0, 1).to(out.dtype)
-        self._commit(kv_cache, p)
+        self._history(kv_cache, p, q, o_hist, lse_hist)
+        o_own, lse_own = self._own_tile(kv_cache, p, q, k, v)
+        lse = torch.logaddexp(lse_hist, lse_own)
+        res = (torch.exp(lse_hist - lse).unsqueeze(-1) * o_hist +
+               torch.exp(lse_own - lse).unsqueeze(-1) * o_own)
+        output[:n].view(n, Hq, D).copy_(res.to(output.dtype))
         if self.layer_index == len(_State.layers) - 1:
             _State.staging.finish(p)
         return output
 
-    def _history(self, kv_cache, p, qsl, q, o_hist, lse_hist) -> None:
+    def _hadamard(self) -> torch.Tensor:
+        h = _State.scratch.get(("H", self.head_size))
+        if h is None:
+            h = torch.ones(1, 1)
+            while h.shape[0] < self.head_size:
+                h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+            h = h / math.sqrt(self.head_size)
+            _State.scratch[("H", self.head_size)] = h
+        return h
+
+    def _own_tile(self, kv_cache, p, q, k, v):
+        """Each query over the tokens of its own tile before it, as fp16
+        (rotated) in the tile's slot or scratch page, and over itself
+        exactly; in the rotated basis, rotated back (spec: H = H^-1)."""
+        n, Hq, D = q.shape
+        Hk, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        H = self._hadamard()
+        qr = torch.matmul(q, H)
+        kr, vr = torch.matmul(k, H), torch.matmul(v, H)
+        out = torch.empty((n, Hq, D), dtype=torch.float32)
+        lse = torch.empty((n, Hq), dtype=torch.float32)
+        self_s = (qr * kr.repeat_interleave(g, dim=1)).sum(-1) * self.scale      # [n, Hq]
+        scr = self._scratch(p.n_scratch) if p.n_scratch else None
+        for (i, t, j0, j1, off0, where, page) in p.groups:
+            m = j1 - j0
+            qg = qr[j0:j1].transpose(0, 1)                                  # [Hq, m, D]
+            s_self = self_s[j0:j1].transpose(0, 1).unsqueeze(-1)           # [Hq, m, 1]
+            vs = vr[j0:j1].repeat_interleave(g, dim=1).transpose(0, 1)     # [Hq, m, D]
+            n_prev = off0 + m - 1                                          # tile tokens before the last query
+            if n_prev > 0:
+                if where == "record":
+                    kp, vp = self._decode_record(kv_cache, page, n_prev)
+                else:
+                    src = self.pool_tensor if where == "pool" else scr
+                    kp = src[page, :, 0, :n_prev].view(torch.float16).float()  # [Hk, n_prev, D]
+                    vp = src[page, :, 1, :n_prev].view(torch.float16).float()
+                kp, vp = kp.repeat_interleave(g, 0), vp.repeat_interleave(g, 0)
+                sp = torch.matmul(qg, kp.transpose(1, 2)) * self.scale     # [Hq, m, n_prev]
+                lim = torch.arange(off0, off0 + m).unsqueeze(1)            # query offsets
+                sp = sp.masked_fill(torch.arange(n_prev).unsqueeze(0) >= lim, -math.inf)
+                sc = torch.cat([sp, s_self], -1)
+                l = torch.logsumexp(sc, -1)
+                w = torch.exp(sc - l.unsqueeze(-1))
+                o = torch.matmul(w[..., :-1], vp) + w[..., -1:] * vs
+            else:
+                l = s_self.squeeze(-1)
+                o = vs
+            out[j0:j1] = torch.matmul(o, H).transpose(0, 1)
+            lse[j0:j1] = l.transpose(0, 1)
+        return out, lse
+
+    def _decode_record(self, kv_cache, block: int, n_prev: int):
+        """K/V (rotated basis) of the first n_prev tokens of a committed
+        block: vLLM recomputing a token of a cached, full block (a whole
+        prompt hit) finds no fp16 copy; the record stands in for it."""
         L = _lib.lib()
-        n_seqs = len(p.hist_lens)
+        G, D, Hk = self.G, self.head_size, self.num_kv_heads
+        kp = torch.empty((Hk, G, D), dtype=torch.float32)
+        vp = torch.empty((Hk, G, D), dtype=torch.float32)
+        for h in range(Hk):
+            rec = kv_cache[block, h]
+            _lib.check(L.kvarn_decode(ctypes.byref(self.fmt), D, rec.data_ptr(), rec.numel(),
+                                      kp[h].data_ptr(), vp[h].data_ptr(), 1), "decode")
+        return kp[:, :n_prev], vp[:, :n_prev]
+
+    def _history(self, kv_cache, p, q, o_hist, lse_hist) -> None:
+        """Each query group of tile t over tiles [0, t): records, sink tiles
+        in fp16, through the fused kernels (non-causal: all of it)."""
+        L = _lib.lib()
         for has_sink in (True, False):
-            idx = [i for i in range(n_seqs) if p.hist_lens[i] > 0
-                   and bool(p.hist_has_sink[i]) == has_sink]
-            if not idx:
+            groups = [gr for gr in p.groups if gr[1] > 0 and bool(p.has_sink[gr[0]]) == has_sink]
+            if not groups:
                 continue
             view = self._view(kv_cache, self.pool_tensor)
             if not has_sink:
                 view.sink_tiles = 0
-            rows = [(int(qsl[i]), int(qsl[i + 1])) for i in idx]
-            sub_qsl = np.zeros(len(idx) + 1, dtype=np.int32)
-            sub_qsl[1:] = np.cumsum([b - a for a, b in rows])
-            qsel = torch.cat([q[a:b] for a, b in rows]).contiguous()
+            sub_qsl = np.zeros(len(groups) + 1, dtype=np.int32)
+            sub_qsl[1:] = np.cumsum([gr[3] - gr[2] for gr in groups])
+            qsel = torch.cat([q[gr[2]:gr[3]] for gr in groups]).contiguous()
             osel = torch.empty_like(qsel)
             lsel = torch.empty((qsel.shape[0], self.num_heads), dtype=torch.float32)
-            seqs = (_lib.SeqView * len(idx))()
-            tables = [np.ascontiguousarray(p.hist_tables[i]) for i in idx]
-            for j, i in enumerate(idx):
-                seqs[j].block_table = tables[j].ctypes.data
-                seqs[j].seq_len = int(p.hist_lens[i])
-                seqs[j].committed_tiles = int(p.hist_committed[i])
+            seqs = (_lib.SeqView * len(groups))()
+            for j, (i, t, *_rest) in enumerate(groups):
+                seqs[j].block_table = p.tables[i].ctypes.data
+                seqs[j].seq_len = t * self.G
+                seqs[j].committed_tiles = t
             opts = _lib.AttnOpts(self.scale, self.sliding_window, 0, None)
             nthr = L.kvarn_thread_pool_size(_State.pool)
-            ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), self.num_heads, len(idx),
+            ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), self.num_heads, len(groups),
                                                     int(qsel.shape[0]), nthr, ctypes.byref(opts))
             if ws_bytes == 0:
                 raise _lib.KvarnError("kvarn: attention workspace size refused")
-            ws = torch.empty(ws_bytes, dtype=torch.uint8)
-            _lib.check(L.kvarn_attn_multi_lse(ctypes.byref(view), ctypes.addressof(seqs), len(idx),
-                                              sub_qsl.ctypes.data, self.num_heads, qsel.data_ptr(),
-                                              osel.data_ptr(), lsel.data_ptr(), ctypes.byref(opts),
-                                              _State.pool, ws.data_ptr(), ws_bytes), "attention")
+            ws = _State.scratch.get("ws")
+            if ws is None or ws.numel() < ws_bytes:
+                ws = torch.empty(ws_bytes, dtype=torch.uint8)
+                _State.scratch["ws"] = ws
+            _lib.check(L.kvarn_attn_multi_lse(ctypes.byref(view), ctypes.addressof(seqs),
+                                              len(groups), sub_qsl.ctypes.data, self.num_heads,
+                                              qsel.data_ptr(), osel.data_ptr(), lsel.data_ptr(),
+                                              ctypes.byref(opts), _State.pool, ws.data_ptr(),
+                                              ws.numel()), "attention")
             off = 0
-            for a, b in rows:
-                o_hist[a:b] = osel[off:off + b - a]
-                lse_hist[a:b] = lsel[off:off + b - a]
-                off += b - a
+            for gr in groups:
+                m = gr[3] - gr[2]
+                o_hist[gr[2]:gr[3]] = osel[off:off + m]
+                lse_hist[gr[2]:gr[3]] = lsel[off:off + m]
+                off += m
 
     def _commit(self, kv_cache, p) -> None:
         L = _lib.lib()

@@ -106,12 +106,15 @@ def _patch_cli() -> None:
     get_kwargs._kvarn = True
     au.get_kwargs = get_kwargs
 
-    orig_post = au.EngineArgs.__post_init__
+    # LLM(...) builds its EngineArgs before the plug-in is loaded (the load
+    # happens in EngineArgs.__post_init__), so the name is checked where the
+    # config is made, before pydantic's own (closed-Literal) message.
+    orig_create = au.EngineArgs.create_engine_config
 
-    def post_init(self):
-        orig_post(self)
+    def create_engine_config(self, *a, **k):
         _validate_name(self.kv_cache_dtype)
-    au.EngineArgs.__post_init__ = post_init
+        return orig_create(self, *a, **k)
+    au.EngineArgs.create_engine_config = create_engine_config
 
 
 def _patch_platform() -> None:

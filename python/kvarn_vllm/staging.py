@@ -30,16 +30,24 @@ def pool_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tile: int,
 
 
 class StepPlan:
-    """What one model step does to the cache, worked out at its first layer."""
+    """What one model step does to the cache, worked out at its first layer.
+
+    Attention is planned per (sequence, tile) group of queries: the queries
+    of tile t see tiles < t as the cache holds them once this step's full
+    tiles are committed (records; sink tiles in fp16), the tokens of tile t
+    before them in fp16 (its staging slot or scratch tile), and themselves
+    exactly: what each would see were the tokens decoded one at a time, so
+    the result does not depend on chunking or on prefix-cache hits."""
 
     def __init__(self):
         self.store_slots = None      # int64 [n_tokens]: pool slot or -1
         self.scratch_slots = None    # int64 [n_tokens]: scratch slot or -1
         self.n_scratch = 0           # scratch tiles used
-        self.hist_tables = None      # int32 [n_seqs, max_tiles]: kvarn ids
-        self.hist_lens = None        # int32 [n_seqs]: history tokens (before the chunk)
-        self.hist_committed = None   # int32 [n_seqs]
-        self.hist_has_sink = None    # bool [n_seqs]
+        self.tables = None           # int32 [n_seqs, max_tiles]: kvarn ids of full tiles
+        self.has_sink = None         # bool [n_seqs]: sink tiles still in fp16
+        self.groups = []             # (seq, t, q0, q1, off0, where, page): queries
+                                     # [q0, q1) at offsets off0.. of tile t; where
+                                     # "pool"/"scratch"/"record", page its id
         self.commit_pool = []        # (slot, block) pairs committed from the pool
         self.commit_scratch = []     # (scratch tile, block) pairs
         self.free_after = []         # slots released after the last layer
@@ -109,10 +117,8 @@ class Staging:
         p.store_slots = np.full(n_tokens, -1, dtype=np.int64)
         p.scratch_slots = np.full(n_tokens, -1, dtype=np.int64)
         max_tiles = max(1, int(block_table.shape[1]))
-        p.hist_tables = np.zeros((n_seqs, max_tiles), dtype=np.int32)
-        p.hist_lens = np.zeros(n_seqs, dtype=np.int32)
-        p.hist_committed = np.zeros(n_seqs, dtype=np.int32)
-        p.hist_has_sink = np.ones(n_seqs, dtype=bool)
+        p.tables = np.zeros((n_seqs, max_tiles), dtype=np.int32)
+        p.has_sink = np.ones(n_seqs, dtype=bool)
         protect = set()
         for i in range(n_seqs):
             n = int(seq_lens[i])
@@ -122,26 +128,7 @@ class Staging:
             L = int(seq_lens[i])
             L0 = L - (q1 - q0)
             row = block_table[i]
-            # history view: tiles below L0 // G are records (sink tiles: their
-            # fp16 slot when it is still there), the partial tile its slot.
-            full0 = L0 // G
-            for t in range((L0 + G - 1) // G):
-                b = int(row[t])
-                s = int(self.slot_of[b])
-                if t < full0:
-                    if t < S:
-                        if s < 0:
-                            p.hist_has_sink[i] = False
-                            p.hist_tables[i, t] = b
-                        else:
-                            p.hist_tables[i, t] = s
-                    else:
-                        p.hist_tables[i, t] = b
-                else:
-                    p.hist_tables[i, t] = s  # partial tail: always staged
-            p.hist_lens[i] = L0
-            p.hist_committed[i] = full0
-            # the chunk's tokens: tile by tile
+            # the chunk's tokens, tile by tile
             pos = L0
             while pos < L:
                 t = pos // G
@@ -150,7 +137,11 @@ class Staging:
                 j0, j1 = q0 + (pos - L0), q0 + (end - L0)
                 offs = np.arange(pos - t * G, end - t * G, dtype=np.int64)
                 if self.committed[b]:
-                    pass  # a record already (prefix-cache recompute): keep it
+                    # a record already (vLLM recomputing a token of a cached
+                    # block): not stored again, read from the record
+                    s = int(self.slot_of[b])
+                    p.groups.append((i, t, j0, j1, pos - t * G,
+                                     "pool" if s >= 0 else "record", s if s >= 0 else b))
                 elif end == (t + 1) * G and t >= S and self.slot_of[b] < 0:
                     # a whole non-sink tile within this chunk: scratch, commit
                     k = p.n_scratch
@@ -158,6 +149,7 @@ class Staging:
                     p.scratch_slots[j0:j1] = k * G + offs
                     p.commit_scratch.append((k, b))
                     p.mark_committed.append(b)
+                    p.groups.append((i, t, j0, j1, pos - t * G, "scratch", k))
                 else:
                     s = int(self.slot_of[b])
                     if s < 0:
@@ -168,7 +160,21 @@ class Staging:
                         p.mark_committed.append(b)
                         if t >= S:
                             p.free_after.append(s)
+                    p.groups.append((i, t, j0, j1, pos - t * G, "pool", s))
                 pos = end
+            # full tiles below the last one touched: records, sink tiles in
+            # their fp16 slot while it is there
+            for t in range(max(0, (L - 1) // G)):
+                b = int(row[t])
+                s = int(self.slot_of[b])
+                if t < S:
+                    if s >= 0:
+                        p.tables[i, t] = s
+                    else:
+                        p.has_sink[i] = False
+                        p.tables[i, t] = b
+                else:
+                    p.tables[i, t] = b
         return p
 
     def finish(self, p: StepPlan) -> None:

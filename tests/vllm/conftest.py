@@ -17,7 +17,8 @@ RUN_LLM = os.path.join(os.path.dirname(__file__), "run_llm.py")
 
 
 def run_llm(cfg: dict, expect_ok: bool = True, timeout: int = 900):
-    """One engine in a fresh process; returns (result dict or None, stderr)."""
+    """One engine in a fresh process; returns (result dict or None, its
+    output: stderr then stdout, where vLLM's workers log their errors)."""
     cfg = dict(cfg)
     cfg.setdefault("model", HF_MODEL)
     p = subprocess.run([sys.executable, RUN_LLM, json.dumps(cfg)], capture_output=True,
@@ -29,7 +30,7 @@ def run_llm(cfg: dict, expect_ok: bool = True, timeout: int = 900):
     if expect_ok and (p.returncode != 0 or res is None):
         raise AssertionError(f"vLLM run failed (rc {p.returncode}) for {cfg}:\n"
                              f"{p.stderr[-6000:]}")
-    return res, p.stderr
+    return res, p.stderr + p.stdout
 
 
 @pytest.fixture(scope="session")

@@ -67,9 +67,10 @@ def test_engine_args_and_cache_config(hf_model):
     plugin.register()
     assert CacheConfig(cache_dtype="kvarn_k4v2_g128").cache_dtype == "kvarn_k4v2_g128"
     with pytest.raises(ValueError, match="accepted"):
-        EngineArgs(model=hf_model, kv_cache_dtype="kvarn_k4v3_g128")
-    ea = EngineArgs(model=hf_model, kv_cache_dtype="kvarn_k4v2_g128")
-    assert ea.kv_cache_dtype == "kvarn_k4v2_g128"
+        EngineArgs(model=hf_model, kv_cache_dtype="kvarn_k4v3_g128").create_engine_config()
+    cfg = EngineArgs(model=hf_model, kv_cache_dtype="kvarn_k4v2_g128",
+                     block_size=128).create_engine_config()
+    assert cfg.cache_config.cache_dtype == "kvarn_k4v2_g128"
 
 
 def test_other_vllm_version_is_refused(monkeypatch):
