@@ -53,6 +53,7 @@ typedef struct fmt_run {
     eval_stats dst;     /* positions fed one token at a time (decode) */
     double decode_s;
     long decode_n;
+    double eff_bpt;     /* bytes per token its cache held at a window's end */
 } fmt_run;
 
 /* Log-sum-exp of a row of logits. */
@@ -113,11 +114,6 @@ static int write_kv_dump(const char *path, const kvarn_llama_session *s,
  * allocation failed (o may be NULL: then nothing is added). */
 static int jnum(cJSON *o, const char *key, double v) { return cJSON_AddNumberToObject(o, key, v) != NULL; }
 static int jstr(cJSON *o, const char *key, const char *v) { return cJSON_AddStringToObject(o, key, v) != NULL; }
-
-static double effective_bytes_per_token(const kvarn_format *f, const kvarn_llama_hparams *hp, int ctx)
-{
-    return cli_kv_bytes_used(f, hp, ctx) / ctx;
-}
 
 int cmd_eval(int argc, char **argv)
 {
@@ -207,7 +203,7 @@ int cmd_eval(int argc, char **argv)
     so.max_tokens = (int)ctx;
     so.max_chunk = (int)chunk;
     so.attn_threads = (int)threads;
-    so.cache_format = "fp16";
+    so.format = NULL; /* fp16, the reference */
     so.keep_kv_f32 = dump_path != NULL;
     if (cli_session_create("eval", &m, &so, "lower --ctx", &ref)) goto out;
     so.keep_kv_f32 = 0;
@@ -216,7 +212,7 @@ int cmd_eval(int argc, char **argv)
     if (runs == NULL) goto out;
     for (int f = 0; f < nf; f++) {
         runs[f].fmt = fmts[f];
-        so.cache_format = fmts[f].name;
+        so.format = &fmts[f];
         if (cli_session_create("eval", &m, &so, "lower --ctx", &runs[f].sess)) goto out;
         if (eval_stats_init(&runs[f].st, (size_t)windows * (size_t)ctx) ||
             eval_stats_init(&runs[f].dst, (size_t)windows * (size_t)decode_tokens + 1)) goto out;
@@ -238,7 +234,7 @@ int cmd_eval(int argc, char **argv)
     fflush(stdout);
 
     long total_steps = windows * ctx, done = 0;
-    double ref_decode_s = 0.0;
+    double ref_decode_s = 0.0, ref_eff_bpt = 0.0;
     long ref_decode_n = 0;
     for (long w = 0; w < windows; w++) {
         const int32_t *win = ids + (size_t)w * (size_t)ctx;
@@ -298,6 +294,9 @@ int cmd_eval(int argc, char **argv)
             cli_progress("kvarn eval", done, total_steps);
         }
         if (w == 0 && dump_path && write_kv_dump(dump_path, ref, hp, (int)dump_layers, (int)ctx)) goto out;
+        /* what each cache holds for the window, fp16 sink and tail counted */
+        ref_eff_bpt = cli_session_kv_bytes(ref) / (double)ctx;
+        for (int f = 0; f < nf; f++) runs[f].eff_bpt = cli_session_kv_bytes(runs[f].sess) / (double)ctx;
     }
     cli_progress_end();
 
@@ -317,7 +316,7 @@ int cmd_eval(int argc, char **argv)
 
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
-    double fp16_bpt = effective_bytes_per_token(&fp16, hp, (int)ctx);
+    double fp16_bpt = ref_eff_bpt;
     double fp16_bpt_rec = kvarn_bytes_per_token_head(&fp16, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
     double ref_ppl = eval_stats_ppl(&ref_st);
     double ref_tps = ref_decode_n ? ref_decode_n / ref_decode_s : 0.0;
@@ -352,7 +351,7 @@ int cmd_eval(int argc, char **argv)
         eval_stats_summarize(&runs[f].st, &s);
         eval_stats_summarize(&runs[f].dst, &ds);
         double bpt = kvarn_bytes_per_token_head(&runs[f].fmt, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
-        double eff = effective_bytes_per_token(&runs[f].fmt, hp, (int)ctx);
+        double eff = runs[f].eff_bpt;
         double tps = runs[f].decode_n ? runs[f].decode_n / runs[f].decode_s : 0.0;
         /* perplexity over every scored position, chunked and decoded */
         size_t n_all = runs[f].st.n + runs[f].dst.n;

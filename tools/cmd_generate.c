@@ -262,6 +262,7 @@ static int sample(const float *logits, int V, double temp, double top_p, uint64_
 /* What a run measured, for the report. */
 typedef struct gen_stats {
     long n_tokens;          /* tokens in the cache at the end */
+    double kv_bytes;        /* bytes its cache holds for them */
     long prompt_n, gen_n;   /* tokens fed as prompt / generated one by one */
     double prompt_s, gen_s; /* seconds in the forward calls of each */
 } gen_stats;
@@ -400,7 +401,7 @@ static int gen_init(gen_state *g, cli_model *m, const gen_opts *o, const kvarn_f
     g->max_chunk = 512;
     g->max_tokens = o->ctx > 0 ? (int)o->ctx : m->hp->context_length;
     kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-    so.cache_format = fmt->name;
+    so.format = fmt;
     so.max_tokens = g->max_tokens;
     so.max_chunk = g->max_chunk;
     so.attn_threads = (int)o->threads;
@@ -423,13 +424,14 @@ static void gen_free(gen_state *g)
 
 /* ---- reporting ---------------------------------------------------------- */
 
-/* On stderr: the cache's bytes for the tokens held against an fp16 cache's,
+/* On stderr: the bytes the session's cache holds for its tokens against
+ * what an fp16 cache would hold for them (cli_kv_bytes_used),
  * and the prompt and generation speeds. */
 static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llama_hparams *hp)
 {
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
-    double used = cli_kv_bytes_used(fmt, hp, s->n_tokens), base = cli_kv_bytes_used(&fp16, hp, s->n_tokens);
+    double used = s->kv_bytes, base = cli_kv_bytes_used(&fp16, hp, s->n_tokens);
     char b1[32], b2[32];
     fprintf(stderr, "[%s] KV cache for %ld tokens: %s; an fp16 cache: %s (%.0f%% of it)", fmt->name,
             s->n_tokens, cli_fmt_bytes(used, b1, sizeof b1), cli_fmt_bytes(base, b2, sizeof b2),
@@ -455,6 +457,7 @@ int cmd_generate(int argc, char **argv)
     rc = 1;
     if (gen_init(&g, &m, &o, &fmt) == 0 && (o.prompt ? run_prompt(&g, &o) : run_chat(&g, &o)) == 0) {
         g.stats.n_tokens = kvarn_llama_session_pos(g.sess);
+        g.stats.kv_bytes = cli_session_kv_bytes(g.sess);
         report(&g.stats, &fmt, m.hp);
         rc = 0;
     }

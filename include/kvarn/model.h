@@ -37,6 +37,7 @@
 #include <stdint.h>
 
 #include "kvarn/alloc.h"
+#include "kvarn/cache.h"
 #include "kvarn/gguf.h"
 #include "kvarn/kvarn.h"
 
@@ -150,8 +151,11 @@ const kvarn_llama_hparams *kvarn_llama_get_hparams(const kvarn_llama *model);
 
 /* Session settings. Start from KVARN_LLAMA_SESSION_OPTS_DEFAULT. */
 typedef struct kvarn_llama_session_opts {
-    const char *cache_format; /* any name kvarn_format_parse accepts;
-                                 NULL = "fp16" (the unquantized reference) */
+    const kvarn_format *format; /* the cache format (kvarn_format_parse,
+                                 kvarn.h), copied at creation; NULL = fp16
+                                 (the unquantized reference). A format not
+                                 made by kvarn_format_parse is checked as
+                                 kvarn_format_check_head_dim checks it. */
     int max_tokens;           /* context capacity in tokens, at most
                                  KVARN_CACHE_MAX_SEQ_LEN (cache.h, 2^30);
                                  0 = the model's context_length */
@@ -170,7 +174,7 @@ typedef struct kvarn_llama_session_opts {
                                  decoded with kvarn_cache_read and attended
                                  in fp32: slow, for cross-checks. */
     int exact;                /* 1: keep K/V in fp32 outside the paged cache
-                                 (cross-checks only; cache_format ignored) */
+                                 (cross-checks only; format ignored) */
     int keep_kv_f32;          /* 1: also keep a copy of every token's fp32 K
                                  (post-RoPE) and V as computed, before any
                                  cache rounding, for
@@ -217,8 +221,8 @@ kvarn_status kvarn_llama_session_plan(const kvarn_llama *model,
  * be NULL for the defaults. Every size is checked first
  * (kvarn_llama_session_plan), so a context that cannot be held fails here,
  * with nothing allocated, never later as an exhausted cache.
- * Errors: KVARN_ERR_INVALID_ARG (NULL model, bad option),
- * KVARN_ERR_UNKNOWN_FORMAT, KVARN_ERR_UNSUPPORTED_HEAD_DIM (the format
+ * Errors: KVARN_ERR_INVALID_ARG (NULL model, bad option, a format that
+ * is no valid kvarn_format), KVARN_ERR_UNSUPPORTED_HEAD_DIM (the format
  * cannot serve the model's head_dim), KVARN_ERR_TOO_LARGE (max_tokens, or
  * the model's context_length when max_tokens is 0, above
  * KVARN_CACHE_MAX_SEQ_LEN = 2^30 tokens, or a buffer size beyond 64 bits /
@@ -240,6 +244,31 @@ int kvarn_llama_session_pos(const kvarn_llama_session *s);
 /* The session's cache format (canonical name, e.g. "kvarn_k4v2_g128"), or
  * "exact" for an exact session. */
 const char *kvarn_llama_session_format(const kvarn_llama_session *s);
+
+/* The session's paged KV cache (cache.h): one cache of n_layers x
+ * n_kv_heads x head_dim in the session's format, made at creation for one
+ * sequence of max_tokens tokens (kvarn_llama_session_plan's kv_bytes is its
+ * arena), and owned by the session: valid until kvarn_llama_session_free.
+ * NULL for an exact session (no cache) or a NULL s.
+ * Read it through cache.h: kvarn_cache_get_info (geometry: block size G in
+ * tokens, sink tiles, blocks, pages, their bytes), kvarn_cache_get_stats
+ * (blocks and pages in use, bytes per token held), and for the session's
+ * sequence (kvarn_llama_session_seq) kvarn_cache_seq_get_info,
+ * kvarn_cache_seq_view / kvarn_cache_layer_view / kvarn_cache_block_table
+ * (the paged views attention reads, paged.h) and kvarn_cache_read (the K/V
+ * as the cache holds them, fp32). Every token of a finished forward call is
+ * committed, so tiles [sink_tiles, floor(pos / G)) are quantized.
+ * The cache belongs to the session's forward calls: a caller must not
+ * reserve, write, commit, truncate, fork or free the session's sequence
+ * (the session's position would no longer describe it), and no cache call
+ * may overlap a forward call or kvarn_llama_session_reset (cache.h: a cache
+ * is not thread-safe). A reset frees the sequence and makes it anew: take
+ * kvarn_llama_session_seq again after one. */
+kvarn_cache *kvarn_llama_session_cache(kvarn_llama_session *s);
+
+/* The id of the session's sequence in kvarn_llama_session_cache(s), in
+ * [0, max_seqs) of that cache; -1 for an exact session or a NULL s. */
+int kvarn_llama_session_seq(const kvarn_llama_session *s);
 
 /* Copy the fp32 K (post-RoPE) and V of tokens [pos, pos + n) of one layer,
  * exactly as the forward pass computed them before the cache rounded or

@@ -200,8 +200,16 @@ static const char *paged_name(const llama_kv *kv)
     return ((const kv_paged *)kv)->fmt.name;
 }
 
+static kvarn_cache *paged_cache(const llama_kv *kv, int *seq)
+{
+    const kv_paged *p = (const kv_paged *)kv;
+    *seq = p->seq;
+    return p->cache;
+}
+
 static const llama_kv_ops paged_ops = {
     paged_begin, paged_attend, paged_end, paged_abort, paged_reset, paged_destroy, paged_name,
+    paged_cache,
 };
 
 /* Settings of a one-sequence cache that holds max_tokens tokens and chunks
@@ -226,26 +234,22 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
     o.allocator = sh->alloc;
     o.max_seq_len = sh->max_tokens;
     if (balance_iters >= 0) o.balance_iters = balance_iters;
-    uint64_t G;
     if (fmt->per_tile) {
-        G = (uint64_t)fmt->tile_tokens;
         o.sink_tiles = sink_tiles >= 0 ? sink_tiles : 1;
         /* Sink, the partly filled tile a chunk starts in, and every tile
          * the chunk opens (max_chunk <= 2^30, so this stays an int). */
-        o.n_pages = o.sink_tiles + (int)kvarn__ceil_div_u64((uint64_t)sh->max_chunk, G) + 2;
-    } else {
-        G = 16;
-        o.block_size = (int)G;
-        o.n_pages = 0;
+        o.n_pages = o.sink_tiles +
+                    (int)kvarn__ceil_div_u64((uint64_t)sh->max_chunk, (uint64_t)fmt->tile_tokens) + 2;
     }
-    const uint64_t tiles = kvarn__ceil_div_u64((uint64_t)sh->max_tokens, G);
-    const uint64_t sink = fmt->per_tile ? (uint64_t)o.sink_tiles : 0;
-    const uint64_t blocks = tiles > sink ? tiles - sink : 1;
-    /* budget 0: the plan gives block_bytes and page_bytes only */
+    /* Budget 0: the plan gives the geometry only (G, sink tiles, block and
+     * page bytes); per-token formats take the cache's default block size. */
     o.budget_bytes = 0;
     kvarn_cache_info geo;
     kvarn_status st = kvarn_cache_plan(&o, &geo);
     if (st != KVARN_OK) return st;
+    const uint64_t tiles = kvarn__ceil_div_u64((uint64_t)sh->max_tokens, (uint64_t)geo.block_size);
+    const uint64_t sink = (uint64_t)geo.sink_tiles;
+    const uint64_t blocks = tiles > sink ? tiles - sink : 1;
     uint64_t block_total, page_total;
     int bad = kvarn__mul_u64(blocks, geo.block_bytes, &block_total);
     bad |= kvarn__mul_u64((uint64_t)geo.n_pages, geo.page_bytes, &page_total);

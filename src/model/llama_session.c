@@ -61,8 +61,14 @@ static kvarn_status session_plan(const kvarn_llama *model,
         (o->keep_kv_f32 != 0 && o->keep_kv_f32 != 1))
         return KVARN_ERR_INVALID_ARG;
     if (!o->exact) {
-        kvarn_status st = kvarn_format_parse(o->cache_format ? o->cache_format : "fp16", fmt);
+        /* The caller's format as given (no name crosses this API; NULL is
+         * fp16, the unquantized reference), checked as a whole row: kind,
+         * bits and tile agree, and the head_dim is served. */
+        kvarn_status st = KVARN_OK;
+        if (o->format) *fmt = *o->format;
+        else st = kvarn_format_parse("fp16", fmt);
         if (st != KVARN_OK) return st;
+        fmt->name[sizeof fmt->name - 1] = '\0'; /* a hand-made name may be unterminated */
         st = kvarn_format_check_head_dim(fmt, hp->head_dim);
         if (st != KVARN_OK) return st;
     }
@@ -243,4 +249,17 @@ kvarn_status kvarn_llama_session_read_kv(const kvarn_llama_session *s, int layer
 const char *kvarn_llama_session_format(const kvarn_llama_session *s)
 {
     return s ? s->kv->ops->format_name(s->kv) : "";
+}
+
+kvarn_cache *kvarn_llama_session_cache(kvarn_llama_session *s)
+{
+    int seq;
+    return s ? s->kv->ops->cache(s->kv, &seq) : NULL;
+}
+
+int kvarn_llama_session_seq(const kvarn_llama_session *s)
+{
+    int seq = -1;
+    if (s) s->kv->ops->cache(s->kv, &seq);
+    return seq;
 }

@@ -845,7 +845,11 @@ static void test_session(void **state)
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
         fault_alloc fa = { 0 };
         kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-        o.cache_format = cases[c].fmt;
+        kvarn_format fmt;
+        if (cases[c].fmt) {
+            assert_int_equal(kvarn_format_parse(cases[c].fmt, &fmt), KVARN_OK);
+            o.format = &fmt;
+        }
         o.exact = cases[c].exact;
         o.attn_threads = cases[c].threads;
         o.keep_kv_f32 = cases[c].keep;

@@ -270,6 +270,22 @@ static int teardown(void **state)
     return 0;
 }
 
+/* The parsed format of a name the tests use (sessions take a kvarn_format,
+ * not a name); NULL for NULL. Kept for the program's life, one per name. */
+static const kvarn_format *fmt_of(const char *name)
+{
+    static kvarn_format seen[32];
+    static int n_seen;
+    if (name == NULL) return NULL;
+    kvarn_format f;
+    assert_int_equal(kvarn_format_parse(name, &f), KVARN_OK);
+    for (int i = 0; i < n_seen; i++)
+        if (strcmp(seen[i].name, f.name) == 0) return &seen[i];
+    assert_true(n_seen < 32);
+    seen[n_seen] = f;
+    return &seen[n_seen++];
+}
+
 /* How a run keeps its K/V. */
 enum { KERNELS = 0, EXACT_CHUNK = 1, EXACT = 2 };
 
@@ -278,7 +294,7 @@ static float *run(const fixture *f, const char *format, int mode, int chunk)
 {
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.attn_threads = test_threads(1);
-    o.cache_format = format;
+    o.format = fmt_of(format);
     o.exact = mode == EXACT;
     o.exact_chunk = mode == EXACT_CHUNK;
     o.max_tokens = NTOK;
@@ -626,7 +642,7 @@ static void test_read_kv(void **state)
     const int T = 40, kd = NKV * HD, qd = NH * HD;
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.attn_threads = test_threads(1);
-    o.cache_format = "int4";
+    o.format = fmt_of("int4");
     o.max_tokens = T;
     o.max_chunk = 16;
     o.keep_kv_f32 = 1;
@@ -745,7 +761,7 @@ static void test_last_and_reset(void **state)
     fixture *f = *state;
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.attn_threads = test_threads(1);
-    o.cache_format = "kvarn_k4v2_g128";
+    o.format = fmt_of("kvarn_k4v2_g128");
     o.max_tokens = NTOK;
     o.max_chunk = 160;
     kvarn_llama_session *s = NULL;
@@ -792,10 +808,18 @@ static void test_errors(void **state)
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.attn_threads = test_threads(1);
     kvarn_llama_session *s = NULL;
-    o.cache_format = "fp12";
-    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_UNKNOWN_FORMAT);
+    /* A format is taken as a row, not a name: one whose fields disagree
+     * (a kind beyond the table, a KVarN tile of 96 tokens) is refused. */
+    kvarn_format bad_fmt = *fmt_of("int8");
+    bad_fmt.kind = KVARN_KIND_COUNT;
+    o.format = &bad_fmt;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_INVALID_ARG);
     assert_null(s);
-    o.cache_format = "int8";
+    bad_fmt = *fmt_of("kvarn_k4v2_g128");
+    bad_fmt.tile_tokens = 96;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_INVALID_ARG);
+    assert_null(s);
+    o.format = fmt_of("int8");
     o.max_tokens = 64;
     o.max_chunk = 16;
     assert_int_equal(kvarn_llama_session_create(NULL, &o, &s), KVARN_ERR_INVALID_ARG);
@@ -822,6 +846,96 @@ static void test_errors(void **state)
     assert_int_equal(kvarn_llama_forward(s, f->ids, 1, KVARN_LLAMA_LOGITS_LAST, lg, VOCAB),
                      KVARN_ERR_OUT_OF_BLOCKS);
     assert_int_equal(kvarn_llama_session_pos(s), 64);
+    kvarn_llama_session_free(s);
+}
+
+/* The session's cache through cache.h (kvarn_llama_session_cache): its
+ * geometry is the session's (format, model shape, one sequence of
+ * max_tokens), its arena is the plan's kv_bytes, and its counters follow the
+ * forward calls: after 300 tokens in 128-token tiles, tile 0 is the fp16
+ * sink, tile 1 is quantized (all its tokens committed), tile 2 holds 44
+ * tokens in an fp16 tail page and already owns its block (cache.h, "Block
+ * accounting"). A reset empties it. Per-token formats: ceil(300 / G) blocks,
+ * no pages. An exact session has no cache. */
+static void test_session_cache(void **state)
+{
+    fixture *f = *state;
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.attn_threads = test_threads(1);
+    o.format = fmt_of("kvarn_k4v2_g128");
+    o.max_tokens = NTOK;
+    o.max_chunk = 160;
+    kvarn_llama_session_info plan;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, &plan), KVARN_OK);
+    kvarn_llama_session *s = NULL;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    kvarn_cache *c = kvarn_llama_session_cache(s);
+    assert_non_null(c);
+    const int seq = kvarn_llama_session_seq(s);
+    assert_true(seq >= 0);
+    kvarn_cache_info ci;
+    assert_int_equal(kvarn_cache_get_info(c, &ci), KVARN_OK);
+    assert_string_equal(ci.format.name, "kvarn_k4v2_g128");
+    assert_int_equal(ci.n_layers, NL);
+    assert_int_equal(ci.n_kv_heads, NKV);
+    assert_int_equal(ci.head_dim, HD);
+    assert_int_equal(ci.block_size, 128);
+    assert_int_equal(ci.sink_tiles, 1);
+    assert_int_equal(ci.max_seqs, 1);
+    assert_int_equal(ci.max_seq_len, NTOK);
+    assert_true(ci.arena_bytes == plan.kv_bytes);
+
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 160, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids + 160, 140, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+    kvarn_cache_seq_info si;
+    assert_int_equal(kvarn_cache_seq_get_info(c, seq, &si), KVARN_OK);
+    assert_int_equal(si.seq_len, kvarn_llama_session_pos(s));
+    assert_int_equal(si.committed_len, NTOK);
+    assert_int_equal(si.quantized_tiles, 1);
+    assert_int_equal(si.committed_tiles, 2);
+    kvarn_cache_stats cs;
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_int_equal(cs.n_seqs, 1);
+    assert_true(cs.tokens == NTOK);
+    assert_int_equal(cs.blocks_in_use, 2);
+    assert_int_equal(cs.pages_in_use, 2);
+    assert_true(cs.used_bytes_per_token ==
+                (2.0 * (double)ci.block_bytes + 2.0 * (double)ci.page_bytes) / NTOK);
+    kvarn_llama_session_reset(s);
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_true(cs.n_seqs == 1 && cs.tokens == 0 && cs.blocks_in_use == 0 && cs.pages_in_use == 0);
+    assert_int_equal(kvarn_cache_seq_get_info(c, kvarn_llama_session_seq(s), &si), KVARN_OK);
+    assert_int_equal(si.seq_len, 0);
+    kvarn_llama_session_free(s);
+
+    o.format = fmt_of("int8");
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    c = kvarn_llama_session_cache(s);
+    assert_int_equal(kvarn_cache_get_info(c, &ci), KVARN_OK);
+    assert_string_equal(ci.format.name, "int8");
+    assert_int_equal(ci.sink_tiles, 0);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 100, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_int_equal(cs.blocks_in_use, (100 + ci.block_size - 1) / ci.block_size);
+    assert_int_equal(cs.pages_in_use, 0);
+    kvarn_llama_session_free(s);
+
+    o.exact = 1;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    assert_null(kvarn_llama_session_cache(s));
+    assert_int_equal(kvarn_llama_session_seq(s), -1);
+    kvarn_llama_session_free(s);
+    assert_null(kvarn_llama_session_cache(NULL));
+    assert_int_equal(kvarn_llama_session_seq(NULL), -1);
+
+    /* A hand-made format whose name fills all 32 bytes without a NUL:
+     * the session's name is cut to 31 characters, never read past. */
+    kvarn_format named = *fmt_of("int8");
+    memset(named.name, 'x', sizeof named.name);
+    o.exact = 0;
+    o.format = &named;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    assert_int_equal(strlen(kvarn_llama_session_format(s)), sizeof named.name - 1);
     kvarn_llama_session_free(s);
 }
 
@@ -892,7 +1006,7 @@ static void test_nonfinite_rolls_back(void **state)
     for (int i = 0; i < 3; i++) {
         kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
         o.attn_threads = test_threads(1);
-        o.cache_format = formats[i];
+        o.format = fmt_of(formats[i]);
         o.max_tokens = NTOK;
         o.max_chunk = 128;
         kvarn_llama_session *a = NULL, *b = NULL;
@@ -967,7 +1081,7 @@ static void test_context_limits(void **state)
     kvarn_llama_session_info info;
     for (int i = 0; i < 4; i++) {
         kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-        if (i < 3) o.cache_format = formats[i];
+        if (i < 3) o.format = fmt_of(formats[i]);
         else o.exact = 1;
         const int too_long[] = { INT32_MAX, KVARN_CACHE_MAX_SEQ_LEN + 1 };
         for (int j = 0; j < 2; j++) {
@@ -990,7 +1104,7 @@ static void test_context_limits(void **state)
     assert_int_equal(kvarn_llama_get_hparams(m)->context_length, INT32_MAX);
     for (int i = 0; i < 3; i++) {
         kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-        o.cache_format = formats[i];
+        o.format = fmt_of(formats[i]);
         s = NULL;
         assert_int_equal(kvarn_llama_session_create(m, &o, &s), KVARN_ERR_TOO_LARGE);
         assert_null(s);
@@ -1014,7 +1128,7 @@ static void test_context_limits(void **state)
     kvarn_format fmt;
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.max_tokens = (int)T;
-    o.cache_format = "int8";
+    o.format = fmt_of("int8");
     assert_int_equal(kvarn_format_parse("int8", &fmt), KVARN_OK);
     assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
     assert_int_equal(info.max_tokens, T);
@@ -1023,7 +1137,7 @@ static void test_context_limits(void **state)
     assert_true(info.total_bytes == info.kv_bytes + info.other_bytes);
     /* other: at least the block table (12 bytes per 16-token tile) */
     assert_true(info.other_bytes >= T / 16 * 12);
-    o.cache_format = "kvarn_k4v2_g128";
+    o.format = fmt_of("kvarn_k4v2_g128");
     assert_int_equal(kvarn_format_parse("kvarn_k4v2_g128", &fmt), KVARN_OK);
     assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
     const uint64_t pages = 1 + 512 / 128 + 2;
@@ -1048,6 +1162,7 @@ int main(void)
         cmocka_unit_test(test_last_and_reset),
         cmocka_unit_test(test_read_kv),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_session_cache),
         cmocka_unit_test(test_weights_option),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),
