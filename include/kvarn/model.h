@@ -187,9 +187,31 @@ typedef struct kvarn_llama_session_opts {
                                  (copied; must outlive the session); NULL =
                                  malloc/free (alloc.h). Independent of the
                                  model's allocator. */
+    kvarn_cache *cache;       /* NULL: the session makes and owns a
+                                 one-sequence cache (kv_bytes of the plan).
+                                 Else a cache the caller made
+                                 (kvarn_cache_create) and keeps: the session
+                                 takes one sequence of it, so that several
+                                 sessions (an engine's requests) share one
+                                 pool of blocks and pages. Its n_layers,
+                                 n_kv_heads and head_dim must be the model's
+                                 and max_tokens (set it: 0 means the model's
+                                 context) at most its max_seq_len; the format,
+                                 G, sink tiles and balance iterations are the
+                                 cache's, so format must be NULL, sink_tiles
+                                 and balance_iters -1, exact 0. The cache
+                                 must outlive the session and is used only
+                                 by one call at a time (cache.h): sessions
+                                 on one cache run one after another. A
+                                 forward call fails with
+                                 KVARN_ERR_OUT_OF_BLOCKS, the session as
+                                 before, when the pool lacks the blocks or
+                                 pages it needs (KVarN: about
+                                 ceil(n / G) + 1 pages for a chunk of n
+                                 until its commit, cache.h n_pages). */
 } kvarn_llama_session_opts;
 
-#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL }
+#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, NULL }
 
 /* What a session would be and take (kvarn_llama_session_plan). */
 typedef struct kvarn_llama_session_info {
@@ -200,7 +222,7 @@ typedef struct kvarn_llama_session_info {
     int n_layers, n_kv_heads, head_dim; /* the K/V geometry of the model */
     uint64_t kv_bytes;     /* the K/V store: the paged cache's arena (blocks
                               + fp16 pages, all layers), or the exact fp32
-                              K and V */
+                              K and V; 0 on a caller's cache (opts.cache) */
     uint64_t other_bytes;  /* everything else the session allocates: forward
                               scratch, attention workspace, block table and
                               id pools, keep_kv_f32 copies */
@@ -226,7 +248,11 @@ kvarn_status kvarn_llama_session_plan(const kvarn_llama *model,
  * cannot serve the model's head_dim), KVARN_ERR_TOO_LARGE (max_tokens, or
  * the model's context_length when max_tokens is 0, above
  * KVARN_CACHE_MAX_SEQ_LEN = 2^30 tokens, or a buffer size beyond 64 bits /
- * size_t), KVARN_ERR_NOMEM. On error *out is NULL. */
+ * size_t), KVARN_ERR_NOMEM; on a caller's cache (opts.cache) also
+ * KVARN_ERR_INVALID_ARG for a cache of another shape, max_tokens above its
+ * max_seq_len or an option it decides (format, sink_tiles, balance_iters,
+ * exact), and KVARN_ERR_OUT_OF_BLOCKS when it already holds max_seqs
+ * sequences. On error *out is NULL and the caller's cache is unchanged. */
 kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
                                         const kvarn_llama_session_opts *opts,
                                         kvarn_llama_session **out);
@@ -248,8 +274,9 @@ const char *kvarn_llama_session_format(const kvarn_llama_session *s);
 /* The session's paged KV cache (cache.h): one cache of n_layers x
  * n_kv_heads x head_dim in the session's format, made at creation for one
  * sequence of max_tokens tokens (kvarn_llama_session_plan's kv_bytes is its
- * arena), and owned by the session: valid until kvarn_llama_session_free.
- * NULL for an exact session (no cache) or a NULL s.
+ * arena), and owned by the session: valid until kvarn_llama_session_free;
+ * or the caller's opts.cache, which holds the session's sequence among
+ * others. NULL for an exact session (no cache) or a NULL s.
  * Read it through cache.h: kvarn_cache_get_info (geometry: block size G in
  * tokens, sink tiles, blocks, pages, their bytes), kvarn_cache_get_stats
  * (blocks and pages in use, bytes per token held), and for the session's
@@ -298,7 +325,8 @@ typedef enum kvarn_llama_logits {
  * logits_len floats.
  * Errors: KVARN_ERR_INVALID_ARG (NULL, n < 1, n > max_chunk, a token id
  * outside [0, vocab), bad which), KVARN_ERR_BUFFER_TOO_SMALL (logits_len),
- * KVARN_ERR_OUT_OF_BLOCKS (pos + n > max_tokens), KVARN_ERR_NONFINITE
+ * KVARN_ERR_OUT_OF_BLOCKS (pos + n > max_tokens, or a caller's cache
+ * without the free blocks or pages the chunk needs), KVARN_ERR_NONFINITE
  * (NaN/Inf reached the cache). On any error the session is as before the
  * call: argument errors are found before any work, and a failure inside
  * the pass drops the chunk's tokens from the cache again (logits may then

@@ -60,7 +60,16 @@ static kvarn_status session_plan(const kvarn_llama *model,
         (o->exact_chunk != 0 && o->exact_chunk != 1) ||
         (o->keep_kv_f32 != 0 && o->keep_kv_f32 != 1))
         return KVARN_ERR_INVALID_ARG;
-    if (!o->exact) {
+    if (o->cache) {
+        /* A caller's cache decides the format and the KVarN settings. */
+        kvarn_cache_info ci;
+        if (o->exact || o->format || o->sink_tiles != -1 || o->balance_iters != -1 ||
+            kvarn_cache_get_info(o->cache, &ci) != KVARN_OK || ci.n_layers != hp->n_layers ||
+            ci.n_kv_heads != hp->n_kv_heads || ci.head_dim != hp->head_dim ||
+            o->max_tokens > ci.max_seq_len)
+            return KVARN_ERR_INVALID_ARG;
+        *fmt = ci.format;
+    } else if (!o->exact) {
         /* The caller's format as given (no name crosses this API; NULL is
          * fp16, the unquantized reference), checked as a whole row: kind,
          * bits and tile agree, and the head_dim is served. */

@@ -939,6 +939,132 @@ static void test_session_cache(void **state)
     kvarn_llama_session_free(s);
 }
 
+/* Sessions on a caller's cache (opts.cache): two sessions take one
+ * sequence each of one pool and, fed in turns, give bit for bit the logits
+ * of a session with a cache of its own (the same arithmetic on the same
+ * values: only the block and page ids differ, and the kernels read through
+ * the block table). The pool is the caller's: kv_bytes 0 in the plan, the
+ * sessions' tokens in its counters, a third sequence refused when
+ * max_seqs = 2, blocks back in the pool when a session is freed, and a
+ * forward call that finds no free block fails with the session as before.
+ * A cache of another shape, or options the cache decides, are refused. */
+static void test_shared_cache(void **state)
+{
+    fixture *f = *state;
+    /* G = 128, NTOK = 300: a sequence holds the sink page, blocks for tiles
+     * 1 and 2 and, while tile 2 fills, its page; a 140-token chunk into
+     * tile 1 opens tile 2: 3 pages at once. Two sequences: 4 blocks and at
+     * most 2 + 3 pages. */
+    kvarn_cache_opts co = kvarn_cache_default_opts();
+    co.format = *fmt_of("kvarn_k4v2_g128");
+    co.n_layers = NL;
+    co.n_kv_heads = NKV;
+    co.head_dim = HD;
+    co.max_seqs = 2;
+    co.max_seq_len = NTOK;
+    co.n_pages = 5;
+    kvarn_cache_info geo;
+    assert_int_equal(kvarn_cache_plan(&co, &geo), KVARN_OK); /* budget 0: sizes only */
+    co.budget_bytes = 4 * (uint64_t)geo.block_bytes + 5 * (uint64_t)geo.page_bytes;
+    kvarn_cache *c = NULL;
+    assert_int_equal(kvarn_cache_create(&co, &c), KVARN_OK);
+
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.attn_threads = test_threads(1);
+    o.max_tokens = NTOK;
+    o.max_chunk = 160;
+    kvarn_llama_session *own = NULL, *a = NULL, *b = NULL, *s3 = (kvarn_llama_session *)f;
+    o.format = fmt_of("kvarn_k4v2_g128");
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &own), KVARN_OK);
+    o.format = NULL;
+    o.cache = c;
+    kvarn_llama_session_info info;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
+    assert_true(info.kv_bytes == 0 && info.total_bytes == info.other_bytes);
+    assert_string_equal(info.format.name, "kvarn_k4v2_g128");
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &a), KVARN_OK);
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &b), KVARN_OK);
+    assert_ptr_equal(kvarn_llama_session_cache(a), c);
+    assert_true(kvarn_llama_session_seq(a) != kvarn_llama_session_seq(b));
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s3), KVARN_ERR_OUT_OF_BLOCKS);
+    assert_null(s3);
+
+    /* b reads the text backwards: other tokens in the same pool */
+    int32_t rev[NTOK];
+    for (int i = 0; i < NTOK; i++) rev[i] = f->ids[NTOK - 1 - i];
+    float la[VOCAB], lo[VOCAB], lb[VOCAB];
+    const int cut[3] = { 0, 160, NTOK };
+    for (int k = 0; k < 2; k++) {
+        int n = cut[k + 1] - cut[k];
+        assert_int_equal(kvarn_llama_forward(a, f->ids + cut[k], n, KVARN_LLAMA_LOGITS_LAST, la, VOCAB), KVARN_OK);
+        assert_int_equal(kvarn_llama_forward(b, rev + cut[k], n, KVARN_LLAMA_LOGITS_LAST, lb, VOCAB), KVARN_OK);
+        assert_int_equal(kvarn_llama_forward(own, f->ids + cut[k], n, KVARN_LLAMA_LOGITS_LAST, lo, VOCAB), KVARN_OK);
+        assert_memory_equal(la, lo, sizeof la);
+    }
+    kvarn_cache_stats cs;
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_true(cs.n_seqs == 2 && cs.tokens == 2 * NTOK && cs.blocks_in_use == 4 && cs.pages_in_use == 4);
+
+    /* Freed, a session's blocks and pages return to the pool; the other
+     * session goes on. */
+    kvarn_llama_session_free(a);
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_true(cs.n_seqs == 1 && cs.blocks_in_use == 2 && cs.pages_in_use == 2);
+    /* b's sequence after a reset is empty again, the pool shared as before */
+    kvarn_llama_session_reset(b);
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_true(cs.n_seqs == 1 && cs.tokens == 0 && cs.blocks_in_use == 0 && cs.pages_in_use == 0);
+    assert_int_equal(kvarn_llama_forward(b, rev, 160, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+
+    /* A pool of one block: tile 1 takes it, tile 2 finds none; the call
+     * fails and the session stays at 160 tokens, its cache as it was. */
+    kvarn_cache_opts small = co;
+    small.max_seqs = 1;
+    small.budget_bytes = (uint64_t)geo.block_bytes + 5 * (uint64_t)geo.page_bytes;
+    kvarn_cache *c1 = NULL;
+    assert_int_equal(kvarn_cache_create(&small, &c1), KVARN_OK);
+    kvarn_llama_session_opts o1 = o;
+    o1.cache = c1;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o1, &a), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(a, f->ids, 160, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(a, f->ids + 160, 140, KVARN_LLAMA_LOGITS_LAST, la, VOCAB),
+                     KVARN_ERR_OUT_OF_BLOCKS);
+    assert_int_equal(kvarn_llama_session_pos(a), 160);
+    assert_int_equal(kvarn_cache_get_stats(c1, &cs), KVARN_OK);
+    assert_true(cs.tokens == 160 && cs.blocks_in_use == 1 && cs.pages_in_use == 2);
+    kvarn_llama_session_free(a);
+    kvarn_cache_destroy(c1);
+
+    /* what the cache decides, or a shape it does not have: refused */
+    kvarn_llama_session_opts bad = o;
+    bad.format = fmt_of("kvarn_k4v2_g128");
+    assert_int_equal(kvarn_llama_session_create(f->m, &bad, &s3), KVARN_ERR_INVALID_ARG);
+    bad = o;
+    bad.sink_tiles = 0;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &bad, &info), KVARN_ERR_INVALID_ARG);
+    bad = o;
+    bad.exact = 1;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &bad, &info), KVARN_ERR_INVALID_ARG);
+    bad = o;
+    bad.max_tokens = NTOK + 1;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &bad, &info), KVARN_ERR_INVALID_ARG);
+    kvarn_llama_session_free(b);
+    kvarn_llama_session_free(own);
+    kvarn_cache_destroy(c);
+    co.head_dim = 128;
+    co.budget_bytes = 0;
+    assert_int_equal(kvarn_cache_plan(&co, &geo), KVARN_OK);
+    co.budget_bytes = 4 * (uint64_t)geo.block_bytes + 5 * (uint64_t)geo.page_bytes;
+    assert_int_equal(kvarn_cache_create(&co, &c), KVARN_OK);
+    bad = o;
+    bad.cache = c;
+    assert_int_equal(kvarn_llama_session_create(f->m, &bad, &s3), KVARN_ERR_INVALID_ARG);
+    assert_null(s3);
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_int_equal(cs.n_seqs, 0);
+    kvarn_cache_destroy(c);
+}
+
 /* Load options: the weight precision. The fixture's model is fp32; bf16
  * asked for explicitly holds half the bytes
  * (2 per weight instead of 4, exactly), runs with finite logits, and a
@@ -1163,6 +1289,7 @@ int main(void)
         cmocka_unit_test(test_read_kv),
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_session_cache),
+        cmocka_unit_test(test_shared_cache),
         cmocka_unit_test(test_weights_option),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),
