@@ -7,9 +7,10 @@
  *                        hyper-parameters. Read-only after load; several
  *                        sessions may share one model (one thread each).
  *   kvarn_llama_session  one sequence: its paged KV cache (cache.h) in the
- *                        chosen format, its position, and every scratch
- *                        buffer, all allocated once at creation. The forward
- *                        pass allocates nothing.
+ *                        chosen format (or one sequence of a cache the
+ *                        caller shares among sessions), its position, and
+ *                        every scratch buffer, all allocated once at
+ *                        creation. The forward pass allocates nothing.
  *
  * A forward call takes a chunk of n tokens at positions [pos, pos + n),
  * where pos is the session's current length, and appends them: their K
@@ -284,7 +285,8 @@ const char *kvarn_llama_session_format(const kvarn_llama_session *s);
  * kvarn_cache_seq_view / kvarn_cache_layer_view / kvarn_cache_block_table
  * (the paged views attention reads, paged.h) and kvarn_cache_read (the K/V
  * as the cache holds them, fp32). Every token of a finished forward call is
- * committed, so tiles [sink_tiles, floor(pos / G)) are quantized.
+ * committed, so with KVarN tiles [sink_tiles, floor(pos / G)) are
+ * quantized blocks (per-token formats quantize each token as written).
  * The cache belongs to the session's forward calls: a caller must not
  * reserve, write, commit, truncate, fork or free the session's sequence
  * (the session's position would no longer describe it), and no cache call
