@@ -59,13 +59,13 @@ int main(int argc, char **argv)
         *colon = 0;
         o.exact_chunk = 1;
     }
-    kvarn_format f;
+    kvarn_format cache_fmt;
     if (strcmp(fmt, "exact") == 0) {
         o.exact = 1;
     } else {
-        st = kvarn_format_parse(fmt, &f);
+        st = kvarn_format_parse(fmt, &cache_fmt);
         if (st != KVARN_OK) return fail("format", st);
-        o.format = &f;
+        o.format = &cache_fmt;
     }
     o.max_tokens = n;
     o.max_chunk = chunk;
