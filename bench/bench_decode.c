@@ -130,7 +130,7 @@ int main(int argc, char **argv)
         }
         for (int fi = 0; fi < nf; fi++) {
             kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-            so.cache_format = fmts[fi].name;
+            so.format = &fmts[fi];
             so.max_tokens = (int)ctxs[c];
             so.max_chunk = 512;
             so.attn_threads = (int)threads;

@@ -239,6 +239,18 @@ double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, l
     return (double)cap.seq_arena_bytes;
 }
 
+double cli_session_kv_bytes(kvarn_llama_session *s)
+{
+    const kvarn_cache *c = kvarn_llama_session_cache(s);
+    kvarn_cache_info info;
+    kvarn_cache_stats st;
+    if (c == NULL || kvarn_cache_get_info(c, &info) != KVARN_OK ||
+        kvarn_cache_get_stats(c, &st) != KVARN_OK)
+        return -1.0;
+    return (double)st.blocks_in_use * (double)info.block_bytes +
+           (double)st.pages_in_use * (double)info.page_bytes;
+}
+
 kvarn_status cli_capacity_get(const kvarn_format *f, int layers, int kv_heads, int head_dim,
                               uint64_t budget, int max_seqs, const int *lens, int n_lens,
                               cli_capacity *out)
@@ -296,7 +308,7 @@ int cli_session_create(const char *cmd, const cli_model *m, const kvarn_llama_se
 {
     *out = NULL;
     const kvarn_llama_hparams *hp = m->hp;
-    const char *format = so->exact ? "exact fp32" : so->cache_format ? so->cache_format : "fp16";
+    const char *format = so->exact ? "exact fp32" : so->format ? so->format->name : "fp16";
     const long tokens = so->max_tokens > 0 ? so->max_tokens : hp->context_length;
     char what[256], b1[32], b2[32], b3[32], msg[512];
     describe_kv(what, sizeof what, tokens, hp, format);
@@ -305,10 +317,11 @@ int cli_session_create(const char *cmd, const cli_model *m, const kvarn_llama_se
     if (st == KVARN_ERR_TOO_LARGE) {
         /* No plan to quote: the K/V alone, at the format's bytes per
          * token-head (K and V, scales, padding), in floating point. */
-        kvarn_format f;
+        kvarn_format fp16;
+        const kvarn_format *f = so->format;
+        if (f == NULL && kvarn_format_parse("fp16", &fp16) == KVARN_OK) f = &fp16;
         double per = 8.0 * hp->head_dim; /* exact fp32 K and V */
-        if (!so->exact && kvarn_format_parse(format, &f) == KVARN_OK)
-            per = kvarn_bytes_per_token_head(&f, hp->head_dim);
+        if (!so->exact) per = kvarn_bytes_per_token_head(f, hp->head_dim);
         double asked = (double)tokens * hp->n_layers * hp->n_kv_heads * per;
         cli_fmt_bytes(asked, b1, sizeof b1);
         if (tokens > KVARN_CACHE_MAX_SEQ_LEN)

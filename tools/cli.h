@@ -92,12 +92,19 @@ double cli_now(void);
 void cli_progress(const char *label, long done, long total);
 void cli_progress_end(void);
 
-/* Bytes of the paged cache's arenas that one sequence of n_tokens holds in
- * format f for the model (all layers and KV heads, K and V, as the cache
- * keeps it with its default settings, every full tile committed): the
- * library's kvarn_cache_capacity_get seq_arena_bytes. -1 on a format the
- * model's head_dim does not take or n_tokens out of [0, 2^30]. */
+/* Bytes of the paged cache's arenas that one sequence of n_tokens would
+ * hold in format f for the model (all layers and KV heads, K and V, as a
+ * cache keeps it with its default settings, every full tile committed): the
+ * library's kvarn_cache_capacity_get seq_arena_bytes, for a cache no session
+ * has (generate's fp16 comparison). -1 on a format the model's head_dim
+ * does not take or n_tokens out of [0, 2^30]. */
 double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens);
+
+/* Bytes the session's cache holds now for its tokens (all layers and KV
+ * heads, K and V): blocks and fp16 pages in use times their bytes, from
+ * kvarn_cache_get_stats and kvarn_cache_get_info of
+ * kvarn_llama_session_cache(s). -1 for a session without a cache. */
+double cli_session_kv_bytes(kvarn_llama_session *s);
 
 /* What a cache in a byte budget holds, all memory counted (the library's
  * kvarn_cache_fit_budget, kvarn_cache_capacity_get, kvarn_cache_seqs_fit):

@@ -8,43 +8,88 @@
  * compared with the reference's (KL divergence, top-1 agreement) and scored
  * on the text (perplexity). The last --decode-tokens positions of each
  * window are fed one token at a time and timed: decode speed.
+ *
+ * Three steps, each its own functions: the options (one table,
+ * cli_options.h), the run (eval_run: sessions, the lockstep loop, passkey;
+ * its numbers gathered in eval_results) and the report of those results as
+ * a table or as JSON.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <cjson/cJSON.h>
 
 #include "cli.h"
+#include "cli_options.h"
 #include "eval_stats.h"
 #include "passkey.h"
 
-static void eval_usage(FILE *f)
-{
-    fprintf(f,
-            "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
-            "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 320]\n"
-            "                  [--threads 1] [--passkey N] [--json] [--dump-kv FILE [--dump-layers N]]\n\n"
-            "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
-            "tokens (every chunk after the first attends to the cached history, as chunked\n"
-            "prefill and decode do), once with the unquantized fp16 cache (the reference)\n"
-            "and once per format; the last --decode-tokens tokens of each window are fed one\n"
-            "at a time (decode, after the chunked prefill). Prints per format: bytes per\n"
-            "token (all layers, K+V, metadata counted; 'eff' is what the paged cache holds\n"
-            "for one sequence of --ctx tokens, fp16 sink and tail pages counted), the\n"
-            "capacity multiple against fp16 (from the record bytes: what long contexts\n"
-            "reach), KL divergence of the next-token distribution against the reference\n"
-            "over the chunk-fed positions (mean, median, p99, max) and top-1 agreement,\n"
-            "the same KLD mean and top-1 over the decoded positions ('dec': what a chat\n"
-            "user gets, tokens arriving one at a time), perplexity over all positions and\n"
-            "its delta, and decode speed as tokens/s and as a ratio to fp16.\n"
-            "Default formats: all (the ladder of ../shared/EVAL.md).\n"
-            "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
-            "0/50/100%%, N keys per depth, as retrieved/tried beside the fp16 cache's own.\n"
-            "--dump-kv FILE writes the reference session's fp32 K (post-RoPE) and V of the\n"
-            "first window's tokens, as computed before any cache rounding, in the format of\n"
-            "docs/kv-dump.md; --dump-layers N keeps the first N layers (default all).\n");
-}
+/* ---- options ------------------------------------------------------------ */
+
+typedef struct eval_opts {
+    const char *model_path, *text_path, *dtypes, *dump_path;
+    long ctx, chunk, windows, decode_tokens, threads, passkey_trials;
+    long dump_layers; /* 0: all */
+    int json;
+} eval_opts;
+
+static const eval_opts k_defaults = {
+    .dtypes = "all", .ctx = 2048, .chunk = 128, .windows = 1, .decode_tokens = 320, .threads = 1,
+};
+
+#define OPT(f) offsetof(eval_opts, f)
+static const cli_option k_options[] = {
+    {"model", 'm', CLI_TEXT, OPT(model_path), 0, 0, 0, NULL, NULL},
+    {"file", 'f', CLI_TEXT, OPT(text_path), 0, 0, 0, NULL, NULL},
+    {"kv-cache-dtype", 0, CLI_TEXT, OPT(dtypes), 0, 0, 0, "--kv-cache-dtype",
+     "cache formats, NAME[,NAME...] or all (default all: the ladder\n"
+     "of ../shared/EVAL.md)"},
+    {"ctx", 0, CLI_INT, OPT(ctx), 2, 1 << 20, 0, "--ctx N", "tokens per window (default 2048)"},
+    {"chunk", 0, CLI_INT, OPT(chunk), 1, 4096, 0, "--chunk N", "tokens per forward call (default 128)"},
+    {"windows", 0, CLI_INT, OPT(windows), 1, 1 << 20, 0, "--windows N", "windows of the text (default 1)"},
+    {"decode-tokens", 0, CLI_INT, OPT(decode_tokens), 0, 1 << 20, 0, "--decode-tokens N",
+     "last tokens of a window fed one at a time (default 320)"},
+    {"threads", 0, CLI_INT, OPT(threads), 1, 256, 0, "--threads T",
+     "attention worker threads (default 1)"},
+    {"passkey", 0, CLI_INT, OPT(passkey_trials), 0, 1000, 0, "--passkey N",
+     "add passkey retrieval, N keys per depth (default 0: none)"},
+    {"json", 0, CLI_FLAG, OPT(json), 0, 0, 0, "--json", "the report as JSON on stdout"},
+    {"dump-kv", 0, CLI_TEXT, OPT(dump_path), 0, 0, 0, "--dump-kv FILE",
+     "write the reference's fp32 K/V of the first window"},
+    {"dump-layers", 0, CLI_INT, OPT(dump_layers), 1, 1 << 20, 0, "--dump-layers N",
+     "with --dump-kv: the first N layers (default all)"},
+    {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
+};
+#undef OPT
+
+static const cli_command k_command = {
+    "eval", k_options, sizeof k_options / sizeof k_options[0],
+    "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
+    "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 320]\n"
+    "                  [--threads 1] [--passkey N] [--json] [--dump-kv FILE [--dump-layers N]]\n\n",
+    "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
+    "tokens (every chunk after the first attends to the cached history, as chunked\n"
+    "prefill and decode do), once with the unquantized fp16 cache (the reference)\n"
+    "and once per format; the last --decode-tokens tokens of each window are fed one\n"
+    "at a time (decode, after the chunked prefill). Prints per format: bytes per\n"
+    "token (all layers, K+V, metadata counted; 'eff' is what the session's paged\n"
+    "cache holds for its --ctx tokens, fp16 sink and tail pages counted), the\n"
+    "capacity multiple against fp16 (from the record bytes: what long contexts\n"
+    "reach), KL divergence of the next-token distribution against the reference\n"
+    "over the chunk-fed positions (mean, median, p99, max) and top-1 agreement,\n"
+    "the same KLD mean and top-1 over the decoded positions ('dec': what a chat\n"
+    "user gets, tokens arriving one at a time), perplexity over all positions and\n"
+    "its delta, and decode speed as tokens/s and as a ratio to fp16.\n"
+    "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
+    "0/50/100%, N keys per depth, as retrieved/tried beside the fp16 cache's own.\n"
+    "--dump-kv FILE writes the reference session's fp32 K (post-RoPE) and V of the\n"
+    "first window's tokens, as computed before any cache rounding, in the format of\n"
+    "docs/kv-dump.md; --dump-layers N keeps the first N layers (default all).\n",
+};
+
+/* ---- running ------------------------------------------------------------ */
 
 typedef struct fmt_run {
     kvarn_format fmt;
@@ -53,7 +98,28 @@ typedef struct fmt_run {
     eval_stats dst;     /* positions fed one token at a time (decode) */
     double decode_s;
     long decode_n;
+    double eff_bpt;     /* bytes per token its cache held at a window's end */
 } fmt_run;
+
+/* Everything a run holds: the text, the sessions, the per-chunk buffers and
+ * what is accumulated. ctx, chunk, windows, decode_tokens and dump_layers
+ * are the options fitted to the text and the model (eval_fit). */
+typedef struct eval_run {
+    cli_model m;
+    int32_t *ids;
+    size_t n_ids;
+    long ctx, chunk, windows, decode_tokens, dump_layers;
+    kvarn_llama_session *ref;   /* the fp16 reference */
+    eval_stats ref_st;
+    double ref_decode_s, ref_eff_bpt;
+    long ref_decode_n;
+    fmt_run *runs;              /* [nf] */
+    int nf;
+    float *ref_logits, *ref_p, *logits; /* [chunk][V] */
+    double *ref_lse;                    /* [chunk] */
+    int *ref_top;                       /* [chunk] */
+    int pk_correct[CLI_MAX_FORMATS + 1], pk_total; /* row 0: the reference */
+} eval_run;
 
 /* Log-sum-exp of a row of logits. */
 static double logsumexp(const float *x, int n)
@@ -109,309 +175,446 @@ static int write_kv_dump(const char *path, const kvarn_llama_session *s,
     return bad;
 }
 
-/* JSON members of the --json report; each returns 1 when added, 0 when an
- * allocation failed (o may be NULL: then nothing is added). */
-static int jnum(cJSON *o, const char *key, double v) { return cJSON_AddNumberToObject(o, key, v) != NULL; }
-static int jstr(cJSON *o, const char *key, const char *v) { return cJSON_AddStringToObject(o, key, v) != NULL; }
-
-static double effective_bytes_per_token(const kvarn_format *f, const kvarn_llama_hparams *hp, int ctx)
+/* Read and tokenize the text (after checking the model file exists, so a
+ * missing model is named first), open the model. 0, or the exit code with
+ * the message printed. */
+static int eval_load(eval_run *r, const eval_opts *o)
 {
-    return cli_kv_bytes_used(f, hp, ctx) / ctx;
-}
-
-int cmd_eval(int argc, char **argv)
-{
-    const char *model_path = NULL, *text_path = NULL, *dtypes = "all", *dump_path = NULL;
-    long ctx = 2048, chunk = 128, windows = 1, decode_tokens = 320, threads = 1, dump_layers = 0,
-         passkey_trials = 0;
-    int json = 0;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) { eval_usage(stdout); return 0; }
-        if (strcmp(a, "--json") == 0) { json = 1; continue; }
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (v == NULL) { cli_error("eval", "option '%s' needs a value (or is unknown)", a); return 2; }
-        int bad = 0;
-        if (strcmp(a, "-m") == 0 || strcmp(a, "--model") == 0) model_path = v;
-        else if (strcmp(a, "-f") == 0 || strcmp(a, "--file") == 0) text_path = v;
-        else if (strcmp(a, "--kv-cache-dtype") == 0) dtypes = v;
-        else if (strcmp(a, "--ctx") == 0) bad = cli_parse_int(v, 2, 1 << 20, &ctx);
-        else if (strcmp(a, "--chunk") == 0) bad = cli_parse_int(v, 1, 4096, &chunk);
-        else if (strcmp(a, "--windows") == 0) bad = cli_parse_int(v, 1, 1 << 20, &windows);
-        else if (strcmp(a, "--decode-tokens") == 0) bad = cli_parse_int(v, 0, 1 << 20, &decode_tokens);
-        else if (strcmp(a, "--threads") == 0) bad = cli_parse_int(v, 1, 256, &threads);
-        else if (strcmp(a, "--passkey") == 0) bad = cli_parse_int(v, 0, 1000, &passkey_trials);
-        else if (strcmp(a, "--dump-kv") == 0) dump_path = v;
-        else if (strcmp(a, "--dump-layers") == 0) bad = cli_parse_int(v, 1, 1 << 20, &dump_layers);
-        else { cli_error("eval", "unknown option '%s'", a); eval_usage(stderr); return 2; }
-        if (bad) { cli_error("eval", "bad value '%s' for %s (expected %s)", v, a, cli_expected()); return 2; }
-        i++;
-    }
-    if (model_path == NULL || text_path == NULL) {
-        cli_error("eval", "need -m MODEL and -f TEXT (see kvarn eval --help)");
-        return 2;
-    }
-    kvarn_format fmts[CLI_MAX_FORMATS];
-    int nf = cli_parse_formats("eval", dtypes, fmts, CLI_MAX_FORMATS);
-    if (nf < 0) return 2;
-
-    FILE *probe = fopen(model_path, "rb");
+    FILE *probe = fopen(o->model_path, "rb");
     if (probe == NULL) {
-        cli_missing_model("eval", model_path);
+        cli_missing_model("eval", o->model_path);
         return 1;
     }
     fclose(probe);
     char *text = NULL;
     size_t text_len = 0;
-    if (cli_read_file("eval", text_path, &text, &text_len)) return 1;
-    if (text_len == 0) {
-        cli_error("eval", "text file '%s' is empty: nothing to evaluate", text_path);
-        free(text);
-        return 1;
-    }
-    cli_model m;
-    if (cli_model_open("eval", model_path, &m)) { free(text); return 1; }
-    const kvarn_llama_hparams *hp = m.hp;
+    if (cli_read_file("eval", o->text_path, &text, &text_len)) return 1;
     int rc = 1;
-    int32_t *ids = NULL;
-    size_t n_ids = 0;
-    fmt_run *runs = NULL;
-    kvarn_llama_session *ref = NULL;
-    float *ref_logits = NULL, *logits = NULL;
-    double *ref_lse = NULL;
-    float *ref_p = NULL;
-    int *ref_top = NULL;
-    eval_stats ref_st;
-    memset(&ref_st, 0, sizeof ref_st);
-
-    kvarn_status st = kvarn_tokenizer_encode_alloc(m.tok, text, text_len,
-        kvarn_tokenizer_add_bos(m.tok) ? KVARN_TOKENIZE_ADD_BOS : 0, &ids, &n_ids);
-    if (st != KVARN_OK) { cli_error("eval", "tokenizing '%s' failed: %s", text_path, kvarn_strerror(st)); goto out; }
-    if (n_ids < 2) { cli_error("eval", "text '%s' has %zu token(s); need at least 2", text_path, n_ids); goto out; }
-    if (ctx > hp->context_length) {
-        cli_error("eval", "--ctx %ld is longer than the model's context (%d tokens)", ctx, hp->context_length);
-        rc = 2;
-        goto out;
-    }
-    if ((size_t)ctx > n_ids) ctx = (long)n_ids;
-    long max_windows = (long)(n_ids / (size_t)ctx);
-    if (windows > max_windows) {
-        fprintf(stderr, "kvarn eval: the text holds %zu tokens: %ld window(s) of %ld\n", n_ids, max_windows, ctx);
-        windows = max_windows;
-    }
-    if (decode_tokens > ctx - 1) decode_tokens = ctx - 1;
-    if (chunk > ctx) chunk = ctx;
-
-    const int V = hp->vocab;
-    kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-    so.max_tokens = (int)ctx;
-    so.max_chunk = (int)chunk;
-    so.attn_threads = (int)threads;
-    so.cache_format = "fp16";
-    so.keep_kv_f32 = dump_path != NULL;
-    if (cli_session_create("eval", &m, &so, "lower --ctx", &ref)) goto out;
-    so.keep_kv_f32 = 0;
-    if (dump_layers == 0 || dump_layers > hp->n_layers) dump_layers = hp->n_layers;
-    runs = calloc((size_t)nf, sizeof *runs);
-    if (runs == NULL) goto out;
-    for (int f = 0; f < nf; f++) {
-        runs[f].fmt = fmts[f];
-        so.cache_format = fmts[f].name;
-        if (cli_session_create("eval", &m, &so, "lower --ctx", &runs[f].sess)) goto out;
-        if (eval_stats_init(&runs[f].st, (size_t)windows * (size_t)ctx) ||
-            eval_stats_init(&runs[f].dst, (size_t)windows * (size_t)decode_tokens + 1)) goto out;
-    }
-    if (eval_stats_init(&ref_st, (size_t)windows * (size_t)ctx)) goto out;
-    ref_logits = malloc(sizeof(float) * (size_t)chunk * V);
-    ref_p = malloc(sizeof(float) * (size_t)chunk * V);
-    logits = malloc(sizeof(float) * (size_t)chunk * V);
-    ref_lse = malloc(sizeof(double) * (size_t)chunk);
-    ref_top = malloc(sizeof(int) * (size_t)chunk);
-    if (!ref_logits || !ref_p || !logits || !ref_lse || !ref_top) {
-        cli_error("eval", "out of memory");
-        goto out;
-    }
-    if (!json)
-        printf("kvarn eval: %s | text %s (%zu tokens) | %ld window(s) x %ld tokens, chunk %ld, "
-               "last %ld tokens decoded one by one | reference: fp16 cache\n",
-               model_path, text_path, n_ids, windows, ctx, chunk, decode_tokens);
-    fflush(stdout);
-
-    long total_steps = windows * ctx, done = 0;
-    double ref_decode_s = 0.0;
-    long ref_decode_n = 0;
-    for (long w = 0; w < windows; w++) {
-        const int32_t *win = ids + (size_t)w * (size_t)ctx;
-        kvarn_llama_session_reset(ref);
-        for (int f = 0; f < nf; f++) kvarn_llama_session_reset(runs[f].sess);
-        long pos = 0;
-        while (pos < ctx) {
-            long n = ctx - pos;
-            long decode_from = ctx - decode_tokens;
-            int decoding = pos >= decode_from;
-            if (decoding) n = 1;
-            else {
-                if (n > chunk) n = chunk;
-                if (pos + n > decode_from) n = decode_from - pos;
-            }
-            double t0 = cli_now();
-            st = kvarn_llama_forward(ref, win + pos, (int)n, KVARN_LLAMA_LOGITS_ALL,
-                                     ref_logits, (size_t)chunk * V);
-            double t1 = cli_now();
-            if (st != KVARN_OK) { cli_error("eval", "forward (fp16): %s", kvarn_strerror(st)); goto out; }
-            if (decoding) { ref_decode_s += t1 - t0; ref_decode_n++; }
-            for (long i = 0; i < n; i++) {
-                const float *lg = ref_logits + (size_t)i * V;
-                float *p = ref_p + (size_t)i * V;
-                double lse = logsumexp(lg, V);
-                for (int v = 0; v < V; v++) p[v] = (float)exp((double)lg[v] - lse);
-                ref_lse[i] = lse;
-                ref_top[i] = argmax(lg, V);
-                if (pos + i + 1 < ctx) eval_stats_add(&ref_st, 0.0, 1, lse - (double)lg[win[pos + i + 1]]);
-            }
-            for (int f = 0; f < nf; f++) {
-                t0 = cli_now();
-                st = kvarn_llama_forward(runs[f].sess, win + pos, (int)n, KVARN_LLAMA_LOGITS_ALL,
-                                         logits, (size_t)chunk * V);
-                t1 = cli_now();
-                if (st != KVARN_OK) {
-                    cli_error("eval", "forward (%s): %s", runs[f].fmt.name, kvarn_strerror(st));
-                    goto out;
-                }
-                if (decoding) { runs[f].decode_s += t1 - t0; runs[f].decode_n++; }
-                for (long i = 0; i < n && pos + i + 1 < ctx; i++) {
-                    const float *lg = logits + (size_t)i * V;
-                    const float *rl = ref_logits + (size_t)i * V;
-                    const float *p = ref_p + (size_t)i * V;
-                    double lse = logsumexp(lg, V), kld = 0.0;
-                    /* KL(ref || fmt) = sum p (log p - log q), term by term so
-                     * that identical logits give exactly 0 */
-                    for (int v = 0; v < V; v++)
-                        kld += (double)p[v] * (((double)rl[v] - ref_lse[i]) - ((double)lg[v] - lse));
-                    if (kld < 0.0) kld = 0.0;   /* rounding below zero */
-                    eval_stats_add(decoding ? &runs[f].dst : &runs[f].st, kld,
-                                   argmax(lg, V) == ref_top[i], lse - (double)lg[win[pos + i + 1]]);
-                }
-            }
-            pos += n;
-            done += n;
-            cli_progress("kvarn eval", done, total_steps);
+    if (text_len == 0) cli_error("eval", "text file '%s' is empty: nothing to evaluate", o->text_path);
+    else if (cli_model_open("eval", o->model_path, &r->m) == 0) rc = 0;
+    if (rc == 0) {
+        unsigned bos = kvarn_tokenizer_add_bos(r->m.tok) ? KVARN_TOKENIZE_ADD_BOS : 0;
+        kvarn_status st = kvarn_tokenizer_encode_alloc(r->m.tok, text, text_len, bos, &r->ids, &r->n_ids);
+        if (st != KVARN_OK) {
+            cli_error("eval", "tokenizing '%s' failed: %s", o->text_path, kvarn_strerror(st));
+            rc = 1;
+        } else if (r->n_ids < 2) {
+            cli_error("eval", "text '%s' has %zu token(s); need at least 2", o->text_path, r->n_ids);
+            rc = 1;
         }
-        if (w == 0 && dump_path && write_kv_dump(dump_path, ref, hp, (int)dump_layers, (int)ctx)) goto out;
     }
-    cli_progress_end();
+    free(text);
+    return rc;
+}
 
-    /* Passkey retrieval: row 0 the fp16 reference, rows 1..nf the formats. */
-    int pk_correct[CLI_MAX_FORMATS + 1] = {0}, pk_total = 0;
-    if (passkey_trials > 0) {
-        const long pk_len[1] = {ctx}, pk_depth[3] = {0, 50, 100};
-        passkey_opts po = {pk_len, 1, pk_depth, 3, (int)passkey_trials, chunk, 1, (int)threads, 0};
-        if (passkey_run(&m, fmts, nf, &po, pk_correct)) goto out;
-        pk_total = 3 * (int)passkey_trials;
+/* The options fitted to the text and the model: windows of at most the
+ * text's tokens, decode and chunk within a window, dump layers within the
+ * model's. 0, or 2 (--ctx beyond the model's context, message printed). */
+static int eval_fit(eval_run *r, const eval_opts *o)
+{
+    const kvarn_llama_hparams *hp = r->m.hp;
+    if (o->ctx > hp->context_length) {
+        cli_error("eval", "--ctx %ld is longer than the model's context (%d tokens)", o->ctx, hp->context_length);
+        return 2;
     }
-    char pk_text[CLI_MAX_FORMATS + 1][24];
-    for (int f = 0; f <= nf; f++) {
-        if (pk_total) snprintf(pk_text[f], sizeof pk_text[f], "%d/%d", pk_correct[f], pk_total);
-        else snprintf(pk_text[f], sizeof pk_text[f], "-");
+    r->ctx = (size_t)o->ctx > r->n_ids ? (long)r->n_ids : o->ctx;
+    long max_windows = (long)(r->n_ids / (size_t)r->ctx);
+    r->windows = o->windows;
+    if (r->windows > max_windows) {
+        fprintf(stderr, "kvarn eval: the text holds %zu tokens: %ld window(s) of %ld\n", r->n_ids,
+                max_windows, r->ctx);
+        r->windows = max_windows;
     }
+    r->decode_tokens = o->decode_tokens > r->ctx - 1 ? r->ctx - 1 : o->decode_tokens;
+    r->chunk = o->chunk > r->ctx ? r->ctx : o->chunk;
+    r->dump_layers = o->dump_layers == 0 || o->dump_layers > hp->n_layers ? hp->n_layers : o->dump_layers;
+    return 0;
+}
 
+/* The reference session, one session per format, the accumulators and the
+ * per-chunk buffers. 0, or -1 with the message printed. */
+static int eval_init(eval_run *r, const eval_opts *o, const kvarn_format *fmts, int nf)
+{
+    const size_t V = (size_t)r->m.hp->vocab, C = (size_t)r->chunk;
+    const size_t positions = (size_t)r->windows * (size_t)r->ctx;
+    kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    so.max_tokens = (int)r->ctx;
+    so.max_chunk = (int)r->chunk;
+    so.attn_threads = (int)o->threads;
+    so.format = NULL; /* fp16, the reference */
+    so.keep_kv_f32 = o->dump_path != NULL;
+    if (cli_session_create("eval", &r->m, &so, "lower --ctx", &r->ref)) return -1;
+    so.keep_kv_f32 = 0;
+    r->runs = calloc((size_t)nf, sizeof *r->runs);
+    if (r->runs == NULL) { cli_error("eval", "out of memory"); return -1; }
+    r->nf = nf;
+    for (int f = 0; f < nf; f++) {
+        r->runs[f].fmt = fmts[f];
+        so.format = &fmts[f];
+        if (cli_session_create("eval", &r->m, &so, "lower --ctx", &r->runs[f].sess)) return -1;
+        if (eval_stats_init(&r->runs[f].st, positions) ||
+            eval_stats_init(&r->runs[f].dst, (size_t)r->windows * (size_t)r->decode_tokens + 1)) {
+            cli_error("eval", "out of memory");
+            return -1;
+        }
+    }
+    r->ref_logits = malloc(sizeof(float) * C * V);
+    r->ref_p = malloc(sizeof(float) * C * V);
+    r->logits = malloc(sizeof(float) * C * V);
+    r->ref_lse = malloc(sizeof(double) * C);
+    r->ref_top = malloc(sizeof(int) * C);
+    if (eval_stats_init(&r->ref_st, positions) || !r->ref_logits || !r->ref_p || !r->logits ||
+        !r->ref_lse || !r->ref_top) {
+        cli_error("eval", "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+static void eval_free(eval_run *r)
+{
+    for (int f = 0; f < r->nf; f++) {
+        kvarn_llama_session_free(r->runs[f].sess);
+        eval_stats_free(&r->runs[f].st);
+        eval_stats_free(&r->runs[f].dst);
+    }
+    free(r->runs);
+    eval_stats_free(&r->ref_st);
+    kvarn_llama_session_free(r->ref);
+    free(r->ref_logits);
+    free(r->ref_p);
+    free(r->logits);
+    free(r->ref_lse);
+    free(r->ref_top);
+    free(r->ids);
+    cli_model_close(&r->m);
+}
+
+/* The reference's view of a chunk's n positions: probabilities, log-sum-exp
+ * and argmax of each row of ref_logits, and its own NLL of the text. */
+static void score_reference(eval_run *r, const int32_t *win, long pos, long n)
+{
+    const int V = r->m.hp->vocab;
+    for (long i = 0; i < n; i++) {
+        const float *lg = r->ref_logits + (size_t)i * V;
+        float *p = r->ref_p + (size_t)i * V;
+        double lse = logsumexp(lg, V);
+        for (int v = 0; v < V; v++) p[v] = (float)exp((double)lg[v] - lse);
+        r->ref_lse[i] = lse;
+        r->ref_top[i] = argmax(lg, V);
+        if (pos + i + 1 < r->ctx) eval_stats_add(&r->ref_st, 0.0, 1, lse - (double)lg[win[pos + i + 1]]);
+    }
+}
+
+/* One format's rows of logits against the reference's: KLD, top-1
+ * agreement and NLL per position with a next token, into its prefill or
+ * decode accumulator. */
+static void score_format(eval_run *r, fmt_run *fr, const int32_t *win, long pos, long n, int decoding)
+{
+    const int V = r->m.hp->vocab;
+    for (long i = 0; i < n && pos + i + 1 < r->ctx; i++) {
+        const float *lg = r->logits + (size_t)i * V;
+        const float *rl = r->ref_logits + (size_t)i * V;
+        const float *p = r->ref_p + (size_t)i * V;
+        double lse = logsumexp(lg, V), kld = 0.0;
+        /* KL(ref || fmt) = sum p (log p - log q), term by term so that
+         * identical logits give exactly 0 */
+        for (int v = 0; v < V; v++)
+            kld += (double)p[v] * (((double)rl[v] - r->ref_lse[i]) - ((double)lg[v] - lse));
+        if (kld < 0.0) kld = 0.0;   /* rounding below zero */
+        eval_stats_add(decoding ? &fr->dst : &fr->st, kld, argmax(lg, V) == r->ref_top[i],
+                       lse - (double)lg[win[pos + i + 1]]);
+    }
+}
+
+/* Feed tokens win[pos, pos + n) to s with all logits into out, adding the
+ * call's seconds to *decode_s (and 1 to *decode_n) when decoding. 0, or -1
+ * with the message printed. */
+static int eval_forward(eval_run *r, kvarn_llama_session *s, const char *name, const int32_t *win,
+                        long pos, long n, float *out, int decoding, double *decode_s, long *decode_n)
+{
+    double t0 = cli_now();
+    kvarn_status st = kvarn_llama_forward(s, win + pos, (int)n, KVARN_LLAMA_LOGITS_ALL, out,
+                                          (size_t)r->chunk * (size_t)r->m.hp->vocab);
+    double t1 = cli_now();
+    if (st != KVARN_OK) {
+        cli_error("eval", "forward (%s): %s", name, kvarn_strerror(st));
+        return -1;
+    }
+    if (decoding) {
+        *decode_s += t1 - t0;
+        (*decode_n)++;
+    }
+    return 0;
+}
+
+/* One step of the lockstep loop: the reference, then every format, fed the
+ * same n tokens at pos, and scored. 0, or -1 with the message printed. */
+static int eval_step(eval_run *r, const int32_t *win, long pos, long n, int decoding)
+{
+    if (eval_forward(r, r->ref, "fp16", win, pos, n, r->ref_logits, decoding, &r->ref_decode_s,
+                     &r->ref_decode_n))
+        return -1;
+    score_reference(r, win, pos, n);
+    for (int f = 0; f < r->nf; f++) {
+        fmt_run *fr = &r->runs[f];
+        if (eval_forward(r, fr->sess, fr->fmt.name, win, pos, n, r->logits, decoding, &fr->decode_s,
+                         &fr->decode_n))
+            return -1;
+        score_format(r, fr, win, pos, n, decoding);
+    }
+    return 0;
+}
+
+/* Window w: every session reset, then fed the window in chunks up to the
+ * decode part, then one token at a time; afterwards the bytes each cache
+ * holds for it, and the first window's K/V dump. 0, or -1 (printed). */
+static int eval_window(eval_run *r, const eval_opts *o, long w, long *done)
+{
+    const int32_t *win = r->ids + (size_t)w * (size_t)r->ctx;
+    const long decode_from = r->ctx - r->decode_tokens;
+    kvarn_llama_session_reset(r->ref);
+    for (int f = 0; f < r->nf; f++) kvarn_llama_session_reset(r->runs[f].sess);
+    for (long pos = 0, n; pos < r->ctx; pos += n) {
+        int decoding = pos >= decode_from;
+        n = decoding ? 1 : r->ctx - pos;
+        if (!decoding && n > r->chunk) n = r->chunk;
+        if (!decoding && pos + n > decode_from) n = decode_from - pos;
+        if (eval_step(r, win, pos, n, decoding)) return -1;
+        *done += n;
+        cli_progress("kvarn eval", *done, r->windows * r->ctx);
+    }
+    if (w == 0 && o->dump_path &&
+        write_kv_dump(o->dump_path, r->ref, r->m.hp, (int)r->dump_layers, (int)r->ctx))
+        return -1;
+    /* what each cache holds for the window, fp16 sink and tail counted */
+    r->ref_eff_bpt = cli_session_kv_bytes(r->ref) / (double)r->ctx;
+    for (int f = 0; f < r->nf; f++)
+        r->runs[f].eff_bpt = cli_session_kv_bytes(r->runs[f].sess) / (double)r->ctx;
+    return 0;
+}
+
+/* --passkey N: retrieval at length ctx, depths 0/50/100%, N keys each, for
+ * the reference (pk_correct[0]) and every format. 0, or -1 (printed). */
+static int eval_passkey(eval_run *r, const eval_opts *o)
+{
+    if (o->passkey_trials <= 0) return 0;
+    const long len[1] = {r->ctx}, depth[3] = {0, 50, 100};
+    kvarn_format fmts[CLI_MAX_FORMATS];
+    for (int f = 0; f < r->nf; f++) fmts[f] = r->runs[f].fmt;
+    passkey_opts po = {len, 1, depth, 3, (int)o->passkey_trials, r->chunk, 1, (int)o->threads, 0};
+    if (passkey_run(&r->m, fmts, r->nf, &po, r->pk_correct)) return -1;
+    r->pk_total = 3 * (int)o->passkey_trials;
+    return 0;
+}
+
+/* ---- results ------------------------------------------------------------ */
+
+/* One format's numbers as reported. */
+typedef struct eval_row {
+    const char *name;
+    double bpt, eff;          /* record bytes per token; what its cache held per token */
+    eval_summary s, ds;       /* chunk-fed and decoded positions */
+    double ppl, tps;          /* over every scored position; decode tokens/s */
+    size_t positions;         /* scored positions, chunk-fed and decoded */
+    int passkey;              /* keys retrieved (of passkey_trials) */
+} eval_row;
+
+typedef struct eval_results {
+    const char *model, *text;
+    size_t tokens;
+    long ctx, chunk, windows, decode_tokens;
+    double ref_bpt, ref_eff, ref_ppl, ref_tps; /* the fp16 reference */
+    int ref_passkey, passkey_trials;
+    eval_row rows[CLI_MAX_FORMATS];
+    int n;
+} eval_results;
+
+/* The run's accumulators summarized (sorts their KLDs). */
+static void eval_results_get(eval_run *r, const eval_opts *o, eval_results *res)
+{
+    const kvarn_llama_hparams *hp = r->m.hp;
+    const double token_heads = (double)hp->n_layers * hp->n_kv_heads;
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
-    double fp16_bpt = effective_bytes_per_token(&fp16, hp, (int)ctx);
-    double fp16_bpt_rec = kvarn_bytes_per_token_head(&fp16, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
-    double ref_ppl = eval_stats_ppl(&ref_st);
-    double ref_tps = ref_decode_n ? ref_decode_n / ref_decode_s : 0.0;
-    cJSON *jroot = NULL, *jformats = NULL;
-    int jok = 1;
-    if (json) {
-        /* cJSON escapes whatever bytes the paths hold (quotes, backslashes,
-         * control characters) and writes NaN/Inf as null. */
-        jroot = cJSON_CreateObject();
-        cJSON *jref = cJSON_CreateObject();
-        jok = jstr(jroot, "model", model_path) & jstr(jroot, "text", text_path) &
-              jnum(jroot, "tokens", (double)n_ids) & jnum(jroot, "ctx", (double)ctx) &
-              jnum(jroot, "chunk", (double)chunk) & jnum(jroot, "windows", (double)windows) &
-              jnum(jroot, "decode_tokens", (double)decode_tokens) & jstr(jref, "format", "fp16") &
-              jnum(jref, "ppl", ref_ppl) & jnum(jref, "decode_tok_s", ref_tps) &
-              jnum(jref, "passkey", pk_correct[0]) & jnum(jref, "passkey_trials", pk_total);
-        if (jref && !cJSON_AddItemToObject(jroot, "reference", jref)) { cJSON_Delete(jref); jok = 0; }
-        jformats = cJSON_AddArrayToObject(jroot, "formats");
-        jok = jok && jref && jformats;
-    } else {
-        printf("%-17s %9s %9s %7s %9s %9s %9s %9s %7s %9s %7s %9s %8s %7s %9s %7s\n", "format", "B/token",
-               "eff B/tok", "x fp16", "KLD mean", "median", "p99", "max", "top-1", "dec KLD", "dec top1",
-               "PPL", "dPPL", "passkey", "dec tok/s", "x fp16");
-        /* x fp16 (capacity) from the record bytes: what long contexts reach;
-         * eff B/tok adds the fp16 sink and tail at this --ctx. */
-        printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9s %7s %9.4f %8s %7s %9.1f %6.2fx\n",
-               "fp16 (reference)", fp16_bpt_rec, fp16_bpt, 1.0, "-", "-", "-", "-", "-", "-", "-", ref_ppl,
-               "-", pk_text[0], ref_tps, 1.0);
-    }
-    for (int f = 0; f < nf; f++) {
-        eval_summary s, ds;
-        eval_stats_summarize(&runs[f].st, &s);
-        eval_stats_summarize(&runs[f].dst, &ds);
-        double bpt = kvarn_bytes_per_token_head(&runs[f].fmt, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
-        double eff = effective_bytes_per_token(&runs[f].fmt, hp, (int)ctx);
-        double tps = runs[f].decode_n ? runs[f].decode_n / runs[f].decode_s : 0.0;
+    memset(res, 0, sizeof *res);
+    res->model = o->model_path;
+    res->text = o->text_path;
+    res->tokens = r->n_ids;
+    res->ctx = r->ctx;
+    res->chunk = r->chunk;
+    res->windows = r->windows;
+    res->decode_tokens = r->decode_tokens;
+    res->ref_bpt = kvarn_bytes_per_token_head(&fp16, hp->head_dim) * token_heads;
+    res->ref_eff = r->ref_eff_bpt;
+    res->ref_ppl = eval_stats_ppl(&r->ref_st);
+    res->ref_tps = r->ref_decode_n ? r->ref_decode_n / r->ref_decode_s : 0.0;
+    res->ref_passkey = r->pk_correct[0];
+    res->passkey_trials = r->pk_total;
+    res->n = r->nf;
+    for (int f = 0; f < r->nf; f++) {
+        fmt_run *fr = &r->runs[f];
+        eval_row *w = &res->rows[f];
+        w->name = fr->fmt.name;
+        eval_stats_summarize(&fr->st, &w->s);
+        eval_stats_summarize(&fr->dst, &w->ds);
+        w->bpt = kvarn_bytes_per_token_head(&fr->fmt, hp->head_dim) * token_heads;
+        w->eff = fr->eff_bpt;
+        w->tps = fr->decode_n ? fr->decode_n / fr->decode_s : 0.0;
         /* perplexity over every scored position, chunked and decoded */
-        size_t n_all = runs[f].st.n + runs[f].dst.n;
-        double ppl = n_all ? exp((runs[f].st.nll + runs[f].dst.nll) / (double)n_all) : 0.0;
-        if (json) {
-            cJSON *o = cJSON_CreateObject();
-            int ok = jstr(o, "format", runs[f].fmt.name) & jnum(o, "bytes_per_token", bpt) &
-                     jnum(o, "effective_bytes_per_token", eff) &
-                     jnum(o, "capacity_x_fp16", fp16_bpt_rec / bpt) &
-                     jnum(o, "effective_x_fp16", fp16_bpt / eff) & jnum(o, "kld_mean", s.kld_mean) &
-                     jnum(o, "kld_median", s.kld_median) & jnum(o, "kld_p99", s.kld_p99) &
-                     jnum(o, "kld_max", s.kld_max) & jnum(o, "top1", s.top1) & jnum(o, "ppl", ppl) &
-                     jnum(o, "ppl_delta", ppl - ref_ppl) & jnum(o, "decode_tok_s", tps) &
-                     jnum(o, "decode_x_fp16", ref_tps > 0 ? tps / ref_tps : 0.0) &
-                     jnum(o, "positions", (double)n_all) & jnum(o, "chunk_positions", (double)s.n) &
-                     jnum(o, "decode_positions", (double)ds.n) &
-                     jnum(o, "decode_kld_mean", ds.kld_mean) & jnum(o, "decode_kld_p99", ds.kld_p99) &
-                     jnum(o, "decode_top1", ds.top1) & jnum(o, "passkey", pk_correct[f + 1]) &
-                     jnum(o, "passkey_trials", pk_total);
-            if (!ok || !cJSON_AddItemToArray(jformats, o)) { cJSON_Delete(o); jok = 0; }
-        } else {
-            char speed[48] = "        -       -";
-            if (tps > 0 && ref_tps > 0) snprintf(speed, sizeof speed, "%9.1f %6.2fx", tps, tps / ref_tps);
-            char dk[16] = "-", dt[16] = "-";
-            if (ds.n) {
-                snprintf(dk, sizeof dk, "%.5f", ds.kld_mean);
-                snprintf(dt, sizeof dt, "%.2f%%", 100.0 * ds.top1);
-            }
-            printf("%-17s %9.0f %9.0f %6.2fx %9.5f %9.5f %9.5f %9.4f %6.2f%% %9s %7s %9.4f %+8.4f %7s %s\n",
-                   runs[f].fmt.name, bpt, eff, fp16_bpt_rec / bpt, s.kld_mean, s.kld_median, s.kld_p99,
-                   s.kld_max, 100.0 * s.top1, dk, dt, ppl, ppl - ref_ppl, pk_text[f + 1], speed);
-        }
+        w->positions = fr->st.n + fr->dst.n;
+        w->ppl = w->positions ? exp((fr->st.nll + fr->dst.nll) / (double)w->positions) : 0.0;
+        w->passkey = r->pk_correct[f + 1];
     }
-    if (json) {
-        char *report = jok ? cJSON_Print(jroot) : NULL;
-        cJSON_Delete(jroot);
-        if (report == NULL) {
-            cli_error("eval", "out of memory writing the JSON report");
-            goto out;
+}
+
+/* ---- reporting ---------------------------------------------------------- */
+
+/* The line printed before the run (table mode). */
+static void print_header(const eval_run *r, const eval_opts *o)
+{
+    printf("kvarn eval: %s | text %s (%zu tokens) | %ld window(s) x %ld tokens, chunk %ld, "
+           "last %ld tokens decoded one by one | reference: fp16 cache\n",
+           o->model_path, o->text_path, r->n_ids, r->windows, r->ctx, r->chunk, r->decode_tokens);
+    fflush(stdout);
+}
+
+/* "3/9", or "-" without passkey trials. */
+static const char *passkey_text(int correct, int total, char *buf, size_t len)
+{
+    if (total) snprintf(buf, len, "%d/%d", correct, total);
+    else snprintf(buf, len, "-");
+    return buf;
+}
+
+static void print_table(const eval_results *res)
+{
+    char pk[24];
+    printf("%-17s %9s %9s %7s %9s %9s %9s %9s %7s %9s %7s %9s %8s %7s %9s %7s\n", "format", "B/token",
+           "eff B/tok", "x fp16", "KLD mean", "median", "p99", "max", "top-1", "dec KLD", "dec top1",
+           "PPL", "dPPL", "passkey", "dec tok/s", "x fp16");
+    /* x fp16 (capacity) from the record bytes: what long contexts reach;
+     * eff B/tok adds the fp16 sink and tail at this --ctx. */
+    printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9s %7s %9.4f %8s %7s %9.1f %6.2fx\n",
+           "fp16 (reference)", res->ref_bpt, res->ref_eff, 1.0, "-", "-", "-", "-", "-", "-", "-",
+           res->ref_ppl, "-", passkey_text(res->ref_passkey, res->passkey_trials, pk, sizeof pk),
+           res->ref_tps, 1.0);
+    for (int f = 0; f < res->n; f++) {
+        const eval_row *w = &res->rows[f];
+        char speed[48] = "        -       -", dk[16] = "-", dt[16] = "-";
+        if (w->tps > 0 && res->ref_tps > 0)
+            snprintf(speed, sizeof speed, "%9.1f %6.2fx", w->tps, w->tps / res->ref_tps);
+        if (w->ds.n) {
+            snprintf(dk, sizeof dk, "%.5f", w->ds.kld_mean);
+            snprintf(dt, sizeof dt, "%.2f%%", 100.0 * w->ds.top1);
         }
-        printf("%s\n", report);
-        cJSON_free(report);
+        printf("%-17s %9.0f %9.0f %6.2fx %9.5f %9.5f %9.5f %9.4f %6.2f%% %9s %7s %9.4f %+8.4f %7s %s\n",
+               w->name, w->bpt, w->eff, res->ref_bpt / w->bpt, w->s.kld_mean, w->s.kld_median,
+               w->s.kld_p99, w->s.kld_max, 100.0 * w->s.top1, dk, dt, w->ppl, w->ppl - res->ref_ppl,
+               passkey_text(w->passkey, res->passkey_trials, pk, sizeof pk), speed);
     }
-    rc = 0;
-out:
+}
+
+/* JSON members of the --json report; each returns 1 when added, 0 when an
+ * allocation failed (o may be NULL: then nothing is added). */
+static int jnum(cJSON *o, const char *key, double v) { return cJSON_AddNumberToObject(o, key, v) != NULL; }
+static int jstr(cJSON *o, const char *key, const char *v) { return cJSON_AddStringToObject(o, key, v) != NULL; }
+
+/* One format's object of the "formats" array; NULL when out of memory. */
+static cJSON *json_row(const eval_results *res, const eval_row *w)
+{
+    cJSON *o = cJSON_CreateObject();
+    int ok = jstr(o, "format", w->name) & jnum(o, "bytes_per_token", w->bpt) &
+             jnum(o, "effective_bytes_per_token", w->eff) &
+             jnum(o, "capacity_x_fp16", res->ref_bpt / w->bpt) &
+             jnum(o, "effective_x_fp16", res->ref_eff / w->eff) & jnum(o, "kld_mean", w->s.kld_mean) &
+             jnum(o, "kld_median", w->s.kld_median) & jnum(o, "kld_p99", w->s.kld_p99) &
+             jnum(o, "kld_max", w->s.kld_max) & jnum(o, "top1", w->s.top1) & jnum(o, "ppl", w->ppl) &
+             jnum(o, "ppl_delta", w->ppl - res->ref_ppl) & jnum(o, "decode_tok_s", w->tps) &
+             jnum(o, "decode_x_fp16", res->ref_tps > 0 ? w->tps / res->ref_tps : 0.0) &
+             jnum(o, "positions", (double)w->positions) & jnum(o, "chunk_positions", (double)w->s.n) &
+             jnum(o, "decode_positions", (double)w->ds.n) &
+             jnum(o, "decode_kld_mean", w->ds.kld_mean) & jnum(o, "decode_kld_p99", w->ds.kld_p99) &
+             jnum(o, "decode_top1", w->ds.top1) & jnum(o, "passkey", w->passkey) &
+             jnum(o, "passkey_trials", res->passkey_trials);
+    if (!ok) {
+        cJSON_Delete(o);
+        return NULL;
+    }
+    return o;
+}
+
+/* The report as one JSON object on stdout. cJSON escapes whatever bytes the
+ * paths hold (quotes, backslashes, control characters) and writes NaN/Inf
+ * as null. 0, or -1 when out of memory (printed). */
+static int print_json(const eval_results *res)
+{
+    cJSON *root = cJSON_CreateObject(), *ref = cJSON_CreateObject();
+    int ok = jstr(root, "model", res->model) & jstr(root, "text", res->text) &
+             jnum(root, "tokens", (double)res->tokens) & jnum(root, "ctx", (double)res->ctx) &
+             jnum(root, "chunk", (double)res->chunk) & jnum(root, "windows", (double)res->windows) &
+             jnum(root, "decode_tokens", (double)res->decode_tokens) & jstr(ref, "format", "fp16") &
+             jnum(ref, "ppl", res->ref_ppl) & jnum(ref, "decode_tok_s", res->ref_tps) &
+             jnum(ref, "passkey", res->ref_passkey) & jnum(ref, "passkey_trials", res->passkey_trials);
+    if (ref && !cJSON_AddItemToObject(root, "reference", ref)) { cJSON_Delete(ref); ok = 0; }
+    cJSON *formats = cJSON_AddArrayToObject(root, "formats");
+    ok = ok && ref && formats;
+    for (int f = 0; f < res->n && ok; f++) {
+        cJSON *o = json_row(res, &res->rows[f]);
+        if (!o || !cJSON_AddItemToArray(formats, o)) { cJSON_Delete(o); ok = 0; }
+    }
+    char *text = ok ? cJSON_Print(root) : NULL;
+    cJSON_Delete(root);
+    if (text == NULL) {
+        cli_error("eval", "out of memory writing the JSON report");
+        return -1;
+    }
+    printf("%s\n", text);
+    cJSON_free(text);
+    return 0;
+}
+
+/* ---- the command -------------------------------------------------------- */
+
+/* Set up, run every window and the passkey trials. 0, or the exit code. */
+static int eval_execute(eval_run *r, const eval_opts *o, const kvarn_format *fmts, int nf)
+{
+    int rc = eval_load(r, o);
+    if (rc == 0) rc = eval_fit(r, o);
+    if (rc != 0) return rc;
+    if (eval_init(r, o, fmts, nf)) return 1;
+    if (!o->json) print_header(r, o);
+    long done = 0;
+    for (long w = 0; w < r->windows; w++)
+        if (eval_window(r, o, w, &done)) return 1;
     cli_progress_end();
-    if (runs) {
-        for (int f = 0; f < nf; f++) {
-            kvarn_llama_session_free(runs[f].sess);
-            eval_stats_free(&runs[f].st);
-            eval_stats_free(&runs[f].dst);
-        }
-        free(runs);
+    return eval_passkey(r, o) ? 1 : 0;
+}
+
+int cmd_eval(int argc, char **argv)
+{
+    eval_opts o = k_defaults;
+    int rc = cli_parse_options(&k_command, argc, argv, &o);
+    if (rc >= 0) return rc;
+    if (o.model_path == NULL || o.text_path == NULL) {
+        cli_error("eval", "need -m MODEL and -f TEXT (see kvarn eval --help)");
+        return 2;
     }
-    eval_stats_free(&ref_st);
-    kvarn_llama_session_free(ref);
-    free(ref_logits); free(ref_p); free(logits); free(ref_lse); free(ref_top);
-    free(ids);
-    free(text);
-    cli_model_close(&m);
+    kvarn_format fmts[CLI_MAX_FORMATS];
+    int nf = cli_parse_formats("eval", o.dtypes, fmts, CLI_MAX_FORMATS);
+    if (nf < 0) return 2;
+    eval_run *r = calloc(1, sizeof *r);
+    eval_results *res = malloc(sizeof *res);
+    rc = 1;
+    if (r == NULL || res == NULL) cli_error("eval", "out of memory");
+    else if ((rc = eval_execute(r, &o, fmts, nf)) == 0) {
+        eval_results_get(r, &o, res);
+        if (o.json) rc = print_json(res) ? 1 : 0;
+        else print_table(res);
+    }
+    cli_progress_end();
+    if (r) eval_free(r);
+    free(r);
+    free(res);
     return rc;
 }

@@ -4,23 +4,23 @@
  * and the speed.
  *
  * Three steps, each its own functions: the options (one table drives
- * getopt_long, the value checks and --help), the run (prompt or chat turns,
- * the text streamed to stdout, counts and times gathered in gen_stats), and
- * the report of those counts on stderr.
+ * getopt_long, the value checks and --help: cli_options.h), the run
+ * (prompt or chat turns, the text streamed to stdout, counts and times
+ * gathered in gen_stats), and the report of those counts on stderr.
  */
-#include <getopt.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
+#include "cli_options.h"
 
 /* ---- options ------------------------------------------------------------ */
 
 typedef struct gen_opts {
     const char *model_path, *prompt, *dtype;
-    int chat, help;
+    int chat;
     long n_gen, threads, seed, ctx; /* ctx 0: the model's context length */
     double temp, top_p;
 } gen_opts;
@@ -29,175 +29,40 @@ static const gen_opts k_defaults = {
     .dtype = "kvarn_k4v2_g128", .n_gen = 128, .threads = 1, .seed = 1, .temp = 0.7, .top_p = 0.9,
 };
 
-/* How an option's value is read: FLAG sets an int to 1 (no value); TEXT
- * keeps the string; INT and REAL parse a number within [lo, hi] (REAL with
- * lo_open: (lo, hi]). */
-typedef enum { ARG_FLAG, ARG_TEXT, ARG_INT, ARG_REAL } arg_kind;
-
-/* One row per option name (an alias is a row of its own without help):
- * what getopt_long matches, where the value goes, how it is checked, and
- * its --help line. */
-typedef struct gen_option {
-    const char *name;     /* --name; NULL: short only */
-    char letter;          /* -letter; 0: long only */
-    arg_kind kind;
-    size_t field;         /* offsetof(gen_opts, the field it sets) */
-    double lo, hi;        /* ARG_INT, ARG_REAL: accepted range */
-    int lo_open;          /* ARG_REAL: lo itself is refused */
-    const char *synopsis; /* --help: first column; NULL: not listed */
-    const char *help;     /* --help: text, '\n' between its lines */
-} gen_option;
-
 #define OPT(f) offsetof(gen_opts, f)
-static const gen_option k_options[] = {
-    {"model", 'm', ARG_TEXT, OPT(model_path), 0, 0, 0, NULL, NULL},
-    {"prompt", 'p', ARG_TEXT, OPT(prompt), 0, 0, 0, "-p PROMPT",
+static const cli_option k_options[] = {
+    {"model", 'm', CLI_TEXT, OPT(model_path), 0, 0, 0, NULL, NULL},
+    {"prompt", 'p', CLI_TEXT, OPT(prompt), 0, 0, 0, "-p PROMPT",
      "complete PROMPT as plain text; with --chat, PROMPT is one user\n"
      "message in the model's chat template"},
-    {"chat", 0, ARG_FLAG, OPT(chat), 0, 0, 0, "--chat",
+    {"chat", 0, CLI_FLAG, OPT(chat), 0, 0, 0, "--chat",
      "without -p: a conversation, one user message per line of stdin"},
-    {NULL, 'n', ARG_INT, OPT(n_gen), 1, 1 << 20, 0, "-n N", "tokens to generate per reply (default 128)"},
-    {"temp", 0, ARG_REAL, OPT(temp), 0, HUGE_VAL, 0, "--temp T",
+    {NULL, 'n', CLI_INT, OPT(n_gen), 1, 1 << 20, 0, "-n N", "tokens to generate per reply (default 128)"},
+    {"temp", 0, CLI_REAL, OPT(temp), 0, HUGE_VAL, 0, "--temp T",
      "sampling temperature; 0 = greedy (default 0.7)"},
-    {"top-p", 0, ARG_REAL, OPT(top_p), 0, 1, 1, "--top-p P", "nucleus sampling mass (default 0.9)"},
-    {"seed", 0, ARG_INT, OPT(seed), 0, 0x7fffffffL, 0, "--seed S", "sampling seed (default 1)"},
-    {"kv-cache-dtype", 0, ARG_TEXT, OPT(dtype), 0, 0, 0, "--kv-cache-dtype",
+    {"top-p", 0, CLI_REAL, OPT(top_p), 0, 1, 1, "--top-p P", "nucleus sampling mass (default 0.9)"},
+    {"seed", 0, CLI_INT, OPT(seed), 0, 0x7fffffffL, 0, "--seed S", "sampling seed (default 1)"},
+    {"kv-cache-dtype", 0, CLI_TEXT, OPT(dtype), 0, 0, 0, "--kv-cache-dtype",
      "cache format (default kvarn_k4v2_g128)"},
-    {"threads", 0, ARG_INT, OPT(threads), 1, 256, 0, "--threads T",
+    {"threads", 0, CLI_INT, OPT(threads), 1, 256, 0, "--threads T",
      "attention worker threads (default 1)"},
-    {"ctx", 0, ARG_INT, OPT(ctx), 1, 0x7fffffffL, 0, "--ctx N",
+    {"ctx", 0, CLI_INT, OPT(ctx), 1, 0x7fffffffL, 0, "--ctx N",
      "context capacity in tokens, prompt and replies together\n"
      "(alias --max-tokens; default: the model's context length);\n"
      "the KV cache is sized for it at start"},
-    {"max-tokens", 0, ARG_INT, OPT(ctx), 1, 0x7fffffffL, 0, NULL, NULL},
-    {"help", 'h', ARG_FLAG, OPT(help), 0, 0, 0, NULL, NULL},
+    {"max-tokens", 0, CLI_INT, OPT(ctx), 1, 0x7fffffffL, 0, NULL, NULL},
+    {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT
-#define N_OPTIONS (sizeof k_options / sizeof k_options[0])
-/* getopt_long returns LONG_VAL + i for the long name of row i; the short
- * names return their letter. */
-enum { LONG_VAL = 256, HELP_COLUMN = 18 };
 
-static void generate_usage(FILE *f)
-{
-    fprintf(f, "usage: kvarn generate -m MODEL [--kv-cache-dtype NAME] (-p PROMPT | --chat [-p PROMPT])\n"
-               "                      [-n 128] [--temp 0.7] [--top-p 0.9] [--seed 1] [--threads 1]\n"
-               "                      [--ctx N]\n\n");
-    for (size_t i = 0; i < N_OPTIONS; i++) {
-        const gen_option *r = &k_options[i];
-        if (r->synopsis == NULL) continue;
-        fprintf(f, "%-*s", HELP_COLUMN, r->synopsis);
-        for (const char *s = r->help; *s; s++) {
-            fputc(*s, f);
-            if (*s == '\n') fprintf(f, "%*s", HELP_COLUMN, "");
-        }
-        fputc('\n', f);
-    }
-    fprintf(f, "Prints the text as it is generated; then, on stderr, the KV-cache bytes used\n"
-               "against an fp16 cache and the prompt and generation speeds.\n");
-}
-
-/* getopt_long's tables from k_options: longs[N_OPTIONS + 1] (NULL-ended),
- * shorts[2 + 2 N_OPTIONS + 1]. "+": stop at the first non-option; ":": a
- * missing value is reported as ':' (not as an unknown option). */
-static void getopt_tables(struct option *longs, char *shorts)
-{
-    size_t nl = 0, ns = 0;
-    shorts[ns++] = '+';
-    shorts[ns++] = ':';
-    for (size_t i = 0; i < N_OPTIONS; i++) {
-        const gen_option *r = &k_options[i];
-        int has_arg = r->kind == ARG_FLAG ? no_argument : required_argument;
-        if (r->name) longs[nl++] = (struct option){r->name, has_arg, NULL, LONG_VAL + (int)i};
-        if (r->letter) {
-            shorts[ns++] = r->letter;
-            if (has_arg == required_argument) shorts[ns++] = ':';
-        }
-    }
-    longs[nl] = (struct option){NULL, 0, NULL, 0};
-    shorts[ns] = '\0';
-}
-
-/* The row getopt_long's answer c names, NULL for none; its spelling
- * ("--ctx", "-n") into name[cap]. */
-static const gen_option *option_row(int c, char *name, size_t cap)
-{
-    if (c >= LONG_VAL && c < LONG_VAL + (int)N_OPTIONS) {
-        snprintf(name, cap, "--%s", k_options[c - LONG_VAL].name);
-        return &k_options[c - LONG_VAL];
-    }
-    for (size_t i = 0; i < N_OPTIONS; i++)
-        if (k_options[i].letter && k_options[i].letter == c) {
-            snprintf(name, cap, "-%c", c);
-            return &k_options[i];
-        }
-    return NULL;
-}
-
-/* Store v into the field of row r of o. 0, or -1 when v is out of r's
- * range (cli_expected() then says what was expected). */
-static int set_option(const gen_option *r, const char *v, gen_opts *o)
-{
-    char *field = (char *)o + r->field;
-    switch (r->kind) {
-    case ARG_FLAG: *(int *)(void *)field = 1; return 0;
-    case ARG_TEXT: *(const char **)(void *)field = v; return 0;
-    case ARG_INT: return cli_parse_int(v, (long)r->lo, (long)r->hi, (long *)(void *)field);
-    case ARG_REAL: {
-        double x;
-        int bad = cli_parse_double(v, &x) || x < r->lo || x > r->hi || (r->lo_open && x == r->lo);
-        if (bad) {
-            char what[96];
-            if (r->lo_open) snprintf(what, sizeof what, "a number above %g and at most %g", r->lo, r->hi);
-            else if (isinf(r->hi)) snprintf(what, sizeof what, "a finite number from %g up", r->lo);
-            else snprintf(what, sizeof what, "a number from %g to %g", r->lo, r->hi);
-            cli_expect(what);
-            return -1;
-        }
-        *(double *)(void *)field = x;
-        return 0;
-    }
-    }
-    return -1;
-}
-
-/* Parse argv into o (which holds the defaults). Returns -1 to run, or the
- * exit code: 0 after --help, 2 after a usage error (message printed). */
-static int parse_options(int argc, char **argv, gen_opts *o)
-{
-    struct option longs[N_OPTIONS + 1];
-    char shorts[2 + 2 * N_OPTIONS + 1], name[64];
-    getopt_tables(longs, shorts);
-    opterr = 0;
-    optind = 1;
-    for (int c; (c = getopt_long(argc, argv, shorts, longs, NULL)) != -1;) {
-        if (c == ':') {
-            cli_error("generate", "option '%s' needs a value", argv[optind - 1]);
-            return 2;
-        }
-        const gen_option *r = c == '?' ? NULL : option_row(c, name, sizeof name);
-        if (r == NULL) {
-            if (optopt > 0 && optopt < LONG_VAL) cli_error("generate", "unknown option '-%c'", optopt);
-            else cli_error("generate", "unknown option '%s'", argv[optind - 1]);
-            generate_usage(stderr);
-            return 2;
-        }
-        if (set_option(r, optarg, o)) {
-            cli_error("generate", "bad value '%s' for %s (expected %s)", optarg, name, cli_expected());
-            return 2;
-        }
-        if (o->help) {
-            generate_usage(stdout);
-            return 0;
-        }
-    }
-    if (optind < argc) {
-        cli_error("generate", "unknown option '%s'", argv[optind]);
-        generate_usage(stderr);
-        return 2;
-    }
-    return -1;
-}
+static const cli_command k_command = {
+    "generate", k_options, sizeof k_options / sizeof k_options[0],
+    "usage: kvarn generate -m MODEL [--kv-cache-dtype NAME] (-p PROMPT | --chat [-p PROMPT])\n"
+    "                      [-n 128] [--temp 0.7] [--top-p 0.9] [--seed 1] [--threads 1]\n"
+    "                      [--ctx N]\n\n",
+    "Prints the text as it is generated; then, on stderr, the KV-cache bytes used\n"
+    "against an fp16 cache and the prompt and generation speeds.\n",
+};
 
 /* What parse_options cannot check alone: the required options and exactly
  * one cache format. 0, or 2 with the message printed. */
@@ -262,6 +127,7 @@ static int sample(const float *logits, int V, double temp, double top_p, uint64_
 /* What a run measured, for the report. */
 typedef struct gen_stats {
     long n_tokens;          /* tokens in the cache at the end */
+    double kv_bytes;        /* bytes its cache holds for them */
     long prompt_n, gen_n;   /* tokens fed as prompt / generated one by one */
     double prompt_s, gen_s; /* seconds in the forward calls of each */
 } gen_stats;
@@ -400,7 +266,7 @@ static int gen_init(gen_state *g, cli_model *m, const gen_opts *o, const kvarn_f
     g->max_chunk = 512;
     g->max_tokens = o->ctx > 0 ? (int)o->ctx : m->hp->context_length;
     kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-    so.cache_format = fmt->name;
+    so.format = fmt;
     so.max_tokens = g->max_tokens;
     so.max_chunk = g->max_chunk;
     so.attn_threads = (int)o->threads;
@@ -423,13 +289,14 @@ static void gen_free(gen_state *g)
 
 /* ---- reporting ---------------------------------------------------------- */
 
-/* On stderr: the cache's bytes for the tokens held against an fp16 cache's,
+/* On stderr: the bytes the session's cache holds for its tokens against
+ * what an fp16 cache would hold for them (cli_kv_bytes_used),
  * and the prompt and generation speeds. */
 static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llama_hparams *hp)
 {
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
-    double used = cli_kv_bytes_used(fmt, hp, s->n_tokens), base = cli_kv_bytes_used(&fp16, hp, s->n_tokens);
+    double used = s->kv_bytes, base = cli_kv_bytes_used(&fp16, hp, s->n_tokens);
     char b1[32], b2[32];
     fprintf(stderr, "[%s] KV cache for %ld tokens: %s; an fp16 cache: %s (%.0f%% of it)", fmt->name,
             s->n_tokens, cli_fmt_bytes(used, b1, sizeof b1), cli_fmt_bytes(base, b2, sizeof b2),
@@ -445,7 +312,7 @@ static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llam
 int cmd_generate(int argc, char **argv)
 {
     gen_opts o = k_defaults;
-    int rc = parse_options(argc, argv, &o);
+    int rc = cli_parse_options(&k_command, argc, argv, &o);
     if (rc >= 0) return rc;
     kvarn_format fmt;
     if (check_options(&o, &fmt)) return 2;
@@ -455,6 +322,7 @@ int cmd_generate(int argc, char **argv)
     rc = 1;
     if (gen_init(&g, &m, &o, &fmt) == 0 && (o.prompt ? run_prompt(&g, &o) : run_chat(&g, &o)) == 0) {
         g.stats.n_tokens = kvarn_llama_session_pos(g.sess);
+        g.stats.kv_bytes = cli_session_kv_bytes(g.sess);
         report(&g.stats, &fmt, m.hp);
         rc = 0;
     }

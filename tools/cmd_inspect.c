@@ -1,27 +1,58 @@
 /*
  * cmd_inspect.c -- `kvarn inspect`: what a cache format costs per token and
  * how many tokens fit in a memory budget, for a model's shape.
+ *
+ * Three steps: the options (one table, cli_options.h), the run (each
+ * format's record bytes and what a paged cache in the budget holds, from
+ * the cache API: cli_capacity_get), and the table printed from those rows.
  */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
+#include "cli_options.h"
 
-static void inspect_usage(FILE *f)
-{
-    fprintf(f,
-            "usage: kvarn inspect --kv-cache-dtype NAME[,NAME...|all]\n"
-            "                     (-m MODEL | --layers L --kv-heads H --head-dim D)\n"
-            "                     [--budget 16GiB] [--max-seqs 64]\n\n"
-            "Prints, for each format: the block size G, the record bytes per token (all\n"
-            "layers and KV heads, K and V, metadata and padding counted) and the multiple\n"
-            "against fp16 they give long contexts; then what a paged cache in the budget\n"
-            "really holds, every byte counted (records, fp16 sink and tail pages, block\n"
-            "tables, pools; kvarn_cache_capacity_get): the tokens a cache for --max-seqs\n"
-            "sequences holds, and how many requests of 2k / 8k / 32k tokens fit at once.\n"
-            "-m reads the shape from a llama GGUF's metadata (the weights are not loaded).\n"
-            "Default formats: all; default budget: 16GiB; default --max-seqs: 64.\n");
-}
+/* ---- options ------------------------------------------------------------ */
+
+typedef struct inspect_opts {
+    const char *dtypes, *model_path;
+    long layers, kv_heads, head_dim; /* 0: not given */
+    uint64_t budget;                 /* bytes */
+    long max_seqs;
+} inspect_opts;
+
+static const inspect_opts k_defaults = {.dtypes = "all", .budget = 16ull << 30, .max_seqs = 64};
+
+#define OPT(f) offsetof(inspect_opts, f)
+static const cli_option k_options[] = {
+    {"kv-cache-dtype", 0, CLI_TEXT, OPT(dtypes), 0, 0, 0, "--kv-cache-dtype",
+     "cache formats, NAME[,NAME...] or all (default all)"},
+    {"model", 'm', CLI_TEXT, OPT(model_path), 0, 0, 0, "-m MODEL",
+     "read the shape from a llama GGUF's metadata (the weights are\nnot loaded)"},
+    {"layers", 0, CLI_INT, OPT(layers), 1, 100000, 0, "--layers L", "the shape without a model: layers,"},
+    {"kv-heads", 0, CLI_INT, OPT(kv_heads), 1, 100000, 0, "--kv-heads H", "KV heads per layer"},
+    {"head-dim", 0, CLI_INT, OPT(head_dim), 1, 100000, 0, "--head-dim D", "and channels per head"},
+    {"budget", 0, CLI_BYTES, OPT(budget), 0, 0, 0, "--budget B",
+     "memory for the cache, all of it counted (default 16GiB)"},
+    {"max-seqs", 0, CLI_INT, OPT(max_seqs), 1, 1000000, 0, "--max-seqs N",
+     "sequences the cache is made for (default 64)"},
+    {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
+};
+#undef OPT
+
+static const cli_command k_command = {
+    "inspect", k_options, sizeof k_options / sizeof k_options[0],
+    "usage: kvarn inspect --kv-cache-dtype NAME[,NAME...|all]\n"
+    "                     (-m MODEL | --layers L --kv-heads H --head-dim D)\n"
+    "                     [--budget 16GiB] [--max-seqs 64]\n\n",
+    "Prints, for each format: the block size G, the record bytes per token (all\n"
+    "layers and KV heads, K and V, metadata and padding counted) and the multiple\n"
+    "against fp16 they give long contexts; then what a paged cache in the budget\n"
+    "really holds, every byte counted (records, fp16 sink and tail pages, block\n"
+    "tables, pools; kvarn_cache_capacity_get): the tokens a cache for --max-seqs\n"
+    "sequences holds, and how many requests of 2k / 8k / 32k tokens fit at once.\n",
+};
 
 /* The KV shape of a llama GGUF from its metadata alone. */
 static int read_shape(const char *path, long *layers, long *kv_heads, long *head_dim)
@@ -58,102 +89,126 @@ static int read_shape(const char *path, long *layers, long *kv_heads, long *head
     return 0;
 }
 
-int cmd_inspect(int argc, char **argv)
+/* The shape from -m or the three numbers. 0, or the exit code with the
+ * message printed. */
+static int resolve_shape(inspect_opts *o)
 {
-    const char *dtypes = NULL, *model_path = NULL;
-    long layers = 0, kv_heads = 0, head_dim = 0;
-    uint64_t budget = 16ull << 30;
-    long max_seqs = 64;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const char *val = (i + 1 < argc) ? argv[i + 1] : NULL;
-        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-            inspect_usage(stdout);
-            return 0;
-        }
-        if (val == NULL) {
-            cli_error("inspect", "option '%s' needs a value (or is unknown)", a);
-            return 2;
-        }
-        if (strcmp(a, "--kv-cache-dtype") == 0) dtypes = val;
-        else if (strcmp(a, "-m") == 0 || strcmp(a, "--model") == 0) model_path = val;
-        else if (strcmp(a, "--layers") == 0) {
-            if (cli_parse_int(val, 1, 100000, &layers)) { cli_error("inspect", "bad --layers '%s'", val); return 2; }
-        } else if (strcmp(a, "--kv-heads") == 0) {
-            if (cli_parse_int(val, 1, 100000, &kv_heads)) { cli_error("inspect", "bad --kv-heads '%s'", val); return 2; }
-        } else if (strcmp(a, "--head-dim") == 0) {
-            if (cli_parse_int(val, 1, 100000, &head_dim)) { cli_error("inspect", "bad --head-dim '%s'", val); return 2; }
-        } else if (strcmp(a, "--max-seqs") == 0) {
-            if (cli_parse_int(val, 1, 1000000, &max_seqs)) { cli_error("inspect", "bad --max-seqs '%s'", val); return 2; }
-        } else if (strcmp(a, "--budget") == 0) {
-            if (cli_parse_bytes(val, &budget)) { cli_error("inspect", "bad --budget '%s' (e.g. 16GiB, 512MiB, 2GB)", val); return 2; }
-        } else {
-            cli_error("inspect", "unknown option '%s'", a);
-            inspect_usage(stderr);
-            return 2;
-        }
-        i++;
-    }
-    if (dtypes == NULL) dtypes = "all";
-    if (model_path != NULL && read_shape(model_path, &layers, &kv_heads, &head_dim)) return 1;
-    if (layers == 0 || kv_heads == 0 || head_dim == 0) {
+    if (o->model_path != NULL && read_shape(o->model_path, &o->layers, &o->kv_heads, &o->head_dim))
+        return 1;
+    if (o->layers == 0 || o->kv_heads == 0 || o->head_dim == 0) {
         cli_error("inspect", "give -m MODEL or the model shape: --layers L --kv-heads H --head-dim D");
         return 2;
     }
-    kvarn_format fmts[CLI_MAX_FORMATS];
-    int n = cli_parse_formats("inspect", dtypes, fmts, CLI_MAX_FORMATS);
-    if (n < 0) return 2;
+    return 0;
+}
 
-    const int lens[3] = {2048, 8192, 32768};
+/* ---- running ------------------------------------------------------------ */
+
+enum { N_LENS = 3 };
+static const int k_lens[N_LENS] = {2048, 8192, 32768};
+
+/* One format's numbers (ok = 0: refused for this shape, message printed). */
+typedef struct inspect_row {
+    kvarn_format fmt;
+    int ok;
+    double token_bytes;  /* record bytes per token, all layers and KV heads */
+    cli_capacity cap;    /* what a cache in the budget holds */
+} inspect_row;
+
+typedef struct inspect_report {
+    double fp16_token_bytes;
+    cli_capacity fp16;   /* the fp16 cache in the same budget */
+    int have_fp16;
+    inspect_row rows[CLI_MAX_FORMATS];
+    int n;
+} inspect_report;
+
+/* Fill one row; 0, or -1 with the reason printed (head_dim not served, a
+ * geometry the cache refuses). */
+static int inspect_format(const inspect_opts *o, const kvarn_format *f, inspect_row *row)
+{
+    char msg[512];
+    memset(row, 0, sizeof *row);
+    row->fmt = *f;
+    kvarn_status st = kvarn_format_check_head_dim(f, (int)o->head_dim);
+    if (st == KVARN_OK)
+        st = cli_capacity_get(f, (int)o->layers, (int)o->kv_heads, (int)o->head_dim, o->budget,
+                              (int)o->max_seqs, k_lens, N_LENS, &row->cap);
+    if (st != KVARN_OK) {
+        cli_error("inspect", "%s", kvarn_format_explain(st, f->name, (int)o->head_dim, msg, sizeof msg));
+        return -1;
+    }
+    row->token_bytes = kvarn_bytes_per_token_head(f, (int)o->head_dim) * o->layers * o->kv_heads;
+    row->ok = 1;
+    return 0;
+}
+
+/* Every format's row and the fp16 baseline. 0, or 1 when a format was
+ * refused (the others are still filled). */
+static int inspect_run(const inspect_opts *o, const kvarn_format *fmts, int n, inspect_report *r)
+{
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
+    r->fp16_token_bytes = kvarn_bytes_per_token_head(&fp16, (int)o->head_dim) * o->layers * o->kv_heads;
+    r->have_fp16 = cli_capacity_get(&fp16, (int)o->layers, (int)o->kv_heads, (int)o->head_dim,
+                                    o->budget, (int)o->max_seqs, k_lens, N_LENS, &r->fp16) == KVARN_OK;
+    int rc = 0;
+    r->n = n;
+    for (int i = 0; i < n; i++)
+        if (inspect_format(o, &fmts[i], &r->rows[i])) rc = 1;
+    return rc;
+}
+
+/* ---- reporting ---------------------------------------------------------- */
+
+static void inspect_print(const inspect_opts *o, const inspect_report *r)
+{
     char b1[32], b2[32];
     printf("shape: %ld layers x %ld KV heads x head_dim %ld; budget %s, all memory counted "
            "(records, fp16 sink and tail pages, tables)\n",
-           layers, kv_heads, head_dim, cli_fmt_bytes((double)budget, b1, sizeof b1));
+           o->layers, o->kv_heads, o->head_dim, cli_fmt_bytes((double)o->budget, b1, sizeof b1));
     printf("%-18s %4s %12s %9s %12s %8s %8s %8s %8s\n", "format", "G", "bytes/token", "x fp16",
            "tokens fit", "x fp16", "2k seqs", "8k seqs", "32k seqs");
     printf("%-18s %4s %12s %9s %12s %8s %8s %8s %8s\n", "", "", "(records)", "(records)",
            "", "(tokens)", "", "", "");
-    double fp16_tok = kvarn_bytes_per_token_head(&fp16, (int)head_dim) * layers * kv_heads;
-    cli_capacity base;
-    int have_base = cli_capacity_get(&fp16, (int)layers, (int)kv_heads, (int)head_dim, budget,
-                                     (int)max_seqs, lens, 3, &base) == KVARN_OK;
-    int rc = 0, refused = 0;
-    for (int i = 0; i < n; i++) {
-        kvarn_status st = kvarn_format_check_head_dim(&fmts[i], (int)head_dim);
-        if (st != KVARN_OK) {
-            char msg[512];
-            cli_error("inspect", "%s", kvarn_format_explain(st, fmts[i].name, (int)head_dim, msg, sizeof msg));
-            rc = 1;
-            continue;
-        }
-        double tok = kvarn_bytes_per_token_head(&fmts[i], (int)head_dim) * layers * kv_heads;
-        cli_capacity cc;
-        st = cli_capacity_get(&fmts[i], (int)layers, (int)kv_heads, (int)head_dim, budget,
-                              (int)max_seqs, lens, 3, &cc);
-        if (st != KVARN_OK) {
-            char msg[512];
-            cli_error("inspect", "%s", kvarn_format_explain(st, fmts[i].name, (int)head_dim, msg, sizeof msg));
-            rc = 1;
-            continue;
-        }
-        char tokens[32], ratio[32];
-        if (cc.fits) snprintf(tokens, sizeof tokens, "%llu", (unsigned long long)cc.tokens);
-        else snprintf(tokens, sizeof tokens, "-");
-        if (cc.fits && have_base && base.fits && base.tokens > 0)
-            snprintf(ratio, sizeof ratio, "%.2fx", (double)cc.tokens / (double)base.tokens);
-        else snprintf(ratio, sizeof ratio, "-");
-        refused |= !cc.fits;
-        printf("%-18s %4d %12s %8.2fx %12s %8s %8d %8d %8d\n", fmts[i].name, cc.block_size,
-               cli_fmt_bytes(tok, b2, sizeof b2), fp16_tok / tok, tokens, ratio, cc.seqs[0],
-               cc.seqs[1], cc.seqs[2]);
+    int refused = 0;
+    for (int i = 0; i < r->n; i++) {
+        const inspect_row *w = &r->rows[i];
+        if (!w->ok) continue;
+        const cli_capacity *cc = &w->cap;
+        char tokens[32] = "-", ratio[32] = "-";
+        if (cc->fits) snprintf(tokens, sizeof tokens, "%llu", (unsigned long long)cc->tokens);
+        if (cc->fits && r->have_fp16 && r->fp16.fits && r->fp16.tokens > 0)
+            snprintf(ratio, sizeof ratio, "%.2fx", (double)cc->tokens / (double)r->fp16.tokens);
+        refused |= !cc->fits;
+        printf("%-18s %4d %12s %8.2fx %12s %8s %8d %8d %8d\n", w->fmt.name, cc->block_size,
+               cli_fmt_bytes(w->token_bytes, b2, sizeof b2), r->fp16_token_bytes / w->token_bytes,
+               tokens, ratio, cc->seqs[0], cc->seqs[1], cc->seqs[2]);
     }
     printf("tokens fit: what a cache for %ld sequences (--max-seqs) holds, filled one after "
            "another; Nk seqs: requests of N*1024 tokens that fit at once in a cache sized for "
-           "them\n", max_seqs);
+           "them\n", o->max_seqs);
     if (refused)
         printf("-: the budget does not hold the fp16 pages of %ld sequences plus one block "
-               "(a cache created so is refused); lower --max-seqs\n", max_seqs);
+               "(a cache created so is refused); lower --max-seqs\n", o->max_seqs);
+}
+
+int cmd_inspect(int argc, char **argv)
+{
+    inspect_opts o = k_defaults;
+    int rc = cli_parse_options(&k_command, argc, argv, &o);
+    if (rc >= 0) return rc;
+    if ((rc = resolve_shape(&o)) != 0) return rc;
+    kvarn_format fmts[CLI_MAX_FORMATS];
+    int n = cli_parse_formats("inspect", o.dtypes, fmts, CLI_MAX_FORMATS);
+    if (n < 0) return 2;
+    inspect_report *r = malloc(sizeof *r);
+    if (r == NULL) {
+        cli_error("inspect", "out of memory");
+        return 1;
+    }
+    rc = inspect_run(&o, fmts, n, r);
+    inspect_print(&o, r);
+    free(r);
     return rc;
 }

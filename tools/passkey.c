@@ -88,7 +88,7 @@ int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_op
     so.max_chunk = (int)o->chunk;
     so.attn_threads = o->threads;
     for (int f = 0; f <= nf; f++) {
-        so.cache_format = f == 0 ? "fp16" : fmts[f - 1].name;
+        so.format = f == 0 ? NULL /* fp16, the reference */ : &fmts[f - 1];
         if (cli_session_create("passkey", m, &so, "use shorter lengths", &sess[f])) goto out;
     }
     memset(correct, 0, sizeof(int) * (size_t)(nf + 1) * (size_t)o->n_lengths);

@@ -7,9 +7,10 @@
  *                        hyper-parameters. Read-only after load; several
  *                        sessions may share one model (one thread each).
  *   kvarn_llama_session  one sequence: its paged KV cache (cache.h) in the
- *                        chosen format, its position, and every scratch
- *                        buffer, all allocated once at creation. The forward
- *                        pass allocates nothing.
+ *                        chosen format (or one sequence of a cache the
+ *                        caller shares among sessions), its position, and
+ *                        every scratch buffer, all allocated once at
+ *                        creation. The forward pass allocates nothing.
  *
  * A forward call takes a chunk of n tokens at positions [pos, pos + n),
  * where pos is the session's current length, and appends them: their K
@@ -37,6 +38,7 @@
 #include <stdint.h>
 
 #include "kvarn/alloc.h"
+#include "kvarn/cache.h"
 #include "kvarn/gguf.h"
 #include "kvarn/kvarn.h"
 
@@ -150,8 +152,11 @@ const kvarn_llama_hparams *kvarn_llama_get_hparams(const kvarn_llama *model);
 
 /* Session settings. Start from KVARN_LLAMA_SESSION_OPTS_DEFAULT. */
 typedef struct kvarn_llama_session_opts {
-    const char *cache_format; /* any name kvarn_format_parse accepts;
-                                 NULL = "fp16" (the unquantized reference) */
+    const kvarn_format *format; /* the cache format (kvarn_format_parse,
+                                 kvarn.h), copied at creation; NULL = fp16
+                                 (the unquantized reference). A format not
+                                 made by kvarn_format_parse is checked as
+                                 kvarn_format_check_head_dim checks it. */
     int max_tokens;           /* context capacity in tokens, at most
                                  KVARN_CACHE_MAX_SEQ_LEN (cache.h, 2^30);
                                  0 = the model's context_length */
@@ -170,7 +175,7 @@ typedef struct kvarn_llama_session_opts {
                                  decoded with kvarn_cache_read and attended
                                  in fp32: slow, for cross-checks. */
     int exact;                /* 1: keep K/V in fp32 outside the paged cache
-                                 (cross-checks only; cache_format ignored) */
+                                 (cross-checks only; format ignored) */
     int keep_kv_f32;          /* 1: also keep a copy of every token's fp32 K
                                  (post-RoPE) and V as computed, before any
                                  cache rounding, for
@@ -183,9 +188,31 @@ typedef struct kvarn_llama_session_opts {
                                  (copied; must outlive the session); NULL =
                                  malloc/free (alloc.h). Independent of the
                                  model's allocator. */
+    kvarn_cache *cache;       /* NULL: the session makes and owns a
+                                 one-sequence cache (kv_bytes of the plan).
+                                 Else a cache the caller made
+                                 (kvarn_cache_create) and keeps: the session
+                                 takes one sequence of it, so that several
+                                 sessions (an engine's requests) share one
+                                 pool of blocks and pages. Its n_layers,
+                                 n_kv_heads and head_dim must be the model's
+                                 and max_tokens (set it: 0 means the model's
+                                 context) at most its max_seq_len; the format,
+                                 G, sink tiles and balance iterations are the
+                                 cache's, so format must be NULL, sink_tiles
+                                 and balance_iters -1, exact 0. The cache
+                                 must outlive the session and is used only
+                                 by one call at a time (cache.h): sessions
+                                 on one cache run one after another. A
+                                 forward call fails with
+                                 KVARN_ERR_OUT_OF_BLOCKS, the session as
+                                 before, when the pool lacks the blocks or
+                                 pages it needs (KVarN: about
+                                 ceil(n / G) + 1 pages for a chunk of n
+                                 until its commit, cache.h n_pages). */
 } kvarn_llama_session_opts;
 
-#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL }
+#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, NULL }
 
 /* What a session would be and take (kvarn_llama_session_plan). */
 typedef struct kvarn_llama_session_info {
@@ -196,7 +223,7 @@ typedef struct kvarn_llama_session_info {
     int n_layers, n_kv_heads, head_dim; /* the K/V geometry of the model */
     uint64_t kv_bytes;     /* the K/V store: the paged cache's arena (blocks
                               + fp16 pages, all layers), or the exact fp32
-                              K and V */
+                              K and V; 0 on a caller's cache (opts.cache) */
     uint64_t other_bytes;  /* everything else the session allocates: forward
                               scratch, attention workspace, block table and
                               id pools, keep_kv_f32 copies */
@@ -217,12 +244,16 @@ kvarn_status kvarn_llama_session_plan(const kvarn_llama *model,
  * be NULL for the defaults. Every size is checked first
  * (kvarn_llama_session_plan), so a context that cannot be held fails here,
  * with nothing allocated, never later as an exhausted cache.
- * Errors: KVARN_ERR_INVALID_ARG (NULL model, bad option),
- * KVARN_ERR_UNKNOWN_FORMAT, KVARN_ERR_UNSUPPORTED_HEAD_DIM (the format
+ * Errors: KVARN_ERR_INVALID_ARG (NULL model, bad option, a format that
+ * is no valid kvarn_format), KVARN_ERR_UNSUPPORTED_HEAD_DIM (the format
  * cannot serve the model's head_dim), KVARN_ERR_TOO_LARGE (max_tokens, or
  * the model's context_length when max_tokens is 0, above
  * KVARN_CACHE_MAX_SEQ_LEN = 2^30 tokens, or a buffer size beyond 64 bits /
- * size_t), KVARN_ERR_NOMEM. On error *out is NULL. */
+ * size_t), KVARN_ERR_NOMEM; on a caller's cache (opts.cache) also
+ * KVARN_ERR_INVALID_ARG for a cache of another shape, max_tokens above its
+ * max_seq_len or an option it decides (format, sink_tiles, balance_iters,
+ * exact), and KVARN_ERR_OUT_OF_BLOCKS when it already holds max_seqs
+ * sequences. On error *out is NULL and the caller's cache is unchanged. */
 kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
                                         const kvarn_llama_session_opts *opts,
                                         kvarn_llama_session **out);
@@ -240,6 +271,33 @@ int kvarn_llama_session_pos(const kvarn_llama_session *s);
 /* The session's cache format (canonical name, e.g. "kvarn_k4v2_g128"), or
  * "exact" for an exact session. */
 const char *kvarn_llama_session_format(const kvarn_llama_session *s);
+
+/* The session's paged KV cache (cache.h): one cache of n_layers x
+ * n_kv_heads x head_dim in the session's format, made at creation for one
+ * sequence of max_tokens tokens (kvarn_llama_session_plan's kv_bytes is its
+ * arena), and owned by the session: valid until kvarn_llama_session_free;
+ * or the caller's opts.cache, which holds the session's sequence among
+ * others. NULL for an exact session (no cache) or a NULL s.
+ * Read it through cache.h: kvarn_cache_get_info (geometry: block size G in
+ * tokens, sink tiles, blocks, pages, their bytes), kvarn_cache_get_stats
+ * (blocks and pages in use, bytes per token held), and for the session's
+ * sequence (kvarn_llama_session_seq) kvarn_cache_seq_get_info,
+ * kvarn_cache_seq_view / kvarn_cache_layer_view / kvarn_cache_block_table
+ * (the paged views attention reads, paged.h) and kvarn_cache_read (the K/V
+ * as the cache holds them, fp32). Every token of a finished forward call is
+ * committed, so with KVarN tiles [sink_tiles, floor(pos / G)) are
+ * quantized blocks (per-token formats quantize each token as written).
+ * The cache belongs to the session's forward calls: a caller must not
+ * reserve, write, commit, truncate, fork or free the session's sequence
+ * (the session's position would no longer describe it), and no cache call
+ * may overlap a forward call or kvarn_llama_session_reset (cache.h: a cache
+ * is not thread-safe). A reset frees the sequence and makes it anew: take
+ * kvarn_llama_session_seq again after one. */
+kvarn_cache *kvarn_llama_session_cache(kvarn_llama_session *s);
+
+/* The id of the session's sequence in kvarn_llama_session_cache(s), in
+ * [0, max_seqs) of that cache; -1 for an exact session or a NULL s. */
+int kvarn_llama_session_seq(const kvarn_llama_session *s);
 
 /* Copy the fp32 K (post-RoPE) and V of tokens [pos, pos + n) of one layer,
  * exactly as the forward pass computed them before the cache rounded or
@@ -269,7 +327,8 @@ typedef enum kvarn_llama_logits {
  * logits_len floats.
  * Errors: KVARN_ERR_INVALID_ARG (NULL, n < 1, n > max_chunk, a token id
  * outside [0, vocab), bad which), KVARN_ERR_BUFFER_TOO_SMALL (logits_len),
- * KVARN_ERR_OUT_OF_BLOCKS (pos + n > max_tokens), KVARN_ERR_NONFINITE
+ * KVARN_ERR_OUT_OF_BLOCKS (pos + n > max_tokens, or a caller's cache
+ * without the free blocks or pages the chunk needs), KVARN_ERR_NONFINITE
  * (NaN/Inf reached the cache). On any error the session is as before the
  * call: argument errors are found before any work, and a failure inside
  * the pass drops the chunk's tokens from the cache again (logits may then

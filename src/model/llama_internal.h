@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvarn/cache.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/model.h"
 #include "codec/alloc_internal.h"
@@ -127,6 +128,9 @@ typedef struct llama_kv_ops {
     void (*reset)(llama_kv *kv);
     void (*destroy)(llama_kv *kv);
     const char *(*format_name)(const llama_kv *kv);
+    /* The paged cache and the sequence id in it; NULL (and *seq = -1) for
+     * a store without one. */
+    kvarn_cache *(*cache)(const llama_kv *kv, int *seq);
 } llama_kv_ops;
 
 struct llama_kv {

@@ -91,8 +91,16 @@ static const char *exact_name(const llama_kv *kv)
     return "exact";
 }
 
+static kvarn_cache *exact_cache(const llama_kv *kv, int *seq)
+{
+    (void)kv;
+    *seq = -1;
+    return NULL;
+}
+
 static const llama_kv_ops exact_ops = {
     exact_begin, exact_attend, exact_end, exact_abort, exact_reset, exact_destroy, exact_name,
+    exact_cache,
 };
 
 /* Bytes of K (= of V), all layers, and of the attention scratch, checked. */

@@ -1,6 +1,8 @@
 /*
  * llama_kv_paged.c -- the session's K/V in the paged cache (cache.h), one
- * sequence, in any format.
+ * sequence, in any format: in a cache of its own (sized by cache_settings)
+ * or in the caller's (opts.cache), whose pool it shares with the caller's
+ * other sequences.
  *
  * A chunk of n tokens at [pos, pos + n) (n = 1 for a decode step):
  *   begin   kvarn_cache_reserve(n)
@@ -39,7 +41,8 @@ typedef struct kv_paged {
     llama_kv_shape sh;
     kvarn_format fmt;
     kvarn_cache *cache;
-    int seq;
+    int owns_cache;      /* 0: the caller's (opts.cache), shared */
+    int seq;             /* the session's sequence in it; -1 before one */
     float *kbuf, *vbuf;  /* [max_chunk][Hk][D]: the chunk's K/V, contiguous */
     float *hist_k, *hist_v; /* [max_tokens][Hk][D]: decoded history */
     float *hist_out;     /* [max_chunk][H][D] */
@@ -178,7 +181,8 @@ static void paged_destroy(llama_kv *kv)
 {
     kv_paged *p = (kv_paged *)kv;
     if (!p) return;
-    kvarn_cache_destroy(p->cache);
+    if (p->owns_cache) kvarn_cache_destroy(p->cache);
+    else if (p->seq >= 0) kvarn_cache_seq_free(p->cache, p->seq);
     kvarn_thread_pool_destroy(p->pool);
     const kvarn_allocator *a = p->sh.alloc;
     kvarn__free(a, p->views);
@@ -200,8 +204,16 @@ static const char *paged_name(const llama_kv *kv)
     return ((const kv_paged *)kv)->fmt.name;
 }
 
+static kvarn_cache *paged_cache(const llama_kv *kv, int *seq)
+{
+    const kv_paged *p = (const kv_paged *)kv;
+    *seq = p->seq;
+    return p->cache;
+}
+
 static const llama_kv_ops paged_ops = {
     paged_begin, paged_attend, paged_end, paged_abort, paged_reset, paged_destroy, paged_name,
+    paged_cache,
 };
 
 /* Settings of a one-sequence cache that holds max_tokens tokens and chunks
@@ -226,26 +238,22 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
     o.allocator = sh->alloc;
     o.max_seq_len = sh->max_tokens;
     if (balance_iters >= 0) o.balance_iters = balance_iters;
-    uint64_t G;
     if (fmt->per_tile) {
-        G = (uint64_t)fmt->tile_tokens;
         o.sink_tiles = sink_tiles >= 0 ? sink_tiles : 1;
         /* Sink, the partly filled tile a chunk starts in, and every tile
          * the chunk opens (max_chunk <= 2^30, so this stays an int). */
-        o.n_pages = o.sink_tiles + (int)kvarn__ceil_div_u64((uint64_t)sh->max_chunk, G) + 2;
-    } else {
-        G = 16;
-        o.block_size = (int)G;
-        o.n_pages = 0;
+        o.n_pages = o.sink_tiles +
+                    (int)kvarn__ceil_div_u64((uint64_t)sh->max_chunk, (uint64_t)fmt->tile_tokens) + 2;
     }
-    const uint64_t tiles = kvarn__ceil_div_u64((uint64_t)sh->max_tokens, G);
-    const uint64_t sink = fmt->per_tile ? (uint64_t)o.sink_tiles : 0;
-    const uint64_t blocks = tiles > sink ? tiles - sink : 1;
-    /* budget 0: the plan gives block_bytes and page_bytes only */
+    /* Budget 0: the plan gives the geometry only (G, sink tiles, block and
+     * page bytes); per-token formats take the cache's default block size. */
     o.budget_bytes = 0;
     kvarn_cache_info geo;
     kvarn_status st = kvarn_cache_plan(&o, &geo);
     if (st != KVARN_OK) return st;
+    const uint64_t tiles = kvarn__ceil_div_u64((uint64_t)sh->max_tokens, (uint64_t)geo.block_size);
+    const uint64_t sink = (uint64_t)geo.sink_tiles;
+    const uint64_t blocks = tiles > sink ? tiles - sink : 1;
     uint64_t block_total, page_total;
     int bad = kvarn__mul_u64(blocks, geo.block_bytes, &block_total);
     bad |= kvarn__mul_u64((uint64_t)geo.n_pages, geo.page_bytes, &page_total);
@@ -255,6 +263,17 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
     if (st != KVARN_OK) return st;
     *out = o;
     return KVARN_OK;
+}
+
+/* The cache a store runs on: the caller's opts->cache as it is (its
+ * geometry was checked against the model by the session's plan), or the
+ * settings of the store's own (cache_settings; *co is set only then). */
+static kvarn_status store_geometry(const llama_kv_shape *sh, const kvarn_format *fmt,
+                                   const kvarn_llama_session_opts *o, kvarn_cache_opts *co,
+                                   kvarn_cache_info *ci)
+{
+    if (o->cache) return kvarn_cache_get_info(o->cache, ci);
+    return cache_settings(sh, fmt, o->sink_tiles, o->balance_iters, co, ci);
 }
 
 /* Bytes of every buffer llama_kv_paged_create allocates besides the cache
@@ -319,13 +338,15 @@ kvarn_status llama_kv_paged_plan(const llama_kv_shape *shape, const kvarn_format
 {
     kvarn_cache_opts co;
     kvarn_cache_info ci;
-    kvarn_status st = cache_settings(shape, fmt, o->sink_tiles, o->balance_iters, &co, &ci);
+    kvarn_status st = store_geometry(shape, fmt, o, &co, &ci);
     if (st != KVARN_OK) return st;
     paged_sizes z;
     int threads = o->attn_threads > 0 ? o->attn_threads : 1;
     st = paged_sizes_get(shape, &ci, o->exact_chunk, threads, &z);
     if (st != KVARN_OK) return st;
-    uint64_t other = z.cache_books;
+    /* a caller's cache: its arena and books are the caller's (the
+     * sequence's block table comes from the cache's own allocator) */
+    uint64_t other = o->cache ? 0 : z.cache_books;
     int bad = kvarn__add_u64(other, 2 * (uint64_t)z.chunk_kv, &other);
     bad |= kvarn__add_u64(other, 2 * (uint64_t)z.chunk_q, &other);
     bad |= kvarn__add_u64(other, 2 * (uint64_t)z.chunk_lse, &other);
@@ -333,7 +354,7 @@ kvarn_status llama_kv_paged_plan(const llama_kv_shape *shape, const kvarn_format
     bad |= kvarn__add_u64(other, 2 * (uint64_t)z.hist, &other);
     bad |= kvarn__add_u64(other, (uint64_t)z.ws, &other);
     if (bad) return KVARN_ERR_TOO_LARGE;
-    *kv_bytes = ci.arena_bytes;
+    *kv_bytes = o->cache ? 0 : ci.arena_bytes;
     *other_bytes = other;
     return KVARN_OK;
 }
@@ -350,7 +371,7 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
     kvarn_cache_info ci;
     paged_sizes z;
     int threads = o->attn_threads > 0 ? o->attn_threads : 1;
-    kvarn_status st = cache_settings(shape, fmt, o->sink_tiles, o->balance_iters, &co, &ci);
+    kvarn_status st = store_geometry(shape, fmt, o, &co, &ci);
     if (st == KVARN_OK) st = paged_sizes_get(shape, &ci, o->exact_chunk, threads, &z);
     if (st != KVARN_OK) return st;
     kv_paged *p = kvarn__calloc(shape->alloc, 1, sizeof *p);
@@ -359,7 +380,10 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
     p->sh = *shape;
     p->fmt = *fmt;
     p->exact_chunk = o->exact_chunk;
-    st = kvarn_cache_create(&co, &p->cache);
+    p->seq = -1;
+    p->owns_cache = o->cache == NULL;
+    if (o->cache) p->cache = o->cache;
+    else st = kvarn_cache_create(&co, &p->cache);
     if (st == KVARN_OK) st = kvarn_cache_seq_create(p->cache, &p->seq);
     if (st == KVARN_OK && threads > 1) st = kvarn_thread_pool_create_ex(threads, shape->alloc, &p->pool);
     if (st != KVARN_OK) {

@@ -60,9 +60,24 @@ static kvarn_status session_plan(const kvarn_llama *model,
         (o->exact_chunk != 0 && o->exact_chunk != 1) ||
         (o->keep_kv_f32 != 0 && o->keep_kv_f32 != 1))
         return KVARN_ERR_INVALID_ARG;
-    if (!o->exact) {
-        kvarn_status st = kvarn_format_parse(o->cache_format ? o->cache_format : "fp16", fmt);
+    if (o->cache) {
+        /* A caller's cache decides the format and the KVarN settings. */
+        kvarn_cache_info ci;
+        if (o->exact || o->format || o->sink_tiles != -1 || o->balance_iters != -1 ||
+            kvarn_cache_get_info(o->cache, &ci) != KVARN_OK || ci.n_layers != hp->n_layers ||
+            ci.n_kv_heads != hp->n_kv_heads || ci.head_dim != hp->head_dim ||
+            o->max_tokens > ci.max_seq_len)
+            return KVARN_ERR_INVALID_ARG;
+        *fmt = ci.format;
+    } else if (!o->exact) {
+        /* The caller's format as given (no name crosses this API; NULL is
+         * fp16, the unquantized reference), checked as a whole row: kind,
+         * bits and tile agree, and the head_dim is served. */
+        kvarn_status st = KVARN_OK;
+        if (o->format) *fmt = *o->format;
+        else st = kvarn_format_parse("fp16", fmt);
         if (st != KVARN_OK) return st;
+        fmt->name[sizeof fmt->name - 1] = '\0'; /* a hand-made name may be unterminated */
         st = kvarn_format_check_head_dim(fmt, hp->head_dim);
         if (st != KVARN_OK) return st;
     }
@@ -243,4 +258,17 @@ kvarn_status kvarn_llama_session_read_kv(const kvarn_llama_session *s, int layer
 const char *kvarn_llama_session_format(const kvarn_llama_session *s)
 {
     return s ? s->kv->ops->format_name(s->kv) : "";
+}
+
+kvarn_cache *kvarn_llama_session_cache(kvarn_llama_session *s)
+{
+    int seq;
+    return s ? s->kv->ops->cache(s->kv, &seq) : NULL;
+}
+
+int kvarn_llama_session_seq(const kvarn_llama_session *s)
+{
+    int seq = -1;
+    if (s) s->kv->ops->cache(s->kv, &seq);
+    return seq;
 }

@@ -835,17 +835,44 @@ static void test_session(void **state)
     test_rng_seed(&r, 5);
     for (int i = 0; i < 200; i++) ids[i] = (int32_t)test_rng_below(&r, VOCAB);
 
-    struct { const char *fmt; int exact, threads, keep, exact_chunk; } cases[] = {
-        { "fp16", 0, 1, 0, 0 },
-        { "kvarn_k4v2_g128", 0, 1, 1, 0 },
-        { "kvarn_k4v2_g128", 0, 2, 0, 1 },
-        { "int8", 0, 3, 0, 0 },
-        { NULL, 1, 1, 0, 0 },
+    /* shared: the sessions take sequences of one cache made here (without
+     * the test allocator): a refused create leaves no sequence behind. */
+    struct { const char *fmt; int exact, threads, keep, exact_chunk, shared; } cases[] = {
+        { "fp16", 0, 1, 0, 0, 0 },
+        { "kvarn_k4v2_g128", 0, 1, 1, 0, 0 },
+        { "kvarn_k4v2_g128", 0, 2, 0, 1, 0 },
+        { "int8", 0, 3, 0, 0, 0 },
+        { NULL, 1, 1, 0, 0, 0 },
+        { "kvarn_k4v2_g128", 0, 2, 0, 0, 1 },
     };
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
         fault_alloc fa = { 0 };
         kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-        o.cache_format = cases[c].fmt;
+        kvarn_format fmt;
+        if (cases[c].fmt) {
+            assert_int_equal(kvarn_format_parse(cases[c].fmt, &fmt), KVARN_OK);
+            o.format = &fmt;
+        }
+        kvarn_cache *shared = NULL;
+        kvarn_cache_stats cs;
+        if (cases[c].shared) {
+            /* two sequences of 256 tokens: 2 blocks each, and the sink,
+             * tail and one opening page each, in 64-token chunks */
+            kvarn_cache_opts co = kvarn_cache_default_opts();
+            co.format = fmt;
+            co.n_layers = NL;
+            co.n_kv_heads = NKV;
+            co.head_dim = HD;
+            co.max_seqs = 2;
+            co.max_seq_len = 256;
+            co.n_pages = 6;
+            kvarn_cache_info geo;
+            assert_int_equal(kvarn_cache_plan(&co, &geo), KVARN_OK);
+            co.budget_bytes = 4 * (uint64_t)geo.block_bytes + 6 * (uint64_t)geo.page_bytes;
+            assert_int_equal(kvarn_cache_create(&co, &shared), KVARN_OK);
+            o.format = NULL;
+            o.cache = shared;
+        }
         o.exact = cases[c].exact;
         o.attn_threads = cases[c].threads;
         o.keep_kv_f32 = cases[c].keep;
@@ -855,6 +882,10 @@ static void test_session(void **state)
         sess_ctx x = { m, o, NULL };
         fault_op op = { "kvarn_llama_session_create", sess_run, sess_undo, NULL, &x, 0 };
         fault_loop(&op, &fa);
+        if (shared) {
+            assert_int_equal(kvarn_cache_get_stats(shared, &cs), KVARN_OK);
+            assert_int_equal(cs.n_seqs, 0);
+        }
 
         /* The same logits as a session without an allocator (the same
          * arithmetic in the same order: bit for bit), with every allocation
@@ -881,6 +912,11 @@ static void test_session(void **state)
         kvarn_llama_session_free(ref);
         assert_int_equal(fa.live, 0);
         assert_int_equal(fa.bad_frees, 0);
+        if (shared) {
+            assert_int_equal(kvarn_cache_get_stats(shared, &cs), KVARN_OK);
+            assert_true(cs.n_seqs == 0 && cs.blocks_in_use == 0 && cs.pages_in_use == 0);
+            kvarn_cache_destroy(shared);
+        }
     }
     kvarn_llama_free(m);
     kvarn_gguf_close(g);

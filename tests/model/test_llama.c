@@ -270,6 +270,22 @@ static int teardown(void **state)
     return 0;
 }
 
+/* The parsed format of a name the tests use (sessions take a kvarn_format,
+ * not a name); NULL for NULL. Kept for the program's life, one per name. */
+static const kvarn_format *fmt_of(const char *name)
+{
+    static kvarn_format seen[32];
+    static int n_seen;
+    if (name == NULL) return NULL;
+    kvarn_format f;
+    assert_int_equal(kvarn_format_parse(name, &f), KVARN_OK);
+    for (int i = 0; i < n_seen; i++)
+        if (strcmp(seen[i].name, f.name) == 0) return &seen[i];
+    assert_true(n_seen < 32);
+    seen[n_seen] = f;
+    return &seen[n_seen++];
+}
+
 /* How a run keeps its K/V. */
 enum { KERNELS = 0, EXACT_CHUNK = 1, EXACT = 2 };
 
@@ -278,7 +294,7 @@ static float *run(const fixture *f, const char *format, int mode, int chunk)
 {
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.attn_threads = test_threads(1);
-    o.cache_format = format;
+    o.format = fmt_of(format);
     o.exact = mode == EXACT;
     o.exact_chunk = mode == EXACT_CHUNK;
     o.max_tokens = NTOK;
@@ -626,7 +642,7 @@ static void test_read_kv(void **state)
     const int T = 40, kd = NKV * HD, qd = NH * HD;
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.attn_threads = test_threads(1);
-    o.cache_format = "int4";
+    o.format = fmt_of("int4");
     o.max_tokens = T;
     o.max_chunk = 16;
     o.keep_kv_f32 = 1;
@@ -745,7 +761,7 @@ static void test_last_and_reset(void **state)
     fixture *f = *state;
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.attn_threads = test_threads(1);
-    o.cache_format = "kvarn_k4v2_g128";
+    o.format = fmt_of("kvarn_k4v2_g128");
     o.max_tokens = NTOK;
     o.max_chunk = 160;
     kvarn_llama_session *s = NULL;
@@ -792,10 +808,18 @@ static void test_errors(void **state)
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.attn_threads = test_threads(1);
     kvarn_llama_session *s = NULL;
-    o.cache_format = "fp12";
-    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_UNKNOWN_FORMAT);
+    /* A format is taken as a row, not a name: one whose fields disagree
+     * (a kind beyond the table, a KVarN tile of 96 tokens) is refused. */
+    kvarn_format bad_fmt = *fmt_of("int8");
+    bad_fmt.kind = KVARN_KIND_COUNT;
+    o.format = &bad_fmt;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_INVALID_ARG);
     assert_null(s);
-    o.cache_format = "int8";
+    bad_fmt = *fmt_of("kvarn_k4v2_g128");
+    bad_fmt.tile_tokens = 96;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_ERR_INVALID_ARG);
+    assert_null(s);
+    o.format = fmt_of("int8");
     o.max_tokens = 64;
     o.max_chunk = 16;
     assert_int_equal(kvarn_llama_session_create(NULL, &o, &s), KVARN_ERR_INVALID_ARG);
@@ -823,6 +847,222 @@ static void test_errors(void **state)
                      KVARN_ERR_OUT_OF_BLOCKS);
     assert_int_equal(kvarn_llama_session_pos(s), 64);
     kvarn_llama_session_free(s);
+}
+
+/* The session's cache through cache.h (kvarn_llama_session_cache): its
+ * geometry is the session's (format, model shape, one sequence of
+ * max_tokens), its arena is the plan's kv_bytes, and its counters follow the
+ * forward calls: after 300 tokens in 128-token tiles, tile 0 is the fp16
+ * sink, tile 1 is quantized (all its tokens committed), tile 2 holds 44
+ * tokens in an fp16 tail page and already owns its block (cache.h, "Block
+ * accounting"). A reset empties it. Per-token formats: ceil(300 / G) blocks,
+ * no pages. An exact session has no cache. */
+static void test_session_cache(void **state)
+{
+    fixture *f = *state;
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.attn_threads = test_threads(1);
+    o.format = fmt_of("kvarn_k4v2_g128");
+    o.max_tokens = NTOK;
+    o.max_chunk = 160;
+    kvarn_llama_session_info plan;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, &plan), KVARN_OK);
+    kvarn_llama_session *s = NULL;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    kvarn_cache *c = kvarn_llama_session_cache(s);
+    assert_non_null(c);
+    const int seq = kvarn_llama_session_seq(s);
+    assert_true(seq >= 0);
+    kvarn_cache_info ci;
+    assert_int_equal(kvarn_cache_get_info(c, &ci), KVARN_OK);
+    assert_string_equal(ci.format.name, "kvarn_k4v2_g128");
+    assert_int_equal(ci.n_layers, NL);
+    assert_int_equal(ci.n_kv_heads, NKV);
+    assert_int_equal(ci.head_dim, HD);
+    assert_int_equal(ci.block_size, 128);
+    assert_int_equal(ci.sink_tiles, 1);
+    assert_int_equal(ci.max_seqs, 1);
+    assert_int_equal(ci.max_seq_len, NTOK);
+    assert_true(ci.arena_bytes == plan.kv_bytes);
+
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 160, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids + 160, 140, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+    kvarn_cache_seq_info si;
+    assert_int_equal(kvarn_cache_seq_get_info(c, seq, &si), KVARN_OK);
+    assert_int_equal(si.seq_len, kvarn_llama_session_pos(s));
+    assert_int_equal(si.committed_len, NTOK);
+    assert_int_equal(si.quantized_tiles, 1);
+    assert_int_equal(si.committed_tiles, 2);
+    kvarn_cache_stats cs;
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_int_equal(cs.n_seqs, 1);
+    assert_true(cs.tokens == NTOK);
+    assert_int_equal(cs.blocks_in_use, 2);
+    assert_int_equal(cs.pages_in_use, 2);
+    assert_true(cs.used_bytes_per_token ==
+                (2.0 * (double)ci.block_bytes + 2.0 * (double)ci.page_bytes) / NTOK);
+    kvarn_llama_session_reset(s);
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_true(cs.n_seqs == 1 && cs.tokens == 0 && cs.blocks_in_use == 0 && cs.pages_in_use == 0);
+    assert_int_equal(kvarn_cache_seq_get_info(c, kvarn_llama_session_seq(s), &si), KVARN_OK);
+    assert_int_equal(si.seq_len, 0);
+    kvarn_llama_session_free(s);
+
+    o.format = fmt_of("int8");
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    c = kvarn_llama_session_cache(s);
+    assert_int_equal(kvarn_cache_get_info(c, &ci), KVARN_OK);
+    assert_string_equal(ci.format.name, "int8");
+    assert_int_equal(ci.sink_tiles, 0);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 100, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_int_equal(cs.blocks_in_use, (100 + ci.block_size - 1) / ci.block_size);
+    assert_int_equal(cs.pages_in_use, 0);
+    kvarn_llama_session_free(s);
+
+    o.exact = 1;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    assert_null(kvarn_llama_session_cache(s));
+    assert_int_equal(kvarn_llama_session_seq(s), -1);
+    kvarn_llama_session_free(s);
+    assert_null(kvarn_llama_session_cache(NULL));
+    assert_int_equal(kvarn_llama_session_seq(NULL), -1);
+
+    /* A hand-made format whose name fills all 32 bytes without a NUL:
+     * the session's name is cut to 31 characters, never read past. */
+    kvarn_format named = *fmt_of("int8");
+    memset(named.name, 'x', sizeof named.name);
+    o.exact = 0;
+    o.format = &named;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    assert_int_equal(strlen(kvarn_llama_session_format(s)), sizeof named.name - 1);
+    kvarn_llama_session_free(s);
+}
+
+/* Sessions on a caller's cache (opts.cache): two sessions take one
+ * sequence each of one pool and, fed in turns, give bit for bit the logits
+ * of a session with a cache of its own (the same arithmetic on the same
+ * values: only the block and page ids differ, and the kernels read through
+ * the block table). The pool is the caller's: kv_bytes 0 in the plan, the
+ * sessions' tokens in its counters, a third sequence refused when
+ * max_seqs = 2, blocks back in the pool when a session is freed, and a
+ * forward call that finds no free block fails with the session as before.
+ * A cache of another shape, or options the cache decides, are refused. */
+static void test_shared_cache(void **state)
+{
+    fixture *f = *state;
+    /* G = 128, NTOK = 300: a sequence holds the sink page, blocks for tiles
+     * 1 and 2 and, while tile 2 fills, its page; a 140-token chunk into
+     * tile 1 opens tile 2: 3 pages at once. Two sequences: 4 blocks and at
+     * most 2 + 3 pages. */
+    kvarn_cache_opts co = kvarn_cache_default_opts();
+    co.format = *fmt_of("kvarn_k4v2_g128");
+    co.n_layers = NL;
+    co.n_kv_heads = NKV;
+    co.head_dim = HD;
+    co.max_seqs = 2;
+    co.max_seq_len = NTOK;
+    co.n_pages = 5;
+    kvarn_cache_info geo;
+    assert_int_equal(kvarn_cache_plan(&co, &geo), KVARN_OK); /* budget 0: sizes only */
+    co.budget_bytes = 4 * (uint64_t)geo.block_bytes + 5 * (uint64_t)geo.page_bytes;
+    kvarn_cache *c = NULL;
+    assert_int_equal(kvarn_cache_create(&co, &c), KVARN_OK);
+
+    kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+    o.attn_threads = test_threads(1);
+    o.max_tokens = NTOK;
+    o.max_chunk = 160;
+    kvarn_llama_session *own = NULL, *a = NULL, *b = NULL, *s3 = (kvarn_llama_session *)f;
+    o.format = fmt_of("kvarn_k4v2_g128");
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &own), KVARN_OK);
+    o.format = NULL;
+    o.cache = c;
+    kvarn_llama_session_info info;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
+    assert_true(info.kv_bytes == 0 && info.total_bytes == info.other_bytes);
+    assert_string_equal(info.format.name, "kvarn_k4v2_g128");
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &a), KVARN_OK);
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &b), KVARN_OK);
+    assert_ptr_equal(kvarn_llama_session_cache(a), c);
+    assert_true(kvarn_llama_session_seq(a) != kvarn_llama_session_seq(b));
+    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s3), KVARN_ERR_OUT_OF_BLOCKS);
+    assert_null(s3);
+
+    /* b reads the text backwards: other tokens in the same pool */
+    int32_t rev[NTOK];
+    for (int i = 0; i < NTOK; i++) rev[i] = f->ids[NTOK - 1 - i];
+    float la[VOCAB], lo[VOCAB], lb[VOCAB];
+    const int cut[3] = { 0, 160, NTOK };
+    for (int k = 0; k < 2; k++) {
+        int n = cut[k + 1] - cut[k];
+        assert_int_equal(kvarn_llama_forward(a, f->ids + cut[k], n, KVARN_LLAMA_LOGITS_LAST, la, VOCAB), KVARN_OK);
+        assert_int_equal(kvarn_llama_forward(b, rev + cut[k], n, KVARN_LLAMA_LOGITS_LAST, lb, VOCAB), KVARN_OK);
+        assert_int_equal(kvarn_llama_forward(own, f->ids + cut[k], n, KVARN_LLAMA_LOGITS_LAST, lo, VOCAB), KVARN_OK);
+        assert_memory_equal(la, lo, sizeof la);
+    }
+    kvarn_cache_stats cs;
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_true(cs.n_seqs == 2 && cs.tokens == 2 * NTOK && cs.blocks_in_use == 4 && cs.pages_in_use == 4);
+
+    /* Freed, a session's blocks and pages return to the pool; the other
+     * session goes on. */
+    kvarn_llama_session_free(a);
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_true(cs.n_seqs == 1 && cs.blocks_in_use == 2 && cs.pages_in_use == 2);
+    /* b's sequence after a reset is empty again, the pool shared as before */
+    kvarn_llama_session_reset(b);
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_true(cs.n_seqs == 1 && cs.tokens == 0 && cs.blocks_in_use == 0 && cs.pages_in_use == 0);
+    assert_int_equal(kvarn_llama_forward(b, rev, 160, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+
+    /* A pool of one block: tile 1 takes it, tile 2 finds none; the call
+     * fails and the session stays at 160 tokens, its cache as it was. */
+    kvarn_cache_opts small = co;
+    small.max_seqs = 1;
+    small.budget_bytes = (uint64_t)geo.block_bytes + 5 * (uint64_t)geo.page_bytes;
+    kvarn_cache *c1 = NULL;
+    assert_int_equal(kvarn_cache_create(&small, &c1), KVARN_OK);
+    kvarn_llama_session_opts o1 = o;
+    o1.cache = c1;
+    assert_int_equal(kvarn_llama_session_create(f->m, &o1, &a), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(a, f->ids, 160, KVARN_LLAMA_LOGITS_NONE, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(a, f->ids + 160, 140, KVARN_LLAMA_LOGITS_LAST, la, VOCAB),
+                     KVARN_ERR_OUT_OF_BLOCKS);
+    assert_int_equal(kvarn_llama_session_pos(a), 160);
+    assert_int_equal(kvarn_cache_get_stats(c1, &cs), KVARN_OK);
+    assert_true(cs.tokens == 160 && cs.blocks_in_use == 1 && cs.pages_in_use == 2);
+    kvarn_llama_session_free(a);
+    kvarn_cache_destroy(c1);
+
+    /* what the cache decides, or a shape it does not have: refused */
+    kvarn_llama_session_opts bad = o;
+    bad.format = fmt_of("kvarn_k4v2_g128");
+    assert_int_equal(kvarn_llama_session_create(f->m, &bad, &s3), KVARN_ERR_INVALID_ARG);
+    bad = o;
+    bad.sink_tiles = 0;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &bad, &info), KVARN_ERR_INVALID_ARG);
+    bad = o;
+    bad.exact = 1;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &bad, &info), KVARN_ERR_INVALID_ARG);
+    bad = o;
+    bad.max_tokens = NTOK + 1;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &bad, &info), KVARN_ERR_INVALID_ARG);
+    kvarn_llama_session_free(b);
+    kvarn_llama_session_free(own);
+    kvarn_cache_destroy(c);
+    co.head_dim = 128;
+    co.budget_bytes = 0;
+    assert_int_equal(kvarn_cache_plan(&co, &geo), KVARN_OK);
+    co.budget_bytes = 4 * (uint64_t)geo.block_bytes + 5 * (uint64_t)geo.page_bytes;
+    assert_int_equal(kvarn_cache_create(&co, &c), KVARN_OK);
+    bad = o;
+    bad.cache = c;
+    assert_int_equal(kvarn_llama_session_create(f->m, &bad, &s3), KVARN_ERR_INVALID_ARG);
+    assert_null(s3);
+    assert_int_equal(kvarn_cache_get_stats(c, &cs), KVARN_OK);
+    assert_int_equal(cs.n_seqs, 0);
+    kvarn_cache_destroy(c);
 }
 
 /* Load options: the weight precision. The fixture's model is fp32; bf16
@@ -892,7 +1132,7 @@ static void test_nonfinite_rolls_back(void **state)
     for (int i = 0; i < 3; i++) {
         kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
         o.attn_threads = test_threads(1);
-        o.cache_format = formats[i];
+        o.format = fmt_of(formats[i]);
         o.max_tokens = NTOK;
         o.max_chunk = 128;
         kvarn_llama_session *a = NULL, *b = NULL;
@@ -967,7 +1207,7 @@ static void test_context_limits(void **state)
     kvarn_llama_session_info info;
     for (int i = 0; i < 4; i++) {
         kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-        if (i < 3) o.cache_format = formats[i];
+        if (i < 3) o.format = fmt_of(formats[i]);
         else o.exact = 1;
         const int too_long[] = { INT32_MAX, KVARN_CACHE_MAX_SEQ_LEN + 1 };
         for (int j = 0; j < 2; j++) {
@@ -990,7 +1230,7 @@ static void test_context_limits(void **state)
     assert_int_equal(kvarn_llama_get_hparams(m)->context_length, INT32_MAX);
     for (int i = 0; i < 3; i++) {
         kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-        o.cache_format = formats[i];
+        o.format = fmt_of(formats[i]);
         s = NULL;
         assert_int_equal(kvarn_llama_session_create(m, &o, &s), KVARN_ERR_TOO_LARGE);
         assert_null(s);
@@ -1014,7 +1254,7 @@ static void test_context_limits(void **state)
     kvarn_format fmt;
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.max_tokens = (int)T;
-    o.cache_format = "int8";
+    o.format = fmt_of("int8");
     assert_int_equal(kvarn_format_parse("int8", &fmt), KVARN_OK);
     assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
     assert_int_equal(info.max_tokens, T);
@@ -1023,7 +1263,7 @@ static void test_context_limits(void **state)
     assert_true(info.total_bytes == info.kv_bytes + info.other_bytes);
     /* other: at least the block table (12 bytes per 16-token tile) */
     assert_true(info.other_bytes >= T / 16 * 12);
-    o.cache_format = "kvarn_k4v2_g128";
+    o.format = fmt_of("kvarn_k4v2_g128");
     assert_int_equal(kvarn_format_parse("kvarn_k4v2_g128", &fmt), KVARN_OK);
     assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
     const uint64_t pages = 1 + 512 / 128 + 2;
@@ -1048,6 +1288,8 @@ int main(void)
         cmocka_unit_test(test_last_and_reset),
         cmocka_unit_test(test_read_kv),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_session_cache),
+        cmocka_unit_test(test_shared_cache),
         cmocka_unit_test(test_weights_option),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),

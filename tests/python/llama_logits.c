@@ -59,10 +59,14 @@ int main(int argc, char **argv)
         *colon = 0;
         o.exact_chunk = 1;
     }
-    if (strcmp(fmt, "exact") == 0)
+    kvarn_format cache_fmt;
+    if (strcmp(fmt, "exact") == 0) {
         o.exact = 1;
-    else
-        o.cache_format = fmt;
+    } else {
+        st = kvarn_format_parse(fmt, &cache_fmt);
+        if (st != KVARN_OK) return fail("format", st);
+        o.format = &cache_fmt;
+    }
     o.max_tokens = n;
     o.max_chunk = chunk;
     kvarn_llama_session *s = NULL;
