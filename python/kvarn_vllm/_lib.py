@@ -77,6 +77,8 @@ def lib():
         "kvarn_paged_commit": (I, [ctypes.POINTER(PagedKV), P, P, I, P, P, Z]),
         "kvarn_attn_workspace_bytes": (Z, [ctypes.POINTER(PagedKV), I, I, I, I,
                                            ctypes.POINTER(AttnOpts)]),
+        "kvarn_attn_multi": (I, [ctypes.POINTER(PagedKV), P, I, P, I, P, P,
+                                 ctypes.POINTER(AttnOpts), P, P, Z]),
         "kvarn_attn_multi_lse": (I, [ctypes.POINTER(PagedKV), P, I, P, I, P, P, P,
                                      ctypes.POINTER(AttnOpts), P, P, Z]),
         "kvarn_thread_pool_create": (I, [I, ctypes.POINTER(P)]),

@@ -3,23 +3,23 @@
 Per layer vLLM allocates [num_blocks, Hk, G, record_bytes / G] uint8 (see
 customize_spec): kv_cache[b, h] is one contiguous KVarN tile record
 (../shared/spec/KVARN.md "Record layout"). Beside it, per layer, the fp16
-staging pool [slots, Hk, 2, G, D] holds sink and tail tiles (staging.py).
+staging pool [slots + scratch, Hk, 2, G, D] holds sink and tail tiles and
+a step's whole tiles until they are committed (staging.py).
 
-A step, for each sequence with q_len new tokens and seq_len L (L0 = L -
-q_len tokens of history):
+A step, for each sequence with q_len new tokens:
   do_kv_cache_update  rotate the new K/V by H/sqrt(D), store fp16 into the
-                      tile's staging slot (or a scratch tile for a whole
-                      non-sink tile inside the chunk): kvarn_paged_store.
-  forward             history: kvarn_attn_multi_lse over the first L0 tokens
-                      (records + fp16 sink/tail), every query sees all of
-                      them; the chunk: exact causal attention over its own
-                      K/V (../shared/spec/KVARN.md: "Prefill attends to the
-                      exact K/V it just computed"); merged by log-sum-exp.
-                      Then every tile that became full is committed
-                      (kvarn_paged_commit) into its block's record.
+                      tile's staging slot, or for a whole non-sink tile
+                      inside the chunk a scratch page of the same arena
+                      (kvarn_paged_store).
+  forward             commit every tile that became full (kvarn_paged_commit
+                      into its block's record), then one causal
+                      kvarn_attn_multi call: each group of queries of tile t
+                      sees tiles < t as the cache holds them (records, fp16
+                      sink) and its own tile in fp16 up to itself, what the
+                      token would see decoded one at a time (docs/vllm.md
+                      "A step").
 """
 import ctypes
-import math
 import os
 from dataclasses import dataclass
 from typing import ClassVar
@@ -49,6 +49,7 @@ class _State:
     scratch = {}
     runner = None
     max_num_seqs = 0
+    max_batched_tokens = 0
     dtype_name = None   # the --kv-cache-dtype, set when the backend is chosen
 
 
@@ -159,6 +160,7 @@ class KvarnAttentionImpl(AttentionImpl):
         from vllm.config import get_current_vllm_config
         cfg = get_current_vllm_config()
         _State.max_num_seqs = cfg.scheduler_config.max_num_seqs
+        _State.max_batched_tokens = cfg.scheduler_config.max_num_batched_tokens
         if cfg.cache_config.block_size != self.G:
             raise ValueError(
                 f"kvarn: --kv-cache-dtype {kv_cache_dtype} stores tiles of {self.G} tokens, "
@@ -188,24 +190,17 @@ class KvarnAttentionImpl(AttentionImpl):
         self.layer_index = _State.layers.index(name)
         if _State.staging is None:
             n = pool_slots(_State.max_num_seqs, SINK_TILES)
-            _State.staging = Staging(n, self.G, SINK_TILES, kv_cache.shape[0])
+            n_scr = -(-_State.max_batched_tokens // self.G) + 1
+            _State.staging = Staging(n, self.G, SINK_TILES, kv_cache.shape[0], n_scr)
             _State.staging.live_blocks = _live_blocks
             L = _lib.lib()
             p = ctypes.c_void_p()
             _lib.check(L.kvarn_thread_pool_create(max(1, torch.get_num_threads()),
                                                   ctypes.byref(p)), "thread pool")
             _State.pool = p
-        self.pool_tensor = torch.zeros((_State.staging.n_slots, self.num_kv_heads, 2, self.G,
+        st = _State.staging
+        self.pool_tensor = torch.zeros((st.n_slots + st.n_scratch, self.num_kv_heads, 2, self.G,
                                         self.head_size), dtype=torch.int16)
-
-    def _scratch(self, n_tiles: int) -> torch.Tensor:
-        key = (self.num_kv_heads, self.head_size)
-        t = _State.scratch.get(key)
-        if t is None or t.shape[0] < n_tiles:
-            t = torch.empty((max(n_tiles, 1), self.num_kv_heads, 2, self.G, self.head_size),
-                            dtype=torch.int16)
-            _State.scratch[key] = t
-        return t
 
     # ------------------------------------------------------------------ store
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -230,11 +225,6 @@ class KvarnAttentionImpl(AttentionImpl):
         view = self._view(kv_cache, self.pool_tensor)
         _lib.check(L.kvarn_paged_store(ctypes.byref(view), k.data_ptr(), v.data_ptr(),
                                        p.store_slots.ctypes.data, n), "store")
-        if p.n_scratch:
-            scr = self._scratch(p.n_scratch)
-            sview = self._view(kv_cache, scr)
-            _lib.check(L.kvarn_paged_store(ctypes.byref(sview), k.data_ptr(), v.data_ptr(),
-                                           p.scratch_slots.ctypes.data, n), "store (scratch)")
 
     # ------------------------------------------------------------------ attend
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -254,107 +244,47 @@ class KvarnAttentionImpl(AttentionImpl):
         v = value[:n].reshape(n, Hk, D).float()
         # full tiles first: the queries of later tiles read their records
         self._commit(kv_cache, p)
-        o_hist = torch.zeros((n, Hq, D), dtype=torch.float32)
-        lse_hist = torch.full((n, Hq), -math.inf, dtype=torch.float32)
-        self._history(kv_cache, p, q, o_hist, lse_hist)
-        o_own, lse_own = self._own_tile(kv_cache, p, q, k, v)
-        lse = torch.logaddexp(lse_hist, lse_own)
-        res = (torch.exp(lse_hist - lse).unsqueeze(-1) * o_hist +
-               torch.exp(lse_own - lse).unsqueeze(-1) * o_own)
-        output[:n].view(n, Hq, D).copy_(res.to(output.dtype))
+        out = output[:n].view(n, Hq, D)
+        res = torch.empty((n, Hq, D), dtype=torch.float32)
+        self._attend(kv_cache, p, q, res)
+        out.copy_(res.to(out.dtype))
         if self.layer_index == len(_State.layers) - 1:
             _State.staging.finish(p)
         return output
 
-    def _hadamard(self) -> torch.Tensor:
-        h = _State.scratch.get(("H", self.head_size))
-        if h is None:
-            h = torch.ones(1, 1)
-            while h.shape[0] < self.head_size:
-                h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-            h = h / math.sqrt(self.head_size)
-            _State.scratch[("H", self.head_size)] = h
-        return h
-
-    def _own_tile(self, kv_cache, p, q, k, v):
-        """Each query over the tokens of its own tile before it, as fp16
-        (rotated) in the tile's slot or scratch page, and over itself
-        exactly; in the rotated basis, rotated back (spec: H = H^-1)."""
-        n, Hq, D = q.shape
-        Hk, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        H = self._hadamard()
-        qr = torch.matmul(q, H)
-        kr, vr = torch.matmul(k, H), torch.matmul(v, H)
-        out = torch.empty((n, Hq, D), dtype=torch.float32)
-        lse = torch.empty((n, Hq), dtype=torch.float32)
-        self_s = (qr * kr.repeat_interleave(g, dim=1)).sum(-1) * self.scale      # [n, Hq]
-        scr = self._scratch(p.n_scratch) if p.n_scratch else None
-        for (i, t, j0, j1, off0, where, page) in p.groups:
-            m = j1 - j0
-            qg = qr[j0:j1].transpose(0, 1)                                  # [Hq, m, D]
-            s_self = self_s[j0:j1].transpose(0, 1).unsqueeze(-1)           # [Hq, m, 1]
-            vs = vr[j0:j1].repeat_interleave(g, dim=1).transpose(0, 1)     # [Hq, m, D]
-            n_prev = off0 + m - 1                                          # tile tokens before the last query
-            if n_prev > 0:
-                if where == "record":
-                    kp, vp = self._decode_record(kv_cache, page, n_prev)
-                else:
-                    src = self.pool_tensor if where == "pool" else scr
-                    kp = src[page, :, 0, :n_prev].view(torch.float16).float()  # [Hk, n_prev, D]
-                    vp = src[page, :, 1, :n_prev].view(torch.float16).float()
-                kp, vp = kp.repeat_interleave(g, 0), vp.repeat_interleave(g, 0)
-                sp = torch.matmul(qg, kp.transpose(1, 2)) * self.scale     # [Hq, m, n_prev]
-                lim = torch.arange(off0, off0 + m).unsqueeze(1)            # query offsets
-                sp = sp.masked_fill(torch.arange(n_prev).unsqueeze(0) >= lim, -math.inf)
-                sc = torch.cat([sp, s_self], -1)
-                l = torch.logsumexp(sc, -1)
-                w = torch.exp(sc - l.unsqueeze(-1))
-                o = torch.matmul(w[..., :-1], vp) + w[..., -1:] * vs
-            else:
-                l = s_self.squeeze(-1)
-                o = vs
-            out[j0:j1] = torch.matmul(o, H).transpose(0, 1)
-            lse[j0:j1] = l.transpose(0, 1)
-        return out, lse
-
-    def _decode_record(self, kv_cache, block: int, n_prev: int):
-        """K/V (rotated basis) of the first n_prev tokens of a committed
-        block: vLLM recomputing a token of a cached, full block (a whole
-        prompt hit) finds no fp16 copy; the record stands in for it."""
+    def _attend(self, kv_cache, p, q, res) -> None:
+        """Every query group through the fused kernels, causal: records for
+        tiles [sink, t), fp16 sink tiles, and its own tile t in fp16 up to
+        and including the query (docs/vllm.md "A step")."""
         L = _lib.lib()
-        G, D, Hk = self.G, self.head_size, self.num_kv_heads
-        kp = torch.empty((Hk, G, D), dtype=torch.float32)
-        vp = torch.empty((Hk, G, D), dtype=torch.float32)
-        for h in range(Hk):
-            rec = kv_cache[block, h]
-            _lib.check(L.kvarn_decode(ctypes.byref(self.fmt), D, rec.data_ptr(), rec.numel(),
-                                      kp[h].data_ptr(), vp[h].data_ptr(), 1), "decode")
-        return kp[:, :n_prev], vp[:, :n_prev]
-
-    def _history(self, kv_cache, p, q, o_hist, lse_hist) -> None:
-        """Each query group of tile t over tiles [0, t): records, sink tiles
-        in fp16, through the fused kernels (non-causal: all of it)."""
-        L = _lib.lib()
-        for has_sink in (True, False):
-            groups = [gr for gr in p.groups if gr[1] > 0 and bool(p.has_sink[gr[0]]) == has_sink]
-            if not groups:
+        ng = len(p.groups)
+        if ng == 0:
+            return
+        for has_sink in ((True,) if p.g_sink.all() else (True, False)):
+            sel = np.nonzero(p.g_sink == has_sink)[0]
+            if len(sel) == 0:
                 continue
             view = self._view(kv_cache, self.pool_tensor)
             if not has_sink:
                 view.sink_tiles = 0
-            sub_qsl = np.zeros(len(groups) + 1, dtype=np.int32)
-            sub_qsl[1:] = np.cumsum([gr[3] - gr[2] for gr in groups])
-            qsel = torch.cat([q[gr[2]:gr[3]] for gr in groups]).contiguous()
-            osel = torch.empty_like(qsel)
-            lsel = torch.empty((qsel.shape[0], self.num_heads), dtype=torch.float32)
-            seqs = (_lib.SeqView * len(groups))()
-            for j, (i, t, *_rest) in enumerate(groups):
-                seqs[j].block_table = p.tables[i].ctypes.data
-                seqs[j].seq_len = t * self.G
-                seqs[j].committed_tiles = t
-            opts = _lib.AttnOpts(self.scale, self.sliding_window, 0, None)
+            whole = len(sel) == ng
+            rows = [(p.groups[j][2], p.groups[j][3]) for j in sel]
+            if whole:
+                qsel, qsl = q, (p.g_qsl - p.g_qsl[0]).astype(np.int32)
+                osel = res
+            else:
+                qsel = torch.cat([q[a:b] for a, b in rows]).contiguous()
+                qsl = np.zeros(len(sel) + 1, dtype=np.int32)
+                qsl[1:] = np.cumsum([b - a for a, b in rows])
+                osel = torch.empty_like(qsel)
+            seqs = (_lib.SeqView * len(sel))()
+            for jj, j in enumerate(sel):
+                seqs[jj].block_table = p.g_tables[j].ctypes.data
+                seqs[jj].seq_len = int(p.g_len[j])
+                seqs[jj].committed_tiles = int(p.g_committed[j])
+            opts = _lib.AttnOpts(self.scale, self.sliding_window, 1, None)
             nthr = L.kvarn_thread_pool_size(_State.pool)
-            ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), self.num_heads, len(groups),
+            ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), self.num_heads, len(sel),
                                                     int(qsel.shape[0]), nthr, ctypes.byref(opts))
             if ws_bytes == 0:
                 raise _lib.KvarnError("kvarn: attention workspace size refused")
@@ -362,31 +292,30 @@ class KvarnAttentionImpl(AttentionImpl):
             if ws is None or ws.numel() < ws_bytes:
                 ws = torch.empty(ws_bytes, dtype=torch.uint8)
                 _State.scratch["ws"] = ws
-            _lib.check(L.kvarn_attn_multi_lse(ctypes.byref(view), ctypes.addressof(seqs),
-                                              len(groups), sub_qsl.ctypes.data, self.num_heads,
-                                              qsel.data_ptr(), osel.data_ptr(), lsel.data_ptr(),
-                                              ctypes.byref(opts), _State.pool, ws.data_ptr(),
-                                              ws.numel()), "attention")
-            off = 0
-            for gr in groups:
-                m = gr[3] - gr[2]
-                o_hist[gr[2]:gr[3]] = osel[off:off + m]
-                lse_hist[gr[2]:gr[3]] = lsel[off:off + m]
-                off += m
+            _lib.check(L.kvarn_attn_multi(ctypes.byref(view), ctypes.addressof(seqs), len(sel),
+                                          qsl.ctypes.data, self.num_heads, qsel.data_ptr(),
+                                          osel.data_ptr(), ctypes.byref(opts), _State.pool,
+                                          ws.data_ptr(), ws.numel()), "attention")
+            if not whole:
+                off = 0
+                for a, b in rows:
+                    res[a:b] = osel[off:off + b - a]
+                    off += b - a
 
     def _commit(self, kv_cache, p) -> None:
+        if not p.commit_pool:
+            return
         L = _lib.lib()
-        for pairs, pages in ((p.commit_pool, self.pool_tensor),
-                             (p.commit_scratch, self._scratch(p.n_scratch) if p.n_scratch else None)):
-            if not pairs:
-                continue
-            view = self._view(kv_cache, pages)
-            src = np.array([s for s, _ in pairs], dtype=np.int32)
-            dst = np.array([b for _, b in pairs], dtype=np.int32)
-            ws_bytes = L.kvarn_paged_commit_workspace_bytes(ctypes.byref(view))
+        view = self._view(kv_cache, self.pool_tensor)
+        src = np.array([s for s, _ in p.commit_pool], dtype=np.int32)
+        dst = np.array([b for _, b in p.commit_pool], dtype=np.int32)
+        ws_bytes = L.kvarn_paged_commit_workspace_bytes(ctypes.byref(view))
+        ws = _State.scratch.get("cws")
+        if ws is None:
             ws = torch.empty(ws_bytes, dtype=torch.uint8)
-            _lib.check(L.kvarn_paged_commit(ctypes.byref(view), src.ctypes.data, dst.ctypes.data,
-                                            len(pairs), None, ws.data_ptr(), ws_bytes), "commit")
+            _State.scratch["cws"] = ws
+        _lib.check(L.kvarn_paged_commit(ctypes.byref(view), src.ctypes.data, dst.ctypes.data,
+                                        len(src), None, ws.data_ptr(), ws_bytes), "commit")
 
 
 def _live_blocks() -> set:

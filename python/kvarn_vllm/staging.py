@@ -40,22 +40,22 @@ class StepPlan:
     the result does not depend on chunking or on prefix-cache hits."""
 
     def __init__(self):
-        self.store_slots = None      # int64 [n_tokens]: pool slot or -1
-        self.scratch_slots = None    # int64 [n_tokens]: scratch slot or -1
+        self.store_slots = None      # int64 [n_tokens]: kvarn slot (page * G + offset) or -1
         self.n_scratch = 0           # scratch tiles used
         self.tables = None           # int32 [n_seqs, max_tiles]: kvarn ids of full tiles
         self.has_sink = None         # bool [n_seqs]: sink tiles still in fp16
         self.groups = []             # (seq, t, q0, q1, off0, where, page): queries
                                      # [q0, q1) at offsets off0.. of tile t; where
                                      # "pool"/"scratch"/"record", page its id
-        self.commit_pool = []        # (slot, block) pairs committed from the pool
-        self.commit_scratch = []     # (scratch tile, block) pairs
+        self.commit_pool = []        # (page, block) pairs to commit (slots and scratch)
         self.free_after = []         # slots released after the last layer
         self.mark_committed = []     # blocks whose tile is a record after the step
 
 
 class Staging:
-    def __init__(self, n_slots: int, tile: int, sink_tiles: int, n_blocks: int):
+    def __init__(self, n_slots: int, tile: int, sink_tiles: int, n_blocks: int,
+                 n_scratch: int = 0):
+        self.n_scratch = n_scratch   # per-step scratch tiles: pages n_slots + k
         self.G = tile
         self.sink_tiles = sink_tiles
         self.n_slots = n_slots
@@ -115,7 +115,6 @@ class Staging:
         n_seqs = len(seq_lens)
         p = StepPlan()
         p.store_slots = np.full(n_tokens, -1, dtype=np.int64)
-        p.scratch_slots = np.full(n_tokens, -1, dtype=np.int64)
         max_tiles = max(1, int(block_table.shape[1]))
         p.tables = np.zeros((n_seqs, max_tiles), dtype=np.int32)
         p.has_sink = np.ones(n_seqs, dtype=bool)
@@ -144,10 +143,14 @@ class Staging:
                                      "pool" if s >= 0 else "record", s if s >= 0 else b))
                 elif end == (t + 1) * G and t >= S and self.slot_of[b] < 0:
                     # a whole non-sink tile within this chunk: scratch, commit
-                    k = p.n_scratch
+                    k = self.n_slots + p.n_scratch
                     p.n_scratch += 1
-                    p.scratch_slots[j0:j1] = k * G + offs
-                    p.commit_scratch.append((k, b))
+                    if p.n_scratch > self.n_scratch:
+                        raise _lib.KvarnError(
+                            f"kvarn: a step has more whole tiles than the {self.n_scratch} "
+                            "scratch tiles sized from max_num_batched_tokens")
+                    p.store_slots[j0:j1] = k * G + offs
+                    p.commit_pool.append((k, b))
                     p.mark_committed.append(b)
                     p.groups.append((i, t, j0, j1, pos - t * G, "scratch", k))
                 else:
@@ -175,7 +178,29 @@ class Staging:
                         p.tables[i, t] = b
                 else:
                     p.tables[i, t] = b
+        self._group_views(p)
         return p
+
+    def _group_views(self, p: StepPlan) -> None:
+        """One attention entry per group: its sequence's table with tile t
+        pointing at the tile's fp16 page (or its record), seq_len up to the
+        group's last query, causal; tiles [sink, t) are records."""
+        G = self.G
+        ng = len(p.groups)
+        width = p.tables.shape[1]
+        p.g_tables = np.zeros((max(ng, 1), width), dtype=np.int32)
+        p.g_len = np.zeros(ng, dtype=np.int32)
+        p.g_committed = np.zeros(ng, dtype=np.int32)
+        p.g_sink = np.ones(ng, dtype=bool)
+        p.g_qsl = np.zeros(ng + 1, dtype=np.int32)
+        for j, (i, t, j0, j1, off0, where, page) in enumerate(p.groups):
+            p.g_tables[j, :t] = p.tables[i, :t]
+            p.g_tables[j, t] = page
+            p.g_len[j] = t * G + off0 + (j1 - j0)
+            p.g_committed[j] = t + 1 if where == "record" else t
+            p.g_sink[j] = p.has_sink[i]
+            p.g_qsl[j + 1] = j1
+        p.g_qsl[0] = p.groups[0][2] if ng else 0
 
     def finish(self, p: StepPlan) -> None:
         for b in p.mark_committed:
