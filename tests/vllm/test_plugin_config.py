@@ -38,26 +38,25 @@ def test_cli_keeps_vllm_names(name):
     assert _parser().parse_args(["--kv-cache-dtype", name]).kv_cache_dtype == name
 
 
-def test_cli_unknown_kvarn_name_gets_library_error():
-    # In a subprocess: argparse exits, and its message goes to stderr.
+def _parse_in_subprocess(value: str):
+    """argparse exits on a bad value, its message on stderr: parse in a child."""
     code = ("from vllm.engine.arg_utils import EngineArgs;"
             "from vllm.utils.argparse_utils import FlexibleArgumentParser;"
             "import kvarn_vllm.plugin as p; p.register();"
             "EngineArgs.add_cli_args(FlexibleArgumentParser())"
-            ".parse_args(['--kv-cache-dtype', 'kvarn_k3v2_g128'])")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+            f".parse_args(['--kv-cache-dtype', {value!r}])")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_unknown_kvarn_name_gets_library_error():
+    r = _parse_in_subprocess("kvarn_k3v2_g128")
     assert r.returncode != 0
     assert "unknown cache format 'kvarn_k3v2_g128'" in r.stderr
     assert "kvarn_k4v2_g128" in r.stderr and "accepted" in r.stderr
 
 
 def test_cli_rejects_garbage_non_kvarn_name():
-    code = ("from vllm.engine.arg_utils import EngineArgs;"
-            "from vllm.utils.argparse_utils import FlexibleArgumentParser;"
-            "import kvarn_vllm.plugin as p; p.register();"
-            "EngineArgs.add_cli_args(FlexibleArgumentParser())"
-            ".parse_args(['--kv-cache-dtype', 'int3'])")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    r = _parse_in_subprocess("int3")
     assert r.returncode != 0 and "int3" in r.stderr
 
 
