@@ -24,7 +24,8 @@ static void eval_usage(FILE *f)
     fprintf(f,
             "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
             "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 320]\n"
-            "                  [--threads 1] [--passkey N] [--json] [--dump-kv FILE [--dump-layers N]]\n\n"
+            "                  [--threads 1] [--passkey N] [--sink-tokens S] [--json]\n"
+            "                  [--dump-kv FILE [--dump-layers N]]\n\n"
             "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
             "tokens (every chunk after the first attends to the cached history, as chunked\n"
             "prefill and decode do), once with the unquantized fp16 cache (the reference)\n"
@@ -41,6 +42,9 @@ static void eval_usage(FILE *f)
             "Default formats: all (the ladder of ../shared/EVAL.md).\n"
             "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
             "0/50/100%%, N keys per depth, as retrieved/tried beside the fp16 cache's own.\n"
+            "--sink-tokens S keeps the first S tokens of KVarN caches in fp16 (default: one\n"
+            "tile); when S is not a multiple of the tile the rest of that tile is quantized\n"
+            "(docs/paged-cache.md \"The sink\").\n"
             "--dump-kv FILE writes the reference session's fp32 K (post-RoPE) and V of the\n"
             "first window's tokens, as computed before any cache rounding, in the format of\n"
             "docs/kv-dump.md; --dump-layers N keeps the first N layers (default all).\n");
@@ -114,16 +118,17 @@ static int write_kv_dump(const char *path, const kvarn_llama_session *s,
 static int jnum(cJSON *o, const char *key, double v) { return cJSON_AddNumberToObject(o, key, v) != NULL; }
 static int jstr(cJSON *o, const char *key, const char *v) { return cJSON_AddStringToObject(o, key, v) != NULL; }
 
-static double effective_bytes_per_token(const kvarn_format *f, const kvarn_llama_hparams *hp, int ctx)
+static double effective_bytes_per_token(const kvarn_format *f, const kvarn_llama_hparams *hp, int ctx,
+                                        int sink_tokens)
 {
-    return cli_kv_bytes_used(f, hp, ctx) / ctx;
+    return cli_kv_bytes_used(f, hp, ctx, sink_tokens) / ctx;
 }
 
 int cmd_eval(int argc, char **argv)
 {
     const char *model_path = NULL, *text_path = NULL, *dtypes = "all", *dump_path = NULL;
     long ctx = 2048, chunk = 128, windows = 1, decode_tokens = 320, threads = 1, dump_layers = 0,
-         passkey_trials = 0;
+         passkey_trials = 0, sink_tokens = 0;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -141,6 +146,7 @@ int cmd_eval(int argc, char **argv)
         else if (strcmp(a, "--decode-tokens") == 0) bad = cli_parse_int(v, 0, 1 << 20, &decode_tokens);
         else if (strcmp(a, "--threads") == 0) bad = cli_parse_int(v, 1, 256, &threads);
         else if (strcmp(a, "--passkey") == 0) bad = cli_parse_int(v, 0, 1000, &passkey_trials);
+        else if (strcmp(a, "--sink-tokens") == 0) bad = cli_parse_int(v, 0, 1 << 16, &sink_tokens);
         else if (strcmp(a, "--dump-kv") == 0) dump_path = v;
         else if (strcmp(a, "--dump-layers") == 0) bad = cli_parse_int(v, 1, 1 << 20, &dump_layers);
         else { cli_error("eval", "unknown option '%s'", a); eval_usage(stderr); return 2; }
@@ -217,6 +223,7 @@ int cmd_eval(int argc, char **argv)
     for (int f = 0; f < nf; f++) {
         runs[f].fmt = fmts[f];
         so.cache_format = fmts[f].name;
+        so.sink_tokens = (int)sink_tokens;
         if (cli_session_create("eval", &m, &so, "lower --ctx", &runs[f].sess)) goto out;
         if (eval_stats_init(&runs[f].st, (size_t)windows * (size_t)ctx) ||
             eval_stats_init(&runs[f].dst, (size_t)windows * (size_t)decode_tokens + 1)) goto out;
@@ -305,7 +312,7 @@ int cmd_eval(int argc, char **argv)
     int pk_correct[CLI_MAX_FORMATS + 1] = {0}, pk_total = 0;
     if (passkey_trials > 0) {
         const long pk_len[1] = {ctx}, pk_depth[3] = {0, 50, 100};
-        passkey_opts po = {pk_len, 1, pk_depth, 3, (int)passkey_trials, chunk, 1, (int)threads, 0};
+        passkey_opts po = {pk_len, 1, pk_depth, 3, (int)passkey_trials, chunk, 1, (int)threads, 0, (int)sink_tokens};
         if (passkey_run(&m, fmts, nf, &po, pk_correct)) goto out;
         pk_total = 3 * (int)passkey_trials;
     }
@@ -317,7 +324,7 @@ int cmd_eval(int argc, char **argv)
 
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
-    double fp16_bpt = effective_bytes_per_token(&fp16, hp, (int)ctx);
+    double fp16_bpt = effective_bytes_per_token(&fp16, hp, (int)ctx, 0);
     double fp16_bpt_rec = kvarn_bytes_per_token_head(&fp16, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
     double ref_ppl = eval_stats_ppl(&ref_st);
     double ref_tps = ref_decode_n ? ref_decode_n / ref_decode_s : 0.0;
@@ -331,7 +338,8 @@ int cmd_eval(int argc, char **argv)
         jok = jstr(jroot, "model", model_path) & jstr(jroot, "text", text_path) &
               jnum(jroot, "tokens", (double)n_ids) & jnum(jroot, "ctx", (double)ctx) &
               jnum(jroot, "chunk", (double)chunk) & jnum(jroot, "windows", (double)windows) &
-              jnum(jroot, "decode_tokens", (double)decode_tokens) & jstr(jref, "format", "fp16") &
+              jnum(jroot, "decode_tokens", (double)decode_tokens) &
+              jnum(jroot, "sink_tokens", (double)sink_tokens) & jstr(jref, "format", "fp16") &
               jnum(jref, "ppl", ref_ppl) & jnum(jref, "decode_tok_s", ref_tps) &
               jnum(jref, "passkey", pk_correct[0]) & jnum(jref, "passkey_trials", pk_total);
         if (jref && !cJSON_AddItemToObject(jroot, "reference", jref)) { cJSON_Delete(jref); jok = 0; }
@@ -352,7 +360,7 @@ int cmd_eval(int argc, char **argv)
         eval_stats_summarize(&runs[f].st, &s);
         eval_stats_summarize(&runs[f].dst, &ds);
         double bpt = kvarn_bytes_per_token_head(&runs[f].fmt, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
-        double eff = effective_bytes_per_token(&runs[f].fmt, hp, (int)ctx);
+        double eff = effective_bytes_per_token(&runs[f].fmt, hp, (int)ctx, (int)sink_tokens);
         double tps = runs[f].decode_n ? runs[f].decode_n / runs[f].decode_s : 0.0;
         /* perplexity over every scored position, chunked and decoded */
         size_t n_all = runs[f].st.n + runs[f].dst.n;

@@ -183,9 +183,13 @@ typedef struct kvarn_llama_session_opts {
                                  (copied; must outlive the session); NULL =
                                  malloc/free (alloc.h). Independent of the
                                  model's allocator. */
+    int sink_tokens;          /* KVarN: S, fp16 sink tokens (cache.h
+                                 kvarn_cache_opts.sink_tokens: a sink shorter
+                                 than a tile keeps the rest of that tile
+                                 quantized); 0 (default) = sink_tiles * G */
 } kvarn_llama_session_opts;
 
-#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL }
+#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, 0 }
 
 /* What a session would be and take (kvarn_llama_session_plan). */
 typedef struct kvarn_llama_session_info {

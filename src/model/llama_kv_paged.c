@@ -213,7 +213,7 @@ static const llama_kv_ops paged_ops = {
  * Errors: KVARN_ERR_TOO_LARGE (more than KVARN_CACHE_MAX_SEQ_LEN tokens, or
  * a budget beyond 64 bits), errors of kvarn_cache_plan. No allocation. */
 static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format *fmt,
-                                   int sink_tiles, int balance_iters,
+                                   int sink_tiles, int sink_tokens, int balance_iters,
                                    kvarn_cache_opts *out, kvarn_cache_info *info)
 {
     if (sh->max_tokens > KVARN_CACHE_MAX_SEQ_LEN) return KVARN_ERR_TOO_LARGE;
@@ -230,6 +230,9 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
     if (fmt->per_tile) {
         G = (uint64_t)fmt->tile_tokens;
         o.sink_tiles = sink_tiles >= 0 ? sink_tiles : 1;
+        /* S tokens replace sink_tiles: floor(S / G) whole sink tiles */
+        o.sink_tokens = sink_tokens;
+        if (sink_tokens > 0) o.sink_tiles = sink_tokens / (int)G;
         /* Sink, the partly filled tile a chunk starts in, and every tile
          * the chunk opens (max_chunk <= 2^30, so this stays an int). */
         o.n_pages = o.sink_tiles + (int)kvarn__ceil_div_u64((uint64_t)sh->max_chunk, G) + 2;
@@ -248,7 +251,9 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
     if (st != KVARN_OK) return st;
     uint64_t block_total, page_total;
     int bad = kvarn__mul_u64(blocks, geo.block_bytes, &block_total);
-    bad |= kvarn__mul_u64((uint64_t)geo.n_pages, geo.page_bytes, &page_total);
+    /* the plan of budget 0 has no blocks: its arena is the pages and the
+     * sink slot */
+    page_total = geo.arena_bytes;
     bad |= kvarn__add_u64(block_total, page_total, &o.budget_bytes);
     if (bad) return KVARN_ERR_TOO_LARGE;
     st = kvarn_cache_plan(&o, info);
@@ -319,7 +324,8 @@ kvarn_status llama_kv_paged_plan(const llama_kv_shape *shape, const kvarn_format
 {
     kvarn_cache_opts co;
     kvarn_cache_info ci;
-    kvarn_status st = cache_settings(shape, fmt, o->sink_tiles, o->balance_iters, &co, &ci);
+    kvarn_status st = cache_settings(shape, fmt, o->sink_tiles, o->sink_tokens, o->balance_iters,
+                                     &co, &ci);
     if (st != KVARN_OK) return st;
     paged_sizes z;
     int threads = o->attn_threads > 0 ? o->attn_threads : 1;
@@ -350,7 +356,8 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
     kvarn_cache_info ci;
     paged_sizes z;
     int threads = o->attn_threads > 0 ? o->attn_threads : 1;
-    kvarn_status st = cache_settings(shape, fmt, o->sink_tiles, o->balance_iters, &co, &ci);
+    kvarn_status st = cache_settings(shape, fmt, o->sink_tiles, o->sink_tokens, o->balance_iters,
+                                     &co, &ci);
     if (st == KVARN_OK) st = paged_sizes_get(shape, &ci, o->exact_chunk, threads, &z);
     if (st != KVARN_OK) return st;
     kv_paged *p = kvarn__calloc(shape->alloc, 1, sizeof *p);
