@@ -232,7 +232,10 @@ double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, l
 {
     if (n_tokens < 0 || n_tokens > KVARN_CACHE_MAX_SEQ_LEN) return -1.0;
     kvarn_cache_opts o = cli_cache_opts(f, hp->n_layers, hp->n_kv_heads, hp->head_dim);
-    o.sink_tokens = sink_tokens;
+    if (sink_tokens >= 0) {
+        o.sink_tokens = sink_tokens;
+        if (sink_tokens == 0) o.sink_tiles = 0;
+    }
     o.max_seqs = 1;
     o.max_seq_len = n_tokens > 0 ? (int)n_tokens : 1;
     o.budget_bytes = 0; /* sizing: per-sequence numbers only */

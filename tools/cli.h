@@ -94,8 +94,8 @@ void cli_progress_end(void);
 
 /* Bytes of the paged cache's arenas that one sequence of n_tokens holds in
  * format f for the model (all layers and KV heads, K and V, as the cache
- * keeps it with its default settings but sink_tokens (cache.h; 0 = the
- * default sink), every full tile committed): the library's
+ * keeps it with its default settings but sink_tokens (S, cache.h; 0: no
+ * sink; -1: the default sink), every full tile committed): the library's
  * kvarn_cache_capacity_get seq_arena_bytes. -1 on a format the model's
  * head_dim does not take or n_tokens out of [0, 2^30]. */
 double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens,

@@ -128,7 +128,7 @@ int cmd_eval(int argc, char **argv)
 {
     const char *model_path = NULL, *text_path = NULL, *dtypes = "all", *dump_path = NULL;
     long ctx = 2048, chunk = 128, windows = 1, decode_tokens = 320, threads = 1, dump_layers = 0,
-         passkey_trials = 0, sink_tokens = 0;
+         passkey_trials = 0, sink_tokens = -1;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -223,7 +223,11 @@ int cmd_eval(int argc, char **argv)
     for (int f = 0; f < nf; f++) {
         runs[f].fmt = fmts[f];
         so.cache_format = fmts[f].name;
-        so.sink_tokens = (int)sink_tokens;
+        if (sink_tokens >= 0) {
+            /* S = 0: no sink at all (sink_tiles 0); S > 0 replaces the tiles */
+            so.sink_tokens = (int)sink_tokens;
+            if (sink_tokens == 0) so.sink_tiles = 0;
+        }
         if (cli_session_create("eval", &m, &so, "lower --ctx", &runs[f].sess)) goto out;
         if (eval_stats_init(&runs[f].st, (size_t)windows * (size_t)ctx) ||
             eval_stats_init(&runs[f].dst, (size_t)windows * (size_t)decode_tokens + 1)) goto out;
@@ -324,7 +328,7 @@ int cmd_eval(int argc, char **argv)
 
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
-    double fp16_bpt = effective_bytes_per_token(&fp16, hp, (int)ctx, 0);
+    double fp16_bpt = effective_bytes_per_token(&fp16, hp, (int)ctx, -1);
     double fp16_bpt_rec = kvarn_bytes_per_token_head(&fp16, hp->head_dim) * hp->n_layers * hp->n_kv_heads;
     double ref_ppl = eval_stats_ppl(&ref_st);
     double ref_tps = ref_decode_n ? ref_decode_n / ref_decode_s : 0.0;

@@ -429,8 +429,8 @@ static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llam
 {
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
-    double used = cli_kv_bytes_used(fmt, hp, s->n_tokens, 0),
-           base = cli_kv_bytes_used(&fp16, hp, s->n_tokens, 0);
+    double used = cli_kv_bytes_used(fmt, hp, s->n_tokens, -1),
+           base = cli_kv_bytes_used(&fp16, hp, s->n_tokens, -1);
     char b1[32], b2[32];
     fprintf(stderr, "[%s] KV cache for %ld tokens: %s; an fp16 cache: %s (%.0f%% of it)", fmt->name,
             s->n_tokens, cli_fmt_bytes(used, b1, sizeof b1), cli_fmt_bytes(base, b2, sizeof b2),

@@ -68,7 +68,7 @@ int cmd_passkey(int argc, char **argv)
     if (nf < 0) return 2;
     cli_model m;
     if (cli_model_open("passkey", model_path, &m)) return 1;
-    passkey_opts o = {lengths, n_lengths, depths, n_depths, (int)trials, chunk, (uint64_t)seed, (int)threads, 0, 0};
+    passkey_opts o = {lengths, n_lengths, depths, n_depths, (int)trials, chunk, (uint64_t)seed, (int)threads, 0, -1};
     int *correct = calloc((size_t)(nf + 1) * (size_t)n_lengths, sizeof(int));
     int rc = 1;
     if (correct && passkey_run(&m, fmts, nf, &o, correct) == 0) {

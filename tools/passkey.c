@@ -87,7 +87,10 @@ int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_op
     so.max_tokens = (int)max_len + ANSWER_TOKENS;
     so.max_chunk = (int)o->chunk;
     so.attn_threads = o->threads;
-    so.sink_tokens = o->sink_tokens;
+    if (o->sink_tokens >= 0) {
+        so.sink_tokens = o->sink_tokens;
+        if (o->sink_tokens == 0) so.sink_tiles = 0;
+    }
     for (int f = 0; f <= nf; f++) {
         so.cache_format = f == 0 ? "fp16" : fmts[f - 1].name;
         if (cli_session_create("passkey", m, &so, "use shorter lengths", &sess[f])) goto out;
