@@ -20,7 +20,10 @@
  *            fp16 K and V [G][D] of one tile. Page ids are shared by all
  *            layers too. KVarN only (per-token formats have no pages).
  *   sink     the first sink_tiles tiles of a KVarN sequence: kept in fp16
- *            pages for good, never quantized.
+ *            pages for good, never quantized. A sink of S tokens
+ *            (opts.sink_tokens) that is not a whole number of tiles keeps
+ *            the last S mod G of them in the sequence's fp16 sink slot
+ *            while their tile is quantized as usual (paged.h).
  *   tail     the KVarN tiles after the quantized ones: fp16 pages that
  *            receive new tokens, already rotated by H/sqrt(D).
  *   commit   quantizing a full tail tile (all G tokens final) into its block
@@ -327,7 +330,8 @@ kvarn_status kvarn_cache_seq_create(kvarn_cache *c, int *seq);
 /* Make a child of parent that shares all of its blocks and pages (each
  * reference count + 1) and has its length, committed state and written
  * lengths; its id goes to *child. Nothing is copied until a reserve touches
- * a shared tile (copy-on-write).
+ * a shared tile (copy-on-write), except the parent's sink slot (a sink
+ * shorter than a tile whose tile is quantized: sink_bytes, per sequence).
  * Errors: as kvarn_cache_seq_create, and KVARN_ERR_INVALID_ARG for a bad
  * parent. */
 kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child);
