@@ -4,17 +4,20 @@
  *
  * For a model shape, n concurrent sequences of len tokens and a format, the
  * bytes a server must give the paged cache to hold them: the smallest cache
- * (kvarn_cache_create's opts with max_seqs = n, max_seq_len = len, default
- * sink and auto fp16 pages) whose kvarn_cache_capacity_get says it holds n
- * sequences of len, counted as its total_bytes (quantized records, fp16
- * sink and tail pages, block tables, id pools, scratch). The ratio printed
+ * (kvarn_cache_create's opts with max_seqs = n, max_seq_len = len, sink
+ * length S and auto fp16 pages) whose kvarn_cache_capacity_get says it
+ * holds n sequences of len, counted as its total_bytes (quantized records,
+ * fp16 sink and tail pages, sink slots, block tables, id pools, scratch).
+ * KVarN formats get one row per S of --sinks (tokens kept in fp16: 128 is
+ * the default whole sink tile, 0 no sink, others a sink shorter than a tile
+ * with the rest of that tile quantized, cache.h sink_tokens). The ratio printed
  * is fp16's total over the format's: the factor by which the same memory
  * holds more such requests. No timing: the numbers are exact byte counts
  * from the library's one capacity computation (docs/paged-cache.md
  * "Capacity"), so the table does not depend on the machine.
  *
  *   bench_capacity [--formats LIST] [--seqs 1,16,64,256] [--lens 2048,8192]
- *                  [--shapes smol,llama]
+ *                  [--shapes smol,llama] [--sinks 128,32,16,0]
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -31,9 +34,10 @@ static const shape SHAPES[] = {
     {"llama", 32, 8, 128},  /* Llama-3-8B */
 };
 
-/* Total bytes of the smallest cache of format f that holds n sequences of
- * len tokens; 0 on error (message on stderr). */
-static uint64_t bytes_for(const shape *s, const kvarn_format *f, int n, int len,
+/* Total bytes of the smallest cache of format f with sink length S tokens
+ * (KVarN; -1: the default) that holds n sequences of len tokens; 0 on error
+ * (message on stderr). */
+static uint64_t bytes_for(const shape *s, const kvarn_format *f, int S, int n, int len,
                           kvarn_cache_capacity *out)
 {
     kvarn_cache_opts o = kvarn_cache_default_opts();
@@ -43,6 +47,10 @@ static uint64_t bytes_for(const shape *s, const kvarn_format *f, int n, int len,
     o.head_dim = s->head_dim;
     o.max_seqs = n;
     o.max_seq_len = len;
+    if (S >= 0) {
+        o.sink_tokens = S;
+        if (S == 0) o.sink_tiles = 0;
+    }
     o.budget_bytes = 0; /* sizing: per-block and per-page bytes, the pages */
     kvarn_cache_capacity cap;
     kvarn_status st = kvarn_cache_capacity_get(&o, 1, len, &cap);
@@ -50,8 +58,9 @@ static uint64_t bytes_for(const shape *s, const kvarn_format *f, int n, int len,
         fprintf(stderr, "bench_capacity: %s: %s\n", f->name, kvarn_strerror(st));
         return 0;
     }
-    o.budget_bytes = (uint64_t)cap.info.n_pages * cap.info.page_bytes +
-                     (uint64_t)n * cap.seq_blocks * cap.info.block_bytes;
+    /* the plan of budget 0 has no blocks: its arena is the pages and the
+     * sink slots */
+    o.budget_bytes = cap.info.arena_bytes + (uint64_t)n * cap.seq_blocks * cap.info.block_bytes;
     if (cap.seq_blocks == 0) o.budget_bytes += cap.info.block_bytes; /* a cache has >= 1 block */
     st = kvarn_cache_capacity_get(&o, 1, len, &cap);
     if (st != KVARN_OK || cap.seqs < n) {
@@ -63,13 +72,13 @@ static uint64_t bytes_for(const shape *s, const kvarn_format *f, int n, int len,
     return cap.total_bytes;
 }
 
-static int parse_ints(const char *s, int *out, int max)
+static int parse_ints_min(const char *s, int *out, int max, int lo)
 {
     int n = 0;
     while (*s && n < max) {
         char *end;
         long v = strtol(s, &end, 10);
-        if (end == s || v < 1 || v > (1 << 30)) return -1;
+        if (end == s || v < lo || v > (1 << 30)) return -1;
         out[n++] = (int)v;
         s = *end == ',' ? end + 1 : end;
         if (*end && *end != ',') return -1;
@@ -77,15 +86,22 @@ static int parse_ints(const char *s, int *out, int max)
     return n;
 }
 
+static int parse_ints(const char *s, int *out, int max, int lo)
+{
+    return parse_ints_min(s, out, max, lo);
+}
+
 int main(int argc, char **argv)
 {
     const char *formats = "int8,int4,kvarn_k4v4_g128,kvarn_k4v2_g128,kvarn_k4v2_g64";
     const char *seqs_s = "1,16,64,256", *lens_s = "2048,8192", *shapes_s = "smol,llama";
+    const char *sinks_s = "128,32,16,0";
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--formats") == 0) formats = argv[i + 1];
         else if (strcmp(argv[i], "--seqs") == 0) seqs_s = argv[i + 1];
         else if (strcmp(argv[i], "--lens") == 0) lens_s = argv[i + 1];
         else if (strcmp(argv[i], "--shapes") == 0) shapes_s = argv[i + 1];
+        else if (strcmp(argv[i], "--sinks") == 0) sinks_s = argv[i + 1];
         else {
             fprintf(stderr, "bench_capacity: unknown option '%s'\n", argv[i]);
             return 2;
@@ -102,17 +118,19 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_capacity: %s\n", err);
         return 2;
     }
-    int seqs[16], lens[16];
-    int ns = parse_ints(seqs_s, seqs, 16), nl = parse_ints(lens_s, lens, 16);
-    if (ns < 1 || nl < 1) {
-        fprintf(stderr, "bench_capacity: --seqs and --lens take positive integers separated by commas\n");
+    int seqs[16], lens[16], sinks[16];
+    int ns = parse_ints(seqs_s, seqs, 16, 1), nl = parse_ints(lens_s, lens, 16, 1);
+    int nk = parse_ints(sinks_s, sinks, 16, 0);
+    if (ns < 1 || nl < 1 || nk < 1) {
+        fprintf(stderr, "bench_capacity: --seqs, --lens (positive) and --sinks (>= 0) take "
+                        "integers separated by commas\n");
         return 2;
     }
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
     printf("effective capacity, all memory counted: fp16 bytes / format bytes for n sequences of len tokens\n");
-    printf("%-6s %5s %6s %-18s %14s %9s %9s %10s\n", "shape", "n", "len", "format", "total bytes",
-           "x fp16", "records", "fp16 part");
+    printf("%-6s %5s %6s %-18s %4s %14s %9s %9s %10s\n", "shape", "n", "len", "format", "S",
+           "total bytes", "x fp16", "records", "fp16 part");
     int rc = 0;
     for (size_t si = 0; si < sizeof SHAPES / sizeof SHAPES[0]; si++) {
         if (strstr(shapes_s, SHAPES[si].name) == NULL) continue;
@@ -120,27 +138,36 @@ int main(int argc, char **argv)
         for (int li = 0; li < nl; li++)
             for (int ni = 0; ni < ns; ni++) {
                 kvarn_cache_capacity base, cap;
-                uint64_t b0 = bytes_for(s, &fp16, seqs[ni], lens[li], &base);
+                uint64_t b0 = bytes_for(s, &fp16, -1, seqs[ni], lens[li], &base);
                 if (b0 == 0) { rc = 1; continue; }
-                printf("%-6s %5d %6d %-18s %14llu %8.2fx %8.2fx %9.1f%%\n", s->name, seqs[ni],
-                       lens[li], "fp16", (unsigned long long)b0, 1.0, 1.0, 0.0);
+                printf("%-6s %5d %6d %-18s %4s %14llu %8.2fx %8.2fx %9.1f%%\n", s->name, seqs[ni],
+                       lens[li], "fp16", "-", (unsigned long long)b0, 1.0, 1.0, 0.0);
                 for (int f = 0; f < nf; f++) {
                     if (strcmp(fmts[f].name, "fp16") == 0) continue;
                     if (kvarn_format_check_head_dim(&fmts[f], s->head_dim) != KVARN_OK) continue;
-                    uint64_t b = bytes_for(s, &fmts[f], seqs[ni], lens[li], &cap);
-                    if (b == 0) { rc = 1; continue; }
-                    /* records only: what long contexts reach */
-                    double rec = (double)kvarn_bytes_per_token_head(&fp16, s->head_dim) /
-                                 kvarn_bytes_per_token_head(&fmts[f], s->head_dim);
-                    double pages = (double)cap.info.n_pages * (double)cap.info.page_bytes;
-                    printf("%-6s %5d %6d %-18s %14llu %8.2fx %8.2fx %9.1f%%\n", s->name,
-                           seqs[ni], lens[li], fmts[f].name, (unsigned long long)b,
-                           (double)b0 / (double)b, rec, 100.0 * pages / (double)b);
+                    const int kv = fmts[f].kind == KVARN_KIND_KVARN;
+                    for (int ki = 0; ki < (kv ? nk : 1); ki++) {
+                        uint64_t b = bytes_for(s, &fmts[f], kv ? sinks[ki] : -1, seqs[ni],
+                                               lens[li], &cap);
+                        if (b == 0) { rc = 1; continue; }
+                        /* records only: what long contexts reach */
+                        double rec = (double)kvarn_bytes_per_token_head(&fp16, s->head_dim) /
+                                     kvarn_bytes_per_token_head(&fmts[f], s->head_dim);
+                        double fp16_part = (double)cap.info.n_pages * (double)cap.info.page_bytes +
+                                           (double)cap.info.max_seqs * (double)cap.info.sink_bytes;
+                        char sk[16];
+                        snprintf(sk, sizeof sk, kv ? "%d" : "-", sinks[ki]);
+                        printf("%-6s %5d %6d %-18s %4s %14llu %8.2fx %8.2fx %9.1f%%\n", s->name,
+                               seqs[ni], lens[li], fmts[f].name, sk, (unsigned long long)b,
+                               (double)b0 / (double)b, rec, 100.0 * fp16_part / (double)b);
+                    }
                 }
             }
     }
     printf("x fp16: the same memory holds that many times more such requests; records: the\n"
-           "multiple from record bytes alone; fp16 part: share of the total in fp16 pages\n"
-           "(sink and tail of a KVarN cache, max_seqs x (sink_tiles + 1) + ceil(max_seqs / 8))\n");
+           "multiple from record bytes alone; S: sink tokens kept in fp16 (KVarN); fp16 part:\n"
+           "share of the total in fp16 pages (whole sink tiles and the tail of a KVarN cache,\n"
+           "max_seqs x (floor(S / G) + 1) + ceil(max_seqs / 8) pages of G tokens) and sink\n"
+           "slots (max_seqs x (S mod G) tokens)\n");
     return rc;
 }

@@ -248,7 +248,8 @@ double cli_session_kv_bytes(kvarn_llama_session *s)
         kvarn_cache_get_stats(c, &st) != KVARN_OK)
         return -1.0;
     return (double)st.blocks_in_use * (double)info.block_bytes +
-           (double)st.pages_in_use * (double)info.page_bytes;
+           (double)st.pages_in_use * (double)info.page_bytes +
+           (double)st.n_seqs * (double)info.sink_bytes;
 }
 
 kvarn_status cli_capacity_get(const kvarn_format *f, int layers, int kv_heads, int head_dim,
@@ -301,6 +302,13 @@ static void describe_kv(char *buf, size_t len, long tokens, const kvarn_llama_hp
 {
     snprintf(buf, len, "%ld tokens x %d layers x %d KV heads x %d channels in %s", tokens,
              hp->n_layers, hp->n_kv_heads, hp->head_dim, format);
+}
+
+void cli_session_set_sink(kvarn_llama_session_opts *so, long sink_tokens)
+{
+    if (sink_tokens < 0) return;
+    so->sink_tokens = (int)sink_tokens; /* S > 0 replaces the sink tiles */
+    if (sink_tokens == 0) so->sink_tiles = 0;
 }
 
 int cli_session_create(const char *cmd, const cli_model *m, const kvarn_llama_session_opts *so,

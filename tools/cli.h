@@ -65,6 +65,11 @@ typedef struct cli_model {
 int cli_model_open(const char *cmd, const char *path, cli_model *m);
 void cli_model_close(cli_model *m);
 
+/* --sink-tokens S into session options: S > 0 keeps S fp16 sink tokens
+ * (sink_tokens; KVarN only, cache.h), S = 0 no sink at all (sink_tiles 0),
+ * S < 0 leaves the default sink (one tile). */
+void cli_session_set_sink(kvarn_llama_session_opts *so, long sink_tokens);
+
 /* Create a session of m with so, saying clearly what did not fit when it
  * cannot be made: plans it first (kvarn_llama_session_plan) and refuses,
  * without allocating, a context beyond the library's limits or one whose
@@ -101,7 +106,8 @@ void cli_progress_end(void);
 double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens);
 
 /* Bytes the session's cache holds now for its tokens (all layers and KV
- * heads, K and V): blocks and fp16 pages in use times their bytes, from
+ * heads, K and V): blocks and fp16 pages in use times their bytes, and
+ * its sequences' sink slots (a sink shorter than a tile), from
  * kvarn_cache_get_stats and kvarn_cache_get_info of
  * kvarn_llama_session_cache(s). -1 for a session without a cache. */
 double cli_session_kv_bytes(kvarn_llama_session *s);

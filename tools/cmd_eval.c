@@ -32,11 +32,13 @@ typedef struct eval_opts {
     const char *model_path, *text_path, *dtypes, *dump_path;
     long ctx, chunk, windows, decode_tokens, threads, passkey_trials;
     long dump_layers; /* 0: all */
+    long sink_tokens; /* KVarN fp16 sink tokens S (0: no sink); -1: the default */
     int json;
 } eval_opts;
 
 static const eval_opts k_defaults = {
     .dtypes = "all", .ctx = 2048, .chunk = 128, .windows = 1, .decode_tokens = 320, .threads = 1,
+    .sink_tokens = -1,
 };
 
 #define OPT(f) offsetof(eval_opts, f)
@@ -55,6 +57,8 @@ static const cli_option k_options[] = {
      "attention worker threads (default 1)"},
     {"passkey", 0, CLI_INT, OPT(passkey_trials), 0, 1000, 0, "--passkey N",
      "add passkey retrieval, N keys per depth (default 0: none)"},
+    {"sink-tokens", 0, CLI_INT, OPT(sink_tokens), 0, 1 << 16, 0, "--sink-tokens S",
+     "KVarN: first S tokens kept in fp16 (default one tile)"},
     {"json", 0, CLI_FLAG, OPT(json), 0, 0, 0, "--json", "the report as JSON on stdout"},
     {"dump-kv", 0, CLI_TEXT, OPT(dump_path), 0, 0, 0, "--dump-kv FILE",
      "write the reference's fp32 K/V of the first window"},
@@ -68,7 +72,8 @@ static const cli_command k_command = {
     "eval", k_options, sizeof k_options / sizeof k_options[0],
     "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
     "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 320]\n"
-    "                  [--threads 1] [--passkey N] [--json] [--dump-kv FILE [--dump-layers N]]\n\n",
+    "                  [--threads 1] [--passkey N] [--sink-tokens S] [--json]\n"
+    "                  [--dump-kv FILE [--dump-layers N]]\n\n",
     "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
     "tokens (every chunk after the first attends to the cached history, as chunked\n"
     "prefill and decode do), once with the unquantized fp16 cache (the reference)\n"
@@ -84,6 +89,9 @@ static const cli_command k_command = {
     "its delta, and decode speed as tokens/s and as a ratio to fp16.\n"
     "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
     "0/50/100%, N keys per depth, as retrieved/tried beside the fp16 cache's own.\n"
+    "--sink-tokens S keeps the first S tokens of KVarN caches in fp16 (default: one\n"
+    "tile); when S is not a multiple of the tile the rest of that tile is quantized\n"
+    "(docs/paged-cache.md \"The sink\"); S = 0: no sink.\n"
     "--dump-kv FILE writes the reference session's fp32 K (post-RoPE) and V of the\n"
     "first window's tokens, as computed before any cache rounding, in the format of\n"
     "docs/kv-dump.md; --dump-layers N keeps the first N layers (default all).\n",
@@ -245,6 +253,7 @@ static int eval_init(eval_run *r, const eval_opts *o, const kvarn_format *fmts, 
     so.keep_kv_f32 = o->dump_path != NULL;
     if (cli_session_create("eval", &r->m, &so, "lower --ctx", &r->ref)) return -1;
     so.keep_kv_f32 = 0;
+    cli_session_set_sink(&so, o->sink_tokens); /* the formats' sessions only */
     r->runs = calloc((size_t)nf, sizeof *r->runs);
     if (r->runs == NULL) { cli_error("eval", "out of memory"); return -1; }
     r->nf = nf;
@@ -402,7 +411,8 @@ static int eval_passkey(eval_run *r, const eval_opts *o)
     const long len[1] = {r->ctx}, depth[3] = {0, 50, 100};
     kvarn_format fmts[CLI_MAX_FORMATS];
     for (int f = 0; f < r->nf; f++) fmts[f] = r->runs[f].fmt;
-    passkey_opts po = {len, 1, depth, 3, (int)o->passkey_trials, r->chunk, 1, (int)o->threads, 0};
+    passkey_opts po = {len, 1, depth, 3, (int)o->passkey_trials, r->chunk, 1, (int)o->threads, 0,
+                       (int)o->sink_tokens};
     if (passkey_run(&r->m, fmts, r->nf, &po, r->pk_correct)) return -1;
     r->pk_total = 3 * (int)o->passkey_trials;
     return 0;
@@ -423,7 +433,7 @@ typedef struct eval_row {
 typedef struct eval_results {
     const char *model, *text;
     size_t tokens;
-    long ctx, chunk, windows, decode_tokens;
+    long ctx, chunk, windows, decode_tokens, sink_tokens; /* sink_tokens: -1 default */
     double ref_bpt, ref_eff, ref_ppl, ref_tps; /* the fp16 reference */
     int ref_passkey, passkey_trials;
     eval_row rows[CLI_MAX_FORMATS];
@@ -445,6 +455,7 @@ static void eval_results_get(eval_run *r, const eval_opts *o, eval_results *res)
     res->chunk = r->chunk;
     res->windows = r->windows;
     res->decode_tokens = r->decode_tokens;
+    res->sink_tokens = o->sink_tokens;
     res->ref_bpt = kvarn_bytes_per_token_head(&fp16, hp->head_dim) * token_heads;
     res->ref_eff = r->ref_eff_bpt;
     res->ref_ppl = eval_stats_ppl(&r->ref_st);
@@ -553,7 +564,8 @@ static int print_json(const eval_results *res)
     int ok = jstr(root, "model", res->model) & jstr(root, "text", res->text) &
              jnum(root, "tokens", (double)res->tokens) & jnum(root, "ctx", (double)res->ctx) &
              jnum(root, "chunk", (double)res->chunk) & jnum(root, "windows", (double)res->windows) &
-             jnum(root, "decode_tokens", (double)res->decode_tokens) & jstr(ref, "format", "fp16") &
+             jnum(root, "decode_tokens", (double)res->decode_tokens) &
+             jnum(root, "sink_tokens", (double)res->sink_tokens) & jstr(ref, "format", "fp16") &
              jnum(ref, "ppl", res->ref_ppl) & jnum(ref, "decode_tok_s", res->ref_tps) &
              jnum(ref, "passkey", res->ref_passkey) & jnum(ref, "passkey_trials", res->passkey_trials);
     if (ref && !cJSON_AddItemToObject(root, "reference", ref)) { cJSON_Delete(ref); ok = 0; }

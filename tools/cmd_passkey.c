@@ -17,13 +17,14 @@ typedef struct pk_opts {
     const char *model_path, *dtypes;
     cli_list lengths, depths; /* tokens; percent */
     long trials, chunk, seed, threads;
+    long sink_tokens; /* KVarN fp16 sink tokens S (0: no sink); -1: the default */
 } pk_opts;
 
 static const pk_opts k_defaults = {
     .dtypes = "kvarn_k4v2_g128",
     .lengths = {{1024, 2048, 4096, 8192}, 4},
     .depths = {{0, 25, 50, 75, 100}, 5},
-    .trials = 1, .chunk = 128, .seed = 1, .threads = 1,
+    .trials = 1, .chunk = 128, .seed = 1, .threads = 1, .sink_tokens = -1,
 };
 
 #define OPT(f) offsetof(pk_opts, f)
@@ -40,6 +41,9 @@ static const cli_option k_options[] = {
     {"seed", 0, CLI_INT, OPT(seed), 0, 0x7fffffffL, 0, "--seed S", "key seed (default 1)"},
     {"threads", 0, CLI_INT, OPT(threads), 1, 256, 0, "--threads T",
      "attention worker threads (default 1)"},
+    {"sink-tokens", 0, CLI_INT, OPT(sink_tokens), 0, 1 << 16, 0, "--sink-tokens S",
+     "KVarN: first S tokens kept in fp16 (default one tile;\n"
+     "0: no sink)"},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT
@@ -48,7 +52,8 @@ static const cli_command k_command = {
     "passkey", k_options, sizeof k_options / sizeof k_options[0],
     "usage: kvarn passkey -m MODEL [--kv-cache-dtype NAME[,NAME...]|all]\n"
     "                     [--lengths 1024,2048,4096,8192] [--depths 0,25,50,75,100]\n"
-    "                     [--trials 1] [--chunk 128] [--seed 1] [--threads 1]\n\n",
+    "                     [--trials 1] [--chunk 128] [--seed 1] [--threads 1]\n"
+    "                     [--sink-tokens S]\n\n",
     "Hides a random 5-digit key at each depth (percent) of filler text of each\n"
     "length (tokens), feeds the prompt in chunks so the history is read from the\n"
     "cache, and checks the greedy answer. Prints retrieved keys per length for the\n"
@@ -90,7 +95,7 @@ int cmd_passkey(int argc, char **argv)
     cli_model m;
     if (cli_model_open("passkey", o.model_path, &m)) return 1;
     passkey_opts po = {o.lengths.v, o.lengths.n, o.depths.v, o.depths.n, (int)o.trials, o.chunk,
-                       (uint64_t)o.seed, (int)o.threads, 0};
+                       (uint64_t)o.seed, (int)o.threads, 0, (int)o.sink_tokens};
     int *correct = calloc((size_t)(nf + 1) * (size_t)o.lengths.n, sizeof(int));
     rc = 1;
     if (correct == NULL) cli_error("passkey", "out of memory");

@@ -18,6 +18,8 @@ typedef struct passkey_opts {
     uint64_t seed;
     int threads;
     int quiet;                          /* no progress on stderr */
+    int sink_tokens;                    /* KVarN fp16 sink tokens S (0: no
+                                           sink); -1: the default sink */
 } passkey_opts;
 
 /* Run every (length, depth, trial) for the reference fp16 cache (row 0 of

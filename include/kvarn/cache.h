@@ -20,7 +20,10 @@
  *            fp16 K and V [G][D] of one tile. Page ids are shared by all
  *            layers too. KVarN only (per-token formats have no pages).
  *   sink     the first sink_tiles tiles of a KVarN sequence: kept in fp16
- *            pages for good, never quantized.
+ *            pages for good, never quantized. A sink of S tokens
+ *            (opts.sink_tokens) that is not a whole number of tiles keeps
+ *            the last S mod G of them in the sequence's fp16 sink slot
+ *            while their tile is quantized as usual (paged.h).
  *   tail     the KVarN tiles after the quantized ones: fp16 pages that
  *            receive new tokens, already rotated by H/sqrt(D).
  *   commit   quantizing a full tail tile (all G tokens final) into its block
@@ -129,7 +132,8 @@ typedef struct kvarn_cache_opts {
                                (default 1). Per-token formats: ignored, they
                                have no sink (always 0). */
     uint64_t budget_bytes;  /* bytes for the quantized arena plus the fp16
-                               page pool (all layers), an upper bound: blocks
+                               page pool and sink slots (all layers), an
+                               upper bound: blocks
                                beyond 2^30 are not made. Bookkeeping (block
                                tables, refcounts, scratch) is not counted. */
     int max_seqs;           /* live sequences at once, >= 1 (default 64) */
@@ -158,9 +162,23 @@ typedef struct kvarn_cache_opts {
                                table at seq create/fork) goes through it;
                                copied, must outlive the cache; NULL (default)
                                = malloc/free (alloc.h) */
+    int sink_tokens;        /* KVarN: S, the attention-sink tokens of a
+                               sequence kept in fp16, in [1, 1024 * G]; 0
+                               (default) = sink_tiles * G. When set it
+                               replaces sink_tiles: floor(S / G) whole sink
+                               tiles live in pages for good, and when S is
+                               not a multiple of G the remaining r = S mod G
+                               tokens of the next tile are kept in a sink
+                               slot of r tokens per sequence (allocated for
+                               max_seqs sequences, n_layers * Hk * 2 * r * D
+                               * 2 bytes each, from budget_bytes) while that
+                               tile is quantized as usual (paged.h "Sink
+                               shorter than a tile"). S = k * G is exactly
+                               sink_tiles = k. Per-token formats: ignored. */
 } kvarn_cache_opts;
 
-/* The defaults: format kvarn_k4v2_g128, block_size 0 (auto), sink_tiles 1,
+/* The defaults: format kvarn_k4v2_g128, block_size 0 (auto), sink_tiles 1
+ * (sink_tokens 0: one whole fp16 sink tile, the spec's default),
  * max_seqs 64, max_seq_len 0 (auto), n_pages 0 (auto), balance_iters 8;
  * n_layers, n_kv_heads, head_dim, budget_bytes are 0 and must be set. */
 kvarn_cache_opts kvarn_cache_default_opts(void);
@@ -198,10 +216,17 @@ typedef struct kvarn_cache_info {
     size_t token_record_bytes;  /* per-token formats: bytes per token-head; 0 for KVarN */
     size_t block_bytes;         /* bytes of one block, all layers */
     size_t page_bytes;          /* bytes of one page, all layers */
-    uint64_t arena_bytes;       /* n_blocks * block_bytes + n_pages * page_bytes */
+    uint64_t arena_bytes;       /* n_blocks * block_bytes + n_pages * page_bytes
+                                   + max_seqs * sink_bytes */
     uint64_t capacity_tokens;   /* n_blocks * G: tokens the quantized arena
                                    holds, all sequences together (sink tiles
                                    live in pages and come on top) */
+    int sink_tokens;            /* S: sink_tiles * G + sink_partial tokens */
+    int sink_partial;           /* r = S mod G: tokens of tile sink_tiles kept
+                                   in a sink slot once it is quantized */
+    size_t sink_bytes;          /* bytes of one sequence's sink slot, all
+                                   layers (n_layers * Hk * 2 * r * D * 2);
+                                   max_seqs slots are in arena_bytes */
 } kvarn_cache_info;
 
 kvarn_status kvarn_cache_get_info(const kvarn_cache *c, kvarn_cache_info *out);
@@ -254,7 +279,8 @@ typedef struct kvarn_cache_capacity {
                                 the last tile when it ends full) <= n_pages;
                                 0 when seq_len > max_seq_len */
     uint64_t seq_arena_bytes;/* arena bytes one such sequence holds:
-                                seq_blocks * block_bytes + seq_pages * page_bytes */
+                                seq_blocks * block_bytes + seq_pages *
+                                page_bytes + info.sink_bytes (its sink slot) */
 } kvarn_cache_capacity;
 
 /* Fill *out for the cache kvarn_cache_create(opts) would build, n_seqs
@@ -304,7 +330,8 @@ kvarn_status kvarn_cache_seq_create(kvarn_cache *c, int *seq);
 /* Make a child of parent that shares all of its blocks and pages (each
  * reference count + 1) and has its length, committed state and written
  * lengths; its id goes to *child. Nothing is copied until a reserve touches
- * a shared tile (copy-on-write).
+ * a shared tile (copy-on-write), except the parent's sink slot (a sink
+ * shorter than a tile whose tile is quantized: sink_bytes, per sequence).
  * Errors: as kvarn_cache_seq_create, and KVARN_ERR_INVALID_ARG for a bad
  * parent. */
 kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child);
@@ -443,7 +470,8 @@ typedef struct kvarn_cache_stats {
     double arena_bytes_per_token;   /* staging counted: arena_bytes /
                                        capacity_tokens */
     double used_bytes_per_token;    /* (blocks_in_use * block_bytes +
-                                       pages_in_use * page_bytes) / tokens;
+                                       pages_in_use * page_bytes + n_seqs *
+                                       sink_bytes) / tokens;
                                        0 when tokens == 0 */
 } kvarn_cache_stats;
 

@@ -198,9 +198,10 @@ typedef struct kvarn_llama_session_opts {
                                  n_kv_heads and head_dim must be the model's
                                  and max_tokens (set it: 0 means the model's
                                  context) at most its max_seq_len; the format,
-                                 G, sink tiles and balance iterations are the
-                                 cache's, so format must be NULL, sink_tiles
-                                 and balance_iters -1, exact 0. The cache
+                                 G, sink (tiles and tokens) and balance
+                                 iterations are the cache's, so format must
+                                 be NULL, sink_tiles and balance_iters -1,
+                                 sink_tokens 0, exact 0. The cache
                                  must outlive the session and is used only
                                  by one call at a time (cache.h): sessions
                                  on one cache run one after another. A
@@ -210,9 +211,15 @@ typedef struct kvarn_llama_session_opts {
                                  pages it needs (KVarN: about
                                  ceil(n / G) + 1 pages for a chunk of n
                                  until its commit, cache.h n_pages). */
+    int sink_tokens;          /* KVarN: S, fp16 sink tokens (cache.h
+                                 kvarn_cache_opts.sink_tokens: a sink shorter
+                                 than a tile keeps the rest of that tile
+                                 quantized); 0 (default) = sink_tiles * G.
+                                 0 with a caller's cache (its sink is the
+                                 cache's). */
 } kvarn_llama_session_opts;
 
-#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, NULL }
+#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, NULL, 0 }
 
 /* What a session would be and take (kvarn_llama_session_plan). */
 typedef struct kvarn_llama_session_info {

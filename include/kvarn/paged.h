@@ -50,6 +50,26 @@
  *     data pointer, page_stride = stride(0) * 2, page_head_stride =
  *     stride(1) * 2.
  *
+ * Sink shorter than a tile (KVarN; sink_partial = r in (0, G)). The first
+ * S = sink_tiles * G + r tokens of a sequence are the attention sink. The
+ * sink_tiles whole tiles are fp16 pages as above; tile sink_tiles (the
+ * partial sink tile) is an ordinary tile: an fp16 tail page until its
+ * commit, then a block holding its record, encoded from all G tokens as
+ * usual (the record layout is the spec's). From its commit on, its first r
+ * tokens are ALSO kept in fp16 in the sequence's sink slot, and attention
+ * reads tokens [0, r) of that tile from the slot and only [r, G) from the
+ * record. The slot of sequence s (kvarn_seq_view.sink_slot), KV head h:
+ *     fp16_sinks + slot * sink_stride + h * sink_head_stride (kvarn_paged_sink_k)
+ *   holding K then V, each fp16 (IEEE half) [r][D], token-major, rotated
+ *   like the pages: K row t at + t * D * 2, V row t at + (r + t) * D * 2
+ *                                                          (kvarn_paged_sink_v)
+ *   Constraints: sink_head_stride >= kvarn_paged_fp16_tile_bytes(r, D),
+ *   sink_stride >= Hk * sink_head_stride, both multiples of 2; the slot is
+ *   read only while tile sink_tiles is quantized (committed_tiles >
+ *   sink_tiles), and must then lie in [0, n_sink_slots).
+ *   r = 0 (every sink a whole number of tiles): no slots; fp16_sinks,
+ *   the sink strides, n_sink_slots and sink_slot are not read.
+ *
  * Slot mapping (what an engine passes when storing): slot = id * G + offset
  * for the token at offset within its tile (kvarn_paged_slot); id is the page
  * for KVarN (every store lands in the fp16 sink or tail) and the block for
@@ -99,6 +119,14 @@ typedef struct kvarn_paged_kv {
                                    (>= kvarn_paged_fp16_tile_bytes(G, D)) */
     int n_blocks;               /* blocks in the quantized arena: ids [0, n_blocks) */
     int n_fp16_pages;           /* pages in the fp16 arena: ids [0, n_fp16_pages) */
+    /* Sink shorter than a tile (KVarN; see the top). Zero (memset) = none. */
+    int sink_partial;           /* r in [0, G): sink tokens of tile sink_tiles
+                                   kept in fp16 slots once it is quantized */
+    uint16_t *fp16_sinks;       /* sink slot arena of this layer (r > 0) */
+    size_t sink_stride;         /* bytes between slots (>= Hk * sink_head_stride) */
+    size_t sink_head_stride;    /* bytes between KV heads inside a slot
+                                   (>= kvarn_paged_fp16_tile_bytes(r, D)) */
+    int n_sink_slots;           /* slots in the arena: ids [0, n_sink_slots) */
 } kvarn_paged_kv;
 
 /* One sequence, as attention reads it. */
@@ -106,6 +134,7 @@ typedef struct kvarn_seq_view {
     const int32_t *block_table; /* [ceil(seq_len / G)] block or page ids */
     int seq_len;                /* tokens of context, >= 0 */
     int committed_tiles;        /* tiles [sink_tiles, committed_tiles) are quantized */
+    int sink_slot;              /* the sequence's sink slot (kv->sink_partial > 0) */
 } kvarn_seq_view;
 
 /* Bytes of one KV head's fp16 tile in a page: K and V, fp16 [G][D] each. */
@@ -158,6 +187,39 @@ KVARN_PAGED_FN uint16_t *kvarn_paged_page_k(const kvarn_paged_kv *kv, int32_t pa
 KVARN_PAGED_FN uint16_t *kvarn_paged_page_v(const kvarn_paged_kv *kv, int32_t page, int head)
 {
     return kvarn_paged_page_k(kv, page, head) + (size_t)kv->block_size * (size_t)kv->head_dim;
+}
+
+/* Set sink_head_stride and sink_stride to the packed slot layout
+ * [slot][Hk][K, V][r][D] from kv->sink_partial, head_dim and n_kv_heads
+ * (the layout kvarn_cache uses). */
+KVARN_PAGED_FN void kvarn_paged_pack_sinks(kvarn_paged_kv *kv)
+{
+    kv->sink_head_stride = kvarn_paged_fp16_tile_bytes(kv->sink_partial, kv->head_dim);
+    kv->sink_stride = (size_t)kv->n_kv_heads * kv->sink_head_stride;
+}
+
+/* fp16 K [r][D] of sink slot `slot`, KV head `head` (slot in
+ * [0, n_sink_slots), r = kv->sink_partial > 0). */
+KVARN_PAGED_FN uint16_t *kvarn_paged_sink_k(const kvarn_paged_kv *kv, int32_t slot, int head)
+{
+    return (uint16_t *)((uint8_t *)kv->fp16_sinks +
+                        kvarn_paged_offset(kv->sink_stride, kv->sink_head_stride, slot, head));
+}
+
+/* fp16 V [r][D] of sink slot `slot`, KV head `head`: right after its K. */
+KVARN_PAGED_FN uint16_t *kvarn_paged_sink_v(const kvarn_paged_kv *kv, int32_t slot, int head)
+{
+    return kvarn_paged_sink_k(kv, slot, head) + (size_t)kv->sink_partial * (size_t)kv->head_dim;
+}
+
+/* Tokens of tile i read from the sink slot instead of the tile's record:
+ * r for the quantized partial sink tile (i == sink_tiles < committed_tiles,
+ * KVarN), else 0. */
+KVARN_PAGED_FN int kvarn_paged_tile_sink_tokens(const kvarn_paged_kv *kv, int committed_tiles,
+                                                int i)
+{
+    if (kv->fmt.kind != KVARN_KIND_KVARN || kv->sink_partial <= 0) return 0;
+    return i == kv->sink_tiles && i < committed_tiles ? kv->sink_partial : 0;
 }
 
 /* Whether tile i of a sequence with committed_tiles quantized tiles is an

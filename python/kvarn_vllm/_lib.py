@@ -40,12 +40,16 @@ class PagedKV(ctypes.Structure):
                 ("block_stride", ctypes.c_size_t), ("record_stride", ctypes.c_size_t),
                 ("token_record_bytes", ctypes.c_size_t), ("fp16_pages", ctypes.c_void_p),
                 ("page_stride", ctypes.c_size_t), ("page_head_stride", ctypes.c_size_t),
-                ("n_blocks", ctypes.c_int), ("n_fp16_pages", ctypes.c_int)]
+                ("n_blocks", ctypes.c_int), ("n_fp16_pages", ctypes.c_int),
+                # sink shorter than a tile (paged.h): unused here, left 0
+                ("sink_partial", ctypes.c_int), ("fp16_sinks", ctypes.c_void_p),
+                ("sink_stride", ctypes.c_size_t), ("sink_head_stride", ctypes.c_size_t),
+                ("n_sink_slots", ctypes.c_int)]
 
 
 class SeqView(ctypes.Structure):
     _fields_ = [("block_table", ctypes.c_void_p), ("seq_len", ctypes.c_int),
-                ("committed_tiles", ctypes.c_int)]
+                ("committed_tiles", ctypes.c_int), ("sink_slot", ctypes.c_int)]
 
 
 class AttnOpts(ctypes.Structure):

@@ -238,6 +238,20 @@ static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout
             kvarn__mul_u64(hk, kv->page_head_stride, &heads) || kv->page_stride < heads)
             return KVARN_ERR_INVALID_ARG;
     }
+    /* Sink shorter than a tile (paged.h): r in [0, G), KVarN only; slots
+     * of K+V [r][D] fp16 per head, 2-byte aligned. */
+    if (kv->sink_partial < 0 || kv->sink_partial >= kv->block_size ||
+        (kv->sink_partial > 0 && kv->fmt.kind != KVARN_KIND_KVARN))
+        return KVARN_ERR_INVALID_ARG;
+    if (kv->sink_partial > 0 && kv->fp16_sinks != NULL) {
+        uint64_t heads;
+        if (kv->n_sink_slots < 0 ||
+            kv->sink_head_stride < kvarn_paged_fp16_tile_bytes(kv->sink_partial, kv->head_dim) ||
+            kv->sink_head_stride % 2 != 0 || kv->sink_stride % 2 != 0 ||
+            ((uintptr_t)kv->fp16_sinks % 2) != 0 ||
+            kvarn__mul_u64(hk, kv->sink_head_stride, &heads) || kv->sink_stride < heads)
+            return KVARN_ERR_INVALID_ARG;
+    }
     return KVARN_OK;
 }
 
@@ -253,6 +267,11 @@ static kvarn_status check_seq(const kvarn_paged_kv *kv, const kvarn_seq_view *sv
             (int64_t)sv->committed_tiles * G > sv->seq_len)
             return KVARN_ERR_INVALID_ARG;
     }
+    /* a quantized partial sink tile reads the sequence's sink slot */
+    if (nt > 0 && kvarn_paged_tile_sink_tokens(kv, sv->committed_tiles, kv->sink_tiles) > 0 &&
+        kv->sink_tiles < nt &&
+        (kv->fp16_sinks == NULL || sv->sink_slot < 0 || sv->sink_slot >= kv->n_sink_slots))
+        return KVARN_ERR_INVALID_ARG;
     for (int i = 0; i < nt; i++) {
         int32_t id = sv->block_table[i];
         if (tile_is_page(kv, sv, i)) {
@@ -491,7 +510,23 @@ static void item_task(void *ctx, int task, int worker)
             run->kern->fp16_tile(&r, kvarn_paged_page_k(kv, id, it->kvh),
                                  kvarn_paged_page_v(kv, id, it->kvh), t0, nt);
         } else if (g->is_kvarn) {
+            const int ns = kvarn_paged_tile_sink_tokens(kv, sv->committed_tiles, tile);
+            if (ns > 0) {
+                /* Partial sink tile (paged.h): tokens [t0, t0 + ns) from the
+                 * fp16 slot, the rest from the record with the rows'
+                 * first visible position raised past the sink (the masking
+                 * a sliding window starting inside a tile uses). */
+                run->kern->fp16_tile(&r, kvarn_paged_sink_k(kv, sv->sink_slot, it->kvh),
+                                     kvarn_paged_sink_v(kv, sv->sink_slot, it->kvh), t0, ns);
+                for (int row = 0; row < n; row++)
+                    if (lo[row] < t0 + ns) lo[row] = t0 + ns;
+            }
             run->kern->kvarn_tile(&r, &run->L, kvarn_paged_record(kv, id, it->kvh), t0, nt);
+            if (ns > 0)
+                for (int qi = 0; qi < it->nq; qi++)
+                    for (int j = 0; j < g->group; j++)
+                        query_limits(run, sv->seq_len, ql, it->q0 + qi,
+                                     &lo[qi * g->group + j], &hi[qi * g->group + j]);
         } else {
             /* A span of whole blocks; only a sequence's last block is partial. */
             int span = 0;

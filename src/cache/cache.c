@@ -62,6 +62,7 @@ void kvarn_cache_destroy(kvarn_cache *c)
     kvarn__pool_release(&c->page_pool, &a);
     kvarn__free(&a, c->blocks_mem);
     kvarn__free(&a, c->pages_mem);
+    kvarn__free(&a, c->sinks_mem);
     kvarn__free_aligned(&a, c->tile_k);
     kvarn__free_aligned(&a, c->tile_v);
     kvarn__free_aligned(&a, c->vec);
@@ -101,12 +102,19 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     if (st != KVARN_OK) return st;
 
     const int is_kvarn = o->format.kind == KVARN_KIND_KVARN;
-    int G, sink;
+    int G, sink, part = 0;
     if (is_kvarn) {
         G = o->format.tile_tokens;
         if (o->block_size != 0 && o->block_size != G) return KVARN_ERR_INVALID_ARG;
-        if (o->sink_tiles < 0 || o->sink_tiles > 1024) return KVARN_ERR_INVALID_ARG;
-        sink = o->sink_tiles;
+        if (o->sink_tokens < 0 || o->sink_tokens > 1024 * G) return KVARN_ERR_INVALID_ARG;
+        if (o->sink_tokens > 0) {
+            /* S tokens: whole sink tiles, then r tokens kept in a slot */
+            sink = o->sink_tokens / G;
+            part = o->sink_tokens % G;
+        } else {
+            if (o->sink_tiles < 0 || o->sink_tiles > 1024) return KVARN_ERR_INVALID_ARG;
+            sink = o->sink_tiles;
+        }
     } else {
         G = o->block_size ? o->block_size : DEFAULT_PER_TOKEN_BLOCK;
         if (G > MAX_BLOCK_SIZE) return KVARN_ERR_INVALID_ARG;
@@ -144,15 +152,22 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
         n_pages = S * (uint64_t)(sink + 1) + kvarn__ceil_div_u64(S, 8);
     }
     if (n_pages > MAX_IDS) return KVARN_ERR_TOO_LARGE;
-    uint64_t page_total;
+    uint64_t page_total, sink_bytes = 0, sink_total = 0, fixed_total;
     bad |= kvarn__mul_u64(n_pages, page_bytes, &page_total);
+    /* the sink slots: K and V, r x D fp16 each, per layer and KV head, one
+     * slot per sequence */
+    if (part > 0) {
+        bad |= kvarn__mul3_u64(L * H, (uint64_t)part * D, 2 * sizeof(uint16_t), &sink_bytes);
+        bad |= kvarn__mul_u64((uint64_t)o->max_seqs, sink_bytes, &sink_total);
+    }
+    bad |= kvarn__add_u64(page_total, sink_total, &fixed_total);
     if (bad) return KVARN_ERR_TOO_LARGE;
 
     uint64_t n_blocks = 0;
     if (!(sizing && o->budget_bytes == 0)) {
-        if (o->budget_bytes < page_total || o->budget_bytes - page_total < block_bytes)
+        if (o->budget_bytes < fixed_total || o->budget_bytes - fixed_total < block_bytes)
             return KVARN_ERR_INVALID_ARG;
-        n_blocks = (o->budget_bytes - page_total) / block_bytes;
+        n_blocks = (o->budget_bytes - fixed_total) / block_bytes;
     }
     /* budget_bytes is an upper bound: a budget beyond MAX_IDS blocks buys
      * MAX_IDS blocks (info.n_blocks and arena_bytes say so). */
@@ -170,10 +185,12 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
      * one sequence's bookkeeping. */
     uint64_t block_total, arena_bytes, slack;
     bad |= kvarn__mul_u64(n_blocks, block_bytes, &block_total);
-    bad |= kvarn__add_u64(block_total, page_total, &arena_bytes);
-    size_t sz;
+    bad |= kvarn__add_u64(block_total, fixed_total, &arena_bytes);
+    size_t sz, sb;
     bad |= kvarn__add_u64(block_total, 64, &slack) | kvarn__u64_to_size(slack, &sz);
     bad |= kvarn__add_u64(page_total, 64, &slack) | kvarn__u64_to_size(slack, &sz);
+    bad |= kvarn__add_u64(sink_total, 64, &slack) | kvarn__u64_to_size(slack, &sz);
+    bad |= kvarn__u64_to_size(sink_bytes, &sb);
     bad |= seq_bytes(kvarn__ceil_div_u64(max_len, (uint64_t)G), L, &sz);
     size_t rs, bs, bb, pb;
     bad |= kvarn__u64_to_size(record_stride, &rs) | kvarn__u64_to_size(block_stride, &bs);
@@ -197,6 +214,9 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     info->page_bytes = pb;
     info->arena_bytes = arena_bytes;
     info->capacity_tokens = n_blocks * (uint64_t)G;
+    info->sink_tokens = sink * G + part; /* <= 1024 * G <= 2^17 */
+    info->sink_partial = part;
+    info->sink_bytes = sb;
     return KVARN_OK;
 }
 
@@ -275,7 +295,8 @@ kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
                      max_seqs * (3 * max_tiles * sizeof(int32_t) + L * sizeof(int)) +
                      2 * aligned_bytes(GD * sizeof(float)) +
                      aligned_bytes((uint64_t)in->head_dim * sizeof(float)) +
-                     aligned_bytes(ws) + (NB ? 64 : 0) + (NP ? 64 : 0);
+                     aligned_bytes(ws) + (NB ? 64 : 0) + (NP ? 64 : 0) +
+                     (in->sink_bytes ? 64 : 0);
     cap.books_bytes = books;
     if (kvarn__add_u64(in->arena_bytes, books, &cap.total_bytes)) return KVARN_ERR_TOO_LARGE;
 
@@ -296,7 +317,9 @@ kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
     }
     cap.seq_blocks = (int)sb;   /* <= 2^30 tiles: seq_len is an int */
     cap.seq_pages = (int)sp;
-    cap.seq_arena_bytes = sb * (uint64_t)in->block_bytes + sp * (uint64_t)in->page_bytes;
+    /* a KVarN sequence also holds its sink slot (r > 0; 0 bytes else) */
+    cap.seq_arena_bytes = sb * (uint64_t)in->block_bytes + sp * (uint64_t)in->page_bytes +
+                          (is_kvarn ? (uint64_t)in->sink_bytes : 0);
     uint64_t k = 0;
     if (seq_len <= in->max_seq_len) {
         k = max_seqs;
@@ -425,13 +448,17 @@ kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
     const size_t page_arena = (size_t)info.n_pages * (info.page_bytes / sizeof(uint16_t));
     c->blocks = arena64(&alloc, block_arena, &c->blocks_mem);
     c->pages = page_arena ? arena64(&alloc, page_arena * sizeof(uint16_t), &c->pages_mem) : NULL;
+    /* max_seqs * sink_bytes: checked by plan() like the other arenas */
+    const size_t sink_arena = (size_t)info.max_seqs * info.sink_bytes;
+    c->sinks = sink_arena ? arena64(&alloc, sink_arena, &c->sinks_mem) : NULL;
     c->seqs = kvarn__calloc(&alloc, (size_t)info.max_seqs, sizeof *c->seqs);
     c->tile_k = alloc64(&alloc, GD * sizeof(float));
     c->tile_v = alloc64(&alloc, GD * sizeof(float));
     c->vec = alloc64(&alloc, (size_t)info.head_dim * sizeof(float));
     c->enc_ws_bytes = kvarn_encode_workspace_bytes(&info.format, info.head_dim);
     c->enc_ws = c->enc_ws_bytes ? alloc64(&alloc, c->enc_ws_bytes) : NULL;
-    if (c->blocks == NULL || (page_arena && c->pages == NULL) || c->seqs == NULL ||
+    if (c->blocks == NULL || (page_arena && c->pages == NULL) ||
+        (sink_arena && c->sinks == NULL) || c->seqs == NULL ||
         c->tile_k == NULL || c->tile_v == NULL || c->vec == NULL ||
         (c->enc_ws_bytes && c->enc_ws == NULL)) {
         kvarn_cache_destroy(c);
@@ -483,7 +510,8 @@ kvarn_status kvarn_cache_get_stats(const kvarn_cache *c, kvarn_cache_stats *out)
                                   : 0.0;
     if (s.tokens > 0)
         s.used_bytes_per_token = ((double)s.blocks_in_use * (double)c->info.block_bytes +
-                                  (double)s.pages_in_use * (double)c->info.page_bytes) /
+                                  (double)s.pages_in_use * (double)c->info.page_bytes +
+                                  (double)s.n_seqs * (double)c->info.sink_bytes) /
                                  (double)s.tokens;
     *out = s;
     return KVARN_OK;

@@ -59,7 +59,9 @@ struct kvarn_cache {
     size_t page_stride;           /* bytes per page per layer (paged.h, packed) */
     uint8_t *blocks;              /* [layer][block][kv_head] records */
     uint16_t *pages;              /* [layer][page][kv_head][K,V][G][D] */
-    void *blocks_mem, *pages_mem; /* the allocations behind them */
+    uint16_t *sinks;              /* [layer][seq slot][kv_head][K,V][r][D]
+                                     (r = info.sink_partial > 0; else NULL) */
+    void *blocks_mem, *pages_mem, *sinks_mem; /* the allocations behind them */
     kvarn_id_pool block_pool, page_pool;
     kvarn_seq *seqs;              /* [max_seqs] */
     int n_live;
@@ -92,7 +94,23 @@ static inline kvarn_paged_kv kvarn__layer_view(const kvarn_cache *c, int layer)
     v.fp16_pages = c->pages ? (uint16_t *)((uint8_t *)c->pages + (size_t)layer *
                                            (size_t)c->info.n_pages * v.page_stride)
                             : NULL;
+    v.sink_partial = c->info.sink_partial;
+    if (c->sinks) {
+        kvarn_paged_pack_sinks(&v);
+        v.n_sink_slots = c->info.max_seqs;
+        v.fp16_sinks = (uint16_t *)((uint8_t *)c->sinks +
+                                    (size_t)layer * (size_t)c->info.max_seqs * v.sink_stride);
+    }
     return v;
+}
+
+/* K (kv = 0) or V (kv = 1) fp16 [r][D] of a sequence's sink slot (the
+ * sequence id), one layer and KV head; r = info.sink_partial > 0. */
+static inline uint16_t *kvarn__sink_kv(const kvarn_cache *c, int layer, int slot, int head,
+                                       int kv)
+{
+    const kvarn_paged_kv v = kvarn__layer_view(c, layer);
+    return kv ? kvarn_paged_sink_v(&v, slot, head) : kvarn_paged_sink_k(&v, slot, head);
 }
 
 static inline uint8_t *kvarn__block_record(const kvarn_cache *c, int layer,

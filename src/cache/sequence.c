@@ -100,6 +100,14 @@ kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child)
         kvarn__pool_incref(&c->page_pool, s->pg[t]);
     }
     memcpy(s->written, p->written, (size_t)c->info.n_layers * sizeof(int));
+    /* A quantized partial sink tile reads its first r tokens from the
+     * sequence's own sink slot: the child gets a copy (slots are per
+     * sequence, not shared). */
+    if (c->sinks && p->n_quant > 0)
+        for (int l = 0; l < c->info.n_layers; l++)
+            memcpy(kvarn__sink_kv(c, l, id, 0, 0), kvarn__sink_kv(c, l, parent, 0, 0),
+                   (size_t)c->info.n_kv_heads *
+                       kvarn_paged_fp16_tile_bytes(c->info.sink_partial, c->info.head_dim));
     s->live = 1;
     c->n_live++;
     *child = id;
@@ -249,6 +257,7 @@ kvarn_status kvarn_cache_seq_view(const kvarn_cache *c, int seq, kvarn_seq_view 
     out->block_table = c->seqs[seq].table;
     out->seq_len = i.seq_len;
     out->committed_tiles = i.committed_tiles;
+    out->sink_slot = seq;
     return KVARN_OK;
 }
 

@@ -132,6 +132,18 @@ static kvarn_status encode_tile(kvarn_cache *c, const kvarn_seq *s, int t)
     return KVARN_OK;
 }
 
+/* Copy tokens [0, r) of tile t's page (every layer and KV head) into the
+ * sequence's sink slot (r = info.sink_partial). */
+static void copy_sink(kvarn_cache *c, const kvarn_seq *s, int seq, int t)
+{
+    const size_t bytes = (size_t)c->info.sink_partial * (size_t)c->info.head_dim * sizeof(uint16_t);
+    for (int l = 0; l < c->info.n_layers; l++)
+        for (int h = 0; h < c->info.n_kv_heads; h++)
+            for (int kv = 0; kv < 2; kv++)
+                memcpy(kvarn__sink_kv(c, l, seq, h, kv), kvarn__page_kv(c, l, s->pg[t], h, kv),
+                       bytes);
+}
+
 kvarn_status kvarn_cache_commit(kvarn_cache *c, int seq, int committed_len)
 {
     kvarn_seq *s = kvarn__seq_get(c, seq);
@@ -149,6 +161,10 @@ kvarn_status kvarn_cache_commit(kvarn_cache *c, int seq, int committed_len)
             kvarn_status st = encode_tile(c, s, t);
             if (st != KVARN_OK) return st;
         }
+        /* The partial sink tile keeps its first r tokens in fp16: copied
+         * from its page into the sequence's sink slot before the page goes. */
+        if (c->sinks && first == c->info.sink_tiles && end > first)
+            copy_sink(c, s, seq, first);
         for (int t = first; t < end; t++) {
             kvarn__pool_decref(&c->page_pool, s->pg[t]);
             s->pg[t] = -1;
@@ -173,6 +189,9 @@ kvarn_status kvarn_cache_read(kvarn_cache *c, int seq, int layer, int pos,
     const size_t row = (size_t)H * (size_t)D;
     const int unrotate = c->is_kvarn && !(flags & KVARN_DECODE_ROTATED);
     const int sink_end = c->info.sink_tiles, quant_end = sink_end + s->n_quant;
+    /* tokens [sink_end * G, sink_end * G + r) of a quantized partial sink
+     * tile come from the sink slot, as attention reads them */
+    const int slot_end = c->sinks && s->n_quant > 0 ? c->info.sink_partial : 0;
 
     int p = pos;
     while (p < pos + n) {
@@ -202,6 +221,17 @@ kvarn_status kvarn_cache_read(kvarn_cache *c, int seq, int layer, int pos,
                 for (int j = 0; j < cnt; j++) {
                     size_t o = (size_t)(p - pos + j) * row + (size_t)h * D;
                     size_t src = (size_t)(off0 + j) * D;
+                    if (t == sink_end && off0 + j < slot_end) {
+                        for (int kv = 0; kv < 2; kv++) {
+                            float *dst = kv ? v : k;
+                            if (dst == NULL) continue;
+                            const uint16_t *x =
+                                kvarn__sink_kv(c, layer, seq, h, kv) + (size_t)(off0 + j) * D;
+                            for (int d = 0; d < D; d++) dst[o + d] = kvarn__fp16_to_f32(x[d]);
+                            if (unrotate) kvarn_hadamard(dst + o, D);
+                        }
+                        continue;
+                    }
                     if (k) memcpy(k + o, c->tile_k + src, (size_t)D * sizeof(float));
                     if (v) memcpy(v + o, c->tile_v + src, (size_t)D * sizeof(float));
                 }

@@ -148,6 +148,9 @@ kvarn_status kvarn_cuda_check_kv(const kvarn_paged_kv *kv)
               : (kv->block_size < 1 || kv->block_size > KVARN_CUDA_MAX_BLOCK))
         return KVARN_ERR_INVALID_ARG;
     if (!kvarn && kv->sink_tiles != 0) return KVARN_ERR_INVALID_ARG;
+    /* A sink shorter than a tile (paged.h, sink_partial > 0) is read by the
+     * CPU kernels only; the CUDA kernels serve whole sink tiles. */
+    if (kv->sink_partial != 0) return KVARN_ERR_UNSUPPORTED;
     if (kv->blocks == NULL || kv->n_blocks < 1 ||
         (kvarn && (kv->fp16_pages == NULL || kv->n_fp16_pages < 1)))
         return KVARN_ERR_INVALID_ARG;

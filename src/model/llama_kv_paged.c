@@ -225,7 +225,7 @@ static const llama_kv_ops paged_ops = {
  * Errors: KVARN_ERR_TOO_LARGE (more than KVARN_CACHE_MAX_SEQ_LEN tokens, or
  * a budget beyond 64 bits), errors of kvarn_cache_plan. No allocation. */
 static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format *fmt,
-                                   int sink_tiles, int balance_iters,
+                                   int sink_tiles, int sink_tokens, int balance_iters,
                                    kvarn_cache_opts *out, kvarn_cache_info *info)
 {
     if (sh->max_tokens > KVARN_CACHE_MAX_SEQ_LEN) return KVARN_ERR_TOO_LARGE;
@@ -240,6 +240,9 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
     if (balance_iters >= 0) o.balance_iters = balance_iters;
     if (fmt->per_tile) {
         o.sink_tiles = sink_tiles >= 0 ? sink_tiles : 1;
+        /* S tokens replace sink_tiles: floor(S / G) whole sink tiles */
+        o.sink_tokens = sink_tokens;
+        if (sink_tokens > 0) o.sink_tiles = sink_tokens / fmt->tile_tokens;
         /* Sink, the partly filled tile a chunk starts in, and every tile
          * the chunk opens (max_chunk <= 2^30, so this stays an int). */
         o.n_pages = o.sink_tiles +
@@ -256,7 +259,9 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
     const uint64_t blocks = tiles > sink ? tiles - sink : 1;
     uint64_t block_total, page_total;
     int bad = kvarn__mul_u64(blocks, geo.block_bytes, &block_total);
-    bad |= kvarn__mul_u64((uint64_t)geo.n_pages, geo.page_bytes, &page_total);
+    /* the plan of budget 0 has no blocks: its arena is the pages and the
+     * sink slot */
+    page_total = geo.arena_bytes;
     bad |= kvarn__add_u64(block_total, page_total, &o.budget_bytes);
     if (bad) return KVARN_ERR_TOO_LARGE;
     st = kvarn_cache_plan(&o, info);
@@ -273,7 +278,7 @@ static kvarn_status store_geometry(const llama_kv_shape *sh, const kvarn_format 
                                    kvarn_cache_info *ci)
 {
     if (o->cache) return kvarn_cache_get_info(o->cache, ci);
-    return cache_settings(sh, fmt, o->sink_tiles, o->balance_iters, co, ci);
+    return cache_settings(sh, fmt, o->sink_tiles, o->sink_tokens, o->balance_iters, co, ci);
 }
 
 /* Bytes of every buffer llama_kv_paged_create allocates besides the cache

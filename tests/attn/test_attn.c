@@ -25,6 +25,7 @@
 typedef struct attn_case {
     const char *fmt;
     int D, Hk, group, G, sink;
+    int sink_partial;     /* KVarN: r sink tokens of tile `sink` in slots */
     int n_seqs;
     pf_seq_spec seqs[MAXS];
     int multi;            /* 0: decode; 1: multi-query with q_lens */
@@ -132,7 +133,8 @@ typedef struct case_result {
 static case_result run_case(const attn_case *c, uint64_t seed)
 {
     paged_fixture f;
-    assert_int_equal(pf_build(&f, c->fmt, c->D, c->Hk, c->G, c->sink, c->seqs, c->n_seqs, seed), 0);
+    assert_int_equal(pf_build_sink(&f, c->fmt, c->D, c->Hk, c->G, c->sink, c->sink_partial,
+                                   c->seqs, c->n_seqs, seed), 0);
     const int D = c->D, Hq = c->Hk * c->group;
     int32_t qsl[MAXS + 1];
     qsl[0] = 0;
@@ -306,6 +308,57 @@ static void test_sink_and_tail(void **state)
                 run_case(&c, 500 + sink * 3 + tail);
             }
         }
+}
+
+/* Sink lengths S in {0, 4, 16, 32, 64, 128} tokens (paged.h "Sink shorter
+ * than a tile"): floor(S / G) whole fp16 sink tiles and r = S mod G tokens
+ * of the next tile read from the sequence's fp16 sink slot once that tile
+ * is quantized, the rest of it from its record. Every kernel set (scalar,
+ * AVX2, AVX-512) against double-precision attention over exactly that
+ * data (run_case: rel < 1e-4 against the dequantized K/V, where the first
+ * r tokens of the tile are fp16, not the record's values), decode and
+ * multi-query (causal queries inside the sink tile, non-causal), with a
+ * sliding window that starts inside the sink and one past it, and split-K
+ * across the sink tile. Sequences whose partial sink tile is still in the
+ * fp16 tail read the page only. */
+static void test_sink_tokens(void **state)
+{
+    (void)state;
+    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k4v2_g32"};
+    const int S[] = {0, 4, 16, 32, 64, 128};
+    for (int fi = 0; fi < 3; fi++)
+        for (int si = 0; si < 6; si++)
+            for (int mode = 0; mode < 4; mode++) {
+                kvarn_format fmt;
+                assert_int_equal(kvarn_format_parse(fmts[fi], &fmt), KVARN_OK);
+                const int G = fmt.tile_tokens;
+                attn_case c;
+                memset(&c, 0, sizeof c);
+                c.fmt = fmts[fi];
+                c.D = 64;
+                c.Hk = 2;
+                c.group = 2;
+                c.sink = S[si] / G;
+                c.sink_partial = S[si] % G;
+                c.causal = mode != 2;
+                c.multi = mode >= 1;
+                c.window = mode == 3 ? (si % 2 ? 3 : G + 5) : 0;
+                c.split = mode == 1 ? 3 : 0;
+                c.n_seqs = 4;
+                int base = (c.sink + 1) * G; /* the partial sink tile full */
+                c.seqs[0].seq_len = base + 2 * G + 7;         /* committed, tail */
+                c.seqs[1].seq_len = base;                      /* just committed */
+                c.seqs[2].seq_len = base + G;
+                c.seqs[2].tail_tiles = 2;                      /* sink tile in tail */
+                c.seqs[3].seq_len = c.sink * G + (c.sink_partial ? c.sink_partial : 1);
+                for (int s = 0; s < 4; s++)
+                    c.q_lens[s] = c.seqs[s].seq_len < 5 ? c.seqs[s].seq_len : 5;
+                for (int lv = 0; lv < LV_COUNT; lv++) {
+                    c.force_scalar = lv == LV_SCALAR;
+                    c.level = lv;
+                    run_case(&c, 700 + fi * 97 + si * 13 + mode);
+                }
+            }
 }
 
 /* Sliding windows shorter than a tile, across tiles, longer than the
@@ -664,7 +717,8 @@ int main(void)
                "those cases run capped at %s\n", top, top);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_format), cmocka_unit_test(test_gqa),
-        cmocka_unit_test(test_sink_and_tail), cmocka_unit_test(test_sliding_window),
+        cmocka_unit_test(test_sink_and_tail), cmocka_unit_test(test_sink_tokens),
+        cmocka_unit_test(test_sliding_window),
         cmocka_unit_test(test_multi_query), cmocka_unit_test(test_long_chunk),
         cmocka_unit_test(test_odd_head_dim), cmocka_unit_test(test_empty),
         cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_bad_inputs),

@@ -17,7 +17,8 @@
 #include "kvarn/attn.h"
 #include "kvarn/cache.h"
 
-static void check_format(const char *name)
+/* sink_tokens: opts.sink_tokens (0: the default whole sink tile). */
+static void check_format_s(const char *name, int sink_tokens)
 {
     const int D = 64, Hk = 2, group = 3, Hq = Hk * group, L = 2;
     kvarn_cache_opts co = kvarn_cache_default_opts();
@@ -28,6 +29,7 @@ static void check_format(const char *name)
     co.max_seqs = 4;
     co.n_pages = co.format.kind == KVARN_KIND_KVARN ? 16 : 0;
     co.budget_bytes = 8u << 20;
+    co.sink_tokens = sink_tokens;
     kvarn_cache *c = NULL;
     assert_int_equal(kvarn_cache_create(&co, &c), KVARN_OK);
 
@@ -127,15 +129,33 @@ static void check_format(const char *name)
         for (int h = 0; h < Hk; h++)
             memcpy(kvarn_paged_page_k(&own, id, h), kvarn_paged_page_k(&kv, id, h),
                    kvarn_paged_fp16_tile_bytes(kv.block_size, D));
+    uint16_t *sinks = NULL;
+    if (kv.sink_partial > 0) {
+        /* sink slots [n_slots][Hk][K+V r x D + 16 bytes], 32 more after each */
+        const size_t sb = kvarn_paged_fp16_tile_bytes(kv.sink_partial, D);
+        own.sink_head_stride = sb + 16;
+        own.sink_stride = (size_t)Hk * own.sink_head_stride + 32;
+        sinks = malloc((size_t)kv.n_sink_slots * own.sink_stride);
+        memset(sinks, 0xff, (size_t)kv.n_sink_slots * own.sink_stride);
+        own.fp16_sinks = sinks;
+        for (int id = 0; id < kv.n_sink_slots; id++)
+            for (int h = 0; h < Hk; h++)
+                memcpy(kvarn_paged_sink_k(&own, id, h), kvarn_paged_sink_k(&kv, id, h), sb);
+    }
     float *out2 = malloc(nq * sizeof(float));
     assert_int_equal(kvarn_attn_multi(&kv, views, 2, qsl, Hq, q, out, &o, pool, ws, wsz), KVARN_OK);
     assert_int_equal(kvarn_attn_multi(&own, views, 2, qsl, Hq, q, out2, &o, pool, ws, wsz), KVARN_OK);
     assert_memory_equal(out, out2, nq * sizeof(float));
-    free(out2); free(blocks); free(pages);
+    free(out2); free(blocks); free(pages); free(sinks);
 
     free(ws); free(q); free(out);
     for (int s = 0; s < 2; s++) { free(kd[s]); free(vd[s]); }
     kvarn_cache_destroy(c);
+}
+
+static void check_format(const char *name)
+{
+    check_format_s(name, 0);
 }
 
 static void test_cache_kvarn(void **state)
@@ -143,6 +163,19 @@ static void test_cache_kvarn(void **state)
     (void)state;
     check_format("kvarn_k4v2_g64");
     check_format("kvarn_k4v4_g128");
+}
+
+/* Sinks shorter than a tile through the cache: the slot the commit fills
+ * is what attention reads (against kvarn_cache_read), and the same bytes in
+ * caller-owned padded slots give the same outputs. */
+static void test_cache_sink_tokens(void **state)
+{
+    (void)state;
+    const int S[] = {4, 16, 32, 64 + 5};
+    for (int i = 0; i < 4; i++) {
+        check_format_s("kvarn_k4v2_g64", S[i]);
+        check_format_s("kvarn_k4v4_g128", S[i]);
+    }
 }
 
 static void test_cache_per_token(void **state)
@@ -157,6 +190,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cache_kvarn),
+        cmocka_unit_test(test_cache_sink_tokens),
         cmocka_unit_test(test_cache_per_token),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

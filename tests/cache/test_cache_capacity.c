@@ -60,18 +60,23 @@ static int grow_to(kvarn_cache *c, int seq, int len, const float *kv)
     return n;
 }
 
-/* A budget that gives nb blocks after the auto (or explicit) pages, plus
- * `extra` bytes (less than a block: they buy nothing). */
+/* A budget that gives nb blocks after the auto (or explicit) pages and
+ * the sink slots (the plan of budget 0 has no blocks: its arena is the
+ * pages and slots), plus `extra` bytes (less than a block: they buy
+ * nothing). */
 static uint64_t budget_for(kvarn_cache_opts o, int nb, uint64_t extra)
 {
     o.budget_bytes = 0;
     kvarn_cache_info pi;
     assert_int_equal(kvarn_cache_plan(&o, &pi), KVARN_OK);
-    return (uint64_t)pi.n_pages * pi.page_bytes + (uint64_t)nb * pi.block_bytes + extra;
+    assert_int_equal(pi.arena_bytes, (uint64_t)pi.n_pages * pi.page_bytes +
+                                         (uint64_t)pi.max_seqs * pi.sink_bytes);
+    return pi.arena_bytes + (uint64_t)nb * pi.block_bytes + extra;
 }
 
-static void check_case(const char *fmt, int G, int sink, int nb, int n_pages, int max_seqs,
-                       int max_seq_len, int n_seqs, int seq_len)
+/* sink_tokens > 0: opts.sink_tokens (S tokens of sink, replacing sink). */
+static void check_case_s(const char *fmt, int G, int sink, int sink_tokens, int nb, int n_pages,
+                         int max_seqs, int max_seq_len, int n_seqs, int seq_len)
 {
     kvarn_cache_opts o = kvarn_cache_default_opts();
     o.format = fx_format(fmt);
@@ -81,6 +86,7 @@ static void check_case(const char *fmt, int G, int sink, int nb, int n_pages, in
     const int kv = o.format.kind == KVARN_KIND_KVARN;
     o.block_size = kv ? 0 : G;
     o.sink_tiles = kv ? sink : 0;
+    o.sink_tokens = sink_tokens;
     o.n_pages = kv ? n_pages : 0;
     o.max_seqs = max_seqs;
     o.max_seq_len = max_seq_len;
@@ -143,6 +149,12 @@ static void check_case(const char *fmt, int G, int sink, int nb, int n_pages, in
     kvarn_cache_destroy(c);
 }
 
+static void check_case(const char *fmt, int G, int sink, int nb, int n_pages, int max_seqs,
+                       int max_seq_len, int n_seqs, int seq_len)
+{
+    check_case_s(fmt, G, sink, 0, nb, n_pages, max_seqs, max_seq_len, n_seqs, seq_len);
+}
+
 static void test_fill_to_the_count(void **state)
 {
     (void)state;
@@ -160,6 +172,63 @@ static void test_fill_to_the_count(void **state)
     check_case("int8", 16, 0, 25, 0, 5, 70, 5, 70);
     check_case("int4", 7, 0, 30, 0, 4, 64, 3, 33);
     check_case("fp16", 16, 0, 10, 0, 3, 50, 2, 48);
+    /* sinks shorter than a tile (S tokens: whole sink tiles in pages, the
+     * rest of the next tile in a slot; that tile takes a block):
+     * fmt, G, sink, S, blocks, pages, max_seqs, max_seq_len, n_seqs, seq_len */
+    check_case_s("kvarn_k4v2_g32", 0, 0, 4, 20, 0, 4, 0, 1, 100);
+    check_case_s("kvarn_k4v2_g32", 0, 0, 16, 20, 0, 4, 150, 4, 150);
+    check_case_s("kvarn_k4v2_g32", 0, 0, 16, 21, 0, 4, 200, 4, 96);  /* ends on a tile */
+    check_case_s("kvarn_k4v2_g32", 0, 0, 32 + 8, 13, 0, 3, 200, 3, 70);
+    check_case_s("kvarn_k4v2_g32", 0, 0, 4, 30, 3, 4, 300, 4, 100);  /* pages run out first */
+    check_case_s("kvarn_k4v2_g128", 0, 0, 64, 6, 0, 2, 0, 2, 300);
+    check_case_s("kvarn_k4v2_g32", 0, 0, 5, 7, 0, 2, 40, 2, 20);     /* inside the sink */
+}
+
+/* sink_tokens = k * G is sink_tiles = k, byte for byte (no slots); other
+ * S add max_seqs slots of n_layers * Hk * 2 * r * D * 2 bytes; S outside
+ * [0, 1024 * G] is refused. */
+static void test_sink_tokens_plan(void **state)
+{
+    (void)state;
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    o.n_layers = 30;
+    o.n_kv_heads = 3;
+    o.head_dim = 64;
+    o.budget_bytes = 1ull << 30;
+    for (int k = 0; k < 3; k++) {
+        kvarn_cache_opts a = o, b = o;
+        a.sink_tiles = k;
+        b.sink_tiles = 7; /* replaced by sink_tokens */
+        b.sink_tokens = k * 128;
+        if (k == 0) b.sink_tiles = 0; /* S = 0 is sink_tiles 0, sink_tokens 0 */
+        kvarn_cache_info ia, ib;
+        assert_int_equal(kvarn_cache_plan(&a, &ia), KVARN_OK);
+        assert_int_equal(kvarn_cache_plan(&b, &ib), KVARN_OK);
+        assert_memory_equal(&ia, &ib, sizeof ia);
+        assert_int_equal(ib.sink_bytes, 0);
+        assert_int_equal(ib.sink_tokens, k * 128);
+    }
+    kvarn_cache_opts s = o;
+    s.sink_tokens = 4;
+    kvarn_cache_info is, i0;
+    kvarn_cache_opts z = o;
+    z.sink_tiles = 0;
+    assert_int_equal(kvarn_cache_plan(&s, &is), KVARN_OK);
+    assert_int_equal(kvarn_cache_plan(&z, &i0), KVARN_OK);
+    assert_int_equal(is.sink_tiles, 0);
+    assert_int_equal(is.sink_partial, 4);
+    assert_int_equal(is.sink_bytes, 30 * 3 * 2 * 4 * 64 * 2);
+    assert_int_equal(is.n_pages, i0.n_pages);
+    /* the slots come out of the budget: blocks of the rest */
+    assert_int_equal(is.n_blocks, (o.budget_bytes - (uint64_t)is.n_pages * is.page_bytes -
+                                   64ull * is.sink_bytes) / is.block_bytes);
+    s.sink_tokens = -1;
+    assert_int_equal(kvarn_cache_plan(&s, &is), KVARN_ERR_INVALID_ARG);
+    s.sink_tokens = 1024 * 128 + 1;
+    assert_int_equal(kvarn_cache_plan(&s, &is), KVARN_ERR_INVALID_ARG);
+    kvarn_cache *c = NULL;
+    assert_int_equal(kvarn_cache_create(&s, &c), KVARN_ERR_INVALID_ARG);
+    assert_null(c);
 }
 
 /* The issue's failure: a budget below the auto fp16 pages of max_seqs
@@ -254,6 +323,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fill_to_the_count),
         cmocka_unit_test(test_budget_below_pages),
+        cmocka_unit_test(test_sink_tokens_plan),
         cmocka_unit_test(test_fit_budget_and_seqs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

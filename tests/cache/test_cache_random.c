@@ -30,6 +30,7 @@ typedef struct mseq {
 typedef struct model {
     kvarn_format fmt;
     int kvarn, G, sink, max_len, max_tiles;
+    int part;              /* sink_partial: r tokens of tile `sink` kept fp16 */
     int next_id;
     mseq s[MAXS];
     /* codec scratch */
@@ -198,7 +199,8 @@ static void mcommit(model *m, mseq *s, int c)
                                                   m->ws, m->ws_bytes, &o), KVARN_OK);
                     assert_int_equal(kvarn_decode(&m->fmt, D, m->rec, m->rec_bytes, m->tk, m->tv, 0),
                                      KVARN_OK);
-                    for (int j = 0; j < G; j++) {
+                    /* the partial sink tile's first r tokens stay fp16 */
+                    for (int j = t == m->sink ? m->part : 0; j < G; j++) {
                         size_t dst = (size_t)(t * G + j) * ROW + (size_t)h * D;
                         memcpy(s->ek[l] + dst, m->tk + (size_t)j * D, D * 4);
                         memcpy(s->ev[l] + dst, m->tv + (size_t)j * D, D * 4);
@@ -285,12 +287,23 @@ static void check_all(kvarn_cache *c, const model *m, const int *ids, float *buf
     assert_int_equal(st.pages_free, (m->kvarn ? NPG : 0) - pu);
 }
 
-static void run(const char *name, int G, int sink, uint64_t seed, int steps)
+/* sink_tokens > 0: opts.sink_tokens (replaces sink), the budget grown by
+ * the max_seqs sink slots so that the block and page counts stay. */
+static void run_s(const char *name, int G, int sink, int sink_tokens, uint64_t seed, int steps)
 {
     model m;
     memset(&m, 0, sizeof m);
     m.fmt = fx_format(name);
     kvarn_cache_opts o = fx_opts(name, L, HK, D, G, sink, NBLK, NPG, MAXS);
+    if (sink_tokens > 0) {
+        kvarn_cache_opts p = o;
+        kvarn_cache_info pi;
+        p.sink_tokens = sink_tokens;
+        p.budget_bytes = 0;
+        assert_int_equal(kvarn_cache_plan(&p, &pi), KVARN_OK);
+        o.sink_tokens = sink_tokens;
+        o.budget_bytes += (uint64_t)MAXS * pi.sink_bytes;
+    }
     kvarn_cache *c = NULL;
     assert_int_equal(kvarn_cache_create(&o, &c), KVARN_OK);
     kvarn_cache_info ci;
@@ -298,6 +311,9 @@ static void run(const char *name, int G, int sink, uint64_t seed, int steps)
     m.kvarn = m.fmt.kind == KVARN_KIND_KVARN;
     m.G = ci.block_size;
     m.sink = ci.sink_tiles;
+    m.part = ci.sink_partial;
+    assert_int_equal(ci.n_blocks, NBLK);
+    assert_int_equal(ci.n_pages, m.kvarn ? NPG : 0);
     m.max_len = ci.max_seq_len;
     m.max_tiles = (m.max_len + m.G - 1) / m.G;
     m.rec_bytes = kvarn_record_bytes(&m.fmt, D);
@@ -437,6 +453,21 @@ static void run(const char *name, int G, int sink, uint64_t seed, int steps)
     kvarn_cache_destroy(c);
 }
 
+static void run(const char *name, int G, int sink, uint64_t seed, int steps)
+{
+    run_s(name, G, sink, 0, seed, steps);
+}
+
+/* A sink shorter than a tile: S = 5 (tile 0 partial), S = 32 + 9 (one
+ * whole sink tile and 9 tokens of tile 1): fork copies the slot, commit
+ * fills it, reads take [0, r) of the tile from it. */
+static void test_random_kvarn_sink_tokens(void **state)
+{
+    (void)state;
+    run_s("kvarn_k4v2_g32", 0, 0, 5, 1005, 800);
+    run_s("kvarn_k4v4_g32", 0, 0, 32 + 9, 1011, 800);
+}
+
 static void test_random_kvarn_sink1(void **state)
 {
     (void)state;
@@ -466,6 +497,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_random_kvarn_sink1),
         cmocka_unit_test(test_random_kvarn_sink0),
+        cmocka_unit_test(test_random_kvarn_sink_tokens),
         cmocka_unit_test(test_random_int8),
         cmocka_unit_test(test_random_fp16),
     };

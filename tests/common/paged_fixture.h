@@ -30,12 +30,13 @@ typedef struct pf_seq_spec {
 
 typedef struct paged_fixture {
     kvarn_format fmt;
-    int D, Hk, G, sink_tiles, n_seqs;
+    int D, Hk, G, sink_tiles, sink_partial, n_seqs;
     kvarn_paged_kv kv;
     kvarn_seq_view *views;
     int32_t **tables;
     uint8_t *blocks;
     uint16_t *pages;
+    uint16_t *sinks;          /* sink slots (sink_partial > 0), padded */
     float **k_orig, **v_orig; /* per sequence [seq_len][Hk][D], original basis */
     float **k_deq, **v_deq;   /* per sequence [seq_len][Hk][D], attention basis */
     size_t rec_bytes;
@@ -66,17 +67,20 @@ static inline void pf_hadamard_d(double *x, int n)
 }
 
 /* Build the fixture. G: block size for per-token formats (KVarN uses its
- * tile size). kv_scale: std of the random K/V. Returns 0 on success. */
-static inline int pf_build(paged_fixture *f, const char *fmt_name, int D, int Hk, int G,
-                           int sink_tiles, const pf_seq_spec *specs, int n_seqs,
-                           uint64_t seed)
+ * tile size). sink_partial: KVarN r in [0, G), the sink tokens of tile
+ * sink_tiles kept in fp16 sink slots once it is quantized (paged.h); the
+ * slots are handed out shuffled too. Returns 0 on success. */
+static inline int pf_build_sink(paged_fixture *f, const char *fmt_name, int D, int Hk, int G,
+                                int sink_tiles, int sink_partial, const pf_seq_spec *specs,
+                                int n_seqs, uint64_t seed)
 {
     memset(f, 0, sizeof *f);
     if (kvarn_format_parse(fmt_name, &f->fmt) != KVARN_OK) return -1;
     const int is_kvarn = f->fmt.kind == KVARN_KIND_KVARN;
     if (is_kvarn) G = f->fmt.tile_tokens;
-    else sink_tiles = 0;
+    else sink_tiles = sink_partial = 0;
     f->D = D; f->Hk = Hk; f->G = G; f->sink_tiles = sink_tiles; f->n_seqs = n_seqs;
+    f->sink_partial = sink_partial;
     kvarn_record_layout L;
     if (kvarn_record_layout_get(&f->fmt, D, &L) != KVARN_OK) return -2;
     f->rec_bytes = L.record_bytes;
@@ -129,6 +133,19 @@ static inline int pf_build(paged_fixture *f, const char *fmt_name, int D, int Hk
     kv->page_head_stride = page_head_stride;
     kv->n_blocks = n_blocks;
     kv->n_fp16_pages = n_pages;
+    int32_t *slot_ids = malloc(sizeof(int32_t) * ((size_t)n_seqs + 2));
+    for (int i = 0; i < n_seqs + 2; i++) slot_ids[i] = i;
+    if (sink_partial > 0) {
+        pf_shuffle(&rng, slot_ids, n_seqs + 2);
+        /* padded slots: 8 bytes after each head, 16 after a slot */
+        kv->sink_partial = sink_partial;
+        kv->sink_head_stride = kvarn_paged_fp16_tile_bytes(sink_partial, D) + 8;
+        kv->sink_stride = (size_t)Hk * kv->sink_head_stride + 16;
+        kv->n_sink_slots = n_seqs + 2;
+        f->sinks = malloc((size_t)kv->n_sink_slots * kv->sink_stride);
+        memset(f->sinks, 0xff, (size_t)kv->n_sink_slots * kv->sink_stride);
+        kv->fp16_sinks = f->sinks;
+    }
     int32_t *bids = malloc(sizeof(int32_t) * (size_t)n_blocks);
     int32_t *pids = malloc(sizeof(int32_t) * (size_t)n_pages);
     for (int i = 0; i < n_blocks; i++) bids[i] = i;
@@ -199,6 +216,27 @@ static inline int pf_build(paged_fixture *f, const char *fmt_name, int D, int Hk
                     if (kvarn_encode(&f->fmt, D, tk, tv, rec, L.record_bytes, ws, wsz, NULL) != KVARN_OK ||
                         kvarn_decode(&f->fmt, D, rec, L.record_bytes, dk, dv, KVARN_DECODE_ROTATED) != KVARN_OK)
                         rc = -3;
+                    /* the partial sink tile: its first r tokens are what
+                     * the slot holds, fp16 of the rotated originals */
+                    if (i == sink_tiles && sink_partial > 0) {
+                        uint16_t *sk = kvarn_paged_sink_k(kv, slot_ids[s], h);
+                        uint16_t *sv = kvarn_paged_sink_v(kv, slot_ids[s], h);
+                        for (int t = 0; t < sink_partial; t++) {
+                            double xk[1024], xv[1024];
+                            for (int d = 0; d < D; d++) {
+                                xk[d] = tk[(size_t)t * D + d];
+                                xv[d] = tv[(size_t)t * D + d];
+                            }
+                            pf_hadamard_d(xk, D);
+                            pf_hadamard_d(xv, D);
+                            for (int d = 0; d < D; d++) {
+                                sk[(size_t)t * D + d] = kvarn_fp32_to_fp16((float)xk[d]);
+                                sv[(size_t)t * D + d] = kvarn_fp32_to_fp16((float)xv[d]);
+                                dk[(size_t)t * D + d] = kvarn_fp16_to_fp32(sk[(size_t)t * D + d]);
+                                dv[(size_t)t * D + d] = kvarn_fp16_to_fp32(sv[(size_t)t * D + d]);
+                            }
+                        }
+                    }
                 } else {
                     for (int t = 0; t < cnt && rc == 0; t++) {
                         uint8_t *rec = kvarn_paged_token_record(kv, tab[i], h, t);
@@ -218,10 +256,18 @@ static inline int pf_build(paged_fixture *f, const char *fmt_name, int D, int Hk
         f->views[s].block_table = tab;
         f->views[s].seq_len = len;
         f->views[s].committed_tiles = committed[s];
+        f->views[s].sink_slot = slot_ids[s];
     }
     free(tk); free(tv); free(dk); free(dv); free(ws);
-    free(bids); free(pids); free(committed);
+    free(bids); free(pids); free(committed); free(slot_ids);
     return rc;
+}
+
+static inline int pf_build(paged_fixture *f, const char *fmt_name, int D, int Hk, int G,
+                           int sink_tiles, const pf_seq_spec *specs, int n_seqs,
+                           uint64_t seed)
+{
+    return pf_build_sink(f, fmt_name, D, Hk, G, sink_tiles, 0, specs, n_seqs, seed);
 }
 
 static inline void pf_free(paged_fixture *f)
@@ -234,7 +280,7 @@ static inline void pf_free(paged_fixture *f)
         if (f->v_deq) free(f->v_deq[s]);
     }
     free(f->tables); free(f->k_orig); free(f->v_orig); free(f->k_deq); free(f->v_deq);
-    free(f->views); free(f->blocks); free(f->pages);
+    free(f->views); free(f->blocks); free(f->pages); free(f->sinks);
     memset(f, 0, sizeof *f);
 }
 

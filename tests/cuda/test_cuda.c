@@ -228,6 +228,9 @@ static void test_check_kv(void **state)
     b = kv;
     b.head_dim = 96;
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
+    b = kv;
+    b.sink_partial = 16; /* a sink shorter than a tile: CPU kernels only */
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_UNSUPPORTED);
 
     kvarn_paged_kv t = make_kv("fp8_e4m3", 64, 3, 16, fake_arena, 10, NULL, 0);
     assert_int_equal(t.token_record_bytes, 132);

@@ -454,13 +454,18 @@ static void test_kernels_match_exact_chunk(void **state)
     float *oa = malloc(sizeof(float) * 128 * qd);
     float *ob = malloc(sizeof(float) * 128 * qd);
     assert_true(q && k && v && oa && ob);
-    for (int i = 0; i < kvarn_format_count(); i++) {
-        const char *name = kvarn_format_name_at(i);
+    /* every format with its default sink, then two sinks shorter than a
+     * tile (the partial sink tile read from the sink slot by both paths) */
+    for (int i = 0; i < kvarn_format_count() + 2; i++) {
+        const int extra = i - kvarn_format_count();
+        const char *name = extra < 0 ? kvarn_format_name_at(i)
+                                     : extra == 0 ? "kvarn_k4v2_g128" : "kvarn_k4v4_g64";
         kvarn_format fmt;
         assert_int_equal(kvarn_format_parse(name, &fmt), KVARN_OK);
         const double tol = 1e-5;
         kvarn_llama_session_opts oa_opts = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
         oa_opts.attn_threads = test_threads(1);
+        oa_opts.sink_tokens = extra < 0 ? 0 : extra == 0 ? 16 : 64 + 5;
         kvarn_llama_session_opts ob_opts = oa_opts;
         ob_opts.exact_chunk = 1;
         llama_kv *A = NULL, *B = NULL;
@@ -493,8 +498,8 @@ static void test_kernels_match_exact_chunk(void **state)
             assert_int_equal(B->ops->end(B, pos, n), KVARN_OK);
             pos += n;
         }
-        print_message("%-16s kernels vs exact-chunk attention: max|diff| %.2e "
-                      "(max|out| %.2f)\n", name, worst, scale);
+        print_message("%-16s sink_tokens %-3d kernels vs exact-chunk attention: max|diff| %.2e "
+                      "(max|out| %.2f)\n", name, oa_opts.sink_tokens, worst, scale);
         assert_true(scale > 0.1);
         assert_true(worst < tol * scale);
         A->ops->destroy(A);
@@ -1041,6 +1046,9 @@ static void test_shared_cache(void **state)
     assert_int_equal(kvarn_llama_session_create(f->m, &bad, &s3), KVARN_ERR_INVALID_ARG);
     bad = o;
     bad.sink_tiles = 0;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &bad, &info), KVARN_ERR_INVALID_ARG);
+    bad = o;
+    bad.sink_tokens = 16;
     assert_int_equal(kvarn_llama_session_plan(f->m, &bad, &info), KVARN_ERR_INVALID_ARG);
     bad = o;
     bad.exact = 1;

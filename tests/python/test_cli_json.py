@@ -59,3 +59,30 @@ def test_eval_json_with_hostile_paths(kvarn_bin, hostile_paths):
         assert row["positions"] == 23
         assert row["kld_mean"] >= 0 and 0 <= row["top1"] <= 1
     assert math.isfinite(rep["reference"]["ppl"]) and rep["reference"]["ppl"] > 1
+
+
+def test_eval_sink_tokens(kvarn_bin, model_path, austen_path):
+    """`--sink-tokens S` reaches the cache: S = 64 on a 64-token tile is the
+    default sink (one whole tile) to the last bit of every number; S = 16
+    keeps the rest of tile 0 quantized, so it differs from both S = 64 and
+    S = 0 (no sink), and its effective bytes per token lie between theirs
+    (its fp16 part is 16 tokens, not 64 or none)."""
+    text = str(austen_path)
+
+    def rep(*extra):
+        r = subprocess.run(
+            [kvarn_bin, "eval", "-m", model_path, "-f", text, "--ctx", "200", "--chunk", "32",
+             "--decode-tokens", "8", "--kv-cache-dtype", "kvarn_k4v2_g64", "--json", *extra],
+            capture_output=True, timeout=600)
+        assert r.returncode == 0, r.stderr.decode("utf-8", "replace")
+        return json.loads(r.stdout.decode("utf-8"))
+
+    default, s64, s16, s0 = rep(), rep("--sink-tokens", "64"), rep("--sink-tokens", "16"), \
+        rep("--sink-tokens", "0")
+    assert default["sink_tokens"] == -1 and s16["sink_tokens"] == 16 and s0["sink_tokens"] == 0
+    quality = ("kld_mean", "kld_max", "decode_kld_mean", "ppl", "top1", "effective_bytes_per_token")
+    d, a, b, z = (x["formats"][0] for x in (default, s64, s16, s0))
+    for k in quality:
+        assert d[k] == a[k], k
+    assert b["kld_mean"] != a["kld_mean"] and b["kld_mean"] != z["kld_mean"]
+    assert z["effective_bytes_per_token"] < b["effective_bytes_per_token"] < a["effective_bytes_per_token"]

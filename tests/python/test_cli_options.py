@@ -23,9 +23,9 @@ BASE = {
 # (command, the options --help lists in its first column, in table order)
 HELP_COLUMNS = [
     ("eval", ["--kv-cache-dtype", "--ctx", "--chunk", "--windows", "--decode-tokens", "--threads",
-              "--passkey", "--json", "--dump-kv", "--dump-layers"]),
+              "--passkey", "--sink-tokens", "--json", "--dump-kv", "--dump-layers"]),
     ("passkey", ["--kv-cache-dtype", "--lengths", "--depths", "--trials", "--chunk", "--seed",
-                 "--threads"]),
+                 "--threads", "--sink-tokens"]),
     ("inspect", ["--kv-cache-dtype", "-m", "--layers", "--kv-heads", "--head-dim", "--budget",
                  "--max-seqs"]),
 ]
@@ -62,7 +62,7 @@ def test_unknown_option(kvarn_bin, cmd):
 
 
 MISSING = [("eval", "--ctx"), ("eval", "-f"), ("eval", "--dump-kv"), ("passkey", "--lengths"),
-           ("passkey", "--kv-cache-dtype"), ("inspect", "--budget"), ("inspect", "-m")]
+           ("passkey", "--kv-cache-dtype"), ("eval", "--sink-tokens"), ("passkey", "--sink-tokens"), ("inspect", "--budget"), ("inspect", "-m")]
 
 
 @pytest.mark.parametrize("cmd,opt", MISSING)
@@ -82,6 +82,8 @@ BAD_VALUES = [
     ("eval", "--threads", "257", "an integer from 1 to 256"),
     ("eval", "--passkey", "1001", "an integer from 0 to 1000"),
     ("eval", "--dump-layers", "0", "an integer from 1 to 1048576"),
+    ("eval", "--sink-tokens", "-1", "an integer from 0 to 65536"),
+    ("passkey", "--sink-tokens", "65537", "an integer from 0 to 65536"),
     ("passkey", "--trials", "0", "an integer from 1 to 1000"),
     ("passkey", "--chunk", "x", "an integer from 1 to 4096"),
     ("passkey", "--seed", "-1", "an integer from 0 to 2147483647"),
