@@ -859,7 +859,19 @@ static void test_weights_option(void **state)
     if (st == KVARN_ERR_UNSUPPORTED) skip(); /* built without oneDNN */
     assert_int_equal(st, KVARN_OK);
     assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_BF16);
-    assert_true(2 * kvarn_llama_weight_bytes(m) == kvarn_llama_weight_bytes(f->m));
+    /* Every weight in 2 bytes (the fp32 model's 4), plus the padding of
+     * oneDNN's blocked layout, which rounds each matrix's rows and columns
+     * up to its blocks (here 64 x 32: the 300-row head holds 320 rows, 5120
+     * bytes more). The padding is oneDNN's choice per CPU, so only bounded:
+     * (out + 63)(in + 63) - out in < 64 (out + in + 64) weights per matrix
+     * for blocks of at most 64 each way, at 2 bytes (per layer: QKV, output,
+     * gate+up, down; then the head). */
+    uint64_t b16 = kvarn_llama_weight_bytes(m), b32 = kvarn_llama_weight_bytes(f->m);
+    const uint64_t qkv = (NH + 2 * NKV) * HD, qd = NH * HD;
+    uint64_t strips = 2u * 64u * (NL * ((qkv + E + 64) + (E + qd + 64) + (2 * FF + E + 64) +
+                                        (E + FF + 64)) + (VOCAB + E + 64));
+    assert_true(2 * b16 >= b32);
+    assert_true(b16 <= b32 / 2 + strips);
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
     o.max_tokens = NTOK;
     o.max_chunk = 64;

@@ -58,16 +58,18 @@ static void check_shape(kvarn_llama_weights wt, int out, int in, const int *ns, 
         for (int i = 0; i < in; i++) row[i] = (float)(test_rng_normal(&rng) * 0.05);
         llama_matrix_set_rows(&w, r, 1, row);
     }
-    assert_int_equal(llama_matrix_prepare(m, &w), KVARN_OK);
+    float *wr = malloc(sizeof(float) * (size_t)out * in);
+    assert_non_null(wr);
+    for (int r = 0; r < out; r++) llama_matrix_get_row(&w, r, wr + (size_t)r * in);
+    /* bf16: reordered into oneDNN's layout, the plain copy freed */
+    assert_int_equal(llama_matrix_prepare(m, &w, 0), KVARN_OK);
     int nmax = 0;
     for (int i = 0; i < n_ns; i++) nmax = ns[i] > nmax ? ns[i] : nmax;
     llama_mm_ctx c;
     assert_int_equal(llama_mm_ctx_create(m, &m->alloc, nmax, in, &c), KVARN_OK);
     float *x = malloc(sizeof(float) * (size_t)nmax * in);
     float *y = malloc(sizeof(float) * (size_t)nmax * out);
-    float *wr = malloc(sizeof(float) * (size_t)out * in);
-    assert_true(x && y && wr);
-    for (int r = 0; r < out; r++) llama_matrix_get_row(&w, r, wr + (size_t)r * in);
+    assert_true(x && y);
     const int bf = wt == KVARN_LLAMA_WEIGHTS_BF16;
     const double u = 1.0 / 16777216.0, gamma = (in + 1) * u / (1.0 - (in + 1) * u);
     for (int k = 0; k < n_ns; k++) {
@@ -119,24 +121,27 @@ static void check_shape(kvarn_llama_weights wt, int out, int in, const int *ns, 
 }
 
 /* SmolLM2-135M's matrices (hidden 576, QKV 960, ffn 1536), tokens: one
- * (decode), a 128-token chunk, and odd counts. */
-static const int NS[] = { 1, 2, 37, 128 };
+ * (decode, the M = 1 primitive), a 128-token chunk (whole blocks of
+ * LLAMA_MM_BLOCK), one block exactly, and odd counts: 2 (a block padded
+ * with rows left by the call before, whose outputs are dropped), 37 (two
+ * blocks, the last ending at row 37 over rows of the one before). */
+static const int NS[] = { 1, 2, LLAMA_MM_BLOCK, 37, 128 };
 
 static void test_bf16_matmul(void **state)
 {
     (void)state;
-    check_shape(KVARN_LLAMA_WEIGHTS_BF16, 960, 576, NS, 4);
-    check_shape(KVARN_LLAMA_WEIGHTS_BF16, 576, 1536, NS, 4);
+    check_shape(KVARN_LLAMA_WEIGHTS_BF16, 960, 576, NS, 5);
+    check_shape(KVARN_LLAMA_WEIGHTS_BF16, 576, 1536, NS, 5);
     check_shape(KVARN_LLAMA_WEIGHTS_BF16, 3072, 576, NS, 2);
-    check_shape(KVARN_LLAMA_WEIGHTS_BF16, 33, 70, NS, 4); /* odd sizes */
+    check_shape(KVARN_LLAMA_WEIGHTS_BF16, 33, 70, NS, 5); /* odd sizes */
 }
 
 static void test_fp32_matmul(void **state)
 {
     (void)state;
-    check_shape(KVARN_LLAMA_WEIGHTS_FP32, 960, 576, NS, 4);
-    check_shape(KVARN_LLAMA_WEIGHTS_FP32, 576, 1536, NS, 4);
-    check_shape(KVARN_LLAMA_WEIGHTS_FP32, 33, 70, NS, 4);
+    check_shape(KVARN_LLAMA_WEIGHTS_FP32, 960, 576, NS, 5);
+    check_shape(KVARN_LLAMA_WEIGHTS_FP32, 576, 1536, NS, 5);
+    check_shape(KVARN_LLAMA_WEIGHTS_FP32, 33, 70, NS, 5);
 }
 
 int main(void)
