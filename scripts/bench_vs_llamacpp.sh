@@ -2,20 +2,31 @@
 # bench_vs_llamacpp.sh -- kvarn's decode speed side by side with llama.cpp's
 # on the same GGUF. Builds nothing from elsewhere: kvarn's side is
 # build/bench_decode (cmake --build build --target bench_decode); llama.cpp's
-# side runs only when a `llama-bench` binary is on PATH, else only kvarn's
-# side is printed, and the script says so.
+# side runs only when a llama-bench binary is given (-l PATH, or the
+# LLAMA_BENCH variable, or `llama-bench` on PATH), else only kvarn's side is
+# printed, and the script says so.
 #
-#   scripts/bench_vs_llamacpp.sh [-m MODEL] [-t THREADS] [-r ROUNDS]
-#                                [-d 0,2048,8192] [-n DECODE]
+#   scripts/bench_vs_llamacpp.sh [-l LLAMA_BENCH] [-m MODEL] [-t THREADS]
+#                                [-r ROUNDS] [-d 0,2048,8192] [-n DECODE]
 #
-# Per round, the two engines take turns (kvarn, then llama.cpp), so that load
-# from other users of the machine falls on both alike; each figure is the
-# median over the rounds. kvarn: decode tokens/s of single-token forward
-# calls starting at each depth (DECODE x 3 tokens, the median third), caches
-# fp16, int8, kvarn_k4v2_g128, weights as the library chooses (KVARN_WEIGHTS
-# overrides). llama.cpp: llama-bench -p 0 -n DECODE*3 -d DEPTH with K and V
-# caches f16, q8_0, q4_0 (flash attention on, which quantized V needs).
-# Both use THREADS threads (kvarn: weights and attention).
+# Getting a llama-bench (CPU only; outside this repository, nothing of it
+# is committed here): a llama.cpp source tree (its repository, or the copy
+# the llama-cpp-python source package carries under vendor/llama.cpp), then
+#   cmake -S SRC -B SRC/build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
+#   cmake --build SRC/build -j2 --target llama-bench
+# and pass -l SRC/build/bin/llama-bench.
+#
+# Per round, the engines take turns (kvarn, then llama.cpp with each cache
+# type), so that load from other users of the machine falls on all alike;
+# each figure is the median over the rounds, and the spread (min-max over
+# the rounds) is printed under the table. kvarn: decode tokens/s of
+# single-token forward calls starting at each depth (DECODE x 3 tokens, the
+# median third), caches fp16, int8, kvarn_k4v2_g128, weights as the library
+# chooses (KVARN_WEIGHTS overrides). llama.cpp: llama-bench -p 0
+# -n DECODE*3 -d DEPTH with K and V caches f16, q8_0, q4_0 (flash attention
+# on, which quantized V needs). Both use THREADS threads (kvarn: weights and
+# attention). On a loaded machine llama.cpp's spinning threads suffer more
+# than kvarn's when THREADS is the core count: compare at -t 1 too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,20 +35,24 @@ THREADS=2
 ROUNDS=3
 DEPTHS=0,2048,8192
 DECODE=16
-while getopts "m:t:r:d:n:h" o; do
+LLAMA_BENCH=${LLAMA_BENCH:-$(command -v llama-bench || true)}
+while getopts "l:m:t:r:d:n:h" o; do
   case "$o" in
+    l) LLAMA_BENCH=$OPTARG ;;
     m) MODEL=$OPTARG ;;
     t) THREADS=$OPTARG ;;
     r) ROUNDS=$OPTARG ;;
     d) DEPTHS=$OPTARG ;;
     n) DECODE=$OPTARG ;;
-    *) sed -n 2,19p "$0"; exit 2 ;;
+    *) sed -n 2,32p "$0"; exit 2 ;;
   esac
 done
 BENCH=${KVARN_BUILD_DIR:-build}/bench_decode
 [ -x "$BENCH" ] || { echo "no $BENCH: cmake --build build --target bench_decode" >&2; exit 2; }
 [ -f "$MODEL" ] || { echo "no $MODEL: bash scripts/setup.sh --model" >&2; exit 2; }
-LLAMA_BENCH=$(command -v llama-bench || true)
+if [ -n "$LLAMA_BENCH" ] && [ ! -x "$LLAMA_BENCH" ]; then
+  echo "llama-bench: $LLAMA_BENCH is not an executable" >&2; exit 2
+fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
@@ -69,7 +84,9 @@ done
 echo
 echo "model: $MODEL, $THREADS threads, median of $ROUNDS rounds, engines alternating"
 cat "$TMP/weights" 2>/dev/null || true
-[ -n "$LLAMA_BENCH" ] || echo "llama-bench is not on PATH: kvarn's side only (llama.cpp is not built by this script)"
+if [ -n "$LLAMA_BENCH" ]; then echo "llama-bench: $LLAMA_BENCH"
+else echo "no llama-bench (-l PATH, LLAMA_BENCH or PATH): kvarn's side only (llama.cpp is not built by this script)"; fi
+grep -m1 "model name" /proc/cpuinfo 2>/dev/null | sed 's/.*: /cpu: /' || true
 python3 - "$TMP/rows" "$DEPTHS" <<'PY'
 import collections, statistics, sys
 rows = collections.defaultdict(list)
@@ -93,4 +110,11 @@ for eng, cache in order:
         v, b = med.get((eng, cache, i + 1)), med.get(base + (i + 1,))
         line += f" {v:14.1f} {v / b:15.2f}x" if v and b else f" {'-':>14} {'-':>16}"
     print(line)
+print("spread over the rounds (min-max tok/s):")
+for eng, cache in order:
+    if not any(k[:2] == (eng, cache) for k in med):
+        continue
+    print(f"{eng:10} {cache:16}" + "".join(
+        f" {min(rows[(eng, cache, i + 1)]):7.1f}-{max(rows[(eng, cache, i + 1)]):<7.1f}"
+        if rows.get((eng, cache, i + 1)) else f" {'-':>15}" for i in range(len(depths))))
 PY
