@@ -98,16 +98,22 @@ kvarn_status kvarn_llama_load_gguf_ex(const kvarn_gguf *g, const kvarn_allocator
 /* How the weight matrices are held in memory (docs/model.md "Weight
  * precision"). Norm weights are always fp32. */
 typedef enum kvarn_llama_weights {
-    KVARN_LLAMA_WEIGHTS_AUTO = 0, /* the environment's KVARN_WEIGHTS ("fp32"
-                                     or "bf16") when set, else bf16 where
+    KVARN_LLAMA_WEIGHTS_AUTO = 0, /* the environment's KVARN_WEIGHTS ("fp32",
+                                     "bf16" or "int8") when set, else bf16 where
                                      this build and CPU can run it, else
                                      fp32 */
     KVARN_LLAMA_WEIGHTS_FP32 = 1, /* every matrix dequantized to fp32 (4
                                      bytes/weight; OpenBLAS sgemm/sgemv);
                                      the cross-check tests' precision */
-    KVARN_LLAMA_WEIGHTS_BF16 = 2  /* rounded to bf16 (2 bytes/weight; oneDNN
+    KVARN_LLAMA_WEIGHTS_BF16 = 2, /* rounded to bf16 (2 bytes/weight; oneDNN
                                      bf16 matmul: activations rounded to bf16
                                      at each matmul's input, fp32 sums) */
+    KVARN_LLAMA_WEIGHTS_INT8 = 3  /* int8 codes per row with a scale per row
+                                     (1 byte/weight + 4/row; oneDNN s8 matmul:
+                                     activations quantized to int8 per token
+                                     at each matmul's input, int32 sums);
+                                     opt-in, docs/model.md "Weight
+                                     precision" */
 } kvarn_llama_weights;
 
 /* Load settings. Start from KVARN_LLAMA_LOAD_OPTS_DEFAULT. */
@@ -116,7 +122,7 @@ typedef struct kvarn_llama_load_opts {
                                          must outlive the model); NULL =
                                          malloc/free. oneDNN's own objects
                                          (engine, primitives) are its own. */
-    kvarn_llama_weights weights;      /* AUTO, FP32 or BF16 */
+    kvarn_llama_weights weights;      /* AUTO, FP32, BF16 or INT8 */
 } kvarn_llama_load_opts;
 
 #define KVARN_LLAMA_LOAD_OPTS_DEFAULT { NULL, KVARN_LLAMA_WEIGHTS_AUTO }
@@ -125,8 +131,8 @@ typedef struct kvarn_llama_load_opts {
  * defaults; the calls above use the defaults with their allocator).
  * Errors: as those, and KVARN_ERR_INVALID_ARG (an unknown weights value, an
  * allocator with only one of alloc/free set, KVARN_WEIGHTS set to anything
- * but "fp32" or "bf16" under AUTO), KVARN_ERR_UNSUPPORTED (BF16 asked for,
- * or named by KVARN_WEIGHTS, where this build has no oneDNN or oneDNN
+ * but "fp32", "bf16" or "int8" under AUTO), KVARN_ERR_UNSUPPORTED (BF16 or
+ * INT8 asked for, or named by KVARN_WEIGHTS, where this build has no oneDNN or oneDNN
  * cannot make a bf16 matmul on this CPU). */
 kvarn_status kvarn_llama_load_with(const char *path, const kvarn_llama_load_opts *opts,
                                    kvarn_llama **out);

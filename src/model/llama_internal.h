@@ -16,9 +16,10 @@
 
 /* One weight matrix, row-major [out][in] (a GGUF matrix of ne = {in, out}
  * as stored), so a chunk's activations X [n][in] give Y = X W^T. Held in
- * fp32 (f32 set) or in bf16 (each weight rounded to nearest even at load,
- * multiplied through oneDNN's bf16 matmul, llama_weights.c). A bf16 matrix
- * is filled in its plain layout (bf16, [out][in]); llama_matrix_prepare
+ * fp32 (f32 set), in bf16 (each weight rounded to nearest even at load,
+ * multiplied through oneDNN's bf16 matmul, llama_weights.c) or in int8
+ * (codes per row with a scale per row, oneDNN's s8 matmul). A bf16 / int8
+ * matrix is filled in its plain layout ([out][in]); llama_matrix_prepare
  * reorders it once into the blocked layout oneDNN's matmul reads fastest
  * (blk) and frees the plain copy unless row lookups need it (the token
  * embedding). prim1 multiplies one row (decode), primb LLAMA_MM_BLOCK rows
@@ -28,6 +29,8 @@ typedef struct llama_matrix {
     int out, in;
     float *f32;         /* [out][in], or NULL */
     uint16_t *bf16;     /* [out][in] plain, or NULL (freed after prepare) */
+    int8_t *s8;         /* int8: codes [out][in] plain, or NULL (likewise) */
+    float *wscale;      /* int8: [out] row scales (w ~ s8 * wscale); kept */
     void *blk;          /* bf16 weights in oneDNN's layout, blk_bytes */
     size_t blk_bytes;
     void *prim1;        /* dnnl_primitive_t, M = 1; NULL for fp32 */
@@ -90,14 +93,17 @@ void llama_matrix_free(kvarn_llama *model, llama_matrix *m);
 kvarn_status llama_weights_engine_create(kvarn_llama *model);
 void llama_weights_engine_destroy(kvarn_llama *model);
 
-/* Per-session state of the matmuls: a oneDNN stream, the activations in
- * bf16 ([max(max_chunk, LLAMA_MM_BLOCK)][max_in] halves: a chunk shorter
- * than a block is padded to one), the output of such a padded block
- * ([LLAMA_MM_BLOCK][model->max_out] floats; only when max_chunk > 1) and
- * the scratchpad. */
+/* Per-session state of the matmuls: a oneDNN stream, the activations as
+ * the weights take them (bf16, or int8 codes and a scale per row) for
+ * `rows` rows (max_chunk, raised to LLAMA_MM_BLOCK when 1 < max_chunk <
+ * LLAMA_MM_BLOCK: a chunk shorter than a block is padded to one), the
+ * output of such a padded block ([LLAMA_MM_BLOCK][model->max_out] floats;
+ * only when max_chunk > 1) and the scratchpad. */
 typedef struct llama_mm_ctx {
     void *stream;       /* dnnl_stream_t; NULL for fp32 weights */
-    uint16_t *xb;       /* [rows][max_in] */
+    uint16_t *xb;       /* bf16: [rows][max_in] */
+    int8_t *xq;         /* int8: [rows][max_in] codes */
+    float *xs;          /* int8: [rows] scales */
     float *ypad;        /* [LLAMA_MM_BLOCK][max_out], or NULL */
     void *scratch;      /* model->scratch_bytes */
 } llama_mm_ctx;
@@ -111,11 +117,13 @@ kvarn_status llama_mm_ctx_create(const kvarn_llama *model, const kvarn_allocator
 void llama_mm_ctx_destroy(const kvarn_allocator *a, llama_mm_ctx *c);
 
 /* Y[n][out] = X[n][in] W^T (fp32: OpenBLAS, GEMV for n == 1; bf16: X
- * rounded to bf16, oneDNN matmul, fp32 sums and Y: one row through prim1;
+ * rounded to bf16, oneDNN matmul, fp32 sums and Y; int8: X quantized per
+ * row, int32 sums, scaled by the row's and the channel's scales; bf16 and
+ * int8 alike: one row through prim1;
  * n >= LLAMA_MM_BLOCK rows in blocks of LLAMA_MM_BLOCK through primb, the
  * last block ending at row n (it may recompute rows of the one before);
  * 1 < n < LLAMA_MM_BLOCK rows as one block padded with the ctx's rows past
- * n, whose outputs land in ypad and are dropped). Errors (bf16 only):
+ * n, whose outputs land in ypad and are dropped). Errors (bf16/int8 only):
  * KVARN_ERR_NOMEM (oneDNN's per-call descriptors), KVARN_ERR_UNSUPPORTED. */
 kvarn_status llama_matmul(llama_mm_ctx *c, const float *x, int n, const llama_matrix *w,
                           float *y);

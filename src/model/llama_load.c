@@ -236,7 +236,7 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     st = weight_sizes_get(hp, &w);
     if (st != KVARN_OK) return st;
 
-    if (m->weights == KVARN_LLAMA_WEIGHTS_BF16 && (st = llama_weights_engine_create(m)))
+    if (m->weights != KVARN_LLAMA_WEIGHTS_FP32 && (st = llama_weights_engine_create(m)))
         return st;
     /* Rows are dequantized LOAD_ROWS at a time through one buffer as wide as
      * the widest matrix row (hidden, H D or ffn floats). */
@@ -275,7 +275,8 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
 static kvarn_status resolve_weights(kvarn_llama_weights asked, const kvarn_allocator *alloc,
                                     kvarn_llama_weights *out)
 {
-    if (asked == KVARN_LLAMA_WEIGHTS_FP32 || asked == KVARN_LLAMA_WEIGHTS_BF16) {
+    if (asked == KVARN_LLAMA_WEIGHTS_FP32 || asked == KVARN_LLAMA_WEIGHTS_BF16 ||
+        asked == KVARN_LLAMA_WEIGHTS_INT8) {
         *out = asked;
         return KVARN_OK;
     }
@@ -284,6 +285,7 @@ static kvarn_status resolve_weights(kvarn_llama_weights asked, const kvarn_alloc
     if (env && *env) {
         if (!strcmp(env, "fp32")) *out = KVARN_LLAMA_WEIGHTS_FP32;
         else if (!strcmp(env, "bf16")) *out = KVARN_LLAMA_WEIGHTS_BF16;
+        else if (!strcmp(env, "int8")) *out = KVARN_LLAMA_WEIGHTS_INT8;
         else return KVARN_ERR_INVALID_ARG;
         return KVARN_OK;
     }
@@ -352,12 +354,14 @@ kvarn_llama_weights kvarn_llama_get_weights(const kvarn_llama *m)
     return m ? m->weights : KVARN_LLAMA_WEIGHTS_FP32;
 }
 
-/* Bytes a matrix holds: fp32, or bf16 in oneDNN's layout plus the plain
- * copy where one is kept (the tied embedding: rows looked up per token). */
+/* Bytes a matrix holds: fp32, or bf16 / int8 in oneDNN's layout (int8:
+ * and a float scale per row) plus the plain copy where one is kept (the
+ * tied embedding: rows looked up per token). */
 static uint64_t matrix_bytes(const llama_matrix *w)
 {
     uint64_t n = (uint64_t)w->out * (uint64_t)w->in;
-    return (w->f32 ? 4u * n : 0) + (w->bf16 ? 2u * n : 0) + (uint64_t)w->blk_bytes;
+    return (w->f32 ? 4u * n : 0) + (w->bf16 ? 2u * n : 0) + (w->s8 ? n : 0) +
+           (w->wscale ? 4u * (uint64_t)w->out : 0) + (uint64_t)w->blk_bytes;
 }
 
 uint64_t kvarn_llama_weight_bytes(const kvarn_llama *m)

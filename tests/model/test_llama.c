@@ -889,6 +889,28 @@ static void test_weights_option(void **state)
     assert_int_equal(kvarn_llama_forward(s, f->ids + 64, 1, KVARN_LLAMA_LOGITS_LAST, lg,
                                          VOCAB), KVARN_OK);
     for (int j = 0; j < VOCAB; j++) assert_true(isfinite(lg[j]));
+    kvarn_llama_session_free(s);
+    kvarn_llama_free(m);
+
+    /* int8: 1 byte a weight and a float scale a row (the fp32 model: 4
+     * bytes a weight), plus the blocked layout's padding (the strips above,
+     * at half the bytes) and the per-column int32 compensation oneDNN may
+     * keep beside s8 x s8 weights (4 bytes x the padded columns, per
+     * matrix); the embedding stays plain (looked up, never multiplied). */
+    lo.weights = KVARN_LLAMA_WEIGHTS_INT8;
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
+    assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_INT8);
+    const uint64_t rows = NL * (qkv + E + 2 * FF + E) + 2 * VOCAB;
+    const uint64_t comp = 4u * (NL * (qkv + 64 + E + 64 + 2 * FF + 64 + E + 64) + VOCAB + 64);
+    uint64_t b8 = kvarn_llama_weight_bytes(m);
+    assert_true(b8 >= b32 / 4 + 4 * rows);
+    assert_true(b8 <= b32 / 4 + 4 * rows + strips / 2 + comp);
+    assert_int_equal(kvarn_llama_session_create(m, &o, &s), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids, 64, KVARN_LLAMA_LOGITS_ALL, lg,
+                                         (size_t)64 * VOCAB), KVARN_OK);
+    assert_int_equal(kvarn_llama_forward(s, f->ids + 64, 1, KVARN_LLAMA_LOGITS_LAST, lg,
+                                         VOCAB), KVARN_OK);
+    for (int j = 0; j < VOCAB; j++) assert_true(isfinite(lg[j]));
     free(lg);
     kvarn_llama_session_free(s);
     kvarn_llama_free(m);
