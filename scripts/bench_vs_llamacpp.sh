@@ -8,6 +8,7 @@
 #
 #   scripts/bench_vs_llamacpp.sh [-l LLAMA_BENCH] [-m MODEL] [-t THREADS]
 #                                [-r ROUNDS] [-d 0,2048,8192] [-n DECODE]
+#                                [-w WEIGHTS[,WEIGHTS]]
 #
 # Getting a llama-bench (CPU only; outside this repository, nothing of it
 # is committed here): a llama.cpp source tree (its repository, or the copy
@@ -22,7 +23,8 @@
 # the rounds) is printed under the table. kvarn: decode tokens/s of
 # single-token forward calls starting at each depth (DECODE x 3 tokens, the
 # median third), caches fp16, int8, kvarn_k4v2_g128, weights as the library
-# chooses (KVARN_WEIGHTS overrides). llama.cpp: llama-bench -p 0
+# chooses, or once per precision listed by -w (fp32, bf16, int8: kvarn's
+# rows are then named kvarn/PRECISION). llama.cpp: llama-bench -p 0
 # -n DECODE*3 -d DEPTH with K and V caches f16, q8_0, q4_0 (flash attention
 # on, which quantized V needs). Both use THREADS threads (kvarn: weights and
 # attention). On a loaded machine llama.cpp's spinning threads suffer more
@@ -35,8 +37,9 @@ THREADS=2
 ROUNDS=3
 DEPTHS=0,2048,8192
 DECODE=16
+WEIGHTS=
 LLAMA_BENCH=${LLAMA_BENCH:-$(command -v llama-bench || true)}
-while getopts "l:m:t:r:d:n:h" o; do
+while getopts "l:m:t:r:d:n:w:h" o; do
   case "$o" in
     l) LLAMA_BENCH=$OPTARG ;;
     m) MODEL=$OPTARG ;;
@@ -44,7 +47,8 @@ while getopts "l:m:t:r:d:n:h" o; do
     r) ROUNDS=$OPTARG ;;
     d) DEPTHS=$OPTARG ;;
     n) DECODE=$OPTARG ;;
-    *) sed -n 2,32p "$0"; exit 2 ;;
+    w) WEIGHTS=$OPTARG ;;
+    *) sed -n 2,35p "$0"; exit 2 ;;
   esac
 done
 BENCH=${KVARN_BUILD_DIR:-build}/bench_decode
@@ -60,14 +64,20 @@ trap 'rm -rf "$TMP"' EXIT
 KV_CTX=$(echo "$DEPTHS" | tr ',' '\n' | awk -v n=$((DECODE * 3)) '{printf "%s%d", s, $1 + n; s=","}')
 NGEN=$((DECODE * 3))
 for r in $(seq 1 "$ROUNDS"); do
-  echo "round $r/$ROUNDS: kvarn" >&2
-  OPENBLAS_NUM_THREADS=$THREADS OMP_NUM_THREADS=$THREADS "$BENCH" -m "$MODEL" \
-    --ctx "$KV_CTX" --kv-cache-dtype int8,kvarn_k4v2_g128 --decode "$DECODE" --repeat 3 \
-    --threads "$THREADS" 2>/dev/null > "$TMP/kvarn.$r"
-  # rows: "<format> <tok/s> <ratio>x ..." after the header line
-  awk -v r="$r" 'f && NF { for (i = 2; i <= NF; i += 2) print "kvarn", $1, (i / 2), $i }
-                 /^format/ { f = 1 }' "$TMP/kvarn.$r" >> "$TMP/rows"
-  grep '^weights:' "$TMP/kvarn.$r" > "$TMP/weights" || true
+  for w in $(echo "${WEIGHTS:-default}" | tr , " "); do
+    eng=kvarn
+    [ "$w" = default ] || eng=kvarn/$w
+    echo "round $r/$ROUNDS: $eng" >&2
+    # shellcheck disable=SC2046
+    env $([ "$w" = default ] || echo "KVARN_WEIGHTS=$w") \
+      OPENBLAS_NUM_THREADS="$THREADS" OMP_NUM_THREADS="$THREADS" "$BENCH" -m "$MODEL" \
+      --ctx "$KV_CTX" --kv-cache-dtype int8,kvarn_k4v2_g128 --decode "$DECODE" --repeat 3 \
+      --threads "$THREADS" 2>/dev/null > "$TMP/kvarn.$r.$w"
+    # rows: "<format> <tok/s> <ratio>x ..." after the header line
+    awk -v e="$eng" 'f && NF { for (i = 2; i <= NF; i += 2) print e, $1, (i / 2), $i }
+                     /^format/ { f = 1 }' "$TMP/kvarn.$r.$w" >> "$TMP/rows"
+    grep '^weights:' "$TMP/kvarn.$r.$w" >> "$TMP/weights" || true
+  done
   if [ -n "$LLAMA_BENCH" ]; then
     for ct in f16 q8_0 q4_0; do
       echo "round $r/$ROUNDS: llama.cpp $ct" >&2
@@ -83,7 +93,7 @@ done
 
 echo
 echo "model: $MODEL, $THREADS threads, median of $ROUNDS rounds, engines alternating"
-cat "$TMP/weights" 2>/dev/null || true
+sort -u "$TMP/weights" 2>/dev/null || true
 if [ -n "$LLAMA_BENCH" ]; then echo "llama-bench: $LLAMA_BENCH"
 else echo "no llama-bench (-l PATH, LLAMA_BENCH or PATH): kvarn's side only (llama.cpp is not built by this script)"; fi
 grep -m1 "model name" /proc/cpuinfo 2>/dev/null | sed 's/.*: /cpu: /' || true
@@ -98,14 +108,15 @@ for line in open(sys.argv[1]):
         pass
 depths = sys.argv[2].split(",")
 med = {k: statistics.median(v) for k, v in rows.items()}
-order = [("kvarn", "fp16"), ("kvarn", "int8"), ("kvarn", "kvarn_k4v2_g128"),
-         ("llama.cpp", "f16"), ("llama.cpp", "q8_0"), ("llama.cpp", "q4_0")]
-base = ("llama.cpp", "f16") if any(k[:2] == ("llama.cpp", "f16") for k in med) else ("kvarn", "fp16")
-print(f"{'engine':10} {'cache':16}" + "".join(f" {'d ' + d + ' tok/s':>14} {'x ' + base[0] + ' ' + base[1]:>16}" for d in depths))
+kv = sorted({k[0] for k in med if k[0].startswith("kvarn")})
+order = [(e, c) for e in kv for c in ("fp16", "int8", "kvarn_k4v2_g128")] + \
+        [("llama.cpp", "f16"), ("llama.cpp", "q8_0"), ("llama.cpp", "q4_0")]
+base = ("llama.cpp", "f16") if any(k[:2] == ("llama.cpp", "f16") for k in med) else (kv[0], "fp16")
+print(f"{'engine':11} {'cache':16}" + "".join(f" {'d ' + d + ' tok/s':>14} {'x ' + base[0] + ' ' + base[1]:>16}" for d in depths))
 for eng, cache in order:
     if not any(k[:2] == (eng, cache) for k in med):
         continue
-    line = f"{eng:10} {cache:16}"
+    line = f"{eng:11} {cache:16}"
     for i in range(len(depths)):
         v, b = med.get((eng, cache, i + 1)), med.get(base + (i + 1,))
         line += f" {v:14.1f} {v / b:15.2f}x" if v and b else f" {'-':>14} {'-':>16}"
@@ -114,7 +125,7 @@ print("spread over the rounds (min-max tok/s):")
 for eng, cache in order:
     if not any(k[:2] == (eng, cache) for k in med):
         continue
-    print(f"{eng:10} {cache:16}" + "".join(
+    print(f"{eng:11} {cache:16}" + "".join(
         f" {min(rows[(eng, cache, i + 1)]):7.1f}-{max(rows[(eng, cache, i + 1)]):<7.1f}"
         if rows.get((eng, cache, i + 1)) else f" {'-':>15}" for i in range(len(depths))))
 PY
