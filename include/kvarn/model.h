@@ -66,7 +66,8 @@ typedef struct kvarn_llama_session kvarn_llama_session;
  * reads the hyper-parameters and dequantizes every weight (tensor types
  * F32, F16, BF16, Q8_0, Q4_0, Q4_1) to the precision
  * KVARN_LLAMA_WEIGHTS_AUTO picks (kvarn_llama_load_with below; SmolLM2-135M
- * takes ~540 MB in fp32, ~270 MB in bf16).
+ * takes ~540 MB in fp32, ~326 MB in bf16 and ~166 MB in int8: the tied
+ * embedding keeps plain rows for lookups beside the multiplied copy).
  * Tensors used: token_embd, output_norm, output (optional: tied to
  * token_embd when absent), and per layer blk.N.{attn_norm, attn_q, attn_k,
  * attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight.
