@@ -24,8 +24,9 @@
  *                 <= (s_j/2) sum|x| + (c_t/2) sum|w| + K s_j c_t / 4 + r,
  * each half-step term taken x (1 + 2^-15) for the float rounding of
  * x * (127 / max) before the rint (two roundings of a value <= 127 move
- * it by at most 2 x 127 x 2^-24 < 2^-16, a 2^-15 share of the half step). The int32 sum of codes is exact (K 127^2 < 2^31); the
- * result is rounded three times (int32 -> float, x s_j, x c_t):
+ * it by at most 2 x 127 x 2^-24 < 2^-16, a 2^-15 share of the half
+ * step). The int32 sum of codes is exact (K 127^2 < 2^31); the result is
+ * rounded three times (int32 -> float, x s_j, x c_t):
  * r = 3.01 u sum (|x| + c_t/2)(|w| + s_j/2), u = 2^-24. The reference is
  * the unquantized double sum. That bound is a worst case (a few % of
  * sum|x||w|), so a second, tight check recomputes the codes by the
