@@ -146,7 +146,9 @@ kvarn_status kvarn_llama_load_gguf_with(const kvarn_gguf *g,
 kvarn_llama_weights kvarn_llama_get_weights(const kvarn_llama *model);
 
 /* Bytes of the model's weight matrices as held (every matrix, the tied head
- * counted once); 0 for NULL. */
+ * counted once; bf16/int8: oneDNN's blocked copy with its padding, int8's
+ * float scale per row, and the plain rows a tied embedding keeps for
+ * lookups); 0 for NULL. */
 uint64_t kvarn_llama_weight_bytes(const kvarn_llama *model);
 
 /* Free a model (NULL is fine). Free its sessions first. */
