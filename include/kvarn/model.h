@@ -68,7 +68,8 @@ typedef struct kvarn_llama_session kvarn_llama_session;
  * reads the hyper-parameters and dequantizes every weight (tensor types
  * F32, F16, BF16, Q8_0, Q4_0, Q4_1) to the precision
  * KVARN_LLAMA_WEIGHTS_AUTO picks (kvarn_llama_load_with below; SmolLM2-135M
- * takes ~540 MB in fp32, ~270 MB in bf16).
+ * takes ~540 MB in fp32, ~326 MB in bf16 and ~166 MB in int8: the tied
+ * embedding keeps plain rows for lookups beside the multiplied copy).
  * Tensors used: token_embd, output_norm, output (optional: tied to
  * token_embd when absent), and per layer blk.N.{attn_norm, attn_q, attn_k,
  * attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight.
@@ -100,16 +101,22 @@ kvarn_status kvarn_llama_load_gguf_ex(const kvarn_gguf *g, const kvarn_allocator
 /* How the weight matrices are held in memory (docs/model.md "Weight
  * precision"). Norm weights are always fp32. */
 typedef enum kvarn_llama_weights {
-    KVARN_LLAMA_WEIGHTS_AUTO = 0, /* the environment's KVARN_WEIGHTS ("fp32"
-                                     or "bf16") when set, else bf16 where
+    KVARN_LLAMA_WEIGHTS_AUTO = 0, /* the environment's KVARN_WEIGHTS ("fp32",
+                                     "bf16" or "int8") when set, else bf16 where
                                      this build and CPU can run it, else
                                      fp32 */
     KVARN_LLAMA_WEIGHTS_FP32 = 1, /* every matrix dequantized to fp32 (4
                                      bytes/weight; OpenBLAS sgemm/sgemv);
                                      the cross-check tests' precision */
-    KVARN_LLAMA_WEIGHTS_BF16 = 2  /* rounded to bf16 (2 bytes/weight; oneDNN
+    KVARN_LLAMA_WEIGHTS_BF16 = 2, /* rounded to bf16 (2 bytes/weight; oneDNN
                                      bf16 matmul: activations rounded to bf16
                                      at each matmul's input, fp32 sums) */
+    KVARN_LLAMA_WEIGHTS_INT8 = 3  /* int8 codes per row with a scale per row
+                                     (1 byte/weight + 4/row; oneDNN s8 matmul:
+                                     activations quantized to int8 per token
+                                     at each matmul's input, int32 sums);
+                                     opt-in, docs/model.md "Weight
+                                     precision" */
 } kvarn_llama_weights;
 
 /* Load settings. Start from KVARN_LLAMA_LOAD_OPTS_DEFAULT. */
@@ -118,7 +125,7 @@ typedef struct kvarn_llama_load_opts {
                                          must outlive the model); NULL =
                                          malloc/free. oneDNN's own objects
                                          (engine, primitives) are its own. */
-    kvarn_llama_weights weights;      /* AUTO, FP32 or BF16 */
+    kvarn_llama_weights weights;      /* AUTO, FP32, BF16 or INT8 */
 } kvarn_llama_load_opts;
 
 #define KVARN_LLAMA_LOAD_OPTS_DEFAULT { NULL, KVARN_LLAMA_WEIGHTS_AUTO }
@@ -127,8 +134,8 @@ typedef struct kvarn_llama_load_opts {
  * defaults; the calls above use the defaults with their allocator).
  * Errors: as those, and KVARN_ERR_INVALID_ARG (an unknown weights value, an
  * allocator with only one of alloc/free set, KVARN_WEIGHTS set to anything
- * but "fp32" or "bf16" under AUTO), KVARN_ERR_UNSUPPORTED (BF16 asked for,
- * or named by KVARN_WEIGHTS, where this build has no oneDNN or oneDNN
+ * but "fp32", "bf16" or "int8" under AUTO), KVARN_ERR_UNSUPPORTED (BF16 or
+ * INT8 asked for, or named by KVARN_WEIGHTS, where this build has no oneDNN or oneDNN
  * cannot make a bf16 matmul on this CPU). */
 kvarn_status kvarn_llama_load_with(const char *path, const kvarn_llama_load_opts *opts,
                                    kvarn_llama **out);
@@ -141,7 +148,9 @@ kvarn_status kvarn_llama_load_gguf_with(const kvarn_gguf *g,
 kvarn_llama_weights kvarn_llama_get_weights(const kvarn_llama *model);
 
 /* Bytes of the model's weight matrices as held (every matrix, the tied head
- * counted once); 0 for NULL. */
+ * counted once; bf16/int8: oneDNN's blocked copy with its padding, int8's
+ * float scale per row, and the plain rows a tied embedding keeps for
+ * lookups); 0 for NULL. */
 uint64_t kvarn_llama_weight_bytes(const kvarn_llama *model);
 
 /* Free a model (NULL is fine). Free its sessions first. */

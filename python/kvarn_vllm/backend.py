@@ -195,8 +195,8 @@ class KvarnAttentionImpl(AttentionImpl):
             _State.staging.live_blocks = _live_blocks
             L = _lib.lib()
             p = ctypes.c_void_p()
-            _lib.check(L.kvarn_thread_pool_create(max(1, torch.get_num_threads()),
-                                                  ctypes.byref(p)), "thread pool")
+            n_thr = int(os.environ.get("KVARN_ATTN_THREADS", "0")) or torch.get_num_threads()
+            _lib.check(L.kvarn_thread_pool_create(max(1, n_thr), ctypes.byref(p)), "thread pool")
             _State.pool = p
         st = _State.staging
         self.pool_tensor = torch.zeros((st.n_slots + st.n_scratch, self.num_kv_heads, 2, self.G,

@@ -17,16 +17,27 @@
 
 /* One weight matrix, row-major [out][in] (a GGUF matrix of ne = {in, out}
  * as stored), so a chunk's activations X [n][in] give Y = X W^T. Held in
- * fp32 (f32 set) or in bf16 (bf16 set: each weight rounded to nearest even
- * at load, multiplied through oneDNN's bf16 matmul, llama_weights.c).
- * prim is that matmul (M given per call), scratch_bytes its scratchpad. */
+ * fp32 (f32 set), in bf16 (each weight rounded to nearest even at load,
+ * multiplied through oneDNN's bf16 matmul, llama_weights.c) or in int8
+ * (codes per row with a scale per row, oneDNN's s8 matmul). A bf16 / int8
+ * matrix is filled in its plain layout ([out][in]); llama_matrix_prepare
+ * reorders it once into the blocked layout oneDNN's matmul reads fastest
+ * (blk) and frees the plain copy unless row lookups need it (the token
+ * embedding). prim1 multiplies one row (decode), primb LLAMA_MM_BLOCK rows
+ * (chunks); both read blk. */
+#define LLAMA_MM_BLOCK 16
 typedef struct llama_matrix {
     int out, in;
     float *f32;         /* [out][in], or NULL */
-    uint16_t *bf16;     /* [out][in], or NULL */
-    void *prim;         /* dnnl_primitive_t for bf16; NULL for fp32 */
-    void *wmem;         /* dnnl_memory_t over bf16 */
-    size_t scratch_bytes;
+    uint16_t *bf16;     /* [out][in] plain, or NULL (freed after prepare) */
+    int8_t *s8;         /* int8: codes [out][in] plain, or NULL (likewise) */
+    float *wscale;      /* int8: [out] row scales (w ~ s8 * wscale); kept */
+    void *blk;          /* bf16 weights in oneDNN's layout, blk_bytes */
+    size_t blk_bytes;
+    void *prim1;        /* dnnl_primitive_t, M = 1; NULL for fp32 */
+    void *primb;        /* dnnl_primitive_t, M = LLAMA_MM_BLOCK */
+    void *wmem;         /* dnnl_memory_t over blk */
+    size_t scratch_bytes; /* the larger scratchpad of the two */
 } llama_matrix;
 
 /* One transformer block. Q, K and V are stacked into one matrix and gate
@@ -52,6 +63,7 @@ struct kvarn_llama {
     llama_layer *layers;    /* [n_layers] */
     void *engine;           /* dnnl_engine_t when weights == BF16 */
     size_t scratch_bytes;   /* largest scratchpad of any matrix */
+    int max_out;            /* most rows (out) of any prepared bf16 matrix */
 };
 
 /* ------------------------------------------------------------------------ */
@@ -65,11 +77,16 @@ kvarn_status llama_matrix_alloc(kvarn_llama *model, llama_matrix *m, int out, in
 /* Rows [r0, r0 + rows) of m from fp32 src [rows][in] (rounded to bf16 when
  * m is bf16). */
 void llama_matrix_set_rows(llama_matrix *m, int r0, int rows, const float *src);
-/* Row r of m in fp32 (widened when bf16) into dst [in]. */
+/* Row r of m in fp32 (widened when bf16) into dst [in]. A bf16 matrix must
+ * hold its plain copy (before prepare, or prepared with keep_rows). */
 void llama_matrix_get_row(const llama_matrix *m, int r, float *dst);
-/* Make m ready to multiply (bf16: its oneDNN matmul primitive). Errors:
- * KVARN_ERR_NOMEM, KVARN_ERR_UNSUPPORTED (oneDNN cannot make it here). */
-kvarn_status llama_matrix_prepare(kvarn_llama *model, llama_matrix *m);
+/* Make m ready to multiply. bf16: reorder the plain weights into blk (the
+ * model's allocator, blk_bytes as oneDNN lays them out), make the M = 1 and
+ * M = LLAMA_MM_BLOCK matmul primitives over it, and free the plain copy
+ * unless keep_rows (then llama_matrix_get_row still works; the matrix holds
+ * both). fp32: nothing. Errors: KVARN_ERR_NOMEM, KVARN_ERR_UNSUPPORTED
+ * (oneDNN cannot make it here); m is then as before the call. */
+kvarn_status llama_matrix_prepare(kvarn_llama *model, llama_matrix *m, int keep_rows);
 void llama_matrix_free(kvarn_llama *model, llama_matrix *m);
 
 /* The model's oneDNN engine for bf16 weights. Errors: KVARN_ERR_UNSUPPORTED
@@ -77,11 +94,18 @@ void llama_matrix_free(kvarn_llama *model, llama_matrix *m);
 kvarn_status llama_weights_engine_create(kvarn_llama *model);
 void llama_weights_engine_destroy(kvarn_llama *model);
 
-/* Per-session state of the matmuls: a oneDNN stream, the activations in
- * bf16 ([max_chunk][max_in] halves) and the scratchpad. */
+/* Per-session state of the matmuls: a oneDNN stream, the activations as
+ * the weights take them (bf16, or int8 codes and a scale per row) for
+ * `rows` rows (max_chunk, raised to LLAMA_MM_BLOCK when 1 < max_chunk <
+ * LLAMA_MM_BLOCK: a chunk shorter than a block is padded to one), the
+ * output of such a padded block ([LLAMA_MM_BLOCK][model->max_out] floats;
+ * only when max_chunk > 1) and the scratchpad. */
 typedef struct llama_mm_ctx {
     void *stream;       /* dnnl_stream_t; NULL for fp32 weights */
-    uint16_t *xb;       /* [max_chunk][max_in] */
+    uint16_t *xb;       /* bf16: [rows][max_in] */
+    int8_t *xq;         /* int8: [rows][max_in] codes */
+    float *xs;          /* int8: [rows] scales */
+    float *ypad;        /* [LLAMA_MM_BLOCK][max_out], or NULL */
     void *scratch;      /* model->scratch_bytes */
 } llama_mm_ctx;
 
@@ -94,7 +118,13 @@ kvarn_status llama_mm_ctx_create(const kvarn_llama *model, const kvarn_allocator
 void llama_mm_ctx_destroy(const kvarn_allocator *a, llama_mm_ctx *c);
 
 /* Y[n][out] = X[n][in] W^T (fp32: OpenBLAS, GEMV for n == 1; bf16: X
- * rounded to bf16, oneDNN matmul, fp32 sums and Y). Errors (bf16 only):
+ * rounded to bf16, oneDNN matmul, fp32 sums and Y; int8: X quantized per
+ * row, int32 sums, scaled by the row's and the channel's scales; bf16 and
+ * int8 alike: one row through prim1;
+ * n >= LLAMA_MM_BLOCK rows in blocks of LLAMA_MM_BLOCK through primb, the
+ * last block ending at row n (it may recompute rows of the one before);
+ * 1 < n < LLAMA_MM_BLOCK rows as one block padded with the ctx's rows past
+ * n, whose outputs land in ypad and are dropped). Errors (bf16/int8 only):
  * KVARN_ERR_NOMEM (oneDNN's per-call descriptors), KVARN_ERR_UNSUPPORTED. */
 kvarn_status llama_matmul(llama_mm_ctx *c, const float *x, int n, const llama_matrix *w,
                           float *y);

@@ -213,9 +213,9 @@ static kvarn_status load_layer(const kvarn_gguf *g, kvarn_llama *m, int l, float
         (st = load_rows(g, NAME("ffn_down"), F, E, &L->w_down, 0, rowbuf)))
         return st;
 #undef NAME
-    if ((st = llama_matrix_prepare(m, &L->wqkv)) || (st = llama_matrix_prepare(m, &L->wo)) ||
-        (st = llama_matrix_prepare(m, &L->w_gate_up)) ||
-        (st = llama_matrix_prepare(m, &L->w_down)))
+    if ((st = llama_matrix_prepare(m, &L->wqkv, 0)) || (st = llama_matrix_prepare(m, &L->wo, 0)) ||
+        (st = llama_matrix_prepare(m, &L->w_gate_up, 0)) ||
+        (st = llama_matrix_prepare(m, &L->w_down, 0)))
         return st;
     return KVARN_OK;
 }
@@ -236,7 +236,7 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     st = weight_sizes_get(hp, &w);
     if (st != KVARN_OK) return st;
 
-    if (m->weights == KVARN_LLAMA_WEIGHTS_BF16 && (st = llama_weights_engine_create(m)))
+    if (m->weights != KVARN_LLAMA_WEIGHTS_FP32 && (st = llama_weights_engine_create(m)))
         return st;
     /* Rows are dequantized LOAD_ROWS at a time through one buffer as wide as
      * the widest matrix row (hidden, H D or ffn floats). */
@@ -251,13 +251,15 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     if (!st) st = load_rows(g, "token_embd.weight", hp->hidden, hp->vocab, &m->tok_embd, 0, rowbuf);
     if (!st) st = load_vector(g, "output_norm.weight", hp->hidden, m->output_norm);
     if (!st && hp->tied_output) {
-        st = llama_matrix_prepare(m, &m->tok_embd);
+        /* tied: the head multiplies the embedding, whose rows are also
+         * looked up per token (the plain copy is kept for that) */
+        st = llama_matrix_prepare(m, &m->tok_embd, 1);
         m->output = m->tok_embd;
     } else if (!st) {
         m->output_owned = 1;
         st = llama_matrix_alloc(m, &m->output, hp->vocab, hp->hidden);
         if (!st) st = load_rows(g, "output.weight", hp->hidden, hp->vocab, &m->output, 0, rowbuf);
-        if (!st) st = llama_matrix_prepare(m, &m->output);
+        if (!st) st = llama_matrix_prepare(m, &m->output, 0);
     }
     if (!st) {
         m->layers = kvarn__calloc(&m->alloc, (size_t)hp->n_layers, sizeof *m->layers);
@@ -273,7 +275,8 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
 static kvarn_status resolve_weights(kvarn_llama_weights asked, const kvarn_allocator *alloc,
                                     kvarn_llama_weights *out)
 {
-    if (asked == KVARN_LLAMA_WEIGHTS_FP32 || asked == KVARN_LLAMA_WEIGHTS_BF16) {
+    if (asked == KVARN_LLAMA_WEIGHTS_FP32 || asked == KVARN_LLAMA_WEIGHTS_BF16 ||
+        asked == KVARN_LLAMA_WEIGHTS_INT8) {
         *out = asked;
         return KVARN_OK;
     }
@@ -282,6 +285,7 @@ static kvarn_status resolve_weights(kvarn_llama_weights asked, const kvarn_alloc
     if (env && *env) {
         if (!strcmp(env, "fp32")) *out = KVARN_LLAMA_WEIGHTS_FP32;
         else if (!strcmp(env, "bf16")) *out = KVARN_LLAMA_WEIGHTS_BF16;
+        else if (!strcmp(env, "int8")) *out = KVARN_LLAMA_WEIGHTS_INT8;
         else return KVARN_ERR_INVALID_ARG;
         return KVARN_OK;
     }
@@ -295,7 +299,7 @@ static kvarn_status resolve_weights(kvarn_llama_weights asked, const kvarn_alloc
     if (!st) st = llama_matrix_alloc(&probe, &m, 1, 32);
     if (!st) {
         memset(m.bf16, 0, 64);
-        st = llama_matrix_prepare(&probe, &m);
+        st = llama_matrix_prepare(&probe, &m, 0);
         llama_matrix_free(&probe, &m);
     }
     llama_weights_engine_destroy(&probe);
@@ -350,9 +354,14 @@ kvarn_llama_weights kvarn_llama_get_weights(const kvarn_llama *m)
     return m ? m->weights : KVARN_LLAMA_WEIGHTS_FP32;
 }
 
+/* Bytes a matrix holds: fp32, or bf16 / int8 in oneDNN's layout (int8:
+ * and a float scale per row) plus the plain copy where one is kept (the
+ * tied embedding: rows looked up per token). */
 static uint64_t matrix_bytes(const llama_matrix *w)
 {
-    return (uint64_t)w->out * (uint64_t)w->in * (w->bf16 ? 2u : 4u);
+    uint64_t n = (uint64_t)w->out * (uint64_t)w->in;
+    return (w->f32 ? 4u * n : 0) + (w->bf16 ? 2u * n : 0) + (w->s8 ? n : 0) +
+           (w->wscale ? 4u * (uint64_t)w->out : 0) + (uint64_t)w->blk_bytes;
 }
 
 uint64_t kvarn_llama_weight_bytes(const kvarn_llama *m)

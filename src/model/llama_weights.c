@@ -3,12 +3,28 @@
  * precision chosen at load, and the one matmul the forward pass calls.
  *
  *   fp32  [out][in] floats; OpenBLAS sgemv (one token) or sgemm.
- *   bf16  [out][in] bf16 (fp32 rounded to nearest even); oneDNN's matmul
- *         (libdnnl-dev, Debian 12: 2.6) with src bf16 [M][in], weights
- *         bf16 in their plain layout (oneDNN's "ba" over [in][out]), dst
- *         fp32 [M][out], M given per call. The activations are rounded to
- *         bf16 at each matmul's input (oneDNN 2.6 has no fp32 x bf16
- *         matmul); products are exact in fp32 and summed in fp32.
+ *   bf16  bf16 (fp32 rounded to nearest even), filled [out][in] and then
+ *         reordered once into the blocked layout oneDNN's matmul asks for
+ *         (libdnnl-dev, Debian 12: 2.6); src bf16 [M][in], dst fp32
+ *         [M][out], two primitives per matrix: M = 1 (a decode step) and
+ *         M = LLAMA_MM_BLOCK (chunks, in blocks). The activations are
+ *         rounded to bf16 at each matmul's input (oneDNN 2.6 has no fp32 x
+ *         bf16 matmul); products are exact in fp32 and summed in fp32.
+ *   int8  per row (output channel) j: scale s_j = max_i |w_ji| / 127,
+ *         codes q_ji = round(w_ji / s_j) in [-127, 127] (round to nearest,
+ *         ties to even); the activations per row (token) t likewise,
+ *         x_ti ~ c_t p_ti, c_t = max_i |x_ti| / 127, at each matmul's input.
+ *         oneDNN's s8 x s8 matmul sums p q exactly in int32 (K 127^2 <
+ *         2^31 for K < 133,000) and scales by s_j (its per-channel output
+ *         scales), then each row is scaled by c_t here. Same primitives,
+ *         layout and blocks as bf16; 1 byte/weight plus 4 per row.
+ * Why fixed M and the blocked layout: with M given per call (runtime dims)
+ * oneDNN 2.6 runs its generic gemm on the plain layout, which repacks the
+ * weights as it goes; its brgemm kernels need M fixed, and on a runtime-M
+ * or plain-layout request they are not taken (runtime M over the blocked
+ * layout falls to the reference kernel). A decode step streams every
+ * weight once, so the layout decides its speed (docs/model.md "Weight
+ * precision", bench/bench_matmul.c --stream).
  * Why oneDNN: Debian's OpenBLAS 0.3.21 is built without BUILD_BFLOAT16
  * (cblas_sbgemm is declared, not exported), and oneDNN's bf16 matmul ran
  * 1.9x-2.2x fp32 OpenBLAS at one token and 1.9x-2.0x at 128 on SmolLM2's
@@ -18,6 +34,8 @@
  * share a model.
  */
 #include <cblas.h>
+#include <float.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,6 +45,31 @@
 #ifdef KVARN_HAVE_DNNL
 #include <oneapi/dnnl/dnnl.h>
 #endif
+
+/* One row of in floats as int8 codes q (round to nearest even, |q| <= 127)
+ * times the returned scale max |x| / 127. A row whose max is below FLT_MIN
+ * (zero, or subnormal only) gets scale 0 and codes 0; a row holding an
+ * infinity or a NaN gets codes 0 and a NaN scale, so that its products are
+ * NaN as they would be unquantized. */
+static float quantize_row(const float *x, int in, int8_t *q)
+{
+    float amax = 0.0f;
+    int nan = 0;
+    for (int i = 0; i < in; i++) {
+        amax = fmaxf(amax, fabsf(x[i]));
+        nan |= x[i] != x[i];
+    }
+    if (nan || !(amax >= FLT_MIN && amax <= FLT_MAX)) {
+        for (int i = 0; i < in; i++) q[i] = 0;
+        return nan || amax > FLT_MAX ? NAN : 0.0f;
+    }
+    float inv = 127.0f / amax;
+    for (int i = 0; i < in; i++) {
+        float v = rintf(x[i] * inv); /* |v| <= 127 but for inv's rounding */
+        q[i] = (int8_t)(v >= 127.0f ? 127 : v <= -127.0f ? -127 : (int)v);
+    }
+    return amax / 127.0f;
+}
 
 kvarn_status llama_matrix_alloc(kvarn_llama *model, llama_matrix *m, int out, int in)
 {
@@ -40,6 +83,17 @@ kvarn_status llama_matrix_alloc(kvarn_llama *model, llama_matrix *m, int out, in
         m->bf16 = kvarn__malloc_aligned(&model->alloc, bytes ? bytes : 64, 64, 0);
         return m->bf16 ? KVARN_OK : KVARN_ERR_NOMEM;
     }
+    if (model->weights == KVARN_LLAMA_WEIGHTS_INT8) {
+        size_t bytes = (n + 63) & ~(size_t)63;
+        m->s8 = kvarn__malloc_aligned(&model->alloc, bytes ? bytes : 64, 64, 0);
+        m->wscale = kvarn__malloc(&model->alloc, out > 0 ? (size_t)out : 1, sizeof(float));
+        if (m->s8 && m->wscale) return KVARN_OK;
+        kvarn__free_aligned(&model->alloc, m->s8);
+        kvarn__free(&model->alloc, m->wscale);
+        m->s8 = NULL;
+        m->wscale = NULL;
+        return KVARN_ERR_NOMEM;
+    }
     size_t bytes = (n * sizeof(float) + 63) & ~(size_t)63;
     m->f32 = kvarn__malloc_aligned(&model->alloc, bytes ? bytes : 64, 64, 0);
     return m->f32 ? KVARN_OK : KVARN_ERR_NOMEM;
@@ -52,6 +106,12 @@ void llama_matrix_set_rows(llama_matrix *m, int r0, int rows, const float *src)
         memcpy(m->f32 + off, src, cnt * sizeof(float));
         return;
     }
+    if (m->s8) {
+        for (int r = 0; r < rows; r++)
+            m->wscale[r0 + r] = quantize_row(src + (size_t)r * m->in, m->in,
+                                             m->s8 + off + (size_t)r * m->in);
+        return;
+    }
     for (size_t i = 0; i < cnt; i++) m->bf16[off + i] = kvarn_fp32_to_bf16(src[i]);
 }
 
@@ -62,6 +122,11 @@ void llama_matrix_get_row(const llama_matrix *m, int r, float *dst)
         memcpy(dst, m->f32 + off, sizeof(float) * (size_t)m->in);
         return;
     }
+    if (m->s8) {
+        for (int i = 0; i < m->in; i++) dst[i] = (float)m->s8[off + i] * m->wscale[r];
+        return;
+    }
+    if (!m->bf16) return; /* prepared without keep_rows: not callable */
     for (int i = 0; i < m->in; i++) dst[i] = kvarn_bf16_to_fp32(m->bf16[off + i]);
 }
 
@@ -88,49 +153,144 @@ void llama_weights_engine_destroy(kvarn_llama *model)
     model->engine = NULL;
 }
 
-kvarn_status llama_matrix_prepare(kvarn_llama *model, llama_matrix *m)
+/* The matrix's element type in oneDNN's terms. */
+static dnnl_data_type_t wtype(const llama_matrix *m)
 {
-    if (!m->bf16) return KVARN_OK;
-    dnnl_engine_t eng = (dnnl_engine_t)model->engine;
-    dnnl_memory_desc_t smd, wmd, dmd;
-    dnnl_dims_t sd = {DNNL_RUNTIME_DIM_VAL, m->in}, wd = {m->in, m->out},
-                dd = {DNNL_RUNTIME_DIM_VAL, m->out};
+    return m->s8 || m->wscale ? dnnl_s8 : dnnl_bf16;
+}
+
+/* A matmul primitive src [rows][in] x weights (wmd; "any" lets oneDNN
+ * choose) -> dst f32 [rows][out], user scratchpad; bf16 x bf16, or s8 x s8
+ * with the rows' scales as per-channel output scales. */
+static kvarn_status make_prim(dnnl_engine_t eng, const llama_matrix *m, int rows,
+                              const dnnl_memory_desc_t *wmd, dnnl_primitive_desc_t *pd_out,
+                              dnnl_primitive_t *prim_out)
+{
+    dnnl_memory_desc_t smd, dmd;
+    dnnl_dims_t sd = {rows, m->in}, dd = {rows, m->out};
     dnnl_matmul_desc_t md;
     dnnl_primitive_attr_t attr = NULL;
     dnnl_primitive_desc_t pd = NULL;
     dnnl_primitive_t prim = NULL;
-    dnnl_memory_t wmem = NULL;
-    kvarn_status st = from_dnnl(dnnl_memory_desc_init_by_tag(&smd, 2, sd, dnnl_bf16, dnnl_ab));
-    if (!st) st = from_dnnl(dnnl_memory_desc_init_by_tag(&wmd, 2, wd, dnnl_bf16, dnnl_ba));
+    kvarn_status st = from_dnnl(dnnl_memory_desc_init_by_tag(&smd, 2, sd, wtype(m), dnnl_ab));
     if (!st) st = from_dnnl(dnnl_memory_desc_init_by_tag(&dmd, 2, dd, dnnl_f32, dnnl_ab));
-    if (!st) st = from_dnnl(dnnl_matmul_desc_init(&md, &smd, &wmd, NULL, &dmd));
+    if (!st) st = from_dnnl(dnnl_matmul_desc_init(&md, &smd, wmd, NULL, &dmd));
     if (!st) st = from_dnnl(dnnl_primitive_attr_create(&attr));
     if (!st) st = from_dnnl(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user));
+    if (!st && m->wscale) /* mask 1 << 1: one scale per column of [rows][out] */
+        st = from_dnnl(dnnl_primitive_attr_set_output_scales(attr, m->out, 1 << 1, m->wscale));
     if (!st) st = from_dnnl(dnnl_primitive_desc_create(&pd, &md, attr, eng, NULL));
     if (!st) st = from_dnnl(dnnl_primitive_create(&prim, pd));
-    if (!st) st = from_dnnl(dnnl_memory_create(&wmem, &wmd, eng, m->bf16));
-    if (!st) {
-        const dnnl_memory_desc_t *sp = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
-        m->scratch_bytes = sp ? dnnl_memory_desc_get_size(sp) : 0;
-        if (m->scratch_bytes > model->scratch_bytes) model->scratch_bytes = m->scratch_bytes;
-        m->prim = prim;
-        m->wmem = wmem;
-        prim = NULL;
-        wmem = NULL;
-    }
-    if (wmem) dnnl_memory_destroy(wmem);
-    if (prim) dnnl_primitive_destroy(prim);
-    if (pd) dnnl_primitive_desc_destroy(pd);
     if (attr) dnnl_primitive_attr_destroy(attr);
+    if (st) {
+        if (pd) dnnl_primitive_desc_destroy(pd);
+        return st;
+    }
+    *pd_out = pd;
+    *prim_out = prim;
+    return KVARN_OK;
+}
+
+static size_t scratch_of(const_dnnl_primitive_desc_t pd)
+{
+    const dnnl_memory_desc_t *sp = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+    return sp ? dnnl_memory_desc_get_size(sp) : 0;
+}
+
+/* Copy the plain weights (oneDNN's "ba" over [in][out]) into dst laid out
+ * as wmd, through a reorder primitive on a stream of its own. */
+static kvarn_status reorder_in(dnnl_engine_t eng, const llama_matrix *m,
+                               const dnnl_memory_desc_t *wmd, void *dst)
+{
+    dnnl_memory_desc_t pmd;
+    dnnl_dims_t wd = {m->in, m->out};
+    dnnl_memory_t from = NULL, to = NULL;
+    dnnl_primitive_desc_t rpd = NULL;
+    dnnl_primitive_t r = NULL;
+    dnnl_stream_t strm = NULL;
+    kvarn_status st = from_dnnl(dnnl_memory_desc_init_by_tag(&pmd, 2, wd, wtype(m), dnnl_ba));
+    if (!st) st = from_dnnl(dnnl_memory_create(&from, &pmd, eng,
+                                               m->s8 ? (void *)m->s8 : (void *)m->bf16));
+    if (!st) st = from_dnnl(dnnl_memory_create(&to, wmd, eng, dst));
+    if (!st) st = from_dnnl(dnnl_reorder_primitive_desc_create(&rpd, &pmd, eng, wmd, eng, NULL));
+    if (!st) st = from_dnnl(dnnl_primitive_create(&r, rpd));
+    if (!st) st = from_dnnl(dnnl_stream_create(&strm, eng, dnnl_stream_default_flags));
+    if (!st) {
+        dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}};
+        st = from_dnnl(dnnl_primitive_execute(r, strm, 2, args));
+        if (!st) st = from_dnnl(dnnl_stream_wait(strm));
+    }
+    if (strm) dnnl_stream_destroy(strm);
+    if (r) dnnl_primitive_destroy(r);
+    if (rpd) dnnl_primitive_desc_destroy(rpd);
+    if (to) dnnl_memory_destroy(to);
+    if (from) dnnl_memory_destroy(from);
+    return st;
+}
+
+kvarn_status llama_matrix_prepare(kvarn_llama *model, llama_matrix *m, int keep_rows)
+{
+    if (!m->bf16 && !m->s8) return KVARN_OK;
+    dnnl_engine_t eng = (dnnl_engine_t)model->engine;
+    dnnl_memory_desc_t any;
+    dnnl_dims_t wd = {m->in, m->out};
+    dnnl_primitive_desc_t pd1 = NULL, pdb = NULL;
+    dnnl_primitive_t p1 = NULL, pb = NULL;
+    dnnl_memory_t wmem = NULL;
+    void *blk = NULL;
+    size_t blk_bytes = 0;
+    /* The M = 1 primitive chooses the layout; the block primitive is made
+     * over that same layout (one copy of the weights serves both). */
+    kvarn_status st = from_dnnl(dnnl_memory_desc_init_by_tag(&any, 2, wd, wtype(m),
+                                                             dnnl_format_tag_any));
+    if (!st) st = make_prim(eng, m, 1, &any, &pd1, &p1);
+    const dnnl_memory_desc_t *wmd = st ? NULL : dnnl_primitive_desc_query_md(pd1, dnnl_query_weights_md, 0);
+    if (!st && !wmd) st = KVARN_ERR_UNSUPPORTED;
+    if (!st) st = make_prim(eng, m, LLAMA_MM_BLOCK, wmd, &pdb, &pb);
+    if (!st) {
+        blk_bytes = dnnl_memory_desc_get_size(wmd);
+        blk = kvarn__malloc_aligned(&model->alloc, blk_bytes ? blk_bytes : 64, 64, 0);
+        if (!blk) st = KVARN_ERR_NOMEM;
+    }
+    if (!st) st = reorder_in(eng, m, wmd, blk);
+    if (!st) st = from_dnnl(dnnl_memory_create(&wmem, wmd, eng, blk));
+    if (!st) {
+        size_t s1 = scratch_of(pd1), sb = scratch_of(pdb);
+        m->scratch_bytes = s1 > sb ? s1 : sb;
+        if (m->scratch_bytes > model->scratch_bytes) model->scratch_bytes = m->scratch_bytes;
+        if (m->out > model->max_out) model->max_out = m->out;
+        m->prim1 = p1;
+        m->primb = pb;
+        m->wmem = wmem;
+        m->blk = blk;
+        m->blk_bytes = blk_bytes;
+        p1 = pb = NULL;
+        wmem = NULL;
+        blk = NULL;
+        if (!keep_rows) {
+            kvarn__free_aligned(&model->alloc, m->bf16);
+            kvarn__free_aligned(&model->alloc, m->s8);
+            m->bf16 = NULL;
+            m->s8 = NULL;
+        }
+    }
+    kvarn__free_aligned(&model->alloc, blk);
+    if (wmem) dnnl_memory_destroy(wmem);
+    if (p1) dnnl_primitive_destroy(p1);
+    if (pb) dnnl_primitive_destroy(pb);
+    if (pd1) dnnl_primitive_desc_destroy(pd1);
+    if (pdb) dnnl_primitive_desc_destroy(pdb);
     return st;
 }
 
 static void matrix_release_dnnl(llama_matrix *m)
 {
     if (m->wmem) dnnl_memory_destroy((dnnl_memory_t)m->wmem);
-    if (m->prim) dnnl_primitive_destroy((dnnl_primitive_t)m->prim);
+    if (m->prim1) dnnl_primitive_destroy((dnnl_primitive_t)m->prim1);
+    if (m->primb) dnnl_primitive_destroy((dnnl_primitive_t)m->primb);
     m->wmem = NULL;
-    m->prim = NULL;
+    m->prim1 = NULL;
+    m->primb = NULL;
 }
 
 #else /* no oneDNN: bf16 weights cannot be served */
@@ -143,10 +303,11 @@ kvarn_status llama_weights_engine_create(kvarn_llama *model)
 
 void llama_weights_engine_destroy(kvarn_llama *model) { (void)model; }
 
-kvarn_status llama_matrix_prepare(kvarn_llama *model, llama_matrix *m)
+kvarn_status llama_matrix_prepare(kvarn_llama *model, llama_matrix *m, int keep_rows)
 {
     (void)model;
-    return m->bf16 ? KVARN_ERR_UNSUPPORTED : KVARN_OK;
+    (void)keep_rows;
+    return m->bf16 || m->s8 ? KVARN_ERR_UNSUPPORTED : KVARN_OK;
 }
 
 static void matrix_release_dnnl(llama_matrix *m) { (void)m; }
@@ -158,19 +319,39 @@ void llama_matrix_free(kvarn_llama *model, llama_matrix *m)
     matrix_release_dnnl(m);
     kvarn__free_aligned(&model->alloc, m->f32);
     kvarn__free_aligned(&model->alloc, m->bf16);
+    kvarn__free_aligned(&model->alloc, m->s8);
+    kvarn__free(&model->alloc, m->wscale);
+    kvarn__free_aligned(&model->alloc, m->blk);
     m->f32 = NULL;
     m->bf16 = NULL;
+    m->s8 = NULL;
+    m->wscale = NULL;
+    m->blk = NULL;
+}
+
+/* Rows of the ctx's activations: a chunk of 1 < n < LLAMA_MM_BLOCK rows is
+ * padded to a whole block. */
+static int xb_rows(int max_chunk)
+{
+    return max_chunk > 1 && max_chunk < LLAMA_MM_BLOCK ? LLAMA_MM_BLOCK : max_chunk;
 }
 
 kvarn_status llama_mm_ctx_plan(const kvarn_llama *model, int max_chunk, int max_in,
                                uint64_t *bytes)
 {
     *bytes = 0;
-    if (model->weights != KVARN_LLAMA_WEIGHTS_BF16) return KVARN_OK;
-    uint64_t xb, total;
-    int bad = kvarn__mul3_u64((uint64_t)max_chunk, (uint64_t)max_in, sizeof(uint16_t), &xb);
+    if (model->weights == KVARN_LLAMA_WEIGHTS_FP32) return KVARN_OK;
+    const int q8 = model->weights == KVARN_LLAMA_WEIGHTS_INT8;
+    uint64_t xb, yp = 0, total;
+    /* bf16 activations, or int8 codes and one float scale per row */
+    int bad = kvarn__mul3_u64((uint64_t)xb_rows(max_chunk),
+                              (uint64_t)max_in + (q8 ? sizeof(float) : 0),
+                              q8 ? 1u : sizeof(uint16_t), &xb);
+    if (max_chunk > 1)
+        bad |= kvarn__mul3_u64(LLAMA_MM_BLOCK, (uint64_t)model->max_out, sizeof(float), &yp);
     bad |= kvarn__add_u64(xb, (uint64_t)model->scratch_bytes, &total);
-    bad |= total > SIZE_MAX - 128;
+    bad |= kvarn__add_u64(total, yp, &total);
+    bad |= total > SIZE_MAX - 192;
     if (bad) return KVARN_ERR_TOO_LARGE;
     *bytes = total;
     return KVARN_OK;
@@ -180,15 +361,34 @@ kvarn_status llama_mm_ctx_create(const kvarn_llama *model, const kvarn_allocator
                                  int max_chunk, int max_in, llama_mm_ctx *c)
 {
     memset(c, 0, sizeof *c);
-    if (model->weights != KVARN_LLAMA_WEIGHTS_BF16) return KVARN_OK;
+    if (model->weights == KVARN_LLAMA_WEIGHTS_FP32) return KVARN_OK;
 #ifdef KVARN_HAVE_DNNL
     uint64_t total;
     kvarn_status st = llama_mm_ctx_plan(model, max_chunk, max_in, &total);
     if (st != KVARN_OK) return st;
-    size_t xb = (size_t)max_chunk * (size_t)max_in * sizeof(uint16_t);
-    c->xb = kvarn__malloc(a, xb ? xb : 1, 1);
-    c->scratch = kvarn__malloc_aligned(a, model->scratch_bytes ? model->scratch_bytes : 64, 64, 0);
-    if (!c->xb || !c->scratch) {
+    const int q8 = model->weights == KVARN_LLAMA_WEIGHTS_INT8;
+    size_t rows = (size_t)xb_rows(max_chunk), xb = rows * (size_t)max_in;
+    /* zeroed: the padding rows of a short chunk are multiplied too (their
+     * outputs dropped), so they hold finite values from the start */
+    int fail;
+    if (q8) {
+        c->xq = kvarn__calloc(a, xb ? xb : 1, 1);
+        c->xs = kvarn__calloc(a, rows ? rows : 1, sizeof(float));
+        fail = !c->xq || !c->xs;
+    } else {
+        c->xb = kvarn__calloc(a, xb ? xb : 1, sizeof(uint16_t));
+        fail = !c->xb;
+    }
+    if (!fail) {
+        c->scratch = kvarn__malloc_aligned(a, model->scratch_bytes ? model->scratch_bytes : 64, 64, 0);
+        fail = !c->scratch;
+    }
+    if (max_chunk > 1 && !fail) {
+        size_t yp = (size_t)LLAMA_MM_BLOCK * (size_t)model->max_out * sizeof(float);
+        c->ypad = kvarn__malloc(a, yp ? yp : 1, 1);
+        fail = !c->ypad;
+    }
+    if (fail) {
         llama_mm_ctx_destroy(a, c);
         return KVARN_ERR_NOMEM;
     }
@@ -215,9 +415,66 @@ void llama_mm_ctx_destroy(const kvarn_allocator *a, llama_mm_ctx *c)
     if (c->stream) dnnl_stream_destroy((dnnl_stream_t)c->stream);
 #endif
     kvarn__free(a, c->xb);
+    kvarn__free(a, c->xq);
+    kvarn__free(a, c->xs);
+    kvarn__free(a, c->ypad);
     kvarn__free_aligned(a, c->scratch);
     memset(c, 0, sizeof *c);
 }
+
+#ifdef KVARN_HAVE_DNNL
+/* One call of prim (rows src rows fixed at its creation): src [rows][in]
+ * (bf16 or s8, as the matrix) at xb, dst f32 [rows][out] at y. */
+static kvarn_status run_prim(llama_mm_ctx *c, const llama_matrix *w, dnnl_primitive_t prim,
+                             int rows, void *xb, float *y)
+{
+    dnnl_engine_t eng = NULL;
+    const_dnnl_primitive_desc_t pd = NULL;
+    if (dnnl_primitive_get_primitive_desc(prim, &pd) != dnnl_success ||
+        dnnl_primitive_desc_query(pd, dnnl_query_engine, 0, &eng) != dnnl_success)
+        return KVARN_ERR_UNSUPPORTED;
+    dnnl_memory_desc_t smd, dmd, spmd;
+    dnnl_dims_t sd = {rows, w->in}, dd = {rows, w->out}, spd = {(dnnl_dim_t)w->scratch_bytes};
+    dnnl_memory_t sm = NULL, dm = NULL, spm = NULL;
+    kvarn_status st = from_dnnl(dnnl_memory_desc_init_by_tag(&smd, 2, sd, wtype(w), dnnl_ab));
+    if (!st) st = from_dnnl(dnnl_memory_desc_init_by_tag(&dmd, 2, dd, dnnl_f32, dnnl_ab));
+    if (!st) st = from_dnnl(dnnl_memory_create(&sm, &smd, eng, xb));
+    if (!st) st = from_dnnl(dnnl_memory_create(&dm, &dmd, eng, y));
+    if (!st && w->scratch_bytes) {
+        st = from_dnnl(dnnl_memory_desc_init_by_tag(&spmd, 1, spd, dnnl_u8, dnnl_a));
+        if (!st) st = from_dnnl(dnnl_memory_create(&spm, &spmd, eng, c->scratch));
+    }
+    if (!st) {
+        dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, sm}, {DNNL_ARG_WEIGHTS, (dnnl_memory_t)w->wmem},
+                                   {DNNL_ARG_DST, dm}, {DNNL_ARG_SCRATCHPAD, spm}};
+        st = from_dnnl(dnnl_primitive_execute(prim, (dnnl_stream_t)c->stream, spm ? 4 : 3, args));
+        if (!st) st = from_dnnl(dnnl_stream_wait((dnnl_stream_t)c->stream));
+    }
+    if (spm) dnnl_memory_destroy(spm);
+    if (dm) dnnl_memory_destroy(dm);
+    if (sm) dnnl_memory_destroy(sm);
+    return st;
+}
+#endif
+
+#ifdef KVARN_HAVE_DNNL
+/* int8 activations: row t of x [n][in] as codes times c_t (quantize_row). */
+static void quantize_rows(llama_mm_ctx *c, const float *x, int n, int in)
+{
+    for (int t = 0; t < n; t++)
+        c->xs[t] = quantize_row(x + (size_t)t * in, in, c->xq + (size_t)t * in);
+}
+
+/* y rows [0, rows) (activation rows r0 + t) times their scale c. */
+static void scale_rows(const float *cs, int r0, int rows, int out, float *y)
+{
+    for (int t = 0; t < rows; t++) {
+        float sc = cs[r0 + t];
+        float *yr = y + (size_t)t * out;
+        for (int j = 0; j < out; j++) yr[j] *= sc;
+    }
+}
+#endif
 
 kvarn_status llama_matmul(llama_mm_ctx *c, const float *x, int n, const llama_matrix *w,
                           float *y)
@@ -232,36 +489,39 @@ kvarn_status llama_matmul(llama_mm_ctx *c, const float *x, int n, const llama_ma
         return KVARN_OK;
     }
 #ifdef KVARN_HAVE_DNNL
-    size_t cnt = (size_t)n * (size_t)w->in;
-    for (size_t i = 0; i < cnt; i++) c->xb[i] = kvarn_fp32_to_bf16(x[i]);
-    dnnl_engine_t eng = NULL;
-    dnnl_primitive_desc_t pd = NULL;
-    if (dnnl_primitive_get_primitive_desc((dnnl_primitive_t)w->prim,
-                                          (const_dnnl_primitive_desc_t *)&pd) != dnnl_success ||
-        dnnl_primitive_desc_query(pd, dnnl_query_engine, 0, &eng) != dnnl_success)
-        return KVARN_ERR_UNSUPPORTED;
-    dnnl_memory_desc_t smd, dmd, spmd;
-    dnnl_dims_t sd = {n, w->in}, dd = {n, w->out}, spd = {(dnnl_dim_t)w->scratch_bytes};
-    dnnl_memory_t sm = NULL, dm = NULL, spm = NULL;
-    kvarn_status st = from_dnnl(dnnl_memory_desc_init_by_tag(&smd, 2, sd, dnnl_bf16, dnnl_ab));
-    if (!st) st = from_dnnl(dnnl_memory_desc_init_by_tag(&dmd, 2, dd, dnnl_f32, dnnl_ab));
-    if (!st) st = from_dnnl(dnnl_memory_create(&sm, &smd, eng, c->xb));
-    if (!st) st = from_dnnl(dnnl_memory_create(&dm, &dmd, eng, y));
-    if (!st && w->scratch_bytes) {
-        st = from_dnnl(dnnl_memory_desc_init_by_tag(&spmd, 1, spd, dnnl_u8, dnnl_a));
-        if (!st) st = from_dnnl(dnnl_memory_create(&spm, &spmd, eng, c->scratch));
+    const int q8 = w->wscale != NULL;
+    if (q8) quantize_rows(c, x, n, w->in);
+    else
+        for (size_t i = 0, cnt = (size_t)n * (size_t)w->in; i < cnt; i++)
+            c->xb[i] = kvarn_fp32_to_bf16(x[i]);
+    const int B = LLAMA_MM_BLOCK;
+    size_t xrow = q8 ? (size_t)w->in : (size_t)w->in * sizeof(uint16_t); /* bytes */
+    char *xs = q8 ? (char *)c->xq : (char *)c->xb;
+    if (n == 1) {
+        kvarn_status st = run_prim(c, w, (dnnl_primitive_t)w->prim1, 1, xs, y);
+        if (st == KVARN_OK && q8) scale_rows(c->xs, 0, 1, w->out, y);
+        return st;
     }
-    if (!st) {
-        dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, sm}, {DNNL_ARG_WEIGHTS, (dnnl_memory_t)w->wmem},
-                                   {DNNL_ARG_DST, dm}, {DNNL_ARG_SCRATCHPAD, spm}};
-        st = from_dnnl(dnnl_primitive_execute((dnnl_primitive_t)w->prim,
-                                              (dnnl_stream_t)c->stream, spm ? 4 : 3, args));
-        if (!st) st = from_dnnl(dnnl_stream_wait((dnnl_stream_t)c->stream));
+    if (n < B) {
+        /* one block: rows n..B-1 of the activations are left from earlier
+         * calls (or zero), multiplied into ypad and dropped */
+        kvarn_status st = run_prim(c, w, (dnnl_primitive_t)w->primb, B, xs, c->ypad);
+        if (st != KVARN_OK) return st;
+        memcpy(y, c->ypad, sizeof(float) * (size_t)n * (size_t)w->out);
+        if (q8) scale_rows(c->xs, 0, n, w->out, y);
+        return KVARN_OK;
     }
-    if (spm) dnnl_memory_destroy(spm);
-    if (dm) dnnl_memory_destroy(dm);
-    if (sm) dnnl_memory_destroy(sm);
-    return st;
+    /* whole blocks; the last one ends at row n (rows it shares with the
+     * block before are computed and scaled again) */
+    for (int r0 = 0;; r0 += B) {
+        if (r0 > n - B) r0 = n - B;
+        float *yb = y + (size_t)r0 * (size_t)w->out;
+        kvarn_status st = run_prim(c, w, (dnnl_primitive_t)w->primb, B,
+                                   xs + (size_t)r0 * xrow, yb);
+        if (st != KVARN_OK) return st;
+        if (q8) scale_rows(c->xs, r0, B, w->out, yb);
+        if (r0 == n - B) return KVARN_OK;
+    }
 #else
     (void)c;
     (void)x;

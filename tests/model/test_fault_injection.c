@@ -644,6 +644,24 @@ static void test_gguf_model_tokenizer_load(void **state)
     /* The model, the row buffer, 3 whole-model tensors, the layer table, 6
      * per layer (fp32 weights: ctest sets KVARN_WEIGHTS=fp32). */
     assert_int_equal(fault_loop(&op, &fa), 1 + 1 + 3 + 1 + 6 * NL);
+    /* bf16 and int8 weights: the same, plus the blocked copy of every
+     * multiplied matrix (and int8's row scales); each refusal NOMEM, no
+     * leak (skipped where the build has no oneDNN). */
+    const char *wname[2] = { "bf16", "int8" }, *env = getenv("KVARN_WEIGHTS");
+    char saved[16] = "";
+    if (env) snprintf(saved, sizeof saved, "%s", env);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(setenv("KVARN_WEIGHTS", wname[i], 1), 0);
+        kvarn_llama *probe = NULL;
+        kvarn_status pst = kvarn_llama_load_gguf(g, &probe);
+        kvarn_llama_free(probe);
+        if (pst == KVARN_ERR_UNSUPPORTED) continue;
+        assert_int_equal(pst, KVARN_OK);
+        op = (fault_op){ "kvarn_llama_load_gguf_ex (bf16/int8)", load_run, load_undo, NULL, &x, 0 };
+        assert_true(fault_loop(&op, &fa) > 1 + 1 + 3 + 1 + 6 * NL);
+    }
+    if (env) assert_int_equal(setenv("KVARN_WEIGHTS", saved, 1), 0);
+    else assert_int_equal(unsetenv("KVARN_WEIGHTS"), 0);
 
     op = (fault_op){ "kvarn_tokenizer_from_gguf_ex", tok_gguf_run, tok_undo, NULL, &x, 1 };
     fault_loop(&op, &fa);

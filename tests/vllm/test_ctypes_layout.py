@@ -1,0 +1,42 @@
+"""The plug-in's ctypes mirrors of the C structs (python/kvarn_vllm/_lib.py)
+have the C compiler's layout: every field's offset and each struct's size,
+read from a small C program built against include/kvarn. A field added to
+paged.h without its mirror fails here, not as wild memory in a server."""
+import ctypes
+import os
+import subprocess
+
+import pytest
+
+from kvarn_vllm import _lib
+from conftest import ROOT
+
+STRUCTS = {"kvarn_format": _lib.Format, "kvarn_paged_kv": _lib.PagedKV,
+           "kvarn_seq_view": _lib.SeqView, "kvarn_attn_opts": _lib.AttnOpts}
+
+
+@pytest.fixture(scope="module")
+def c_layout(tmp_path_factory):
+    d = tmp_path_factory.mktemp("layout")
+    lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "kvarn/paged.h"',
+             '#include "kvarn/attn.h"', 'int main(void) {']
+    for cname, py in STRUCTS.items():
+        lines.append(f'printf("{cname} size %zu\\n", sizeof({cname}));')
+        for f, _ in py._fields_:
+            lines.append(f'printf("{cname} {f} %zu\\n", offsetof({cname}, {f}));')
+    lines += ['return 0;', '}']
+    src = d / "layout.c"
+    src.write_text("\n".join(lines))
+    exe = d / "layout"
+    subprocess.run(["cc", "-std=c11", "-I", os.path.join(ROOT, "include"), str(src), "-o",
+                    str(exe)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    return {tuple(l.split()[:2]): int(l.split()[2]) for l in out.splitlines()}
+
+
+@pytest.mark.parametrize("cname", list(STRUCTS))
+def test_struct_matches_c(c_layout, cname):
+    py = STRUCTS[cname]
+    assert ctypes.sizeof(py) == c_layout[(cname, "size")]
+    for f, _ in py._fields_:
+        assert getattr(py, f).offset == c_layout[(cname, f)], f
