@@ -71,10 +71,7 @@ def lib():
         "kvarn_format_parse": (I, [S, ctypes.POINTER(Format)]),
         "kvarn_format_check_head_dim": (I, [ctypes.POINTER(Format), I]),
         "kvarn_format_explain": (S, [I, S, I, ctypes.c_char_p, Z]),
-        "kvarn_format_count": (I, []),
-        "kvarn_format_name_at": (S, [I]),
         "kvarn_record_bytes": (Z, [ctypes.POINTER(Format), I]),
-        "kvarn_decode": (I, [ctypes.POINTER(Format), I, P, Z, P, P, ctypes.c_uint]),
         "kvarn_paged_check": (I, [ctypes.POINTER(PagedKV)]),
         "kvarn_paged_store": (I, [ctypes.POINTER(PagedKV), P, P, P, I]),
         "kvarn_paged_commit_workspace_bytes": (Z, [ctypes.POINTER(PagedKV)]),
@@ -83,8 +80,6 @@ def lib():
                                            ctypes.POINTER(AttnOpts)]),
         "kvarn_attn_multi": (I, [ctypes.POINTER(PagedKV), P, I, P, I, P, P,
                                  ctypes.POINTER(AttnOpts), P, P, Z]),
-        "kvarn_attn_multi_lse": (I, [ctypes.POINTER(PagedKV), P, I, P, I, P, P, P,
-                                     ctypes.POINTER(AttnOpts), P, P, Z]),
         "kvarn_thread_pool_create": (I, [I, ctypes.POINTER(P)]),
         "kvarn_thread_pool_size": (I, [P]),
     }
@@ -118,11 +113,6 @@ def parse_format(name: str, head_dim: int = 0) -> Format:
         L.kvarn_format_explain(st, name.encode(), head_dim, buf, len(buf))
         raise ValueError(buf.value.decode())
     return f
-
-
-def format_names() -> list:
-    L = lib()
-    return [L.kvarn_format_name_at(i).decode() for i in range(L.kvarn_format_count())]
 
 
 def record_bytes(fmt: Format, head_dim: int) -> int:

@@ -64,8 +64,6 @@ class KvarnMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    causal: bool = True
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
@@ -79,9 +77,7 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                              max_query_len=m.max_query_len,
                              query_start_loc=m.query_start_loc[: m.num_reqs + 1],
                              seq_lens=m.seq_lens[: m.num_reqs],
-                             block_table=m.block_table_tensor[: m.num_reqs],
-                             slot_mapping=m.slot_mapping,
-                             causal=bool(m.causal) if not isinstance(m.causal, torch.Tensor) else True)
+                             block_table=m.block_table_tensor[: m.num_reqs])
 
 
 class KvarnAttentionBackend(AttentionBackend):
@@ -238,16 +234,14 @@ class KvarnAttentionImpl(AttentionImpl):
             self._setup(layer, kv_cache)
         p = _State.plan
         n = md.num_actual_tokens
-        Hq, Hk, D = self.num_heads, self.num_kv_heads, self.head_size
+        Hq, D = self.num_heads, self.head_size
         q = query[:n].reshape(n, Hq, D).float().contiguous()
-        k = key[:n].reshape(n, Hk, D).float()
-        v = value[:n].reshape(n, Hk, D).float()
         # full tiles first: the queries of later tiles read their records
         self._commit(kv_cache, p)
         out = output[:n].view(n, Hq, D)
         res = torch.empty((n, Hq, D), dtype=torch.float32)
         self._attend(kv_cache, p, q, res)
-        out.copy_(res.to(out.dtype))
+        out.copy_(res)  # converts to the model's dtype
         if self.layer_index == len(_State.layers) - 1:
             _State.staging.finish(p)
         return output
