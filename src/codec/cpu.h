@@ -26,9 +26,10 @@ typedef enum kvarn_cpu_level {
     KVARN_CPU_AVX512 = 2, /* AVX-512 F/BW/VL, and everything AVX2 has */
 } kvarn_cpu_level;
 
-/* The SIMD level to run: the CPU's level, capped by KVARN_SIMD. Read once
- * per call (getenv is cheap next to a kernel call; callers that dispatch in
- * inner loops should hoist it). Thread-safe: no state is kept. */
+/* The SIMD level to run: the CPU's level (CPUID read once per process and
+ * kept), capped by KVARN_SIMD (read on every call, so a test can change it
+ * between calls; getenv scans the environment, so callers that dispatch per
+ * row or per token should hoist the call out of the loop). Thread-safe. */
 kvarn_cpu_level kvarn__cpu_level(void);
 
 /* The name of a level: "scalar", "avx2", "avx512". */
