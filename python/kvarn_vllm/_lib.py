@@ -1,8 +1,10 @@
-"""ctypes bindings to libkvarn.so: the few C calls the plug-in makes.
+"""ctypes bindings to libkvarn.so (and, on a GPU, libkvarn_cuda.so): the
+few C calls the plug-in makes.
 
-The library is found, in order, at $KVARN_LIBRARY, next to this file, or in
-the repository's build/ (the package installed editable from python/).
-Every call hands data_ptr()s of existing tensors: nothing is copied.
+Each library is found, in order, at $KVARN_LIBRARY / $KVARN_CUDA_LIBRARY,
+next to this file, or in the repository's build/ (the package installed
+editable from python/). Every call hands data_ptr()s of existing tensors:
+nothing is copied.
 """
 import ctypes
 import os
@@ -10,17 +12,18 @@ import os
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _find_library() -> str:
-    cands = [os.environ.get("KVARN_LIBRARY", ""),
-             os.path.join(_HERE, "libkvarn.so"),
-             os.path.join(_HERE, "..", "..", "build", "libkvarn.so")]
+def _find_library(file: str = "libkvarn.so", env: str = "KVARN_LIBRARY",
+                  target: str = "kvarn_shared") -> str:
+    cands = [os.environ.get(env, ""),
+             os.path.join(_HERE, file),
+             os.path.join(_HERE, "..", "..", "build", file)]
     for c in cands:
         if c and os.path.exists(c):
             return os.path.abspath(c)
     raise RuntimeError(
-        "kvarn_vllm: libkvarn.so not found (looked at $KVARN_LIBRARY, "
+        f"kvarn_vllm: {file} not found (looked at ${env}, "
         f"{cands[1]}, {cands[2]}); build it with "
-        "`cmake -S . -B build && cmake --build build --target kvarn_shared`")
+        f"`cmake -S . -B build && cmake --build build --target {target}`")
 
 
 KIND_KVARN = 6
@@ -57,7 +60,69 @@ class AttnOpts(ctypes.Structure):
                 ("causal", ctypes.c_int), ("testing", ctypes.c_void_p)]
 
 
+class CudaAttnShape(ctypes.Structure):
+    """include/kvarn/cuda.h: kvarn_cuda_attn_shape."""
+    _fields_ = [("num_seqs", ctypes.c_int), ("num_heads", ctypes.c_int),
+                ("max_blocks_per_seq", ctypes.c_int), ("max_seq_len", ctypes.c_int),
+                ("max_query_len", ctypes.c_int), ("sliding_window", ctypes.c_int),
+                ("softmax_scale", ctypes.c_float)]
+
+
+class CudaAttnPlan(ctypes.Structure):
+    """include/kvarn/cuda.h: kvarn_cuda_attn_plan."""
+    _fields_ = [("shape", CudaAttnShape), ("group_size", ctypes.c_int),
+                ("row_chunks", ctypes.c_int), ("num_splits", ctypes.c_int),
+                ("workspace_bytes", ctypes.c_size_t)]
+
+
+class CudaAttnArgs(ctypes.Structure):
+    """include/kvarn/cuda.h: kvarn_cuda_attn_args (device pointers)."""
+    _fields_ = [("q", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("block_tables", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
+                ("committed_tiles", ctypes.c_void_p), ("query_start_loc", ctypes.c_void_p)]
+
+
+CUDA_F16, CUDA_BF16 = 0, 1   # kvarn_cuda_dtype
+
 _lib = None
+_cuda = None
+
+
+def cuda_lib():
+    """libkvarn_cuda.so (built when nvcc is found: target kvarn_cuda_shared),
+    with its signatures set. Testing only: $KVARN_TEST_CUDA_EMULATOR names a
+    Python file whose `library()` returns an object with the same functions
+    (tests/vllm/cuda_emulator.py), so that the CUDA calls the backend makes
+    can be run on a machine without a GPU (docs/vllm.md "GPU")."""
+    global _cuda
+    if _cuda is not None:
+        return _cuda
+    emu = os.environ.get("KVARN_TEST_CUDA_EMULATOR", "")
+    if emu:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("kvarn_cuda_emulator", emu)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _cuda = mod.library()
+        return _cuda
+    C = ctypes.CDLL(_find_library("libkvarn_cuda.so", "KVARN_CUDA_LIBRARY", "kvarn_cuda_shared"))
+    P, I = ctypes.c_void_p, ctypes.c_int
+    pkv = ctypes.POINTER(PagedKV)
+    sig = {
+        "kvarn_cuda_sm_count": (I, [I, ctypes.POINTER(I)]),
+        "kvarn_cuda_check_kv": (I, [pkv]),
+        "kvarn_cuda_store": (I, [pkv, I, P, P, P, I, P]),
+        "kvarn_cuda_commit": (I, [pkv, P, P, I, P, P]),
+        "kvarn_cuda_attn_plan_make": (I, [pkv, ctypes.POINTER(CudaAttnShape), I,
+                                          ctypes.POINTER(CudaAttnPlan)]),
+        "kvarn_cuda_attention": (I, [pkv, ctypes.POINTER(CudaAttnPlan),
+                                     ctypes.POINTER(CudaAttnArgs), P, ctypes.c_size_t, P]),
+    }
+    for name, (res, args) in sig.items():
+        f = getattr(C, name)
+        f.restype, f.argtypes = res, args
+    _cuda = C
+    return C
 
 
 def lib():

@@ -18,8 +18,9 @@ A step, for each sequence with q_len new tokens:
                       sink) and its own tile in fp16 up to itself, what the
                       token would see decoded one at a time (docs/vllm.md
                       "A step").
+The calls go through ops.py: the CPU kernels for CPU tensors, the CUDA
+kernels (libkvarn_cuda.so) for CUDA tensors, same pages, same plan.
 """
-import ctypes
 import os
 from dataclasses import dataclass
 from typing import ClassVar
@@ -33,6 +34,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl,
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import _lib
+from .ops import make_ops
 from .staging import Staging, pool_slots
 
 SINK_TILES = int(os.environ.get("KVARN_SINK_TILES", "1"))
@@ -45,8 +47,7 @@ class _State:
     staging: Staging | None = None
     plan = None
     plan_meta = None
-    pool = None
-    scratch = {}
+    ops = None          # ops.CpuOps or ops.CudaOps, by the cache's device
     runner = None
     max_num_seqs = 0
     max_batched_tokens = 0
@@ -189,14 +190,16 @@ class KvarnAttentionImpl(AttentionImpl):
             n_scr = -(-_State.max_batched_tokens // self.G) + 1
             _State.staging = Staging(n, self.G, SINK_TILES, kv_cache.shape[0], n_scr)
             _State.staging.live_blocks = _live_blocks
-            L = _lib.lib()
-            p = ctypes.c_void_p()
-            n_thr = int(os.environ.get("KVARN_ATTN_THREADS", "0")) or torch.get_num_threads()
-            _lib.check(L.kvarn_thread_pool_create(max(1, n_thr), ctypes.byref(p)), "thread pool")
-            _State.pool = p
+            _State.ops = make_ops(kv_cache.device)
+            from vllm.logger import init_logger
+            init_logger("vllm.kvarn_vllm").info("kvarn: %s kernels on %s, cache %s",
+                                           _State.ops.name, kv_cache.device,
+                                           self.fmt.name.decode())
         st = _State.staging
         self.pool_tensor = torch.zeros((st.n_slots + st.n_scratch, self.num_kv_heads, 2, self.G,
-                                        self.head_size), dtype=torch.int16)
+                                        self.head_size), dtype=torch.int16,
+                                       device=kv_cache.device)
+        _State.ops.check(self._view(kv_cache, self.pool_tensor))
 
     # ------------------------------------------------------------------ store
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -215,12 +218,8 @@ class KvarnAttentionImpl(AttentionImpl):
                                               md.block_table.cpu().numpy(), n)
             _State.plan_meta = md
         p = _State.plan
-        k = key[:n].reshape(n, self.num_kv_heads, self.head_size).float().contiguous()
-        v = value[:n].reshape(n, self.num_kv_heads, self.head_size).float().contiguous()
-        L = _lib.lib()
-        view = self._view(kv_cache, self.pool_tensor)
-        _lib.check(L.kvarn_paged_store(ctypes.byref(view), k.data_ptr(), v.data_ptr(),
-                                       p.store_slots.ctypes.data, n), "store")
+        _State.ops.store(self._view(kv_cache, self.pool_tensor), key, value, p.store_slots, n,
+                         self.num_kv_heads, self.head_size)
 
     # ------------------------------------------------------------------ attend
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -239,7 +238,7 @@ class KvarnAttentionImpl(AttentionImpl):
         # full tiles first: the queries of later tiles read their records
         self._commit(kv_cache, p)
         out = output[:n].view(n, Hq, D)
-        res = torch.empty((n, Hq, D), dtype=torch.float32)
+        res = torch.empty((n, Hq, D), dtype=torch.float32, device=q.device)
         self._attend(kv_cache, p, q, res)
         out.copy_(res)  # converts to the model's dtype
         if self.layer_index == len(_State.layers) - 1:
@@ -250,7 +249,6 @@ class KvarnAttentionImpl(AttentionImpl):
         """Every query group through the fused kernels, causal: records for
         tiles [sink, t), fp16 sink tiles, and its own tile t in fp16 up to
         and including the query (docs/vllm.md "A step")."""
-        L = _lib.lib()
         ng = len(p.groups)
         if ng == 0:
             return
@@ -271,25 +269,9 @@ class KvarnAttentionImpl(AttentionImpl):
                 qsl = np.zeros(len(sel) + 1, dtype=np.int32)
                 qsl[1:] = np.cumsum([b - a for a, b in rows])
                 osel = torch.empty_like(qsel)
-            seqs = (_lib.SeqView * len(sel))()
-            for jj, j in enumerate(sel):
-                seqs[jj].block_table = p.g_tables[j].ctypes.data
-                seqs[jj].seq_len = int(p.g_len[j])
-                seqs[jj].committed_tiles = int(p.g_committed[j])
-            opts = _lib.AttnOpts(self.scale, self.sliding_window, 1, None)
-            nthr = L.kvarn_thread_pool_size(_State.pool)
-            ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), self.num_heads, len(sel),
-                                                    int(qsel.shape[0]), nthr, ctypes.byref(opts))
-            if ws_bytes == 0:
-                raise _lib.KvarnError("kvarn: attention workspace size refused")
-            ws = _State.scratch.get("ws")
-            if ws is None or ws.numel() < ws_bytes:
-                ws = torch.empty(ws_bytes, dtype=torch.uint8)
-                _State.scratch["ws"] = ws
-            _lib.check(L.kvarn_attn_multi(ctypes.byref(view), ctypes.addressof(seqs), len(sel),
-                                          qsl.ctypes.data, self.num_heads, qsel.data_ptr(),
-                                          osel.data_ptr(), ctypes.byref(opts), _State.pool,
-                                          ws.data_ptr(), ws.numel()), "attention")
+            _State.ops.attend(view, np.ascontiguousarray(p.g_tables[sel]), p.g_len[sel],
+                              p.g_committed[sel], qsl, qsel, osel, self.num_heads, self.scale,
+                              self.sliding_window)
             if not whole:
                 off = 0
                 for a, b in rows:
@@ -299,17 +281,9 @@ class KvarnAttentionImpl(AttentionImpl):
     def _commit(self, kv_cache, p) -> None:
         if not p.commit_pool:
             return
-        L = _lib.lib()
-        view = self._view(kv_cache, self.pool_tensor)
         src = np.array([s for s, _ in p.commit_pool], dtype=np.int32)
         dst = np.array([b for _, b in p.commit_pool], dtype=np.int32)
-        ws_bytes = L.kvarn_paged_commit_workspace_bytes(ctypes.byref(view))
-        ws = _State.scratch.get("cws")
-        if ws is None:
-            ws = torch.empty(ws_bytes, dtype=torch.uint8)
-            _State.scratch["cws"] = ws
-        _lib.check(L.kvarn_paged_commit(ctypes.byref(view), src.ctypes.data, dst.ctypes.data,
-                                        len(src), None, ws.data_ptr(), ws_bytes), "commit")
+        _State.ops.commit(self._view(kv_cache, self.pool_tensor), src, dst)
 
 
 def _live_blocks() -> set:

@@ -9,11 +9,16 @@ What it changes, all at load, nothing on disk:
     to the library, whose error lists what is accepted;
   - STR_DTYPE_TO_TORCH_DTYPE maps them to uint8 (pages of record bytes);
   - CpuPlatform.get_attn_backend_cls returns the kvarn backend for them
-    (vLLM's CPU platform otherwise honours only CPU_ATTN);
-  - the CPU worker takes the fp16 staging pool out of the KV budget, so the
-    capacity vLLM reports is what the cache holds;
-  - the CPU model runner's _zero_block_ids also resets the staging state
-    of blocks vLLM hands out again.
+    (vLLM's CPU platform otherwise honours only CPU_ATTN); on a CUDA
+    platform CudaPlatform.get_attn_backend_cls does the same;
+  - the worker (CPUWorker, or the GPU Worker) takes the fp16 staging pool
+    out of the KV budget, so the capacity vLLM reports is what the cache
+    holds;
+  - the model runner's _zero_block_ids (CPUModelRunner, GPUModelRunner)
+    also resets the staging state of blocks vLLM hands out again.
+The CUDA hooks are applied only where vLLM's current platform is CUDA (the
+CPU build cannot import vllm.platforms.cuda); the CUDA path has not been
+run on a GPU (docs/vllm.md "GPU").
 """
 import itertools
 import typing
@@ -117,11 +122,28 @@ def _patch_cli() -> None:
     au.EngineArgs.create_engine_config = create_engine_config
 
 
+def _on_cuda() -> bool:
+    try:
+        from vllm.platforms import current_platform
+        return bool(current_platform.is_cuda())
+    except Exception:  # platform detection failed: vLLM reports it itself
+        return False
+
+
 def _patch_platform() -> None:
     from vllm.platforms.cpu import CpuPlatform
-    if getattr(CpuPlatform.get_attn_backend_cls, "_kvarn", False):
+    _patch_platform_cls(CpuPlatform)
+    if _on_cuda():
+        from vllm.platforms.cuda import CudaPlatform
+        _patch_platform_cls(CudaPlatform)
+
+
+def _patch_platform_cls(Platform) -> None:
+    """Platform.get_attn_backend_cls returns the kvarn backend for kvarn
+    cache dtypes and asks the original otherwise."""
+    if getattr(Platform.get_attn_backend_cls, "_kvarn", False):
         return
-    orig = CpuPlatform.get_attn_backend_cls.__func__
+    orig = Platform.get_attn_backend_cls.__func__
 
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         from .backend import is_kvarn_dtype
@@ -131,7 +153,7 @@ def _patch_platform() -> None:
             return BACKEND_PATH
         return orig(cls, selected_backend, attn_selector_config, num_heads)
     get_attn_backend_cls._kvarn = True
-    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    Platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
 
 
 def staging_bytes(vllm_config) -> int:
@@ -151,9 +173,20 @@ def staging_bytes(vllm_config) -> int:
 def _patch_worker() -> None:
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    if getattr(CPUWorker.determine_available_memory, "_kvarn", False):
+    _patch_worker_cls(CPUWorker, CPUModelRunner, "VLLM_CPU_KVCACHE_SPACE")
+    if _on_cuda():
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        from vllm.v1.worker.gpu_worker import Worker
+        _patch_worker_cls(Worker, GPUModelRunner, "--gpu-memory-utilization")
+
+
+def _patch_worker_cls(Worker, Runner, budget_knob: str) -> None:
+    """Worker.determine_available_memory minus the staging pool;
+    Runner._zero_block_ids also resets the staging state. Each class's own
+    method is wrapped (CPUWorker and the GPU Worker each define theirs)."""
+    if getattr(Worker.__dict__.get("determine_available_memory"), "_kvarn", False):
         return
-    orig_mem = CPUWorker.determine_available_memory
+    orig_mem = Worker.__dict__["determine_available_memory"]
 
     def determine_available_memory(self):
         avail = orig_mem(self)
@@ -166,17 +199,17 @@ def _patch_worker() -> None:
                 f"kvarn: the fp16 staging pool for max_num_seqs="
                 f"{self.vllm_config.scheduler_config.max_num_seqs} takes {pool / 2**30:.2f} GiB, "
                 f"more than the {avail / 2**30:.2f} GiB KV budget; lower --max-num-seqs "
-                "or raise VLLM_CPU_KVCACHE_SPACE")
+                f"or raise {budget_knob}")
         from vllm.logger import init_logger
-        init_logger("kvarn_vllm").info(
+        init_logger("vllm.kvarn_vllm").info(
             "kvarn: fp16 staging pool %.1f MiB (max_num_seqs=%d) taken out of the %.1f MiB "
             "KV budget", pool / 2**20, self.vllm_config.scheduler_config.max_num_seqs,
             avail / 2**20)
         return avail - pool
     determine_available_memory._kvarn = True
-    CPUWorker.determine_available_memory = determine_available_memory
+    Worker.determine_available_memory = determine_available_memory
 
-    orig_zero = CPUModelRunner._zero_block_ids
+    orig_zero = Runner.__dict__["_zero_block_ids"]
 
     def _zero_block_ids(self, block_ids):
         from .backend import _State
@@ -184,7 +217,7 @@ def _patch_worker() -> None:
         if _State.staging is not None:
             _State.staging.reset_blocks(block_ids)
         return orig_zero(self, block_ids)
-    CPUModelRunner._zero_block_ids = _zero_block_ids
+    Runner._zero_block_ids = _zero_block_ids
 
 
 def _register_backend() -> None:

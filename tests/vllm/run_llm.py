@@ -8,7 +8,8 @@ Keys: model, kv_cache_dtype, block_size (128), kv_space_gib (1),
 max_num_seqs (8), max_num_batched_tokens (null: vLLM's), prefix_caching
 (false), warm_prompts (run first, e.g. to fill the prefix cache),
 load_format, prompts (text) or prompt_ids (token-id lists), max_tokens (16),
-logprobs (null), prompt_logprobs (null), max_logprobs (20).
+logprobs (null), prompt_logprobs (null), max_logprobs (20), dtype (the
+model's, "float32"), env (variables set before vLLM is imported).
 Prints {"kv_tokens": N, "outputs": [{"text", "token_ids", "logprobs",
 "prompt_logprobs"}...]}; logprobs as [{token_id: logprob}] per position.
 """
@@ -20,9 +21,10 @@ import sys
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.get("kv_space_gib", 1))
+    os.environ.update(cfg.get("env", {}))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    kw = dict(model=cfg["model"], dtype="float32", enforce_eager=True, seed=0,
+    kw = dict(model=cfg["model"], dtype=cfg.get("dtype", "float32"), enforce_eager=True, seed=0,
               kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"),
               block_size=cfg.get("block_size", 128),
               max_num_seqs=cfg.get("max_num_seqs", 8),

@@ -12,14 +12,17 @@ from kvarn_vllm import _lib
 from conftest import ROOT
 
 STRUCTS = {"kvarn_format": _lib.Format, "kvarn_paged_kv": _lib.PagedKV,
-           "kvarn_seq_view": _lib.SeqView, "kvarn_attn_opts": _lib.AttnOpts}
+           "kvarn_seq_view": _lib.SeqView, "kvarn_attn_opts": _lib.AttnOpts,
+           "kvarn_cuda_attn_shape": _lib.CudaAttnShape,
+           "kvarn_cuda_attn_plan": _lib.CudaAttnPlan,
+           "kvarn_cuda_attn_args": _lib.CudaAttnArgs}
 
 
 @pytest.fixture(scope="module")
 def c_layout(tmp_path_factory):
     d = tmp_path_factory.mktemp("layout")
     lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "kvarn/paged.h"',
-             '#include "kvarn/attn.h"', 'int main(void) {']
+             '#include "kvarn/attn.h"', '#include "kvarn/cuda.h"', 'int main(void) {']
     for cname, py in STRUCTS.items():
         lines.append(f'printf("{cname} size %zu\\n", sizeof({cname}));')
         for f, _ in py._fields_:

@@ -1,0 +1,156 @@
+"""The three things the backend asks of kvarn each step -- store new K/V,
+commit full tiles, attend -- once per device kind, on the same pages:
+
+  CpuOps   libkvarn.so: kvarn_paged_store / kvarn_paged_commit /
+           kvarn_attn_multi (include/kvarn/paged_ops.h, attn.h), the C
+           thread pool, fp32 activations.
+  CudaOps  libkvarn_cuda.so: kvarn_cuda_store / kvarn_cuda_commit /
+           kvarn_cuda_attention (include/kvarn/cuda.h) on the tensors'
+           device and torch's current stream; fp16/bf16 activations.
+
+Both take the same kvarn_paged_kv view (paged.h) of vLLM's per-layer cache
+tensor and the fp16 staging pool, and the same per-group arrays from the
+step's plan (staging.py): one attention entry per (sequence, tile) group of
+queries, its block table row, seq_len, committed tiles and query range.
+"""
+import ctypes
+import os
+
+import numpy as np
+import torch
+
+from . import _lib
+
+
+class CpuOps:
+    """The CPU kernels (the path the tests run end to end)."""
+    name = "cpu"
+
+    def __init__(self, device):
+        L = _lib.lib()
+        p = ctypes.c_void_p()
+        n_thr = int(os.environ.get("KVARN_ATTN_THREADS", "0")) or torch.get_num_threads()
+        _lib.check(L.kvarn_thread_pool_create(max(1, n_thr), ctypes.byref(p)), "thread pool")
+        self.pool = p
+        self.ws = None
+        self.cws = None
+
+    def check(self, view) -> None:
+        _lib.check(_lib.lib().kvarn_paged_check(ctypes.byref(view)), "page layout check")
+
+    def store(self, view, key, value, slots: np.ndarray, n: int, Hk: int, D: int) -> None:
+        """key, value: [>= n, Hk * D] any float dtype; slots: int64 [n]."""
+        k = key[:n].reshape(n, Hk, D).float().contiguous()
+        v = value[:n].reshape(n, Hk, D).float().contiguous()
+        _lib.check(_lib.lib().kvarn_paged_store(ctypes.byref(view), k.data_ptr(), v.data_ptr(),
+                                                slots.ctypes.data, n), "store")
+
+    def commit(self, view, src: np.ndarray, dst: np.ndarray) -> None:
+        """src: fp16 page ids, dst: block ids, int32 [n_tiles]."""
+        L = _lib.lib()
+        ws_bytes = L.kvarn_paged_commit_workspace_bytes(ctypes.byref(view))
+        if self.cws is None or self.cws.numel() < ws_bytes:
+            self.cws = torch.empty(ws_bytes, dtype=torch.uint8)  # 64-byte aligned
+        _lib.check(L.kvarn_paged_commit(ctypes.byref(view), src.ctypes.data, dst.ctypes.data,
+                                        len(src), None, self.cws.data_ptr(), ws_bytes), "commit")
+
+    def attend(self, view, tables: np.ndarray, lens: np.ndarray, committed: np.ndarray,
+               qsl: np.ndarray, q: torch.Tensor, out: torch.Tensor, num_heads: int,
+               scale: float, window: int) -> None:
+        """tables int32 [ng, W]; lens, committed int32 [ng]; qsl int32 [ng+1]
+        (from 0); q, out fp32 [qsl[-1], Hq, D] contiguous."""
+        L = _lib.lib()
+        ng = len(lens)
+        seqs = (_lib.SeqView * ng)()
+        for j in range(ng):
+            seqs[j].block_table = tables[j].ctypes.data
+            seqs[j].seq_len = int(lens[j])
+            seqs[j].committed_tiles = int(committed[j])
+        opts = _lib.AttnOpts(scale, window, 1, None)
+        nthr = L.kvarn_thread_pool_size(self.pool)
+        ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), num_heads, ng,
+                                                int(q.shape[0]), nthr, ctypes.byref(opts))
+        if ws_bytes == 0:
+            raise _lib.KvarnError("kvarn: attention workspace size refused")
+        if self.ws is None or self.ws.numel() < ws_bytes:
+            self.ws = torch.empty(ws_bytes, dtype=torch.uint8)
+        _lib.check(L.kvarn_attn_multi(ctypes.byref(view), ctypes.addressof(seqs), ng,
+                                      qsl.ctypes.data, num_heads, q.data_ptr(), out.data_ptr(),
+                                      ctypes.byref(opts), self.pool, self.ws.data_ptr(),
+                                      self.ws.numel()), "attention")
+
+
+class CudaOps:
+    """The CUDA kernels (src/cuda), on the device of vLLM's cache tensors.
+    Not run on this project's CPU machines; tests/vllm runs this class
+    against tests/vllm/cuda_emulator.py (same calls, CPU kernels)."""
+    name = "cuda"
+    _DTYPES = {torch.float16: _lib.CUDA_F16, torch.bfloat16: _lib.CUDA_BF16}
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.C = _lib.cuda_lib()
+        n = ctypes.c_int(0)
+        idx = self.device.index if self.device.index is not None else 0
+        if self.device.type == "cuda":
+            _lib.check(self.C.kvarn_cuda_sm_count(idx, ctypes.byref(n)), "CUDA device query")
+        self.num_sms = n.value   # 0 (no split-K) where there is no device
+        self.ws = None
+
+    def _stream(self):
+        if self.device.type != "cuda":
+            return None
+        return ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def _dev(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+    def check(self, view) -> None:
+        _lib.check(self.C.kvarn_cuda_check_kv(ctypes.byref(view)), "CUDA page layout check")
+
+    def store(self, view, key, value, slots: np.ndarray, n: int, Hk: int, D: int) -> None:
+        dt = self._DTYPES.get(key.dtype)
+        if dt is None:
+            raise _lib.KvarnError(
+                f"kvarn: the CUDA store takes float16 or bfloat16 activations, not {key.dtype}; "
+                "run the model with --dtype bfloat16 or float16")
+        k = key[:n].reshape(n, Hk, D).contiguous()
+        v = value[:n].reshape(n, Hk, D).contiguous()
+        s = self._dev(slots.astype(np.int64))
+        _lib.check(self.C.kvarn_cuda_store(ctypes.byref(view), dt, k.data_ptr(), v.data_ptr(),
+                                           s.data_ptr(), n, self._stream()), "CUDA store")
+
+    def commit(self, view, src: np.ndarray, dst: np.ndarray) -> None:
+        s, d = self._dev(src.astype(np.int32)), self._dev(dst.astype(np.int32))
+        _lib.check(self.C.kvarn_cuda_commit(ctypes.byref(view), s.data_ptr(), d.data_ptr(),
+                                            len(src), None, self._stream()), "CUDA commit")
+
+    def attend(self, view, tables, lens, committed, qsl, q, out, num_heads, scale,
+               window) -> None:
+        ng = len(lens)
+        shape = _lib.CudaAttnShape(ng, num_heads, int(tables.shape[1]), int(lens.max()),
+                                   int(np.diff(qsl).max()), window, scale)
+        plan = _lib.CudaAttnPlan()
+        _lib.check(self.C.kvarn_cuda_attn_plan_make(ctypes.byref(view), ctypes.byref(shape),
+                                                    self.num_sms, ctypes.byref(plan)),
+                   "CUDA attention plan")
+        need = int(plan.workspace_bytes)
+        if need and (self.ws is None or self.ws.numel() < need):
+            self.ws = torch.empty(need, dtype=torch.uint8, device=self.device)
+        t, ln = self._dev(tables[:ng].astype(np.int32)), self._dev(lens.astype(np.int32))
+        c, ql = self._dev(committed.astype(np.int32)), self._dev(qsl.astype(np.int32))
+        args = _lib.CudaAttnArgs(q.data_ptr(), out.data_ptr(), t.data_ptr(), ln.data_ptr(),
+                                 c.data_ptr(), ql.data_ptr())
+        ws_ptr = self.ws.data_ptr() if need else None
+        _lib.check(self.C.kvarn_cuda_attention(ctypes.byref(view), ctypes.byref(plan),
+                                               ctypes.byref(args), ws_ptr, need, self._stream()),
+                   "CUDA attention")
+
+
+def make_ops(device):
+    """CudaOps for CUDA tensors (or when the test emulator is named), else
+    CpuOps."""
+    dev = torch.device(device)
+    if dev.type == "cuda" or os.environ.get("KVARN_TEST_CUDA_EMULATOR"):
+        return CudaOps(dev)
+    return CpuOps(dev)
