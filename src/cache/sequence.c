@@ -316,7 +316,8 @@ kvarn_status kvarn_cache_seq_view(const kvarn_cache *c, int seq, kvarn_seq_view 
     out->tail_pages = NULL;
     if (c->small_tail) {
         const kvarn_seq *s = &c->seqs[seq];
-        const int first = c->info.sink_tiles + s->n_quant;
+        int first = c->info.sink_tiles + s->n_quant;
+        if (first > c->max_tiles) first = c->max_tiles; /* a sink longer than the sequence */
         out->tail_pages = s->tp + (size_t)first * (size_t)small_per_tile(c);
     }
     return KVARN_OK;
