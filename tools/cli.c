@@ -253,13 +253,21 @@ double cli_session_kv_bytes(kvarn_llama_session *s)
 }
 
 kvarn_status cli_capacity_get(const kvarn_format *f, int layers, int kv_heads, int head_dim,
-                              uint64_t budget, int max_seqs, const int *lens, int n_lens,
-                              cli_capacity *out)
+                              uint64_t budget, int max_seqs, int sink_tokens, int tail_tokens,
+                              const int *lens, int n_lens, cli_capacity *out)
 {
     memset(out, 0, sizeof *out);
     if (n_lens < 0 || n_lens > 8) return KVARN_ERR_INVALID_ARG;
     kvarn_cache_opts o = cli_cache_opts(f, layers, kv_heads, head_dim);
     o.max_seqs = max_seqs;
+    if (f->kind == KVARN_KIND_KVARN) {
+        if (sink_tokens >= 0) {
+            o.sink_tokens = sink_tokens; /* S > 0 replaces the sink tiles */
+            if (sink_tokens == 0) o.sink_tiles = 0;
+        }
+        /* T >= G: whole tail pages, the default */
+        if (tail_tokens > 0 && tail_tokens < f->tile_tokens) o.tail_page_tokens = tail_tokens;
+    }
     kvarn_cache_opts fit;
     kvarn_cache_capacity cap;
     kvarn_status st = kvarn_cache_fit_budget(&o, budget, &fit);

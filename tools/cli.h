@@ -114,8 +114,10 @@ double cli_session_kv_bytes(kvarn_llama_session *s);
 
 /* What a cache in a byte budget holds, all memory counted (the library's
  * kvarn_cache_fit_budget, kvarn_cache_capacity_get, kvarn_cache_seqs_fit):
- * tokens of a cache for max_seqs sequences (its default settings otherwise),
- * and for each of lens[0..n_lens) the requests of that length that fit. */
+ * tokens of a cache for max_seqs sequences (its default settings otherwise:
+ * KVarN sink_tokens S when S >= 0, 0 meaning no sink; tail pages of T
+ * tokens when 0 < T < G, cache.h tail_page_tokens), and for each of
+ * lens[0..n_lens) the requests of that length that fit. */
 typedef struct cli_capacity {
     int block_size;     /* G, tokens */
     int fits;           /* 0: the budget does not hold max_seqs' fp16 pages
@@ -124,7 +126,7 @@ typedef struct cli_capacity {
     int seqs[8];        /* per lens[i] */
 } cli_capacity;
 kvarn_status cli_capacity_get(const kvarn_format *f, int layers, int kv_heads, int head_dim,
-                              uint64_t budget, int max_seqs, const int *lens, int n_lens,
-                              cli_capacity *out);
+                              uint64_t budget, int max_seqs, int sink_tokens, int tail_tokens,
+                              const int *lens, int n_lens, cli_capacity *out);
 
 #endif

@@ -33,6 +33,7 @@ typedef struct eval_opts {
     long ctx, chunk, windows, decode_tokens, threads, passkey_trials;
     long dump_layers; /* 0: all */
     long sink_tokens; /* KVarN fp16 sink tokens S (0: no sink); -1: the default */
+    long tail_tokens; /* KVarN tokens per fp16 tail page; 0: whole tiles */
     int json;
 } eval_opts;
 
@@ -59,6 +60,8 @@ static const cli_option k_options[] = {
      "add passkey retrieval, N keys per depth (default 0: none)"},
     {"sink-tokens", 0, CLI_INT, OPT(sink_tokens), 0, 1 << 16, 0, "--sink-tokens S",
      "KVarN: first S tokens kept in fp16 (default one tile)"},
+    {"tail-page-tokens", 0, CLI_INT, OPT(tail_tokens), 0, 1024, 0, "--tail-page-tokens T",
+     "KVarN: fp16 tail pages of T tokens (T divides G;\ndefault 0: a whole tile)"},
     {"json", 0, CLI_FLAG, OPT(json), 0, 0, 0, "--json", "the report as JSON on stdout"},
     {"dump-kv", 0, CLI_TEXT, OPT(dump_path), 0, 0, 0, "--dump-kv FILE",
      "write the reference's fp32 K/V of the first window"},
@@ -92,6 +95,9 @@ static const cli_command k_command = {
     "--sink-tokens S keeps the first S tokens of KVarN caches in fp16 (default: one\n"
     "tile); when S is not a multiple of the tile the rest of that tile is quantized\n"
     "(docs/paged-cache.md \"The sink\"); S = 0: no sink.\n"
+    "--tail-page-tokens T holds the uncommitted tail of KVarN caches in fp16 pages of\n"
+    "T tokens taken on demand instead of a whole tile (same numbers: same records,\n"
+    "attention bit for bit; docs/paged-cache.md \"Small tail pages\").\n"
     "--dump-kv FILE writes the reference session's fp32 K (post-RoPE) and V of the\n"
     "first window's tokens, as computed before any cache rounding, in the format of\n"
     "docs/kv-dump.md; --dump-layers N keeps the first N layers (default all).\n",
@@ -254,6 +260,7 @@ static int eval_init(eval_run *r, const eval_opts *o, const kvarn_format *fmts, 
     if (cli_session_create("eval", &r->m, &so, "lower --ctx", &r->ref)) return -1;
     so.keep_kv_f32 = 0;
     cli_session_set_sink(&so, o->sink_tokens); /* the formats' sessions only */
+    so.tail_page_tokens = (int)o->tail_tokens;
     r->runs = calloc((size_t)nf, sizeof *r->runs);
     if (r->runs == NULL) { cli_error("eval", "out of memory"); return -1; }
     r->nf = nf;

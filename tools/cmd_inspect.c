@@ -20,9 +20,12 @@ typedef struct inspect_opts {
     long layers, kv_heads, head_dim; /* 0: not given */
     uint64_t budget;                 /* bytes */
     long max_seqs;
+    long sink_tokens;                /* KVarN fp16 sink tokens S; -1: the default */
+    long tail_tokens;                /* KVarN tokens per fp16 tail page; 0: whole tiles */
 } inspect_opts;
 
-static const inspect_opts k_defaults = {.dtypes = "all", .budget = 16ull << 30, .max_seqs = 64};
+static const inspect_opts k_defaults = {.dtypes = "all", .budget = 16ull << 30, .max_seqs = 64,
+                                        .sink_tokens = -1};
 
 #define OPT(f) offsetof(inspect_opts, f)
 static const cli_option k_options[] = {
@@ -37,6 +40,10 @@ static const cli_option k_options[] = {
      "memory for the cache, all of it counted (default 16GiB)"},
     {"max-seqs", 0, CLI_INT, OPT(max_seqs), 1, 1000000, 0, "--max-seqs N",
      "sequences the cache is made for (default 64)"},
+    {"sink-tokens", 0, CLI_INT, OPT(sink_tokens), 0, 1 << 16, 0, "--sink-tokens S",
+     "KVarN: the first S tokens kept in fp16 (default one tile;\n0: no sink)"},
+    {"tail-page-tokens", 0, CLI_INT, OPT(tail_tokens), 0, 1024, 0, "--tail-page-tokens T",
+     "KVarN: fp16 tail pages of T tokens taken on demand\n(T divides G; default 0: a whole tile per page)"},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT
@@ -45,7 +52,8 @@ static const cli_command k_command = {
     "inspect", k_options, sizeof k_options / sizeof k_options[0],
     "usage: kvarn inspect --kv-cache-dtype NAME[,NAME...|all]\n"
     "                     (-m MODEL | --layers L --kv-heads H --head-dim D)\n"
-    "                     [--budget 16GiB] [--max-seqs 64]\n\n",
+    "                     [--budget 16GiB] [--max-seqs 64] [--sink-tokens S]\n"
+    "                     [--tail-page-tokens T]\n\n",
     "Prints, for each format: the block size G, the record bytes per token (all\n"
     "layers and KV heads, K and V, metadata and padding counted) and the multiple\n"
     "against fp16 they give long contexts; then what a paged cache in the budget\n"
@@ -133,7 +141,8 @@ static int inspect_format(const inspect_opts *o, const kvarn_format *f, inspect_
     kvarn_status st = kvarn_format_check_head_dim(f, (int)o->head_dim);
     if (st == KVARN_OK)
         st = cli_capacity_get(f, (int)o->layers, (int)o->kv_heads, (int)o->head_dim, o->budget,
-                              (int)o->max_seqs, k_lens, N_LENS, &row->cap);
+                              (int)o->max_seqs, (int)o->sink_tokens, (int)o->tail_tokens, k_lens,
+                              N_LENS, &row->cap);
     if (st != KVARN_OK) {
         cli_error("inspect", "%s", kvarn_format_explain(st, f->name, (int)o->head_dim, msg, sizeof msg));
         return -1;
@@ -151,7 +160,8 @@ static int inspect_run(const inspect_opts *o, const kvarn_format *fmts, int n, i
     kvarn_format_parse("fp16", &fp16);
     r->fp16_token_bytes = kvarn_bytes_per_token_head(&fp16, (int)o->head_dim) * o->layers * o->kv_heads;
     r->have_fp16 = cli_capacity_get(&fp16, (int)o->layers, (int)o->kv_heads, (int)o->head_dim,
-                                    o->budget, (int)o->max_seqs, k_lens, N_LENS, &r->fp16) == KVARN_OK;
+                                    o->budget, (int)o->max_seqs, -1, 0, k_lens, N_LENS,
+                                    &r->fp16) == KVARN_OK;
     int rc = 0;
     r->n = n;
     for (int i = 0; i < n; i++)
@@ -167,6 +177,12 @@ static void inspect_print(const inspect_opts *o, const inspect_report *r)
     printf("shape: %ld layers x %ld KV heads x head_dim %ld; budget %s, all memory counted "
            "(records, fp16 sink and tail pages, tables)\n",
            o->layers, o->kv_heads, o->head_dim, cli_fmt_bytes((double)o->budget, b1, sizeof b1));
+    if (o->sink_tokens >= 0 || o->tail_tokens > 0) {
+        char sk[32] = "default";
+        if (o->sink_tokens >= 0) snprintf(sk, sizeof sk, "%ld", o->sink_tokens);
+        printf("KVarN: sink tokens %s, tail pages of %ld tokens (whole tiles where T >= G)\n", sk,
+               o->tail_tokens > 0 ? o->tail_tokens : 0);
+    }
     printf("%-18s %4s %12s %9s %12s %8s %8s %8s %8s\n", "format", "G", "bytes/token", "x fp16",
            "tokens fit", "x fp16", "2k seqs", "8k seqs", "32k seqs");
     printf("%-18s %4s %12s %9s %12s %8s %8s %8s %8s\n", "", "", "(records)", "(records)",

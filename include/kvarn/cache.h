@@ -25,7 +25,11 @@
  *            the last S mod G of them in the sequence's fp16 sink slot
  *            while their tile is quantized as usual (paged.h).
  *   tail     the KVarN tiles after the quantized ones: fp16 pages that
- *            receive new tokens, already rotated by H/sqrt(D).
+ *            receive new tokens, already rotated by H/sqrt(D). With
+ *            opts.tail_page_tokens = T < G the tail is held in small pages
+ *            of T tokens instead, taken when a token first lands in one
+ *            (reserve) and released at commit / truncate / free (paged.h
+ *            "Small tail pages").
  *   commit   quantizing a full tail tile (all G tokens final) into its block
  *            with kvarn_encode(prerotated = 1), in every layer at once.
  *
@@ -175,17 +179,41 @@ typedef struct kvarn_cache_opts {
                                tile is quantized as usual (paged.h "Sink
                                shorter than a tile"). S = k * G is exactly
                                sink_tiles = k. Per-token formats: ignored. */
+    int tail_page_tokens;   /* KVarN: T, tokens per fp16 tail page. 0
+                               (default) or G: a whole tile per tail page (one
+                               pool of pages for sink and tail). 0 < T < G, T
+                               dividing G: the tail lives in small pages of T
+                               tokens from a pool of their own (paged.h "Small
+                               tail pages"); whole pages hold the sink tiles
+                               only. Per-token formats: ignored. */
+    int n_tail_pages;       /* small tail pages (0 < T < G); 0 = auto:
+                               (max_seqs + ceil(max_seqs / 8)) * G / T, the
+                               bound that lets every live sequence fill its
+                               tail tile to G tokens before its commit (a
+                               sequence holds at most G / T small pages
+                               between commits when it commits every full
+                               tile) plus the same shared reserve as the
+                               whole pages; the same bytes as one whole tail
+                               page per sequence. Fewer (e.g. sized for the
+                               sequences' mean tail) buys blocks with the
+                               difference, and a reserve then fails with
+                               KVARN_ERR_OUT_OF_BLOCKS when they run out.
+                               Must be 0 when T is 0 or G. */
 } kvarn_cache_opts;
 
 /* The defaults: format kvarn_k4v2_g128, block_size 0 (auto), sink_tiles 1
  * (sink_tokens 0: one whole fp16 sink tile, the spec's default),
- * max_seqs 64, max_seq_len 0 (auto), n_pages 0 (auto), balance_iters 8;
+ * max_seqs 64, max_seq_len 0 (auto), n_pages 0 (auto), balance_iters 8,
+ * tail_page_tokens 0 (whole tail pages: the CUDA kernels read only those,
+ * and with the auto pool small pages cost the same bytes; see
+ * docs/paged-cache.md "Small tail pages"), n_tail_pages 0;
  * n_layers, n_kv_heads, head_dim, budget_bytes are 0 and must be set. */
 kvarn_cache_opts kvarn_cache_default_opts(void);
 
 /* Create a cache: checks opts, splits budget_bytes into n_pages fp16 pages
- * (page bytes = n_layers * Hk * kvarn_paged_fp16_tile_bytes(G, D), paged.h)
- * and as many blocks as the rest holds (block bytes = n_layers * Hk *
+ * (page bytes = n_layers * Hk * kvarn_paged_fp16_tile_bytes(G, D), paged.h),
+ * n_tail_pages small tail pages (tail_page_bytes = n_layers * Hk *
+ * kvarn_paged_fp16_tile_bytes(T, D)), the sink slots, and as many blocks as the rest holds (block bytes = n_layers * Hk *
  * record_stride), allocates both arenas (zeroed) and the bookkeeping.
  * Every size is computed in 64 bits with checked products before anything
  * is allocated.
@@ -217,6 +245,7 @@ typedef struct kvarn_cache_info {
     size_t block_bytes;         /* bytes of one block, all layers */
     size_t page_bytes;          /* bytes of one page, all layers */
     uint64_t arena_bytes;       /* n_blocks * block_bytes + n_pages * page_bytes
+                                   + n_tail_pages * tail_page_bytes
                                    + max_seqs * sink_bytes */
     uint64_t capacity_tokens;   /* n_blocks * G: tokens the quantized arena
                                    holds, all sequences together (sink tiles
@@ -227,6 +256,13 @@ typedef struct kvarn_cache_info {
     size_t sink_bytes;          /* bytes of one sequence's sink slot, all
                                    layers (n_layers * Hk * 2 * r * D * 2);
                                    max_seqs slots are in arena_bytes */
+    int tail_page_tokens;       /* T: tokens per tail page (KVarN: G for
+                                   whole tail pages; 0 for per-token) */
+    int n_tail_pages;           /* small tail pages (0 unless 0 < T < G) */
+    size_t tail_page_bytes;     /* bytes of one small tail page, all layers
+                                   (n_layers * Hk * 2 * T * D * 2); 0 unless
+                                   0 < T < G; n_tail_pages of them are in
+                                   arena_bytes */
 } kvarn_cache_info;
 
 kvarn_status kvarn_cache_get_info(const kvarn_cache *c, kvarn_cache_info *out);
@@ -272,15 +308,25 @@ typedef struct kvarn_cache_capacity {
                                 limit it); one more token into any of them
                                 fails with KVARN_ERR_OUT_OF_BLOCKS */
     int seq_blocks;          /* blocks one sequence of seq_len tokens holds */
-    int seq_pages;           /* fp16 pages it holds (sink tiles, partial tail) */
-    int seqs;                /* sequences of seq_len tokens held at once:
-                                the most k <= max_seqs with k * seq_blocks <=
-                                n_blocks and k * seq_pages (+ 1 page to open
-                                the last tile when it ends full) <= n_pages;
-                                0 when seq_len > max_seq_len */
+    int seq_pages;           /* fp16 pages it holds (sink tiles, and a
+                                partial tail tile when T = G) */
+    int seq_tail_pages;      /* small tail pages it holds (0 < T < G):
+                                ceil((seq_len mod G) / T) past the sink */
+    int seqs;                /* sequences of seq_len tokens held at once
+                                (grown one after the other): the most k <=
+                                max_seqs with k * seq_blocks <= n_blocks and
+                                k * seq_pages (+ 1 page to open the last
+                                tile when it ends full) <= n_pages, and with
+                                small tail pages (k - 1) * seq_tail_pages +
+                                the most the last one held while growing
+                                (G / T once a non-sink tile filled, before
+                                its commit) <= n_tail_pages; 0 when seq_len
+                                > max_seq_len */
     uint64_t seq_arena_bytes;/* arena bytes one such sequence holds:
                                 seq_blocks * block_bytes + seq_pages *
-                                page_bytes + info.sink_bytes (its sink slot) */
+                                page_bytes + seq_tail_pages *
+                                tail_page_bytes + info.sink_bytes (its sink
+                                slot) */
 } kvarn_cache_capacity;
 
 /* Fill *out for the cache kvarn_cache_create(opts) would build, n_seqs
@@ -422,21 +468,26 @@ kvarn_status kvarn_cache_truncate(kvarn_cache *c, int seq, int new_len);
 kvarn_status kvarn_cache_layer_view(const kvarn_cache *c, int layer,
                                     kvarn_paged_kv *out);
 
-/* Fill *out with the sequence's block table, seq_len and committed_tiles as
- * paged.h describes them. The table pointer is borrowed (see the top).
+/* Fill *out with the sequence's block table, seq_len, committed_tiles, sink
+ * slot and (small tail pages) the ids of its tail's small pages as paged.h
+ * describes them. The table and tail_pages pointers are borrowed (see the
+ * top).
  * Errors: KVARN_ERR_INVALID_ARG. */
 kvarn_status kvarn_cache_seq_view(const kvarn_cache *c, int seq,
                                   kvarn_seq_view *out);
 
 /* The block table alone, as vLLM passes it: *table = int32 [*n_tiles] ids
- * (page ids for sink and tail tiles of KVarN, block ids otherwise).
+ * (page ids for sink and tail tiles of KVarN, block ids otherwise; -1 for
+ * tail tiles held in small tail pages, whose ids kvarn_cache_seq_view's
+ * tail_pages gives).
  * Errors: KVARN_ERR_INVALID_ARG. */
 kvarn_status kvarn_cache_block_table(const kvarn_cache *c, int seq,
                                      const int32_t **table, int *n_tiles);
 
 /* Slot mapping of tokens [pos, pos + n): slots[j] = id * G + offset of token
  * pos + j, where id names where a write lands: the page for KVarN (sink or
- * tail), the block for per-token formats. int64 like vLLM's slot_mapping.
+ * tail), the block for per-token formats; for a tail token held in a small
+ * tail page q, q * T + its offset in that page (paged.h). int64 like vLLM's slot_mapping.
  * Errors: KVARN_ERR_INVALID_ARG (range outside [0, seq_len), NULL);
  * KVARN_ERR_STATE (a token lies in a quantized tile: it has no slot). */
 kvarn_status kvarn_cache_slot_mapping(const kvarn_cache *c, int seq, int pos,
@@ -463,6 +514,9 @@ typedef struct kvarn_cache_stats {
     int blocks_shared;       /* blocks held by two or more sequences */
     int pages_total, pages_in_use, pages_free;
     int pages_shared;
+    int tail_pages_total, tail_pages_in_use, tail_pages_free; /* small tail
+                                pages (0 unless 0 < T < G) */
+    int tail_pages_shared;
     int64_t tokens;          /* sum of seq_len over live sequences (a shared
                                 prefix counts once per sequence) */
     double record_bytes_per_token;  /* quantized bytes per token, all layers
@@ -470,8 +524,9 @@ typedef struct kvarn_cache_stats {
     double arena_bytes_per_token;   /* staging counted: arena_bytes /
                                        capacity_tokens */
     double used_bytes_per_token;    /* (blocks_in_use * block_bytes +
-                                       pages_in_use * page_bytes + n_seqs *
-                                       sink_bytes) / tokens;
+                                       pages_in_use * page_bytes +
+                                       tail_pages_in_use * tail_page_bytes +
+                                       n_seqs * sink_bytes) / tokens;
                                        0 when tokens == 0 */
 } kvarn_cache_stats;
 
@@ -500,6 +555,7 @@ extern "C" {
  * -1 for an id out of range or a NULL cache. */
 int kvarn_cache_block_refs(const kvarn_cache *c, int32_t block);
 int kvarn_cache_page_refs(const kvarn_cache *c, int32_t page);
+int kvarn_cache_tail_page_refs(const kvarn_cache *c, int32_t page);
 
 #ifdef __cplusplus
 }

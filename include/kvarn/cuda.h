@@ -101,7 +101,8 @@ kvarn_status kvarn_cuda_supports(const kvarn_format *fmt, int head_dim);
  * kvarn_paged_fp16_tile_bytes(G, D), page_stride >= n_kv_heads *
  * page_head_stride), alignment, sink_tiles >= 0, sink_partial == 0 (a
  * sink shorter than a tile is read by the CPU kernels only:
- * KVARN_ERR_UNSUPPORTED),
+ * KVARN_ERR_UNSUPPORTED), tail_page_tokens 0 or G (small tail pages are
+ * read by the CPU kernels only: KVARN_ERR_UNSUPPORTED),
  * non-NULL arenas, n_blocks >= 1 (and n_fp16_pages >= 1 for KVarN). Host only. KVARN_OK or the first error found. */
 kvarn_status kvarn_cuda_check_kv(const kvarn_paged_kv *kv);
 

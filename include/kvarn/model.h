@@ -226,9 +226,15 @@ typedef struct kvarn_llama_session_opts {
                                  quantized); 0 (default) = sink_tiles * G.
                                  0 with a caller's cache (its sink is the
                                  cache's). */
+    int tail_page_tokens;     /* KVarN: fp16 tail pages of T tokens taken on
+                                 demand (cache.h kvarn_cache_opts.
+                                 tail_page_tokens, T dividing G); 0 (default)
+                                 or T >= G: a whole tile per tail page.
+                                 Per-token formats: ignored. 0 with a
+                                 caller's cache (its pages are the cache's). */
 } kvarn_llama_session_opts;
 
-#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, NULL, 0 }
+#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, NULL, 0, 0 }
 
 /* What a session would be and take (kvarn_llama_session_plan). */
 typedef struct kvarn_llama_session_info {

@@ -70,10 +70,31 @@
  *   r = 0 (every sink a whole number of tiles): no slots; fp16_sinks,
  *   the sink strides, n_sink_slots and sink_slot are not read.
  *
+ * Small tail pages (KVarN; tail_page_tokens = T with 0 < T < G and T
+ * dividing G). The tail tiles (i >= max(sink_tiles, committed_tiles),
+ * kvarn_paged_tile_in_tail_pages) are not whole pages then: their tokens
+ * live in small fp16 pages of T tokens each, from their own arena, and
+ * their block table entries are not read. The sequence's tail starts at
+ * token a = max(sink_tiles, committed_tiles) * G (kvarn_paged_tail_start);
+ * kvarn_seq_view.tail_pages[j] is the small page holding tokens
+ * [a + j*T, a + (j+1)*T), for j < ceil((seq_len - a) / T). Small page q,
+ * KV head h:
+ *     fp16_tail_pages + q * tail_page_stride + h * tail_page_head_stride
+ *                                                          (kvarn_paged_tail_k)
+ *   holding K then V, each fp16 (IEEE half) [T][D], token-major, rotated
+ *   like the pages: K row t at + t * D * 2, V row t at + (T + t) * D * 2
+ *                                                          (kvarn_paged_tail_v)
+ *   Constraints: tail_page_head_stride >= kvarn_paged_fp16_tile_bytes(T, D),
+ *   tail_page_stride >= Hk * tail_page_head_stride, both multiples of 2;
+ *   every id in [0, n_tail_pages). Sink tiles stay whole pages.
+ *   T = 0 or T = G: the tail is whole pages as above; the small-page fields
+ *   are not read (a zeroed view is today's layout).
+ *
  * Slot mapping (what an engine passes when storing): slot = id * G + offset
  * for the token at offset within its tile (kvarn_paged_slot); id is the page
  * for KVarN (every store lands in the fp16 sink or tail) and the block for
- * per-token formats.
+ * per-token formats. With small tail pages a tail token's slot is
+ * q * T + (its offset in the small page q), in the small pages' id space.
  *
  * n_blocks and n_fp16_pages bound the arenas: readers check every id they
  * will follow against them and never reach outside. The helpers below do
@@ -127,6 +148,15 @@ typedef struct kvarn_paged_kv {
     size_t sink_head_stride;    /* bytes between KV heads inside a slot
                                    (>= kvarn_paged_fp16_tile_bytes(r, D)) */
     int n_sink_slots;           /* slots in the arena: ids [0, n_sink_slots) */
+    /* Small tail pages (KVarN; see the top). Zero (memset) = none. */
+    int tail_page_tokens;       /* T: 0 or G = whole tail pages; else 0 < T <
+                                   G, T divides G: tail tiles in small pages */
+    uint16_t *fp16_tail_pages;  /* small page arena of this layer (0 < T < G) */
+    size_t tail_page_stride;    /* bytes between small pages
+                                   (>= Hk * tail_page_head_stride) */
+    size_t tail_page_head_stride; /* bytes between KV heads inside a small
+                                   page (>= kvarn_paged_fp16_tile_bytes(T, D)) */
+    int n_tail_pages;           /* small pages in the arena: ids [0, n_tail_pages) */
 } kvarn_paged_kv;
 
 /* One sequence, as attention reads it. */
@@ -135,6 +165,9 @@ typedef struct kvarn_seq_view {
     int seq_len;                /* tokens of context, >= 0 */
     int committed_tiles;        /* tiles [sink_tiles, committed_tiles) are quantized */
     int sink_slot;              /* the sequence's sink slot (kv->sink_partial > 0) */
+    const int32_t *tail_pages;  /* small tail pages (0 < kv->tail_page_tokens
+                                   < G): [ceil((seq_len - kvarn_paged_tail_start)
+                                   / T)] ids, tail token order; else not read */
 } kvarn_seq_view;
 
 /* Bytes of one KV head's fp16 tile in a page: K and V, fp16 [G][D] each. */
@@ -228,6 +261,56 @@ KVARN_PAGED_FN int kvarn_paged_tile_is_page(const kvarn_paged_kv *kv, int commit
 {
     if (kv->fmt.kind != KVARN_KIND_KVARN) return 0;
     return i < kv->sink_tiles || i >= committed_tiles;
+}
+
+/* Whether the tail of this view lives in small pages of T tokens
+ * (KVarN, 0 < tail_page_tokens < G). */
+KVARN_PAGED_FN int kvarn_paged_small_tail(const kvarn_paged_kv *kv)
+{
+    return kv->fmt.kind == KVARN_KIND_KVARN && kv->tail_page_tokens > 0 &&
+           kv->tail_page_tokens < kv->block_size;
+}
+
+/* First token of the tail, a = max(sink_tiles, committed_tiles) * G: tail
+ * token a + j * T + t is row t of small page tail_pages[j]. */
+KVARN_PAGED_FN int64_t kvarn_paged_tail_start(const kvarn_paged_kv *kv, int committed_tiles)
+{
+    const int first = committed_tiles > kv->sink_tiles ? committed_tiles : kv->sink_tiles;
+    return (int64_t)first * kv->block_size;
+}
+
+/* Whether tile i is read from small tail pages (kvarn_paged_small_tail and
+ * i >= max(sink_tiles, committed_tiles)); such a tile is also a page for
+ * kvarn_paged_tile_is_page, but its block table entry is not read. */
+KVARN_PAGED_FN int kvarn_paged_tile_in_tail_pages(const kvarn_paged_kv *kv, int committed_tiles,
+                                                  int i)
+{
+    return kvarn_paged_small_tail(kv) && i >= kv->sink_tiles && i >= committed_tiles;
+}
+
+/* Set tail_page_head_stride and tail_page_stride to the packed small page
+ * layout [page][Hk][K, V][T][D] from kv->tail_page_tokens, head_dim and
+ * n_kv_heads (the layout kvarn_cache uses). */
+KVARN_PAGED_FN void kvarn_paged_pack_tail_pages(kvarn_paged_kv *kv)
+{
+    kv->tail_page_head_stride = kvarn_paged_fp16_tile_bytes(kv->tail_page_tokens, kv->head_dim);
+    kv->tail_page_stride = (size_t)kv->n_kv_heads * kv->tail_page_head_stride;
+}
+
+/* fp16 K [T][D] of small tail page `page`, KV head `head` (page in
+ * [0, n_tail_pages)). */
+KVARN_PAGED_FN uint16_t *kvarn_paged_tail_k(const kvarn_paged_kv *kv, int32_t page, int head)
+{
+    return (uint16_t *)((uint8_t *)kv->fp16_tail_pages +
+                        kvarn_paged_offset(kv->tail_page_stride, kv->tail_page_head_stride,
+                                           page, head));
+}
+
+/* fp16 V [T][D] of small tail page `page`, KV head `head`: right after its K. */
+KVARN_PAGED_FN uint16_t *kvarn_paged_tail_v(const kvarn_paged_kv *kv, int32_t page, int head)
+{
+    return kvarn_paged_tail_k(kv, page, head) +
+           (size_t)kv->tail_page_tokens * (size_t)kv->head_dim;
 }
 
 /* Slot of the token at `offset` (in [0, G)) of the tile stored at id (a

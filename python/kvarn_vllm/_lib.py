@@ -47,12 +47,17 @@ class PagedKV(ctypes.Structure):
                 # sink shorter than a tile (paged.h): unused here, left 0
                 ("sink_partial", ctypes.c_int), ("fp16_sinks", ctypes.c_void_p),
                 ("sink_stride", ctypes.c_size_t), ("sink_head_stride", ctypes.c_size_t),
-                ("n_sink_slots", ctypes.c_int)]
+                ("n_sink_slots", ctypes.c_int),
+                # small tail pages (paged.h): unused here, left 0
+                ("tail_page_tokens", ctypes.c_int), ("fp16_tail_pages", ctypes.c_void_p),
+                ("tail_page_stride", ctypes.c_size_t),
+                ("tail_page_head_stride", ctypes.c_size_t), ("n_tail_pages", ctypes.c_int)]
 
 
 class SeqView(ctypes.Structure):
     _fields_ = [("block_table", ctypes.c_void_p), ("seq_len", ctypes.c_int),
-                ("committed_tiles", ctypes.c_int), ("sink_slot", ctypes.c_int)]
+                ("committed_tiles", ctypes.c_int), ("sink_slot", ctypes.c_int),
+                ("tail_pages", ctypes.c_void_p)]
 
 
 class AttnOpts(ctypes.Structure):

@@ -41,6 +41,9 @@ typedef struct attn_geom {
     int gs;                /* row stride of the scores: span tokens, rounded */
     int is_kvarn;
     size_t thread_floats;  /* per-worker scratch */
+    size_t tail_floats;    /* its last part: K and V fp16 [G][D] of a tail
+                              tile gathered from small tail pages (0 when the
+                              view has none) */
     size_t max_items, max_groups, partial_floats;
     size_t ws_bytes;       /* the whole workspace a call needs */
 } attn_geom;
@@ -51,7 +54,7 @@ static uint64_t round_u64(uint64_t n) { return (n + ALIGN_F - 1) / ALIGN_F * ALI
 
 /* Per-worker scratch in floats, checked (codec/checked.h): 0 when the sum
  * fits, 1 when it overflows. */
-static int thread_scratch_floats(int rows, int D, int gs_, size_t *out)
+static int thread_scratch_floats(int rows, int D, int gs_, uint64_t tail, size_t *out)
 {
     /* rows < 2^31, D <= 1024 (format check), gs <= 4103: no term can come
      * near 2^63, so the roundings cannot wrap; the products and the sum are
@@ -60,14 +63,15 @@ static int thread_scratch_floats(int rows, int D, int gs_, size_t *out)
     uint64_t rd, rs, sum = 0;
     int bad = kvarn__mul_u64(R, (uint64_t)D, &rd) | kvarn__mul_u64(R, gs, &rs);
     if (bad) return 1;
-    const uint64_t t[5] = {
+    const uint64_t t[6] = {
         3 * round_u64(rd),                                /* q, acc, qa */
         round_u64(rs),                                    /* s */
         7 * round_u64(R),                  /* qsum, m, l, rc, lo, hi (+1 spare) */
         round_u64(3 * (uint64_t)D + 4 * gs),              /* tile metadata */
         round_u64(gs * sizeof(void *) / sizeof(float)),   /* token pointers */
+        tail,                                  /* gathered tail tile, last */
     };
-    for (int i = 0; i < 5; i++) bad |= kvarn__add_u64(sum, t[i], &sum);
+    for (int i = 0; i < 6; i++) bad |= kvarn__add_u64(sum, t[i], &sum);
     return bad | kvarn__u64_to_size(sum, out);
 }
 
@@ -114,7 +118,10 @@ static kvarn_status make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_s
     /* Every count below is formed in 64 bits with checked products: a
      * geometry whose workspace (or query array) does not fit size_t is
      * refused here, never wrapped into a small size. */
-    int bad = thread_scratch_floats(g->rows_max, g->D, g->gs, &g->thread_floats);
+    /* small tail pages: K and V fp16 [G][D], i.e. G * D floats (G <= 4096,
+     * D <= 1024), gathered per tail tile (item_task) */
+    g->tail_floats = kvarn_paged_small_tail(kv) ? round_f((size_t)g->G * (size_t)g->D) : 0;
+    int bad = thread_scratch_floats(g->rows_max, g->D, g->gs, g->tail_floats, &g->thread_floats);
     uint64_t q_floats, base, split_chunks = 0, partial;
     bad |= kvarn__mul3_u64((uint64_t)max_total_q, (uint64_t)n_q_heads, (uint64_t)g->D, &q_floats);
     bad |= kvarn__mul_u64((uint64_t)g->Hk,
@@ -243,6 +250,23 @@ static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout
     if (kv->sink_partial < 0 || kv->sink_partial >= kv->block_size ||
         (kv->sink_partial > 0 && kv->fmt.kind != KVARN_KIND_KVARN))
         return KVARN_ERR_INVALID_ARG;
+    /* Small tail pages (paged.h): 0 < T < G, T dividing G, KVarN only;
+     * small pages of K+V [T][D] fp16 per head, 2-byte aligned. */
+    if (kv->tail_page_tokens < 0 || kv->tail_page_tokens > kv->block_size ||
+        (kv->tail_page_tokens > 0 && kv->fmt.kind != KVARN_KIND_KVARN) ||
+        (kv->tail_page_tokens > 0 && kv->block_size % kv->tail_page_tokens != 0))
+        return KVARN_ERR_INVALID_ARG;
+    if (kvarn_paged_small_tail(kv) && kv->fp16_tail_pages != NULL) {
+        uint64_t heads;
+        if (kv->n_tail_pages < 0 ||
+            kv->tail_page_head_stride <
+                kvarn_paged_fp16_tile_bytes(kv->tail_page_tokens, kv->head_dim) ||
+            kv->tail_page_head_stride % 2 != 0 || kv->tail_page_stride % 2 != 0 ||
+            ((uintptr_t)kv->fp16_tail_pages % 2) != 0 ||
+            kvarn__mul_u64(hk, kv->tail_page_head_stride, &heads) ||
+            kv->tail_page_stride < heads)
+            return KVARN_ERR_INVALID_ARG;
+    }
     if (kv->sink_partial > 0 && kv->fp16_sinks != NULL) {
         uint64_t heads;
         if (kv->n_sink_slots < 0 ||
@@ -272,8 +296,21 @@ static kvarn_status check_seq(const kvarn_paged_kv *kv, const kvarn_seq_view *sv
         kv->sink_tiles < nt &&
         (kv->fp16_sinks == NULL || sv->sink_slot < 0 || sv->sink_slot >= kv->n_sink_slots))
         return KVARN_ERR_INVALID_ARG;
+    /* small tail pages: every id the tail's tokens need (paged.h) */
+    if (kvarn_paged_small_tail(kv)) {
+        const int64_t a = kvarn_paged_tail_start(kv, sv->committed_tiles);
+        const int64_t n_small = sv->seq_len > a ? (sv->seq_len - a + kv->tail_page_tokens - 1) /
+                                                      kv->tail_page_tokens
+                                                : 0;
+        if (n_small > 0 && (sv->tail_pages == NULL || kv->fp16_tail_pages == NULL))
+            return KVARN_ERR_INVALID_ARG;
+        for (int64_t j = 0; j < n_small; j++)
+            if (sv->tail_pages[j] < 0 || sv->tail_pages[j] >= kv->n_tail_pages)
+                return KVARN_ERR_INVALID_ARG;
+    }
     for (int i = 0; i < nt; i++) {
         int32_t id = sv->block_table[i];
+        if (kvarn_paged_tile_in_tail_pages(kv, sv->committed_tiles, i)) continue;
         if (tile_is_page(kv, sv, i)) {
             if (kv->fp16_pages == NULL || id < 0 || id >= kv->n_fp16_pages) return KVARN_ERR_INVALID_ARG;
         } else {
@@ -506,7 +543,30 @@ static void item_task(void *ctx, int task, int worker)
         }
         int t0 = tile * G, nt = sv->seq_len - t0 < G ? sv->seq_len - t0 : G;
         int32_t id = sv->block_table[tile];
-        if (tile_is_page(kv, sv, tile)) {
+        if (kvarn_paged_tile_in_tail_pages(kv, sv->committed_tiles, tile)) {
+            /* A tail tile in small pages (paged.h): its nt rows gathered
+             * into the worker's scratch in token order, then the same
+             * kernel call as for a whole page holding those rows, so the
+             * result is the same bit for bit (one online-softmax step per
+             * tile, not one per small page). */
+            const int T = kv->tail_page_tokens;
+            const int64_t a = kvarn_paged_tail_start(kv, sv->committed_tiles);
+            uint16_t *gk = (uint16_t *)(run->thread_scratch + (size_t)worker * g->thread_floats +
+                                        (g->thread_floats - g->tail_floats));
+            uint16_t *gv = gk + (size_t)G * D;
+            const size_t row_bytes = (size_t)D * sizeof(uint16_t);
+            for (int j = 0; j < nt;) {
+                const int64_t off = t0 + j - a;
+                const int32_t sp = sv->tail_pages[off / T];
+                const int r0 = (int)(off % T), cnt = T - r0 < nt - j ? T - r0 : nt - j;
+                memcpy(gk + (size_t)j * D, kvarn_paged_tail_k(kv, sp, it->kvh) + (size_t)r0 * D,
+                       (size_t)cnt * row_bytes);
+                memcpy(gv + (size_t)j * D, kvarn_paged_tail_v(kv, sp, it->kvh) + (size_t)r0 * D,
+                       (size_t)cnt * row_bytes);
+                j += cnt;
+            }
+            run->kern->fp16_tile(&r, gk, gv, t0, nt);
+        } else if (tile_is_page(kv, sv, tile)) {
             run->kern->fp16_tile(&r, kvarn_paged_page_k(kv, id, it->kvh),
                                  kvarn_paged_page_v(kv, id, it->kvh), t0, nt);
         } else if (g->is_kvarn) {

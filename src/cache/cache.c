@@ -60,8 +60,10 @@ void kvarn_cache_destroy(kvarn_cache *c)
     const kvarn_allocator a = c->alloc;
     kvarn__pool_release(&c->block_pool, &a);
     kvarn__pool_release(&c->page_pool, &a);
+    kvarn__pool_release(&c->tail_pool, &a);
     kvarn__free(&a, c->blocks_mem);
     kvarn__free(&a, c->pages_mem);
+    kvarn__free(&a, c->tail_pages_mem);
     kvarn__free(&a, c->sinks_mem);
     kvarn__free_aligned(&a, c->tile_k);
     kvarn__free_aligned(&a, c->tile_v);
@@ -71,12 +73,15 @@ void kvarn_cache_destroy(kvarn_cache *c)
 }
 
 /* Bytes of one sequence's bookkeeping (seq_open in sequence.c): the block
- * table, tile -> block and tile -> page arrays of max_tiles int32 each, and
- * the written length of every layer. */
-static int seq_bytes(uint64_t max_tiles, uint64_t n_layers, size_t *out)
+ * table, tile -> block and tile -> page arrays of max_tiles int32 each, the
+ * small tail page array of max_tiles * per_tile int32 (per_tile = G / T with
+ * small tail pages, else 0), and the written length of every layer. */
+static int seq_bytes(uint64_t max_tiles, uint64_t per_tile, uint64_t n_layers, size_t *out)
 {
-    uint64_t tables, written, total;
+    uint64_t tables, small, written, total;
     int bad = kvarn__mul3_u64(3, max_tiles, sizeof(int32_t), &tables);
+    bad |= kvarn__mul3_u64(per_tile, max_tiles, sizeof(int32_t), &small);
+    bad |= kvarn__add_u64(tables, small, &tables);
     bad |= kvarn__mul_u64(n_layers, sizeof(int), &written);
     bad |= kvarn__add_u64(tables, written, &total);
     return bad | kvarn__u64_to_size(total, out);
@@ -102,7 +107,7 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     if (st != KVARN_OK) return st;
 
     const int is_kvarn = o->format.kind == KVARN_KIND_KVARN;
-    int G, sink, part = 0;
+    int G, sink, part = 0, T = 0, small = 0;
     if (is_kvarn) {
         G = o->format.tile_tokens;
         if (o->block_size != 0 && o->block_size != G) return KVARN_ERR_INVALID_ARG;
@@ -115,6 +120,12 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
             if (o->sink_tiles < 0 || o->sink_tiles > 1024) return KVARN_ERR_INVALID_ARG;
             sink = o->sink_tiles;
         }
+        /* tail pages of T tokens: T divides G; 0 or G = whole pages */
+        if (o->tail_page_tokens < 0 || o->tail_page_tokens > G ||
+            (o->tail_page_tokens > 0 && G % o->tail_page_tokens != 0))
+            return KVARN_ERR_INVALID_ARG;
+        T = o->tail_page_tokens ? o->tail_page_tokens : G;
+        small = T < G;
     } else {
         G = o->block_size ? o->block_size : DEFAULT_PER_TOKEN_BLOCK;
         if (G > MAX_BLOCK_SIZE) return KVARN_ERR_INVALID_ARG;
@@ -124,7 +135,9 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     /* Token positions and ids are int32: a sequence longer than this, or
      * more pages than ids, cannot be held (not clamped: the caller asked
      * for it). */
-    if (o->max_seq_len > KVARN_CACHE_MAX_SEQ_LEN || o->n_pages > MAX_IDS)
+    if (o->n_tail_pages < 0 || (!small && o->n_tail_pages != 0)) return KVARN_ERR_INVALID_ARG;
+    if (o->max_seq_len > KVARN_CACHE_MAX_SEQ_LEN || o->n_pages > MAX_IDS ||
+        o->n_tail_pages > MAX_IDS)
         return KVARN_ERR_TOO_LARGE;
 
     const uint64_t L = (uint64_t)o->n_layers, H = (uint64_t)o->n_kv_heads;
@@ -137,23 +150,32 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
         token_record = layout->record_bytes;
         bad |= kvarn__mul_u64((uint64_t)G, token_record, &record_stride);
     }
-    uint64_t block_stride, block_bytes, page_bytes = 0;
+    uint64_t block_stride, block_bytes, page_bytes = 0, tail_page_bytes = 0;
     bad |= kvarn__mul_u64(H, record_stride, &block_stride);
     bad |= kvarn__mul_u64(L, block_stride, &block_bytes);
     /* K and V, G x D fp16 each, per layer and KV head */
     if (is_kvarn) bad |= kvarn__mul3_u64(L * H, (uint64_t)G * D, 2 * sizeof(uint16_t), &page_bytes);
+    if (small) bad |= kvarn__mul3_u64(L * H, (uint64_t)T * D, 2 * sizeof(uint16_t), &tail_page_bytes);
 
-    uint64_t n_pages = (uint64_t)o->n_pages;
+    uint64_t n_pages = (uint64_t)o->n_pages, n_tail = (uint64_t)o->n_tail_pages;
+    const uint64_t S = (uint64_t)o->max_seqs, reserve = kvarn__ceil_div_u64(S, 8);
     if (is_kvarn && n_pages == 0) {
         /* auto: each sequence its sink and one tail page, and a shared
          * reserve of one page per 8 sequences for tokens in flight across
-         * a tile boundary (a verified draft or a chunk not yet committed) */
-        const uint64_t S = (uint64_t)o->max_seqs;
-        n_pages = S * (uint64_t)(sink + 1) + kvarn__ceil_div_u64(S, 8);
+         * a tile boundary (a verified draft or a chunk not yet committed);
+         * with small tail pages the whole pages hold the sink only */
+        n_pages = small ? S * (uint64_t)sink : S * (uint64_t)(sink + 1) + reserve;
     }
-    if (n_pages > MAX_IDS) return KVARN_ERR_TOO_LARGE;
-    uint64_t page_total, sink_bytes = 0, sink_total = 0, fixed_total;
+    if (small && n_tail == 0) {
+        /* auto: G / T small pages per sequence (a tail tile filled to G
+         * tokens before its commit) and the reserve, in small pages */
+        n_tail = (S + reserve) * (uint64_t)(G / T); /* <= 2^21 * 2^10 */
+    }
+    if (n_pages > MAX_IDS || n_tail > MAX_IDS) return KVARN_ERR_TOO_LARGE;
+    uint64_t page_total, tail_total, sink_bytes = 0, sink_total = 0, fixed_total;
     bad |= kvarn__mul_u64(n_pages, page_bytes, &page_total);
+    bad |= kvarn__mul_u64(n_tail, tail_page_bytes, &tail_total);
+    bad |= kvarn__add_u64(page_total, tail_total, &page_total);
     /* the sink slots: K and V, r x D fp16 each, per layer and KV head, one
      * slot per sequence */
     if (part > 0) {
@@ -191,10 +213,12 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     bad |= kvarn__add_u64(page_total, 64, &slack) | kvarn__u64_to_size(slack, &sz);
     bad |= kvarn__add_u64(sink_total, 64, &slack) | kvarn__u64_to_size(slack, &sz);
     bad |= kvarn__u64_to_size(sink_bytes, &sb);
-    bad |= seq_bytes(kvarn__ceil_div_u64(max_len, (uint64_t)G), L, &sz);
-    size_t rs, bs, bb, pb;
+    bad |= seq_bytes(kvarn__ceil_div_u64(max_len, (uint64_t)G), small ? (uint64_t)(G / T) : 0, L,
+                     &sz);
+    size_t rs, bs, bb, pb, tb;
     bad |= kvarn__u64_to_size(record_stride, &rs) | kvarn__u64_to_size(block_stride, &bs);
     bad |= kvarn__u64_to_size(block_bytes, &bb) | kvarn__u64_to_size(page_bytes, &pb);
+    bad |= kvarn__u64_to_size(tail_page_bytes, &tb);
     if (bad) return KVARN_ERR_TOO_LARGE;
 
     info->format = o->format;
@@ -217,6 +241,9 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     info->sink_tokens = sink * G + part; /* <= 1024 * G <= 2^17 */
     info->sink_partial = part;
     info->sink_bytes = sb;
+    info->tail_page_tokens = T;
+    info->n_tail_pages = (int)n_tail;
+    info->tail_page_bytes = tb;
     return KVARN_OK;
 }
 
@@ -238,9 +265,11 @@ static uint64_t aligned_bytes(uint64_t b)
 }
 
 /* Tokens one sequence reaches in the fill of kvarn_cache_capacity (grown a
- * token at a time, committed as it goes) with *B free blocks and *P free
- * pages, at most max_len tokens; takes what it holds from *B and *P. */
-static uint64_t fill_one(const kvarn_cache_info *in, uint64_t max_len, uint64_t *B, uint64_t *P)
+ * token at a time, committed as it goes) with *B free blocks, *P free pages
+ * and *TP free small tail pages, at most max_len tokens; takes what it holds
+ * from them. */
+static uint64_t fill_one(const kvarn_cache_info *in, uint64_t max_len, uint64_t *B, uint64_t *P,
+                         uint64_t *TP)
 {
     const uint64_t G = (uint64_t)in->block_size;
     if (in->format.kind != KVARN_KIND_KVARN) {
@@ -253,9 +282,33 @@ static uint64_t fill_one(const kvarn_cache_info *in, uint64_t max_len, uint64_t 
     uint64_t sink_len = (S < *P ? S : *P) * G;
     if (sink_len > max_len) sink_len = max_len;
     *P -= kvarn__ceil_div_u64(sink_len, G);
-    if (sink_len < S * G || sink_len == max_len || *P == 0 || *B == 0) return sink_len;
-    /* full tiles: a block each (the page they wait in comes back at commit) */
+    if (sink_len < S * G || sink_len == max_len || *B == 0) return sink_len;
     const uint64_t rest = max_len - sink_len;
+    if (in->n_tail_pages > 0) {
+        /* small tail pages of T tokens: a tile is filled G / T pages deep
+         * before its commit gives them back, so full tiles need that many
+         * free; with fewer, the first tile fills as far as the pages go */
+        const uint64_t T = (uint64_t)in->tail_page_tokens, Q = G / T;
+        if (*TP < Q) {
+            uint64_t n = *TP * T < rest ? *TP * T : rest; /* < G */
+            if (n == 0) return sink_len;
+            *B -= 1;
+            *TP -= kvarn__ceil_div_u64(n, T);
+            return sink_len + n;
+        }
+        uint64_t full = rest / G < *B ? rest / G : *B;
+        *B -= full;
+        uint64_t len = sink_len + full * G;
+        if (full == rest / G && rest % G != 0 && *B > 0) {
+            /* a partial tail tile keeps its block and its small pages */
+            *B -= 1;
+            *TP -= kvarn__ceil_div_u64(rest % G, T);
+            len = max_len;
+        }
+        return len;
+    }
+    if (*P == 0) return sink_len;
+    /* full tiles: a block each (the page they wait in comes back at commit) */
     uint64_t full = rest / G < *B ? rest / G : *B;
     *B -= full;
     uint64_t len = sink_len + full * G;
@@ -281,6 +334,8 @@ kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
     const kvarn_cache_info *in = &cap.info;
     const uint64_t G = (uint64_t)in->block_size, S = (uint64_t)in->sink_tiles;
     const uint64_t NB = (uint64_t)in->n_blocks, NP = (uint64_t)in->n_pages;
+    const uint64_t NTP = (uint64_t)in->n_tail_pages;
+    const uint64_t Q = NTP ? G / (uint64_t)in->tail_page_tokens : 0; /* small pages per tile */
     const uint64_t L = (uint64_t)in->n_layers, max_seqs = (uint64_t)in->max_seqs;
     const int is_kvarn = in->format.kind == KVARN_KIND_KVARN;
 
@@ -291,23 +346,33 @@ kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
     const uint64_t max_tiles = kvarn__ceil_div_u64((uint64_t)in->max_seq_len, G);
     const uint64_t GD = G * (uint64_t)in->head_dim;
     const uint64_t ws = kvarn_encode_workspace_bytes(&in->format, in->head_dim);
-    uint64_t books = sizeof(kvarn_cache) + max_seqs * sizeof(kvarn_seq) + 8 * (NB + NP) +
-                     max_seqs * (3 * max_tiles * sizeof(int32_t) + L * sizeof(int)) +
+    uint64_t books = sizeof(kvarn_cache) + max_seqs * sizeof(kvarn_seq) + 8 * (NB + NP + NTP) +
+                     max_seqs * ((3 + Q) * max_tiles * sizeof(int32_t) + L * sizeof(int)) +
                      2 * aligned_bytes(GD * sizeof(float)) +
                      aligned_bytes((uint64_t)in->head_dim * sizeof(float)) +
-                     aligned_bytes(ws) + (NB ? 64 : 0) + (NP ? 64 : 0) +
+                     aligned_bytes(ws) + (NB ? 64 : 0) + (NP ? 64 : 0) + (NTP ? 64 : 0) +
                      (in->sink_bytes ? 64 : 0);
     cap.books_bytes = books;
     if (kvarn__add_u64(in->arena_bytes, books, &cap.total_bytes)) return KVARN_ERR_TOO_LARGE;
 
     /* the fill of n_seqs sequences, one after the other */
-    uint64_t B = NB, P = NP;
-    for (int i = 0; i < n_seqs; i++) cap.tokens += fill_one(in, (uint64_t)in->max_seq_len, &B, &P);
+    uint64_t B = NB, P = NP, TP = NTP;
+    for (int i = 0; i < n_seqs; i++)
+        cap.tokens += fill_one(in, (uint64_t)in->max_seq_len, &B, &P, &TP);
 
     /* one sequence of seq_len tokens */
     const uint64_t nt = kvarn__ceil_div_u64((uint64_t)seq_len, G);
-    uint64_t sb, sp, open = 0;
-    if (is_kvarn) {
+    uint64_t sb, sp, open = 0, stp = 0, peak = 0;
+    if (is_kvarn && NTP > 0) {
+        /* small tail pages: the sink in whole pages, the partial tail tile
+         * in ceil((seq_len mod G) / T) small pages, and while growing up
+         * to G / T of them once a non-sink tile filled */
+        const uint64_t T = (uint64_t)in->tail_page_tokens;
+        sb = nt > S ? nt - S : 0;
+        sp = nt < S ? nt : S;
+        stp = nt > S ? kvarn__ceil_div_u64((uint64_t)seq_len % G, T) : 0;
+        peak = (uint64_t)seq_len / G > S ? Q : stp;
+    } else if (is_kvarn) {
         sb = nt > S ? nt - S : 0;
         sp = (nt < S ? nt : S) + (nt > S && (uint64_t)seq_len % G != 0);
         open = nt > S && (uint64_t)seq_len % G == 0;
@@ -317,8 +382,10 @@ kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
     }
     cap.seq_blocks = (int)sb;   /* <= 2^30 tiles: seq_len is an int */
     cap.seq_pages = (int)sp;
+    cap.seq_tail_pages = (int)stp; /* <= G / T <= 1024 */
     /* a KVarN sequence also holds its sink slot (r > 0; 0 bytes else) */
     cap.seq_arena_bytes = sb * (uint64_t)in->block_bytes + sp * (uint64_t)in->page_bytes +
+                          stp * (uint64_t)in->tail_page_bytes +
                           (is_kvarn ? (uint64_t)in->sink_bytes : 0);
     uint64_t k = 0;
     if (seq_len <= in->max_seq_len) {
@@ -330,6 +397,11 @@ kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
             if (sp == 0 && NP < open) kp = 0;
             if (sp == 0 && NP >= open) kp = k;
             if (kp < k) k = kp;
+        }
+        if (peak > 0) {
+            /* (k - 1) * stp + peak <= NTP, peak >= stp */
+            uint64_t kt = NTP < peak ? 0 : (stp ? 1 + (NTP - peak) / stp : k);
+            if (kt < k) k = kt;
         }
     }
     cap.seqs = (int)k;
@@ -451,6 +523,11 @@ kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
     /* max_seqs * sink_bytes: checked by plan() like the other arenas */
     const size_t sink_arena = (size_t)info.max_seqs * info.sink_bytes;
     c->sinks = sink_arena ? arena64(&alloc, sink_arena, &c->sinks_mem) : NULL;
+    /* n_tail_pages * tail_page_bytes: part of the page total plan() checked */
+    c->small_tail = info.n_tail_pages > 0;
+    c->tail_T = info.tail_page_tokens;
+    const size_t tail_arena = (size_t)info.n_tail_pages * info.tail_page_bytes;
+    c->tail_pages = tail_arena ? arena64(&alloc, tail_arena, &c->tail_pages_mem) : NULL;
     c->seqs = kvarn__calloc(&alloc, (size_t)info.max_seqs, sizeof *c->seqs);
     c->tile_k = alloc64(&alloc, GD * sizeof(float));
     c->tile_v = alloc64(&alloc, GD * sizeof(float));
@@ -458,14 +535,16 @@ kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
     c->enc_ws_bytes = kvarn_encode_workspace_bytes(&info.format, info.head_dim);
     c->enc_ws = c->enc_ws_bytes ? alloc64(&alloc, c->enc_ws_bytes) : NULL;
     if (c->blocks == NULL || (page_arena && c->pages == NULL) ||
-        (sink_arena && c->sinks == NULL) || c->seqs == NULL ||
+        (sink_arena && c->sinks == NULL) || (tail_arena && c->tail_pages == NULL) ||
+        c->seqs == NULL ||
         c->tile_k == NULL || c->tile_v == NULL || c->vec == NULL ||
         (c->enc_ws_bytes && c->enc_ws == NULL)) {
         kvarn_cache_destroy(c);
         return KVARN_ERR_NOMEM;
     }
     if (kvarn__pool_init(&c->block_pool, info.n_blocks, &alloc) != KVARN_OK ||
-        kvarn__pool_init(&c->page_pool, info.n_pages, &alloc) != KVARN_OK) {
+        kvarn__pool_init(&c->page_pool, info.n_pages, &alloc) != KVARN_OK ||
+        kvarn__pool_init(&c->tail_pool, info.n_tail_pages, &alloc) != KVARN_OK) {
         kvarn_cache_destroy(c);
         return KVARN_ERR_NOMEM;
     }
@@ -501,6 +580,10 @@ kvarn_status kvarn_cache_get_stats(const kvarn_cache *c, kvarn_cache_stats *out)
     s.pages_free = c->page_pool.n_free;
     s.pages_in_use = s.pages_total - s.pages_free;
     s.pages_shared = count_shared(&c->page_pool);
+    s.tail_pages_total = c->tail_pool.n;
+    s.tail_pages_free = c->tail_pool.n_free;
+    s.tail_pages_in_use = s.tail_pages_total - s.tail_pages_free;
+    s.tail_pages_shared = count_shared(&c->tail_pool);
     for (int i = 0; i < c->info.max_seqs; i++)
         if (c->seqs[i].live) s.tokens += c->seqs[i].len;
     const double G = (double)c->info.block_size;
@@ -511,6 +594,7 @@ kvarn_status kvarn_cache_get_stats(const kvarn_cache *c, kvarn_cache_stats *out)
     if (s.tokens > 0)
         s.used_bytes_per_token = ((double)s.blocks_in_use * (double)c->info.block_bytes +
                                   (double)s.pages_in_use * (double)c->info.page_bytes +
+                                  (double)s.tail_pages_in_use * (double)c->info.tail_page_bytes +
                                   (double)s.n_seqs * (double)c->info.sink_bytes) /
                                  (double)s.tokens;
     *out = s;
@@ -535,4 +619,10 @@ int kvarn_cache_page_refs(const kvarn_cache *c, int32_t page)
 {
     if (c == NULL || page < 0 || page >= c->page_pool.n) return -1;
     return c->page_pool.refs[page];
+}
+
+int kvarn_cache_tail_page_refs(const kvarn_cache *c, int32_t page)
+{
+    if (c == NULL || page < 0 || page >= c->tail_pool.n) return -1;
+    return c->tail_pool.refs[page];
 }

@@ -43,7 +43,11 @@ typedef struct kvarn_seq {
     int committed_len;  /* largest committed_len seen, clamped by truncate */
     int32_t *table;     /* [max_tiles] the block table attention reads */
     int32_t *blk;       /* [max_tiles] block of tile i, -1 for KVarN sink */
-    int32_t *pg;        /* [max_tiles] page of tile i, -1 when none */
+    int32_t *pg;        /* [max_tiles] page of tile i, -1 when none (and for
+                           tail tiles held in small pages) */
+    int32_t *tp;        /* small tail pages (c->small_tail): [max_tiles * G / T]
+                           small page of tokens [q*T, (q+1)*T), -1 when none;
+                           NULL otherwise */
     int *written;       /* [n_layers] tokens [0, written[l]) written in layer l */
     void *mem;          /* the allocation behind the arrays; kept by a free
                            slot for its next sequence */
@@ -63,6 +67,11 @@ struct kvarn_cache {
                                      (r = info.sink_partial > 0; else NULL) */
     void *blocks_mem, *pages_mem, *sinks_mem; /* the allocations behind them */
     kvarn_id_pool block_pool, page_pool;
+    int small_tail;               /* 0 < T < G: the tail in small pages */
+    int tail_T;                   /* T, tokens per small tail page */
+    uint16_t *tail_pages;         /* [layer][small page][kv_head][K,V][T][D] */
+    void *tail_pages_mem;
+    kvarn_id_pool tail_pool;
     kvarn_seq *seqs;              /* [max_seqs] */
     int n_live;
     /* scratch for commit and read (a cache is single-threaded) */
@@ -94,6 +103,14 @@ static inline kvarn_paged_kv kvarn__layer_view(const kvarn_cache *c, int layer)
     v.fp16_pages = c->pages ? (uint16_t *)((uint8_t *)c->pages + (size_t)layer *
                                            (size_t)c->info.n_pages * v.page_stride)
                             : NULL;
+    if (c->small_tail) {
+        v.tail_page_tokens = c->tail_T;
+        v.n_tail_pages = c->info.n_tail_pages;
+        kvarn_paged_pack_tail_pages(&v);
+        v.fp16_tail_pages = (uint16_t *)((uint8_t *)c->tail_pages +
+                                         (size_t)layer * (size_t)c->info.n_tail_pages *
+                                             v.tail_page_stride);
+    }
     v.sink_partial = c->info.sink_partial;
     if (c->sinks) {
         kvarn_paged_pack_sinks(&v);
@@ -126,6 +143,28 @@ static inline uint16_t *kvarn__page_kv(const kvarn_cache *c, int layer,
 {
     const kvarn_paged_kv v = kvarn__layer_view(c, layer);
     return kv ? kvarn_paged_page_v(&v, page, head) : kvarn_paged_page_k(&v, page, head);
+}
+
+/* K (kv = 0) or V (kv = 1) fp16 [T][D] of one small tail page, layer and
+ * KV head. */
+static inline uint16_t *kvarn__tail_kv(const kvarn_cache *c, int layer, int32_t page,
+                                       int head, int kv)
+{
+    const kvarn_paged_kv v = kvarn__layer_view(c, layer);
+    return kv ? kvarn_paged_tail_v(&v, page, head) : kvarn_paged_tail_k(&v, page, head);
+}
+
+/* The fp16 row [D] of token p of a KVarN sequence held in a page (a sink
+ * tile's page, a whole tail page, or a small tail page), one layer and KV
+ * head, K (kv = 0) or V (kv = 1). p must lie in a tile held in fp16. */
+static inline uint16_t *kvarn__row_kv(const kvarn_cache *c, const struct kvarn_seq *s,
+                                      int layer, int p, int head, int kv)
+{
+    const int G = c->info.block_size, D = c->info.head_dim, t = p / G;
+    if (c->small_tail && t >= c->info.sink_tiles)
+        return kvarn__tail_kv(c, layer, s->tp[p / c->tail_T], head, kv) +
+               (size_t)(p % c->tail_T) * (size_t)D;
+    return kvarn__page_kv(c, layer, s->pg[t], head, kv) + (size_t)(p % G) * (size_t)D;
 }
 
 /* The live sequence with this id, or NULL. */

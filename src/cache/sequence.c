@@ -30,7 +30,20 @@ static int tile_in_page(const kvarn_cache *c, const kvarn_seq *s, int t)
 
 void kvarn__seq_set_entry(const kvarn_cache *c, kvarn_seq *s, int t)
 {
+    /* a tail tile in small pages has no one id: its entry is not read */
     s->table[t] = tile_in_page(c, s, t) ? s->pg[t] : s->blk[t];
+}
+
+/* Small tail pages covering tokens [0, len): ceil(len / T). */
+static int n_small_of(const kvarn_cache *c, int len)
+{
+    return (len + c->tail_T - 1) / c->tail_T;
+}
+
+/* Small pages per tile, G / T (c->small_tail). */
+static int small_per_tile(const kvarn_cache *c)
+{
+    return c->info.block_size / c->tail_T;
 }
 
 int kvarn__seq_frozen_len(const kvarn_cache *c, const kvarn_seq *s)
@@ -50,7 +63,8 @@ static kvarn_status seq_open(kvarn_cache *c, int *id)
 
     /* seq_bytes() in cache.c checked this sum against size_t at create. */
     const size_t T = (size_t)c->max_tiles;
-    const size_t bytes = 3 * T * sizeof(int32_t) + (size_t)c->info.n_layers * sizeof(int);
+    const size_t Q = c->small_tail ? (size_t)small_per_tile(c) : 0;
+    const size_t bytes = (3 + Q) * T * sizeof(int32_t) + (size_t)c->info.n_layers * sizeof(int);
     void *mem = c->seqs[slot].mem ? c->seqs[slot].mem : kvarn__malloc(&c->alloc, bytes ? bytes : 1, 1);
     if (mem == NULL) return KVARN_ERR_NOMEM;
     kvarn_seq *s = &c->seqs[slot];
@@ -59,8 +73,10 @@ static kvarn_status seq_open(kvarn_cache *c, int *id)
     s->table = mem;
     s->blk = s->table + T;
     s->pg = s->blk + T;
-    s->written = (int *)(void *)(s->pg + T);
+    s->tp = Q ? s->pg + T : NULL;
+    s->written = (int *)(void *)(s->pg + T + Q * T);
     for (size_t t = 0; t < T; t++) s->table[t] = s->blk[t] = s->pg[t] = -1;
+    for (size_t q = 0; q < Q * T; q++) s->tp[q] = -1;
     for (int l = 0; l < c->info.n_layers; l++) s->written[l] = 0;
     *id = slot;
     return KVARN_OK;
@@ -99,6 +115,11 @@ kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child)
         kvarn__pool_incref(&c->block_pool, s->blk[t]);
         kvarn__pool_incref(&c->page_pool, s->pg[t]);
     }
+    if (c->small_tail)
+        for (int q = 0; q < n_small_of(c, p->len); q++) {
+            s->tp[q] = p->tp[q];
+            kvarn__pool_incref(&c->tail_pool, s->tp[q]);
+        }
     memcpy(s->written, p->written, (size_t)c->info.n_layers * sizeof(int));
     /* A quantized partial sink tile reads its first r tokens from the
      * sequence's own sink slot: the child gets a copy (slots are per
@@ -114,22 +135,28 @@ kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child)
     return KVARN_OK;
 }
 
-/* Drop tiles [from, n_tiles(len)) of s. */
-static void drop_tiles(kvarn_cache *c, kvarn_seq *s, int from)
+/* Drop what s holds past its first new_len tokens: tiles [n_tiles(new_len),
+ * n_tiles(len)) and small tail pages [n_small(new_len), n_small(len)). */
+static void drop_from(kvarn_cache *c, kvarn_seq *s, int new_len)
 {
     const int nt = n_tiles_of(c, s->len);
-    for (int t = from; t < nt; t++) {
+    for (int t = n_tiles_of(c, new_len); t < nt; t++) {
         kvarn__pool_decref(&c->block_pool, s->blk[t]);
         kvarn__pool_decref(&c->page_pool, s->pg[t]);
         s->table[t] = s->blk[t] = s->pg[t] = -1;
     }
+    if (c->small_tail)
+        for (int q = n_small_of(c, new_len); q < n_small_of(c, s->len); q++) {
+            kvarn__pool_decref(&c->tail_pool, s->tp[q]);
+            s->tp[q] = -1;
+        }
 }
 
 kvarn_status kvarn_cache_seq_free(kvarn_cache *c, int seq)
 {
     kvarn_seq *s = kvarn__seq_get(c, seq);
     if (s == NULL) return KVARN_ERR_INVALID_ARG;
-    drop_tiles(c, s, 0);
+    drop_from(c, s, 0);
     /* The slot keeps its arrays (freed with the cache), so a sequence made
      * after a free needs no memory: a session reset cannot fail. */
     void *mem = s->mem;
@@ -169,6 +196,14 @@ static void copy_page(kvarn_cache *c, int32_t dst, int32_t src)
                c->page_stride);
 }
 
+static void copy_tail_page(kvarn_cache *c, int32_t dst, int32_t src)
+{
+    for (int l = 0; l < c->info.n_layers; l++)
+        memcpy(kvarn__tail_kv(c, l, dst, 0, 0), kvarn__tail_kv(c, l, src, 0, 0),
+               (size_t)c->info.n_kv_heads *
+                   kvarn_paged_fp16_tile_bytes(c->tail_T, c->info.head_dim));
+}
+
 static void copy_block(kvarn_cache *c, int32_t dst, int32_t src)
 {
     for (int l = 0; l < c->info.n_layers; l++)
@@ -189,20 +224,31 @@ kvarn_status kvarn_cache_reserve(kvarn_cache *c, int seq, int n_new)
      * made private (copy-on-write). It is never quantized (only full tiles
      * are). */
     const int cow = (s->len % G) ? s->len / G : -1;
-    int need_b = 0, need_p = 0;
+    /* Small tail pages: the partial last small page of the tail receives
+     * the first new token (made private like a tile), and every small page
+     * a new token is the first to land in is taken, past the sink. */
+    const int small = c->small_tail, T = c->tail_T;
+    const int cow_q = small && s->len % T && s->len / G >= sink ? s->len / T : -1;
+    const int q0 = small ? n_small_of(c, s->len) : 0, q1 = small ? n_small_of(c, s->len + n_new) : 0;
+    const int q_sink = small ? sink * (G / T) : 0; /* first small page past the sink */
+    const int q_first = q0 > q_sink ? q0 : q_sink;
+    int need_b = 0, need_p = 0, need_t = 0;
     if (cow >= 0) {
         need_b += kvarn__pool_shared(&c->block_pool, s->blk[cow]);
         need_p += kvarn__pool_shared(&c->page_pool, s->pg[cow]);
     }
+    if (cow_q >= 0) need_t += kvarn__pool_shared(&c->tail_pool, s->tp[cow_q]);
+    if (small && q1 > q_first) need_t += q1 - q_first;
     for (int t = old_nt; t < new_nt; t++) {
         if (c->is_kvarn) {
-            need_p++;
+            need_p += !small || t < sink;
             need_b += t >= sink;
         } else {
             need_b++;
         }
     }
-    if (need_b > c->block_pool.n_free || need_p > c->page_pool.n_free)
+    if (need_b > c->block_pool.n_free || need_p > c->page_pool.n_free ||
+        need_t > c->tail_pool.n_free)
         return KVARN_ERR_OUT_OF_BLOCKS;
 
     /* From here on nothing can fail. */
@@ -222,9 +268,16 @@ kvarn_status kvarn_cache_reserve(kvarn_cache *c, int seq, int n_new)
         }
         kvarn__seq_set_entry(c, s, cow);
     }
+    if (cow_q >= 0 && kvarn__pool_shared(&c->tail_pool, s->tp[cow_q])) {
+        int32_t p = kvarn__pool_alloc(&c->tail_pool);
+        copy_tail_page(c, p, s->tp[cow_q]);
+        kvarn__pool_decref(&c->tail_pool, s->tp[cow_q]);
+        s->tp[cow_q] = p;
+    }
+    for (int q = q_first; q < q1; q++) s->tp[q] = kvarn__pool_alloc(&c->tail_pool);
     for (int t = old_nt; t < new_nt; t++) {
         if (c->is_kvarn) {
-            s->pg[t] = kvarn__pool_alloc(&c->page_pool);
+            s->pg[t] = !small || t < sink ? kvarn__pool_alloc(&c->page_pool) : -1;
             s->blk[t] = t >= sink ? kvarn__pool_alloc(&c->block_pool) : -1;
         } else {
             s->blk[t] = kvarn__pool_alloc(&c->block_pool);
@@ -240,7 +293,7 @@ kvarn_status kvarn_cache_truncate(kvarn_cache *c, int seq, int new_len)
     kvarn_seq *s = kvarn__seq_get(c, seq);
     if (s == NULL || new_len < 0 || new_len > s->len) return KVARN_ERR_INVALID_ARG;
     if (new_len < kvarn__seq_frozen_len(c, s)) return KVARN_ERR_STATE;
-    drop_tiles(c, s, n_tiles_of(c, new_len));
+    drop_from(c, s, new_len);
     s->len = new_len;
     if (s->committed_len > new_len) s->committed_len = new_len;
     for (int l = 0; l < c->info.n_layers; l++)
@@ -258,6 +311,15 @@ kvarn_status kvarn_cache_seq_view(const kvarn_cache *c, int seq, kvarn_seq_view 
     out->seq_len = i.seq_len;
     out->committed_tiles = i.committed_tiles;
     out->sink_slot = seq;
+    /* the tail starts at tile max(sink_tiles, committed_tiles) = sink +
+     * n_quant once the sequence is past its sink (paged.h) */
+    out->tail_pages = NULL;
+    if (c->small_tail) {
+        const kvarn_seq *s = &c->seqs[seq];
+        int first = c->info.sink_tiles + s->n_quant;
+        if (first > c->max_tiles) first = c->max_tiles; /* a sink longer than the sequence */
+        out->tail_pages = s->tp + (size_t)first * (size_t)small_per_tile(c);
+    }
     return KVARN_OK;
 }
 
@@ -284,9 +346,14 @@ kvarn_status kvarn_cache_slot_mapping(const kvarn_cache *c, int seq, int pos,
         if (c->is_kvarn && !tile_in_page(c, s, t)) return KVARN_ERR_STATE;
     }
     for (int j = 0; j < n; j++) {
-        int t = (pos + j) / G;
+        const int p = pos + j, t = p / G;
+        if (c->small_tail && t >= c->info.sink_tiles) {
+            /* a small tail page: its id space, T tokens per page */
+            slots[j] = kvarn_paged_slot(s->tp[p / c->tail_T], c->tail_T, p % c->tail_T);
+            continue;
+        }
         int32_t id = c->is_kvarn ? s->pg[t] : s->blk[t];
-        slots[j] = kvarn_paged_slot(id, G, (pos + j) % G);
+        slots[j] = kvarn_paged_slot(id, G, p % G);
     }
     return KVARN_OK;
 }

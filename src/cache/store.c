@@ -52,7 +52,8 @@ static kvarn_status check_input(kvarn_cache *c, const float *x, size_t n_vec)
     return KVARN_OK;
 }
 
-/* Every tile that tokens [pos, pos + n) touch is held by this sequence alone. */
+/* Every tile (and small tail page) that tokens [pos, pos + n) touch is held
+ * by this sequence alone. */
 static int tiles_private(const kvarn_cache *c, const kvarn_seq *s, int pos, int n)
 {
     const int G = c->info.block_size;
@@ -60,6 +61,9 @@ static int tiles_private(const kvarn_cache *c, const kvarn_seq *s, int pos, int 
         if (kvarn__pool_shared(&c->block_pool, s->blk[t]) ||
             kvarn__pool_shared(&c->page_pool, s->pg[t]))
             return 0;
+    if (c->small_tail)
+        for (int q = pos / c->tail_T; q <= (pos + n - 1) / c->tail_T; q++)
+            if (kvarn__pool_shared(&c->tail_pool, s->tp[q])) return 0;
     return 1;
 }
 
@@ -89,7 +93,7 @@ kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
             const float *vx = v + (size_t)j * row + (size_t)h * (size_t)D;
             if (c->is_kvarn) {
                 for (int kv = 0; kv < 2; kv++) {
-                    uint16_t *dst = kvarn__page_kv(c, layer, s->pg[t], h, kv) + (size_t)off * D;
+                    uint16_t *dst = kvarn__row_kv(c, s, layer, p, h, kv);
                     memcpy(c->vec, kv ? vx : kx, (size_t)D * sizeof(float));
                     kvarn_hadamard(c->vec, D);
                     for (int d = 0; d < D; d++) dst[d] = kvarn__fp16_from_f32(c->vec[d]);
@@ -109,18 +113,22 @@ kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
     return KVARN_OK;
 }
 
-/* Encode tile t of every layer and KV head from its page into its block. */
+/* Encode tile t of every layer and KV head from its page (or its small
+ * tail pages, gathered row by row into the same fp32 scratch) into its
+ * block. */
 static kvarn_status encode_tile(kvarn_cache *c, const kvarn_seq *s, int t)
 {
     const int G = c->info.block_size, D = c->info.head_dim;
-    const size_t GD = (size_t)G * (size_t)D;
     for (int l = 0; l < c->info.n_layers; l++) {
         for (int h = 0; h < c->info.n_kv_heads; h++) {
-            const uint16_t *pk = kvarn__page_kv(c, l, s->pg[t], h, 0);
-            const uint16_t *pv = kvarn__page_kv(c, l, s->pg[t], h, 1);
-            for (size_t i = 0; i < GD; i++) {
-                c->tile_k[i] = kvarn__fp16_to_f32(pk[i]);
-                c->tile_v[i] = kvarn__fp16_to_f32(pv[i]);
+            for (int j = 0; j < G; j++) {
+                const uint16_t *pk = kvarn__row_kv(c, s, l, t * G + j, h, 0);
+                const uint16_t *pv = kvarn__row_kv(c, s, l, t * G + j, h, 1);
+                float *dk = c->tile_k + (size_t)j * D, *dv = c->tile_v + (size_t)j * D;
+                for (int d = 0; d < D; d++) {
+                    dk[d] = kvarn__fp16_to_f32(pk[d]);
+                    dv[d] = kvarn__fp16_to_f32(pv[d]);
+                }
             }
             kvarn_status st = kvarn_encode(&c->info.format, D, c->tile_k, c->tile_v,
                                            kvarn__block_record(c, l, s->blk[t], h),
@@ -132,16 +140,18 @@ static kvarn_status encode_tile(kvarn_cache *c, const kvarn_seq *s, int t)
     return KVARN_OK;
 }
 
-/* Copy tokens [0, r) of tile t's page (every layer and KV head) into the
- * sequence's sink slot (r = info.sink_partial). */
+/* Copy tokens [0, r) of tile t (every layer and KV head) from its page or
+ * small pages into the sequence's sink slot (r = info.sink_partial). */
 static void copy_sink(kvarn_cache *c, const kvarn_seq *s, int seq, int t)
 {
-    const size_t bytes = (size_t)c->info.sink_partial * (size_t)c->info.head_dim * sizeof(uint16_t);
+    const int G = c->info.block_size, D = c->info.head_dim;
+    const size_t row = (size_t)D * sizeof(uint16_t);
     for (int l = 0; l < c->info.n_layers; l++)
         for (int h = 0; h < c->info.n_kv_heads; h++)
             for (int kv = 0; kv < 2; kv++)
-                memcpy(kvarn__sink_kv(c, l, seq, h, kv), kvarn__page_kv(c, l, s->pg[t], h, kv),
-                       bytes);
+                for (int j = 0; j < c->info.sink_partial; j++)
+                    memcpy(kvarn__sink_kv(c, l, seq, h, kv) + (size_t)j * D,
+                           kvarn__row_kv(c, s, l, t * G + j, h, kv), row);
 }
 
 kvarn_status kvarn_cache_commit(kvarn_cache *c, int seq, int committed_len)
@@ -168,6 +178,13 @@ kvarn_status kvarn_cache_commit(kvarn_cache *c, int seq, int committed_len)
         for (int t = first; t < end; t++) {
             kvarn__pool_decref(&c->page_pool, s->pg[t]);
             s->pg[t] = -1;
+        }
+        if (c->small_tail) {
+            const int Q = c->info.block_size / c->tail_T;
+            for (int q = first * Q; q < end * Q; q++) {
+                kvarn__pool_decref(&c->tail_pool, s->tp[q]);
+                s->tp[q] = -1;
+            }
         }
         if (end > first) {
             s->n_quant += end - first;
@@ -204,10 +221,9 @@ kvarn_status kvarn_cache_read(kvarn_cache *c, int seq, int layer, int pos,
                 for (int kv = 0; kv < 2; kv++) {
                     float *out = kv ? v : k;
                     if (out == NULL) continue;
-                    const uint16_t *src = kvarn__page_kv(c, layer, s->pg[t], h, kv);
                     for (int j = 0; j < cnt; j++) {
                         float *dst = out + (size_t)(p - pos + j) * row + (size_t)h * D;
-                        const uint16_t *x = src + (size_t)(off0 + j) * D;
+                        const uint16_t *x = kvarn__row_kv(c, s, layer, p + j, h, kv);
                         for (int d = 0; d < D; d++) dst[d] = kvarn__fp16_to_f32(x[d]);
                         if (unrotate) kvarn_hadamard(dst, D);
                     }

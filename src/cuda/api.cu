@@ -151,6 +151,10 @@ kvarn_status kvarn_cuda_check_kv(const kvarn_paged_kv *kv)
     /* A sink shorter than a tile (paged.h, sink_partial > 0) is read by the
      * CPU kernels only; the CUDA kernels serve whole sink tiles. */
     if (kv->sink_partial != 0) return KVARN_ERR_UNSUPPORTED;
+    /* Small tail pages (paged.h, 0 < tail_page_tokens < G): CPU kernels
+     * only as well; the CUDA kernels read whole tail pages. */
+    if (kv->tail_page_tokens != 0 && kv->tail_page_tokens != kv->block_size)
+        return KVARN_ERR_UNSUPPORTED;
     if (kv->blocks == NULL || kv->n_blocks < 1 ||
         (kvarn && (kv->fp16_pages == NULL || kv->n_fp16_pages < 1)))
         return KVARN_ERR_INVALID_ARG;

@@ -225,8 +225,9 @@ static const llama_kv_ops paged_ops = {
  * Errors: KVARN_ERR_TOO_LARGE (more than KVARN_CACHE_MAX_SEQ_LEN tokens, or
  * a budget beyond 64 bits), errors of kvarn_cache_plan. No allocation. */
 static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format *fmt,
-                                   int sink_tiles, int sink_tokens, int balance_iters,
-                                   kvarn_cache_opts *out, kvarn_cache_info *info)
+                                   int sink_tiles, int sink_tokens, int tail_tokens,
+                                   int balance_iters, kvarn_cache_opts *out,
+                                   kvarn_cache_info *info)
 {
     if (sh->max_tokens > KVARN_CACHE_MAX_SEQ_LEN) return KVARN_ERR_TOO_LARGE;
     kvarn_cache_opts o = kvarn_cache_default_opts();
@@ -245,8 +246,17 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
         if (sink_tokens > 0) o.sink_tiles = sink_tokens / fmt->tile_tokens;
         /* Sink, the partly filled tile a chunk starts in, and every tile
          * the chunk opens (max_chunk <= 2^30, so this stays an int). */
-        o.n_pages = o.sink_tiles +
-                    (int)kvarn__ceil_div_u64((uint64_t)sh->max_chunk, (uint64_t)fmt->tile_tokens) + 2;
+        const int tail = (int)kvarn__ceil_div_u64((uint64_t)sh->max_chunk,
+                                                  (uint64_t)fmt->tile_tokens) + 2;
+        o.n_pages = o.sink_tiles + tail;
+        if (tail_tokens > 0 && tail_tokens < fmt->tile_tokens) {
+            /* those tail tiles in small pages of T tokens instead; the
+             * whole pages hold the sink (n_pages 0 = auto: the sink) */
+            o.tail_page_tokens = tail_tokens;
+            o.n_pages = o.sink_tiles;
+            if (tail > (1 << 30) / (fmt->tile_tokens / tail_tokens)) return KVARN_ERR_TOO_LARGE;
+            o.n_tail_pages = tail * (fmt->tile_tokens / tail_tokens);
+        }
     }
     /* Budget 0: the plan gives the geometry only (G, sink tiles, block and
      * page bytes); per-token formats take the cache's default block size. */
@@ -278,7 +288,8 @@ static kvarn_status store_geometry(const llama_kv_shape *sh, const kvarn_format 
                                    kvarn_cache_info *ci)
 {
     if (o->cache) return kvarn_cache_get_info(o->cache, ci);
-    return cache_settings(sh, fmt, o->sink_tiles, o->sink_tokens, o->balance_iters, co, ci);
+    return cache_settings(sh, fmt, o->sink_tiles, o->sink_tokens, o->tail_page_tokens,
+                          o->balance_iters, co, ci);
 }
 
 /* Bytes of every buffer llama_kv_paged_create allocates besides the cache
@@ -316,6 +327,9 @@ static kvarn_status paged_sizes_get(const llama_kv_shape *sh, const kvarn_cache_
      * refcount and free stack (int32 each per block and per page) */
     uint64_t tiles = kvarn__ceil_div_u64((uint64_t)ci->max_seq_len, (uint64_t)ci->block_size);
     z->cache_books = 12 * tiles + 8 * ((uint64_t)ci->n_blocks + (uint64_t)ci->n_pages);
+    if (ci->n_tail_pages > 0) /* small tail page ids per T tokens, their pool */
+        z->cache_books += 4 * tiles * (uint64_t)(ci->block_size / ci->tail_page_tokens) +
+                          8 * (uint64_t)ci->n_tail_pages;
     if (bad) return KVARN_ERR_TOO_LARGE;
     if (!exact_chunk) {
         /* Sized for the largest call: one sequence, max_chunk queries. The
@@ -327,6 +341,8 @@ static kvarn_status paged_sizes_get(const llama_kv_shape *sh, const kvarn_cache_
         view.n_kv_heads = ci->n_kv_heads;
         view.block_size = ci->block_size;
         view.sink_tiles = ci->sink_tiles;
+        /* small tail pages: the workspace gathers a tail tile (attn.h) */
+        view.tail_page_tokens = ci->n_tail_pages > 0 ? ci->tail_page_tokens : 0;
         kvarn_attn_opts ao = KVARN_ATTN_OPTS_DEFAULT(1.0f / sqrtf((float)sh->head_dim));
         ao.causal = 0;
         z->ws = kvarn_attn_workspace_bytes(&view, sh->n_heads, 1, sh->max_chunk, threads, &ao);

@@ -5,6 +5,7 @@
  * tail), decode and multi-query attention against double-precision attention
  * over what kvarn_cache_read returns in the attention basis; then the same
  * bytes in caller-owned, padded arenas give the same outputs bit for bit. */
+#define KVARN_EXPERIMENTAL_API /* kvarn_attn_testing: split-K, scalar kernels */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -16,6 +17,7 @@
 #include "common/paged_fixture.h"
 #include "kvarn/attn.h"
 #include "kvarn/cache.h"
+#include "kvarn/paged.h"
 
 /* sink_tokens: opts.sink_tokens (0: the default whole sink tile). */
 static void check_format_s(const char *name, int sink_tokens)
@@ -186,12 +188,227 @@ static void test_cache_per_token(void **state)
     check_format("int4");
 }
 
+/* ---------------------------------------------------- small tail pages */
+
+/* Two caches fed the same K/V through the same calls, one with whole tail
+ * pages (tail_page_tokens 0), one with tail pages of 16 tokens. Sequence 0
+ * gets `tail` uncommitted tokens after its sink and 2 committed tiles,
+ * sequence 1 a tail of tail2; their reserves interleave a few tokens at a
+ * time so the small page ids of the two tails alternate. */
+typedef struct tail_pair {
+    kvarn_cache *c[2];
+    int seq[2][2];
+    int lens[2], qls[2];
+} tail_pair;
+
+static void tail_pair_make(tail_pair *tp, const char *fmt, int D, int Hk, int tail, int tail2)
+{
+    const int L = 2;
+    kvarn_format f;
+    assert_int_equal(kvarn_format_parse(fmt, &f), KVARN_OK);
+    const int G = f.tile_tokens, T = 16;
+    tp->lens[0] = G + 2 * G + tail; /* sink, two committed tiles, the tail */
+    tp->lens[1] = G + tail2;
+    tp->qls[0] = tail < 3 ? tail : 3;
+    tp->qls[1] = 1;
+    test_rng rng;
+    test_rng_seed(&rng, 77);
+    const size_t row = (size_t)Hk * D;
+    float *k[2], *v[2];
+    for (int s = 0; s < 2; s++) {
+        size_t n = (size_t)tp->lens[s] * row * L;
+        k[s] = malloc(n * sizeof(float));
+        v[s] = malloc(n * sizeof(float));
+        for (size_t i = 0; i < n; i++) {
+            k[s][i] = (float)(1.5 * test_rng_normal(&rng));
+            v[s][i] = (float)test_rng_normal(&rng);
+        }
+    }
+    for (int m = 0; m < 2; m++) {
+        kvarn_cache_opts co = kvarn_cache_default_opts();
+        co.format = f;
+        co.n_layers = L;
+        co.n_kv_heads = Hk;
+        co.head_dim = D;
+        co.max_seqs = 4;
+        co.budget_bytes = 16u << 20;
+        co.tail_page_tokens = m ? T : 0;
+        kvarn_cache *c = NULL;
+        assert_int_equal(kvarn_cache_create(&co, &c), KVARN_OK);
+        for (int s = 0; s < 2; s++) assert_int_equal(kvarn_cache_seq_create(c, &tp->seq[m][s]), KVARN_OK);
+        int len[2] = {0, 0};
+        /* interleaved growth: 7 tokens of one, then 5 of the other */
+        while (len[0] < tp->lens[0] || len[1] < tp->lens[1]) {
+            for (int s = 0; s < 2; s++) {
+                int n = s ? 5 : 7;
+                if (n > tp->lens[s] - len[s]) n = tp->lens[s] - len[s];
+                if (n == 0) continue;
+                const int id = tp->seq[m][s];
+                assert_int_equal(kvarn_cache_reserve(c, id, n), KVARN_OK);
+                for (int l = 0; l < L; l++)
+                    assert_int_equal(kvarn_cache_write(c, id, l, len[s], n,
+                                                       k[s] + ((size_t)l * tp->lens[s] + len[s]) * row,
+                                                       v[s] + ((size_t)l * tp->lens[s] + len[s]) * row),
+                                     KVARN_OK);
+                len[s] += n;
+                /* sequence 0 commits all but its tail, sequence 1 nothing
+                 * past its sink: its tail is all it has */
+                const int keep = s ? tail2 : tail;
+                if (len[s] > keep) assert_int_equal(kvarn_cache_commit(c, id, len[s] - keep), KVARN_OK);
+            }
+        }
+        tp->c[m] = c;
+    }
+    for (int s = 0; s < 2; s++) { free(k[s]); free(v[s]); }
+}
+
+static void tail_pair_free(tail_pair *tp)
+{
+    for (int m = 0; m < 2; m++) kvarn_cache_destroy(tp->c[m]);
+}
+
+/* Attention (decode, then multi-query) over one layer of cache m. */
+static void tail_attn(const tail_pair *tp, int m, int multi, int Hq, int split, int scalar,
+                      const float *q, float *out)
+{
+    kvarn_paged_kv kv;
+    kvarn_seq_view views[2];
+    assert_int_equal(kvarn_cache_layer_view(tp->c[m], 1, &kv), KVARN_OK);
+    for (int s = 0; s < 2; s++)
+        assert_int_equal(kvarn_cache_seq_view(tp->c[m], tp->seq[m][s], &views[s]), KVARN_OK);
+    assert_int_equal(kvarn_paged_small_tail(&kv), m);
+    kvarn_attn_testing knobs = {split, scalar};
+    kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
+    o.testing = &knobs;
+    int32_t qsl[3] = {0, tp->qls[0], tp->qls[0] + tp->qls[1]};
+    kvarn_thread_pool *pool = NULL;
+    if (test_threads(2) > 1) assert_int_equal(kvarn_thread_pool_create(test_threads(2), &pool), KVARN_OK);
+    size_t wsz = kvarn_attn_workspace_bytes(&kv, Hq, 2, qsl[2], kvarn_thread_pool_size(pool), &o);
+    void *ws = malloc(wsz);
+    kvarn_status st = multi ? kvarn_attn_multi(&kv, views, 2, qsl, Hq, q, out, &o, pool, ws, wsz)
+                            : kvarn_attn_decode(&kv, views, 2, Hq, q, out, &o, pool, ws, wsz);
+    assert_int_equal(st, KVARN_OK);
+    free(ws);
+    kvarn_thread_pool_destroy(pool);
+}
+
+/* Attention over small tail pages equals attention over whole tail pages
+ * holding the same rows, bit for bit: the committed records are the same
+ * bytes (commit gathers the same fp16 rows), and the tile walk gathers a
+ * small-page tail tile's rows in token order and makes the same kernel
+ * call, so nothing in the arithmetic differs. Every kernel level this CPU
+ * runs (KVARN_SIMD caps the dispatch at run time; scalar also through the
+ * force_scalar knob), GQA (3 query heads per KV head), decode and
+ * multi-query, unsplit and split-K, tails of 1, 15, 16, 17, 127 tokens and
+ * one of two tiles (200 tokens, a commit lag). */
+static void test_small_tail_pages(void **state)
+{
+    (void)state;
+    static const char *const levels[3] = {"scalar", "avx2", "avx512"};
+    const char *top = kvarn_attn_kernel_name(NULL); /* under any outer cap */
+    const int max_lv = strcmp(top, "avx512") == 0 ? 2 : strcmp(top, "avx2") == 0 ? 1 : 0;
+    const char *outer = getenv("KVARN_SIMD");
+    char *saved = outer ? strdup(outer) : NULL;
+    const int tails[] = {1, 15, 16, 17, 127, 200};
+    const struct { const char *fmt; int D; } cases[] = {{"kvarn_k4v2_g128", 64},
+                                                        {"kvarn_k4v4_g64", 128}};
+    const int Hk = 2, Hq = 6;
+    for (size_t ci = 0; ci < 2; ci++)
+        for (size_t ti = 0; ti < sizeof tails / sizeof tails[0]; ti++) {
+            tail_pair tp;
+            const int G = cases[ci].fmt[12] == '1' ? 128 : 64;
+            const int tail = tails[ti] < 2 * G ? tails[ti] : G + 1;
+            tail_pair_make(&tp, cases[ci].fmt, cases[ci].D, Hk, tail, tails[(ti + 2) % 6] % G);
+            const size_t nq = (size_t)(tp.qls[0] + tp.qls[1]) * Hq * cases[ci].D;
+            float *q = malloc(nq * sizeof(float)), *o0 = malloc(nq * sizeof(float)),
+                  *o1 = malloc(nq * sizeof(float));
+            test_rng rng;
+            test_rng_seed(&rng, 5 + ti);
+            for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
+            for (int lv = 0; lv <= max_lv; lv++) {
+                setenv("KVARN_SIMD", levels[lv], 1);
+                for (int multi = 0; multi < 2; multi++)
+                    for (int split = 1; split <= 3; split += 2) {
+                        const size_t n = multi ? nq : (size_t)2 * Hq * cases[ci].D;
+                        memset(o0, 0, nq * sizeof(float));
+                        memset(o1, 0xff, nq * sizeof(float));
+                        tail_attn(&tp, 0, multi, Hq, split, lv == 0, q, o0);
+                        tail_attn(&tp, 1, multi, Hq, split, lv == 0, q, o1);
+                        assert_memory_equal(o0, o1, n * sizeof(float));
+                    }
+            }
+            if (saved) setenv("KVARN_SIMD", saved, 1);
+            else unsetenv("KVARN_SIMD");
+            free(q); free(o0); free(o1);
+            tail_pair_free(&tp);
+        }
+    free(saved);
+}
+
+/* check_seq validates every small tail page id the tail needs: one out of
+ * range, negative, or a missing array is refused, not followed. */
+static void test_small_tail_bad_ids(void **state)
+{
+    (void)state;
+    tail_pair tp;
+    tail_pair_make(&tp, "kvarn_k4v2_g128", 64, 2, 17, 40);
+    kvarn_paged_kv kv;
+    kvarn_seq_view views[2];
+    assert_int_equal(kvarn_cache_layer_view(tp.c[1], 0, &kv), KVARN_OK);
+    for (int s = 0; s < 2; s++)
+        assert_int_equal(kvarn_cache_seq_view(tp.c[1], tp.seq[1][s], &views[s]), KVARN_OK);
+    const int Hq = 6, D = 64;
+    float q[2 * 6 * 64] = {0}, out[2 * 6 * 64];
+    kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
+    size_t wsz = kvarn_attn_workspace_bytes(&kv, Hq, 2, 2, 1, &o);
+    void *ws = malloc(wsz);
+    assert_int_equal(kvarn_attn_decode(&kv, views, 2, Hq, q, out, &o, NULL, ws, wsz), KVARN_OK);
+    /* sequence 0's tail: 17 tokens, two small pages; sequence 1: 40, three */
+    int32_t ids[3];
+    memcpy(ids, views[1].tail_pages, sizeof ids);
+    const int32_t bad[3] = {-1, kv.n_tail_pages, INT32_MAX};
+    for (int j = 0; j < 3; j++)
+        for (int b = 0; b < 3; b++) {
+            int32_t t[3];
+            memcpy(t, ids, sizeof t);
+            t[j] = bad[b];
+            kvarn_seq_view sv[2] = {views[0], views[1]};
+            sv[1].tail_pages = t;
+            assert_int_equal(kvarn_attn_decode(&kv, sv, 2, Hq, q, out, &o, NULL, ws, wsz),
+                             KVARN_ERR_INVALID_ARG);
+        }
+    kvarn_seq_view sv[2] = {views[0], views[1]};
+    sv[0].tail_pages = NULL;
+    assert_int_equal(kvarn_attn_decode(&kv, sv, 2, Hq, q, out, &o, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    /* a view whose T does not divide G, or exceeds it */
+    kvarn_paged_kv k2 = kv;
+    k2.tail_page_tokens = 24;
+    assert_int_equal(kvarn_attn_decode(&k2, views, 2, Hq, q, out, &o, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    k2.tail_page_tokens = 256;
+    assert_int_equal(kvarn_attn_decode(&k2, views, 2, Hq, q, out, &o, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    /* a workspace sized for the whole-page view is too small here (the
+     * gathered tail tile): refused, not overrun */
+    kvarn_paged_kv whole;
+    assert_int_equal(kvarn_cache_layer_view(tp.c[0], 0, &whole), KVARN_OK);
+    size_t w0 = kvarn_attn_workspace_bytes(&whole, Hq, 2, 2, 1, &o);
+    assert_true(w0 < wsz);
+    assert_int_not_equal(kvarn_attn_decode(&kv, views, 2, Hq, q, out, &o, NULL, ws, w0), KVARN_OK);
+    free(ws);
+    (void)D;
+    tail_pair_free(&tp);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cache_kvarn),
         cmocka_unit_test(test_cache_sink_tokens),
         cmocka_unit_test(test_cache_per_token),
+        cmocka_unit_test(test_small_tail_pages),
+        cmocka_unit_test(test_small_tail_bad_ids),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

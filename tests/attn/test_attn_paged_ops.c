@@ -99,7 +99,7 @@ static void check_format(const char *name, int D, uint64_t seed)
 
     const int32_t table[3] = {3, 2, 4};
     const int32_t table_pt[3] = {3, 1, 2};
-    kvarn_seq_view view = {is_kvarn ? table : table_pt, len, is_kvarn ? 2 : 3, 0};
+    kvarn_seq_view view = {is_kvarn ? table : table_pt, len, is_kvarn ? 2 : 3, 0, NULL};
     float *q = malloc(sizeof(float) * HQ * D), *out = malloc(sizeof(float) * HQ * D);
     for (int i = 0; i < HQ * D; i++) q[i] = (float)test_rng_normal(&rng);
     const double scale = 1.0 / sqrt((double)D);

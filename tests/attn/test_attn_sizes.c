@@ -85,7 +85,7 @@ static void test_stride_products_do_not_wrap(void **state)
         assert_true(ws_bytes > 0 && ws_bytes <= 1 << 20);
         static char ws[1 << 20];
         int32_t table[1] = {0};
-        kvarn_seq_view sv = {table, 1, 0, 0};
+        kvarn_seq_view sv = {table, 1, 0, 0, NULL};
         float q[3 * 64] = {0}, out[3 * 64], sentinel[3 * 64];
         for (int i = 0; i < 3 * 64; i++) out[i] = sentinel[i] = -7.0f;
         assert_int_equal(kvarn_attn_decode(&kv, &sv, 1, 3, q, out, &o, NULL, ws, ws_bytes),

@@ -70,13 +70,16 @@ static uint64_t budget_for(kvarn_cache_opts o, int nb, uint64_t extra)
     kvarn_cache_info pi;
     assert_int_equal(kvarn_cache_plan(&o, &pi), KVARN_OK);
     assert_int_equal(pi.arena_bytes, (uint64_t)pi.n_pages * pi.page_bytes +
+                                         (uint64_t)pi.n_tail_pages * pi.tail_page_bytes +
                                          (uint64_t)pi.max_seqs * pi.sink_bytes);
     return pi.arena_bytes + (uint64_t)nb * pi.block_bytes + extra;
 }
 
-/* sink_tokens > 0: opts.sink_tokens (S tokens of sink, replacing sink). */
-static void check_case_s(const char *fmt, int G, int sink, int sink_tokens, int nb, int n_pages,
-                         int max_seqs, int max_seq_len, int n_seqs, int seq_len)
+/* sink_tokens > 0: opts.sink_tokens (S tokens of sink, replacing sink);
+ * T > 0: opts.tail_page_tokens with n_tail small pages (0 = auto). */
+static void check_case_t(const char *fmt, int G, int sink, int sink_tokens, int T, int n_tail,
+                         int nb, int n_pages, int max_seqs, int max_seq_len, int n_seqs,
+                         int seq_len)
 {
     kvarn_cache_opts o = kvarn_cache_default_opts();
     o.format = fx_format(fmt);
@@ -88,6 +91,8 @@ static void check_case_s(const char *fmt, int G, int sink, int sink_tokens, int 
     o.sink_tiles = kv ? sink : 0;
     o.sink_tokens = sink_tokens;
     o.n_pages = kv ? n_pages : 0;
+    o.tail_page_tokens = T;
+    o.n_tail_pages = n_tail;
     o.max_seqs = max_seqs;
     o.max_seq_len = max_seq_len;
     o.budget_bytes = budget_for(o, nb, 17);
@@ -140,6 +145,7 @@ static void check_case_s(const char *fmt, int G, int sink, int sink_tokens, int 
     assert_int_equal(kvarn_cache_get_stats(c, &s), KVARN_OK);
     assert_int_equal(s.blocks_in_use, cap.seqs * cap.seq_blocks);
     assert_int_equal(s.pages_in_use, cap.seqs * cap.seq_pages);
+    assert_int_equal(s.tail_pages_in_use, cap.seqs * cap.seq_tail_pages);
     if (cap.seqs < max_seqs) {
         int extra;
         assert_int_equal(kvarn_cache_seq_create(c, &extra), KVARN_OK);
@@ -147,6 +153,13 @@ static void check_case_s(const char *fmt, int G, int sink, int sink_tokens, int 
     }
     free(ids);
     kvarn_cache_destroy(c);
+}
+
+static void check_case_s(const char *fmt, int G, int sink, int sink_tokens, int nb, int n_pages,
+                         int max_seqs, int max_seq_len, int n_seqs, int seq_len)
+{
+    check_case_t(fmt, G, sink, sink_tokens, 0, 0, nb, n_pages, max_seqs, max_seq_len, n_seqs,
+                 seq_len);
 }
 
 static void check_case(const char *fmt, int G, int sink, int nb, int n_pages, int max_seqs,
@@ -182,6 +195,71 @@ static void test_fill_to_the_count(void **state)
     check_case_s("kvarn_k4v2_g32", 0, 0, 4, 30, 3, 4, 300, 4, 100);  /* pages run out first */
     check_case_s("kvarn_k4v2_g128", 0, 0, 64, 6, 0, 2, 0, 2, 300);
     check_case_s("kvarn_k4v2_g32", 0, 0, 5, 7, 0, 2, 40, 2, 20);     /* inside the sink */
+    /* tail pages of T tokens (T < G), n_tail small pages (0 = auto: G / T
+     * per sequence and the reserve): fmt, G, sink, S, T, n_tail, blocks,
+     * pages, max_seqs, max_seq_len, n_seqs, seq_len */
+    check_case_t("kvarn_k4v2_g32", 0, 1, 0, 16, 0, 20, 0, 4, 0, 1, 100);
+    check_case_t("kvarn_k4v2_g32", 0, 1, 0, 16, 0, 20, 0, 4, 150, 4, 150);   /* partial tails */
+    check_case_t("kvarn_k4v2_g32", 0, 1, 0, 8, 0, 20, 0, 4, 0, 4, 96);       /* ends on a tile */
+    check_case_t("kvarn_k4v2_g32", 0, 1, 0, 8, 5, 30, 0, 4, 300, 4, 100);    /* small pages run out */
+    check_case_t("kvarn_k4v2_g32", 0, 1, 0, 8, 3, 30, 0, 4, 300, 2, 64);     /* too few to fill a tile */
+    check_case_t("kvarn_k4v2_g32", 0, 1, 0, 16, 2, 30, 0, 4, 300, 3, 70);    /* one tile's worth */
+    check_case_t("kvarn_k4v2_g32", 0, 0, 0, 16, 0, 9, 0, 3, 100, 3, 64);     /* no sink */
+    check_case_t("kvarn_k4v2_g32", 0, 0, 16 + 32, 16, 0, 13, 0, 3, 200, 3, 70); /* S = 48 */
+    check_case_t("kvarn_k4v2_g32", 0, 0, 5, 1, 0, 7, 0, 2, 40, 2, 20);       /* T = 1 */
+    check_case_t("kvarn_k4v2_g128", 0, 0, 16, 16, 0, 6, 0, 2, 0, 2, 300);
+    check_case_t("kvarn_k4v2_g128", 0, 1, 0, 16, 20, 9, 0, 3, 0, 3, 1000);
+}
+
+/* tail_page_tokens: 0 and G are the same cache byte for byte; T < G moves
+ * the tail out of the whole pages into (max_seqs + ceil(max_seqs / 8)) * G
+ * / T small pages of the same bytes in all; T not dividing G, beyond G, and
+ * n_tail_pages without small pages are refused. */
+static void test_tail_pages_plan(void **state)
+{
+    (void)state;
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    o.n_layers = 30;
+    o.n_kv_heads = 3;
+    o.head_dim = 64;
+    o.budget_bytes = 1ull << 30;
+    kvarn_cache_opts g = o, t = o;
+    g.tail_page_tokens = 128;
+    kvarn_cache_info i0, ig, it;
+    assert_int_equal(kvarn_cache_plan(&o, &i0), KVARN_OK);
+    assert_int_equal(kvarn_cache_plan(&g, &ig), KVARN_OK);
+    assert_memory_equal(&i0, &ig, sizeof i0);
+    assert_int_equal(i0.tail_page_tokens, 128);
+    assert_int_equal(i0.n_tail_pages, 0);
+    t.tail_page_tokens = 16;
+    assert_int_equal(kvarn_cache_plan(&t, &it), KVARN_OK);
+    assert_int_equal(it.n_pages, 64);                 /* the sink tiles */
+    assert_int_equal(it.n_tail_pages, (64 + 8) * 8);  /* G / T per sequence + reserve */
+    assert_int_equal(it.tail_page_bytes, 30 * 3 * 2 * 16 * 64 * 2);
+    assert_int_equal((uint64_t)it.n_pages * it.page_bytes +
+                         (uint64_t)it.n_tail_pages * it.tail_page_bytes,
+                     (uint64_t)i0.n_pages * i0.page_bytes);
+    assert_int_equal(it.n_blocks, i0.n_blocks);
+    t.n_tail_pages = 100;
+    assert_int_equal(kvarn_cache_plan(&t, &it), KVARN_OK);
+    assert_int_equal(it.n_tail_pages, 100);
+    kvarn_cache_opts bad = o;
+    const int bad_t[] = {-1, 24, 129, 256};
+    for (int i = 0; i < 4; i++) {
+        bad.tail_page_tokens = bad_t[i];
+        assert_int_equal(kvarn_cache_plan(&bad, &it), KVARN_ERR_INVALID_ARG);
+        kvarn_cache *c = NULL;
+        assert_int_equal(kvarn_cache_create(&bad, &c), KVARN_ERR_INVALID_ARG);
+        assert_null(c);
+    }
+    bad.tail_page_tokens = 0;
+    bad.n_tail_pages = 8; /* no small pages to count */
+    assert_int_equal(kvarn_cache_plan(&bad, &it), KVARN_ERR_INVALID_ARG);
+    bad.tail_page_tokens = 128;
+    assert_int_equal(kvarn_cache_plan(&bad, &it), KVARN_ERR_INVALID_ARG);
+    bad.tail_page_tokens = 16;
+    bad.n_tail_pages = -1;
+    assert_int_equal(kvarn_cache_plan(&bad, &it), KVARN_ERR_INVALID_ARG);
 }
 
 /* sink_tokens = k * G is sink_tiles = k, byte for byte (no slots); other
@@ -324,6 +402,7 @@ int main(void)
         cmocka_unit_test(test_fill_to_the_count),
         cmocka_unit_test(test_budget_below_pages),
         cmocka_unit_test(test_sink_tokens_plan),
+        cmocka_unit_test(test_tail_pages_plan),
         cmocka_unit_test(test_fit_budget_and_seqs),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

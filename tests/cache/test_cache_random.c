@@ -17,12 +17,13 @@
 
 #include "cache/cache_fixture.h"
 
-enum { L = 2, HK = 2, D = 64, MAXS = 5, NBLK = 24, NPG = 12 };
+enum { L = 2, HK = 2, D = 64, MAXS = 5, NBLK = 24, NPG = 12, NTP = 40 };
 #define ROW ((size_t)HK * D)
 
 typedef struct mseq {
     int live, len, nq, committed;
     int *mblk, *mpg;           /* model ids per tile, -1 = none */
+    int *mtp;                  /* small tail pages: model id per T tokens */
     float *ek[L], *ev[L];      /* expected read-back, [max_len][Hk][D] */
     float *rk[L], *rv[L];      /* KVarN: fp16-rounded rotated values (page contents) */
 } mseq;
@@ -31,6 +32,7 @@ typedef struct model {
     kvarn_format fmt;
     int kvarn, G, sink, max_len, max_tiles;
     int part;              /* sink_partial: r tokens of tile `sink` kept fp16 */
+    int T;                 /* small tail pages of T tokens; 0 = whole pages */
     int next_id;
     mseq s[MAXS];
     /* codec scratch */
@@ -40,15 +42,29 @@ typedef struct model {
     void *ws;
 } model;
 
-/* How many live sequences hold model id `id` as a block (kind 0) or page. */
+/* Entries of kind 0 (blocks), 1 (pages) or 2 (small tail pages) of s and
+ * the array of them. */
+static int mentries(const model *m, const mseq *s, int kind, const int **arr)
+{
+    if (kind == 2) {
+        *arr = s->mtp;
+        return m->T ? (s->len + m->T - 1) / m->T : 0;
+    }
+    *arr = kind ? s->mpg : s->mblk;
+    return (s->len + m->G - 1) / m->G;
+}
+
+/* How many live sequences hold model id `id` as a block (kind 0), page (1)
+ * or small tail page (2). */
 static int mcount(const model *m, int kind, int id)
 {
     if (id < 0) return 0;
     int n = 0;
     for (int q = 0; q < MAXS; q++) {
         if (!m->s[q].live) continue;
-        const int nt = (m->s[q].len + m->G - 1) / m->G;
-        for (int t = 0; t < nt; t++) n += (kind ? m->s[q].mpg[t] : m->s[q].mblk[t]) == id;
+        const int *a;
+        const int ne = mentries(m, &m->s[q], kind, &a);
+        for (int t = 0; t < ne; t++) n += a[t] == id;
     }
     return n;
 }
@@ -57,13 +73,14 @@ static int mcount(const model *m, int kind, int id)
 static void mstats(const model *m, int kind, int *in_use, int *shared)
 {
     *in_use = *shared = 0;
-    int ids[MAXS * 64];
+    int ids[MAXS * 256];
     int n = 0;
     for (int q = 0; q < MAXS; q++) {
         if (!m->s[q].live) continue;
-        const int nt = (m->s[q].len + m->G - 1) / m->G;
-        for (int t = 0; t < nt; t++) {
-            int id = kind ? m->s[q].mpg[t] : m->s[q].mblk[t];
+        const int *a;
+        const int ne = mentries(m, &m->s[q], kind, &a);
+        for (int t = 0; t < ne; t++) {
+            int id = a[t];
             if (id < 0) continue;
             int seen = 0;
             for (int i = 0; i < n; i++) seen |= ids[i] == id;
@@ -81,6 +98,8 @@ static void mseq_alloc(model *m, mseq *s)
     memset(s, 0, sizeof *s);
     s->mblk = malloc((size_t)m->max_tiles * sizeof(int));
     s->mpg = malloc((size_t)m->max_tiles * sizeof(int));
+    s->mtp = malloc((size_t)m->max_len * sizeof(int)); /* T >= 1 */
+    for (int i = 0; i < m->max_len; i++) s->mtp[i] = -1;
     for (int l = 0; l < L; l++) {
         s->ek[l] = malloc((size_t)m->max_len * ROW * 4);
         s->ev[l] = malloc((size_t)m->max_len * ROW * 4);
@@ -95,6 +114,7 @@ static void mseq_release(mseq *s)
 {
     free(s->mblk);
     free(s->mpg);
+    free(s->mtp);
     for (int l = 0; l < L; l++) {
         free(s->ek[l]);
         free(s->ev[l]);
@@ -112,6 +132,7 @@ static void mseq_copy(const model *m, mseq *dst, const mseq *src)
     dst->committed = src->committed;
     memcpy(dst->mblk, src->mblk, (size_t)m->max_tiles * sizeof(int));
     memcpy(dst->mpg, src->mpg, (size_t)m->max_tiles * sizeof(int));
+    memcpy(dst->mtp, src->mtp, (size_t)m->max_len * sizeof(int));
     for (int l = 0; l < L; l++) {
         memcpy(dst->ek[l], src->ek[l], n);
         memcpy(dst->ev[l], src->ev[l], n);
@@ -131,25 +152,38 @@ static int mreserve(model *m, mseq *s, int n)
     if (n > m->max_len - s->len) return 0;
     const int G = m->G, old_nt = (s->len + G - 1) / G, new_nt = (s->len + n + G - 1) / G;
     const int cow = (s->len % G) ? s->len / G : -1;
-    int need_b = 0, need_p = 0;
+    /* small tail pages: the partial one past the sink is made private, one
+     * is taken for every T-token run a new token first lands in */
+    const int T = m->T;
+    const int cow_q = T && s->len % T && s->len >= m->sink * G ? s->len / T : -1;
+    int q_first = T ? (s->len + T - 1) / T : 0, q_end = T ? (s->len + n + T - 1) / T : 0;
+    if (T && q_first < m->sink * G / T) q_first = m->sink * G / T;
+    int need_b = 0, need_p = 0, need_t = 0;
     if (cow >= 0) {
         need_b += mcount(m, 0, s->mblk[cow]) > 1;
         need_p += mcount(m, 1, s->mpg[cow]) > 1;
     }
+    if (cow_q >= 0) need_t += mcount(m, 2, s->mtp[cow_q]) > 1;
+    if (q_end > q_first) need_t += q_end - q_first;
     for (int t = old_nt; t < new_nt; t++) {
-        need_p += m->kvarn;
+        need_p += m->kvarn && (!T || t < m->sink);
         need_b += !m->kvarn || t >= m->sink;
     }
-    int bu, bs, pu, ps;
+    int bu, bs, pu, ps, tu, ts;
     mstats(m, 0, &bu, &bs);
     mstats(m, 1, &pu, &ps);
-    if (need_b > NBLK - bu || need_p > (m->kvarn ? NPG : 0) - pu) return 0;
+    mstats(m, 2, &tu, &ts);
+    if (need_b > NBLK - bu || need_p > (m->kvarn ? NPG : 0) - pu ||
+        need_t > (T ? NTP : 0) - tu)
+        return 0;
     if (cow >= 0) {
         if (mcount(m, 0, s->mblk[cow]) > 1) s->mblk[cow] = m->next_id++;
         if (mcount(m, 1, s->mpg[cow]) > 1) s->mpg[cow] = m->next_id++;
     }
+    if (cow_q >= 0 && mcount(m, 2, s->mtp[cow_q]) > 1) s->mtp[cow_q] = m->next_id++;
+    for (int q = q_first; q < q_end; q++) s->mtp[q] = m->next_id++;
     for (int t = old_nt; t < new_nt; t++) {
-        s->mpg[t] = m->kvarn ? m->next_id++ : -1;
+        s->mpg[t] = m->kvarn && (!T || t < m->sink) ? m->next_id++ : -1;
         s->mblk[t] = (!m->kvarn || t >= m->sink) ? m->next_id++ : -1;
     }
     s->len += n;
@@ -208,6 +242,8 @@ static void mcommit(model *m, mseq *s, int c)
                 }
             }
             s->mpg[t] = -1;
+            for (int q = m->T ? t * G / m->T : 0; m->T && q < (t + 1) * G / m->T; q++)
+                s->mtp[q] = -1;
         }
         if (end > first) s->nq += end - first;
     }
@@ -218,6 +254,9 @@ static void mtruncate(model *m, mseq *s, int new_len)
 {
     const int G = m->G, nt = (s->len + G - 1) / G;
     for (int t = (new_len + G - 1) / G; t < nt; t++) s->mblk[t] = s->mpg[t] = -1;
+    for (int q = m->T ? (new_len + m->T - 1) / m->T : 0; m->T && q < (s->len + m->T - 1) / m->T;
+         q++)
+        s->mtp[q] = -1;
     s->len = new_len;
     if (s->committed > new_len) s->committed = new_len;
 }
@@ -228,6 +267,7 @@ static void check_all(kvarn_cache *c, const model *m, const int *ids, float *buf
 {
     int pmap_model[NPG * 8], pmap_cache[NPG * 8], np = 0;
     int bmap_model[NBLK * 8], bmap_cache[NBLK * 8], nb = 0;
+    int tmap_model[NTP * 8], tmap_cache[NTP * 8], ntp = 0;
     int64_t tokens = 0;
     int n_live = 0;
     for (int q = 0; q < MAXS; q++) {
@@ -251,8 +291,30 @@ static void check_all(kvarn_cache *c, const model *m, const int *ids, float *buf
         kvarn_seq_view sv;
         assert_int_equal(kvarn_cache_seq_view(c, ids[q], &sv), KVARN_OK);
         assert_int_equal(sv.committed_tiles, si.committed_tiles);
+        /* small tail pages: the view's tail_pages from the tail's start */
+        const int a = (sv.committed_tiles > m->sink ? sv.committed_tiles : m->sink) * m->G;
+        for (int p = a; m->T && p < s->len; p += m->T) {
+            const int mid = s->mtp[p / m->T], cid = sv.tail_pages[(p - a) / m->T];
+            assert_true(mid >= 0);
+            assert_int_equal(kvarn_cache_tail_page_refs(c, cid), mcount(m, 2, mid));
+            int found = 0;
+            for (int i = 0; i < ntp; i++) {
+                assert_true((tmap_model[i] == mid) == (tmap_cache[i] == cid));
+                found |= tmap_model[i] == mid;
+            }
+            if (!found) {
+                tmap_model[ntp] = mid;
+                tmap_cache[ntp] = cid;
+                ntp++;
+            }
+        }
         for (int t = 0; t < nt; t++) {
             const int page = m->kvarn && (t < m->sink || t >= sv.committed_tiles);
+            if (page && m->T && t >= m->sink) {
+                /* a tail tile in small pages: no table id */
+                assert_int_equal(sv.block_table[t], -1);
+                continue;
+            }
             const int mid = page ? s->mpg[t] : s->mblk[t], cid = sv.block_table[t];
             assert_true(mid >= 0);
             assert_int_equal(page ? kvarn_cache_page_refs(c, cid) : kvarn_cache_block_refs(c, cid),
@@ -285,11 +347,18 @@ static void check_all(kvarn_cache *c, const model *m, const int *ids, float *buf
     assert_int_equal(st.pages_in_use, pu);
     assert_int_equal(st.pages_shared, ps);
     assert_int_equal(st.pages_free, (m->kvarn ? NPG : 0) - pu);
+    int tu, ts;
+    mstats(m, 2, &tu, &ts);
+    assert_int_equal(st.tail_pages_in_use, tu);
+    assert_int_equal(st.tail_pages_shared, ts);
+    assert_int_equal(st.tail_pages_free, (m->T ? NTP : 0) - tu);
 }
 
 /* sink_tokens > 0: opts.sink_tokens (replaces sink), the budget grown by
- * the max_seqs sink slots so that the block and page counts stay. */
-static void run_s(const char *name, int G, int sink, int sink_tokens, uint64_t seed, int steps)
+ * the max_seqs sink slots so that the block and page counts stay; T > 0:
+ * tail pages of T tokens (NTP of them, budget grown by their bytes). */
+static void run_t(const char *name, int G, int sink, int sink_tokens, int T, uint64_t seed,
+                  int steps)
 {
     model m;
     memset(&m, 0, sizeof m);
@@ -304,6 +373,17 @@ static void run_s(const char *name, int G, int sink, int sink_tokens, uint64_t s
         o.sink_tokens = sink_tokens;
         o.budget_bytes += (uint64_t)MAXS * pi.sink_bytes;
     }
+    if (T > 0) {
+        kvarn_cache_opts p = o;
+        kvarn_cache_info pi;
+        p.tail_page_tokens = T;
+        p.n_tail_pages = NTP;
+        p.budget_bytes = 0;
+        assert_int_equal(kvarn_cache_plan(&p, &pi), KVARN_OK);
+        o.tail_page_tokens = T;
+        o.n_tail_pages = NTP;
+        o.budget_bytes += (uint64_t)NTP * pi.tail_page_bytes;
+    }
     kvarn_cache *c = NULL;
     assert_int_equal(kvarn_cache_create(&o, &c), KVARN_OK);
     kvarn_cache_info ci;
@@ -312,6 +392,8 @@ static void run_s(const char *name, int G, int sink, int sink_tokens, uint64_t s
     m.G = ci.block_size;
     m.sink = ci.sink_tiles;
     m.part = ci.sink_partial;
+    m.T = ci.n_tail_pages ? ci.tail_page_tokens : 0;
+    assert_int_equal(ci.n_tail_pages, T ? NTP : 0);
     assert_int_equal(ci.n_blocks, NBLK);
     assert_int_equal(ci.n_pages, m.kvarn ? NPG : 0);
     m.max_len = ci.max_seq_len;
@@ -442,6 +524,7 @@ static void run_s(const char *name, int G, int sink, int sink_tokens, uint64_t s
     assert_int_equal(kvarn_cache_get_stats(c, &st), KVARN_OK);
     assert_int_equal(st.blocks_in_use, 0);
     assert_int_equal(st.pages_in_use, 0);
+    assert_int_equal(st.tail_pages_in_use, 0);
     free(buf_k);
     free(buf_v);
     free(nk);
@@ -451,6 +534,11 @@ static void run_s(const char *name, int G, int sink, int sink_tokens, uint64_t s
     free(m.tk);
     free(m.tv);
     kvarn_cache_destroy(c);
+}
+
+static void run_s(const char *name, int G, int sink, int sink_tokens, uint64_t seed, int steps)
+{
+    run_t(name, G, sink, sink_tokens, 0, seed, steps);
 }
 
 static void run(const char *name, int G, int sink, uint64_t seed, int steps)
@@ -466,6 +554,18 @@ static void test_random_kvarn_sink_tokens(void **state)
     (void)state;
     run_s("kvarn_k4v2_g32", 0, 0, 5, 1005, 800);
     run_s("kvarn_k4v4_g32", 0, 0, 32 + 9, 1011, 800);
+}
+
+/* Tail pages of T tokens (16 of a 32-token tile, 8, and 16 with a sink
+ * of 5 tokens): taken as tokens land, shared on fork, copied when the
+ * partial one is written after a fork, released at commit / truncate /
+ * free; the pool of NTP running out is OUT_OF_BLOCKS with nothing changed. */
+static void test_random_kvarn_tail_pages(void **state)
+{
+    (void)state;
+    run_t("kvarn_k4v2_g32", 0, 1, 0, 16, 1021, 1000);
+    run_t("kvarn_k4v4_g32", 0, 0, 0, 8, 1022, 800);
+    run_t("kvarn_k4v2_g32", 0, 0, 5, 16, 1024, 800);
 }
 
 static void test_random_kvarn_sink1(void **state)
@@ -498,6 +598,7 @@ int main(void)
         cmocka_unit_test(test_random_kvarn_sink1),
         cmocka_unit_test(test_random_kvarn_sink0),
         cmocka_unit_test(test_random_kvarn_sink_tokens),
+        cmocka_unit_test(test_random_kvarn_tail_pages),
         cmocka_unit_test(test_random_int8),
         cmocka_unit_test(test_random_fp16),
     };

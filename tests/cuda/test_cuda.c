@@ -231,6 +231,11 @@ static void test_check_kv(void **state)
     b = kv;
     b.sink_partial = 16; /* a sink shorter than a tile: CPU kernels only */
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_UNSUPPORTED);
+    b = kv;
+    b.tail_page_tokens = 16; /* small tail pages: CPU kernels only */
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_UNSUPPORTED);
+    b.tail_page_tokens = b.block_size; /* whole tail pages: served */
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_OK);
 
     kvarn_paged_kv t = make_kv("fp8_e4m3", 64, 3, 16, fake_arena, 10, NULL, 0);
     assert_int_equal(t.token_record_bytes, 132);

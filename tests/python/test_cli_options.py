@@ -23,11 +23,12 @@ BASE = {
 # (command, the options --help lists in its first column, in table order)
 HELP_COLUMNS = [
     ("eval", ["--kv-cache-dtype", "--ctx", "--chunk", "--windows", "--decode-tokens", "--threads",
-              "--passkey", "--sink-tokens", "--json", "--dump-kv", "--dump-layers"]),
+              "--passkey", "--sink-tokens", "--tail-page-tokens", "--json", "--dump-kv",
+              "--dump-layers"]),
     ("passkey", ["--kv-cache-dtype", "--lengths", "--depths", "--trials", "--chunk", "--seed",
                  "--threads", "--sink-tokens"]),
     ("inspect", ["--kv-cache-dtype", "-m", "--layers", "--kv-heads", "--head-dim", "--budget",
-                 "--max-seqs"]),
+                 "--max-seqs", "--sink-tokens", "--tail-page-tokens"]),
 ]
 
 

@@ -191,3 +191,28 @@ def test_decode_columns(report):
             assert f["decode_kld_mean"] == 0.0 and f["decode_top1"] == 1.0
         else:
             assert f["decode_kld_mean"] > 0.0, name
+
+
+def test_tail_pages_change_no_number(kvarn_bin, model_path, window):
+    """--tail-page-tokens 16 holds the uncommitted tail in pages of 16
+    tokens (docs/paged-cache.md "Small tail pages"): commit encodes the same
+    records from them and attention reads the same rows through the same
+    kernel call, so every quality number is the same to the bit; only the
+    session's fp16 bytes (the "eff" column) may differ."""
+    path, _ = window
+    reps = []
+    for extra in ([], ["--tail-page-tokens", "16"]):
+        r = subprocess.run([kvarn_bin, "eval", "-m", model_path, "-f", path, "--ctx", "300",
+                            "--chunk", "64", "--decode-tokens", "40", "--kv-cache-dtype",
+                            "kvarn_k4v2_g64,kvarn_k4v4_g128", "--json"] + extra,
+                           capture_output=True, text=True, timeout=1800)
+        assert r.returncode == 0, r.stderr
+        reps.append(json.loads(r.stdout))
+    compared = 0
+    for a, b in zip(reps[0]["formats"], reps[1]["formats"]):
+        assert a["format"] == b["format"]
+        for key, val in a.items():
+            if any(s in key for s in ("kld", "ppl", "top1")):
+                assert b[key] == val, (a["format"], key)
+                compared += 1
+    assert compared >= 8

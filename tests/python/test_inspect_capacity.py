@@ -106,3 +106,29 @@ def test_budget_below_the_pages_is_shown(kvarn_bin):
     b = 256 << 20
     assert int(rows["kvarn_k4v2_g128"][7]) == one_value(kvarn_seqs(b - BOOKS_MAX, 15),
                                                         kvarn_seqs(b, 15)), out
+
+
+def test_small_tail_pages_and_short_sink(kvarn_bin):
+    # --sink-tokens 16 --tail-page-tokens 16 (docs/paged-cache.md "Small
+    # tail pages"): no whole page (the sink is 16 tokens of tile 0, kept in
+    # a slot of 16 tokens per sequence, tile 0 a block); the tail in pages
+    # of 16 tokens, auto (k + ceil(k / 8)) x 128 / 16 of them for k
+    # sequences, each an eighth of a whole page. A 2k request is 16 blocks.
+    small, slot = PAGE // 8, PAGE // 8
+
+    def seqs(budget):
+        k = 0
+        while ((k + 1 + -(-(k + 1) // 8)) * 8 * small + (k + 1) * slot +
+               (k + 1) * 16 * K4V2_BLOCK <= budget):
+            k += 1
+        return k
+
+    rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128",
+                        "--sink-tokens", "16", "--tail-page-tokens", "16")
+    assert "tail pages of 16 tokens" in out
+    assert int(rows["kvarn_k4v2_g128"][7]) == one_value(seqs(GIB - BOOKS_MAX), seqs(GIB)), out
+    # T = G is the whole-page cache: the default table's numbers
+    base, _ = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128")
+    same, _ = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128",
+                      "--tail-page-tokens", "128")
+    assert base["kvarn_k4v2_g128"][5:] == same["kvarn_k4v2_g128"][5:]
