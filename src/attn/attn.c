@@ -2,8 +2,8 @@
  * attn.c -- the attention entry points: argument checks, the work plan
  * (items and split-K chunks), the per-item loop over tiles, the
  * log-sum-exp merge of split chunks, and the final normalization and
- * inverse Hadamard rotation. The per-tile math lives in kernel_ref.c and
- * kernel_avx2.c. Layout: include/kvarn/paged.h; method: docs/attention.md;
+ * inverse Hadamard rotation. The per-tile math lives in kernel_ref.c,
+ * kernel_avx2.c and kernel_avx512.c, reached through kernel_table.c. Layout: include/kvarn/paged.h; method: docs/attention.md;
  * source: ../shared/spec/KVARN.md "Attention over records", "The fp16 tail
  * and the sink".
  */
@@ -180,25 +180,21 @@ size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
 
 /* ----------------------------------------------------------- dispatch */
 
-/* The kernels for this head_dim at the SIMD level kvarn__cpu_level()
- * reports (capped by KVARN_SIMD, codec/cpu.h): AVX-512 needs D % 32 == 0,
- * AVX2 D % 16 == 0; anything else runs the scalar reference. */
-static const attn_kernels *pick_kernels(const kvarn_attn_opts *o, int head_dim)
+/* The kernels of this format kind and head_dim at the SIMD level
+ * kvarn__cpu_level() reports (capped by KVARN_SIMD, codec/cpu.h), read from
+ * the kind's row (kernel_table.c): a level whose head_dim multiple (AVX-512
+ * 32, AVX2 16) does not divide D runs the next lower one. */
+static void pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim,
+                         attn_kernels *out)
 {
-    if (force_scalar_of(o)) return &attn_kernels_ref;
-    const kvarn_cpu_level level = kvarn__cpu_level();
-    if (level >= KVARN_CPU_AVX512 && head_dim % 32 == 0) return &attn_kernels_avx512;
-    if (level >= KVARN_CPU_AVX2 && head_dim % 16 == 0) return &attn_kernels_avx2;
-    return &attn_kernels_ref;
+    const int top = force_scalar_of(o) ? KVARN_CPU_SCALAR : (int)kvarn__cpu_level();
+    (void)attn_select_kernels(kind, head_dim, top, out); /* kind checked by make_geom */
 }
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
 {
-    if (opts != NULL && force_scalar_of(opts)) return attn_kernels_ref.name;
-    const kvarn_cpu_level level = kvarn__cpu_level();
-    if (level >= KVARN_CPU_AVX512) return attn_kernels_avx512.name;
-    if (level >= KVARN_CPU_AVX2) return attn_kernels_avx2.name;
-    return attn_kernels_ref.name;
+    if (opts != NULL && force_scalar_of(opts)) return attn_level_row_of(KVARN_CPU_SCALAR)->name;
+    return attn_level_row_of((int)kvarn__cpu_level())->name;
 }
 
 /* ------------------------------------------------------- validation */
@@ -302,7 +298,8 @@ typedef struct attn_run {
     kvarn_attn_opts o;
     attn_geom g;
     kvarn_record_layout L;
-    const attn_kernels *kern;
+    const attn_kernels *kern;  /* &kern_set */
+    attn_kernels kern_set;
     float *thread_scratch;
     attn_item *items;
     int n_items;
@@ -535,7 +532,7 @@ static void item_task(void *ctx, int task, int worker)
                 for (int j = 0; j < cnt; j++)
                     r.tok[span++] = kvarn_paged_token_record(kv, sv->block_table[i], it->kvh, j);
             }
-            run->kern->token_tile(&r, kv->fmt.kind, &run->L, r.tok, t0, span);
+            run->kern->token_tile(&r, &run->L, r.tok, t0, span);
             tile = end;
             continue;
         }
@@ -646,7 +643,8 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
     run.groups = (int *)f;
     f += round_f(run.g.max_groups + 1);
     run.partials = f;
-    run.kern = pick_kernels(&run.o, kv->head_dim);
+    pick_kernels(&run.o, kv->fmt.kind, kv->head_dim, &run.kern_set);
+    run.kern = &run.kern_set;
 
     if (!plan(&run, n_seqs, n_threads)) return KVARN_ERR_BUFFER_TOO_SMALL;
 
