@@ -8,6 +8,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "codec/checked.h"
 #include "cuda/common.cuh"
 #include "kvarn/cuda.h"
 #include "kvarn/record.h"
@@ -159,16 +160,23 @@ kvarn_status kvarn_cuda_check_kv(const kvarn_paged_kv *kv)
         (kvarn && (!aligned(kv->fp16_pages, 16) || kv->page_stride % 16 ||
                    kv->page_head_stride % 16)))
         return KVARN_ERR_INVALID_ARG;
-    size_t head_bytes = L.record_bytes;
+    /* Checked products (codec/checked.h), as the CPU checks: a stride
+     * whose product with the heads (or the block's tokens) does not fit
+     * size_t describes no arena; wrapped, it would pass as a small size. */
+    size_t head_bytes = L.record_bytes, heads_bytes, page_heads_bytes = 0;
     if (!kvarn) {
         if (kv->token_record_bytes < L.record_bytes) return KVARN_ERR_BUFFER_TOO_SMALL;
-        head_bytes = kv->token_record_bytes * (size_t)kv->block_size;
+        if (kvarn__mul_size(kv->token_record_bytes, (size_t)kv->block_size, &head_bytes))
+            return KVARN_ERR_INVALID_ARG;
     }
-    if (kv->record_stride < head_bytes ||
-        kv->block_stride < kv->record_stride * (size_t)kv->n_kv_heads)
+    if (kvarn__mul_size(kv->record_stride, (size_t)kv->n_kv_heads, &heads_bytes) ||
+        (kvarn && kvarn__mul_size(kv->page_head_stride, (size_t)kv->n_kv_heads,
+                                  &page_heads_bytes)))
+        return KVARN_ERR_INVALID_ARG;
+    if (kv->record_stride < head_bytes || kv->block_stride < heads_bytes)
         return KVARN_ERR_BUFFER_TOO_SMALL;
     if (kvarn && (kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
-                  kv->page_stride < kv->page_head_stride * (size_t)kv->n_kv_heads))
+                  kv->page_stride < page_heads_bytes))
         return KVARN_ERR_BUFFER_TOO_SMALL;
     return KVARN_OK;
 }
