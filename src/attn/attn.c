@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "attn/attn_internal.h"
+#include "cache/paged_check.h"
 #include "codec/checked.h"
 #include "codec/cpu.h"
 #include "codec/hadamard.h"
@@ -209,31 +210,12 @@ static int tile_is_page(const kvarn_paged_kv *kv, const kvarn_seq_view *sv, int 
 
 static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout *L)
 {
-    if (kv->n_blocks < 0 || kv->n_fp16_pages < 0 || kv->sink_tiles < 0)
-        return KVARN_ERR_INVALID_ARG;
-    size_t hk = (size_t)kv->n_kv_heads, tokens_bytes, heads_bytes;
-    if (kv->fmt.kind == KVARN_KIND_KVARN) {
-        if (kv->record_stride < L->record_bytes) return KVARN_ERR_INVALID_ARG;
-    } else {
-        /* checked: a wrapped product would let token records overlap */
-        if (kv->token_record_bytes < L->record_bytes ||
-            kvarn__mul_size((size_t)kv->block_size, kv->token_record_bytes, &tokens_bytes) ||
-            kv->record_stride < tokens_bytes)
-            return KVARN_ERR_INVALID_ARG;
-    }
-    /* checked: a wrapped Hk x record_stride would let heads overlap */
-    if (kvarn__mul_size(hk, kv->record_stride, &heads_bytes) || kv->block_stride < heads_bytes)
-        return KVARN_ERR_INVALID_ARG;
-    /* fp16 pages (KVarN): a whole K+V tile per head, heads inside a page,
-     * 2-byte aligned (include/kvarn/paged.h). */
-    if (kv->fmt.kind == KVARN_KIND_KVARN && kv->fp16_pages != NULL) {
-        uint64_t heads;
-        if (kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
-            kv->page_head_stride % 2 != 0 || kv->page_stride % 2 != 0 ||
-            ((uintptr_t)kv->fp16_pages % 2) != 0 ||
-            kvarn__mul_u64(hk, kv->page_head_stride, &heads) || kv->page_stride < heads)
-            return KVARN_ERR_INVALID_ARG;
-    }
+    /* Records, blocks and fp16 pages (when given; check_seq refuses a page
+     * tile without them): the check store, commit and CUDA share
+     * (cache/paged_check.h), products checked. */
+    kvarn_status st = kvarn__paged_check_arenas(kv, L, 0, KVARN_ERR_INVALID_ARG);
+    if (st != KVARN_OK) return st;
+    const size_t hk = (size_t)kv->n_kv_heads;
     /* Sink shorter than a tile (paged.h): r in [0, G), KVarN only; slots
      * of K+V [r][D] fp16 per head, 2-byte aligned. */
     if (kv->sink_partial < 0 || kv->sink_partial >= kv->block_size ||

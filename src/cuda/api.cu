@@ -8,7 +8,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "codec/checked.h"
+#include "cache/paged_check.h"
 #include "cuda/common.cuh"
 #include "kvarn/cuda.h"
 #include "kvarn/record.h"
@@ -160,25 +160,11 @@ kvarn_status kvarn_cuda_check_kv(const kvarn_paged_kv *kv)
         (kvarn && (!aligned(kv->fp16_pages, 16) || kv->page_stride % 16 ||
                    kv->page_head_stride % 16)))
         return KVARN_ERR_INVALID_ARG;
-    /* Checked products (codec/checked.h), as the CPU checks: a stride
-     * whose product with the heads (or the block's tokens) does not fit
-     * size_t describes no arena; wrapped, it would pass as a small size. */
-    size_t head_bytes = L.record_bytes, heads_bytes, page_heads_bytes = 0;
-    if (!kvarn) {
-        if (kv->token_record_bytes < L.record_bytes) return KVARN_ERR_BUFFER_TOO_SMALL;
-        if (kvarn__mul_size(kv->token_record_bytes, (size_t)kv->block_size, &head_bytes))
-            return KVARN_ERR_INVALID_ARG;
-    }
-    if (kvarn__mul_size(kv->record_stride, (size_t)kv->n_kv_heads, &heads_bytes) ||
-        (kvarn && kvarn__mul_size(kv->page_head_stride, (size_t)kv->n_kv_heads,
-                                  &page_heads_bytes)))
-        return KVARN_ERR_INVALID_ARG;
-    if (kv->record_stride < head_bytes || kv->block_stride < heads_bytes)
-        return KVARN_ERR_BUFFER_TOO_SMALL;
-    if (kvarn && (kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
-                  kv->page_stride < page_heads_bytes))
-        return KVARN_ERR_BUFFER_TOO_SMALL;
-    return KVARN_OK;
+    /* Records, blocks and fp16 pages: the check the CPU store, commit and
+     * attention share (cache/paged_check.h), products checked; a size too
+     * short for what it holds is KVARN_ERR_BUFFER_TOO_SMALL here. */
+    return kvarn__paged_check_arenas(kv, &L, KVARN_PAGED_NEED_BLOCKS | KVARN_PAGED_NEED_PAGES,
+                                     KVARN_ERR_BUFFER_TOO_SMALL);
 }
 
 kvarn_status kvarn_cuda_store(const kvarn_paged_kv *kv, kvarn_cuda_dtype dtype,
