@@ -8,7 +8,10 @@
  *
  * Adding a format kind = one row here (format_kinds.c), one row in
  * src/attn/kernel_table.c, its codec and kernel functions, and its CUDA
- * traits (src/cuda/kinds.cuh). Nothing else switches on kvarn_kind.
+ * traits (src/cuda/kinds.cuh). No other code switches on kvarn_kind to
+ * pick an operation; what still tests the kind asks only "KVarN or not"
+ * for the paged structure around the records (sink, fp16 staging pages,
+ * commit, the Hadamard basis of attention).
  * Not part of the public contract.
  */
 #ifndef KVARN_FORMAT_KINDS_H
