@@ -219,6 +219,15 @@ static void test_check_kv(void **state)
     b.page_head_stride += 16;
     b.page_stride += (size_t)16 * b.n_kv_heads;
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_OK);
+    /* Stride products that do not fit size_t are refused (regression: Hk x
+     * record_stride and Hk x page_head_stride were unchecked products, so
+     * 8 x 2^61 wrapped to 0 and passed every "fits" test). */
+    b = kv;
+    b.record_stride = (size_t)1 << (sizeof(size_t) * 8 - 3);
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
+    b = kv;
+    b.page_head_stride = (size_t)1 << (sizeof(size_t) * 8 - 3);
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
     b = kv;
     b.n_kv_heads = 0;
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
@@ -231,15 +240,6 @@ static void test_check_kv(void **state)
     b = kv;
     b.sink_partial = 16; /* a sink shorter than a tile: CPU kernels only */
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_UNSUPPORTED);
-    /* Stride products that do not fit size_t are refused (regression: Hk x
-     * record_stride and Hk x page_head_stride were unchecked products, so
-     * 8 x 2^61 wrapped to 0 and passed every "fits" test). */
-    b = kv;
-    b.record_stride = (size_t)1 << (sizeof(size_t) * 8 - 3);
-    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
-    b = kv;
-    b.page_head_stride = (size_t)1 << (sizeof(size_t) * 8 - 3);
-    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
 
     kvarn_paged_kv t = make_kv("fp8_e4m3", 64, 3, 16, fake_arena, 10, NULL, 0);
     assert_int_equal(t.token_record_bytes, 132);
