@@ -103,7 +103,10 @@ const char *kvarn_format_name_at(int i);
  * (the fast Walsh-Hadamard needs a power of two; upstream serves 128, 256,
  * 512 and we add 64 for SmolLM2, see docs/formats.md); per-token formats
  * serve any even D in [2, 1024].
- * Returns KVARN_OK or KVARN_ERR_UNSUPPORTED_HEAD_DIM. */
+ * Returns KVARN_OK or KVARN_ERR_UNSUPPORTED_HEAD_DIM; KVARN_ERR_INVALID_ARG
+ * for NULL or a format its kind does not admit (e.g. a hand-built int8
+ * format with other bit widths, or a KVarN tile length outside
+ * {32, 64, 128}): every call that takes a format checks it through here. */
 kvarn_status kvarn_format_check_head_dim(const kvarn_format *fmt, int head_dim);
 
 /* Write a one-line, human-readable explanation of a failed parse or

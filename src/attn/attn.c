@@ -2,8 +2,8 @@
  * attn.c -- the attention entry points: argument checks, the work plan
  * (items and split-K chunks), the per-item loop over tiles, the
  * log-sum-exp merge of split chunks, and the final normalization and
- * inverse Hadamard rotation. The per-tile math lives in kernel_ref.c and
- * kernel_avx2.c. Layout: include/kvarn/paged.h; method: docs/attention.md;
+ * inverse Hadamard rotation. The per-tile math lives in kernel_ref.c,
+ * kernel_avx2.c and kernel_avx512.c, reached through kernel_table.c. Layout: include/kvarn/paged.h; method: docs/attention.md;
  * source: ../shared/spec/KVARN.md "Attention over records", "The fp16 tail
  * and the sink".
  */
@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "attn/attn_internal.h"
+#include "cache/paged_check.h"
 #include "codec/checked.h"
 #include "codec/cpu.h"
 #include "codec/hadamard.h"
@@ -187,25 +188,21 @@ size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
 
 /* ----------------------------------------------------------- dispatch */
 
-/* The kernels for this head_dim at the SIMD level kvarn__cpu_level()
- * reports (capped by KVARN_SIMD, codec/cpu.h): AVX-512 needs D % 32 == 0,
- * AVX2 D % 16 == 0; anything else runs the scalar reference. */
-static const attn_kernels *pick_kernels(const kvarn_attn_opts *o, int head_dim)
+/* The kernels of this format kind and head_dim at the SIMD level
+ * kvarn__cpu_level() reports (capped by KVARN_SIMD, codec/cpu.h), read from
+ * the kind's row (kernel_table.c): a level whose head_dim multiple (AVX-512
+ * 32, AVX2 16) does not divide D runs the next lower one. */
+static void pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim,
+                         attn_kernels *out)
 {
-    if (force_scalar_of(o)) return &attn_kernels_ref;
-    const kvarn_cpu_level level = kvarn__cpu_level();
-    if (level >= KVARN_CPU_AVX512 && head_dim % 32 == 0) return &attn_kernels_avx512;
-    if (level >= KVARN_CPU_AVX2 && head_dim % 16 == 0) return &attn_kernels_avx2;
-    return &attn_kernels_ref;
+    const int top = force_scalar_of(o) ? KVARN_CPU_SCALAR : (int)kvarn__cpu_level();
+    (void)attn_select_kernels(kind, head_dim, top, out); /* kind checked by make_geom */
 }
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
 {
-    if (opts != NULL && force_scalar_of(opts)) return attn_kernels_ref.name;
-    const kvarn_cpu_level level = kvarn__cpu_level();
-    if (level >= KVARN_CPU_AVX512) return attn_kernels_avx512.name;
-    if (level >= KVARN_CPU_AVX2) return attn_kernels_avx2.name;
-    return attn_kernels_ref.name;
+    if (opts != NULL && force_scalar_of(opts)) return attn_level_row_of(KVARN_CPU_SCALAR)->name;
+    return attn_level_row_of((int)kvarn__cpu_level())->name;
 }
 
 /* ------------------------------------------------------- validation */
@@ -220,31 +217,12 @@ static int tile_is_page(const kvarn_paged_kv *kv, const kvarn_seq_view *sv, int 
 
 static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout *L)
 {
-    if (kv->n_blocks < 0 || kv->n_fp16_pages < 0 || kv->sink_tiles < 0)
-        return KVARN_ERR_INVALID_ARG;
-    size_t hk = (size_t)kv->n_kv_heads, tokens_bytes, heads_bytes;
-    if (kv->fmt.kind == KVARN_KIND_KVARN) {
-        if (kv->record_stride < L->record_bytes) return KVARN_ERR_INVALID_ARG;
-    } else {
-        /* checked: a wrapped product would let token records overlap */
-        if (kv->token_record_bytes < L->record_bytes ||
-            kvarn__mul_size((size_t)kv->block_size, kv->token_record_bytes, &tokens_bytes) ||
-            kv->record_stride < tokens_bytes)
-            return KVARN_ERR_INVALID_ARG;
-    }
-    /* checked: a wrapped Hk x record_stride would let heads overlap */
-    if (kvarn__mul_size(hk, kv->record_stride, &heads_bytes) || kv->block_stride < heads_bytes)
-        return KVARN_ERR_INVALID_ARG;
-    /* fp16 pages (KVarN): a whole K+V tile per head, heads inside a page,
-     * 2-byte aligned (include/kvarn/paged.h). */
-    if (kv->fmt.kind == KVARN_KIND_KVARN && kv->fp16_pages != NULL) {
-        uint64_t heads;
-        if (kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
-            kv->page_head_stride % 2 != 0 || kv->page_stride % 2 != 0 ||
-            ((uintptr_t)kv->fp16_pages % 2) != 0 ||
-            kvarn__mul_u64(hk, kv->page_head_stride, &heads) || kv->page_stride < heads)
-            return KVARN_ERR_INVALID_ARG;
-    }
+    /* Records, blocks and fp16 pages (when given; check_seq refuses a page
+     * tile without them): the check store, commit and CUDA share
+     * (cache/paged_check.h), products checked. */
+    kvarn_status st = kvarn__paged_check_arenas(kv, L, 0, KVARN_ERR_INVALID_ARG);
+    if (st != KVARN_OK) return st;
+    const size_t hk = (size_t)kv->n_kv_heads;
     /* Sink shorter than a tile (paged.h): r in [0, G), KVarN only; slots
      * of K+V [r][D] fp16 per head, 2-byte aligned. */
     if (kv->sink_partial < 0 || kv->sink_partial >= kv->block_size ||
@@ -339,7 +317,8 @@ typedef struct attn_run {
     kvarn_attn_opts o;
     attn_geom g;
     kvarn_record_layout L;
-    const attn_kernels *kern;
+    const attn_kernels *kern;  /* &kern_set */
+    attn_kernels kern_set;
     float *thread_scratch;
     attn_item *items;
     int n_items;
@@ -595,7 +574,7 @@ static void item_task(void *ctx, int task, int worker)
                 for (int j = 0; j < cnt; j++)
                     r.tok[span++] = kvarn_paged_token_record(kv, sv->block_table[i], it->kvh, j);
             }
-            run->kern->token_tile(&r, kv->fmt.kind, &run->L, r.tok, t0, span);
+            run->kern->token_tile(&r, &run->L, r.tok, t0, span);
             tile = end;
             continue;
         }
@@ -706,7 +685,8 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
     run.groups = (int *)f;
     f += round_f(run.g.max_groups + 1);
     run.partials = f;
-    run.kern = pick_kernels(&run.o, kv->head_dim);
+    pick_kernels(&run.o, kv->fmt.kind, kv->head_dim, &run.kern_set);
+    run.kern = &run.kern_set;
 
     if (!plan(&run, n_seqs, n_threads)) return KVARN_ERR_BUFFER_TOO_SMALL;
 

@@ -82,32 +82,94 @@ typedef struct attn_rows {
     attn_prefetch *pf;   /* the next tiles to prefetch while this one runs */
 } attn_rows;
 
-/* One set of tile kernels. t0: position of the tile's first token; nt:
- * tokens present in the tile (1..G; G for committed KVarN records). */
+/* ---- tile kernels ----
+ * t0: position of the tile's first token; nt: tokens present in the tile
+ * (1..G; G for committed KVarN records). */
+
+/* fp16 page: K, V fp16 [G][D] token-major (only the first nt read). */
+typedef void (*attn_fp16_tile_fn)(attn_rows *r, const uint16_t *k, const uint16_t *v,
+                                  int t0, int nt);
+/* A tile record (KVarN, record.h), nt = G. */
+typedef void (*attn_record_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
+                                    const uint8_t *rec, int t0, int nt);
+/* Per-token records: a span of nt consecutive tokens (one or more blocks),
+ * token j's record at rec[j] (nt <= gs). */
+typedef void (*attn_token_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
+                                   const uint8_t *const *rec, int t0, int nt);
+
+/* The kernels one attention call runs, picked from the tables of
+ * kernel_table.c for its format kind, head_dim and SIMD level
+ * (attn_select_kernels). kvarn_tile is set for per-tile kinds, token_tile
+ * for per-token kinds, the other one is NULL. */
 typedef struct attn_kernels {
-    const char *name;
-    /* fp16 page: K, V fp16 [G][D] token-major (only the first nt read). */
-    void (*fp16_tile)(attn_rows *r, const uint16_t *k, const uint16_t *v,
-                      int t0, int nt);
-    /* KVarN record (record.h), nt = G. */
-    void (*kvarn_tile)(attn_rows *r, const kvarn_record_layout *L,
-                       const uint8_t *rec, int t0, int nt);
-    /* Per-token formats: a span of nt consecutive tokens (one or more
-     * blocks), token j's record at rec[j] (nt <= gs). */
-    void (*token_tile)(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
-                       const uint8_t *const *rec, int t0, int nt);
+    const char *name;                 /* the SIMD level's name ("avx2") */
+    attn_fp16_tile_fn fp16_tile;
+    attn_record_tile_fn kvarn_tile;
+    attn_token_tile_fn token_tile;
 } attn_kernels;
 
+/* SIMD levels, indexed by kvarn_cpu_level (codec/cpu.h). */
+#define ATTN_LEVELS 3
+
+/* One SIMD level: its name, the head_dim multiple its kernels need, its
+ * fp16 page kernel (every kind's sink and tail pages). */
+typedef struct attn_level_row {
+    const char *name;
+    int head_dim_multiple;
+    attn_fp16_tile_fn fp16_tile;
+} attn_level_row;
+
+/* The attention half of a format kind's row (the codec half is
+ * src/codec/format_kinds.h): its tile kernel per SIMD level (index
+ * kvarn_cpu_level), token_tile for per-token kinds, record_tile for
+ * per-tile kinds. The scalar entry is mandatory; NULL at a higher level
+ * means that level has no kernel of its own for the kind and runs the next
+ * lower level's. */
+typedef struct attn_kind_row {
+    kvarn_kind kind;                  /* the row's own index */
+    attn_token_tile_fn token_tile[ATTN_LEVELS];
+    attn_record_tile_fn record_tile[ATTN_LEVELS];
+} attn_kind_row;
+
+/* The row of a SIMD level (NULL outside [0, ATTN_LEVELS)) and of a kind
+ * (NULL outside [0, KVARN_KIND_COUNT)); kernel_table.c. */
+const attn_level_row *attn_level_row_of(int level);
+const attn_kind_row *attn_kind_row_of(kvarn_kind kind);
+
+/* Fill *out with the kernels of `row` for head_dim D at the highest SIMD
+ * level <= top whose head_dim multiple divides D; each entry NULL at that
+ * level is taken from the next lower level that has one. Returns the level
+ * picked (out->name is its name). */
+int attn_select_kernels_from(const attn_kind_row *row, int head_dim, int top,
+                             attn_kernels *out);
+/* The same for kind's row of the table. Returns -1 (out untouched) for a
+ * kind with no row. */
+int attn_select_kernels(kvarn_kind kind, int head_dim, int top, attn_kernels *out);
+
+/* The entry points each kernel file exports to the tables (LV: ref, avx2,
+ * avx512); one token kernel per per-token kind, one record kernel for
+ * KVarN (specialized inside on the bit widths). */
+#define ATTN_DECLARE_KERNELS(LV)                                                         \
+    void attn_##LV##_fp16_tile(attn_rows *r, const uint16_t *k, const uint16_t *v,       \
+                               int t0, int nt);                                          \
+    void attn_##LV##_kvarn_tile(attn_rows *r, const kvarn_record_layout *L,              \
+                                const uint8_t *rec, int t0, int nt);                     \
+    ATTN_DECLARE_TOKEN(LV, fp16) ATTN_DECLARE_TOKEN(LV, bf16)                            \
+    ATTN_DECLARE_TOKEN(LV, fp8_e4m3) ATTN_DECLARE_TOKEN(LV, fp8_e5m2)                    \
+    ATTN_DECLARE_TOKEN(LV, int8) ATTN_DECLARE_TOKEN(LV, int4)
+#define ATTN_DECLARE_TOKEN(LV, KIND)                                                     \
+    void attn_##LV##_token_##KIND(attn_rows *r, const kvarn_record_layout *L,            \
+                                  const uint8_t *const *rec, int t0, int nt);
 /* Scalar reference kernels (kernel_ref.c): the oracle and the fallback. */
-extern const attn_kernels attn_kernels_ref;
-
+ATTN_DECLARE_KERNELS(ref)
 /* AVX2/FMA/F16C kernels (kernel_avx2.c); they need D % 16 == 0. */
-extern const attn_kernels attn_kernels_avx2;
-
+ATTN_DECLARE_KERNELS(avx2)
 /* AVX-512 F/BW/VL (+FMA/F16C) kernels (kernel_avx512.c); they need
  * D % 32 == 0 (KVarN tiles of a length not a multiple of 32 go to the AVX2
  * kernel). */
-extern const attn_kernels attn_kernels_avx512;
+ATTN_DECLARE_KERNELS(avx512)
+#undef ATTN_DECLARE_KERNELS
+#undef ATTN_DECLARE_TOKEN
 
 /* Scalar online-softmax step shared by the reference kernels: mask s[r][t]
  * to the row's visible positions, update m and l, rescale acc, and turn s

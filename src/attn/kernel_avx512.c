@@ -394,7 +394,7 @@ AI void tm_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
 
 /* ---------------------------------------------------------- fp16 pages */
 
-static void fp16_tile_avx512(attn_rows *r, const uint16_t *k, const uint16_t *v, int t0, int nt)
+void attn_avx512_fp16_tile(attn_rows *r, const uint16_t *k, const uint16_t *v, int t0, int nt)
 {
     /* Token t's K row; its V row is at the same place in the V half. */
     for (int t = 0; t < nt; t++) r->tok[t] = (const uint8_t *)(k + (size_t)t * r->D);
@@ -406,7 +406,7 @@ static void fp16_tile_avx512(attn_rows *r, const uint16_t *k, const uint16_t *v,
 /* ----------------------------------------------------- per-token blocks */
 
 #define TOKEN_TILE(NAME, KIND)                                                        \
-    static void NAME(attn_rows *r, const kvarn_record_layout *L,                      \
+    void attn_avx512_token_##NAME(attn_rows *r, const kvarn_record_layout *L,         \
                      const uint8_t *const *rec, int t0, int nt)                       \
     {                                                                                 \
         token_tile_body(r, KIND, L, rec, t0, nt);                                     \
@@ -466,26 +466,12 @@ AI void token_tile_body(attn_rows *r, kvarn_kind kind, const kvarn_record_layout
     tm_values(r, kind, recs, L->v_codes_off, nt, has_zero ? pz : NULL);
 }
 
-TOKEN_TILE(tile_fp16, KVARN_KIND_FP16)
-TOKEN_TILE(tile_bf16, KVARN_KIND_BF16)
-TOKEN_TILE(tile_e4m3, KVARN_KIND_FP8_E4M3)
-TOKEN_TILE(tile_e5m2, KVARN_KIND_FP8_E5M2)
-TOKEN_TILE(tile_int8, KVARN_KIND_INT8)
-TOKEN_TILE(tile_int4, KVARN_KIND_INT4)
-
-static void token_tile_avx512(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
-                              const uint8_t *const *base, int t0, int nt)
-{
-    switch (kind) {
-    case KVARN_KIND_FP16: tile_fp16(r, L, base, t0, nt); break;
-    case KVARN_KIND_BF16: tile_bf16(r, L, base, t0, nt); break;
-    case KVARN_KIND_FP8_E4M3: tile_e4m3(r, L, base, t0, nt); break;
-    case KVARN_KIND_FP8_E5M2: tile_e5m2(r, L, base, t0, nt); break;
-    case KVARN_KIND_INT8: tile_int8(r, L, base, t0, nt); break;
-    case KVARN_KIND_INT4: tile_int4(r, L, base, t0, nt); break;
-    default: break;
-    }
-}
+TOKEN_TILE(fp16, KVARN_KIND_FP16)
+TOKEN_TILE(bf16, KVARN_KIND_BF16)
+TOKEN_TILE(fp8_e4m3, KVARN_KIND_FP8_E4M3)
+TOKEN_TILE(fp8_e5m2, KVARN_KIND_FP8_E5M2)
+TOKEN_TILE(int8, KVARN_KIND_INT8)
+TOKEN_TILE(int4, KVARN_KIND_INT4)
 
 /* --------------------------------------------------------- KVarN records */
 
@@ -624,12 +610,12 @@ KVARN_TILE(2, 8)
 KVARN_TILE(8, 2)
 KVARN_TILE(8, 4)
 
-static void kvarn_tile_avx512(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
+void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                               int t0, int nt)
 {
     /* committed records are full (nt == G); tiles of 32+ tokens */
     if (L->tile_tokens % 32 != 0) {
-        attn_kernels_avx2.kvarn_tile(r, L, rec, t0, nt);
+        attn_avx2_kvarn_tile(r, L, rec, t0, nt);
         return;
     }
     switch (L->key_bits * 10 + L->value_bits) {
@@ -642,9 +628,6 @@ static void kvarn_tile_avx512(attn_rows *r, const kvarn_record_layout *L, const 
     case 28: kvarn_tile_k2v8(r, L, rec, t0); break;
     case 82: kvarn_tile_k8v2(r, L, rec, t0); break;
     case 84: kvarn_tile_k8v4(r, L, rec, t0); break;
-    default: attn_kernels_ref.kvarn_tile(r, L, rec, t0, nt); break;
+    default: attn_ref_kvarn_tile(r, L, rec, t0, nt); break;
     }
 }
-
-const attn_kernels attn_kernels_avx512 = {"avx512", fp16_tile_avx512, kvarn_tile_avx512,
-                                          token_tile_avx512};

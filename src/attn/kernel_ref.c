@@ -50,8 +50,7 @@ void attn_softmax_update_ref(attn_rows *r, int t0, int nt)
 
 /* ---------------------------------------------------------- fp16 pages */
 
-static void fp16_tile_ref(attn_rows *r, const uint16_t *k, const uint16_t *v,
-                          int t0, int nt)
+void attn_ref_fp16_tile(attn_rows *r, const uint16_t *k, const uint16_t *v, int t0, int nt)
 {
     const int D = r->D, G = r->gs;
     for (int i = 0; i < r->n; i++) {
@@ -90,8 +89,8 @@ static void fp16_array(const uint8_t *src, int n, float *dst)
     }
 }
 
-static void kvarn_tile_ref(attn_rows *r, const kvarn_record_layout *L,
-                           const uint8_t *rec, int t0, int nt)
+void attn_ref_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
+                         int t0, int nt)
 {
     const int D = r->D, G = r->gs, kb = L->key_bits, vb = L->value_bits;
     float *ka = r->meta, *kbias = ka + D, *schan = kbias + D;
@@ -136,20 +135,28 @@ static void kvarn_tile_ref(attn_rows *r, const kvarn_record_layout *L,
 
 /* ----------------------------------------------------- per-token blocks */
 
-/* Element d of a per-token code array, before scale and zero-point. */
-static float token_elem(kvarn_kind kind, const uint8_t *codes, int d)
+/* Element d of a per-token code array, before scale and zero-point: one
+ * loader per kind (the kind's token kernel below passes its own). */
+typedef float (*token_elem_fn)(const uint8_t *codes, int d);
+
+static float elem_fp16(const uint8_t *codes, int d)
 {
     uint16_t h;
-    switch (kind) {
-    case KVARN_KIND_FP16: memcpy(&h, codes + 2 * d, 2); return kvarn_fp16_to_fp32(h);
-    case KVARN_KIND_BF16: memcpy(&h, codes + 2 * d, 2); return kvarn_bf16_to_fp32(h);
-    case KVARN_KIND_FP8_E4M3: return kvarn_fp8_e4m3_to_fp32(codes[d]);
-    case KVARN_KIND_FP8_E5M2: return kvarn_fp8_e5m2_to_fp32(codes[d]);
-    case KVARN_KIND_INT8: return (float)codes[d];
-    case KVARN_KIND_INT4: return (float)code_at(codes, d, 4);
-    default: return 0.0f;
-    }
+    memcpy(&h, codes + 2 * d, 2);
+    return kvarn_fp16_to_fp32(h);
 }
+
+static float elem_bf16(const uint8_t *codes, int d)
+{
+    uint16_t h;
+    memcpy(&h, codes + 2 * d, 2);
+    return kvarn_bf16_to_fp32(h);
+}
+
+static float elem_fp8_e4m3(const uint8_t *codes, int d) { return kvarn_fp8_e4m3_to_fp32(codes[d]); }
+static float elem_fp8_e5m2(const uint8_t *codes, int d) { return kvarn_fp8_e5m2_to_fp32(codes[d]); }
+static float elem_int8(const uint8_t *codes, int d) { return (float)codes[d]; }
+static float elem_int4(const uint8_t *codes, int d) { return (float)code_at(codes, d, 4); }
 
 /* Scale and zero-point of one K or V row (1 and 0 when the format has none). */
 static void token_scale(const uint8_t *rec, size_t a_off, size_t a_bytes,
@@ -162,8 +169,9 @@ static void token_scale(const uint8_t *rec, size_t a_off, size_t a_bytes,
     if (b_bytes) { memcpy(&h, rec + b_off, 2); *zero = kvarn_fp16_to_fp32(h); }
 }
 
-static void token_tile_ref(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
-                           const uint8_t *const *recs, int t0, int nt)
+static inline void token_tile_ref(attn_rows *r, token_elem_fn token_elem,
+                                  const kvarn_record_layout *L, const uint8_t *const *recs,
+                                  int t0, int nt)
 {
     const int D = r->D, G = r->gs;
     float *ks = r->meta, *kz = ks + G, *vs = kz + G, *vz = vs + G;
@@ -177,7 +185,7 @@ static void token_tile_ref(attn_rows *r, kvarn_kind kind, const kvarn_record_lay
         for (int t = 0; t < nt; t++) {
             const uint8_t *kc = recs[t] + L->k_codes_off;
             float dot = 0.0f;
-            for (int d = 0; d < D; d++) dot += q[d] * token_elem(kind, kc, d);
+            for (int d = 0; d < D; d++) dot += q[d] * token_elem(kc, d);
             r->s[(size_t)i * G + t] = ks[t] * dot + kz[t] * r->qsum[i];
         }
     }
@@ -188,11 +196,21 @@ static void token_tile_ref(attn_rows *r, kvarn_kind kind, const kvarn_record_lay
             const uint8_t *vc = recs[t] + L->v_codes_off;
             float w = p[t] * vs[t];
             pz += p[t] * vz[t];
-            for (int d = 0; d < D; d++) acc[d] += w * token_elem(kind, vc, d);
+            for (int d = 0; d < D; d++) acc[d] += w * token_elem(vc, d);
         }
         for (int d = 0; d < D; d++) acc[d] += pz;
     }
 }
 
-const attn_kernels attn_kernels_ref = {"scalar", fp16_tile_ref, kvarn_tile_ref,
-                                       token_tile_ref};
+#define TOKEN_TILE_REF(KIND)                                                              \
+    void attn_ref_token_##KIND(attn_rows *r, const kvarn_record_layout *L,                \
+                               const uint8_t *const *rec, int t0, int nt)                 \
+    {                                                                                     \
+        token_tile_ref(r, elem_##KIND, L, rec, t0, nt);                                   \
+    }
+TOKEN_TILE_REF(fp16)
+TOKEN_TILE_REF(bf16)
+TOKEN_TILE_REF(fp8_e4m3)
+TOKEN_TILE_REF(fp8_e5m2)
+TOKEN_TILE_REF(int8)
+TOKEN_TILE_REF(int4)

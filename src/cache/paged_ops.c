@@ -8,6 +8,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "cache/paged_check.h"
 #include "codec/checked.h"
 #include "codec/fp_convert.h"
 #include "codec/hadamard.h"
@@ -20,9 +21,7 @@
 
 kvarn_status kvarn_paged_check(const kvarn_paged_kv *kv)
 {
-    if (kv == NULL || kv->n_kv_heads < 1 || kv->n_blocks < 0 || kv->sink_tiles < 0 ||
-        kv->blocks == NULL)
-        return KVARN_ERR_INVALID_ARG;
+    if (kv == NULL || kv->n_kv_heads < 1) return KVARN_ERR_INVALID_ARG;
     kvarn_status st = kvarn_format_check_head_dim(&kv->fmt, kv->head_dim);
     if (st != KVARN_OK) return st;
     const int is_kvarn = kv->fmt.kind == KVARN_KIND_KVARN;
@@ -32,28 +31,9 @@ kvarn_status kvarn_paged_check(const kvarn_paged_kv *kv)
     kvarn_record_layout L;
     st = kvarn_record_layout_get(&kv->fmt, kv->head_dim, &L);
     if (st != KVARN_OK) return st;
-    size_t need, heads;
-    if (is_kvarn) {
-        need = L.record_bytes;
-    } else {
-        if (kv->token_record_bytes < L.record_bytes ||
-            kvarn__mul_size((size_t)kv->block_size, kv->token_record_bytes, &need))
-            return KVARN_ERR_INVALID_ARG;
-    }
-    if (kv->record_stride < need ||
-        kvarn__mul_size((size_t)kv->n_kv_heads, kv->record_stride, &heads) ||
-        kv->block_stride < heads)
-        return KVARN_ERR_INVALID_ARG;
-    if (is_kvarn) {
-        if (kv->fp16_pages == NULL || kv->n_fp16_pages < 0 ||
-            ((uintptr_t)kv->fp16_pages % 2) != 0 || kv->page_head_stride % 2 != 0 ||
-            kv->page_stride % 2 != 0 ||
-            kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
-            kvarn__mul_size((size_t)kv->n_kv_heads, kv->page_head_stride, &heads) ||
-            kv->page_stride < heads)
-            return KVARN_ERR_INVALID_ARG;
-    }
-    return KVARN_OK;
+    /* store and commit write both arenas (cache/paged_check.h) */
+    return kvarn__paged_check_arenas(kv, &L, KVARN_PAGED_NEED_BLOCKS | KVARN_PAGED_NEED_PAGES,
+                                     KVARN_ERR_INVALID_ARG);
 }
 
 /* Whether every rotated component of x (D values) fits fp16: |(Hx)_i| <=

@@ -1,10 +1,11 @@
 /*
  * codec.c -- kvarn_encode / kvarn_decode: argument checks shared by every
- * format, then dispatch on the format's row (per-token or KVarN tile).
+ * format, then the entry point of the format kind's row (format_kinds.h).
  */
 #include <string.h>
 
 #include "codec/codec_internal.h"
+#include "codec/format_kinds.h"
 
 static int all_finite(const float *x, size_t n)
 {
@@ -22,8 +23,8 @@ static int all_finite(const float *x, size_t n)
 size_t kvarn_encode_workspace_bytes(const kvarn_format *fmt, int head_dim)
 {
     if (kvarn_format_check_head_dim(fmt, head_dim) != KVARN_OK) return 0;
-    if (fmt->kind != KVARN_KIND_KVARN) return 0;
-    return kvarn__tile_workspace_bytes(head_dim, fmt->tile_tokens);
+    const kvarn_kind_ops *op = kvarn__kind_ops(fmt->kind);
+    return op->workspace_bytes ? op->workspace_bytes(head_dim, fmt->tile_tokens) : 0;
 }
 
 kvarn_status kvarn_encode(const kvarn_format *fmt, int head_dim,
@@ -46,12 +47,13 @@ kvarn_status kvarn_encode(const kvarn_format *fmt, int head_dim,
     size_t n = (size_t)head_dim * (size_t)fmt->tile_tokens;
     if (!all_finite(k, n) || !all_finite(v, n)) return KVARN_ERR_NONFINITE;
 
-    if (fmt->kind == KVARN_KIND_KVARN) {
-        size_t need = kvarn__tile_workspace_bytes(head_dim, fmt->tile_tokens);
+    /* the layout call checked the format: its row exists */
+    const kvarn_kind_ops *op = kvarn__kind_ops(fmt->kind);
+    if (op->workspace_bytes) {
+        size_t need = op->workspace_bytes(head_dim, fmt->tile_tokens);
         if (workspace == NULL || workspace_size < need) return KVARN_ERR_BUFFER_TOO_SMALL;
-        return kvarn__tile_encode(&L, k, v, record, workspace, &o);
     }
-    return kvarn__token_encode(fmt->kind, &L, k, v, record);
+    return op->encode(&L, k, v, record, workspace, &o);
 }
 
 kvarn_status kvarn_decode(const kvarn_format *fmt, int head_dim,
@@ -63,7 +65,5 @@ kvarn_status kvarn_decode(const kvarn_format *fmt, int head_dim,
     kvarn_status st = kvarn_record_layout_get(fmt, head_dim, &L);
     if (st != KVARN_OK) return st;
     if (record_size < L.record_bytes) return KVARN_ERR_BUFFER_TOO_SMALL;
-    if (fmt->kind == KVARN_KIND_KVARN)
-        return kvarn__tile_decode(&L, record, k_out, v_out, flags);
-    return kvarn__token_decode(fmt->kind, &L, record, k_out, v_out);
+    return kvarn__kind_ops(fmt->kind)->decode(&L, record, k_out, v_out, flags);
 }

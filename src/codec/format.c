@@ -1,15 +1,21 @@
 /*
- * format.c -- the table of cache formats: parsing a name, head_dim checks,
- * record layouts, record sizes and capacity. One row per format.
+ * format.c -- the table of cache formats (the named presets, in ladder
+ * order): parsing a name, head_dim checks, record layouts, record sizes and
+ * capacity. What differs between format kinds is read from the kind's row
+ * (format_kinds.h); nothing here switches on the kind.
  * Source: ../shared/spec/KVARN.md (presets, record layout), docs/formats.md.
  */
 #include <stdio.h>
 #include <string.h>
 
 #include "codec/checked.h"
+#include "codec/format_kinds.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/record.h"
 
+/* A named format: its kind and, for kinds whose geometry comes from the
+ * name (KVarN), G and the bit widths; 0 means the kind's fixed value
+ * (format_kinds.c). */
 typedef struct format_row {
     const char *name;
     const char *alias;
@@ -19,12 +25,12 @@ typedef struct format_row {
 
 /* Ladder order: unquantized first, then fp8 -> int8 -> int4 -> KVarN. */
 static const format_row k_rows[] = {
-    {"fp16", "auto", KVARN_KIND_FP16, 1, 16, 16},
-    {"bf16", NULL, KVARN_KIND_BF16, 1, 16, 16},
-    {"fp8_e4m3", "fp8", KVARN_KIND_FP8_E4M3, 1, 8, 8},
-    {"fp8_e5m2", NULL, KVARN_KIND_FP8_E5M2, 1, 8, 8},
-    {"int8", NULL, KVARN_KIND_INT8, 1, 8, 8},
-    {"int4", NULL, KVARN_KIND_INT4, 1, 4, 4},
+    {"fp16", "auto", KVARN_KIND_FP16, 0, 0, 0},
+    {"bf16", NULL, KVARN_KIND_BF16, 0, 0, 0},
+    {"fp8_e4m3", "fp8", KVARN_KIND_FP8_E4M3, 0, 0, 0},
+    {"fp8_e5m2", NULL, KVARN_KIND_FP8_E5M2, 0, 0, 0},
+    {"int8", NULL, KVARN_KIND_INT8, 0, 0, 0},
+    {"int4", NULL, KVARN_KIND_INT4, 0, 0, 0},
     {"kvarn_k4v4_g128", NULL, KVARN_KIND_KVARN, 128, 4, 4},
     {"kvarn_k4v4_g64", NULL, KVARN_KIND_KVARN, 64, 4, 4},
     {"kvarn_k4v2_g128", NULL, KVARN_KIND_KVARN, 128, 4, 2},
@@ -68,27 +74,6 @@ const char *kvarn_format_name_at(int i)
     return (i >= 0 && i < N_ROWS) ? k_rows[i].name : NULL;
 }
 
-static int valid_bits(int b) { return b == 2 || b == 4 || b == 8; }
-
-/* Parse "kvarn_k{kb}v{vb}_g{G}" strictly: single-digit bits, G in
- * {32, 64, 128}, nothing trailing. */
-static int parse_kvarn(const char *s, int *kb, int *vb, int *g)
-{
-    if (strncmp(s, "kvarn_k", 7) != 0) return 0;
-    s += 7;
-    if (s[0] < '0' || s[0] > '9' || s[1] != 'v') return 0;
-    *kb = s[0] - '0';
-    s += 2;
-    if (s[0] < '0' || s[0] > '9' || s[1] != '_' || s[2] != 'g') return 0;
-    *vb = s[0] - '0';
-    s += 3;
-    if (strcmp(s, "32") == 0) *g = 32;
-    else if (strcmp(s, "64") == 0) *g = 64;
-    else if (strcmp(s, "128") == 0) *g = 128;
-    else return 0;
-    return valid_bits(*kb) && valid_bits(*vb);
-}
-
 kvarn_status kvarn_format_parse(const char *name, kvarn_format *out)
 {
     if (name == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
@@ -97,49 +82,37 @@ kvarn_status kvarn_format_parse(const char *name, kvarn_format *out)
         if (strcmp(name, r->name) == 0 || (r->alias && strcmp(name, r->alias) == 0)) {
             kvarn_format f;
             memset(&f, 0, sizeof f);
+            const kvarn_kind_ops *op = kvarn__kind_ops(r->kind);
             f.kind = r->kind;
             snprintf(f.name, sizeof f.name, "%s", r->name);
-            f.tile_tokens = r->tile_tokens;
-            f.key_bits = r->key_bits;
-            f.value_bits = r->value_bits;
-            f.per_tile = r->kind == KVARN_KIND_KVARN;
+            f.tile_tokens = r->tile_tokens ? r->tile_tokens : op->tile_tokens;
+            f.key_bits = r->key_bits ? r->key_bits : op->key_bits;
+            f.value_bits = r->value_bits ? r->value_bits : op->value_bits;
+            f.per_tile = op->per_tile;
             *out = f;
             return KVARN_OK;
         }
     }
-    int kb, vb, g;
-    if (parse_kvarn(name, &kb, &vb, &g)) {
+    /* Name patterns beyond the presets (kvarn_k{kb}v{vb}_g{G}). */
+    for (int k = 0; k < KVARN_KIND_COUNT; k++) {
+        const kvarn_kind_ops *op = kvarn__kind_ops((kvarn_kind)k);
         kvarn_format f;
-        memset(&f, 0, sizeof f);
-        f.kind = KVARN_KIND_KVARN;
-        snprintf(f.name, sizeof f.name, "kvarn_k%dv%d_g%d", kb, vb, g);
-        f.tile_tokens = g;
-        f.key_bits = kb;
-        f.value_bits = vb;
-        f.per_tile = 1;
-        *out = f;
-        return KVARN_OK;
+        if (op->parse_name && op->parse_name(name, &f)) {
+            *out = f;
+            return KVARN_OK;
+        }
     }
     return KVARN_ERR_UNKNOWN_FORMAT;
 }
 
-static int valid_format(const kvarn_format *f)
-{
-    if (f == NULL || (unsigned)f->kind >= KVARN_KIND_COUNT) return 0;
-    if (f->kind == KVARN_KIND_KVARN)
-        return valid_bits(f->key_bits) && valid_bits(f->value_bits) &&
-               (f->tile_tokens == 32 || f->tile_tokens == 64 || f->tile_tokens == 128);
-    return f->tile_tokens == 1;
-}
-
 kvarn_status kvarn_format_check_head_dim(const kvarn_format *fmt, int head_dim)
 {
-    if (!valid_format(fmt)) return KVARN_ERR_INVALID_ARG;
-    if (fmt->kind == KVARN_KIND_KVARN)
-        return (head_dim == 64 || head_dim == 128 || head_dim == 256)
-                   ? KVARN_OK : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
-    return (head_dim >= 2 && head_dim <= 1024 && head_dim % 2 == 0)
-               ? KVARN_OK : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    if (!kvarn__format_valid(fmt)) return KVARN_ERR_INVALID_ARG;
+    const kvarn_kind_ops *op = kvarn__kind_ops(fmt->kind);
+    int ok = head_dim >= op->min_head_dim && head_dim <= op->max_head_dim &&
+             head_dim % op->head_dim_step == 0 &&
+             (!op->pow2_head_dim || (head_dim & (head_dim - 1)) == 0);
+    return ok ? KVARN_OK : KVARN_ERR_UNSUPPORTED_HEAD_DIM;
 }
 
 char *kvarn_format_explain(kvarn_status status, const char *name, int head_dim,
@@ -165,7 +138,17 @@ char *kvarn_format_explain(kvarn_status status, const char *name, int head_dim,
     return buf;
 }
 
-static int is_pow2(size_t x) { return x && (x & (x - 1)) == 0; }
+/* Bytes of a metadata field (format_kinds.h): fp16 values. */
+static size_t meta_bytes(unsigned char count, size_t D, size_t G)
+{
+    switch ((kvarn_meta_count)count) {
+    case KVARN_META_ONE: return 2;
+    case KVARN_META_PER_CHANNEL: return 2 * D;
+    case KVARN_META_PER_TOKEN: return 2 * G;
+    case KVARN_META_NONE: break;
+    }
+    return 0;
+}
 
 kvarn_status kvarn_record_layout_get(const kvarn_format *fmt, int head_dim,
                                      kvarn_record_layout *out)
@@ -174,6 +157,7 @@ kvarn_status kvarn_record_layout_get(const kvarn_format *fmt, int head_dim,
     kvarn_status st = kvarn_format_check_head_dim(fmt, head_dim);
     if (st != KVARN_OK) return st;
 
+    const kvarn_kind_ops *op = kvarn__kind_ops(fmt->kind);
     const size_t D = (size_t)head_dim, G = (size_t)fmt->tile_tokens;
     kvarn_record_layout L;
     memset(&L, 0, sizeof L);
@@ -182,28 +166,10 @@ kvarn_status kvarn_record_layout_get(const kvarn_format *fmt, int head_dim,
     L.key_bits = fmt->key_bits;
     L.value_bits = fmt->value_bits;
 
-    size_t ka = 0, kb = 0, kst = 0, vsc = 0, va = 0, vb = 0;
-    switch (fmt->kind) {
-    case KVARN_KIND_FP16:
-    case KVARN_KIND_BF16:
-        break;
-    case KVARN_KIND_FP8_E4M3:
-    case KVARN_KIND_FP8_E5M2:
-        ka = va = 2;
-        break;
-    case KVARN_KIND_INT8:
-    case KVARN_KIND_INT4:
-        ka = kb = va = vb = 2;
-        break;
-    case KVARN_KIND_KVARN:
-        ka = kb = 2 * D;
-        kst = 2 * G;
-        vsc = 2 * D;
-        va = vb = 2 * G;
-        break;
-    default:
-        return KVARN_ERR_INVALID_ARG;
-    }
+    const kvarn_kind_meta *m = &op->meta;
+    const size_t ka = meta_bytes(m->k_a, D, G), kb = meta_bytes(m->k_b, D, G);
+    const size_t kst = meta_bytes(m->k_stok, D, G), vsc = meta_bytes(m->v_schan, D, G);
+    const size_t va = meta_bytes(m->v_a, D, G), vb = meta_bytes(m->v_b, D, G);
     size_t off = 0;
     L.k_codes_off = off; L.k_codes_bytes = D * G * (size_t)fmt->key_bits / 8; off += L.k_codes_bytes;
     L.k_a_off = off; L.k_a_bytes = ka; off += ka;
@@ -214,17 +180,7 @@ kvarn_status kvarn_record_layout_get(const kvarn_format *fmt, int head_dim,
     L.v_a_off = off; L.v_a_bytes = va; off += va;
     L.v_b_off = off; L.v_b_bytes = vb; off += vb;
     L.payload_bytes = off;
-
-    size_t rec = off;
-    if (fmt->kind == KVARN_KIND_KVARN) {
-        rec = (rec + 7) & ~(size_t)7;
-        if (D >= 256) {
-            size_t per_tok = (rec + G - 1) / G;
-            while (!is_pow2(per_tok)) per_tok++;
-            rec = per_tok * G;
-        }
-    }
-    L.record_bytes = rec;
+    L.record_bytes = op->record_bytes ? op->record_bytes(off, D, G) : off;
     *out = L;
     return KVARN_OK;
 }

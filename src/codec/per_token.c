@@ -102,11 +102,10 @@ static uint16_t convert_row_16(int bf, const float *restrict x, int D, uint16_t 
     return mx;
 }
 
-static kvarn_status encode_16(kvarn_kind kind, const kvarn_record_layout *L,
+static kvarn_status encode_16(int bf, const kvarn_record_layout *L,
                               const float *k, const float *v, unsigned char *rec)
 {
     const int D = L->head_dim;
-    const int bf = kind == KVARN_KIND_BF16;
     const uint16_t inf = bf ? 0x7f80u : 0x7c00u;
     uint16_t tk[KVARN_PER_TOKEN_MAX_D], tv[KVARN_PER_TOKEN_MAX_D];
     /* convert both rows first: nothing is written unless all fit */
@@ -117,12 +116,12 @@ static kvarn_status encode_16(kvarn_kind kind, const kvarn_record_layout *L,
     return KVARN_OK;
 }
 
-static void decode_16(kvarn_kind kind, int D, const unsigned char *src, float *restrict out)
+static void decode_16(int bf, int D, const unsigned char *src, float *restrict out)
 {
     if (out == NULL) return;
     uint16_t h[KVARN_PER_TOKEN_MAX_D];
     memcpy(h, src, 2 * (size_t)D); /* the record may be unaligned */
-    if (kind == KVARN_KIND_BF16)
+    if (bf)
         for (int i = 0; i < D; i++) out[i] = kvarn__bf16_to_f32(h[i]);
     else
         for (int i = 0; i < D; i++) out[i] = kvarn__fp16_to_f32(h[i]);
@@ -151,22 +150,22 @@ static uint16_t fp8_row_scale(const float *x, int D, float fp8_max)
     return fp16_is_finite(s) ? s : 0xffffu;
 }
 
-static void fp8_row_encode(kvarn_kind kind, const float *restrict x, int D, uint16_t s16,
+static void fp8_row_encode(int e4m3, const float *restrict x, int D, uint16_t s16,
                            unsigned char *restrict codes)
 {
     const float s = kvarn__fp16_to_f32(s16);
-    if (kind == KVARN_KIND_FP8_E4M3)
+    if (e4m3)
         for (int i = 0; i < D; i++) codes[i] = kvarn__e4m3_from_f32(x[i] / s);
     else
         for (int i = 0; i < D; i++) codes[i] = kvarn__e5m2_from_f32(x[i] / s);
 }
 
-static void fp8_row_decode(kvarn_kind kind, const unsigned char *restrict codes, int D,
+static void fp8_row_decode(int e4m3, const unsigned char *restrict codes, int D,
                            uint16_t s16, float *restrict out)
 {
     if (out == NULL) return;
     const float s = kvarn__fp16_to_f32(s16);
-    if (kind == KVARN_KIND_FP8_E4M3)
+    if (e4m3)
         for (int i = 0; i < D; i++) out[i] = kvarn__e4m3_to_f32(codes[i]) * s;
     else
         for (int i = 0; i < D; i++) out[i] = kvarn__e5m2_to_f32(codes[i]) * s;
@@ -233,97 +232,131 @@ static void rtn_row_decode(const unsigned char *restrict codes, int D, rtn_param
     for (int i = 0; i < D; i++) out[i] = (float)codes[i] * s + z;
 }
 
-/* ------------------------------------------------------------ dispatch */
+/* ------------------------------------------ one record: K row and V row */
 
-kvarn_status kvarn__token_encode(kvarn_kind kind, const kvarn_record_layout *L,
-                                 const float *k, const float *v, void *record)
+/* The head_dim range every per-token entry point re-checks (the row's
+ * head_dim check in format_kinds.c admits the same range), so that the
+ * stack rows above can never overflow whatever the caller passed. */
+static int bad_d(int D) { return D < 2 || D > KVARN_PER_TOKEN_MAX_D || D % 2; }
+
+static kvarn_status record_encode_16(int bf, const kvarn_record_layout *L, const float *k,
+                                     const float *v, void *record)
 {
-    unsigned char *rec = record;
-    const int D = L->head_dim;
-    if (D < 2 || D > KVARN_PER_TOKEN_MAX_D || D % 2) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
-    switch (kind) {
-    case KVARN_KIND_FP16:
-    case KVARN_KIND_BF16:
-        return encode_16(kind, L, k, v, rec);
-    case KVARN_KIND_FP8_E4M3:
-    case KVARN_KIND_FP8_E5M2: {
-        const float fmax = kind == KVARN_KIND_FP8_E4M3 ? FP8_E4M3_MAX : FP8_E5M2_MAX;
-        uint16_t ks = fp8_row_scale(k, D, fmax), vs = fp8_row_scale(v, D, fmax);
-        if (ks == 0xffffu || vs == 0xffffu) return KVARN_ERR_NONFINITE;
-        fp8_row_encode(kind, k, D, ks, rec + L->k_codes_off);
-        store_u16(rec + L->k_a_off, ks);
-        fp8_row_encode(kind, v, D, vs, rec + L->v_codes_off);
-        store_u16(rec + L->v_a_off, vs);
-        return KVARN_OK;
-    }
-    case KVARN_KIND_INT8:
-    case KVARN_KIND_INT4: {
-        const int bits = kind == KVARN_KIND_INT8 ? 8 : 4;
-        rtn_params kp, vp;
-        if (rtn_row_params(k, D, bits, &kp) != KVARN_OK ||
-            rtn_row_params(v, D, bits, &vp) != KVARN_OK)
-            return KVARN_ERR_NONFINITE;
-        const float *rows[2] = {k, v};
-        const rtn_params ps[2] = {kp, vp};
-        const size_t codes_off[2] = {L->k_codes_off, L->v_codes_off};
-        const size_t a_off[2] = {L->k_a_off, L->v_a_off};
-        const size_t b_off[2] = {L->k_b_off, L->v_b_off};
-        for (int r = 0; r < 2; r++) {
-            if (bits == 8) {
-                rtn_row_codes(rows[r], D, 8, ps[r], rec + codes_off[r]);
-            } else {
-                unsigned char tmp[KVARN_PER_TOKEN_MAX_D];
-                rtn_row_codes(rows[r], D, 4, ps[r], tmp);
-                (void)kvarn_pack_codes(tmp, (size_t)D, 4, rec + codes_off[r]);
-            }
-            store_u16(rec + a_off[r], ps[r].scale);
-            store_u16(rec + b_off[r], ps[r].zero);
-        }
-        return KVARN_OK;
-    }
-    default:
-        return KVARN_ERR_INVALID_ARG;
-    }
+    if (bad_d(L->head_dim)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    return encode_16(bf, L, k, v, record);
 }
 
-kvarn_status kvarn__token_decode(kvarn_kind kind, const kvarn_record_layout *L,
-                                 const void *record, float *k_out, float *v_out)
+static kvarn_status record_decode_16(int bf, const kvarn_record_layout *L, const void *record,
+                                     float *k_out, float *v_out)
 {
     const unsigned char *rec = record;
     const int D = L->head_dim;
-    if (D < 2 || D > KVARN_PER_TOKEN_MAX_D || D % 2) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
-    switch (kind) {
-    case KVARN_KIND_FP16:
-    case KVARN_KIND_BF16:
-        decode_16(kind, D, rec + L->k_codes_off, k_out);
-        decode_16(kind, D, rec + L->v_codes_off, v_out);
-        return KVARN_OK;
-    case KVARN_KIND_FP8_E4M3:
-    case KVARN_KIND_FP8_E5M2:
-        fp8_row_decode(kind, rec + L->k_codes_off, D, load_u16(rec + L->k_a_off), k_out);
-        fp8_row_decode(kind, rec + L->v_codes_off, D, load_u16(rec + L->v_a_off), v_out);
-        return KVARN_OK;
-    case KVARN_KIND_INT8:
-    case KVARN_KIND_INT4: {
-        const int bits = kind == KVARN_KIND_INT8 ? 8 : 4;
-        float *outs[2] = {k_out, v_out};
-        const size_t codes_off[2] = {L->k_codes_off, L->v_codes_off};
-        const size_t a_off[2] = {L->k_a_off, L->v_a_off};
-        const size_t b_off[2] = {L->k_b_off, L->v_b_off};
-        for (int r = 0; r < 2; r++) {
-            if (outs[r] == NULL) continue;
-            rtn_params p = {load_u16(rec + a_off[r]), load_u16(rec + b_off[r])};
-            if (bits == 8) {
-                rtn_row_decode(rec + codes_off[r], D, p, outs[r]);
-            } else {
-                unsigned char tmp[KVARN_PER_TOKEN_MAX_D];
-                (void)kvarn_unpack_codes(rec + codes_off[r], (size_t)D, 4, tmp);
-                rtn_row_decode(tmp, D, p, outs[r]);
-            }
-        }
-        return KVARN_OK;
-    }
-    default:
-        return KVARN_ERR_INVALID_ARG;
-    }
+    if (bad_d(D)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    decode_16(bf, D, rec + L->k_codes_off, k_out);
+    decode_16(bf, D, rec + L->v_codes_off, v_out);
+    return KVARN_OK;
 }
+
+static kvarn_status record_encode_fp8(int e4m3, const kvarn_record_layout *L, const float *k,
+                                      const float *v, void *record)
+{
+    unsigned char *rec = record;
+    const int D = L->head_dim;
+    if (bad_d(D)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    const float fmax = e4m3 ? FP8_E4M3_MAX : FP8_E5M2_MAX;
+    uint16_t ks = fp8_row_scale(k, D, fmax), vs = fp8_row_scale(v, D, fmax);
+    if (ks == 0xffffu || vs == 0xffffu) return KVARN_ERR_NONFINITE;
+    fp8_row_encode(e4m3, k, D, ks, rec + L->k_codes_off);
+    store_u16(rec + L->k_a_off, ks);
+    fp8_row_encode(e4m3, v, D, vs, rec + L->v_codes_off);
+    store_u16(rec + L->v_a_off, vs);
+    return KVARN_OK;
+}
+
+static kvarn_status record_decode_fp8(int e4m3, const kvarn_record_layout *L, const void *record,
+                                      float *k_out, float *v_out)
+{
+    const unsigned char *rec = record;
+    const int D = L->head_dim;
+    if (bad_d(D)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    fp8_row_decode(e4m3, rec + L->k_codes_off, D, load_u16(rec + L->k_a_off), k_out);
+    fp8_row_decode(e4m3, rec + L->v_codes_off, D, load_u16(rec + L->v_a_off), v_out);
+    return KVARN_OK;
+}
+
+static kvarn_status record_encode_rtn(int bits, const kvarn_record_layout *L, const float *k,
+                                      const float *v, void *record)
+{
+    unsigned char *rec = record;
+    const int D = L->head_dim;
+    if (bad_d(D)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    rtn_params kp, vp;
+    if (rtn_row_params(k, D, bits, &kp) != KVARN_OK ||
+        rtn_row_params(v, D, bits, &vp) != KVARN_OK)
+        return KVARN_ERR_NONFINITE;
+    const float *rows[2] = {k, v};
+    const rtn_params ps[2] = {kp, vp};
+    const size_t codes_off[2] = {L->k_codes_off, L->v_codes_off};
+    const size_t a_off[2] = {L->k_a_off, L->v_a_off};
+    const size_t b_off[2] = {L->k_b_off, L->v_b_off};
+    for (int r = 0; r < 2; r++) {
+        if (bits == 8) {
+            rtn_row_codes(rows[r], D, 8, ps[r], rec + codes_off[r]);
+        } else {
+            unsigned char tmp[KVARN_PER_TOKEN_MAX_D];
+            rtn_row_codes(rows[r], D, 4, ps[r], tmp);
+            (void)kvarn_pack_codes(tmp, (size_t)D, 4, rec + codes_off[r]);
+        }
+        store_u16(rec + a_off[r], ps[r].scale);
+        store_u16(rec + b_off[r], ps[r].zero);
+    }
+    return KVARN_OK;
+}
+
+static kvarn_status record_decode_rtn(int bits, const kvarn_record_layout *L, const void *record,
+                                      float *k_out, float *v_out)
+{
+    const unsigned char *rec = record;
+    const int D = L->head_dim;
+    if (bad_d(D)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    float *outs[2] = {k_out, v_out};
+    const size_t codes_off[2] = {L->k_codes_off, L->v_codes_off};
+    const size_t a_off[2] = {L->k_a_off, L->v_a_off};
+    const size_t b_off[2] = {L->k_b_off, L->v_b_off};
+    for (int r = 0; r < 2; r++) {
+        if (outs[r] == NULL) continue;
+        rtn_params p = {load_u16(rec + a_off[r]), load_u16(rec + b_off[r])};
+        if (bits == 8) {
+            rtn_row_decode(rec + codes_off[r], D, p, outs[r]);
+        } else {
+            unsigned char tmp[KVARN_PER_TOKEN_MAX_D];
+            (void)kvarn_unpack_codes(rec + codes_off[r], (size_t)D, 4, tmp);
+            rtn_row_decode(tmp, D, p, outs[r]);
+        }
+    }
+    return KVARN_OK;
+}
+
+/* -------------------------------------- the entry points of each kind's row
+ * (format_kinds.c); the workspace, options and flags of the row's signature
+ * mean nothing to a per-token record. */
+
+#define KVARN_TOKEN_CODEC(NAME, HELPER, PARAM)                                             \
+    kvarn_status kvarn__##NAME##_encode(const kvarn_record_layout *L, const float *k,      \
+                                        const float *v, void *record, void *workspace,     \
+                                        const kvarn_codec_opts *opts)                      \
+    {                                                                                      \
+        return record_encode_##HELPER(PARAM, L, k, v, record);                             \
+    }                                                                                      \
+    kvarn_status kvarn__##NAME##_decode(const kvarn_record_layout *L, const void *record,  \
+                                        float *k_out, float *v_out, unsigned flags)        \
+    {                                                                                      \
+        return record_decode_##HELPER(PARAM, L, record, k_out, v_out);                     \
+    }
+
+KVARN_TOKEN_CODEC(fp16, 16, 0)
+KVARN_TOKEN_CODEC(bf16, 16, 1)
+KVARN_TOKEN_CODEC(fp8_e4m3, fp8, 1)
+KVARN_TOKEN_CODEC(fp8_e5m2, fp8, 0)
+KVARN_TOKEN_CODEC(int8, rtn, 8)
+KVARN_TOKEN_CODEC(int4, rtn, 4)

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "cache/paged_check.h"
 #include "cuda/common.cuh"
 #include "kvarn/cuda.h"
 #include "kvarn/record.h"
@@ -163,18 +164,11 @@ kvarn_status kvarn_cuda_check_kv(const kvarn_paged_kv *kv)
         (kvarn && (!aligned(kv->fp16_pages, 16) || kv->page_stride % 16 ||
                    kv->page_head_stride % 16)))
         return KVARN_ERR_INVALID_ARG;
-    size_t head_bytes = L.record_bytes;
-    if (!kvarn) {
-        if (kv->token_record_bytes < L.record_bytes) return KVARN_ERR_BUFFER_TOO_SMALL;
-        head_bytes = kv->token_record_bytes * (size_t)kv->block_size;
-    }
-    if (kv->record_stride < head_bytes ||
-        kv->block_stride < kv->record_stride * (size_t)kv->n_kv_heads)
-        return KVARN_ERR_BUFFER_TOO_SMALL;
-    if (kvarn && (kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
-                  kv->page_stride < kv->page_head_stride * (size_t)kv->n_kv_heads))
-        return KVARN_ERR_BUFFER_TOO_SMALL;
-    return KVARN_OK;
+    /* Records, blocks and fp16 pages: the check the CPU store, commit and
+     * attention share (cache/paged_check.h), products checked; a size too
+     * short for what it holds is KVARN_ERR_BUFFER_TOO_SMALL here. */
+    return kvarn__paged_check_arenas(kv, &L, KVARN_PAGED_NEED_BLOCKS | KVARN_PAGED_NEED_PAGES,
+                                     KVARN_ERR_BUFFER_TOO_SMALL);
 }
 
 kvarn_status kvarn_cuda_store(const kvarn_paged_kv *kv, kvarn_cuda_dtype dtype,

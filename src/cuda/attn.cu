@@ -23,6 +23,7 @@
 #include <limits.h>
 
 #include "cuda/common.cuh"
+#include "cuda/kinds.cuh"
 
 namespace {
 
@@ -45,28 +46,6 @@ struct attn_smem {
     int klo[ROWS], khi[ROWS];
 };
 
-/* 8 codes of `B` bits starting at p (low bits first), as floats. */
-template <int B>
-__device__ __forceinline__ void load_codes8(const uint8_t *p, float (&c)[8])
-{
-    if (B == 2) {
-        const uint32_t u = kc_ld16(p);
-#pragma unroll
-        for (int e = 0; e < 8; e++) c[e] = (float)((u >> (2 * e)) & 3u);
-    } else if (B == 4) {
-        const uint32_t u = kc_ld32(p);
-#pragma unroll
-        for (int e = 0; e < 8; e++) c[e] = (float)((u >> (4 * e)) & 15u);
-    } else {
-        const uint32_t u0 = kc_ld32(p), u1 = kc_ld32(p + 4);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            c[e] = (float)((u0 >> (8 * e)) & 255u);
-            c[e + 4] = (float)((u1 >> (8 * e)) & 255u);
-        }
-    }
-}
-
 /* 8 fp16 values, 16-byte aligned. */
 __device__ __forceinline__ void load_half8(const uint16_t *p, float (&w)[8])
 {
@@ -76,44 +55,6 @@ __device__ __forceinline__ void load_half8(const uint16_t *p, float (&w)[8])
     for (int e = 0; e < 4; e++) {
         w[2 * e] = kc_h2f((uint16_t)(v[e] & 0xffffu));
         w[2 * e + 1] = kc_h2f((uint16_t)(v[e] >> 16));
-    }
-}
-
-/* Channels [c8*8, c8*8+8) of the K or V row of one per-token record
- * (include/kvarn/record.h), dequantized. */
-template <int KIND>
-__device__ __forceinline__ void load_token8(const uint8_t *rec, int codes_off, int a_off,
-                                            int b_off, int c8, float (&w)[8])
-{
-    if (KIND == KVARN_KIND_FP16 || KIND == KVARN_KIND_BF16) {
-        const uint8_t *p = rec + codes_off + c8 * 16;
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const uint32_t u = kc_ld32(p + 4 * e);
-            if (KIND == KVARN_KIND_BF16) {
-                w[2 * e] = kc_bf2f((uint16_t)(u & 0xffffu));
-                w[2 * e + 1] = kc_bf2f((uint16_t)(u >> 16));
-            } else {
-                w[2 * e] = kc_h2f((uint16_t)(u & 0xffffu));
-                w[2 * e + 1] = kc_h2f((uint16_t)(u >> 16));
-            }
-        }
-    } else if (KIND == KVARN_KIND_FP8_E4M3 || KIND == KVARN_KIND_FP8_E5M2) {
-        const uint8_t *p = rec + codes_off + c8 * 8; /* 2-byte aligned only */
-        const float s = kc_h2f(kc_ld16(rec + a_off));
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const uint32_t u = kc_ld16(p + 2 * e);
-            w[2 * e] = kc_fp8_to_f((uint8_t)(u & 0xffu), KIND) * s;
-            w[2 * e + 1] = kc_fp8_to_f((uint8_t)(u >> 8), KIND) * s;
-        }
-    } else {
-        const float s = kc_h2f(kc_ld16(rec + a_off)), z = kc_h2f(kc_ld16(rec + b_off));
-        float c[8];
-        load_codes8<KIND == KVARN_KIND_INT8 ? 8 : 4>(
-            rec + codes_off + c8 * (KIND == KVARN_KIND_INT8 ? 8 : 4), c);
-#pragma unroll
-        for (int e = 0; e < 8; e++) w[e] = c[e] * s + z;
     }
 }
 
@@ -133,10 +74,10 @@ __device__ __forceinline__ void load_row8(const row_tile &rt, const kc_geom &g, 
         load_half8((is_k ? rt.pk : rt.pv) + (size_t)t * D + c8 * 8, w);
         return;
     }
-    if (KIND != KVARN_KIND_KVARN) {
+    if constexpr (KIND != KVARN_KIND_KVARN) {
         const uint8_t *rec = rt.blk + (size_t)t * rt.trb;
-        if (is_k) load_token8<KIND>(rec, g.k_codes_off, g.k_a_off, g.k_b_off, c8, w);
-        else load_token8<KIND>(rec, g.v_codes_off, g.v_a_off, g.v_b_off, c8, w);
+        if (is_k) kc_kind<KIND>::load8(rec, g.k_codes_off, g.k_a_off, g.k_b_off, c8, w);
+        else kc_kind<KIND>::load8(rec, g.v_codes_off, g.v_a_off, g.v_b_off, c8, w);
     }
 }
 
@@ -215,7 +156,7 @@ __device__ void score_record(attn_smem<D, G> &sm, const uint8_t *rec, const kc_g
     for (int dd = 0; dd < DPS; dd++) {
         const int d = slice * DPS + dd;
         float c[8];
-        load_codes8<KB>(codes + (size_t)d * (G * KB / 8), c);
+        kc_load_codes8<KB>(codes + (size_t)d * (G * KB / 8), c);
 #pragma unroll
         for (int r = 0; r < ROWS / 2; r++) {
             const float qa = sm.u.s.qa[r][d];
@@ -310,7 +251,7 @@ __device__ __forceinline__ void value_record(const attn_smem<D, GMAX> &sm, const
     const uint8_t *vc = rec + g.v_codes_off + cg * VB;
     for (int t = tlo + ts; t < thi; t += TS) {
         float w[8];
-        load_codes8<VB>(vc + (size_t)t * (D * VB / 8), w);
+        kc_load_codes8<VB>(vc + (size_t)t * (D * VB / 8), w);
 #pragma unroll
         for (int e = 0; e < 8; e++) w[e] *= sch[e];
 #pragma unroll

@@ -1,7 +1,8 @@
 /*
  * common.cuh -- what the CUDA kernels share: the device view of one layer's
  * paged cache (offsets from include/kvarn/record.h, computed once on the
- * host), number conversions, the warp-level fast Walsh-Hadamard transform,
+ * host), number conversions, code unpacking, the warp-level fast
+ * Walsh-Hadamard transform,
  * and the launchers each kernel file exports to src/cuda/api.cu.
  * Internal to src/cuda.
  */
@@ -91,19 +92,6 @@ __device__ __forceinline__ uint16_t kc_f2bf(float x)
     return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
-__device__ __forceinline__ float kc_fp8_to_f(uint8_t b, int kind)
-{
-    __half_raw r = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b,
-                                           kind == KVARN_KIND_FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
-    return __half2float(__half(r));
-}
-
-__device__ __forceinline__ uint8_t kc_f_to_fp8(float x, int kind)
-{
-    return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE,
-                                          kind == KVARN_KIND_FP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
-}
-
 __device__ __forceinline__ uint16_t kc_ld16(const uint8_t *p)
 {
     return *reinterpret_cast<const uint16_t *>(p);
@@ -112,6 +100,28 @@ __device__ __forceinline__ uint16_t kc_ld16(const uint8_t *p)
 __device__ __forceinline__ uint32_t kc_ld32(const uint8_t *p)
 {
     return *reinterpret_cast<const uint32_t *>(p);
+}
+
+/* 8 codes of `B` bits starting at p (low bits first), as floats. */
+template <int B>
+__device__ __forceinline__ void kc_load_codes8(const uint8_t *p, float (&c)[8])
+{
+    if (B == 2) {
+        const uint32_t u = kc_ld16(p);
+#pragma unroll
+        for (int e = 0; e < 8; e++) c[e] = (float)((u >> (2 * e)) & 3u);
+    } else if (B == 4) {
+        const uint32_t u = kc_ld32(p);
+#pragma unroll
+        for (int e = 0; e < 8; e++) c[e] = (float)((u >> (4 * e)) & 15u);
+    } else {
+        const uint32_t u0 = kc_ld32(p), u1 = kc_ld32(p + 4);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            c[e] = (float)((u0 >> (8 * e)) & 255u);
+            c[e + 4] = (float)((u1 >> (8 * e)) & 255u);
+        }
+    }
 }
 
 /* ------------------------------------------------------------ Hadamard */

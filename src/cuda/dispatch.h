@@ -19,7 +19,8 @@
 #define KVARN_CUDA_KVARN_PRESETS(X, D) \
     X(D, 128, 4, 2) X(D, 64, 4, 2) X(D, 128, 4, 4) X(D, 64, 4, 4)
 
-/* Per-token formats served, by kvarn_kind name suffix: X(D, KIND). */
+/* Per-token formats served: X(D, KIND). Each kind listed needs its device
+ * traits, kc_kind<KIND> in src/cuda/kinds.cuh. */
 #define KVARN_CUDA_TOKEN_KINDS(X, D)                                   \
     X(D, KVARN_KIND_FP16) X(D, KVARN_KIND_BF16) X(D, KVARN_KIND_FP8_E4M3) \
     X(D, KVARN_KIND_FP8_E5M2) X(D, KVARN_KIND_INT8) X(D, KVARN_KIND_INT4)

@@ -17,6 +17,9 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include "attn/attn_internal.h"
+#include "codec/cpu.h"
+#include "codec/format_kinds.h"
 #include "common/paged_fixture.h"
 #include "kvarn/attn.h"
 
@@ -205,8 +208,11 @@ static case_result run_case(const attn_case *c, uint64_t seed)
     return res;
 }
 
-/* Every format of the table, decode, head_dim 64 and 128, lengths around
- * the tile size, every kernel set (scalar, AVX2, AVX-512). */
+/* Every format of the table, and KVarN at every other pair of bit widths
+ * (each a specialization of the SIMD record kernels), decode, head_dim 64
+ * and 128, lengths around the tile size, every kernel set (scalar, AVX2,
+ * AVX-512): every entry of every kind's kernel row (kernel_table.c) against
+ * the reference. */
 static void test_every_format(void **state)
 {
     (void)state;
@@ -216,7 +222,19 @@ static void test_every_format(void **state)
      * this fixture's measurement). */
     struct { const char *name; } fm[] = {
         {"fp16"}, {"bf16"}, {"fp8_e4m3"}, {"fp8_e5m2"}, {"int8"}, {"int4"},
-        {"kvarn_k4v4_g128"}, {"kvarn_k4v4_g64"}, {"kvarn_k4v2_g128"}, {"kvarn_k4v2_g64"}};
+        {"kvarn_k4v4_g128"}, {"kvarn_k4v4_g64"}, {"kvarn_k4v2_g128"}, {"kvarn_k4v2_g64"},
+        {"kvarn_k2v2_g32"}, {"kvarn_k2v4_g32"}, {"kvarn_k2v8_g32"}, {"kvarn_k4v8_g32"},
+        {"kvarn_k8v2_g32"}, {"kvarn_k8v4_g32"}, {"kvarn_k8v8_g32"}};
+    /* the list covers every kind of the table */
+    for (int k = 0; k < KVARN_KIND_COUNT; k++) {
+        int seen = 0;
+        for (size_t i = 0; i < sizeof fm / sizeof fm[0]; i++) {
+            kvarn_format f;
+            assert_int_equal(kvarn_format_parse(fm[i].name, &f), KVARN_OK);
+            seen += f.kind == (kvarn_kind)k;
+        }
+        assert_true(seen > 0);
+    }
     for (size_t i = 0; i < sizeof fm / sizeof fm[0]; i++) {
         for (int di = 0; di < 2; di++) {
             double worst_deq = 0, worst_orig = 0, worst_use = 0;
@@ -707,6 +725,76 @@ static void test_bad_inputs(void **state)
     pf_free(&f);
 }
 
+
+/* The kernel table (src/attn/kernel_table.c): every kind's row is at its
+ * index and has its scalar kernel, of the shape its codec row says (token
+ * kernels for per-token kinds, a record kernel for per-tile kinds), and
+ * nothing of the other shape; every level row has a name and an fp16 page
+ * kernel. The selection: the level capped by head_dim, and an entry NULL at
+ * a level taken from the next lower one (on a made-up row). */
+static void test_kernel_table(void **state)
+{
+    (void)state;
+    assert_null(attn_kind_row_of(KVARN_KIND_COUNT));
+    assert_null(attn_level_row_of(ATTN_LEVELS));
+    assert_null(attn_level_row_of(-1));
+    for (int lv = 0; lv < ATTN_LEVELS; lv++) {
+        const attn_level_row *L = attn_level_row_of(lv);
+        assert_non_null(L->name);
+        assert_non_null(L->fp16_tile);
+        assert_true(L->head_dim_multiple >= 1);
+    }
+    assert_int_equal(attn_level_row_of(KVARN_CPU_SCALAR)->head_dim_multiple, 1);
+    assert_string_equal(attn_level_row_of(KVARN_CPU_AVX2)->name, "avx2");
+    assert_string_equal(attn_level_row_of(KVARN_CPU_AVX512)->name, "avx512");
+    for (int k = 0; k < KVARN_KIND_COUNT; k++) {
+        const attn_kind_row *row = attn_kind_row_of((kvarn_kind)k);
+        assert_non_null(row);
+        assert_int_equal(row->kind, k);
+        const int per_tile = kvarn__kind_ops((kvarn_kind)k)->per_tile;
+        if (per_tile) assert_non_null(row->record_tile[KVARN_CPU_SCALAR]);
+        else assert_non_null(row->token_tile[KVARN_CPU_SCALAR]);
+        for (int lv = 0; lv < ATTN_LEVELS; lv++) {
+            if (per_tile) assert_null(row->token_tile[lv]);
+            else assert_null(row->record_tile[lv]);
+        }
+        /* every (D, level) selection yields the kernels the kind needs */
+        for (int D = 2; D <= 256; D += 2)
+            for (int top = 0; top < ATTN_LEVELS; top++) {
+                attn_kernels kk;
+                int lv = attn_select_kernels((kvarn_kind)k, D, top, &kk);
+                assert_true(lv >= 0 && lv <= top);
+                assert_int_equal(D % attn_level_row_of(lv)->head_dim_multiple, 0);
+                assert_ptr_equal(kk.fp16_tile, attn_level_row_of(lv)->fp16_tile);
+                assert_string_equal(kk.name, attn_level_row_of(lv)->name);
+                if (per_tile) assert_ptr_equal(kk.kvarn_tile, row->record_tile[lv]);
+                else assert_ptr_equal(kk.token_tile, row->token_tile[lv]);
+            }
+    }
+    attn_kernels out;
+    assert_int_equal(attn_select_kernels(KVARN_KIND_COUNT, 64, 2, &out), -1);
+    /* head_dim caps the level: 48 is a multiple of 16, not of 32; 40 neither */
+    const attn_kind_row *i8 = attn_kind_row_of(KVARN_KIND_INT8);
+    assert_int_equal(attn_select_kernels_from(i8, 64, KVARN_CPU_AVX512, &out), KVARN_CPU_AVX512);
+    assert_int_equal(attn_select_kernels_from(i8, 48, KVARN_CPU_AVX512, &out), KVARN_CPU_AVX2);
+    assert_ptr_equal(out.token_tile, attn_avx2_token_int8);
+    assert_int_equal(attn_select_kernels_from(i8, 40, KVARN_CPU_AVX512, &out), KVARN_CPU_SCALAR);
+    assert_ptr_equal(out.token_tile, attn_ref_token_int8);
+    /* a made-up kind with no AVX-512 kernel, and one with only the scalar */
+    attn_kind_row partial = {KVARN_KIND_INT8, {attn_ref_token_int8, attn_avx2_token_int8, NULL},
+                             {NULL, NULL, NULL}};
+    assert_int_equal(attn_select_kernels_from(&partial, 64, KVARN_CPU_AVX512, &out),
+                     KVARN_CPU_AVX512);
+    assert_ptr_equal(out.token_tile, attn_avx2_token_int8);
+    assert_ptr_equal(out.fp16_tile, attn_avx512_fp16_tile);
+    attn_kind_row scalar_only = {KVARN_KIND_KVARN, {NULL, NULL, NULL},
+                                 {attn_ref_kvarn_tile, NULL, NULL}};
+    assert_int_equal(attn_select_kernels_from(&scalar_only, 128, KVARN_CPU_AVX512, &out),
+                     KVARN_CPU_AVX512);
+    assert_ptr_equal(out.kvarn_tile, attn_ref_kvarn_tile);
+    assert_null(out.token_tile);
+}
+
 int main(void)
 {
     /* The highest level this CPU runs under any outer KVARN_SIMD cap. */
@@ -722,6 +810,7 @@ int main(void)
         cmocka_unit_test(test_multi_query), cmocka_unit_test(test_long_chunk),
         cmocka_unit_test(test_odd_head_dim), cmocka_unit_test(test_empty),
         cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_kernel_table),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,13 +1,17 @@
 /* test_format.c -- the format table: names, head_dim checks, record sizes
  * against the formulas of include/kvarn/record.h and the worked sizes of
- * ../shared/spec/KVARN.md, capacity. */
+ * ../shared/spec/KVARN.md, capacity; and the table of format kinds
+ * (src/codec/format_kinds.h) walked row by row. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <cmocka.h>
 
+#include "codec/format_kinds.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/record.h"
 
@@ -161,6 +165,167 @@ static void test_capacity(void **state)
                 UINT64_MAX / big_tile * h.tile_tokens);
 }
 
+
+/* A hand-built format whose fixed widths disagree with its kind is refused
+ * (regression: an int8 format saying 2-bit keys got a record of D/4 code
+ * bytes, and kvarn_encode wrote D code bytes into it, past the record). */
+static void test_hand_built_widths(void **state)
+{
+    (void)state;
+    const int D = 64;
+    for (int k = 0; k < KVARN_KIND_COUNT; k++) {
+        const kvarn_kind_ops *op = kvarn__kind_ops((kvarn_kind)k);
+        if (op->per_tile) continue;
+        kvarn_format bad[3];
+        for (int j = 0; j < 3; j++) {
+            memset(&bad[j], 0, sizeof bad[j]);
+            bad[j].kind = (kvarn_kind)k;
+            snprintf(bad[j].name, sizeof bad[j].name, "%s", op->name);
+            bad[j].tile_tokens = 1;
+            bad[j].key_bits = op->key_bits;
+            bad[j].value_bits = op->value_bits;
+        }
+        bad[0].key_bits = 2;      /* narrower than the kind's codes */
+        bad[1].value_bits = 2;
+        bad[2].tile_tokens = 16;  /* a per-token record holds one token */
+        for (int j = 0; j < 3; j++) {
+            kvarn_record_layout L;
+            assert_int_equal(kvarn_format_check_head_dim(&bad[j], D), KVARN_ERR_INVALID_ARG);
+            assert_int_equal(kvarn_record_layout_get(&bad[j], D, &L), KVARN_ERR_INVALID_ARG);
+            assert_int_equal(kvarn_record_bytes(&bad[j], D), 0);
+            float x[16 * 64];
+            for (int i = 0; i < 16 * D; i++) x[i] = (float)(i % 7) - 3.0f;
+            unsigned char rec[4096]; /* larger than any layout above */
+            assert_int_equal(kvarn_encode(&bad[j], D, x, x, rec, sizeof rec, NULL, 0, NULL),
+                             KVARN_ERR_INVALID_ARG);
+        }
+    }
+}
+
+/* Every accepted format name: the presets, their aliases and every KVarN
+ * name the pattern admits. */
+static int accepted_names(char names[][32], int max)
+{
+    int n = 0;
+    for (int i = 0; i < kvarn_format_count() && n < max; i++)
+        snprintf(names[n++], 32, "%s", kvarn_format_name_at(i));
+    const char *aliases[] = {"auto", "fp8"};
+    for (int i = 0; i < 2 && n < max; i++) snprintf(names[n++], 32, "%s", aliases[i]);
+    const int bits[] = {2, 4, 8}, Gs[] = {32, 64, 128};
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 3; b++)
+            for (int c = 0; c < 3 && n < max; c++)
+                snprintf(names[n++], 32, "kvarn_k%dv%d_g%d", bits[a], bits[b], Gs[c]);
+    return n;
+}
+
+/* The table of kinds: every row is at its kind's index and has every
+ * mandatory operation; every kind has a named format. */
+static void test_kind_rows(void **state)
+{
+    (void)state;
+    assert_null(kvarn__kind_ops(KVARN_KIND_COUNT));
+    assert_null(kvarn__kind_ops((kvarn_kind)-1));
+    for (int k = 0; k < KVARN_KIND_COUNT; k++) {
+        const kvarn_kind_ops *op = kvarn__kind_ops((kvarn_kind)k);
+        assert_non_null(op);
+        assert_int_equal(op->kind, k);
+        assert_non_null(op->name);
+        assert_non_null(op->encode);
+        assert_non_null(op->decode);
+        assert_true(op->min_head_dim >= 1 && op->max_head_dim >= op->min_head_dim);
+        assert_true(op->head_dim_step >= 1);
+        if (op->per_tile) {
+            /* a tile codec needs scratch and takes its geometry from the name */
+            assert_non_null(op->workspace_bytes);
+            assert_non_null(op->parse_name);
+        } else {
+            assert_int_equal(op->tile_tokens, 1);
+            assert_true(op->key_bits > 0 && op->value_bits > 0);
+        }
+        int named = 0;
+        for (int i = 0; i < kvarn_format_count(); i++)
+            named += parse_ok(kvarn_format_name_at(i)).kind == (kvarn_kind)k;
+        assert_true(named > 0);
+    }
+}
+
+/* For every accepted name and head_dim 1..1100: the layout call agrees with
+ * the head_dim check and with kvarn_record_bytes, its fields tile the
+ * payload, and the kind's encoder writes inside the record (guard bytes
+ * after it stay) and decodes back what the layout says. */
+static void test_kind_layouts(void **state)
+{
+    (void)state;
+    static char names[64][32];
+    const int n = accepted_names(names, 64);
+    assert_int_equal(n, 10 + 2 + 27);
+    float *x = malloc(sizeof(float) * 128 * 1024), *y = malloc(sizeof(float) * 128 * 1024);
+    unsigned char *rec = malloc(1 << 20), *ws = NULL;
+    size_t ws_size = 0;
+    assert_non_null(x);
+    assert_non_null(y);
+    assert_non_null(rec);
+    uint32_t seed = 12345;
+    for (int i = 0; i < 128 * 1024; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        x[i] = (float)(seed >> 8) / (float)(1u << 24) * 4.0f - 2.0f; /* [-2, 2) */
+    }
+    int served = 0;
+    for (int i = 0; i < n; i++) {
+        kvarn_format f = parse_ok(names[i]);
+        const kvarn_kind_ops *op = kvarn__kind_ops(f.kind);
+        assert_int_equal(f.per_tile, op->per_tile);
+        for (int D = 1; D <= 1100; D++) {
+            kvarn_record_layout L;
+            kvarn_status hd = kvarn_format_check_head_dim(&f, D);
+            assert_int_equal(kvarn_record_layout_get(&f, D, &L), hd);
+            if (hd != KVARN_OK) {
+                assert_int_equal(kvarn_record_bytes(&f, D), 0);
+                continue;
+            }
+            served++;
+            assert_int_equal(L.record_bytes, kvarn_record_bytes(&f, D));
+            assert_int_equal(L.k_codes_off, 0);
+            assert_int_equal(L.k_a_off, L.k_codes_off + L.k_codes_bytes);
+            assert_int_equal(L.k_b_off, L.k_a_off + L.k_a_bytes);
+            assert_int_equal(L.k_stok_off, L.k_b_off + L.k_b_bytes);
+            assert_int_equal(L.v_codes_off, L.k_stok_off + L.k_stok_bytes);
+            assert_int_equal(L.v_schan_off, L.v_codes_off + L.v_codes_bytes);
+            assert_int_equal(L.v_a_off, L.v_schan_off + L.v_schan_bytes);
+            assert_int_equal(L.v_b_off, L.v_a_off + L.v_a_bytes);
+            assert_int_equal(L.payload_bytes, L.v_b_off + L.v_b_bytes);
+            assert_true(L.record_bytes >= L.payload_bytes);
+            /* Encode with guard bytes after the record; the KVarN formats
+             * only at the SmolLM2 head_dim and 128 (each encode is a whole
+             * tile; the layout checks above cover every D). */
+            if (op->per_tile && D != 64 && D != 128) continue;
+            size_t need = kvarn_encode_workspace_bytes(&f, D);
+            if (need > ws_size) {
+                free(ws);
+                ws = malloc(need);
+                assert_non_null(ws);
+                ws_size = need;
+            }
+            assert_true(L.record_bytes + 64 <= (size_t)1 << 20);
+            memset(rec, 0xa5, L.record_bytes + 64);
+            assert_int_equal(kvarn_encode(&f, D, x, x + 64 * 1024, rec, L.record_bytes, ws,
+                                          ws_size, NULL),
+                             KVARN_OK);
+            for (int j = 0; j < 64; j++) assert_int_equal(rec[L.record_bytes + j], 0xa5);
+            assert_int_equal(kvarn_decode(&f, D, rec, L.record_bytes, y, NULL, 0), KVARN_OK);
+            assert_int_equal(kvarn_decode(&f, D, rec, L.record_bytes - 1, y, NULL, 0),
+                             KVARN_ERR_BUFFER_TOO_SMALL);
+        }
+    }
+    /* 6 per-token kinds + 2 aliases serve 512 even D each; 31 KVarN names 3 */
+    assert_int_equal(served, 8 * 512 + 31 * 3);
+    free(x);
+    free(y);
+    free(rec);
+    free(ws);
+}
+
 static void test_strerror(void **state)
 {
     (void)state;
@@ -175,6 +340,8 @@ int main(void)
         cmocka_unit_test(test_names),   cmocka_unit_test(test_bad_names),
         cmocka_unit_test(test_head_dim), cmocka_unit_test(test_sizes),
         cmocka_unit_test(test_capacity), cmocka_unit_test(test_strerror),
+        cmocka_unit_test(test_hand_built_widths), cmocka_unit_test(test_kind_rows),
+        cmocka_unit_test(test_kind_layouts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

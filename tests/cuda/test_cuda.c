@@ -219,6 +219,15 @@ static void test_check_kv(void **state)
     b.page_head_stride += 16;
     b.page_stride += (size_t)16 * b.n_kv_heads;
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_OK);
+    /* Stride products that do not fit size_t are refused (regression: Hk x
+     * record_stride and Hk x page_head_stride were unchecked products, so
+     * 8 x 2^61 wrapped to 0 and passed every "fits" test). */
+    b = kv;
+    b.record_stride = (size_t)1 << (sizeof(size_t) * 8 - 3);
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
+    b = kv;
+    b.page_head_stride = (size_t)1 << (sizeof(size_t) * 8 - 3);
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
     b = kv;
     b.n_kv_heads = 0;
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
@@ -243,6 +252,9 @@ static void test_check_kv(void **state)
     b = t;
     b.token_record_bytes = 128;
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_BUFFER_TOO_SMALL);
+    b = t;
+    b.token_record_bytes = (size_t)1 << (sizeof(size_t) * 8 - 4); /* x 16 tokens wraps */
+    assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);
     b = t;
     b.block_size = 129;
     assert_int_equal(kvarn_cuda_check_kv(&b), KVARN_ERR_INVALID_ARG);

@@ -1,0 +1,68 @@
+/*
+ * kernel_table.c -- which tile kernel attention runs: one row per SIMD level
+ * (name, head_dim multiple, fp16 page kernel) and, per format kind, the
+ * attention half of the kind's row (its tile kernel at each level; the codec
+ * half is src/codec/format_kinds.c). attn.c picks a call's kernels here
+ * (attn_select_kernels); the kernel files hold only kernels.
+ *
+ * Adding a format kind: its row below, its scalar kernel in kernel_ref.c
+ * (mandatory: the oracle) and, optionally, SIMD kernels (NULL runs the
+ * next lower level's).
+ */
+#include <stddef.h>
+
+#include "attn/attn_internal.h"
+#include "codec/cpu.h"
+
+/* Indexed by kvarn_cpu_level. */
+static const attn_level_row k_levels[ATTN_LEVELS] = {
+    [KVARN_CPU_SCALAR] = {"scalar", 1, attn_ref_fp16_tile},
+    [KVARN_CPU_AVX2] = {"avx2", 16, attn_avx2_fp16_tile},
+    [KVARN_CPU_AVX512] = {"avx512", 32, attn_avx512_fp16_tile},
+};
+
+#define TOKEN_ROW(KIND, NAME)                                                              \
+    [KIND] = {KIND,                                                                        \
+              {attn_ref_token_##NAME, attn_avx2_token_##NAME, attn_avx512_token_##NAME},   \
+              {NULL, NULL, NULL}}
+
+/* Indexed by kvarn_kind; tests/attn/test_attn.c walks it. */
+static const attn_kind_row k_kinds[KVARN_KIND_COUNT] = {
+    TOKEN_ROW(KVARN_KIND_FP16, fp16),
+    TOKEN_ROW(KVARN_KIND_BF16, bf16),
+    TOKEN_ROW(KVARN_KIND_FP8_E4M3, fp8_e4m3),
+    TOKEN_ROW(KVARN_KIND_FP8_E5M2, fp8_e5m2),
+    TOKEN_ROW(KVARN_KIND_INT8, int8),
+    TOKEN_ROW(KVARN_KIND_INT4, int4),
+    [KVARN_KIND_KVARN] = {KVARN_KIND_KVARN,
+                          {NULL, NULL, NULL},
+                          {attn_ref_kvarn_tile, attn_avx2_kvarn_tile, attn_avx512_kvarn_tile}},
+};
+
+const attn_level_row *attn_level_row_of(int level)
+{
+    return level >= 0 && level < ATTN_LEVELS ? &k_levels[level] : NULL;
+}
+
+const attn_kind_row *attn_kind_row_of(kvarn_kind kind)
+{
+    return (unsigned)kind < KVARN_KIND_COUNT ? &k_kinds[kind] : NULL;
+}
+
+int attn_select_kernels_from(const attn_kind_row *row, int head_dim, int top,
+                             attn_kernels *out)
+{
+    int lv = top < 0 ? 0 : top >= ATTN_LEVELS ? ATTN_LEVELS - 1 : top;
+    while (lv > 0 && head_dim % k_levels[lv].head_dim_multiple != 0) lv--;
+    attn_kernels k = {k_levels[lv].name, k_levels[lv].fp16_tile, NULL, NULL};
+    for (int l = lv; l >= 0 && k.token_tile == NULL; l--) k.token_tile = row->token_tile[l];
+    for (int l = lv; l >= 0 && k.kvarn_tile == NULL; l--) k.kvarn_tile = row->record_tile[l];
+    *out = k;
+    return lv;
+}
+
+int attn_select_kernels(kvarn_kind kind, int head_dim, int top, attn_kernels *out)
+{
+    const attn_kind_row *row = attn_kind_row_of(kind);
+    return row ? attn_select_kernels_from(row, head_dim, top, out) : -1;
+}
