@@ -509,6 +509,88 @@ AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const flo
     }
 }
 
+/* 4-bit K codes of a 128-token tile: each channel row is 64 bytes, one
+ * 512-bit load, from which eight 64-bit right shifts by 4j (j = 0..7) and the
+ * table put token 16k + j in lane 2k and token 16k + 8 + j in lane 2k + 1
+ * (k = 0..7). Half h takes j = 4h..4h+3: 4 vectors of 16 tokens, so up to 6
+ * rows keep 24 accumulators. Against kv_kdots one load per channel replaces
+ * four 64-bit broadcasts, and each broadcast query value feeds 4 FMAs
+ * instead of 2: the broadcasts, not the FMAs, bounded that loop. Every
+ * token's sum still runs over d = 0..D-1 in order, so the scores are the
+ * same bits as kv_kdots's. The raw sums go to the row's s in this permuted
+ * order (vector j at s + 16j); kv_kfinish128 restores the token order. */
+AI void kv_kdots4_128(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, int pf_shift)
+{
+    const int D = r->D, gs = r->gs;
+    const __m512 table = code_table(4);
+    __m512i sh[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) sh[j] = _mm512_set1_epi64(4 * (4 * h + j));
+    __m512 acc[8][4];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        if ((d & ((1 << pf_shift) - 1)) == 0) attn_prefetch_step(r->pf, 1);
+        const __m512i w = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64));
+        __m512 c[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) c[j] = _mm512_permutexvar_ps(_mm512_srlv_epi64(w, sh[j]), table);
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; i++) {
+            __m512 q = _mm512_set1_ps(r->qa[(size_t)(r0 + i) * D + d]);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_fmadd_ps(q, c[j], acc[i][j]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; i++) {
+        float *s = r->s + (size_t)(r0 + i) * gs + 64 * h;
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(s + 16 * j, acc[i][j]);
+    }
+}
+
+/* One row of kv_kdots4_128's raw sums (vector j at s + 16j: 64-bit pair k
+ * holds tokens 16k + j, 16k + 8 + j) back in token order, scaled as in
+ * kv_kdots: s[t] = s_tok[t] * (sum + c). Transposing the 8 x 8 matrix of
+ * 64-bit pairs gives, for each k, tokens 16k..16k+15 in the order 0, 8, 1,
+ * 9, ..., 7, 15, which KPERM_INV undoes. */
+AI void kv_kfinish128(float *s, const float *stok, float c)
+{
+    __m512d v[8], u[8], x[4], y[4];
+    for (int j = 0; j < 8; j++) v[j] = _mm512_castps_pd(_mm512_loadu_ps(s + 16 * j));
+    for (int j = 0; j < 8; j += 2) {
+        u[j] = _mm512_unpacklo_pd(v[j], v[j + 1]);     /* pairs 0, 2, 4, 6 of j, j+1 */
+        u[j + 1] = _mm512_unpackhi_pd(v[j], v[j + 1]); /* pairs 1, 3, 5, 7 */
+    }
+    /* x: even pairs (lo: 0 and 4 after the next step; hi: 2 and 6), from
+     * vectors 0-3 and 4-7; y: the odd pairs likewise */
+    x[0] = _mm512_shuffle_f64x2(u[0], u[2], 0x88);
+    x[1] = _mm512_shuffle_f64x2(u[4], u[6], 0x88);
+    x[2] = _mm512_shuffle_f64x2(u[0], u[2], 0xdd);
+    x[3] = _mm512_shuffle_f64x2(u[4], u[6], 0xdd);
+    y[0] = _mm512_shuffle_f64x2(u[1], u[3], 0x88);
+    y[1] = _mm512_shuffle_f64x2(u[5], u[7], 0x88);
+    y[2] = _mm512_shuffle_f64x2(u[1], u[3], 0xdd);
+    y[3] = _mm512_shuffle_f64x2(u[5], u[7], 0xdd);
+    __m512d t[8];
+    t[0] = _mm512_shuffle_f64x2(x[0], x[1], 0x88);
+    t[4] = _mm512_shuffle_f64x2(x[0], x[1], 0xdd);
+    t[2] = _mm512_shuffle_f64x2(x[2], x[3], 0x88);
+    t[6] = _mm512_shuffle_f64x2(x[2], x[3], 0xdd);
+    t[1] = _mm512_shuffle_f64x2(y[0], y[1], 0x88);
+    t[5] = _mm512_shuffle_f64x2(y[0], y[1], 0xdd);
+    t[3] = _mm512_shuffle_f64x2(y[2], y[3], 0x88);
+    t[7] = _mm512_shuffle_f64x2(y[2], y[3], 0xdd);
+    const __m512 vc = _mm512_set1_ps(c);
+    for (int k = 0; k < 8; k++) {
+        __m512 a = _mm512_permutexvar_ps(KPERM_INV, _mm512_castpd_ps(t[k]));
+        _mm512_storeu_ps(s + 16 * k, _mm512_mul_ps(_mm512_loadu_ps(stok + 16 * k), _mm512_add_ps(a, vc)));
+    }
+}
+
 /* tmp = sum_t w[r][t] code[t][d0..d0+32); acc += s_chan * (tmp + pb[r]). */
 AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
                 const float *schan, const float *pb, int r0, int RB, int d0)
@@ -566,10 +648,20 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     }
     /* One prefetch every 2^pf_shift channels of the first row block's
      * score loop: the next tiles' lines spread over the G/32 x D steps. */
-    const int steps = G / 32 * D, left = attn_prefetch_left(r->pf);
+    const int k128 = kb == 4 && G == 128; /* kv_kdots4_128's case */
+    const int steps = (k128 ? 2 : G / 32) * D, left = attn_prefetch_left(r->pf);
     int pf_shift = 0;
     while (pf_shift < 6 && (steps >> (pf_shift + 1)) >= left) pf_shift++;
-    for (int tb = 0; tb < G; tb += 32) {
+    for (int h = 0; k128 && h < 2; h++)
+        for (int r0 = 0; r0 < r->n;) {
+            int rb = block_rows(r->n, 6, r0);
+#define K4CALL(N) kv_kdots4_128(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30)
+            RB_SWITCH8(rb, K4CALL)
+#undef K4CALL
+            r0 += rb;
+        }
+    for (int i = 0; k128 && i < r->n; i++) kv_kfinish128(r->s + (size_t)i * gs, stok, r->rc[i]);
+    for (int tb = 0; !k128 && tb < G; tb += 32) {
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 8, r0);
 #define KCALL(N) kv_kdots(r, kc, krow, kb, stok, r0, N, tb, r0 == 0 ? pf_shift : 30)

@@ -5,21 +5,41 @@
 
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__clang__)
 #include <cpuid.h>
+#endif
+
+/* Whether the CPU has FMA and F16C (the AVX2 kernels use both).
+ *
+ * GCC: __builtin_cpu_supports reads the feature bits libgcc's start-up code
+ * stored once (__cpu_model), so this executes no CPUID. CPUID is not cheap
+ * everywhere: in this project's Firecracker VMs each one traps to the
+ * hypervisor, 8.2 us measured, and the level is asked once per Hadamard
+ * rotation (a KVarN decode step of SmolLM2 asked ~720 times per token, 5.9
+ * ms: the fixed cost that made kvarn_k4v2_g128 at depth 0 run 0.7x the fp16
+ * cache). tests/codec/test_cpu.c checks that the library holds no CPUID.
+ *
+ * clang 14 does not know "f16c" as a feature string, so clang builds (the
+ * fuzz targets) read CPUID leaf 1 ECX (FMA bit 12, F16C bit 29) directly. */
+#if defined(__x86_64__) || defined(__i386__)
+static int has_fma_f16c(void)
+{
+#if defined(__clang__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    return ((c >> 12) & 1) && ((c >> 29) & 1);
+#else
+    return __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+}
 #endif
 
 static kvarn_cpu_level hardware_level(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
-    /* FMA and F16C from CPUID leaf 1 ECX (bits 12 and 29): clang 14's
-     * __builtin_cpu_supports does not know "f16c". AVX2 and AVX-512 go
-     * through the builtin, which also checks that the OS saves the wide
-     * registers. */
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return KVARN_CPU_SCALAR;
-    int fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
-    int avx2 = __builtin_cpu_supports("avx2") && fma && f16c;
+    /* AVX2 and AVX-512 through the builtin, which also checks that the OS
+     * saves the wide registers. */
+    int avx2 = __builtin_cpu_supports("avx2") && has_fma_f16c();
     if (!avx2) return KVARN_CPU_SCALAR;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl"))
