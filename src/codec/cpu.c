@@ -50,28 +50,9 @@ static kvarn_cpu_level hardware_level(void)
 #endif
 }
 
-/* CPUID is slow where it matters most: under a hypervisor every CPUID
- * traps to it (microseconds), and the Hadamard dispatch asks the level once
- * per row. The CPU's features do not change while a process runs, so the
- * level is found once and kept: -1 = not yet known. Threads that race here
- * all compute and store the same value (relaxed atomics: no torn reads, no
- * data race for TSan). This is the library's only process-wide state and it
- * holds a fact about the hardware, not about any caller. */
-static int hw_level_cache = -1;
-
-static kvarn_cpu_level hardware_level_cached(void)
-{
-    int v = __atomic_load_n(&hw_level_cache, __ATOMIC_RELAXED);
-    if (v < 0) {
-        v = (int)hardware_level();
-        __atomic_store_n(&hw_level_cache, v, __ATOMIC_RELAXED);
-    }
-    return (kvarn_cpu_level)v;
-}
-
 kvarn_cpu_level kvarn__cpu_level(void)
 {
-    kvarn_cpu_level hw = hardware_level_cached();
+    kvarn_cpu_level hw = hardware_level();
     const char *cap = getenv("KVARN_SIMD");
     if (cap == NULL || cap[0] == '\0') return hw;
     kvarn_cpu_level want = hw;

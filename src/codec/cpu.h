@@ -26,10 +26,11 @@ typedef enum kvarn_cpu_level {
     KVARN_CPU_AVX512 = 2, /* AVX-512 F/BW/VL, and everything AVX2 has */
 } kvarn_cpu_level;
 
-/* The SIMD level to run: the CPU's level (CPUID read once per process and
- * kept), capped by KVARN_SIMD (read on every call, so a test can change it
- * between calls; getenv scans the environment, so callers that dispatch per
- * row or per token should hoist the call out of the loop). Thread-safe. */
+/* The SIMD level to run: the CPU's level (from the feature bits libgcc
+ * read at start-up; no CPUID here, see cpu.c), capped by KVARN_SIMD (read
+ * on every call, so a test can change it between calls; getenv scans the
+ * environment, so callers that dispatch per row or per token should hoist
+ * the call out of the loop). Thread-safe: no state is kept. */
 kvarn_cpu_level kvarn__cpu_level(void);
 
 /* The name of a level: "scalar", "avx2", "avx512". */
