@@ -32,7 +32,6 @@
 #include "codec/hadamard.h"
 #include "common/testutil.h"
 
-static int g_skipped;
 
 #if defined(__x86_64__)
 static uint64_t xgetbv0(void)
@@ -119,12 +118,13 @@ static void test_no_cpuid_at_run_time(void **state)
     assert_int_equal(waitpid(pid, &status, 0), pid);
     assert_true(WIFEXITED(status)); /* a CPUID in the library: SIGSEGV */
     if (WEXITSTATUS(status) == TEST_SKIPPED) {
-        g_skipped = 1; /* no CPUID faulting here: no_cpuid.sh still checks */
-        return;
+        /* no CPUID faulting here (this case only; the other cases ran and
+         * test_no_cpuid still checks the library's code) */
+        skip();
     }
     assert_int_equal(WEXITSTATUS(status), 0);
 #else
-    g_skipped = 1;
+    skip();
 #endif
 }
 
@@ -136,5 +136,5 @@ int main(void)
         cmocka_unit_test(test_no_cpuid_at_run_time),
     };
     int failed = cmocka_run_group_tests(tests, NULL, NULL);
-    return failed ? failed : g_skipped ? TEST_SKIPPED : 0;
+    return failed;
 }
