@@ -65,6 +65,32 @@ class AttnOpts(ctypes.Structure):
                 ("causal", ctypes.c_int), ("testing", ctypes.c_void_p)]
 
 
+class CacheOpts(ctypes.Structure):
+    """include/kvarn/cache.h: kvarn_cache_opts."""
+    _fields_ = [("format", Format), ("n_layers", ctypes.c_int), ("n_kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("block_size", ctypes.c_int),
+                ("sink_tiles", ctypes.c_int), ("budget_bytes", ctypes.c_uint64),
+                ("max_seqs", ctypes.c_int), ("max_seq_len", ctypes.c_int),
+                ("n_pages", ctypes.c_int), ("balance_iters", ctypes.c_int),
+                ("allocator", ctypes.c_void_p), ("sink_tokens", ctypes.c_int),
+                ("tail_page_tokens", ctypes.c_int), ("n_tail_pages", ctypes.c_int)]
+
+
+class CacheInfo(ctypes.Structure):
+    """include/kvarn/cache.h: kvarn_cache_info."""
+    _fields_ = [("format", Format), ("n_layers", ctypes.c_int), ("n_kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("block_size", ctypes.c_int),
+                ("sink_tiles", ctypes.c_int), ("n_blocks", ctypes.c_int),
+                ("n_pages", ctypes.c_int), ("max_seqs", ctypes.c_int),
+                ("max_seq_len", ctypes.c_int), ("record_stride", ctypes.c_size_t),
+                ("block_stride", ctypes.c_size_t), ("token_record_bytes", ctypes.c_size_t),
+                ("block_bytes", ctypes.c_size_t), ("page_bytes", ctypes.c_size_t),
+                ("arena_bytes", ctypes.c_uint64), ("capacity_tokens", ctypes.c_uint64),
+                ("sink_tokens", ctypes.c_int), ("sink_partial", ctypes.c_int),
+                ("sink_bytes", ctypes.c_size_t), ("tail_page_tokens", ctypes.c_int),
+                ("n_tail_pages", ctypes.c_int), ("tail_page_bytes", ctypes.c_size_t)]
+
+
 class CudaAttnShape(ctypes.Structure):
     """include/kvarn/cuda.h: kvarn_cuda_attn_shape."""
     _fields_ = [("num_seqs", ctypes.c_int), ("num_heads", ctypes.c_int),
@@ -152,6 +178,7 @@ def lib():
                                  ctypes.POINTER(AttnOpts), P, P, Z]),
         "kvarn_thread_pool_create": (I, [I, ctypes.POINTER(P)]),
         "kvarn_thread_pool_size": (I, [P]),
+        "kvarn_cache_plan": (I, [ctypes.POINTER(CacheOpts), ctypes.POINTER(CacheInfo)]),
     }
     for name, (res, args) in sig.items():
         f = getattr(L, name)
@@ -187,3 +214,19 @@ def parse_format(name: str, head_dim: int = 0) -> Format:
 
 def record_bytes(fmt: Format, head_dim: int) -> int:
     return int(lib().kvarn_record_bytes(ctypes.byref(fmt), head_dim))
+
+
+def fp16_page_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
+                    sink_tiles: int) -> int:
+    """Bytes of one fp16 page (one tile of K and V, every layer and KV head)
+    as kvarn_cache_plan works it out for a kvarn_cache of these dimensions:
+    the one computation of the cache's fp16 memory (include/kvarn/cache.h)
+    that the plug-in's staging pool is sized from."""
+    o = CacheOpts()
+    o.format = fmt
+    o.n_layers, o.n_kv_heads, o.head_dim = n_layers, n_kv_heads, head_dim
+    o.sink_tiles, o.max_seqs, o.n_pages = sink_tiles, 1, sink_tiles + 1
+    o.budget_bytes = 0  # sizes only, no blocks (kvarn_cache_plan)
+    info = CacheInfo()
+    check(lib().kvarn_cache_plan(ctypes.byref(o), ctypes.byref(info)), "cache plan")
+    return int(info.page_bytes)

@@ -166,8 +166,8 @@ def staging_bytes(vllm_config) -> int:
     pc = vllm_config.parallel_config
     name = vllm_config.cache_config.cache_dtype
     fmt = _lib.parse_format(name, mc.get_head_size())
-    return pool_bytes(mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
-                      fmt.tile_tokens, vllm_config.scheduler_config.max_num_seqs, SINK_TILES)
+    return pool_bytes(fmt, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
+                      vllm_config.scheduler_config.max_num_seqs, SINK_TILES)
 
 
 def _patch_worker() -> None:

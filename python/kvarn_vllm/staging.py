@@ -22,11 +22,12 @@ def pool_slots(max_num_seqs: int, sink_tiles: int) -> int:
     return max_num_seqs * (sink_tiles + 1)
 
 
-def pool_bytes(n_layers: int, n_kv_heads: int, head_dim: int, tile: int,
+def pool_bytes(fmt, n_layers: int, n_kv_heads: int, head_dim: int,
                max_num_seqs: int, sink_tiles: int) -> int:
-    """Bytes of the fp16 staging pool: slots x layers x Hk x (K, V) x G x D x 2."""
-    return (pool_slots(max_num_seqs, sink_tiles) * n_layers * n_kv_heads * 2 * tile
-            * head_dim * 2)
+    """Bytes of the fp16 staging pool: slots x one fp16 page (layers x Hk x
+    (K, V) x G x D x 2 bytes), the page as kvarn_cache_plan sizes it."""
+    return pool_slots(max_num_seqs, sink_tiles) * _lib.fp16_page_bytes(
+        fmt, n_layers, n_kv_heads, head_dim, sink_tiles)
 
 
 class StepPlan:

@@ -13,6 +13,7 @@ from conftest import ROOT
 
 STRUCTS = {"kvarn_format": _lib.Format, "kvarn_paged_kv": _lib.PagedKV,
            "kvarn_seq_view": _lib.SeqView, "kvarn_attn_opts": _lib.AttnOpts,
+           "kvarn_cache_opts": _lib.CacheOpts, "kvarn_cache_info": _lib.CacheInfo,
            "kvarn_cuda_attn_shape": _lib.CudaAttnShape,
            "kvarn_cuda_attn_plan": _lib.CudaAttnPlan,
            "kvarn_cuda_attn_args": _lib.CudaAttnArgs}
@@ -22,7 +23,7 @@ STRUCTS = {"kvarn_format": _lib.Format, "kvarn_paged_kv": _lib.PagedKV,
 def c_layout(tmp_path_factory):
     d = tmp_path_factory.mktemp("layout")
     lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "kvarn/paged.h"',
-             '#include "kvarn/attn.h"', '#include "kvarn/cuda.h"', 'int main(void) {']
+             '#include "kvarn/attn.h"', '#include "kvarn/cuda.h"', '#include "kvarn/cache.h"', 'int main(void) {']
     for cname, py in STRUCTS.items():
         lines.append(f'printf("{cname} size %zu\\n", sizeof({cname}));')
         for f, _ in py._fields_:

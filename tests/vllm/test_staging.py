@@ -6,7 +6,7 @@ block_table [n, max_blocks]."""
 import numpy as np
 import pytest
 
-from kvarn_vllm._lib import KvarnError
+from kvarn_vllm._lib import KvarnError, parse_format
 from kvarn_vllm.staging import Staging, pool_bytes, pool_slots
 
 G = 128
@@ -22,7 +22,12 @@ def step(st, q_lens, seq_lens, table):
 def test_pool_size_is_sequences_times_sink_plus_tail():
     assert pool_slots(8, 1) == 16 and pool_slots(8, 0) == 8
     # SmolLM2: 30 layers, 3 KV heads, D 64: one tile 2.95 MB, 8 x 2 of them
-    assert pool_bytes(30, 3, 64, G, 8, 1) == 16 * 30 * 3 * 2 * G * 64 * 2
+    # (the page size comes from kvarn_cache_plan; the product is written out)
+    fmt = parse_format("kvarn_k4v2_g128", 64)
+    assert pool_bytes(fmt, 30, 3, 64, 8, 1) == 16 * 30 * 3 * 2 * G * 64 * 2
+    assert pool_bytes(fmt, 30, 3, 64, 8, 0) == 8 * 30 * 3 * 2 * G * 64 * 2
+    fmt64 = parse_format("kvarn_k4v2_g64", 128)
+    assert pool_bytes(fmt64, 2, 8, 128, 4, 1) == 8 * 2 * 8 * 2 * 64 * 128 * 2
 
 
 def test_prefill_crossing_tiles_then_decode():
