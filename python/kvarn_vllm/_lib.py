@@ -216,17 +216,20 @@ def record_bytes(fmt: Format, head_dim: int) -> int:
     return int(lib().kvarn_record_bytes(ctypes.byref(fmt), head_dim))
 
 
-def fp16_page_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
-                    sink_tiles: int) -> int:
-    """Bytes of one fp16 page (one tile of K and V, every layer and KV head)
-    as kvarn_cache_plan works it out for a kvarn_cache of these dimensions:
-    the one computation of the cache's fp16 memory (include/kvarn/cache.h)
-    that the plug-in's staging pool is sized from."""
+def fp16_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
+               sink_tiles: int, sink_partial: int = 0) -> tuple:
+    """(page, sink slot) bytes: one fp16 page (one tile of K and V, every
+    layer and KV head) and one sequence's sink slot (r = sink_partial tokens;
+    0 if r = 0), as kvarn_cache_plan works them out for a kvarn_cache of
+    these dimensions: the one computation of the cache's fp16 memory
+    (include/kvarn/cache.h) that the plug-in's staging pool is sized from."""
     o = CacheOpts()
     o.format = fmt
     o.n_layers, o.n_kv_heads, o.head_dim = n_layers, n_kv_heads, head_dim
     o.sink_tiles, o.max_seqs, o.n_pages = sink_tiles, 1, sink_tiles + 1
+    if sink_partial > 0:
+        o.sink_tokens = sink_tiles * fmt.tile_tokens + sink_partial
     o.budget_bytes = 0  # sizes only, no blocks (kvarn_cache_plan)
     info = CacheInfo()
     check(lib().kvarn_cache_plan(ctypes.byref(o), ctypes.byref(info)), "cache plan")
-    return int(info.page_bytes)
+    return int(info.page_bytes), int(info.sink_bytes)

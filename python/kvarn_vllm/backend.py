@@ -35,9 +35,23 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import _lib
 from .ops import make_ops
-from .staging import Staging, pool_slots
+from .staging import Staging, pool_slots, sink_slot_count
 
 SINK_TILES = int(os.environ.get("KVARN_SINK_TILES", "1"))
+
+
+def sink_config(tile: int) -> tuple:
+    """(sink_tiles, sink_partial): KVARN_SINK_TOKENS=S, when set, keeps the
+    first S tokens of each sequence in fp16 (S // G whole sink tiles and
+    r = S % G tokens of the next tile in a sink slot, include/kvarn/paged.h);
+    else KVARN_SINK_TILES whole tiles (default 1, the spec's)."""
+    env = os.environ.get("KVARN_SINK_TOKENS", "")
+    if env == "":
+        return SINK_TILES, 0
+    n = int(env)
+    if n < 0:
+        raise ValueError(f"kvarn: KVARN_SINK_TOKENS must be >= 0 (got {n})")
+    return n // tile, n % tile
 
 
 class _State:
@@ -152,6 +166,8 @@ class KvarnAttentionImpl(AttentionImpl):
         self.scale = float(scale)
         self.sliding_window = 0 if sliding_window is None else int(sliding_window)
         self.G = self.fmt.tile_tokens
+        self.sink_tiles, self.sink_partial = sink_config(self.G)
+        self.sinks = None
         self.layer_index = None
         self.pool_tensor = None
         from vllm.config import get_current_vllm_config
@@ -168,7 +184,14 @@ class KvarnAttentionImpl(AttentionImpl):
         v = _lib.PagedKV()
         v.fmt = self.fmt
         v.head_dim, v.n_kv_heads, v.block_size = self.head_size, self.num_kv_heads, self.G
-        v.sink_tiles = SINK_TILES
+        v.sink_tiles = self.sink_tiles
+        if self.sink_partial > 0:
+            sk = self.sinks
+            v.sink_partial = self.sink_partial
+            v.fp16_sinks = sk.data_ptr()
+            v.sink_stride = sk.stride(0) * 2
+            v.sink_head_stride = sk.stride(1) * 2
+            v.n_sink_slots = sk.shape[0]
         v.blocks = kv_cache.data_ptr()
         v.block_stride = kv_cache.stride(0) * kv_cache.element_size()
         v.record_stride = kv_cache.stride(1) * kv_cache.element_size()
@@ -186,9 +209,11 @@ class KvarnAttentionImpl(AttentionImpl):
             _State.layers.append(name)
         self.layer_index = _State.layers.index(name)
         if _State.staging is None:
-            n = pool_slots(_State.max_num_seqs, SINK_TILES)
+            n = pool_slots(_State.max_num_seqs, self.sink_tiles)
             n_scr = -(-_State.max_batched_tokens // self.G) + 1
-            _State.staging = Staging(n, self.G, SINK_TILES, kv_cache.shape[0], n_scr)
+            _State.staging = Staging(n, self.G, self.sink_tiles, kv_cache.shape[0], n_scr,
+                                     self.sink_partial,
+                                     sink_slot_count(_State.max_num_seqs, self.sink_partial))
             _State.staging.live_blocks = _live_blocks
             _State.ops = make_ops(kv_cache.device)
             from vllm.logger import init_logger
@@ -199,6 +224,10 @@ class KvarnAttentionImpl(AttentionImpl):
         self.pool_tensor = torch.zeros((st.n_slots + st.n_scratch, self.num_kv_heads, 2, self.G,
                                         self.head_size), dtype=torch.int16,
                                        device=kv_cache.device)
+        if self.sink_partial > 0:
+            self.sinks = torch.zeros((st.n_sink_slots, self.num_kv_heads, 2, self.sink_partial,
+                                      self.head_size), dtype=torch.int16,
+                                     device=kv_cache.device)
         _State.ops.check(self._view(kv_cache, self.pool_tensor))
 
     # ------------------------------------------------------------------ store
@@ -259,6 +288,7 @@ class KvarnAttentionImpl(AttentionImpl):
             view = self._view(kv_cache, self.pool_tensor)
             if not has_sink:
                 view.sink_tiles = 0
+                view.sink_partial = 0
             whole = len(sel) == ng
             rows = [(p.groups[j][2], p.groups[j][3]) for j in sel]
             if whole:
@@ -270,8 +300,8 @@ class KvarnAttentionImpl(AttentionImpl):
                 qsl[1:] = np.cumsum([b - a for a, b in rows])
                 osel = torch.empty_like(qsel)
             _State.ops.attend(view, np.ascontiguousarray(p.g_tables[sel]), p.g_len[sel],
-                              p.g_committed[sel], qsl, qsel, osel, self.num_heads, self.scale,
-                              self.sliding_window)
+                              p.g_committed[sel], p.g_sink_slot[sel], qsl, qsel, osel,
+                              self.num_heads, self.scale, self.sliding_window)
             if not whole:
                 off = 0
                 for a, b in rows:
@@ -283,6 +313,10 @@ class KvarnAttentionImpl(AttentionImpl):
             return
         src = np.array([s for s, _ in p.commit_pool], dtype=np.int32)
         dst = np.array([b for _, b in p.commit_pool], dtype=np.int32)
+        for page, slot in p.sink_copies:
+            # the sink's first r rows (rotated fp16 K and V), kept beside
+            # the record the commit is about to write (paged.h)
+            self.sinks[slot] = self.pool_tensor[page, :, :, :self.sink_partial, :]
         _State.ops.commit(self._view(kv_cache, self.pool_tensor), src, dst)
 
 

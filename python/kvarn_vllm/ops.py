@@ -55,9 +55,10 @@ class CpuOps:
                                         len(src), None, self.cws.data_ptr(), ws_bytes), "commit")
 
     def attend(self, view, tables: np.ndarray, lens: np.ndarray, committed: np.ndarray,
-               qsl: np.ndarray, q: torch.Tensor, out: torch.Tensor, num_heads: int,
-               scale: float, window: int) -> None:
-        """tables int32 [ng, W]; lens, committed int32 [ng]; qsl int32 [ng+1]
+               sink_slots: np.ndarray, qsl: np.ndarray, q: torch.Tensor, out: torch.Tensor,
+               num_heads: int, scale: float, window: int) -> None:
+        """tables int32 [ng, W]; lens, committed, sink_slots int32 [ng]
+        (sink_slots read only when view.sink_partial > 0); qsl int32 [ng+1]
         (from 0); q, out fp32 [qsl[-1], Hq, D] contiguous."""
         L = _lib.lib()
         ng = len(lens)
@@ -66,6 +67,7 @@ class CpuOps:
             seqs[j].block_table = tables[j].ctypes.data
             seqs[j].seq_len = int(lens[j])
             seqs[j].committed_tiles = int(committed[j])
+            seqs[j].sink_slot = int(sink_slots[j])
         opts = _lib.AttnOpts(scale, window, 1, None)
         nthr = L.kvarn_thread_pool_size(self.pool)
         ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), num_heads, ng,
@@ -125,8 +127,9 @@ class CudaOps:
         _lib.check(self.C.kvarn_cuda_commit(ctypes.byref(view), s.data_ptr(), d.data_ptr(),
                                             len(src), None, self._stream()), "CUDA commit")
 
-    def attend(self, view, tables, lens, committed, qsl, q, out, num_heads, scale,
+    def attend(self, view, tables, lens, committed, sink_slots, qsl, q, out, num_heads, scale,
                window) -> None:
+        # sink_slots: never read, cuda.h refuses sink_partial > 0 (check())
         ng = len(lens)
         shape = _lib.CudaAttnShape(ng, num_heads, int(tables.shape[1]), int(lens.max()),
                                    int(np.diff(qsl).max()), window, scale)

@@ -160,14 +160,15 @@ def staging_bytes(vllm_config) -> int:
     """Bytes of the fp16 staging pool for this model and max_num_seqs (every
     layer): what the worker takes out of the KV budget."""
     from . import _lib
-    from .backend import SINK_TILES
+    from .backend import sink_config
     from .staging import pool_bytes
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
     name = vllm_config.cache_config.cache_dtype
     fmt = _lib.parse_format(name, mc.get_head_size())
+    tiles, partial = sink_config(fmt.tile_tokens)
     return pool_bytes(fmt, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
-                      vllm_config.scheduler_config.max_num_seqs, SINK_TILES)
+                      vllm_config.scheduler_config.max_num_seqs, tiles, partial)
 
 
 def _patch_worker() -> None:

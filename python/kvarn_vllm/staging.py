@@ -23,11 +23,19 @@ def pool_slots(max_num_seqs: int, sink_tiles: int) -> int:
 
 
 def pool_bytes(fmt, n_layers: int, n_kv_heads: int, head_dim: int,
-               max_num_seqs: int, sink_tiles: int) -> int:
+               max_num_seqs: int, sink_tiles: int, sink_partial: int = 0) -> int:
     """Bytes of the fp16 staging pool: slots x one fp16 page (layers x Hk x
-    (K, V) x G x D x 2 bytes), the page as kvarn_cache_plan sizes it."""
-    return pool_slots(max_num_seqs, sink_tiles) * _lib.fp16_page_bytes(
-        fmt, n_layers, n_kv_heads, head_dim, sink_tiles)
+    (K, V) x G x D x 2 bytes), plus the sink slots (layers x Hk x (K, V) x r
+    x D x 2 each), page and slot as kvarn_cache_plan sizes them."""
+    page, slot = _lib.fp16_bytes(fmt, n_layers, n_kv_heads, head_dim, sink_tiles, sink_partial)
+    return (pool_slots(max_num_seqs, sink_tiles) * page
+            + sink_slot_count(max_num_seqs, sink_partial) * slot)
+
+
+def sink_slot_count(max_num_seqs: int, sink_partial: int) -> int:
+    """Sink slots (a sink shorter than a tile, r = sink_partial tokens of
+    tile sink_tiles kept in fp16): one per running sequence, none if r = 0."""
+    return max_num_seqs if sink_partial > 0 else 0
 
 
 class StepPlan:
@@ -51,11 +59,13 @@ class StepPlan:
         self.commit_pool = []        # (page, block) pairs to commit (slots and scratch)
         self.free_after = []         # slots released after the last layer
         self.mark_committed = []     # blocks whose tile is a record after the step
+        self.sink_copies = []        # (page, sink slot): copy the page's first r
+                                     # rows into the slot before its commit
 
 
 class Staging:
     def __init__(self, n_slots: int, tile: int, sink_tiles: int, n_blocks: int,
-                 n_scratch: int = 0):
+                 n_scratch: int = 0, sink_partial: int = 0, n_sink_slots: int = 0):
         self.n_scratch = n_scratch   # per-step scratch tiles: pages n_slots + k
         self.G = tile
         self.sink_tiles = sink_tiles
@@ -65,6 +75,13 @@ class Staging:
         self.is_sink = np.zeros(n_slots, dtype=bool)
         self.committed = np.zeros(n_blocks, dtype=bool)
         self.free = list(range(n_slots - 1, -1, -1))
+        # sink shorter than a tile: the first r tokens of tile sink_tiles,
+        # kept in fp16 slots keyed by that tile's block once it is a record
+        self.sink_partial = sink_partial
+        self.n_sink_slots = n_sink_slots
+        self.sslot_of = np.full(n_blocks, -1, dtype=np.int64)
+        self.sblock_of = np.full(n_sink_slots, -1, dtype=np.int64)
+        self.sfree = list(range(n_sink_slots - 1, -1, -1))
         self.live_blocks = None      # callable -> set of block ids still in use
 
     # -- vLLM hands blocks out again: forget what they held ------------------
@@ -73,6 +90,9 @@ class Staging:
             s = self.slot_of[b]
             if s >= 0:
                 self._release(int(s))
+            s = self.sslot_of[b]
+            if s >= 0:
+                self._release_sink(int(s))
             self.committed[b] = False
 
     def _release(self, s: int) -> None:
@@ -82,6 +102,23 @@ class Staging:
         self.block_of[s] = -1
         self.is_sink[s] = False
         self.free.append(s)
+
+    def _release_sink(self, s: int) -> None:
+        self.sslot_of[self.sblock_of[s]] = -1
+        self.sblock_of[s] = -1
+        self.sfree.append(s)
+
+    def _take_sink(self, block: int, protect) -> int:
+        if not self.sfree:
+            self._reclaim(protect)
+        if not self.sfree:
+            raise _lib.KvarnError(
+                f"kvarn: the {self.n_sink_slots} fp16 sink slots are exhausted; they are "
+                "sized for max_num_seqs sequences")
+        s = self.sfree.pop()
+        self.sslot_of[block] = s
+        self.sblock_of[s] = block
+        return s
 
     def _take(self, block: int, sink: bool, protect) -> int:
         if not self.free:
@@ -108,6 +145,10 @@ class Staging:
             b = self.block_of[s]
             if b >= 0 and int(b) not in live:
                 self._release(s)
+        for s in range(self.n_sink_slots):
+            b = self.sblock_of[s]
+            if b >= 0 and int(b) not in live:
+                self._release_sink(s)
 
     # -- one step ------------------------------------------------------------
     def plan(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
@@ -119,6 +160,8 @@ class Staging:
         max_tiles = max(1, int(block_table.shape[1]))
         p.tables = np.zeros((n_seqs, max_tiles), dtype=np.int32)
         p.has_sink = np.ones(n_seqs, dtype=bool)
+        p.sink_slot = np.full(n_seqs, -1, dtype=np.int32)
+        r = self.sink_partial
         protect = set()
         for i in range(n_seqs):
             n = int(seq_lens[i])
@@ -151,6 +194,8 @@ class Staging:
                             f"kvarn: a step has more whole tiles than the {self.n_scratch} "
                             "scratch tiles sized from max_num_batched_tokens")
                     p.store_slots[j0:j1] = k * G + offs
+                    if r > 0 and t == S:
+                        p.sink_copies.append((k, self._take_sink(b, protect)))
                     p.commit_pool.append((k, b))
                     p.mark_committed.append(b)
                     p.groups.append((i, t, j0, j1, pos - t * G, "scratch", k))
@@ -160,6 +205,8 @@ class Staging:
                         s = self._take(b, t < S, protect)
                     p.store_slots[j0:j1] = s * G + offs
                     if end == (t + 1) * G:
+                        if r > 0 and t == S:
+                            p.sink_copies.append((s, self._take_sink(b, protect)))
                         p.commit_pool.append((s, b))
                         p.mark_committed.append(b)
                         if t >= S:
@@ -179,6 +226,20 @@ class Staging:
                         p.tables[i, t] = b
                 else:
                     p.tables[i, t] = b
+            if r > 0 and L >= (S + 1) * G:
+                # tile S is full, so a record by the end of this step: its
+                # first r tokens come from the sink slot while the slot is
+                # there
+                ss = int(self.sslot_of[int(row[S])])
+                if ss >= 0:
+                    p.sink_slot[i] = ss
+                else:
+                    p.has_sink[i] = False
+            if not p.has_sink[i]:
+                # no fp16 sink left for this sequence: every full tile,
+                # sink tiles included, is read from its record
+                for t in range(min(S, max(0, (L - 1) // G))):
+                    p.tables[i, t] = int(row[t])
         self._group_views(p)
         return p
 
@@ -193,6 +254,7 @@ class Staging:
         p.g_len = np.zeros(ng, dtype=np.int32)
         p.g_committed = np.zeros(ng, dtype=np.int32)
         p.g_sink = np.ones(ng, dtype=bool)
+        p.g_sink_slot = np.full(ng, -1, dtype=np.int32)
         p.g_qsl = np.zeros(ng + 1, dtype=np.int32)
         for j, (i, t, j0, j1, off0, where, page) in enumerate(p.groups):
             p.g_tables[j, :t] = p.tables[i, :t]
@@ -200,6 +262,8 @@ class Staging:
             p.g_len[j] = t * G + off0 + (j1 - j0)
             p.g_committed[j] = t + 1 if where == "record" else t
             p.g_sink[j] = p.has_sink[i]
+            p.g_sink_slot[j] = p.sink_slot[i] if t > self.sink_tiles or where == "record" \
+                else -1
             p.g_qsl[j + 1] = j1
         p.g_qsl[0] = p.groups[0][2] if ng else 0
 

@@ -15,6 +15,7 @@ from conftest import GGUF_MODEL, KVARN_CLI, ROOT, run_llm
 KV = "kvarn_k4v2_g128"
 G = 128
 DECODED = 256  # tokens kvarn eval decodes one at a time, at the end of 640
+SINK16 = 16    # the short sink the KVARN_SINK_TOKENS tests use
 AUSTEN = os.path.join(ROOT, "data", "austen", "persuasion.txt")
 
 
@@ -42,6 +43,11 @@ def runs(hf_model):
     # then the batch (three concurrent requests on the same prefix blocks)
     out["kv_pc"], _ = run_llm(dict(base, kv_cache_dtype=KV, prefix_caching=True,
                                    warm_prompts=[SHARED[0]]))
+    # a sink of 16 tokens (KVARN_SINK_TOKENS): the rest of tile 0 quantized,
+    # its first 16 tokens kept in fp16 sink slots
+    s16 = dict(base, kv_cache_dtype=KV, env={"KVARN_SINK_TOKENS": str(SINK16)})
+    out["kv_s16"], _ = run_llm(s16)
+    out["kv_s16_pc"], _ = run_llm(dict(s16, prefix_caching=True, warm_prompts=[SHARED[0]]))
     return out
 
 
@@ -52,6 +58,17 @@ def _first_divergence(a, b):
     return min(len(a), len(b))
 
 
+def _eval_json(tmp_path_factory, text, *extra):
+    f = tmp_path_factory.mktemp("eval") / "t.txt"
+    f.write_text(text)
+    r = subprocess.run([KVARN_CLI, "eval", "-m", GGUF_MODEL, "-f", str(f), "--ctx", "640",
+                        "--chunk", "128", "--windows", "1", "--decode-tokens", str(DECODED),
+                        "--kv-cache-dtype", KV, "--json", *extra], capture_output=True,
+                       text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["formats"][0]
+
+
 @pytest.fixture(scope="session")
 def eval_c(tmp_path_factory):
     """kvarn's own host on a 640-token Austen text (`kvarn eval --json`): the
@@ -59,26 +76,19 @@ def eval_c(tmp_path_factory):
     last 256 decoded one at a time (its decode column); the text and the
     figures for kvarn_k4v2_g128."""
     text = _austen(4000)
-    f = tmp_path_factory.mktemp("eval") / "t.txt"
-    f.write_text(text)
-    r = subprocess.run([KVARN_CLI, "eval", "-m", GGUF_MODEL, "-f", str(f), "--ctx", "640",
-                        "--chunk", "128", "--windows", "1", "--decode-tokens", str(DECODED),
-                        "--kv-cache-dtype", KV, "--json"], capture_output=True, text=True,
-                       cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stderr
-    return text, json.loads(r.stdout)["formats"][0]
+    return text, _eval_json(tmp_path_factory, text)
 
 
-def test_kvarn_follows_unquantized_cache(runs, eval_c):
-    """Greedy outputs agree with vLLM's own fp32 cache except at near-ties.
-    Where the runs first differ, the reference chose a and kvarn b; with
-    KL(P||Q) = k at that position, total variation <= sqrt(k/2) (Pinsker),
-    and a flip needs p(a) - p(b) <= |p(a) - q(a)| + |p(b) - q(b)| <= 2 TV, so
-    the reference's probability margin is <= sqrt(2 k). k is taken as the
-    largest per-position KLD kvarn eval measured on Austen in this run."""
-    k_max = eval_c[1]["kld_max"]
+@pytest.fixture(scope="session")
+def eval_s16(tmp_path_factory):
+    """The same with a 16-token sink (`kvarn eval --sink-tokens 16`, the C
+    cache's rule that the plug-in follows with KVARN_SINK_TOKENS=16)."""
+    return _eval_json(tmp_path_factory, _austen(4000), "--sink-tokens", str(SINK16))
+
+
+def _follows(ref, kv, k_max):
     flips = 0
-    for r, k in zip(runs["ref"]["outputs"], runs["kv"]["outputs"]):
+    for r, k in zip(ref, kv):
         i = _first_divergence(r["token_ids"], k["token_ids"])
         if i == len(r["token_ids"]):
             continue
@@ -90,10 +100,44 @@ def test_kvarn_follows_unquantized_cache(runs, eval_c):
         print(f"first divergence at token {i}: reference margin {margin:.4f}, "
               f"bound sqrt(2 * {k_max:.4f}) = {math.sqrt(2 * k_max):.4f}")
         assert margin <= math.sqrt(2 * k_max), (i, margin)
-    print(f"{flips} of {len(runs['ref']['outputs'])} greedy outputs differ somewhere in 24 tokens")
+    print(f"{flips} of {len(ref)} greedy outputs differ somewhere in 24 tokens")
     # the first tokens of every prompt agree
-    for r, k in zip(runs["ref"]["outputs"], runs["kv"]["outputs"]):
+    for r, k in zip(ref, kv):
         assert r["token_ids"][:2] == k["token_ids"][:2]
+
+
+def test_kvarn_follows_unquantized_cache(runs, eval_c):
+    """Greedy outputs agree with vLLM's own fp32 cache except at near-ties.
+    Where the runs first differ, the reference chose a and kvarn b; with
+    KL(P||Q) = k at that position, total variation <= sqrt(k/2) (Pinsker),
+    and a flip needs p(a) - p(b) <= |p(a) - q(a)| + |p(b) - q(b)| <= 2 TV, so
+    the reference's probability margin is <= sqrt(2 k). k is taken as the
+    largest per-position KLD kvarn eval measured on Austen in this run."""
+    _follows(runs["ref"]["outputs"], runs["kv"]["outputs"], eval_c[1]["kld_max"])
+
+
+def test_sink16_follows_unquantized_cache(runs, eval_s16):
+    """KVARN_SINK_TOKENS=16: the same bound, k from kvarn eval with the same
+    16-token sink."""
+    _follows(runs["ref"]["outputs"], runs["kv_s16"]["outputs"], eval_s16["kld_max"])
+
+
+def test_sink16_prefix_caching_on_equals_off(runs):
+    off, on = runs["kv_s16"]["outputs"], runs["kv_s16_pc"]["outputs"]
+    assert [o["token_ids"] for o in on] == [o["token_ids"] for o in off]
+    assert all(o["num_cached_tokens"] >= G for o in on[len(PROMPTS):])
+
+
+def test_sink16_capacity(runs):
+    """The pool with a 16-token sink: max_num_seqs (8) tail tiles and 8 sink
+    slots of 16 fp16 tokens instead of 8 x (sink + tail) tiles; vLLM's block
+    count is the budget minus that pool in record pages."""
+    layers, hk, d, record = 30, 3, 64, 7296
+    tile = layers * hk * 2 * G * d * 2
+    slot = layers * hk * 2 * SINK16 * d * 2
+    blocks = (2**30 - 8 * tile - 8 * slot) // (layers * hk * record)
+    assert runs["kv_s16"]["kv_blocks"] == blocks
+    assert runs["kv_s16"]["kv_blocks"] > runs["kv"]["kv_blocks"]
 
 
 def test_prefix_caching_on_equals_off(runs):

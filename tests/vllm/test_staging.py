@@ -111,3 +111,42 @@ def test_more_whole_tiles_than_scratch_is_a_clear_error():
     st = Staging(n_slots=2, tile=G, sink_tiles=0, n_blocks=8, n_scratch=1)
     with pytest.raises(KvarnError, match="scratch"):
         step(st, [384], [384], [[1, 2, 3]])
+
+
+def test_sink_shorter_than_a_tile():
+    """KVARN_SINK_TOKENS = 16 (sink_tiles 0, r 16): tile 0 is an ordinary
+    tile; when it commits, its page's first 16 rows are copied into a sink
+    slot keyed by its block, and every later query group reads that slot
+    (g_sink_slot); the slot goes when vLLM hands the block out again."""
+    st = Staging(n_slots=2, tile=G, sink_tiles=0, n_blocks=16, n_scratch=4,
+                 sink_partial=16, n_sink_slots=2)
+    p = step(st, [300], [300], [[5, 6, 7]])
+    scratch0 = st.n_slots                   # tile 0, whole in the chunk: scratch
+    ss = int(st.sslot_of[5])
+    assert ss >= 0 and p.sink_copies == [(scratch0, ss)]
+    assert (scratch0, 5) in p.commit_pool   # tile 0 is committed like any tile
+    assert p.sink_slot[0] == ss
+    by_tile = {g[1]: j for j, g in enumerate(p.groups)}
+    assert p.g_sink_slot[by_tile[0]] == -1  # its own tile, still fp16
+    assert p.g_sink_slot[by_tile[1]] == ss and p.g_sink_slot[by_tile[2]] == ss
+    assert p.g_sink.all()
+    st.finish(p)
+    p = step(st, [1], [301], [[5, 6, 7]])   # decode: the slot stays
+    assert p.sink_copies == [] and p.g_sink_slot[0] == ss
+    st.reset_blocks([5])
+    assert st.sslot_of[5] == -1 and ss in st.sfree
+
+
+def test_sink_slot_lost_reads_records():
+    """No sink slot left for a sequence's committed tile S (taken back by
+    reclaim): the sequence reads every full tile from its record, sink
+    tiles included (has_sink False, tables point at blocks)."""
+    st = Staging(n_slots=4, tile=G, sink_tiles=1, n_blocks=16, n_scratch=4,
+                 sink_partial=16, n_sink_slots=1)
+    p = step(st, [300], [300], [[5, 6, 7]])  # S = 144: tile 0 sink, 16 of tile 1
+    assert p.sink_slot[0] == st.sslot_of[6] >= 0
+    st.finish(p)
+    st._release_sink(int(st.sslot_of[6]))
+    p = step(st, [1], [301], [[5, 6, 7]])
+    assert not p.has_sink[0] and not p.g_sink.any()
+    assert list(p.tables[0, :2]) == [5, 6]  # records, not the sink page
