@@ -188,13 +188,17 @@ def lib():
 
 
 class KvarnError(RuntimeError):
-    pass
+    """A kvarn call failed; .status is the library's kvarn_status (0 when
+    the error is the plug-in's own)."""
+    status = 0
 
 
 def check(status: int, what: str) -> None:
     if status != 0:
         msg = lib().kvarn_strerror(status).decode()
-        raise KvarnError(f"kvarn: {what} failed: {msg} (status {status})")
+        err = KvarnError(f"kvarn: {what} failed: {msg} (status {status})")
+        err.status = status
+        raise err
 
 
 def parse_format(name: str, head_dim: int = 0) -> Format:

@@ -6,7 +6,7 @@ machine without a GPU. Named by $KVARN_TEST_CUDA_EMULATOR (see _lib.cuda_lib).
 The host-side functions that need no GPU (kvarn_cuda_check_kv,
 kvarn_cuda_attn_plan_make) are the real ones from build/libkvarn_cuda.so
 when it was built (nvcc found); the kernels (store, commit, attention) are
-replaced by the CPU library on the same host pointers, after checking each
+replaced by the plug-in's own CpuOps on the same host pointers, after checking each
 argument against include/kvarn/cuda.h's contract: a marshalling mistake in
 CudaOps (wrong dtype code, plan not matching the call, a query count above
 max_query_len, a short workspace) fails here as it would on the GPU.
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvarn_vllm import _lib
+from kvarn_vllm.ops import CpuOps
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 INVALID_ARG, BUFFER_TOO_SMALL = -1, -5
@@ -29,7 +30,7 @@ def _arr(ptr, ctype, count) -> np.ndarray:
 
 class Emulator:
     def __init__(self):
-        self.cpu = _lib.lib()
+        self.cpu = CpuOps("cpu")  # the plug-in's own CPU path does the work
         real = os.path.join(ROOT, "build", "libkvarn_cuda.so")
         self.real = None
         if os.path.exists(real):
@@ -38,17 +39,22 @@ class Emulator:
             self.real.kvarn_cuda_check_kv.argtypes = [P(_lib.PagedKV)]
             self.real.kvarn_cuda_attn_plan_make.argtypes = [
                 P(_lib.PagedKV), P(_lib.CudaAttnShape), ctypes.c_int, P(_lib.CudaAttnPlan)]
-        pool = ctypes.c_void_p()
-        n = int(os.environ.get("KVARN_ATTN_THREADS", "0")) or torch.get_num_threads()
-        assert self.cpu.kvarn_thread_pool_create(max(1, n), ctypes.byref(pool)) == 0
-        self.pool = pool
         self.calls = {"store": 0, "commit": 0, "attention": 0}
+
+    @staticmethod
+    def _run(fn, *args) -> int:
+        """A CpuOps call as a C status: 0, or the library's status on error."""
+        try:
+            fn(*args)
+        except _lib.KvarnError as e:
+            return e.status
+        return 0
 
     # -- host-only functions: the real library where it was built ----------
     def kvarn_cuda_check_kv(self, kv_ref):
         if self.real is not None:
             return self.real.kvarn_cuda_check_kv(kv_ref)
-        return self.cpu.kvarn_paged_check(kv_ref)
+        return _lib.lib().kvarn_paged_check(kv_ref)
 
     def kvarn_cuda_sm_count(self, device, n_ref):
         return -12  # KVARN_ERR_NO_DEVICE: CudaOps asks only for CUDA tensors
@@ -61,7 +67,7 @@ class Emulator:
         plan.num_splits, plan.workspace_bytes = 1, 0
         return 0
 
-    # -- kernels: the CPU library on the same pages ------------------------
+    # -- kernels: CpuOps on the same pages ---------------------------------
     def kvarn_cuda_store(self, kv_ref, dtype, k, v, slots, n, stream):
         kv = kv_ref._obj
         if dtype not in (_lib.CUDA_F16, _lib.CUDA_BF16) or n < 0 or not (k and v and slots):
@@ -69,22 +75,23 @@ class Emulator:
         self.calls["store"] += 1
         if n == 0:
             return 0
-        cnt = n * kv.n_kv_heads * kv.head_dim
+        Hk, D = kv.n_kv_heads, kv.head_dim
         tdt = torch.float16 if dtype == _lib.CUDA_F16 else torch.bfloat16
 
-        def f32(ptr):
-            raw = torch.from_numpy(_arr(ptr, ctypes.c_int16, cnt).copy())
-            return raw.view(tdt).float().contiguous()
-        kf, vf = f32(k), f32(v)
-        return self.cpu.kvarn_paged_store(kv_ref, kf.data_ptr(), vf.data_ptr(), slots, n)
+        def half(ptr):  # the device tensor, read in place as its dtype
+            raw = torch.from_numpy(_arr(ptr, ctypes.c_int16, n * Hk * D))
+            return raw.view(tdt).view(n, Hk, D)
+        return self._run(self.cpu.store, kv, half(k), half(v),
+                         _arr(slots, ctypes.c_int64, n), n, Hk, D)
 
     def kvarn_cuda_commit(self, kv_ref, src, dst, n, opts, stream):
         if n < 0 or (n > 0 and not (src and dst)):
             return INVALID_ARG
         self.calls["commit"] += 1
-        ws_bytes = self.cpu.kvarn_paged_commit_workspace_bytes(kv_ref)
-        ws = torch.empty(ws_bytes, dtype=torch.uint8)
-        return self.cpu.kvarn_paged_commit(kv_ref, src, dst, n, opts, ws.data_ptr(), ws_bytes)
+        if n == 0:
+            return 0
+        return self._run(self.cpu.commit, kv_ref._obj, _arr(src, ctypes.c_int32, n),
+                         _arr(dst, ctypes.c_int32, n))
 
     def kvarn_cuda_attention(self, kv_ref, plan_ref, args_ref, ws, ws_bytes, stream):
         kv, plan, a = kv_ref._obj, plan_ref._obj, args_ref._obj
@@ -96,11 +103,11 @@ class Emulator:
         if ws_bytes < plan.workspace_bytes or (plan.workspace_bytes and not ws):
             return BUFFER_TOO_SMALL
         ns, W = sh.num_seqs, sh.max_blocks_per_seq
-        tables = _arr(a.block_tables, ctypes.c_int32, ns * W).reshape(ns, W).copy()
-        lens = _arr(a.seq_lens, ctypes.c_int32, ns).copy()
-        committed = _arr(a.committed_tiles, ctypes.c_int32, ns).copy()
+        tables = _arr(a.block_tables, ctypes.c_int32, ns * W).reshape(ns, W)
+        lens = _arr(a.seq_lens, ctypes.c_int32, ns)
+        committed = _arr(a.committed_tiles, ctypes.c_int32, ns)
         if a.query_start_loc:
-            qsl = _arr(a.query_start_loc, ctypes.c_int32, ns + 1).copy()
+            qsl = _arr(a.query_start_loc, ctypes.c_int32, ns + 1)
         else:
             qsl = np.arange(ns + 1, dtype=np.int32)
         G = kv.block_size
@@ -110,20 +117,13 @@ class Emulator:
                 or (np.diff(qsl) > lens).any():
             return INVALID_ARG
         self.calls["attention"] += 1
-        seqs = (_lib.SeqView * ns)()
-        for j in range(ns):
-            seqs[j].block_table = tables[j].ctypes.data
-            seqs[j].seq_len = int(lens[j])
-            seqs[j].committed_tiles = int(committed[j])
-        opts = _lib.AttnOpts(sh.softmax_scale, sh.sliding_window, 1, None)
-        nthr = self.cpu.kvarn_thread_pool_size(self.pool)
-        nq = int(qsl[-1])
-        need = self.cpu.kvarn_attn_workspace_bytes(kv_ref, sh.num_heads, ns, nq, nthr,
-                                                   ctypes.byref(opts))
-        cws = torch.empty(need, dtype=torch.uint8)
-        return self.cpu.kvarn_attn_multi(kv_ref, ctypes.addressof(seqs), ns, qsl.ctypes.data,
-                                         sh.num_heads, a.q, a.out, ctypes.byref(opts),
-                                         self.pool, cws.data_ptr(), need)
+        shape = (int(qsl[-1]), sh.num_heads, kv.head_dim)
+
+        def f32(ptr):  # fp32 [num_q][Hq][D], read and written in place
+            return torch.from_numpy(_arr(ptr, ctypes.c_float, int(np.prod(shape)))).view(shape)
+        return self._run(self.cpu.attend, kv, tables, lens, committed,
+                         np.full(ns, -1, dtype=np.int32), qsl, f32(a.q), f32(a.out),
+                         sh.num_heads, sh.softmax_scale, sh.sliding_window)
 
 
 def library():
