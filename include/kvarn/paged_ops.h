@@ -44,8 +44,12 @@ kvarn_status kvarn_paged_check(const kvarn_paged_kv *kv);
  * encoded twice: once into scratch by the checks, once in place).
  * Everything is checked before anything is written: on any error nothing
  * was stored. No allocation; n_tokens == 0 is a no-op.
+ * Slots address whole fp16 pages only: a view with small tail pages
+ * (paged.h's kvarn_paged_small_tail, 0 < tail_page_tokens < G) is refused,
+ * since its small pages have no slot numbering.
  * Errors: KVARN_ERR_INVALID_ARG (NULL with n_tokens > 0, n_tokens < 0, bad
- * view, a slot's id outside the arena), KVARN_ERR_UNSUPPORTED_HEAD_DIM,
+ * view or a view with small tail pages, a slot's id outside the arena),
+ * KVARN_ERR_UNSUPPORTED_HEAD_DIM,
  * KVARN_ERR_NONFINITE (NaN/Inf in k or v; KVarN: a rotated value beyond
  * fp16's range; per-token: a finite value kvarn_encode refuses because a
  * stored fp16 field would overflow, e.g. an int8 zero-point below -65504). */

@@ -95,7 +95,11 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
     if (n_tokens < 0 || (n_tokens > 0 && (k == NULL || v == NULL || slot_mapping == NULL)))
         return KVARN_ERR_INVALID_ARG;
     kvarn_status st = kvarn_paged_check(kv);
-    if (st != KVARN_OK || n_tokens == 0) return st;
+    if (st != KVARN_OK) return st;
+    /* a slot is id * G + offset into a whole fp16 page: a view whose tail
+     * lives in small pages has no slot numbering for them */
+    if (kvarn_paged_small_tail(kv)) return KVARN_ERR_INVALID_ARG;
+    if (n_tokens == 0) return KVARN_OK;
     st = check_store(kv, k, v, slot_mapping, n_tokens);
     if (st != KVARN_OK) return st;
 

@@ -356,6 +356,19 @@ static void check_errors(const char *name, int D)
         assert_int_equal(kvarn_paged_store(kv, k, v, s2, 3), KVARN_ERR_INVALID_ARG);
         assert_true(pa_equals(&a, snap));
     }
+    /* a KVarN view whose tail lives in small pages (0 < T < G): slots
+     * number whole pages only, so the store refuses it, n_tokens == 0
+     * included (regression: the small pages were ignored and the tokens
+     * written to whole pages the attention then does not read) */
+    if (is_kvarn) {
+        kvarn_paged_kv small = *kv;
+        small.tail_page_tokens = G / 2;
+        assert_int_equal(kvarn_paged_store(&small, k, v, slots, n), KVARN_ERR_INVALID_ARG);
+        assert_int_equal(kvarn_paged_store(&small, k, v, slots, 0), KVARN_ERR_INVALID_ARG);
+        assert_true(pa_equals(&a, snap));
+        small.tail_page_tokens = G; /* whole pages: accepted, and a no-op here */
+        assert_int_equal(kvarn_paged_store(&small, k, v, slots, 0), KVARN_OK);
+    }
     /* NaN / Inf in k or v of the last token of a batch (KVARN_ERR_NONFINITE) */
     const float bad_vals[3] = {NAN, INFINITY, -INFINITY};
     for (int which = 0; which < 2; which++)
