@@ -413,29 +413,40 @@ kvarn_status kvarn_cache_fit_budget(const kvarn_cache_opts *opts, uint64_t total
                                     kvarn_cache_opts *out)
 {
     if (opts == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
-    /* budget -> total is monotone and total - budget (the bookkeeping)
-     * grows with the blocks: start from the whole budget and give the
-     * bookkeeping of the last try back until the total fits. Each step
-     * lowers the budget by at least one byte while it does not fit; the
-     * bookkeeping is a small fraction of a block per block, so this ends
-     * in a few steps (bounded at 64 for safety). */
+    /* b -> total_bytes(b) is non-decreasing (blocks and their bookkeeping
+     * grow with the arenas' share b), and the plan refuses a b below the
+     * pages plus one block with KVARN_ERR_INVALID_ARG. So "b is too small
+     * to plan, or its total fits" holds exactly for b up to the largest
+     * share that fits: bisect for it over (0, total_budget]. (Giving the
+     * overshoot back step by step stalls when it is smaller than the
+     * slack inside the last block: no block is dropped.) */
     kvarn_cache_opts o = *opts;
-    uint64_t b = total_budget;
-    for (int it = 0; it < 64; it++) {
-        if (b == 0) return KVARN_ERR_INVALID_ARG; /* 0 means "sizing" to the plan */
-        o.budget_bytes = b;
-        kvarn_cache_capacity cap;
-        kvarn_status st = kvarn_cache_capacity_get(&o, 1, 0, &cap);
-        if (st != KVARN_OK) return st;
-        if (cap.total_bytes <= total_budget) {
-            *out = o;
-            return KVARN_OK;
-        }
-        uint64_t over = cap.total_bytes - total_budget;
-        if (over >= b) return KVARN_ERR_INVALID_ARG;
-        b -= over;
+    kvarn_cache_capacity cap;
+    o.budget_bytes = total_budget;
+    if (total_budget == 0) return KVARN_ERR_INVALID_ARG; /* 0 means "sizing" to the plan */
+    kvarn_status st = kvarn_cache_capacity_get(&o, 1, 0, &cap);
+    if (st != KVARN_OK) return st; /* bad opts, or not even the whole budget plans */
+    if (cap.total_bytes <= total_budget) {
+        *out = o;
+        return KVARN_OK;
     }
-    return KVARN_ERR_INVALID_ARG;
+    uint64_t lo = 0, hi = total_budget; /* holds at lo (0: vacuously), not at hi */
+    while (hi - lo > 1) {
+        const uint64_t mid = lo + (hi - lo) / 2;
+        o.budget_bytes = mid;
+        st = kvarn_cache_capacity_get(&o, 1, 0, &cap);
+        if (st != KVARN_OK && st != KVARN_ERR_INVALID_ARG) return st;
+        if (st == KVARN_ERR_INVALID_ARG || cap.total_bytes <= total_budget)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    if (lo == 0) return KVARN_ERR_INVALID_ARG;
+    o.budget_bytes = lo;
+    st = kvarn_cache_capacity_get(&o, 1, 0, &cap);
+    if (st != KVARN_OK) return st; /* too small to plan: nothing fits */
+    *out = o;
+    return KVARN_OK;
 }
 
 /* Does a cache of k sequences of seq_len fit total_budget (all counted)? */
