@@ -122,6 +122,13 @@ int main(int argc, char **argv)
     const char *formats = "int8,int4,kvarn_k4v4_g128,kvarn_k4v2_g128,kvarn_k4v2_g64";
     const char *seqs_s = "1,16,64,256", *lens_s = "2048,8192", *shapes_s = "smol,llama";
     const char *sinks_s = "128,32,16,0", *tails_s = "128,16";
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            printf("usage: bench_capacity [--formats LIST] [--seqs 1,16,64,256] [--lens 2048,8192]\n"
+                   "                      [--shapes smol,llama] [--sinks 128,32,16,0] [--tails 128,16]\n"
+                   "KV-cache capacity as a multiple of fp16, all memory counted (exact byte counts)\n");
+            return 0;
+        }
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--formats") == 0) formats = argv[i + 1];
         else if (strcmp(argv[i], "--seqs") == 0) seqs_s = argv[i + 1];

@@ -84,6 +84,20 @@ int cli_parse_formats(const char *cmd, const char *list, kvarn_format *out, int 
     return n;
 }
 
+int cli_check_tail_tokens(const char *cmd, long tail_tokens, const kvarn_format *fmts, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const long G = fmts[i].tile_tokens;
+        if (fmts[i].kind != KVARN_KIND_KVARN || tail_tokens <= 0 || tail_tokens >= G) continue;
+        if (G % tail_tokens != 0) {
+            cli_error(cmd, "--tail-page-tokens %ld must divide the tile of %s (G = %ld tokens), "
+                      "or be 0 or >= G for whole tail pages", tail_tokens, fmts[i].name, G);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 const char *cli_fmt_bytes(double bytes, char *buf, size_t len)
 {
     static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
@@ -109,14 +123,24 @@ void cli_missing_model(const char *cmd, const char *path)
 #include <sys/sysinfo.h>
 #endif
 
-int cli_model_open(const char *cmd, const char *path, cli_model *m)
+int cli_check_model_path(const char *cmd, const char *path)
 {
-    memset(m, 0, sizeof *m);
     struct stat sb;
     if (path == NULL || stat(path, &sb) != 0) {
         cli_missing_model(cmd, path ? path : "(none given: use -m MODEL)");
         return -1;
     }
+    if (!S_ISREG(sb.st_mode)) {
+        cli_error(cmd, "model '%s' is not a regular file (a GGUF file is read with seeks)", path);
+        return -1;
+    }
+    return 0;
+}
+
+int cli_model_open(const char *cmd, const char *path, cli_model *m)
+{
+    memset(m, 0, sizeof *m);
+    if (cli_check_model_path(cmd, path)) return -1;
     char err[256] = "";
     kvarn_status st = kvarn_gguf_open(path, &m->gguf, err, sizeof err);
     if (st != KVARN_OK) {
@@ -126,7 +150,12 @@ int cli_model_open(const char *cmd, const char *path, cli_model *m)
     }
     st = kvarn_llama_load_gguf(m->gguf, &m->llama);
     if (st != KVARN_OK) {
-        cli_error(cmd, "cannot load '%s' as a llama model: %s", path, kvarn_strerror(st));
+        const char *w = getenv("KVARN_WEIGHTS");
+        cli_error(cmd, "cannot load '%s' as a llama model: %s%s%s%s", path, kvarn_strerror(st),
+                  w && st == KVARN_ERR_INVALID_ARG ? " (or KVARN_WEIGHTS='" : "",
+                  w && st == KVARN_ERR_INVALID_ARG ? w : "",
+                  w && st == KVARN_ERR_INVALID_ARG
+                      ? "' is not a weight precision this build has: docs/model.md)" : "");
         cli_model_close(m);
         return -1;
     }

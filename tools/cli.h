@@ -40,11 +40,21 @@ void cli_expect(const char *what);
  * and returns -1; else the count (>= 1). */
 int cli_parse_formats(const char *cmd, const char *list, kvarn_format *out, int max);
 
+/* --tail-page-tokens T against the chosen formats: 0, or T >= a KVarN
+ * format's tile G (whole pages), or T dividing G. Else prints why and
+ * returns -1 (a usage error: exit 2). */
+int cli_check_tail_tokens(const char *cmd, long tail_tokens, const kvarn_format *fmts, int n);
+
 /* Human-readable bytes ("12.3 MiB") into buf. */
 const char *cli_fmt_bytes(double bytes, char *buf, size_t len);
 
 /* The message printed when a model file is missing: how to get one. */
 void cli_missing_model(const char *cmd, const char *path);
+
+/* 0 when path names a regular file; else prints the missing-model message
+ * (absent) or "is not a regular file" (a directory, a FIFO that would block
+ * the open, a device) and returns -1. Opens nothing. */
+int cli_check_model_path(const char *cmd, const char *path);
 
 
 /* ---- model loading shared by generate / eval / passkey ------------------ */

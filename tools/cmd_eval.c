@@ -194,12 +194,7 @@ static int write_kv_dump(const char *path, const kvarn_llama_session *s,
  * the message printed. */
 static int eval_load(eval_run *r, const eval_opts *o)
 {
-    FILE *probe = fopen(o->model_path, "rb");
-    if (probe == NULL) {
-        cli_missing_model("eval", o->model_path);
-        return 1;
-    }
-    fclose(probe);
+    if (cli_check_model_path("eval", o->model_path)) return 1;
     char *text = NULL;
     size_t text_len = 0;
     if (cli_read_file("eval", o->text_path, &text, &text_len)) return 1;
@@ -621,7 +616,7 @@ int cmd_eval(int argc, char **argv)
     }
     kvarn_format fmts[CLI_MAX_FORMATS];
     int nf = cli_parse_formats("eval", o.dtypes, fmts, CLI_MAX_FORMATS);
-    if (nf < 0) return 2;
+    if (nf < 0 || cli_check_tail_tokens("eval", o.tail_tokens, fmts, nf)) return 2;
     eval_run *r = calloc(1, sizeof *r);
     eval_results *res = malloc(sizeof *res);
     rc = 1;

@@ -65,12 +65,7 @@ static const cli_command k_command = {
 /* The KV shape of a llama GGUF from its metadata alone. */
 static int read_shape(const char *path, long *layers, long *kv_heads, long *head_dim)
 {
-    FILE *probe = fopen(path, "rb");
-    if (probe == NULL) {
-        cli_missing_model("inspect", path);
-        return -1;
-    }
-    fclose(probe);
+    if (cli_check_model_path("inspect", path)) return -1;
     kvarn_gguf *g = NULL;
     char err[256] = "";
     kvarn_status st = kvarn_gguf_open(path, &g, err, sizeof err);
@@ -217,7 +212,7 @@ int cmd_inspect(int argc, char **argv)
     if ((rc = resolve_shape(&o)) != 0) return rc;
     kvarn_format fmts[CLI_MAX_FORMATS];
     int n = cli_parse_formats("inspect", o.dtypes, fmts, CLI_MAX_FORMATS);
-    if (n < 0) return 2;
+    if (n < 0 || cli_check_tail_tokens("inspect", o.tail_tokens, fmts, n)) return 2;
     inspect_report *r = malloc(sizeof *r);
     if (r == NULL) {
         cli_error("inspect", "out of memory");

@@ -1,6 +1,7 @@
 /*
  * kvarn.c -- the `kvarn` command: dispatch to a subcommand.
  */
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -27,6 +28,20 @@ static void usage(FILE *f)
     fprintf(f, "\ncache formats (--kv-cache-dtype): %s\n", kvarn_format_accepted_names());
 }
 
+/* What main returns after a command's rc: a failed write to stdout (a full
+ * disk, a closed pipe's EPIPE aside from SIGPIPE, /dev/full) loses the
+ * report, so it is an error (1) even when the command itself succeeded. */
+static int finish(int rc)
+{
+    errno = 0;
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "kvarn: error writing standard output: %s\n",
+                errno ? strerror(errno) : "write failed");
+        return rc ? rc : 1;
+    }
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -35,10 +50,10 @@ int main(int argc, char **argv)
     }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
         usage(stdout);
-        return 0;
+        return finish(0);
     }
     for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
-        if (strcmp(argv[1], k_commands[i].name) == 0) return k_commands[i].run(argc - 1, argv + 1);
+        if (strcmp(argv[1], k_commands[i].name) == 0) return finish(k_commands[i].run(argc - 1, argv + 1));
     fprintf(stderr, "kvarn: unknown command '%s'\n", argv[1]);
     usage(stderr);
     return 2;

@@ -6,7 +6,8 @@ import pytest
 
 
 def run(args, **kw):
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, **kw)
+    kw.setdefault("timeout", 600)
+    return subprocess.run(args, capture_output=True, text=True, **kw)
 
 
 def test_help_of_every_command(kvarn_bin):
@@ -287,3 +288,54 @@ def test_bench_attn_runs_each_listed_shape(kvarn_bin):
     shapes = [line.split()[0] for line in r.stdout.splitlines()
               if line.startswith(("smol ", "llama "))]
     assert sorted(set(shapes)) == ["llama", "smol"], r.stdout
+
+
+def test_model_not_a_regular_file(kvarn_bin, tmp_path):
+    """A FIFO as -m used to block the open forever (no writer); a directory
+    or a FIFO is refused before anything opens it."""
+    import os
+    fifo = tmp_path / "model.fifo"
+    os.mkfifo(fifo)
+    for path in (str(fifo), str(tmp_path)):
+        for cmd in (["generate", "-p", "hi"], ["eval", "-f", "/dev/null"], ["passkey"], ["inspect"]):
+            r = run([kvarn_bin, cmd[0], "-m", path] + cmd[1:], timeout=60)
+            assert r.returncode == 1, (cmd, path, r.stderr)
+            assert "is not a regular file" in r.stderr
+
+
+def test_failed_stdout_write_is_an_error(kvarn_bin, model_path):
+    """A report written to a full device is lost: exit 1 with a message, not
+    0 (it used to exit 0)."""
+    import os
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    with open("/dev/full", "w") as full:
+        for args in (["--help"], ["inspect", "-m", model_path, "--budget", "1GiB"]):
+            r = subprocess.run([kvarn_bin] + args, stdout=full, stderr=subprocess.PIPE,
+                               text=True, timeout=600)
+            assert r.returncode == 1, (args, r.stderr)
+            assert "error writing standard output" in r.stderr
+
+
+def test_tail_page_tokens_must_divide_the_tile(kvarn_bin, model_path):
+    """--tail-page-tokens T that does not divide a chosen KVarN format's tile
+    is a usage error (exit 2, before any output); it used to fail later as
+    'invalid argument' with exit 1 after the table header."""
+    for cmd in (["inspect", "-m", model_path], ["eval", "-m", model_path, "-f", "/dev/null"]):
+        r = run([kvarn_bin] + cmd + ["--kv-cache-dtype", "kvarn_k4v2_g128", "--tail-page-tokens", "5"])
+        assert r.returncode == 2, (cmd, r.stderr)
+        assert "must divide the tile" in r.stderr and r.stdout == ""
+    # a divisor, and a T of at least G (whole tail pages), are accepted
+    for t in ("16", "128", "200"):
+        r = run([kvarn_bin, "inspect", "-m", model_path, "--kv-cache-dtype", "kvarn_k4v2_g128",
+                 "--tail-page-tokens", t])
+        assert r.returncode == 0, (t, r.stderr)
+
+
+def test_bad_weights_env_is_named(kvarn_bin, model_path):
+    """An unknown KVARN_WEIGHTS fails the load; the message names the
+    variable (it said only 'invalid argument')."""
+    import os
+    env = dict(os.environ, KVARN_WEIGHTS="bogus")
+    r = run([kvarn_bin, "generate", "-m", model_path, "-p", "hi", "-n", "1"], env=env)
+    assert r.returncode == 1 and "KVARN_WEIGHTS='bogus'" in r.stderr
