@@ -227,6 +227,9 @@ static int eval_fit(eval_run *r, const eval_opts *o)
         return 2;
     }
     r->ctx = (size_t)o->ctx > r->n_ids ? (long)r->n_ids : o->ctx;
+    if (r->ctx < o->ctx)
+        fprintf(stderr, "kvarn eval: the text holds %zu tokens: --ctx lowered to %ld\n", r->n_ids,
+                r->ctx);
     long max_windows = (long)(r->n_ids / (size_t)r->ctx);
     r->windows = o->windows;
     if (r->windows > max_windows) {
@@ -235,6 +238,11 @@ static int eval_fit(eval_run *r, const eval_opts *o)
         r->windows = max_windows;
     }
     r->decode_tokens = o->decode_tokens > r->ctx - 1 ? r->ctx - 1 : o->decode_tokens;
+    if (r->decode_tokens < o->decode_tokens)
+        fprintf(stderr,
+                "kvarn eval: --decode-tokens %ld lowered to %ld (--ctx - 1): the chunk-fed "
+                "measurement keeps 1 position per window; raise --ctx or lower --decode-tokens\n",
+                o->decode_tokens, r->decode_tokens);
     r->chunk = o->chunk > r->ctx ? r->ctx : o->chunk;
     r->dump_layers = o->dump_layers == 0 || o->dump_layers > hp->n_layers ? hp->n_layers : o->dump_layers;
     return 0;

@@ -339,3 +339,20 @@ def test_bad_weights_env_is_named(kvarn_bin, model_path):
     env = dict(os.environ, KVARN_WEIGHTS="bogus")
     r = run([kvarn_bin, "generate", "-m", model_path, "-p", "hi", "-n", "1"], env=env)
     assert r.returncode == 1 and "KVARN_WEIGHTS='bogus'" in r.stderr
+
+
+def test_eval_says_what_it_lowered(kvarn_bin, model_path, tmp_path):
+    """--decode-tokens beyond --ctx - 1 and a --ctx beyond the text are
+    lowered with a notice (the chunk-fed measurement of --ctx 128 with the
+    default 320 decode tokens covered 1 position, silently)."""
+    text = tmp_path / "short.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession "
+                    "of a good fortune, must be in want of a wife. " * 3)
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "24", "--chunk", "8",
+             "--decode-tokens", "100", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0, r.stderr
+    assert "--decode-tokens 100 lowered to 23" in r.stderr
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "5000", "--chunk", "8",
+             "--decode-tokens", "2", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0, r.stderr
+    assert "--ctx lowered to" in r.stderr
