@@ -200,8 +200,10 @@ static void inspect_print(const inspect_opts *o, const inspect_report *r)
            "another; Nk seqs: requests of N*1024 tokens that fit at once in a cache sized for "
            "them\n", o->max_seqs);
     if (refused)
-        printf("-: the budget does not hold the fp16 pages of %ld sequences plus one block "
-               "(a cache created so is refused); lower --max-seqs\n", o->max_seqs);
+        printf("-: the budget does not hold the smallest such cache (one block plus the "
+               "bookkeeping, and for KVarN the fp16 sink and tail pages of %ld sequences): a "
+               "cache created so is refused; raise --budget (or lower --max-seqs for KVarN)\n",
+               o->max_seqs);
 }
 
 int cmd_inspect(int argc, char **argv)
