@@ -210,6 +210,39 @@ static double std_ratio(const float *sd, int n)
 
 static float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+/* std_ratio of sd after sd[j] *= u[j] (u NULL: no product). */
+static double scaled_std_ratio(const tile_ws *ws, float *sd, const float *u, int n)
+{
+#ifdef KVARN_TILE_HAVE_AVX2
+    if (ws->level >= KVARN_CPU_AVX512) return kvarn__tile512_std_ratio(sd, u, n, SCORE_STD_FLOOR);
+#endif
+    if (u)
+        for (int j = 0; j < n; j++) sd[j] *= u[j];
+    return std_ratio(sd, n);
+}
+
+/* The scale update of a column or row pass (spec step 2 in scale form):
+ * sd = pre ? pre[j] * sd_in[j] : sd_in[j], s[j] = clamp(s[j] *
+ * clamp(sd, STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX), inv[j] = 1 / s[j],
+ * and if sd_out: sd_out[j] = inv[j] * sd_in[j]. inv may be pre. */
+static void rescale(const tile_ws *ws, float *s, float *inv, float *sd_out, const float *sd_in,
+                    const float *pre, int n)
+{
+#ifdef KVARN_TILE_HAVE_AVX2
+    if (ws->level >= KVARN_CPU_AVX512) {
+        static const float lim[4] = {STD_MIN, STD_MAX, SCALE_MIN, SCALE_MAX};
+        kvarn__tile512_rescale(s, inv, sd_out, sd_in, pre, n, lim);
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++) {
+        const float sd = pre ? pre[j] * sd_in[j] : sd_in[j];
+        s[j] = clampf(s[j] * clampf(sd, STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX);
+        inv[j] = 1.0f / s[j];
+        if (sd_out) sd_out[j] = inv[j] * sd_in[j];
+    }
+}
+
 /* ---------------------------------------------------------------------- */
 /* Variance normalization (spec step 2)                                   */
 /* ---------------------------------------------------------------------- */
@@ -235,26 +268,18 @@ static void balance(const tile_ws *ws, const float *x, const float *xt, int R, i
     /* The identity scaling, scored on the raw tile, is the starting best. */
     col_stds(ws, x, R, C, w, aux0, aux1, sd_col);
     row_stds(ws, x, xt, R, C, u, sd_row);
-    double best = std_ratio(sd_col, C) + std_ratio(sd_row, R);
+    double best = scaled_std_ratio(ws, sd_col, NULL, C) + scaled_std_ratio(ws, sd_row, NULL, R);
 
     for (int it = 0; it < iters; it++) {
         /* Column pass: sd_col holds the column stds of the current tile. */
-        for (int j = 0; j < C; j++) {
-            s_col[j] = clampf(s_col[j] * clampf(sd_col[j], STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX);
-            u[j] = 1.0f / s_col[j];
-        }
-        /* Row pass on the tile renormalized with the new column scales. */
+        rescale(ws, s_col, u, NULL, sd_col, NULL, C);
+        /* Row pass on the tile renormalized with the new column scales
+         * (the row stds of x * u, times the old 1 / s_row). */
         row_stds(ws, x, xt, R, C, u, sd_row_u);
-        for (int i = 0; i < R; i++) {
-            float sd = w[i] * sd_row_u[i];
-            s_row[i] = clampf(s_row[i] * clampf(sd, STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX);
-            w[i] = 1.0f / s_row[i];
-            sd_row[i] = w[i] * sd_row_u[i];
-        }
+        rescale(ws, s_row, w, sd_row, sd_row_u, w, R);
         /* Score the renormalized tile; its column stds feed the next pass. */
         col_stds(ws, x, R, C, w, aux0, aux1, sd_col);
-        for (int j = 0; j < C; j++) sd_col[j] *= u[j];
-        double score = std_ratio(sd_col, C) + std_ratio(sd_row, R);
+        double score = scaled_std_ratio(ws, sd_col, u, C) + scaled_std_ratio(ws, sd_row, NULL, R);
         if (score <= best * (1.0 + SCORE_TIE_RTOL)) { /* ties go to the later iteration */
             best = score < best ? score : best;
             memcpy(best_col, s_col, (size_t)C * sizeof(float));

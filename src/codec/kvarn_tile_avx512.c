@@ -60,74 +60,134 @@ static inline __m512 sum8_v(const __m512 *p)
                          _mm512_add_ps(_mm512_add_ps(p[4], p[5]), _mm512_add_ps(p[6], p[7])));
 }
 
-/* Column stds of y = x[i][j] * w[i] of one panel (32 columns, [R][32]
- * contiguous): out[l] = std_i(y[i][l]). dc: scratch [R][32]. Two column
- * vectors side by side; the additions of the second run on the multiply
- * pipes, so that the mean pass issues 3 operations to each pair of pipes. */
-static void col_panel(const float *x, int R, const float *w, float *dc, float *out)
+/* The statistics of one panel layout. A panel is [N][16] floats (row n of
+ * the panel at p + 16 n): for the column stds of X, 16 columns of X over
+ * its N = R rows (scale s = w, one per row of X); for the row stds, 16
+ * rows of X over its N = C columns, i.e. a panel of XT (s = u, one per
+ * column of X). Lane l of panel k gets
+ *   out[16 k + l] = std_n(p[n][l] * s[n]),
+ * two passes on values shifted by p[0][l] * s[0], with the sums of the
+ * scalar code: column sums (nacc = 1) run over n in order; row sums
+ * (nacc = 8) have 8 partial sums (n = a, a + 8, ... go to partial a)
+ * added pairwise at the end.
+ *
+ * The shifted products d = p[n][l] * s[n] - shift of the mean pass are
+ * kept in dc and read back by the deviation pass. The deviation pass of
+ * panel k - 1 runs in the same loop as the mean pass of panel k: the mean
+ * pass stores one vector per row (a store every two cycles on Zen 4) and
+ * the deviation pass stores nothing, so together they keep the pipes
+ * busier than one after the other. dc: [2][N][16] floats. */
+static inline __attribute__((always_inline)) void
+stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *out, int nacc)
 {
     const __m512 one = opaque_one();
-    const __m512 inv_n = _mm512_set1_ps(1.0f / (float)R), n1 = _mm512_set1_ps((float)(R - 1));
-    const __m512 w0 = _mm512_set1_ps(w[0]);
-    const __m512 sh0 = _mm512_mul_ps(_mm512_loadu_ps(x), w0);
-    const __m512 sh1 = _mm512_mul_ps(_mm512_loadu_ps(x + 16), w0);
-    __m512 m0 = _mm512_setzero_ps(), m1 = m0, q0 = m0, q1 = m0;
-    for (int i = 0; i < R; i++) {
-        const float *xr = x + (size_t)i * KVARN_TILE512_PW;
-        float *dr = dc + (size_t)i * KVARN_TILE512_PW;
-        const __m512 wi = _mm512_set1_ps(w[i]);
-        const __m512 d0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(xr), wi), sh0);
-        const __m512 d1 = sub_f(_mm512_mul_ps(_mm512_loadu_ps(xr + 16), wi), sh1, one);
-        _mm512_storeu_ps(dr, d0);
-        _mm512_storeu_ps(dr + 16, d1);
-        m0 = _mm512_add_ps(m0, d0);
-        m1 = _mm512_add_ps(m1, d1);
+    const __m512 inv_n = _mm512_set1_ps(1.0f / (float)N), n1 = _mm512_set1_ps((float)(N - 1));
+    const size_t n16 = (size_t)N * 16;
+    __m512 mean_prev = _mm512_setzero_ps();
+    for (int k = 0; k <= NP; k++) {
+        const int do_mean = k < NP, do_dev = k > 0;
+        const float *x = xp + (size_t)(do_mean ? k : 0) * n16;
+        float *dcur = dc + (size_t)(k & 1) * n16;
+        const float *dprev = dc + (size_t)((k + 1) & 1) * n16;
+        const __m512 sh = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(s[0]));
+        __m512 a[8], q[8];
+        for (int l = 0; l < 8; l++) a[l] = q[l] = _mm512_setzero_ps();
+        if (do_mean && do_dev) {
+            for (int n0 = 0; n0 < N; n0 += 8)
+                _Pragma("GCC unroll 8")
+                for (int l = 0; l < 8; l++) {
+                    const size_t n = (size_t)(n0 + l);
+                    const int acc = nacc == 8 ? l : 0;
+                    const __m512 d = _mm512_sub_ps(
+                        _mm512_mul_ps(_mm512_loadu_ps(x + 16 * n), _mm512_set1_ps(s[n])), sh);
+                    _mm512_storeu_ps(dcur + 16 * n, d);
+                    a[acc] = _mm512_add_ps(a[acc], d);
+                    const __m512 e = sub_f(_mm512_loadu_ps(dprev + 16 * n), mean_prev, one);
+                    q[acc] = _mm512_add_ps(q[acc], _mm512_mul_ps(e, e));
+                }
+        } else if (do_mean) {
+            for (int n0 = 0; n0 < N; n0 += 8)
+                _Pragma("GCC unroll 8")
+                for (int l = 0; l < 8; l++) {
+                    const size_t n = (size_t)(n0 + l);
+                    const int acc = nacc == 8 ? l : 0;
+                    const __m512 xs = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * n), _mm512_set1_ps(s[n]));
+                    const __m512 d = (l & 1) ? sub_f(xs, sh, one) : _mm512_sub_ps(xs, sh);
+                    _mm512_storeu_ps(dcur + 16 * n, d);
+                    a[acc] = _mm512_add_ps(a[acc], d);
+                }
+        } else {
+            for (int n0 = 0; n0 < N; n0 += 8)
+                _Pragma("GCC unroll 8")
+                for (int l = 0; l < 8; l++) {
+                    const size_t n = (size_t)(n0 + l);
+                    const int acc = nacc == 8 ? l : 0;
+                    const __m512 dv = _mm512_loadu_ps(dprev + 16 * n);
+                    const __m512 e = (l & 1) ? sub_f(dv, mean_prev, one) : _mm512_sub_ps(dv, mean_prev);
+                    q[acc] = _mm512_add_ps(q[acc], _mm512_mul_ps(e, e));
+                }
+        }
+        if (do_dev) {
+            const __m512 qs = nacc == 8 ? sum8_v(q) : q[0];
+            _mm512_storeu_ps(out + 16 * (k - 1), _mm512_sqrt_ps(_mm512_div_ps(qs, n1)));
+        }
+        if (do_mean) mean_prev = _mm512_mul_ps(nacc == 8 ? sum8_v(a) : a[0], inv_n);
     }
-    m0 = _mm512_mul_ps(m0, inv_n);
-    m1 = _mm512_mul_ps(m1, inv_n);
-    for (int i = 0; i < R; i++) {
-        const float *dr = dc + (size_t)i * KVARN_TILE512_PW;
-        const __m512 e0 = _mm512_sub_ps(_mm512_loadu_ps(dr), m0);
-        const __m512 e1 = sub_f(_mm512_loadu_ps(dr + 16), m1, one);
-        q0 = _mm512_add_ps(q0, _mm512_mul_ps(e0, e0));
-        q1 = _mm512_add_ps(q1, _mm512_mul_ps(e1, e1));
-    }
-    _mm512_storeu_ps(out, _mm512_sqrt_ps(_mm512_div_ps(q0, n1)));
-    _mm512_storeu_ps(out + 16, _mm512_sqrt_ps(_mm512_div_ps(q1, n1)));
 }
 
 void kvarn__tile512_col_stds(const float *xp, int R, int C, const float *w, float *dc, float *out)
 {
-    for (int p = 0; p < C / KVARN_TILE512_PW; p++)
-        col_panel(xp + (size_t)p * (size_t)R * KVARN_TILE512_PW, R, w, dc, out + p * KVARN_TILE512_PW);
+    stats_panels(xp, R, C / 16, w, dc, out, 1);
 }
 
 void kvarn__tile512_row_stds_t(const float *xtp, int R, int C, const float *u, float *dc, float *out)
 {
-    const __m512 one = opaque_one();
-    const __m512 inv_n = _mm512_set1_ps(1.0f / (float)C), n1 = _mm512_set1_ps((float)(C - 1));
-    for (int i0 = 0; i0 < R; i0 += 16) {
-        const float *xc = xtp + (size_t)i0 * (size_t)C; /* panel [C][16] */
-        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(xc), _mm512_set1_ps(u[0]));
-        __m512 a[8], q[8];
-        for (int l = 0; l < 8; l++) a[l] = q[l] = _mm512_setzero_ps();
-        for (int j0 = 0; j0 < C; j0 += 8)
-            for (int l = 0; l < 8; l++) {
-                const int j = j0 + l;
-                const __m512 xu = _mm512_mul_ps(_mm512_loadu_ps(xc + (size_t)j * 16), _mm512_set1_ps(u[j]));
-                const __m512 d = (l & 1) ? sub_f(xu, p, one) : _mm512_sub_ps(xu, p);
-                _mm512_storeu_ps(dc + (size_t)j * 16, d);
-                a[l] = _mm512_add_ps(a[l], d);
-            }
-        const __m512 mean = _mm512_mul_ps(sum8_v(a), inv_n);
-        for (int j0 = 0; j0 < C; j0 += 8)
-            for (int l = 0; l < 8; l++) {
-                const __m512 d = _mm512_loadu_ps(dc + (size_t)(j0 + l) * 16);
-                const __m512 e = (l & 1) ? sub_f(d, mean, one) : _mm512_sub_ps(d, mean);
-                q[l] = _mm512_add_ps(q[l], _mm512_mul_ps(e, e));
-            }
-        _mm512_storeu_ps(out + i0, _mm512_sqrt_ps(_mm512_div_ps(sum8_v(q), n1)));
+    stats_panels(xtp, C, R / 16, u, dc, out, 8);
+}
+
+/* One scale update of the balance loop (kvarn_tile.c balance()), 16 lanes:
+ * sd = pre ? pre[j] * sd_in[j] : sd_in[j];
+ * s[j] = clamp(s[j] * clamp(sd, lim[0], lim[1]), lim[2], lim[3]);
+ * inv[j] = 1 / s[j]; if sd_out: sd_out[j] = inv[j] * sd_in[j].
+ * clamp(v, lo, hi) = v < lo ? lo : (v > hi ? hi : v) is min(max(v, lo), hi)
+ * for the non-NaN stds and scales here (an equal bound gives the same
+ * value). inv may be pre (each element is read before it is written). */
+void kvarn__tile512_rescale(float *s, float *inv, float *sd_out, const float *sd_in,
+                            const float *pre, int n, const float lim[4])
+{
+    const __m512 l0 = _mm512_set1_ps(lim[0]), l1 = _mm512_set1_ps(lim[1]);
+    const __m512 l2 = _mm512_set1_ps(lim[2]), l3 = _mm512_set1_ps(lim[3]);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int j = 0; j < n; j += 16) {
+        const __m512 sdi = _mm512_loadu_ps(sd_in + j);
+        const __m512 sd = pre ? _mm512_mul_ps(_mm512_loadu_ps(pre + j), sdi) : sdi;
+        const __m512 f = _mm512_min_ps(_mm512_max_ps(sd, l0), l1);
+        const __m512 sv = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(s + j), f), l2), l3);
+        const __m512 iv = _mm512_div_ps(one, sv);
+        _mm512_storeu_ps(s + j, sv);
+        _mm512_storeu_ps(inv + j, iv);
+        if (sd_out) _mm512_storeu_ps(sd_out + j, _mm512_mul_ps(iv, sdi));
     }
+}
+
+/* sd[j] *= u[j], then max/min of sd (the min floored at lo_floor), as
+ * kvarn_tile.c's std_ratio: the extremes of non-NaN values do not depend
+ * on the order of the comparisons. u may be NULL (no product). */
+double kvarn__tile512_std_ratio(float *sd, const float *u, int n, float lo_floor)
+{
+    __m512 mx = _mm512_set1_ps(-__builtin_inff()), mn = _mm512_set1_ps(__builtin_inff());
+    for (int j = 0; j < n; j += 16) {
+        __m512 v = _mm512_loadu_ps(sd + j);
+        if (u) {
+            v = _mm512_mul_ps(v, _mm512_loadu_ps(u + j));
+            _mm512_storeu_ps(sd + j, v);
+        }
+        mx = _mm512_max_ps(mx, v);
+        mn = _mm512_min_ps(mn, v);
+    }
+    float hi = _mm512_reduce_max_ps(mx), lo = _mm512_reduce_min_ps(mn);
+    if (lo < lo_floor) lo = lo_floor;
+    return (double)hi / (double)lo;
 }
 
 /* RTN of one row (the scalar rtn_row of kvarn_tile_stats.h, same results).
@@ -149,8 +209,7 @@ void kvarn__tile512_rtn_row(const float *xp, int R, int i, int C, const float *s
     const __m512 vsr = _mm512_set1_ps(sr);
     __m512 lov = _mm512_set1_ps(__builtin_inff()), hiv = _mm512_set1_ps(-__builtin_inff());
     for (int j = 0; j < C; j += 16) {
-        const float *xj = xp + (size_t)(j / KVARN_TILE512_PW) * (size_t)R * KVARN_TILE512_PW +
-                          (size_t)i * KVARN_TILE512_PW + (size_t)(j % KVARN_TILE512_PW);
+        const float *xj = xp + (size_t)(j / 16) * (size_t)R * 16 + (size_t)i * 16;
         const __m512 yv = _mm512_div_ps(_mm512_div_ps(_mm512_loadu_ps(xj), _mm512_loadu_ps(s_col + j)), vsr);
         _mm512_storeu_ps(y + j, yv);
         lov = _mm512_min_ps(lov, yv);
@@ -287,9 +346,7 @@ load_rows(const float *src, int G, int D, int prerotated, int is_key, float raw_
         if (ok != 0xFFFF) return -1;
         _Pragma("GCC unroll 32")
         for (int c = 0; c < NZ; c++) {
-            float *dst = is_key ? xtp + (size_t)c * g * 16 + t * 16
-                                : xp + (size_t)(c / 2) * g * KVARN_TILE512_PW + t * KVARN_TILE512_PW +
-                                      (size_t)(c % 2) * 16;
+            float *dst = (is_key ? xtp : xp) + (size_t)c * g * 16 + t * 16;
             _mm512_storeu_ps(dst, v[c]);
         }
     }
@@ -308,17 +365,14 @@ int kvarn__tile512_load(const float *src, int G, int D, int prerotated, int is_k
     }
     if (rc != 0) return rc;
     const size_t g = (size_t)G, d = (size_t)D;
-    if (is_key) { /* X = K [D][G]: column panels = 32 tokens; from XT's row panels */
+    if (is_key) { /* X = K [D][G]: column panels = 16 tokens; from XT's row panels */
         for (size_t b = 0; b < g / 16; b++)
             for (size_t c = 0; c < d / 16; c++)
-                transpose16(xtp + c * g * 16 + b * 256, 16,
-                            xp + (b / 2) * d * KVARN_TILE512_PW + 16 * c * KVARN_TILE512_PW + (b % 2) * 16,
-                            KVARN_TILE512_PW);
+                transpose16(xtp + c * g * 16 + b * 256, 16, xp + b * d * 16 + c * 256, 16);
     } else { /* XT = V^T [D][G]: row panels = 16 tokens; from X's column panels */
         for (size_t b = 0; b < g / 16; b++)
             for (size_t c = 0; c < d / 16; c++)
-                transpose16(xp + (c / 2) * g * KVARN_TILE512_PW + 16 * b * KVARN_TILE512_PW + (c % 2) * 16,
-                            KVARN_TILE512_PW, xtp + 16 * b * d + 16 * c * 16, 16);
+                transpose16(xp + c * g * 16 + b * 256, 16, xtp + b * d * 16 + c * 256, 16);
     }
     return 0;
 }

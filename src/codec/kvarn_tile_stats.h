@@ -34,18 +34,21 @@ void kvarn__tile_rtn_row_avx512(const float *xr, int C, const float *s_col, floa
                                 float *lo_out, float *scale_out);
 /* AVX-512 kernels of kvarn_tile_avx512.c (same results as the _base copies;
  * see that file). They read the [R][C] matrix X of kvarn_tile.c in two
- * panel layouts: xp, column panels of KVARN_TILE512_PW columns (panel p is
- * [R][PW] contiguous, at xp + p * R * PW), and xtp, row panels of 16 rows
- * stored transposed (panel q is [C][16], at xtp + 16 q * C: element
- * (i, j) at xtp + (i / 16) * 16 C + j * 16 + i % 16). dc: scratch of
- * 32 * max(R, C) floats. R, C: multiples of 32.
+ * panel layouts of 16 lanes: xp, column panels (panel p is X's columns
+ * 16p..16p+15 as [R][16], at xp + 16 p R: element (i, j) at
+ * xp + (j / 16) * 16 R + 16 i + j % 16), and xtp, row panels (panel q is
+ * X's rows 16q..16q+15 as [C][16], at xtp + 16 q C: element (i, j) at
+ * xtp + (i / 16) * 16 C + 16 j + i % 16). dc: scratch of 32 * max(R, C)
+ * floats. R, C: multiples of 16.
  * kvarn__tile512_load fills both layouts from a token-major [G][D] tile
  * (rotated unless prerotated; keys are X^T, values X) and returns -1 if a
  * value is out of range (raw_max before, rot_max after the rotation; NaN
  * included), else 0. D: 64..512, a power of two. */
-#define KVARN_TILE512_PW 32
 int kvarn__tile512_load(const float *src, int G, int D, int prerotated, int is_key, float raw_max,
                         float rot_max, float *xp, float *xtp);
+void kvarn__tile512_rescale(float *s, float *inv, float *sd_out, const float *sd_in,
+                            const float *pre, int n, const float lim[4]);
+double kvarn__tile512_std_ratio(float *sd, const float *u, int n, float lo_floor);
 void kvarn__tile512_col_stds(const float *xp, int R, int C, const float *w, float *dc, float *out);
 void kvarn__tile512_row_stds_t(const float *xtp, int R, int C, const float *u, float *dc, float *out);
 void kvarn__tile512_rtn_row(const float *xp, int R, int i, int C, const float *s_col, float sr,
