@@ -323,6 +323,14 @@ static kvarn_status encode_matrix(const tile_ws *ws, const float *x, const float
         b[i] = sr * lo;
         if (!(fabsf(a[i]) <= FP16_MAX) || !(fabsf(b[i]) <= FP16_MAX)) return KVARN_ERR_NONFINITE;
     }
+#ifdef KVARN_TILE_HAVE_AVX2
+    if (ws->level >= KVARN_CPU_AVX512) {
+        kvarn__tile512_store_fp16(a16, a, R);
+        kvarn__tile512_store_fp16(b16, b, R);
+        kvarn__tile512_store_fp16(col16, s_col, C);
+        return KVARN_OK;
+    }
+#endif
     store_fp16(a16, a, R);
     store_fp16(b16, b, R);
     store_fp16(col16, s_col, C); /* in [exp(-0.3), exp(10)]: always fits */

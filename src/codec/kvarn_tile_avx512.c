@@ -76,9 +76,14 @@ static inline __m512 sum8_v(const __m512 *p)
  * panel k - 1 runs in the same loop as the mean pass of panel k: the mean
  * pass stores one vector per row (a store every two cycles on Zen 4) and
  * the deviation pass stores nothing, so together they keep the pipes
- * busier than one after the other. dc: [2][N][16] floats. */
+ * busier than one after the other. dc: [2][N][16] floats. With
+ * recompute (used for N > 128, where two 16 N-float blocks of dc and the
+ * streaming panels no longer fit in a 32 KB L1 together) nothing is kept:
+ * the deviation pass forms d again (the same operations, so the same
+ * value) from the previous panel, still in L1. */
 static inline __attribute__((always_inline)) void
-stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *out, int nacc)
+stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *out, int nacc,
+             int recompute)
 {
     const __m512 one = opaque_one();
     const __m512 inv_n = _mm512_set1_ps(1.0f / (float)N), n1 = _mm512_set1_ps((float)(N - 1));
@@ -92,7 +97,22 @@ stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *o
         const __m512 sh = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(s[0]));
         __m512 a[8], q[8];
         for (int l = 0; l < 8; l++) a[l] = q[l] = _mm512_setzero_ps();
-        if (do_mean && do_dev) {
+        if (do_mean && do_dev && recompute) {
+            const float *xprev = xp + (size_t)(k - 1) * n16;
+            const __m512 shp = _mm512_mul_ps(_mm512_loadu_ps(xprev), _mm512_set1_ps(s[0]));
+            for (int n0 = 0; n0 < N; n0 += 8)
+                _Pragma("GCC unroll 8")
+                for (int l = 0; l < 8; l++) {
+                    const size_t n = (size_t)(n0 + l);
+                    const int acc = nacc == 8 ? l : 0;
+                    const __m512 sn = _mm512_set1_ps(s[n]);
+                    const __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * n), sn), sh);
+                    a[acc] = _mm512_add_ps(a[acc], d);
+                    const __m512 dp = sub_f(_mm512_mul_ps(_mm512_loadu_ps(xprev + 16 * n), sn), shp, one);
+                    const __m512 e = (l & 1) ? sub_f(dp, mean_prev, one) : _mm512_sub_ps(dp, mean_prev);
+                    q[acc] = _mm512_add_ps(q[acc], _mm512_mul_ps(e, e));
+                }
+        } else if (do_mean && do_dev) {
             for (int n0 = 0; n0 < N; n0 += 8)
                 _Pragma("GCC unroll 8")
                 for (int l = 0; l < 8; l++) {
@@ -113,7 +133,7 @@ stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *o
                     const int acc = nacc == 8 ? l : 0;
                     const __m512 xs = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * n), _mm512_set1_ps(s[n]));
                     const __m512 d = (l & 1) ? sub_f(xs, sh, one) : _mm512_sub_ps(xs, sh);
-                    _mm512_storeu_ps(dcur + 16 * n, d);
+                    if (!recompute) _mm512_storeu_ps(dcur + 16 * n, d);
                     a[acc] = _mm512_add_ps(a[acc], d);
                 }
         } else {
@@ -122,7 +142,12 @@ stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *o
                 for (int l = 0; l < 8; l++) {
                     const size_t n = (size_t)(n0 + l);
                     const int acc = nacc == 8 ? l : 0;
-                    const __m512 dv = _mm512_loadu_ps(dprev + 16 * n);
+                    const __m512 dv =
+                        recompute ? _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(xp + (size_t)(k - 1) * n16 + 16 * n),
+                                                                _mm512_set1_ps(s[n])),
+                                                  _mm512_mul_ps(_mm512_loadu_ps(xp + (size_t)(k - 1) * n16),
+                                                                _mm512_set1_ps(s[0])))
+                                  : _mm512_loadu_ps(dprev + 16 * n);
                     const __m512 e = (l & 1) ? sub_f(dv, mean_prev, one) : _mm512_sub_ps(dv, mean_prev);
                     q[acc] = _mm512_add_ps(q[acc], _mm512_mul_ps(e, e));
                 }
@@ -137,12 +162,14 @@ stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *o
 
 void kvarn__tile512_col_stds(const float *xp, int R, int C, const float *w, float *dc, float *out)
 {
-    stats_panels(xp, R, C / 16, w, dc, out, 1);
+    if (R <= 128) stats_panels(xp, R, C / 16, w, dc, out, 1, 0);
+    else stats_panels(xp, R, C / 16, w, dc, out, 1, 1);
 }
 
 void kvarn__tile512_row_stds_t(const float *xtp, int R, int C, const float *u, float *dc, float *out)
 {
-    stats_panels(xtp, C, R / 16, u, dc, out, 8);
+    if (C <= 128) stats_panels(xtp, C, R / 16, u, dc, out, 8, 0);
+    else stats_panels(xtp, C, R / 16, u, dc, out, 8, 1);
 }
 
 /* One scale update of the balance loop (kvarn_tile.c balance()), 16 lanes:
@@ -190,6 +217,17 @@ double kvarn__tile512_std_ratio(float *sd, const float *u, int n, float lo_floor
     return (double)hi / (double)lo;
 }
 
+/* dst (fp16, n values, host byte order) = src rounded to nearest even by
+ * VCVTPS2PH: bit for bit kvarn_fp32_to_fp16 for every finite |x| <= 65504
+ * (all 2.4e9 such floats compared once; the record's fields are checked
+ * against that bound before they are stored). n: a multiple of 16. */
+void kvarn__tile512_store_fp16(unsigned char *dst, const float *src, int n)
+{
+    for (int j = 0; j < n; j += 16)
+        _mm256_storeu_si256((__m256i *)(void *)(dst + 2 * (size_t)j),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 /* RTN of one row (the scalar rtn_row of kvarn_tile_stats.h, same results).
  *
  * Codes without the division where it cannot matter. With t = y - lo
@@ -202,47 +240,71 @@ double kvarn__tile512_std_ratio(float *sd, const float *u, int n, float lo_floor
  * RNE(q) = n: the code is the same. Lanes nearer a half-way point (about
  * 1 in 2000) make their vector take the division. Subnormal t changes the
  * bound only by a few 2^-149. */
-void kvarn__tile512_rtn_row(const float *xp, int R, int i, int C, const float *s_col, float sr,
-                            float qmax, float scale_min, float *y, unsigned char *codes,
-                            float *lo_out, float *scale_out)
+static inline __attribute__((always_inline)) void
+rtn_row_regs(const float *xp, int R, int i, const float *s_col, float sr, float qmax,
+             float scale_min, unsigned char *codes, float *lo_out, float *scale_out, int NZ)
 {
     const __m512 vsr = _mm512_set1_ps(sr);
+    __m512 y[32];
     __m512 lov = _mm512_set1_ps(__builtin_inff()), hiv = _mm512_set1_ps(-__builtin_inff());
-    for (int j = 0; j < C; j += 16) {
-        const float *xj = xp + (size_t)(j / 16) * (size_t)R * 16 + (size_t)i * 16;
-        const __m512 yv = _mm512_div_ps(_mm512_div_ps(_mm512_loadu_ps(xj), _mm512_loadu_ps(s_col + j)), vsr);
-        _mm512_storeu_ps(y + j, yv);
-        lov = _mm512_min_ps(lov, yv);
-        hiv = _mm512_max_ps(hiv, yv);
+    _Pragma("GCC unroll 32")
+    for (int c = 0; c < NZ; c++) {
+        const float *xj = xp + (size_t)c * (size_t)R * 16 + (size_t)i * 16;
+        y[c] = _mm512_div_ps(_mm512_div_ps(_mm512_loadu_ps(xj), _mm512_loadu_ps(s_col + 16 * c)), vsr);
+        lov = _mm512_min_ps(lov, y[c]);
+        hiv = _mm512_max_ps(hiv, y[c]);
     }
     /* The extremes as values are unique except for the sign of a zero,
      * which the scalar code takes from the first zero in j order. */
     float lo = _mm512_reduce_min_ps(lov), hi = _mm512_reduce_max_ps(hiv);
-    if (lo == 0.0f)
-        for (int j = 0; j < C; j++)
-            if (y[j] == 0.0f) { lo = y[j]; break; }
-    if (hi == 0.0f)
-        for (int j = 0; j < C; j++)
-            if (y[j] == 0.0f) { hi = y[j]; break; }
+    if (lo == 0.0f || hi == 0.0f) {
+        const __m512 zero = _mm512_setzero_ps();
+        for (int c = 0; c < NZ; c++) {
+            const __mmask16 z = _mm512_cmp_ps_mask(y[c], zero, _CMP_EQ_OQ);
+            if (z) {
+                float t[16];
+                _mm512_storeu_ps(t, y[c]);
+                const float first = t[__builtin_ctz(z)];
+                if (lo == 0.0f) lo = first;
+                if (hi == 0.0f) hi = first;
+                break;
+            }
+        }
+    }
     float scale = (hi - lo) / qmax;
     if (!(scale >= scale_min)) scale = scale_min;
     const __m512 vlo = _mm512_set1_ps(lo), vscale = _mm512_set1_ps(scale);
     const __m512 vrcp = _mm512_set1_ps(1.0f / scale), vq = _mm512_set1_ps(qmax);
     const __m512 near_half = _mm512_set1_ps(0.5f - 0x1p-12f);
-    for (int j = 0; j < C; j += 16) {
-        const __m512 t = _mm512_sub_ps(_mm512_loadu_ps(y + j), vlo);
+    _Pragma("GCC unroll 32")
+    for (int c = 0; c < NZ; c++) {
+        const __m512 t = _mm512_sub_ps(y[c], vlo);
         __m512 q = _mm512_mul_ps(t, vrcp);
         __m512 n = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512 dist = _mm512_abs_ps(_mm512_sub_ps(q, n));
-        if (_mm512_cmp_ps_mask(dist, near_half, _CMP_GE_OQ) != 0) {
+        if (__builtin_expect(_mm512_cmp_ps_mask(dist, near_half, _CMP_GE_OQ) != 0, 0)) {
             q = _mm512_div_ps(t, vscale);
             n = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         }
         n = _mm512_min_ps(n, vq);
-        _mm_storeu_si128((__m128i *)(void *)(codes + j), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(n)));
+        _mm_storeu_si128((__m128i *)(void *)(codes + 16 * c), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(n)));
     }
     *lo_out = lo;
     *scale_out = scale;
+}
+
+void kvarn__tile512_rtn_row(const float *xp, int R, int i, int C, const float *s_col, float sr,
+                            float qmax, float scale_min, float *y, unsigned char *codes,
+                            float *lo_out, float *scale_out)
+{
+    (void)y;
+    switch (C) {
+    case 32: rtn_row_regs(xp, R, i, s_col, sr, qmax, scale_min, codes, lo_out, scale_out, 2); break;
+    case 64: rtn_row_regs(xp, R, i, s_col, sr, qmax, scale_min, codes, lo_out, scale_out, 4); break;
+    case 128: rtn_row_regs(xp, R, i, s_col, sr, qmax, scale_min, codes, lo_out, scale_out, 8); break;
+    case 256: rtn_row_regs(xp, R, i, s_col, sr, qmax, scale_min, codes, lo_out, scale_out, 16); break;
+    default: rtn_row_regs(xp, R, i, s_col, sr, qmax, scale_min, codes, lo_out, scale_out, 32); break;
+    }
 }
 
 /* ---------------------------------------------------------------------- */
