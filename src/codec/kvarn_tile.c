@@ -318,7 +318,12 @@ static kvarn_status encode_matrix(const tile_ws *ws, const float *x, const float
         const float sr = s_row[i];
         float lo, scale;
         rtn_row(ws, x, R, i, C, s_col, sr, qmax, y, codes, &lo, &scale);
-        kvarn_pack_codes(codes, (size_t)C, bits, codes_out + (size_t)i * row_bytes);
+#ifdef KVARN_TILE_HAVE_AVX2
+        if (ws->level >= KVARN_CPU_AVX512)
+            kvarn__tile512_pack(codes, C, bits, codes_out + (size_t)i * row_bytes);
+        else
+#endif
+            kvarn_pack_codes(codes, (size_t)C, bits, codes_out + (size_t)i * row_bytes);
         a[i] = sr * scale;
         b[i] = sr * lo;
         if (!(fabsf(a[i]) <= FP16_MAX) || !(fabsf(b[i]) <= FP16_MAX)) return KVARN_ERR_NONFINITE;

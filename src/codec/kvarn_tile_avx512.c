@@ -36,6 +36,7 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "codec/hadamard.h"
 
@@ -226,6 +227,31 @@ void kvarn__tile512_store_fp16(unsigned char *dst, const float *src, int n)
     for (int j = 0; j < n; j += 16)
         _mm256_storeu_si256((__m256i *)(void *)(dst + 2 * (size_t)j),
                             _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* kvarn_pack_codes (src/codec/pack.h: code i in byte i / (8 / bits), bits
+ * (i mod (8 / bits)) * bits up, low bits first) for bits 2, 4, 8 and n a
+ * multiple of 16, 16 codes (each < 2^bits) at a time: the bytes, read as
+ * 16- or 32-bit lanes, are shifted down onto the low byte of their lane. */
+void kvarn__tile512_pack(const unsigned char *codes, int n, int bits, unsigned char *out)
+{
+    if (bits == 8) {
+        memcpy(out, codes, (size_t)n);
+        return;
+    }
+    const __m128i lo8 = bits == 4 ? _mm_set1_epi16(0xFF) : _mm_set1_epi32(0xFF);
+    for (int i = 0; i < n; i += 16) {
+        const __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(codes + i));
+        if (bits == 4) { /* lane k: c[2k] | c[2k+1] << 8 -> c[2k] | c[2k+1] << 4 */
+            const __m128i t = _mm_and_si128(_mm_or_si128(c, _mm_srli_epi16(c, 4)), lo8);
+            _mm_storel_epi64((__m128i *)(void *)(out + i / 2), _mm_packus_epi16(t, t));
+        } else { /* lane k: c[4k] | c[4k+1] << 8 | c[4k+2] << 16 | c[4k+3] << 24 */
+            __m128i t = _mm_or_si128(c, _mm_srli_epi32(c, 6));
+            t = _mm_and_si128(_mm_or_si128(t, _mm_srli_epi32(t, 12)), lo8);
+            const int packed = _mm_cvtsi128_si32(_mm_cvtepi32_epi8(t));
+            memcpy(out + i / 4, &packed, 4);
+        }
+    }
 }
 
 /* RTN of one row (the scalar rtn_row of kvarn_tile_stats.h, same results).
