@@ -48,6 +48,17 @@ static inline __m512 opaque_one(void)
     return one;
 }
 
+/* a * (*p) with *p broadcast from memory inside the multiply (the {1to16}
+ * operand): one load and no shuffle for the scale of a panel row. GCC
+ * folds the vector load instead and issues a separate broadcast, which
+ * measured 15-25% slower in the statistics loop on Zen 4. */
+static inline __m512 mul_bcast(__m512 a, const float *p)
+{
+    __m512 r;
+    __asm__("vmulps %2%{1to16%}, %1, %0" : "=v"(r) : "v"(a), "m"(*p));
+    return r;
+}
+
 /* a + b, rounded once, on a multiply pipe: fma(a, 1, b) (a * 1 is exact). */
 static inline __m512 add_f(__m512 a, __m512 b, __m512 one) { return _mm512_fmadd_ps(a, one, b); }
 /* a - b, rounded once, on a multiply pipe. */
@@ -120,7 +131,7 @@ stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *o
                     const size_t n = (size_t)(n0 + l);
                     const int acc = nacc == 8 ? l : 0;
                     const __m512 d = _mm512_sub_ps(
-                        _mm512_mul_ps(_mm512_loadu_ps(x + 16 * n), _mm512_set1_ps(s[n])), sh);
+                        mul_bcast(_mm512_loadu_ps(x + 16 * n), s + n), sh);
                     _mm512_storeu_ps(dcur + 16 * n, d);
                     a[acc] = _mm512_add_ps(a[acc], d);
                     const __m512 e = sub_f(_mm512_loadu_ps(dprev + 16 * n), mean_prev, one);
@@ -132,7 +143,7 @@ stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *o
                 for (int l = 0; l < 8; l++) {
                     const size_t n = (size_t)(n0 + l);
                     const int acc = nacc == 8 ? l : 0;
-                    const __m512 xs = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * n), _mm512_set1_ps(s[n]));
+                    const __m512 xs = mul_bcast(_mm512_loadu_ps(x + 16 * n), s + n);
                     const __m512 d = (l & 1) ? sub_f(xs, sh, one) : _mm512_sub_ps(xs, sh);
                     if (!recompute) _mm512_storeu_ps(dcur + 16 * n, d);
                     a[acc] = _mm512_add_ps(a[acc], d);
