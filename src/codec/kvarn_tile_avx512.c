@@ -117,10 +117,9 @@ stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *o
                 for (int l = 0; l < 8; l++) {
                     const size_t n = (size_t)(n0 + l);
                     const int acc = nacc == 8 ? l : 0;
-                    const __m512 sn = _mm512_set1_ps(s[n]);
-                    const __m512 d = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(x + 16 * n), sn), sh);
+                    const __m512 d = _mm512_sub_ps(mul_bcast(_mm512_loadu_ps(x + 16 * n), s + n), sh);
                     a[acc] = _mm512_add_ps(a[acc], d);
-                    const __m512 dp = sub_f(_mm512_mul_ps(_mm512_loadu_ps(xprev + 16 * n), sn), shp, one);
+                    const __m512 dp = sub_f(mul_bcast(_mm512_loadu_ps(xprev + 16 * n), s + n), shp, one);
                     const __m512 e = (l & 1) ? sub_f(dp, mean_prev, one) : _mm512_sub_ps(dp, mean_prev);
                     q[acc] = _mm512_add_ps(q[acc], _mm512_mul_ps(e, e));
                 }
@@ -155,8 +154,8 @@ stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *o
                     const size_t n = (size_t)(n0 + l);
                     const int acc = nacc == 8 ? l : 0;
                     const __m512 dv =
-                        recompute ? _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(xp + (size_t)(k - 1) * n16 + 16 * n),
-                                                                _mm512_set1_ps(s[n])),
+                        recompute ? _mm512_sub_ps(mul_bcast(_mm512_loadu_ps(xp + (size_t)(k - 1) * n16 + 16 * n),
+                                                            s + n),
                                                   _mm512_mul_ps(_mm512_loadu_ps(xp + (size_t)(k - 1) * n16),
                                                                 _mm512_set1_ps(s[0])))
                                   : _mm512_loadu_ps(dprev + 16 * n);
