@@ -77,7 +77,8 @@ enum {
 typedef struct tile_ws {
     uint8_t *rec;     /* staged record image (worst-case record bytes) */
     float *x;         /* [R][C] matrix being encoded (AVX-512: its column panels) */
-    float *tmp;       /* [G][D] rotated K before its transpose (AVX-512: row panels) */
+    float *tmp;       /* [G][D] rotated K before its transpose (AVX-512: the row
+                         panels of x, then the balanced rows of the RTN) */
     float *dc;        /* AVX-512 statistics scratch, 32 * max(D, G) floats */
     float *vec[V_COUNT];
     uint8_t *codes;   /* one row of unpacked codes, max(D, G) bytes */
@@ -141,9 +142,11 @@ size_t kvarn__tile_workspace_bytes(int head_dim, int tile_tokens)
 #define KVARN_TILE_STATS_SUFFIX _base
 #include "codec/kvarn_tile_stats.h"
 
-/* The copy to run: the _avx512 and _avx2 copies are the same C as _base,
- * compiled for wider vectors (kvarn_tile_avx2.c, kvarn_tile_avx512.c), so
- * every level gives the same bytes; the level is read once per encode. */
+/* The copy to run: the _avx2 copy is the same C as _base, compiled for
+ * wider vectors (kvarn_tile_avx2.c); the AVX-512 kernels
+ * (kvarn_tile_avx512.c) read x and xt as panels (kvarn_tile_stats.h) and
+ * perform the same operations on every element, so every level gives the
+ * same bytes; the level is read once per encode. */
 static void col_stds(const tile_ws *ws, const float *x, int R, int C, const float *w,
                      float *shift, float *mean, float *out)
 {
@@ -160,7 +163,7 @@ static void col_stds(const tile_ws *ws, const float *x, int R, int C, const floa
     kvarn__tile_col_stds_base(x, R, C, w, shift, mean, out);
 }
 
-/* xt: x transposed [C][R], read by the AVX-512 kernel. */
+/* xt: the row panels of x, read by the AVX-512 kernel. */
 static void row_stds(const tile_ws *ws, const float *x, const float *xt, int R, int C,
                      const float *u, float *out)
 {
@@ -177,17 +180,12 @@ static void row_stds(const tile_ws *ws, const float *x, const float *xt, int R, 
     kvarn__tile_row_stds_base(x, R, C, u, out);
 }
 
-/* RTN of row i of x [R][C] (AVX-512: x in column panels). */
-static void rtn_row(const tile_ws *ws, const float *x, int R, int i, int C, const float *s_col,
-                    float sr, float qmax, float *y, uint8_t *codes, float *lo, float *scale)
+/* RTN of row i of x [R][C] (the AVX-512 path does all rows at once). */
+static void rtn_row(const tile_ws *ws, const float *x, int i, int C, const float *s_col, float sr,
+                    float qmax, float *y, uint8_t *codes, float *lo, float *scale)
 {
     const float *xr = x + (size_t)i * (size_t)C;
 #ifdef KVARN_TILE_HAVE_AVX2
-    if (ws->level >= KVARN_CPU_AVX512) {
-        (void)xr;
-        kvarn__tile512_rtn_row(x, R, i, C, s_col, sr, qmax, RTN_SCALE_MIN, y, codes, lo, scale);
-        return;
-    }
     if (ws->level >= KVARN_CPU_AVX2) {
         kvarn__tile_rtn_row_avx2(xr, C, s_col, sr, qmax, RTN_SCALE_MIN, RNE_MAGIC, y, codes, lo, scale);
         return;
@@ -314,28 +312,27 @@ static kvarn_status encode_matrix(const tile_ws *ws, const float *x, const float
     const float qmax = (float)((1 << bits) - 1);
     const size_t row_bytes = kvarn_packed_bytes((size_t)C, bits);
 
-    for (int i = 0; i < R; i++) {
-        const float sr = s_row[i];
-        float lo, scale;
-        rtn_row(ws, x, R, i, C, s_col, sr, qmax, y, codes, &lo, &scale);
 #ifdef KVARN_TILE_HAVE_AVX2
-        if (ws->level >= KVARN_CPU_AVX512)
-            kvarn__tile512_pack(codes, C, bits, codes_out + (size_t)i * row_bytes);
-        else
-#endif
-            kvarn_pack_codes(codes, (size_t)C, bits, codes_out + (size_t)i * row_bytes);
-        a[i] = sr * scale;
-        b[i] = sr * lo;
-        if (!(fabsf(a[i]) <= FP16_MAX) || !(fabsf(b[i]) <= FP16_MAX)) return KVARN_ERR_NONFINITE;
-    }
-#ifdef KVARN_TILE_HAVE_AVX2
-    if (ws->level >= KVARN_CPU_AVX512) {
+    if (ws->level >= KVARN_CPU_AVX512) { /* xt is free again: the balanced rows */
+        kvarn__tile512_rtn(x, R, C, s_col, s_row, qmax, RTN_SCALE_MIN, bits, ws->tmp, codes, codes_out,
+                           row_bytes, a, b);
+        for (int i = 0; i < R; i++)
+            if (!(fabsf(a[i]) <= FP16_MAX) || !(fabsf(b[i]) <= FP16_MAX)) return KVARN_ERR_NONFINITE;
         kvarn__tile512_store_fp16(a16, a, R);
         kvarn__tile512_store_fp16(b16, b, R);
         kvarn__tile512_store_fp16(col16, s_col, C);
         return KVARN_OK;
     }
 #endif
+    for (int i = 0; i < R; i++) {
+        const float sr = s_row[i];
+        float lo, scale;
+        rtn_row(ws, x, i, C, s_col, sr, qmax, y, codes, &lo, &scale);
+        kvarn_pack_codes(codes, (size_t)C, bits, codes_out + (size_t)i * row_bytes);
+        a[i] = sr * scale;
+        b[i] = sr * lo;
+        if (!(fabsf(a[i]) <= FP16_MAX) || !(fabsf(b[i]) <= FP16_MAX)) return KVARN_ERR_NONFINITE;
+    }
     store_fp16(a16, a, R);
     store_fp16(b16, b, R);
     store_fp16(col16, s_col, C); /* in [exp(-0.3), exp(10)]: always fits */

@@ -30,8 +30,7 @@
  *   rounding is the code; elsewhere the division is done.
  */
 #if defined(__x86_64__) || defined(__i386__)
-#define KVARN_TILE_STATS_SUFFIX _avx512
-#define KVARN_TILE_STATS_EXPORT
+#define KVARN_TILE_STATS_DECLS_ONLY
 #include "codec/kvarn_tile_stats.h"
 
 #include <immintrin.h>
@@ -264,7 +263,43 @@ void kvarn__tile512_pack(const unsigned char *codes, int n, int bits, unsigned c
     }
 }
 
-/* RTN of one row (the scalar rtn_row of kvarn_tile_stats.h, same results).
+/* Phase 1 of the RTN of row i: y = x / s_col / sr (the scalar code's two
+ * divisions) into yr, and its extremes. The extremes as values are unique
+ * except for the sign of a zero, which the scalar code takes from the
+ * first zero in j order. */
+static inline __attribute__((always_inline)) void
+rtn_extremes(const float *xp, int R, int i, const float *s_col, float sr, float *yr, float *lo_out,
+             float *hi_out, int NZ)
+{
+    const __m512 vsr = _mm512_set1_ps(sr);
+    __m512 y[32];
+    __m512 lov = _mm512_set1_ps(__builtin_inff()), hiv = _mm512_set1_ps(-__builtin_inff());
+    _Pragma("GCC unroll 32")
+    for (int c = 0; c < NZ; c++) {
+        const float *xj = xp + (size_t)c * (size_t)R * 16 + (size_t)i * 16;
+        y[c] = _mm512_div_ps(_mm512_div_ps(_mm512_loadu_ps(xj), _mm512_loadu_ps(s_col + 16 * c)), vsr);
+        _mm512_storeu_ps(yr + 16 * c, y[c]);
+        lov = _mm512_min_ps(lov, y[c]);
+        hiv = _mm512_max_ps(hiv, y[c]);
+    }
+    float lo = _mm512_reduce_min_ps(lov), hi = _mm512_reduce_max_ps(hiv);
+    if (lo == 0.0f || hi == 0.0f) {
+        const __m512 zero = _mm512_setzero_ps();
+        for (int c = 0; c < NZ; c++) {
+            const __mmask16 z = _mm512_cmp_ps_mask(y[c], zero, _CMP_EQ_OQ);
+            if (z) {
+                const float first = yr[16 * c + __builtin_ctz(z)];
+                if (lo == 0.0f) lo = first;
+                if (hi == 0.0f) hi = first;
+                break;
+            }
+        }
+    }
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
+/* Phase 3: codes of one row from yr, lo, scale and rcp = 1 / scale.
  *
  * Codes without the division where it cannot matter. With t = y - lo
  * (rounded, as in the scalar code), Q = t / scale exactly, q = RN(Q) the
@@ -275,46 +310,17 @@ void kvarn__tile512_pack(const unsigned char *codes, int n, int bits, unsigned c
  * If |qa - n| < 1/2 - 2^-12 for n = RNE(qa), then |q - n| < 1/2 and
  * RNE(q) = n: the code is the same. Lanes nearer a half-way point (about
  * 1 in 2000) make their vector take the division. Subnormal t changes the
- * bound only by a few 2^-149. */
+ * bound only by a few 2^-149. RNE(q) by VRNDSCALEPS equals the scalar
+ * code's (q + 1.5 * 2^23) - 1.5 * 2^23 for 0 <= q < 2^22. */
 static inline __attribute__((always_inline)) void
-rtn_row_regs(const float *xp, int R, int i, const float *s_col, float sr, float qmax,
-             float scale_min, unsigned char *codes, float *lo_out, float *scale_out, int NZ)
+rtn_codes(const float *yr, float lo, float scale, float rcp, float qmax, unsigned char *codes, int NZ)
 {
-    const __m512 vsr = _mm512_set1_ps(sr);
-    __m512 y[32];
-    __m512 lov = _mm512_set1_ps(__builtin_inff()), hiv = _mm512_set1_ps(-__builtin_inff());
-    _Pragma("GCC unroll 32")
-    for (int c = 0; c < NZ; c++) {
-        const float *xj = xp + (size_t)c * (size_t)R * 16 + (size_t)i * 16;
-        y[c] = _mm512_div_ps(_mm512_div_ps(_mm512_loadu_ps(xj), _mm512_loadu_ps(s_col + 16 * c)), vsr);
-        lov = _mm512_min_ps(lov, y[c]);
-        hiv = _mm512_max_ps(hiv, y[c]);
-    }
-    /* The extremes as values are unique except for the sign of a zero,
-     * which the scalar code takes from the first zero in j order. */
-    float lo = _mm512_reduce_min_ps(lov), hi = _mm512_reduce_max_ps(hiv);
-    if (lo == 0.0f || hi == 0.0f) {
-        const __m512 zero = _mm512_setzero_ps();
-        for (int c = 0; c < NZ; c++) {
-            const __mmask16 z = _mm512_cmp_ps_mask(y[c], zero, _CMP_EQ_OQ);
-            if (z) {
-                float t[16];
-                _mm512_storeu_ps(t, y[c]);
-                const float first = t[__builtin_ctz(z)];
-                if (lo == 0.0f) lo = first;
-                if (hi == 0.0f) hi = first;
-                break;
-            }
-        }
-    }
-    float scale = (hi - lo) / qmax;
-    if (!(scale >= scale_min)) scale = scale_min;
     const __m512 vlo = _mm512_set1_ps(lo), vscale = _mm512_set1_ps(scale);
-    const __m512 vrcp = _mm512_set1_ps(1.0f / scale), vq = _mm512_set1_ps(qmax);
+    const __m512 vrcp = _mm512_set1_ps(rcp), vq = _mm512_set1_ps(qmax);
     const __m512 near_half = _mm512_set1_ps(0.5f - 0x1p-12f);
     _Pragma("GCC unroll 32")
     for (int c = 0; c < NZ; c++) {
-        const __m512 t = _mm512_sub_ps(y[c], vlo);
+        const __m512 t = _mm512_sub_ps(_mm512_loadu_ps(yr + 16 * c), vlo);
         __m512 q = _mm512_mul_ps(t, vrcp);
         __m512 n = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512 dist = _mm512_abs_ps(_mm512_sub_ps(q, n));
@@ -325,21 +331,52 @@ rtn_row_regs(const float *xp, int R, int i, const float *s_col, float sr, float 
         n = _mm512_min_ps(n, vq);
         _mm_storeu_si128((__m128i *)(void *)(codes + 16 * c), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(n)));
     }
-    *lo_out = lo;
-    *scale_out = scale;
 }
 
-void kvarn__tile512_rtn_row(const float *xp, int R, int i, int C, const float *s_col, float sr,
-                            float qmax, float scale_min, float *y, unsigned char *codes,
-                            float *lo_out, float *scale_out)
+static inline __attribute__((always_inline)) void
+rtn_rows(const float *xp, int R, int C, const float *s_col, const float *s_row, float qmax,
+         float scale_min, int bits, float *ybuf, unsigned char *codes, unsigned char *codes_out,
+         size_t row_bytes, float *a, float *b, int NZ)
 {
-    (void)y;
+    float lo[512], hi[512], sc[512], rc[512];
+    for (int i = 0; i < R; i++)
+        rtn_extremes(xp, R, i, s_col, s_row[i], ybuf + (size_t)i * (size_t)C, lo + i, hi + i, NZ);
+    /* scale = max((hi - lo) / qmax, floor) (the scalar code's test: a NaN
+     * cannot occur, the extremes are finite), 1 / scale, and the fold
+     * a = s_row * scale, b = s_row * lo, 16 rows at a time */
+    const __m512 vq = _mm512_set1_ps(qmax), vmin = _mm512_set1_ps(scale_min), one = _mm512_set1_ps(1.0f);
+    for (int i = 0; i < R; i += 16) {
+        const __m512 l = _mm512_loadu_ps(lo + i), sr = _mm512_loadu_ps(s_row + i);
+        __m512 v = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(hi + i), l), vq);
+        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vmin, _CMP_GE_OQ), vmin, v);
+        _mm512_storeu_ps(sc + i, v);
+        _mm512_storeu_ps(rc + i, _mm512_div_ps(one, v));
+        _mm512_storeu_ps(a + i, _mm512_mul_ps(sr, v));
+        _mm512_storeu_ps(b + i, _mm512_mul_ps(sr, l));
+    }
+    for (int i = 0; i < R; i++) {
+        rtn_codes(ybuf + (size_t)i * (size_t)C, lo[i], sc[i], rc[i], qmax, codes, NZ);
+        kvarn__tile512_pack(codes, C, bits, codes_out + (size_t)i * row_bytes);
+    }
+}
+
+/* Spec steps 3-4 for every row of X (column panels xp, [R][C]): codes
+ * packed into codes_out (row_bytes per row), fp32 a = s_row * scale and
+ * b = s_row * lo per row; the same values as the scalar rtn_row and fold
+ * of kvarn_tile.c. ybuf: scratch [R][C]; codes: scratch [C]. The rows go
+ * in three phases (the balanced rows and their extremes; scale, 1 / scale
+ * and the fold for 16 rows at a time; the codes) so that no row waits for
+ * a scalar chain of its own. R, C <= 512. */
+void kvarn__tile512_rtn(const float *xp, int R, int C, const float *s_col, const float *s_row,
+                        float qmax, float scale_min, int bits, float *ybuf, unsigned char *codes,
+                        unsigned char *codes_out, size_t row_bytes, float *a, float *b)
+{
     switch (C) {
-    case 32: rtn_row_regs(xp, R, i, s_col, sr, qmax, scale_min, codes, lo_out, scale_out, 2); break;
-    case 64: rtn_row_regs(xp, R, i, s_col, sr, qmax, scale_min, codes, lo_out, scale_out, 4); break;
-    case 128: rtn_row_regs(xp, R, i, s_col, sr, qmax, scale_min, codes, lo_out, scale_out, 8); break;
-    case 256: rtn_row_regs(xp, R, i, s_col, sr, qmax, scale_min, codes, lo_out, scale_out, 16); break;
-    default: rtn_row_regs(xp, R, i, s_col, sr, qmax, scale_min, codes, lo_out, scale_out, 32); break;
+    case 32: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 2); break;
+    case 64: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 4); break;
+    case 128: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 8); break;
+    case 256: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 16); break;
+    default: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 32); break;
     }
 }
 
