@@ -1,33 +1,39 @@
 /*
  * kvarn_tile_avx512.c -- the AVX-512 encoder kernels of the KVarN tile codec
- * (../shared/spec/KVARN.md "Store pipeline" steps 2-3), compiled with
+ * (../shared/spec/KVARN.md "Store pipeline" steps 1-5), compiled with
  * AVX-512 (F/BW/VL) and FMA by the build. kvarn_tile.c calls them only when
- * kvarn__cpu_level() >= KVARN_CPU_AVX512 (codec/cpu.h).
+ * kvarn__cpu_level() >= KVARN_CPU_AVX512 (codec/cpu.h), D is a power of two
+ * in 64..512 and G a multiple of 32; the layouts they share are described
+ * in kvarn_tile_stats.h.
  *
- * Same bytes as the scalar oracle (the _base copy of kvarn_tile_stats.h):
- * every value that reaches a record is produced by the same IEEE fp32
- * operations on the same operands in the same order. What differs is only
- * which element goes to which lane, which instruction performs an
- * operation, and how often a rounded intermediate is recomputed:
+ * Same bytes as the scalar oracle (the _base copy of kvarn_tile_stats.h,
+ * kvarn_hadamard_scalar, kvarn_pack_codes, kvarn_fp32_to_fp16): every value
+ * that reaches a record is produced by the same IEEE fp32 operations on the
+ * same operands in the same order. What differs is only which element goes
+ * to which lane, which instruction performs an operation, and how often a
+ * rounded intermediate is recomputed:
  *
+ * - Loading: each token row is rotated in registers (stages h = 1..8
+ *   inside a vector, then between vectors, then the scale), checked
+ *   against the range bounds and stored into one panel layout; 16 x 16
+ *   transposes give the other.
  * - Statistics run on 16 independent lanes with no horizontal sums: column
- *   stds of X [R][C] take 16 columns per vector (each column's sums still
- *   run over i = 0..R-1 in order), row stds take 16 rows per vector from
- *   the transposed matrix XT [C][R], where the 8 partial sums of each row
- *   (lane l of the scalar code takes j = l, l + 8, ...) are 8 accumulator
- *   vectors, added at the end in the scalar code's pairwise order.
- * - The shifted product d = x * scale - shift of the mean pass is kept in a
- *   scratch block and read back by the deviation pass instead of being
- *   recomputed (the same rounded value; two fewer operations per element).
- * - Some additions run as fma(a, 1, b): a * 1 is exact, so the FMA returns
- *   the rounded a + b, bit for bit; it runs on the multiply pipes, which
- *   the statistics leave half idle (on Zen 4 additions have two pipes of
- *   their own and multiplications two others). `one` is hidden from the
- *   compiler so that it cannot turn the FMA back into an addition.
- * - RTN codes: the quotient (y - lo) / scale is first formed as
- *   (y - lo) * (1 / scale); where that is provably on the same side of
- *   every rounding boundary as the true quotient (bound below), its
- *   rounding is the code; elsewhere the division is done.
+ *   stds take 16 columns of X per vector from its column panels (each
+ *   column's sums still run over i = 0..R-1 in order), row stds 16 rows of
+ *   X per vector from its row panels, where the 8 partial sums of each row
+ *   (partial l of the scalar code takes j = l, l + 8, ...) are 8
+ *   accumulator vectors, added at the end in the scalar code's pairwise
+ *   order (stats_panels below).
+ * - Some subtractions run as fma(a, 1, -b): a * 1 is exact, so the FMA
+ *   returns the rounded a - b, bit for bit, on the multiply pipes (on
+ *   Zen 4 additions have two pipes of their own and multiplications two
+ *   others). `one` is hidden from the compiler so that it cannot turn the
+ *   FMA back into a subtraction.
+ * - RTN: all rows of a matrix in three phases; the code quotient
+ *   (y - lo) / scale is first formed as (y - lo) * (1 / scale), and where
+ *   that is provably on the same side of every rounding boundary as the
+ *   true quotient (bound at rtn_codes) its rounding is the code; elsewhere
+ *   the division is done.
  */
 #if defined(__x86_64__) || defined(__i386__)
 #define KVARN_TILE_STATS_DECLS_ONLY
@@ -58,9 +64,7 @@ static inline __m512 mul_bcast(__m512 a, const float *p)
     return r;
 }
 
-/* a + b, rounded once, on a multiply pipe: fma(a, 1, b) (a * 1 is exact). */
-static inline __m512 add_f(__m512 a, __m512 b, __m512 one) { return _mm512_fmadd_ps(a, one, b); }
-/* a - b, rounded once, on a multiply pipe. */
+/* a - b, rounded once, on a multiply pipe: fma(a, 1, -b) (a * 1 is exact). */
 static inline __m512 sub_f(__m512 a, __m512 b, __m512 one) { return _mm512_fmsub_ps(a, one, b); }
 
 /* ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), lane-wise: the scalar
