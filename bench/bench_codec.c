@@ -1,8 +1,9 @@
 /* bench_codec.c -- single-thread encode / decode throughput of every cache
- * format in the table, at D = 64 and D = 128, beside a plain memcpy of the
+ * format in the table, at D = 64, 128 and 256, beside a plain memcpy of the
  * same bytes measured in the same run.
  *
- * Unit: fp16-input bytes per second per core. One tile is G tokens x D
+ * Unit: fp16-input bytes per second per core, and microseconds of encode
+ * per tile (enc us/t: one record for KVarN, 128 token records otherwise). One tile is G tokens x D
  * channels x 2 (K and V) x 2 bytes, whatever the format; G is the format's
  * tile length for KVarN and 128 tokens (one paged block of 128 token
  * records) for the per-token formats. The memcpy baseline copies that many
@@ -215,16 +216,16 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_codec: --format: %s\n", err);
         return 2;
     }
-    const int dims[2] = {64, 128};
+    const int dims[3] = {64, 128, 256};
 
     printf("bench_codec: single thread, median of %d runs of >= %.0f ms, fp16-input bytes "
            "(tile = G tok x D x K,V x 2 B)\n", cfg.runs, cfg.min_s * 1e3);
-    printf("%-16s %4s %4s %9s | %9s %7s | %9s %7s | %9s\n", "format", "D", "G", "rec B/tok",
-           "enc GB/s", "enc/cpy", "dec GB/s", "dec/cpy", "cpy GB/s");
-    printf("-----------------------------------------------------------------------------------------\n");
+    printf("%-16s %4s %4s %9s | %9s %7s %8s | %9s %7s | %9s\n", "format", "D", "G", "rec B/tok",
+           "enc GB/s", "enc/cpy", "enc us/t", "dec GB/s", "dec/cpy", "cpy GB/s");
+    printf("--------------------------------------------------------------------------------------------------\n");
     int rc = 0;
     for (int fi = 0; fi < n_names; fi++) {
-        for (int di = 0; di < 2; di++) {
+        for (int di = 0; di < 3; di++) {
             if (cfg.only_dim && dims[di] != cfg.only_dim) continue;
             bench_ctx c;
             if (setup(&c, fmts[fi].name, dims[di]) != 0) {
@@ -252,8 +253,9 @@ int main(int argc, char **argv)
                 dec[r] = one_run(&c, decode_batch, cfg.min_s, &st2);
             }
             double e = median(enc, cfg.runs), d = median(dec, cfg.runs), m = median(cpy, cfg.runs);
-            printf("%-16s %4d %4d %9.1f | %9.3f %7.4f | %9.3f %7.4f | %9.2f\n", c.fmt.name, c.D, c.G,
-                   (double)c.rec_bytes / c.G, e / 1e9, e / m, d / 1e9, d / m, m / 1e9);
+            printf("%-16s %4d %4d %9.1f | %9.3f %7.4f %8.1f | %9.3f %7.4f | %9.2f\n", c.fmt.name, c.D,
+                   c.G, (double)c.rec_bytes / c.G, e / 1e9, e / m, (double)c.tile_fp16 / e * 1e6, d / 1e9,
+                   d / m, m / 1e9);
             fflush(stdout);
             teardown(&c);
         }

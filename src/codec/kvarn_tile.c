@@ -76,8 +76,10 @@ enum {
 
 typedef struct tile_ws {
     uint8_t *rec;     /* staged record image (worst-case record bytes) */
-    float *x;         /* [R][C] matrix being encoded */
-    float *tmp;       /* [G][D] rotated K before its transpose */
+    float *x;         /* [R][C] matrix being encoded (AVX-512: its column panels) */
+    float *tmp;       /* [G][D] rotated K before its transpose (AVX-512: the row
+                         panels of x, then the balanced rows of the RTN) */
+    float *dc;        /* AVX-512 statistics scratch, 32 * max(D, G) floats */
     float *vec[V_COUNT];
     uint8_t *codes;   /* one row of unpacked codes, max(D, G) bytes */
     kvarn_cpu_level level; /* SIMD copy of the statistics and RTN kernels */
@@ -106,10 +108,11 @@ static size_t ws_layout(int head_dim, int tile_tokens, void *base, tile_ws *ws)
     const size_t rec = max_record_bytes(head_dim, tile_tokens);
     if (rec == 0 || head_dim > TILE_MAX_DIM || tile_tokens > TILE_MAX_DIM) return 0;
     const size_t D = (size_t)head_dim, G = (size_t)tile_tokens, M = D > G ? D : G;
-    size_t off = 0, rec_off, x_off, tmp_off, vec_off[V_COUNT], codes_off;
+    size_t off = 0, rec_off, x_off, tmp_off, dc_off, vec_off[V_COUNT], codes_off;
     rec_off = off; off += round64(rec);
     x_off = off; off += round64(D * G * sizeof(float));
     tmp_off = off; off += round64(D * G * sizeof(float));
+    dc_off = off; off += round64(32 * M * sizeof(float));
     for (int i = 0; i < V_COUNT; i++) { vec_off[i] = off; off += round64(M * sizeof(float)); }
     codes_off = off; off += round64(M);
     if (base != NULL) {
@@ -117,6 +120,7 @@ static size_t ws_layout(int head_dim, int tile_tokens, void *base, tile_ws *ws)
         ws->rec = b + rec_off;
         ws->x = (float *)(void *)(b + x_off);
         ws->tmp = (float *)(void *)(b + tmp_off);
+        ws->dc = (float *)(void *)(b + dc_off);
         for (int i = 0; i < V_COUNT; i++) ws->vec[i] = (float *)(void *)(b + vec_off[i]);
         ws->codes = b + codes_off;
     }
@@ -138,15 +142,17 @@ size_t kvarn__tile_workspace_bytes(int head_dim, int tile_tokens)
 #define KVARN_TILE_STATS_SUFFIX _base
 #include "codec/kvarn_tile_stats.h"
 
-/* The copy to run: the _avx512 and _avx2 copies are the same C as _base,
- * compiled for wider vectors (kvarn_tile_avx2.c, kvarn_tile_avx512.c), so
- * every level gives the same bytes; the level is read once per encode. */
+/* The copy to run: the _avx2 copy is the same C as _base, compiled for
+ * wider vectors (kvarn_tile_avx2.c); the AVX-512 kernels
+ * (kvarn_tile_avx512.c) read x and xt as panels (kvarn_tile_stats.h) and
+ * perform the same operations on every element, so every level gives the
+ * same bytes; the level is read once per encode. */
 static void col_stds(const tile_ws *ws, const float *x, int R, int C, const float *w,
                      float *shift, float *mean, float *out)
 {
 #ifdef KVARN_TILE_HAVE_AVX2
     if (ws->level >= KVARN_CPU_AVX512) {
-        kvarn__tile_col_stds_avx512(x, R, C, w, shift, mean, out);
+        kvarn__tile512_col_stds(x, R, C, w, ws->dc, out);
         return;
     }
     if (ws->level >= KVARN_CPU_AVX2) {
@@ -157,11 +163,13 @@ static void col_stds(const tile_ws *ws, const float *x, int R, int C, const floa
     kvarn__tile_col_stds_base(x, R, C, w, shift, mean, out);
 }
 
-static void row_stds(const tile_ws *ws, const float *x, int R, int C, const float *u, float *out)
+/* xt: the row panels of x, read by the AVX-512 kernel. */
+static void row_stds(const tile_ws *ws, const float *x, const float *xt, int R, int C,
+                     const float *u, float *out)
 {
 #ifdef KVARN_TILE_HAVE_AVX2
     if (ws->level >= KVARN_CPU_AVX512) {
-        kvarn__tile_row_stds_avx512(x, R, C, u, out);
+        kvarn__tile512_row_stds_t(xt, R, C, u, ws->dc, out);
         return;
     }
     if (ws->level >= KVARN_CPU_AVX2) {
@@ -172,14 +180,12 @@ static void row_stds(const tile_ws *ws, const float *x, int R, int C, const floa
     kvarn__tile_row_stds_base(x, R, C, u, out);
 }
 
-static void rtn_row(const tile_ws *ws, const float *xr, int C, const float *s_col, float sr,
+/* RTN of row i of x [R][C] (the AVX-512 path does all rows at once). */
+static void rtn_row(const tile_ws *ws, const float *x, int i, int C, const float *s_col, float sr,
                     float qmax, float *y, uint8_t *codes, float *lo, float *scale)
 {
+    const float *xr = x + (size_t)i * (size_t)C;
 #ifdef KVARN_TILE_HAVE_AVX2
-    if (ws->level >= KVARN_CPU_AVX512) {
-        kvarn__tile_rtn_row_avx512(xr, C, s_col, sr, qmax, RTN_SCALE_MIN, RNE_MAGIC, y, codes, lo, scale);
-        return;
-    }
     if (ws->level >= KVARN_CPU_AVX2) {
         kvarn__tile_rtn_row_avx2(xr, C, s_col, sr, qmax, RTN_SCALE_MIN, RNE_MAGIC, y, codes, lo, scale);
         return;
@@ -202,6 +208,39 @@ static double std_ratio(const float *sd, int n)
 
 static float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+/* std_ratio of sd after sd[j] *= u[j] (u NULL: no product). */
+static double scaled_std_ratio(const tile_ws *ws, float *sd, const float *u, int n)
+{
+#ifdef KVARN_TILE_HAVE_AVX2
+    if (ws->level >= KVARN_CPU_AVX512) return kvarn__tile512_std_ratio(sd, u, n, SCORE_STD_FLOOR);
+#endif
+    if (u)
+        for (int j = 0; j < n; j++) sd[j] *= u[j];
+    return std_ratio(sd, n);
+}
+
+/* The scale update of a column or row pass (spec step 2 in scale form):
+ * sd = pre ? pre[j] * sd_in[j] : sd_in[j], s[j] = clamp(s[j] *
+ * clamp(sd, STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX), inv[j] = 1 / s[j],
+ * and if sd_out: sd_out[j] = inv[j] * sd_in[j]. inv may be pre. */
+static void rescale(const tile_ws *ws, float *s, float *inv, float *sd_out, const float *sd_in,
+                    const float *pre, int n)
+{
+#ifdef KVARN_TILE_HAVE_AVX2
+    if (ws->level >= KVARN_CPU_AVX512) {
+        static const float lim[4] = {STD_MIN, STD_MAX, SCALE_MIN, SCALE_MAX};
+        kvarn__tile512_rescale(s, inv, sd_out, sd_in, pre, n, lim);
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++) {
+        const float sd = pre ? pre[j] * sd_in[j] : sd_in[j];
+        s[j] = clampf(s[j] * clampf(sd, STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX);
+        inv[j] = 1.0f / s[j];
+        if (sd_out) sd_out[j] = inv[j] * sd_in[j];
+    }
+}
+
 /* ---------------------------------------------------------------------- */
 /* Variance normalization (spec step 2)                                   */
 /* ---------------------------------------------------------------------- */
@@ -212,7 +251,7 @@ static float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi 
  * and its row stds inv_row[i] * std_j(x * inv_col), so each half-iteration
  * needs one statistics pass over the original x and nothing is
  * accumulated from one iteration's rounded tile into the next. */
-static void balance(const tile_ws *ws, const float *x, int R, int C, int iters)
+static void balance(const tile_ws *ws, const float *x, const float *xt, int R, int C, int iters)
 {
     float *s_col = ws->vec[V_S_COL], *s_row = ws->vec[V_S_ROW];
     float *best_col = ws->vec[V_BEST_COL], *best_row = ws->vec[V_BEST_ROW];
@@ -226,27 +265,19 @@ static void balance(const tile_ws *ws, const float *x, int R, int C, int iters)
 
     /* The identity scaling, scored on the raw tile, is the starting best. */
     col_stds(ws, x, R, C, w, aux0, aux1, sd_col);
-    row_stds(ws, x, R, C, u, sd_row);
-    double best = std_ratio(sd_col, C) + std_ratio(sd_row, R);
+    row_stds(ws, x, xt, R, C, u, sd_row);
+    double best = scaled_std_ratio(ws, sd_col, NULL, C) + scaled_std_ratio(ws, sd_row, NULL, R);
 
     for (int it = 0; it < iters; it++) {
         /* Column pass: sd_col holds the column stds of the current tile. */
-        for (int j = 0; j < C; j++) {
-            s_col[j] = clampf(s_col[j] * clampf(sd_col[j], STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX);
-            u[j] = 1.0f / s_col[j];
-        }
-        /* Row pass on the tile renormalized with the new column scales. */
-        row_stds(ws, x, R, C, u, sd_row_u);
-        for (int i = 0; i < R; i++) {
-            float sd = w[i] * sd_row_u[i];
-            s_row[i] = clampf(s_row[i] * clampf(sd, STD_MIN, STD_MAX), SCALE_MIN, SCALE_MAX);
-            w[i] = 1.0f / s_row[i];
-            sd_row[i] = w[i] * sd_row_u[i];
-        }
+        rescale(ws, s_col, u, NULL, sd_col, NULL, C);
+        /* Row pass on the tile renormalized with the new column scales
+         * (the row stds of x * u, times the old 1 / s_row). */
+        row_stds(ws, x, xt, R, C, u, sd_row_u);
+        rescale(ws, s_row, w, sd_row, sd_row_u, w, R);
         /* Score the renormalized tile; its column stds feed the next pass. */
         col_stds(ws, x, R, C, w, aux0, aux1, sd_col);
-        for (int j = 0; j < C; j++) sd_col[j] *= u[j];
-        double score = std_ratio(sd_col, C) + std_ratio(sd_row, R);
+        double score = scaled_std_ratio(ws, sd_col, u, C) + scaled_std_ratio(ws, sd_row, NULL, R);
         if (score <= best * (1.0 + SCORE_TIE_RTOL)) { /* ties go to the later iteration */
             best = score < best ? score : best;
             memcpy(best_col, s_col, (size_t)C * sizeof(float));
@@ -270,21 +301,33 @@ static void store_fp16(uint8_t *dst, const float *src, int n)
 /* Encode x [R][C] into the staged record: packed codes (R rows of C codes),
  * a [R], b [R], s_col [C] (fp16). Returns KVARN_ERR_NONFINITE if a folded
  * parameter falls outside the fp16 range. */
-static kvarn_status encode_matrix(const tile_ws *ws, const float *x, int R, int C,
-                                  int bits, int iters, uint8_t *codes_out,
+static kvarn_status encode_matrix(const tile_ws *ws, const float *x, const float *xt, int R,
+                                  int C, int bits, int iters, uint8_t *codes_out,
                                   uint8_t *a16, uint8_t *b16, uint8_t *col16)
 {
-    balance(ws, x, R, C, iters);
+    balance(ws, x, xt, R, C, iters);
     const float *s_col = ws->vec[V_BEST_COL], *s_row = ws->vec[V_BEST_ROW];
     float *a = ws->vec[V_A], *b = ws->vec[V_B], *y = ws->vec[V_AUX0];
     uint8_t *codes = ws->codes;
     const float qmax = (float)((1 << bits) - 1);
     const size_t row_bytes = kvarn_packed_bytes((size_t)C, bits);
 
+#ifdef KVARN_TILE_HAVE_AVX2
+    if (ws->level >= KVARN_CPU_AVX512) { /* xt is free again: the balanced rows */
+        kvarn__tile512_rtn(x, R, C, s_col, s_row, qmax, RTN_SCALE_MIN, bits, ws->tmp, codes, codes_out,
+                           row_bytes, a, b);
+        for (int i = 0; i < R; i++)
+            if (!(fabsf(a[i]) <= FP16_MAX) || !(fabsf(b[i]) <= FP16_MAX)) return KVARN_ERR_NONFINITE;
+        kvarn__tile512_store_fp16(a16, a, R);
+        kvarn__tile512_store_fp16(b16, b, R);
+        kvarn__tile512_store_fp16(col16, s_col, C);
+        return KVARN_OK;
+    }
+#endif
     for (int i = 0; i < R; i++) {
-        const float *xr = x + (size_t)i * (size_t)C, sr = s_row[i];
+        const float sr = s_row[i];
         float lo, scale;
-        rtn_row(ws, xr, C, s_col, sr, qmax, y, codes, &lo, &scale);
+        rtn_row(ws, x, i, C, s_col, sr, qmax, y, codes, &lo, &scale);
         kvarn_pack_codes(codes, (size_t)C, bits, codes_out + (size_t)i * row_bytes);
         a[i] = sr * scale;
         b[i] = sr * lo;
@@ -339,21 +382,42 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
     tile_ws ws;
     if (ws_layout(D, G, workspace, &ws) == 0) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
     ws.level = kvarn__cpu_level();
+    /* The AVX-512 layouts need D in 64..512 and G a multiple of 32 (every
+     * KVarN preset); anything else runs the AVX2 copy. */
+    if (ws.level >= KVARN_CPU_AVX512 && !(D >= 64 && (D & (D - 1)) == 0 && G >= 32 && G % 32 == 0))
+        ws.level = KVARN_CPU_AVX2;
     uint8_t *rec = ws.rec;
     memset(rec, 0, L->record_bytes); /* padding included */
 
+#ifdef KVARN_TILE_HAVE_AVX2
+    if (ws.level >= KVARN_CPU_AVX512) { /* both layouts of each matrix at once */
+        if (kvarn__tile512_load(k, G, D, prerotated, 1, RAW_ABS_MAX, ROT_ABS_MAX, ws.x, ws.tmp) != 0)
+            return KVARN_ERR_NONFINITE;
+        kvarn_status st = encode_matrix(&ws, ws.x, ws.tmp, D, G, L->key_bits, iters,
+                                        rec + L->k_codes_off, rec + L->k_a_off, rec + L->k_b_off,
+                                        rec + L->k_stok_off);
+        if (st != KVARN_OK) return st;
+        if (kvarn__tile512_load(v, G, D, prerotated, 0, RAW_ABS_MAX, ROT_ABS_MAX, ws.x, ws.tmp) != 0)
+            return KVARN_ERR_NONFINITE;
+        st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rec + L->v_codes_off,
+                           rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
+        if (st != KVARN_OK) return st;
+        memcpy(record, rec, L->record_bytes);
+        return KVARN_OK;
+    }
+#endif
     /* K: rows = channels, so transpose the rotated [G][D] to [D][G]. */
     kvarn_status st = load_rotated(k, G, D, prerotated, ws.tmp);
     if (st != KVARN_OK) return st;
     transpose(ws.tmp, G, D, ws.x);
-    st = encode_matrix(&ws, ws.x, D, G, L->key_bits, iters, rec + L->k_codes_off,
+    st = encode_matrix(&ws, ws.x, ws.tmp, D, G, L->key_bits, iters, rec + L->k_codes_off,
                        rec + L->k_a_off, rec + L->k_b_off, rec + L->k_stok_off);
     if (st != KVARN_OK) return st;
 
     /* V: rows = tokens, already the token-major layout. */
     st = load_rotated(v, G, D, prerotated, ws.x);
     if (st != KVARN_OK) return st;
-    st = encode_matrix(&ws, ws.x, G, D, L->value_bits, iters, rec + L->v_codes_off,
+    st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rec + L->v_codes_off,
                        rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
     if (st != KVARN_OK) return st;
 

@@ -1,13 +1,13 @@
 /*
  * kvarn_tile_stats.h -- the statistics kernels of the KVarN variance
  * normalization (../shared/spec/KVARN.md "Store pipeline" step 2) and of the
- * RTN of one row (step 3), written once and compiled three times: by
- * kvarn_tile.c for the baseline ISA (suffix _base), by kvarn_tile_avx2.c
- * with AVX2 (suffix _avx2) and by kvarn_tile_avx512.c with AVX-512
- * (suffix _avx512). Include it after
- * defining KVARN_TILE_STATS_SUFFIX. The loops are plain C in a fixed
- * operation order (8 explicit lanes for row sums, element-wise column sums),
- * so both copies give bit-identical results.
+ * RTN of one row (step 3), written once and compiled twice: by
+ * kvarn_tile.c for the baseline ISA (suffix _base) and by
+ * kvarn_tile_avx2.c with AVX2 (suffix _avx2). Include it after defining
+ * KVARN_TILE_STATS_SUFFIX (or KVARN_TILE_STATS_DECLS_ONLY, as
+ * kvarn_tile_avx512.c does, for the declarations alone). The loops are
+ * plain C in a fixed operation order (8 explicit lanes for row sums,
+ * element-wise column sums), so both copies give bit-identical results.
  *
  * Shapes: x is a row-major [R rows x C cols] fp32 matrix; R and C are powers
  * of two in [32, 512]. Outputs are unbiased (N-1) standard deviations.
@@ -26,15 +26,35 @@ void kvarn__tile_row_stds_avx2(const float *x, int R, int C, const float *u, flo
 void kvarn__tile_rtn_row_avx2(const float *xr, int C, const float *s_col, float sr, float qmax,
                               float scale_min, float rne_magic, float *y, unsigned char *codes,
                               float *lo_out, float *scale_out);
-void kvarn__tile_col_stds_avx512(const float *x, int R, int C, const float *w,
-                                 float *shift, float *mean, float *out);
-void kvarn__tile_row_stds_avx512(const float *x, int R, int C, const float *u, float *out);
-void kvarn__tile_rtn_row_avx512(const float *xr, int C, const float *s_col, float sr, float qmax,
-                                float scale_min, float rne_magic, float *y, unsigned char *codes,
-                                float *lo_out, float *scale_out);
+/* AVX-512 kernels of kvarn_tile_avx512.c (same results as the _base copies;
+ * see that file). They read the [R][C] matrix X of kvarn_tile.c in two
+ * panel layouts of 16 lanes: xp, column panels (panel p is X's columns
+ * 16p..16p+15 as [R][16], at xp + 16 p R: element (i, j) at
+ * xp + (j / 16) * 16 R + 16 i + j % 16), and xtp, row panels (panel q is
+ * X's rows 16q..16q+15 as [C][16], at xtp + 16 q C: element (i, j) at
+ * xtp + (i / 16) * 16 C + 16 j + i % 16). dc: scratch of 32 * max(R, C)
+ * floats. R, C: multiples of 16.
+ * kvarn__tile512_load fills both layouts from a token-major [G][D] tile
+ * (rotated unless prerotated; keys are X^T, values X) and returns -1 if a
+ * value is out of range (raw_max before, rot_max after the rotation; NaN
+ * included), else 0. D: 64..512, a power of two. */
+int kvarn__tile512_load(const float *src, int G, int D, int prerotated, int is_key, float raw_max,
+                        float rot_max, float *xp, float *xtp);
+void kvarn__tile512_rescale(float *s, float *inv, float *sd_out, const float *sd_in,
+                            const float *pre, int n, const float lim[4]);
+double kvarn__tile512_std_ratio(float *sd, const float *u, int n, float lo_floor);
+void kvarn__tile512_store_fp16(unsigned char *dst, const float *src, int n);
+void kvarn__tile512_pack(const unsigned char *codes, int n, int bits, unsigned char *out);
+void kvarn__tile512_col_stds(const float *xp, int R, int C, const float *w, float *dc, float *out);
+void kvarn__tile512_row_stds_t(const float *xtp, int R, int C, const float *u, float *dc, float *out);
+void kvarn__tile512_rtn(const float *xp, int R, int C, const float *s_col, const float *s_row,
+                        float qmax, float scale_min, int bits, float *ybuf, unsigned char *codes,
+                        unsigned char *codes_out, size_t row_bytes, float *a, float *b);
 #endif
 #endif
 
+/* kvarn_tile_avx512.c needs only the declarations above. */
+#ifndef KVARN_TILE_STATS_DECLS_ONLY
 #define KVARN_TILE_STATS_CAT2(a, b) a##b
 #define KVARN_TILE_STATS_CAT(a, b) KVARN_TILE_STATS_CAT2(a, b)
 #define KVARN_TILE_STATS_FN(name) KVARN_TILE_STATS_CAT(kvarn__tile_##name, KVARN_TILE_STATS_SUFFIX)
@@ -207,3 +227,4 @@ KVARN_TILE_STATS_FN(rtn_row)(const float *xr, int C, const float *s_col, float s
     *lo_out = lo;
     *scale_out = scale;
 }
+#endif /* KVARN_TILE_STATS_DECLS_ONLY */

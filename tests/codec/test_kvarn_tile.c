@@ -823,6 +823,117 @@ static void test_simd_levels_identical(void **state)
     assert_true(digest == 0x1f33d88a10046aaaull);
 }
 
+/* Adversarial rows for the SIMD encoders (test below). One pattern per
+ * token row and per channel of k and of v, from the integer generator:
+ * Gaussian, constant, exact +0 / -0 mixtures (the sign of a zero extreme),
+ * small integers (with no rotation and no balance they put RTN quotients
+ * exactly on .5, where the AVX-512 multiply-then-check must fall back to
+ * the division), large (2^8..2^13, storable even without balancing) and
+ * tiny (2^-120, subnormal 2^-140) magnitudes, token magnitudes over 7
+ * decades. In one tile in 16 each: a NaN, an Inf, a value just past the
+ * range bound (|x| = 2^39 (1 + 2^-23) after the rotation or 2^44 (1 +
+ * 2^-23) before it), 2^39 itself (allowed) and 2^36..2^38 (rejected when a
+ * folded parameter overflows fp16). */
+static float xs_pattern(uint64_t *s, int pat, int idx)
+{
+    const float g = xs_bell(s);
+    switch (pat) {
+    case 0: return g;
+    case 1: return 1.5f;
+    case 2: return (xs_next(s) & 1) ? 0.0f : ((xs_next(s) & 1) ? -0.0f : g);
+    case 3: return (float)((int)(xs_next(s) % 7) - 3);
+    case 4: return g * (float)(1u << (8 + idx % 6));
+    case 5: return g * 0x1p-120f;
+    case 6: return g * 0x1p-140f;
+    default: return g * (float)(1u << (idx % 24)) * 0x1p-10f;
+    }
+}
+
+static void xs_adversarial(uint64_t *s, int D, int G, float *k, float *v, int prerotated)
+{
+    int pk_tok[MAXG], pk_ch[MAXD], pv_tok[MAXG], pv_ch[MAXD];
+    for (int t = 0; t < G; t++) {
+        pk_tok[t] = xs_next(s) % 4 == 0 ? (int)(xs_next(s) % 8) : 0;
+        pv_tok[t] = xs_next(s) % 4 == 0 ? (int)(xs_next(s) % 8) : 0;
+    }
+    for (int d = 0; d < D; d++) {
+        pk_ch[d] = xs_next(s) % 4 == 0 ? (int)(xs_next(s) % 8) : 0;
+        pv_ch[d] = xs_next(s) % 4 == 0 ? (int)(xs_next(s) % 8) : 0;
+    }
+    for (int t = 0; t < G; t++)
+        for (int d = 0; d < D; d++) {
+            /* a row pattern wins over a channel pattern; constant rows stay constant */
+            const int pk = pk_tok[t] ? pk_tok[t] : pk_ch[d], pv = pv_tok[t] ? pv_tok[t] : pv_ch[d];
+            k[(size_t)t * (size_t)D + (size_t)d] = xs_pattern(s, pk, pk_tok[t] ? d : t);
+            v[(size_t)t * (size_t)D + (size_t)d] = xs_pattern(s, pv, pv_tok[t] ? d : t);
+        }
+    const uint64_t r = xs_next(s) % 16;
+    float *dst = (xs_next(s) & 1) ? k : v;
+    const size_t at = (size_t)(xs_next(s) % (uint64_t)(D * G));
+    const float lim = prerotated ? 0x1p39f : 0x1p44f;
+    if (r == 0) dst[at] = NAN;
+    if (r == 1) dst[at] = (xs_next(s) & 1) ? INFINITY : -INFINITY;
+    if (r == 2) dst[at] = lim * (1.0f + 0x1p-23f);
+    if (r == 3 && prerotated) dst[at] = -0x1p39f;
+    if (r == 4) dst[at] = (float)(1ull << (36 + xs_next(s) % 3));
+}
+
+/* The AVX-512 (and AVX2) encoders against the scalar one, byte for byte,
+ * on adversarial tiles (xs_adversarial) over every D, several G and bit
+ * widths, 0 / 1 / 8 balance iterations, rotated and prerotated input: the
+ * same status at every level, the same record when it is KVARN_OK, and the
+ * caller's record untouched when it is not. */
+static void test_simd_adversarial(void **state)
+{
+    (void)state;
+    static float k[MAXN], v[MAXN];
+    static const char *levels[3] = {"scalar", "avx2", "avx512"};
+    static const int dims[3] = {64, 128, 256}, tiles[3] = {32, 64, 128};
+    static const int bits[6][2] = {{4, 2}, {4, 4}, {2, 8}, {8, 4}, {2, 2}, {8, 8}};
+    static const int iters[3] = {0, 1, 8};
+#ifdef __SANITIZE_ADDRESS__
+    const int per_case = 2;
+#else
+    const int per_case = 12;
+#endif
+    const char *saved = getenv("KVARN_SIMD");
+    const int top = (int)kvarn__cpu_level();
+    if (top < 1) printf("  NOTE: scalar only here (CPU or KVARN_SIMD): nothing to compare\n");
+    uint64_t s = 0x9b05688c2b3e6c1full;
+    int n_ok = 0, n_rejected = 0;
+    for (int di = 0; di < 3; di++)
+        for (int gi = 0; gi < 3; gi++)
+            for (int bi = 0; bi < 6; bi++) {
+                const int D = dims[di], G = tiles[gi];
+                codec_bufs b;
+                bufs_open(&b, D, G, bits[bi][0], bits[bi][1]);
+                for (int rep = 0; rep < per_case; rep++) {
+                    const int it = iters[(bi + rep) % 3], pre = (gi + rep) % 2;
+                    xs_adversarial(&s, D, G, k, v, pre);
+                    setenv("KVARN_SIMD", "scalar", 1);
+                    memset(b.rec, 0x5A, b.L.record_bytes);
+                    const kvarn_status want = encode(&b, D, k, v, b.rec, it, pre);
+                    if (want == KVARN_OK) n_ok++;
+                    else n_rejected++;
+                    for (int lv = 1; lv <= top; lv++) {
+                        setenv("KVARN_SIMD", levels[lv], 1);
+                        memset(b.rec2, 0x5A, b.L.record_bytes);
+                        const kvarn_status got = encode(&b, D, k, v, b.rec2, it, pre);
+                        if (got != want || memcmp(b.rec, b.rec2, b.L.record_bytes) != 0)
+                            fail_msg("D %d G %d k%dv%d iters %d prerotated %d rep %d: %s gives %s, "
+                                     "scalar %s%s", D, G, bits[bi][0], bits[bi][1], it, pre, rep,
+                                     levels[lv], kvarn_strerror(got), kvarn_strerror(want),
+                                     got == want ? " (records differ)" : "");
+                    }
+                }
+                bufs_close(&b);
+            }
+    if (saved) setenv("KVARN_SIMD", saved, 1);
+    else unsetenv("KVARN_SIMD");
+    printf("  %d tiles stored, %d rejected, at %d level(s) above scalar\n", n_ok, n_rejected, top);
+    assert_true(n_ok > 0 && n_rejected > 0);
+}
+
 /* G = 64 and 128 (the upstream presets) for every D; G = 32 (also in the
  * format table) once, at D = 256 where the power-of-two padding applies. */
 static void test_grid_d64(void **state) { (void)state; run_grid(64, 64); run_grid(64, 128); }
@@ -847,6 +958,7 @@ int main(void)
         cmocka_unit_test(test_large_values),
         cmocka_unit_test(test_bad_buffers),
         cmocka_unit_test(test_simd_levels_identical),
+        cmocka_unit_test(test_simd_adversarial),
     };
     /* e.g. KVARN_TEST_FILTER='test_[a-f]*' to skip the grid while iterating */
     if (getenv("KVARN_TEST_FILTER")) cmocka_set_test_filter(getenv("KVARN_TEST_FILTER"));
