@@ -112,8 +112,9 @@ int main(int argc, char **argv)
     printf("bench_decode: %s, %ld decode steps x %ld repeats (median), %ld attention thread(s)\n",
            model_path, n_decode, repeat, threads);
     kvarn_llama_weights wt = kvarn_llama_get_weights(model);
-    printf("weights: %s, %.0f MB (KVARN_WEIGHTS=fp32|bf16|int8 chooses)\n",
-           wt == KVARN_LLAMA_WEIGHTS_BF16 ? "bf16" : wt == KVARN_LLAMA_WEIGHTS_INT8 ? "int8" : "fp32",
+    printf("weights: %s, %.0f MB (KVARN_WEIGHTS=fp32|bf16|int8|gguf chooses)\n",
+           wt == KVARN_LLAMA_WEIGHTS_BF16 ? "bf16" : wt == KVARN_LLAMA_WEIGHTS_INT8 ? "int8"
+           : wt == KVARN_LLAMA_WEIGHTS_GGUF ? "gguf" : "fp32",
            (double)kvarn_llama_weight_bytes(model) / 1e6);
     /* tps[fi][c]: decode tokens/s of format fi at context c */
     double *tps = calloc((size_t)nf * (size_t)n_ctx, sizeof(double));
