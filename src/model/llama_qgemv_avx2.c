@@ -18,6 +18,12 @@
 #include "model/llama_qgemv.h"
 
 #define LLAMA_QGEMV_ROWS 4
+/* Software prefetch distance, bytes ahead in each row's stream: a decode
+ * step reads every matrix from memory once, and the hardware prefetcher
+ * alone left the Q8_0 head at 6 GB/s where 4 KiB ahead gave 14 GB/s
+ * (one core, Zen 4; the Q4_1 rows are compute-bound either way). A
+ * prefetch never faults, so it may run past the matrix. */
+#define LLAMA_QGEMV_AHEAD 4096
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE __m128 half2(const uint8_t *b)
@@ -89,6 +95,8 @@ static inline float hsum8(__m256 v)
             __m256 x0 = _mm256_loadu_ps(x + i0), x1 = _mm256_loadu_ps(x + i0 + 8);  \
             __m256 x2 = _mm256_loadu_ps(x + i0 + 16), x3 = _mm256_loadu_ps(x + i0 + 24); \
             for (int r = 0; r < R; r++) {                                          \
+                _mm_prefetch((const char *)(q + (size_t)r * rb + off + LLAMA_QGEMV_AHEAD), \
+                             _MM_HINT_T0);                                         \
                 __m256 w[4];                                                       \
                 dec_##name(q + (size_t)r * rb + off, w);                           \
                 a0[r] = _mm256_fmadd_ps(x0, w[0], a0[r]);                          \

@@ -23,6 +23,12 @@
 #include "model/llama_qgemv.h"
 
 #define LLAMA_QGEMV_ROWS 4
+/* Software prefetch distance, bytes ahead in each row's stream: a decode
+ * step reads every matrix from memory once, and the hardware prefetcher
+ * alone left the Q8_0 head at 6 GB/s where 4 KiB ahead gave 14 GB/s
+ * (one core, Zen 4; the Q4_1 rows are compute-bound either way). A
+ * prefetch never faults, so it may run past the matrix. */
+#define LLAMA_QGEMV_AHEAD 4096
 #define INLINE static inline __attribute__((always_inline))
 
 /* The block's fp16 fields at b (d, then m for Q4_1) as floats in lanes 0, 1. */
@@ -81,6 +87,8 @@ INLINE void dec_q8_0(const uint8_t *b, __m512 *lo, __m512 *hi)
         for (int i0 = 0; i0 < in; i0 += LLAMA_QK, off += (bytes)) {                \
             __m512 xl = _mm512_loadu_ps(x + i0), xh = _mm512_loadu_ps(x + i0 + 16); \
             for (int r = 0; r < R; r++) {                                          \
+                _mm_prefetch((const char *)(q + (size_t)r * rb + off + LLAMA_QGEMV_AHEAD), \
+                             _MM_HINT_T0);                                         \
                 __m512 wl, wh;                                                     \
                 dec_##name(q + (size_t)r * rb + off, &wl, &wh);                    \
                 al[r] = _mm512_fmadd_ps(xl, wl, al[r]);                            \
