@@ -70,7 +70,8 @@ typedef struct kvarn_llama_session kvarn_llama_session;
  * F32, F16, BF16, Q8_0, Q4_0, Q4_1) to the precision
  * KVARN_LLAMA_WEIGHTS_AUTO picks (kvarn_llama_load_with below; SmolLM2-135M
  * takes ~540 MB in fp32, ~326 MB in bf16 and ~166 MB in int8: the tied
- * embedding keeps plain rows for lookups beside the multiplied copy).
+ * embedding keeps plain rows for lookups beside the multiplied copy; 96 MB
+ * as its file's own Q4_1 / Q8_0 blocks, gguf weights, AUTO's choice for it).
  * Tensors used: token_embd, output_norm, output (optional: tied to
  * token_embd when absent), and per layer blk.N.{attn_norm, attn_q, attn_k,
  * attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight.
@@ -104,10 +105,11 @@ kvarn_status kvarn_llama_load_gguf_ex(const kvarn_gguf *g, const kvarn_allocator
 typedef enum kvarn_llama_weights {
     KVARN_LLAMA_WEIGHTS_AUTO = 0, /* the environment's KVARN_WEIGHTS ("fp32",
                                      "bf16", "int8" or "gguf") when set, else
-                                     gguf for a file whose layer matrices
-                                     and output head are all Q4_0 / Q4_1 /
-                                     Q8_0, else bf16 where this build and
-                                     CPU can run it, else fp32 */
+                                     gguf for a file whose matrices (every
+                                     tensor of 2+ dimensions) are all Q4_0 /
+                                     Q4_1 / Q8_0 on a CPU with AVX2, else
+                                     bf16 where this build and CPU can run
+                                     it, else fp32 */
     KVARN_LLAMA_WEIGHTS_FP32 = 1, /* every matrix dequantized to fp32 (4
                                      bytes/weight; OpenBLAS sgemm/sgemv);
                                      the cross-check tests' precision */
@@ -163,7 +165,8 @@ kvarn_llama_weights kvarn_llama_get_weights(const kvarn_llama *model);
 /* Bytes of the model's weight matrices as held (every matrix, the tied head
  * counted once; bf16/int8: oneDNN's blocked copy with its padding, int8's
  * float scale per row, and the plain rows a tied embedding keeps for
- * lookups); 0 for NULL. */
+ * lookups; gguf: the blocks, and 4 bytes a weight for matrices held in
+ * fp32); 0 for NULL. */
 uint64_t kvarn_llama_weight_bytes(const kvarn_llama *model);
 
 /* Free a model (NULL is fine). Free its sessions first. */

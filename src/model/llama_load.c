@@ -12,6 +12,7 @@
 #include "codec/checked.h"
 #include "kvarn/gguf.h"
 #include "model/llama_internal.h"
+#include "codec/cpu.h"
 #include "model/llama_qgemv.h"
 
 /* Read an optional u32 key; absent leaves *out unchanged. */
@@ -327,9 +328,11 @@ static int all_matrices_blocked(const kvarn_gguf *g)
 }
 
 /* AUTO: KVARN_WEIGHTS when set, else gguf for a file whose matrices are all
- * Q4_0 / Q4_1 / Q8_0 (all_matrices_blocked), else bf16 when this build and
- * CPU can make oneDNN's bf16 matmul (tried: the engine and one primitive),
- * else fp32. */
+ * Q4_0 / Q4_1 / Q8_0 (all_matrices_blocked) on a CPU with the AVX2 or
+ * AVX-512 GEMV (the scalar reference runs at ~0.3x fp32's sgemv: only
+ * there are bf16 / fp32 faster), else bf16 when this build and CPU can
+ * make oneDNN's bf16 matmul (tried: the engine and one primitive), else
+ * fp32. */
 static kvarn_status resolve_weights(const kvarn_gguf *g, kvarn_llama_weights asked,
                                     const kvarn_allocator *alloc, kvarn_llama_weights *out)
 {
@@ -348,7 +351,7 @@ static kvarn_status resolve_weights(const kvarn_gguf *g, kvarn_llama_weights ask
         else return KVARN_ERR_INVALID_ARG;
         return KVARN_OK;
     }
-    if (all_matrices_blocked(g)) {
+    if (all_matrices_blocked(g) && kvarn__cpu_level() >= KVARN_CPU_AVX2) {
         *out = KVARN_LLAMA_WEIGHTS_GGUF;
         return KVARN_OK;
     }

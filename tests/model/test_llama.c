@@ -27,6 +27,7 @@
 #include "kvarn/cache.h"
 #include "kvarn/gguf.h"
 #include "kvarn/model.h"
+#include "codec/cpu.h"
 #include "model/llama_internal.h"
 
 enum { NL = 2, E = 128, NH = 4, NKV = 2, HD = 64, FF = 192, VOCAB = 300 };
@@ -150,8 +151,9 @@ static void make_tensor(wtensor *t, const char *name, int in, int out,
 /* Metadata a test may change; the tensors keep the shapes of the enum. */
 typedef struct wmeta {
     uint32_t context_length, head_count, head_count_kv, key_length;
+    int all_blocked; /* 1: every matrix Q4_1 or Q8_0 (the F16 ones Q4_1) */
 } wmeta;
-static const wmeta k_meta = { 1024, NH, NKV, HD };
+static const wmeta k_meta = { 1024, NH, NKV, HD, 0 };
 
 /* The whole file: metadata (arch and *meta as given), then the tensors. */
 static buf write_gguf(const char *arch, int drop_tensor, const wmeta *meta)
@@ -170,7 +172,8 @@ static buf write_gguf(const char *arch, int drop_tensor, const wmeta *meta)
     }
     make_tensor(&ts[nt++], "output_norm.weight", E, 0, KVARN_GGML_F32, 0.1f, 1.0f, &rng);
     /* An output head of its own (untied; the real model covers tied). */
-    make_tensor(&ts[nt++], "output.weight", E, VOCAB, KVARN_GGML_F16, 1.0f, 0, &rng);
+    const kvarn_ggml_type f16 = meta->all_blocked ? KVARN_GGML_Q4_1 : KVARN_GGML_F16;
+    make_tensor(&ts[nt++], "output.weight", E, VOCAB, f16, 1.0f, 0, &rng);
     float ws = 1.0f / sqrtf((float)E);
     for (int l = 0; l < NL; l++) {
         char nm[64];
@@ -181,13 +184,13 @@ static buf write_gguf(const char *arch, int drop_tensor, const wmeta *meta)
     } while (0)
         T("attn_norm", E, 0, KVARN_GGML_F32, 0.1f, 1.0f);
         /* Larger Q/K make the softmax peaky, so attention matters. */
-        T("attn_q", E, NH * HD, KVARN_GGML_F16, 2 * ws, 0);
+        T("attn_q", E, NH * HD, f16, 2 * ws, 0);
         T("attn_k", E, NKV * HD, KVARN_GGML_Q4_1, 2 * ws, 0);
         T("attn_v", E, NKV * HD, KVARN_GGML_Q8_0, ws, 0);
         T("attn_output", NH * HD, E, KVARN_GGML_Q4_1, 1.0f / sqrtf(NH * HD), 0);
         T("ffn_norm", E, 0, KVARN_GGML_F32, 0.1f, 1.0f);
         T("ffn_gate", E, FF, KVARN_GGML_Q4_1, ws, 0);
-        T("ffn_up", E, FF, KVARN_GGML_F16, ws, 0);
+        T("ffn_up", E, FF, f16, ws, 0);
         T("ffn_down", FF, E, KVARN_GGML_Q8_0, 1.0f / sqrtf(FF), 0);
 #undef T
     }
@@ -1256,15 +1259,38 @@ static void test_gguf_weights(void **state)
     free(sb.out);
     kvarn_llama_free(m);
 
-    /* AUTO: gguf only for a file of blocked matrices, or when named */
-    const char *env = getenv("KVARN_WEIGHTS");
-    char saved[16] = "";
+    /* AUTO: gguf only for a file of blocked matrices on a CPU with the
+     * AVX2 / AVX-512 GEMV (KVARN_SIMD=scalar: not), or when named */
+    const char *env = getenv("KVARN_WEIGHTS"), *simd = getenv("KVARN_SIMD");
+    char saved[16] = "", saved_simd[16] = "";
     if (env) snprintf(saved, sizeof saved, "%s", env);
+    if (simd) snprintf(saved_simd, sizeof saved_simd, "%s", simd);
     lo.weights = KVARN_LLAMA_WEIGHTS_AUTO;
     assert_int_equal(unsetenv("KVARN_WEIGHTS"), 0);
     assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
     assert_true(kvarn_llama_get_weights(m) != KVARN_LLAMA_WEIGHTS_GGUF);
     kvarn_llama_free(m);
+    wmeta blocked = k_meta;
+    blocked.all_blocked = 1;
+    buf bf = write_gguf("llama", 0, &blocked);
+    kvarn_gguf *gb = NULL;
+    assert_int_equal(kvarn_gguf_open_memory(bf.p, bf.n, &gb, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_load_gguf_with(gb, &lo, &m), KVARN_OK);
+    if (kvarn__cpu_level() >= KVARN_CPU_AVX2) {
+        assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_GGUF);
+        assert_non_null(m->output.q); /* Q4_1 head, Q4_1 + Q8_0 stacks... */
+        assert_null(m->layers[0].wqkv.q); /* ...of mixed types: fp32 */
+        assert_non_null(m->layers[0].w_gate_up.q); /* Q4_1 + Q4_1 */
+    }
+    kvarn_llama_free(m);
+    assert_int_equal(setenv("KVARN_SIMD", "scalar", 1), 0);
+    assert_int_equal(kvarn_llama_load_gguf_with(gb, &lo, &m), KVARN_OK);
+    assert_true(kvarn_llama_get_weights(m) != KVARN_LLAMA_WEIGHTS_GGUF);
+    kvarn_llama_free(m);
+    if (simd) assert_int_equal(setenv("KVARN_SIMD", saved_simd, 1), 0);
+    else assert_int_equal(unsetenv("KVARN_SIMD"), 0);
+    kvarn_gguf_close(gb);
+    free(bf.p);
     assert_int_equal(setenv("KVARN_WEIGHTS", "gguf", 1), 0);
     assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
     assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_GGUF);
