@@ -12,7 +12,7 @@
  * layers, Q8_0 for the head, as SmolLM2's GGUF holds them) through the
  * runner's llama_matmul (M = 1: kvarn's GEMV at the CPU's SIMD level; M > 1:
  * slabs dequantized to fp32 and OpenBLAS sgemm), and for M = 1 the GEMV at
- * each SIMD level the CPU has ("q4 scalar" / "q4 avx2" / "q4 avx512").
+ * each SIMD level the CPU has ("gemv scalar" / "gemv avx2" / "gemv avx512").
  * Each row is a ratio to fp32 measured in the same run, formats
  * interleaved, median of --repeat rounds. Not a test.
  *
@@ -78,8 +78,8 @@ typedef void (*sbgemm_fn)(int, int, int, int, int, int, float, const uint16_t *,
 enum { V_F32, V_SBGEMM, V_DNNL_RT, V_DNNL_BF16, V_DNNL_S8, V_GGUF, V_Q_REF, V_Q_AVX2,
        V_Q_AVX512, NV };
 static const char *VNAME[NV] = {"fp32 sgemm/v", "bf16 sbgemm", "bf16 oneDNN rt",
-                                "bf16 oneDNN", "int8 oneDNN", "gguf matmul", "q4 scalar",
-                                "q4 avx2", "q4 avx512"};
+                                "bf16 oneDNN", "int8 oneDNN", "gguf matmul", "gemv scalar",
+                                "gemv avx2", "gemv avx512"};
 
 #define MAX_COPIES 30
 
