@@ -547,6 +547,13 @@ static void scale_rows(const float *cs, int r0, int rows, int out, float *y)
 }
 #endif
 
+/* Weights from which a one-token GEMV is split over the session's pool
+ * (SmolLM2: gate/up, 1.77 M, and the head, 28 M; not QKV, output, down).
+ * bench_decode --threads 2, fp16 cache at depth ~0, one noisy run on the
+ * shared cores: 112 / 106 tok/s with this threshold, 91 / 90 splitting
+ * every matrix, 85 / 84 splitting none (docs/model.md). */
+#define LLAMA_QGEMV_SPLIT ((size_t)1 << 20)
+
 /* One GEMV task: a run of rows of a gguf matrix. */
 typedef struct qgemv_job {
     const llama_qkernels *k;
@@ -575,7 +582,12 @@ static void matmul_q(llama_mm_ctx *c, const float *x, int n, const llama_matrix 
 {
     const llama_qkernels *k = llama_qkernels_get(w->qtype, kvarn__cpu_level());
     if (n == 1) {
-        int workers = kvarn_thread_pool_size(c->pool);
+        /* Split only a matrix of at least LLAMA_QGEMV_SPLIT weights: a
+         * pool run costs a wake-up and a join (condition variables, some
+         * 10-20 us, more when the other core is busy), worth paying for
+         * ~60 us or more of GEMV on one core (~17 G weights/s). */
+        int workers = (size_t)w->out * (size_t)w->in >= LLAMA_QGEMV_SPLIT
+                    ? kvarn_thread_pool_size(c->pool) : 1;
         /* tasks of whole 4-row passes, about 4 per worker for balance */
         int tasks = workers > 1 ? workers * 4 : 1;
         int per = (w->out + tasks - 1) / tasks;

@@ -257,19 +257,22 @@ static void *mm_thread(void *arg)
 }
 
 /* llama_matmul on gguf matrices: one token on 1 and 2 threads (the same
- * bits: a row's value does not depend on the split), chunks of 2, 37 and
+ * bits: a row's value does not depend on the split; matrices above
+ * LLAMA_QGEMV_SPLIT weights are split), chunks of 2, 37 and
  * 128 rows through the slab and sgemm, each row within gamma_K; and two
  * contexts (sessions) on other threads sharing the matrix at once. */
 static void test_matmul(void **state)
 {
     (void)state;
-    static const int SH[][2] = {{960, 576}, {576, 1536}, {70, 64}, {3, 32}};
+    /* 3072 x 576 (SmolLM2's gate/up) is above LLAMA_QGEMV_SPLIT: the one
+     * the 2-thread context splits */
+    static const int SH[][2] = {{3072, 576}, {960, 576}, {576, 1536}, {70, 64}, {3, 32}};
     static const int NS[] = {1, 2, 37, 128};
     test_rng r;
     test_rng_seed(&r, 47);
     kvarn_llama *m = shell();
     for (int t = 0; t < 3; t++)
-        for (int s = 0; s < 4; s++) {
+        for (int s = 0; s < 5; s++) {
             int out = SH[s][0], in = SH[s][1];
             llama_matrix w;
             assert_int_equal(llama_matrix_alloc_q(m, &w, out, in, TYPES[t]), KVARN_OK);
