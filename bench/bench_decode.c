@@ -11,7 +11,14 @@
  *
  *   bench_decode [-m MODEL] [-f TEXT] [--ctx 512,2048,8192]
  *                [--kv-cache-dtype all|NAME,...] [--decode 16] [--repeat 3]
- *                [--threads 1]
+ *                [--threads 1] [--weights fp32|bf16|int8|gguf[,...]]
+ *
+ * --weights: load the model once per precision listed (default: as
+ * KVARN_WEIGHTS / AUTO choose) and interleave them too, every (weights,
+ * format) pair taking its turn in each round; a table per precision, then
+ * each one's tokens/s as a ratio to the first listed, same format and
+ * context, measured in the same rounds. --threads: the session's
+ * attn_threads, which also split the gguf GEMV's rows.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +65,7 @@ int main(int argc, char **argv)
     long ctxs[8] = {512, 2048, 8192};
     int n_ctx = 3;
     long n_decode = 16, repeat = 3, threads = 1;
+    const char *weights_list = NULL;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
         if (!strcmp(a, "-m")) model_path = v;
@@ -67,6 +75,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--decode")) n_decode = atol(v);
         else if (!strcmp(a, "--repeat")) repeat = atol(v);
         else if (!strcmp(a, "--threads")) threads = atol(v);
+        else if (!strcmp(a, "--weights")) weights_list = v;
         else { fprintf(stderr, "bench_decode: unknown option %s\n", a); return 2; }
     }
     if (n_decode < 1 || repeat < 1 || repeat > 64 || threads < 1) return 2;
@@ -86,17 +95,40 @@ int main(int argc, char **argv)
     for (int i = 0; i < n_listed; i++)
         if (strcmp(listed[i].name, "fp16") != 0) fmts[nf++] = listed[i];
 
+    /* precisions: AUTO alone, or the list */
+    static const char *WNAME[] = {"auto", "fp32", "bf16", "int8", "gguf"};
+    kvarn_llama_weights wts[8];
+    int nw = 0;
+    if (!weights_list) wts[nw++] = KVARN_LLAMA_WEIGHTS_AUTO;
+    else
+        for (const char *p = weights_list; *p && nw < 8;) {
+            size_t len = strcspn(p, ",");
+            int k = 1;
+            while (k < 5 && (strlen(WNAME[k]) != len || strncmp(p, WNAME[k], len))) k++;
+            if (k == 5) {
+                fprintf(stderr, "bench_decode: --weights takes fp32, bf16, int8, gguf\n");
+                return 2;
+            }
+            wts[nw++] = (kvarn_llama_weights)k;
+            p += len + (p[len] == ',');
+        }
+
     char err[256] = "";
     kvarn_gguf *g = NULL;
-    kvarn_llama *model = NULL;
+    kvarn_llama *models[8] = {NULL};
     kvarn_tokenizer *tok = NULL;
-    if (kvarn_gguf_open(model_path, &g, err, sizeof err) != KVARN_OK ||
-        kvarn_llama_load_gguf(g, &model) != KVARN_OK || kvarn_tokenizer_from_gguf(g, &tok) != KVARN_OK) {
-        fprintf(stderr, "bench_decode: cannot load %s %s (bash scripts/setup.sh --model fetches it)\n",
-                model_path, err);
+    kvarn_status lst = kvarn_gguf_open(model_path, &g, err, sizeof err);
+    for (int w = 0; w < nw && lst == KVARN_OK; w++) {
+        kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+        lo.weights = wts[w];
+        lst = kvarn_llama_load_gguf_with(g, &lo, &models[w]);
+    }
+    if (lst != KVARN_OK || kvarn_tokenizer_from_gguf(g, &tok) != KVARN_OK) {
+        fprintf(stderr, "bench_decode: cannot load %s %s %s (bash scripts/setup.sh --model fetches it)\n",
+                model_path, err, kvarn_strerror(lst));
         return 1;
     }
-    const kvarn_llama_hparams *hp = kvarn_llama_get_hparams(model);
+    const kvarn_llama_hparams *hp = kvarn_llama_get_hparams(models[0]);
     FILE *f = fopen(text_path, "rb");
     if (f == NULL) { fprintf(stderr, "bench_decode: cannot open %s\n", text_path); return 1; }
     size_t cap = 4u << 20;
@@ -111,11 +143,14 @@ int main(int argc, char **argv)
     float *logits = malloc(sizeof(float) * (size_t)hp->vocab);
     printf("bench_decode: %s, %ld decode steps x %ld repeats (median), %ld attention thread(s)\n",
            model_path, n_decode, repeat, threads);
-    kvarn_llama_weights wt = kvarn_llama_get_weights(model);
-    printf("weights: %s, %.0f MB (KVARN_WEIGHTS=fp32|bf16|int8 chooses)\n",
-           wt == KVARN_LLAMA_WEIGHTS_BF16 ? "bf16" : wt == KVARN_LLAMA_WEIGHTS_INT8 ? "int8" : "fp32",
-           (double)kvarn_llama_weight_bytes(model) / 1e6);
-    /* tps[fi][c]: decode tokens/s of format fi at context c */
+    for (int w = 0; w < nw; w++)
+        printf("weights: %s, %.0f MB (KVARN_WEIGHTS=fp32|bf16|int8|gguf or --weights chooses)\n",
+               WNAME[kvarn_llama_get_weights(models[w])],
+               (double)kvarn_llama_weight_bytes(models[w]) / 1e6);
+    /* configurations: (weights w, format fi) at index w * nf0 + fi */
+    const int nf0 = nf;
+    nf = nw * nf0;
+    /* tps[fi][c]: decode tokens/s of configuration fi at context c */
     double *tps = calloc((size_t)nf * (size_t)n_ctx, sizeof(double));
     const char **why = calloc((size_t)nf * (size_t)n_ctx, sizeof(char *));
     kvarn_llama_session **sess = calloc((size_t)nf, sizeof *sess);
@@ -131,11 +166,11 @@ int main(int argc, char **argv)
         }
         for (int fi = 0; fi < nf; fi++) {
             kvarn_llama_session_opts so = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-            so.format = &fmts[fi];
+            so.format = &fmts[fi % nf0];
             so.max_tokens = (int)ctxs[c];
             so.max_chunk = 512;
             so.attn_threads = (int)threads;
-            kvarn_status st = kvarn_llama_session_create(model, &so, &sess[fi]);
+            kvarn_status st = kvarn_llama_session_create(models[fi / nf0], &so, &sess[fi]);
             for (long p = 0; p < prefill && st == KVARN_OK; p += 512) {
                 int n = (int)(prefill - p < 512 ? prefill - p : 512);
                 st = kvarn_llama_forward(sess[fi], ids + p, n, KVARN_LLAMA_LOGITS_NONE, NULL, 0);
@@ -164,17 +199,35 @@ int main(int argc, char **argv)
         }
         fprintf(stderr, "bench_decode: context %ld done\n", ctxs[c]);
     }
-    printf("%-18s", "format \\ context");
-    for (int c = 0; c < n_ctx; c++) printf(" %10ld tok/s  x fp16", ctxs[c]);
-    printf("\n");
-    for (int fi = 0; fi < nf; fi++) {
-        printf("%-18s", fmts[fi].name);
-        for (int c = 0; c < n_ctx; c++) {
-            if (why[fi * n_ctx + c]) printf(" %16s %6s", why[fi * n_ctx + c], "");
-            else printf(" %16.1f %5.2fx", tps[fi * n_ctx + c],
-                        tps[c] > 0 ? tps[fi * n_ctx + c] / tps[c] : 0.0);
-        }
+    for (int w = 0; w < nw; w++) {
+        if (nw > 1) printf("\nweights %s:\n", WNAME[kvarn_llama_get_weights(models[w])]);
+        printf("%-18s", "format \\ context");
+        for (int c = 0; c < n_ctx; c++) printf(" %10ld tok/s  x fp16", ctxs[c]);
         printf("\n");
+        for (int f0 = 0; f0 < nf0; f0++) {
+            int fi = w * nf0 + f0, base = w * nf0; /* fp16 of the same weights */
+            printf("%-18s", fmts[f0].name);
+            for (int c = 0; c < n_ctx; c++) {
+                if (why[fi * n_ctx + c]) printf(" %16s %6s", why[fi * n_ctx + c], "");
+                else printf(" %16.1f %5.2fx", tps[fi * n_ctx + c],
+                            tps[base * n_ctx + c] > 0 ? tps[fi * n_ctx + c] / tps[base * n_ctx + c]
+                                                      : 0.0);
+            }
+            printf("\n");
+        }
+    }
+    for (int w = 1; w < nw; w++) {
+        printf("\nweights %s x %s (same format and context, same rounds):\n",
+               WNAME[kvarn_llama_get_weights(models[w])], WNAME[kvarn_llama_get_weights(models[0])]);
+        for (int f0 = 0; f0 < nf0; f0++) {
+            printf("%-18s", fmts[f0].name);
+            for (int c = 0; c < n_ctx; c++) {
+                double a = tps[(w * nf0 + f0) * n_ctx + c], b = tps[f0 * n_ctx + c];
+                if (a > 0 && b > 0) printf(" %10ld: %5.2fx", ctxs[c], a / b);
+                else printf(" %10ld: %6s", ctxs[c], "-");
+            }
+            printf("\n");
+        }
     }
     free(tps);
     free(why);
@@ -183,7 +236,7 @@ int main(int argc, char **argv)
     free(logits);
     free(ids);
     kvarn_tokenizer_free(tok);
-    kvarn_llama_free(model);
+    for (int w = 0; w < nw; w++) kvarn_llama_free(models[w]);
     kvarn_gguf_close(g);
     return 0;
 }

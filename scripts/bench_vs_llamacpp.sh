@@ -23,8 +23,8 @@
 # the rounds) is printed under the table. kvarn: decode tokens/s of
 # single-token forward calls starting at each depth (DECODE x 3 tokens, the
 # median third), caches fp16, int8, kvarn_k4v2_g128, weights as the library
-# chooses, or once per precision listed by -w (fp32, bf16, int8: kvarn's
-# rows are then named kvarn/PRECISION). llama.cpp: llama-bench -p 0
+# chooses, or once per precision listed by -w (fp32, bf16, int8, gguf:
+# kvarn's rows are then named kvarn/PRECISION). llama.cpp: llama-bench -p 0
 # -n DECODE*3 -d DEPTH with K and V caches f16, q8_0, q4_0 (flash attention
 # on, which quantized V needs). Both use THREADS threads (kvarn: weights and
 # attention). On a loaded machine llama.cpp's spinning threads suffer more

@@ -3,7 +3,8 @@
  * any kvarn format.
  *
  * Two objects, both owned by the caller:
- *   kvarn_llama          the weights (fp32 or bf16 in memory, chosen at load) and the
+ *   kvarn_llama          the weights (fp32, bf16, int8 or the GGUF's own
+ *                        blocks in memory, chosen at load) and the
  *                        hyper-parameters. Read-only after load; several
  *                        sessions may share one model (one thread each).
  *   kvarn_llama_session  one sequence: its paged KV cache (cache.h) in the
@@ -69,7 +70,8 @@ typedef struct kvarn_llama_session kvarn_llama_session;
  * F32, F16, BF16, Q8_0, Q4_0, Q4_1) to the precision
  * KVARN_LLAMA_WEIGHTS_AUTO picks (kvarn_llama_load_with below; SmolLM2-135M
  * takes ~540 MB in fp32, ~326 MB in bf16 and ~166 MB in int8: the tied
- * embedding keeps plain rows for lookups beside the multiplied copy).
+ * embedding keeps plain rows for lookups beside the multiplied copy; 96 MB
+ * as its file's own Q4_1 / Q8_0 blocks, gguf weights, AUTO's choice for it).
  * Tensors used: token_embd, output_norm, output (optional: tied to
  * token_embd when absent), and per layer blk.N.{attn_norm, attn_q, attn_k,
  * attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight.
@@ -102,21 +104,34 @@ kvarn_status kvarn_llama_load_gguf_ex(const kvarn_gguf *g, const kvarn_allocator
  * precision"). Norm weights are always fp32. */
 typedef enum kvarn_llama_weights {
     KVARN_LLAMA_WEIGHTS_AUTO = 0, /* the environment's KVARN_WEIGHTS ("fp32",
-                                     "bf16" or "int8") when set, else bf16 where
-                                     this build and CPU can run it, else
-                                     fp32 */
+                                     "bf16", "int8" or "gguf") when set, else
+                                     gguf for a file whose matrices (every
+                                     tensor of 2+ dimensions) are all Q4_0 /
+                                     Q4_1 / Q8_0 on a CPU with AVX2, else
+                                     bf16 where this build and CPU can run
+                                     it, else fp32 */
     KVARN_LLAMA_WEIGHTS_FP32 = 1, /* every matrix dequantized to fp32 (4
                                      bytes/weight; OpenBLAS sgemm/sgemv);
                                      the cross-check tests' precision */
     KVARN_LLAMA_WEIGHTS_BF16 = 2, /* rounded to bf16 (2 bytes/weight; oneDNN
                                      bf16 matmul: activations rounded to bf16
                                      at each matmul's input, fp32 sums) */
-    KVARN_LLAMA_WEIGHTS_INT8 = 3  /* int8 codes per row with a scale per row
+    KVARN_LLAMA_WEIGHTS_INT8 = 3, /* int8 codes per row with a scale per row
                                      (1 byte/weight + 4/row; oneDNN s8 matmul:
                                      activations quantized to int8 per token
                                      at each matmul's input, int32 sums);
                                      opt-in, docs/model.md "Weight
                                      precision" */
+    KVARN_LLAMA_WEIGHTS_GGUF = 4  /* each matrix whose tensors are Q4_0, Q4_1
+                                     or Q8_0 kept as the file's own blocks
+                                     (Q4_1: 0.625 bytes/weight), multiplied
+                                     by kvarn's GEMV with fp32 activations
+                                     and sums (each weight dequantized
+                                     exactly as kvarn_ggml_dequantize does:
+                                     the fp32 model, only the summation order
+                                     differs); other types held in fp32.
+                                     Chunks: rows dequantized to fp32 a slab
+                                     at a time, OpenBLAS sgemm. */
 } kvarn_llama_weights;
 
 /* Load settings. Start from KVARN_LLAMA_LOAD_OPTS_DEFAULT. */
@@ -125,7 +140,7 @@ typedef struct kvarn_llama_load_opts {
                                          must outlive the model); NULL =
                                          malloc/free. oneDNN's own objects
                                          (engine, primitives) are its own. */
-    kvarn_llama_weights weights;      /* AUTO, FP32, BF16 or INT8 */
+    kvarn_llama_weights weights;      /* AUTO, FP32, BF16, INT8 or GGUF */
 } kvarn_llama_load_opts;
 
 #define KVARN_LLAMA_LOAD_OPTS_DEFAULT { NULL, KVARN_LLAMA_WEIGHTS_AUTO }
@@ -134,7 +149,7 @@ typedef struct kvarn_llama_load_opts {
  * defaults; the calls above use the defaults with their allocator).
  * Errors: as those, and KVARN_ERR_INVALID_ARG (an unknown weights value, an
  * allocator with only one of alloc/free set, KVARN_WEIGHTS set to anything
- * but "fp32", "bf16" or "int8" under AUTO), KVARN_ERR_UNSUPPORTED (BF16 or
+ * but "fp32", "bf16", "int8" or "gguf" under AUTO), KVARN_ERR_UNSUPPORTED (BF16 or
  * INT8 asked for, or named by KVARN_WEIGHTS, where this build has no oneDNN or oneDNN
  * cannot make a bf16 matmul on this CPU). */
 kvarn_status kvarn_llama_load_with(const char *path, const kvarn_llama_load_opts *opts,
@@ -143,14 +158,15 @@ kvarn_status kvarn_llama_load_gguf_with(const kvarn_gguf *g,
                                         const kvarn_llama_load_opts *opts,
                                         kvarn_llama **out);
 
-/* The precision the model's weights are held in (FP32 or BF16, AUTO
- * resolved); FP32 for NULL. */
+/* The precision the model's weights are held in (FP32, BF16, INT8 or
+ * GGUF: AUTO resolved); FP32 for NULL. */
 kvarn_llama_weights kvarn_llama_get_weights(const kvarn_llama *model);
 
 /* Bytes of the model's weight matrices as held (every matrix, the tied head
  * counted once; bf16/int8: oneDNN's blocked copy with its padding, int8's
  * float scale per row, and the plain rows a tied embedding keeps for
- * lookups); 0 for NULL. */
+ * lookups; gguf: the blocks, and 4 bytes a weight for matrices held in
+ * fp32); 0 for NULL. */
 uint64_t kvarn_llama_weight_bytes(const kvarn_llama *model);
 
 /* Free a model (NULL is fine). Free its sessions first. */
@@ -355,7 +371,7 @@ typedef enum kvarn_llama_logits {
  * call: argument errors are found before any work, and a failure inside
  * the pass drops the chunk's tokens from the cache again (logits may then
  * hold partial results). KVARN_ERR_NOMEM / KVARN_ERR_UNSUPPORTED only with
- * bf16 weights: oneDNN refused a matmul call. */
+ * bf16 / int8 weights: oneDNN refused a matmul call. */
 kvarn_status kvarn_llama_forward(kvarn_llama_session *s, const int32_t *tokens,
                                  int n, kvarn_llama_logits which,
                                  float *logits, size_t logits_len);

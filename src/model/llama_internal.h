@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvarn/attn.h"
 #include "kvarn/cache.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/model.h"
@@ -38,6 +39,10 @@ typedef struct llama_matrix {
     void *primb;        /* dnnl_primitive_t, M = LLAMA_MM_BLOCK */
     void *wmem;         /* dnnl_memory_t over blk */
     size_t scratch_bytes; /* the larger scratchpad of the two */
+    uint8_t *q;         /* gguf: the file's own blocks [out][row_bytes]
+                           (llama_qgemv.h), or NULL */
+    size_t row_bytes;   /* gguf: bytes of one row of blocks */
+    kvarn_ggml_type qtype; /* gguf: Q4_0, Q4_1 or Q8_0 */
 } llama_matrix;
 
 /* One transformer block. Q, K and V are stacked into one matrix and gate
@@ -54,7 +59,7 @@ typedef struct llama_layer {
 struct kvarn_llama {
     kvarn_allocator alloc; /* the model and its weights (alloc.h) */
     kvarn_llama_hparams hp;
-    kvarn_llama_weights weights; /* FP32 or BF16 (resolved) */
+    kvarn_llama_weights weights; /* FP32, BF16, INT8 or GGUF (resolved) */
     llama_matrix tok_embd;  /* [vocab][hidden]; rows looked up by token */
     float *output_norm;     /* [hidden] */
     llama_matrix output;    /* [vocab][hidden]; a copy of tok_embd's
@@ -74,11 +79,24 @@ struct kvarn_llama {
  * through the model's allocator; the contents are filled by
  * llama_matrix_set_rows). Errors: KVARN_ERR_NOMEM. */
 kvarn_status llama_matrix_alloc(kvarn_llama *model, llama_matrix *m, int out, int in);
+/* Allocate m for [out][in] kept as the GGUF's own blocks of type (gguf
+ * weights: Q4_0, Q4_1, Q8_0; in a multiple of 32), filled by
+ * llama_matrix_set_q_rows. Errors: KVARN_ERR_UNSUPPORTED (another type),
+ * KVARN_ERR_BAD_FILE (in not a whole number of blocks), KVARN_ERR_NOMEM. */
+kvarn_status llama_matrix_alloc_q(kvarn_llama *model, llama_matrix *m, int out, int in,
+                                  kvarn_ggml_type type);
+/* Rows [r0, r0 + rows) of a gguf matrix from a tensor's blocks: src holds
+ * bytes bytes of type. Errors (m unchanged): KVARN_ERR_BAD_FILE (another
+ * type, or bytes != rows * row_bytes: a truncated or odd tensor),
+ * KVARN_ERR_INVALID_ARG (rows outside the matrix). */
+kvarn_status llama_matrix_set_q_rows(llama_matrix *m, int r0, int rows, kvarn_ggml_type type,
+                                     const void *src, uint64_t bytes);
 /* Rows [r0, r0 + rows) of m from fp32 src [rows][in] (rounded to bf16 when
  * m is bf16). */
 void llama_matrix_set_rows(llama_matrix *m, int r0, int rows, const float *src);
-/* Row r of m in fp32 (widened when bf16) into dst [in]. A bf16 matrix must
- * hold its plain copy (before prepare, or prepared with keep_rows). */
+/* Row r of m in fp32 (widened when bf16, dequantized as src/gguf/dequant.c
+ * does when gguf) into dst [in]. A bf16 matrix must hold its plain copy
+ * (before prepare, or prepared with keep_rows). */
 void llama_matrix_get_row(const llama_matrix *m, int r, float *dst);
 /* Make m ready to multiply. bf16: reorder the plain weights into blk (the
  * model's allocator, blk_bytes as oneDNN lays them out), make the M = 1 and
@@ -101,6 +119,9 @@ void llama_weights_engine_destroy(kvarn_llama *model);
  * output of such a padded block ([LLAMA_MM_BLOCK][model->max_out] floats;
  * only when max_chunk > 1) and the scratchpad. */
 typedef struct llama_mm_ctx {
+    float *slab;        /* gguf, max_chunk > 1: [LLAMA_MM_SLAB][max_in] fp32
+                           rows dequantized for a chunk's sgemm */
+    kvarn_thread_pool *pool; /* gguf, threads > 1: splits a GEMV's rows */
     void *stream;       /* dnnl_stream_t; NULL for fp32 weights */
     uint16_t *xb;       /* bf16: [rows][max_in] */
     int8_t *xq;         /* int8: [rows][max_in] codes */
@@ -109,15 +130,27 @@ typedef struct llama_mm_ctx {
     void *scratch;      /* model->scratch_bytes */
 } llama_mm_ctx;
 
+/* Rows of a gguf matrix dequantized at a time for a chunk (n > 1): the
+ * slab, LLAMA_MM_SLAB x max_in floats (SmolLM2: 384 KiB at in = 1536),
+ * stays in L2 while OpenBLAS multiplies it by the chunk. */
+#define LLAMA_MM_SLAB 64
+
 /* Bytes llama_mm_ctx_create allocates for chunks of max_chunk rows of at
  * most max_in floats (0 for fp32 weights), checked: KVARN_ERR_TOO_LARGE. */
 kvarn_status llama_mm_ctx_plan(const kvarn_llama *model, int max_chunk, int max_in,
                                uint64_t *bytes);
+/* threads: workers that split a gguf GEMV's rows (the session's
+ * attn_threads; <= 1: the calling thread alone; other precisions ignore
+ * it). Errors: KVARN_ERR_NOMEM, KVARN_ERR_UNSUPPORTED (bf16/int8 without
+ * oneDNN), KVARN_ERR_TOO_LARGE. */
 kvarn_status llama_mm_ctx_create(const kvarn_llama *model, const kvarn_allocator *a,
-                                 int max_chunk, int max_in, llama_mm_ctx *c);
+                                 int max_chunk, int max_in, int threads, llama_mm_ctx *c);
 void llama_mm_ctx_destroy(const kvarn_allocator *a, llama_mm_ctx *c);
 
-/* Y[n][out] = X[n][in] W^T (fp32: OpenBLAS, GEMV for n == 1; bf16: X
+/* Y[n][out] = X[n][in] W^T (fp32: OpenBLAS, GEMV for n == 1; gguf: n == 1
+ * the GEMV of llama_qgemv.h at the CPU's SIMD level, rows split over the
+ * ctx's pool; n > 1 LLAMA_MM_SLAB rows at a time dequantized into the slab
+ * and multiplied by OpenBLAS sgemm; bf16: X
  * rounded to bf16, oneDNN matmul, fp32 sums and Y; int8: X quantized per
  * row, int32 sums, scaled by the row's and the channel's scales; bf16 and
  * int8 alike: one row through prim1;

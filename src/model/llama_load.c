@@ -1,8 +1,9 @@
 /*
  * llama_load.c -- load a llama-architecture GGUF: hyper-parameters from the
  * llama.* metadata, every weight dequantized (include/kvarn/gguf.h) to the
- * precision chosen (fp32 or bf16, llama_weights.c) and laid out for batched
- * GEMMs (src/model/llama_internal.h).
+ * precision chosen (fp32, bf16 or int8, llama_weights.c), or with gguf
+ * weights copied as the file's own blocks, and laid out for batched GEMMs
+ * (src/model/llama_internal.h).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +12,8 @@
 #include "codec/checked.h"
 #include "kvarn/gguf.h"
 #include "model/llama_internal.h"
+#include "codec/cpu.h"
+#include "model/llama_qgemv.h"
 
 /* Read an optional u32 key; absent leaves *out unchanged. */
 static kvarn_status opt_u32(const kvarn_gguf *g, const char *key, int *out)
@@ -111,6 +114,8 @@ static kvarn_status load_rows(const kvarn_gguf *g, const char *name, int in, int
     const kvarn_gguf_tensor *t;
     kvarn_status st = find_tensor(g, name, in, out, &t);
     if (st != KVARN_OK) return st;
+    if (m->q) /* gguf: the blocks as they are (type and size checked) */
+        return llama_matrix_set_q_rows(m, r0, out, t->type, t->data, t->n_bytes);
     for (int r = 0; r < out; r += LOAD_ROWS) {
         int rows = out - r < LOAD_ROWS ? out - r : LOAD_ROWS;
         st = kvarn_gguf_tensor_dequantize(t, (uint64_t)r * (uint64_t)in,
@@ -183,6 +188,32 @@ void kvarn_llama_free(kvarn_llama *m)
     kvarn__free(&a, m);
 }
 
+/* gguf weights: the block type a matrix stacked from the tensors names[0..n)
+ * is kept in (all of one served type: Q4_0, Q4_1, Q8_0), else F32: held in
+ * fp32 like the fp32 weights (a missing tensor is reported by load_rows). */
+static kvarn_ggml_type stack_type(const kvarn_llama *m, const kvarn_gguf *g,
+                                  const char *const *names, int n)
+{
+    if (m->weights != KVARN_LLAMA_WEIGHTS_GGUF) return KVARN_GGML_F32;
+    kvarn_ggml_type t = KVARN_GGML_F32;
+    for (int i = 0; i < n; i++) {
+        const kvarn_gguf_tensor *x = kvarn_gguf_find_tensor(g, names[i]);
+        if (!x || !llama_qtype_served(x->type) || (i > 0 && x->type != t)) return KVARN_GGML_F32;
+        t = x->type;
+    }
+    return t;
+}
+
+/* Allocate a matrix for the tensors names[0..n) stacked: the blocks' type
+ * (stack_type) or the model's precision. */
+static kvarn_status alloc_stacked(const kvarn_gguf *g, kvarn_llama *m, llama_matrix *w,
+                                  int out, int in, const char *const *names, int n)
+{
+    kvarn_ggml_type t = stack_type(m, g, names, n);
+    return t == KVARN_GGML_F32 ? llama_matrix_alloc(m, w, out, in)
+                               : llama_matrix_alloc_q(m, w, out, in, t);
+}
+
 static kvarn_status load_layer(const kvarn_gguf *g, kvarn_llama *m, int l, float *rowbuf)
 {
     const kvarn_llama_hparams *hp = &m->hp;
@@ -195,10 +226,18 @@ static kvarn_status load_layer(const kvarn_gguf *g, kvarn_llama *m, int l, float
     L->attn_norm = alloc_floats(a, E);
     L->ffn_norm = alloc_floats(a, E);
     if (!L->attn_norm || !L->ffn_norm) return KVARN_ERR_NOMEM;
-    if ((st = llama_matrix_alloc(m, &L->wqkv, qd + 2 * kd, E)) ||
-        (st = llama_matrix_alloc(m, &L->wo, E, qd)) ||
-        (st = llama_matrix_alloc(m, &L->w_gate_up, 2 * F, E)) ||
-        (st = llama_matrix_alloc(m, &L->w_down, E, F)))
+    char nm[7][KVARN_GGUF_MAX_NAME + 1];
+    static const char *const parts[7] = {"attn_q", "attn_k", "attn_v", "attn_output",
+                                         "ffn_gate", "ffn_up", "ffn_down"};
+    const char *np[7];
+    for (int i = 0; i < 7; i++) {
+        snprintf(nm[i], sizeof nm[i], "blk.%d.%s.weight", l, parts[i]);
+        np[i] = nm[i];
+    }
+    if ((st = alloc_stacked(g, m, &L->wqkv, qd + 2 * kd, E, np, 3)) ||
+        (st = alloc_stacked(g, m, &L->wo, E, qd, np + 3, 1)) ||
+        (st = alloc_stacked(g, m, &L->w_gate_up, 2 * F, E, np + 4, 2)) ||
+        (st = alloc_stacked(g, m, &L->w_down, E, F, np + 6, 1)))
         return st;
     char name[KVARN_GGUF_MAX_NAME + 1];
 #define NAME(suffix) (snprintf(name, sizeof name, "blk.%d." suffix ".weight", l), name)
@@ -236,7 +275,8 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     st = weight_sizes_get(hp, &w);
     if (st != KVARN_OK) return st;
 
-    if (m->weights != KVARN_LLAMA_WEIGHTS_FP32 && (st = llama_weights_engine_create(m)))
+    if ((m->weights == KVARN_LLAMA_WEIGHTS_BF16 || m->weights == KVARN_LLAMA_WEIGHTS_INT8) &&
+        (st = llama_weights_engine_create(m)))
         return st;
     /* Rows are dequantized LOAD_ROWS at a time through one buffer as wide as
      * the widest matrix row (hidden, H D or ffn floats). */
@@ -247,7 +287,9 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     if (!rowbuf) return KVARN_ERR_NOMEM;
     m->output_norm = alloc_floats(&m->alloc, (size_t)hp->hidden);
     if (!m->output_norm) st = KVARN_ERR_NOMEM;
-    if (!st) st = llama_matrix_alloc(m, &m->tok_embd, hp->vocab, hp->hidden);
+    static const char *const embd_name[1] = {"token_embd.weight"};
+    static const char *const out_name[1] = {"output.weight"};
+    if (!st) st = alloc_stacked(g, m, &m->tok_embd, hp->vocab, hp->hidden, embd_name, 1);
     if (!st) st = load_rows(g, "token_embd.weight", hp->hidden, hp->vocab, &m->tok_embd, 0, rowbuf);
     if (!st) st = load_vector(g, "output_norm.weight", hp->hidden, m->output_norm);
     if (!st && hp->tied_output) {
@@ -257,7 +299,7 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
         m->output = m->tok_embd;
     } else if (!st) {
         m->output_owned = 1;
-        st = llama_matrix_alloc(m, &m->output, hp->vocab, hp->hidden);
+        st = alloc_stacked(g, m, &m->output, hp->vocab, hp->hidden, out_name, 1);
         if (!st) st = load_rows(g, "output.weight", hp->hidden, hp->vocab, &m->output, 0, rowbuf);
         if (!st) st = llama_matrix_prepare(m, &m->output, 0);
     }
@@ -270,13 +312,32 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     return st;
 }
 
-/* AUTO: KVARN_WEIGHTS when set, else bf16 when this build and CPU can make
- * oneDNN's bf16 matmul (tried: the engine and one primitive), else fp32. */
-static kvarn_status resolve_weights(kvarn_llama_weights asked, const kvarn_allocator *alloc,
-                                    kvarn_llama_weights *out)
+/* 1 when every matrix of the file (each tensor of two or more dimensions:
+ * the layers' matrices, the embedding, the head) is of a type the gguf
+ * GEMV serves (Q4_0, Q4_1, Q8_0). */
+static int all_matrices_blocked(const kvarn_gguf *g)
+{
+    uint64_t n = kvarn_gguf_tensor_count(g), mats = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        const kvarn_gguf_tensor *t = kvarn_gguf_tensor_at(g, i);
+        if (!t || t->n_dims < 2) continue;
+        if (!llama_qtype_served(t->type)) return 0;
+        mats++;
+    }
+    return mats > 0;
+}
+
+/* AUTO: KVARN_WEIGHTS when set, else gguf for a file whose matrices are all
+ * Q4_0 / Q4_1 / Q8_0 (all_matrices_blocked) on a CPU with the AVX2 or
+ * AVX-512 GEMV (the scalar reference runs at ~0.3x fp32's sgemv: only
+ * there are bf16 / fp32 faster), else bf16 when this build and CPU can
+ * make oneDNN's bf16 matmul (tried: the engine and one primitive), else
+ * fp32. */
+static kvarn_status resolve_weights(const kvarn_gguf *g, kvarn_llama_weights asked,
+                                    const kvarn_allocator *alloc, kvarn_llama_weights *out)
 {
     if (asked == KVARN_LLAMA_WEIGHTS_FP32 || asked == KVARN_LLAMA_WEIGHTS_BF16 ||
-        asked == KVARN_LLAMA_WEIGHTS_INT8) {
+        asked == KVARN_LLAMA_WEIGHTS_INT8 || asked == KVARN_LLAMA_WEIGHTS_GGUF) {
         *out = asked;
         return KVARN_OK;
     }
@@ -286,7 +347,12 @@ static kvarn_status resolve_weights(kvarn_llama_weights asked, const kvarn_alloc
         if (!strcmp(env, "fp32")) *out = KVARN_LLAMA_WEIGHTS_FP32;
         else if (!strcmp(env, "bf16")) *out = KVARN_LLAMA_WEIGHTS_BF16;
         else if (!strcmp(env, "int8")) *out = KVARN_LLAMA_WEIGHTS_INT8;
+        else if (!strcmp(env, "gguf")) *out = KVARN_LLAMA_WEIGHTS_GGUF;
         else return KVARN_ERR_INVALID_ARG;
+        return KVARN_OK;
+    }
+    if (all_matrices_blocked(g) && kvarn__cpu_level() >= KVARN_CPU_AVX2) {
+        *out = KVARN_LLAMA_WEIGHTS_GGUF;
         return KVARN_OK;
     }
     /* A 1 x 32 bf16 matrix: can oneDNN run it here? */
@@ -319,7 +385,7 @@ kvarn_status kvarn_llama_load_gguf_with(const kvarn_gguf *g,
     kvarn_allocator alloc;
     if (!g || kvarn__alloc_init(&alloc, o.allocator) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
     kvarn_llama_weights weights;
-    kvarn_status st = resolve_weights(o.weights, &alloc, &weights);
+    kvarn_status st = resolve_weights(g, o.weights, &alloc, &weights);
     if (st != KVARN_OK) return st;
     kvarn_llama *m = kvarn__calloc(&alloc, 1, sizeof *m);
     if (!m) return KVARN_ERR_NOMEM;
@@ -361,6 +427,7 @@ static uint64_t matrix_bytes(const llama_matrix *w)
 {
     uint64_t n = (uint64_t)w->out * (uint64_t)w->in;
     return (w->f32 ? 4u * n : 0) + (w->bf16 ? 2u * n : 0) + (w->s8 ? n : 0) +
+           (w->q ? (uint64_t)w->out * (uint64_t)w->row_bytes : 0) +
            (w->wscale ? 4u * (uint64_t)w->out : 0) + (uint64_t)w->blk_bytes;
 }
 

@@ -212,7 +212,7 @@ kvarn_status kvarn_llama_session_create(const kvarn_llama *model,
         int max_in = hp->hidden;
         if (hp->n_heads * hp->head_dim > max_in) max_in = hp->n_heads * hp->head_dim;
         if (hp->ffn > max_in) max_in = hp->ffn;
-        st = llama_mm_ctx_create(model, &s->alloc, o.max_chunk, max_in, &s->mm);
+        st = llama_mm_ctx_create(model, &s->alloc, o.max_chunk, max_in, o.attn_threads, &s->mm);
         if (st != KVARN_OK) {
             kvarn_llama_session_free(s);
             return st;

@@ -32,6 +32,14 @@
  * The primitives are made at load and only read afterwards, with a user
  * scratchpad that each session owns, so sessions on different threads can
  * share a model.
+ *   gguf  each matrix whose tensors are Q4_0, Q4_1 or Q8_0 kept as the
+ *         file's own blocks (SmolLM2: 97 MB against bf16's 270 MB read per
+ *         token); one token through the GEMV of llama_qgemv.h (weights
+ *         dequantized exactly as src/gguf/dequant.c, fp32 activations and
+ *         sums: the fp32 model, only the summation order differs), its rows
+ *         split over the session's pool; a chunk dequantizes LLAMA_MM_SLAB
+ *         rows at a time into the session's slab and multiplies them with
+ *         OpenBLAS sgemm. Matrices of other types are held in fp32.
  */
 #include <cblas.h>
 #include <float.h>
@@ -39,8 +47,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attn/attn_internal.h"
 #include "codec/checked.h"
+#include "codec/cpu.h"
 #include "model/llama_internal.h"
+#include "model/llama_qgemv.h"
 
 #ifdef KVARN_HAVE_DNNL
 #include <oneapi/dnnl/dnnl.h>
@@ -99,6 +110,34 @@ kvarn_status llama_matrix_alloc(kvarn_llama *model, llama_matrix *m, int out, in
     return m->f32 ? KVARN_OK : KVARN_ERR_NOMEM;
 }
 
+kvarn_status llama_matrix_alloc_q(kvarn_llama *model, llama_matrix *m, int out, int in,
+                                  kvarn_ggml_type type)
+{
+    memset(m, 0, sizeof *m);
+    if (!llama_qtype_served(type)) return KVARN_ERR_UNSUPPORTED;
+    if (out < 1 || in < 1 || in % LLAMA_QK) return KVARN_ERR_BAD_FILE;
+    uint64_t rb = kvarn_ggml_row_bytes(type, (uint64_t)in), total;
+    /* fewer bytes than the fp32 copy weight_sizes_get already bounded */
+    if (rb == 0 || kvarn__mul_u64(rb, (uint64_t)out, &total) || total > SIZE_MAX - 64)
+        return KVARN_ERR_TOO_LARGE;
+    m->q = kvarn__malloc_aligned(&model->alloc, ((size_t)total + 63) & ~(size_t)63, 64, 0);
+    if (!m->q) return KVARN_ERR_NOMEM;
+    m->out = out;
+    m->in = in;
+    m->row_bytes = (size_t)rb;
+    m->qtype = type;
+    return KVARN_OK;
+}
+
+kvarn_status llama_matrix_set_q_rows(llama_matrix *m, int r0, int rows, kvarn_ggml_type type,
+                                     const void *src, uint64_t bytes)
+{
+    if (!m->q || r0 < 0 || rows < 1 || r0 > m->out - rows || !src) return KVARN_ERR_INVALID_ARG;
+    if (type != m->qtype || bytes != (uint64_t)rows * m->row_bytes) return KVARN_ERR_BAD_FILE;
+    memcpy(m->q + (size_t)r0 * m->row_bytes, src, (size_t)bytes);
+    return KVARN_OK;
+}
+
 void llama_matrix_set_rows(llama_matrix *m, int r0, int rows, const float *src)
 {
     size_t off = (size_t)r0 * m->in, cnt = (size_t)rows * m->in;
@@ -117,6 +156,11 @@ void llama_matrix_set_rows(llama_matrix *m, int r0, int rows, const float *src)
 
 void llama_matrix_get_row(const llama_matrix *m, int r, float *dst)
 {
+    if (m->q) {
+        /* dequant.c itself: the embedding row as the fp32 model holds it */
+        kvarn_ggml_dequantize(m->qtype, m->q + (size_t)r * m->row_bytes, dst, (uint64_t)m->in);
+        return;
+    }
     size_t off = (size_t)r * m->in;
     if (m->f32) {
         memcpy(dst, m->f32 + off, sizeof(float) * (size_t)m->in);
@@ -322,6 +366,8 @@ void llama_matrix_free(kvarn_llama *model, llama_matrix *m)
     kvarn__free_aligned(&model->alloc, m->s8);
     kvarn__free(&model->alloc, m->wscale);
     kvarn__free_aligned(&model->alloc, m->blk);
+    kvarn__free_aligned(&model->alloc, m->q);
+    m->q = NULL;
     m->f32 = NULL;
     m->bf16 = NULL;
     m->s8 = NULL;
@@ -341,6 +387,16 @@ kvarn_status llama_mm_ctx_plan(const kvarn_llama *model, int max_chunk, int max_
 {
     *bytes = 0;
     if (model->weights == KVARN_LLAMA_WEIGHTS_FP32) return KVARN_OK;
+    if (model->weights == KVARN_LLAMA_WEIGHTS_GGUF) {
+        /* the slab of dequantized rows a chunk multiplies */
+        uint64_t slab = 0;
+        if (max_chunk > 1 &&
+            (kvarn__mul3_u64(LLAMA_MM_SLAB, (uint64_t)max_in, sizeof(float), &slab) ||
+             slab > SIZE_MAX - 128))
+            return KVARN_ERR_TOO_LARGE;
+        *bytes = slab;
+        return KVARN_OK;
+    }
     const int q8 = model->weights == KVARN_LLAMA_WEIGHTS_INT8;
     uint64_t xb, yp = 0, total;
     /* bf16 activations, or int8 codes and one float scale per row */
@@ -358,10 +414,23 @@ kvarn_status llama_mm_ctx_plan(const kvarn_llama *model, int max_chunk, int max_
 }
 
 kvarn_status llama_mm_ctx_create(const kvarn_llama *model, const kvarn_allocator *a,
-                                 int max_chunk, int max_in, llama_mm_ctx *c)
+                                 int max_chunk, int max_in, int threads, llama_mm_ctx *c)
 {
     memset(c, 0, sizeof *c);
     if (model->weights == KVARN_LLAMA_WEIGHTS_FP32) return KVARN_OK;
+    if (model->weights == KVARN_LLAMA_WEIGHTS_GGUF) {
+        uint64_t slab;
+        kvarn_status st = llama_mm_ctx_plan(model, max_chunk, max_in, &slab);
+        if (st != KVARN_OK) return st;
+        if (slab) {
+            c->slab = kvarn__malloc_aligned(a, ((size_t)slab + 63) & ~(size_t)63, 64, 0);
+            if (!c->slab) return KVARN_ERR_NOMEM;
+        }
+        if (threads > 1) st = kvarn_thread_pool_create_ex(threads, a, &c->pool);
+        if (st != KVARN_OK) llama_mm_ctx_destroy(a, c);
+        return st;
+    }
+    (void)threads;
 #ifdef KVARN_HAVE_DNNL
     uint64_t total;
     kvarn_status st = llama_mm_ctx_plan(model, max_chunk, max_in, &total);
@@ -414,6 +483,8 @@ void llama_mm_ctx_destroy(const kvarn_allocator *a, llama_mm_ctx *c)
 #ifdef KVARN_HAVE_DNNL
     if (c->stream) dnnl_stream_destroy((dnnl_stream_t)c->stream);
 #endif
+    kvarn_thread_pool_destroy(c->pool);
+    kvarn__free_aligned(a, c->slab);
     kvarn__free(a, c->xb);
     kvarn__free(a, c->xq);
     kvarn__free(a, c->xs);
@@ -476,9 +547,70 @@ static void scale_rows(const float *cs, int r0, int rows, int out, float *y)
 }
 #endif
 
+/* Weights from which a one-token GEMV is split over the session's pool
+ * (SmolLM2: gate/up, 1.77 M, and the head, 28 M; not QKV, output, down).
+ * bench_decode --threads 2, fp16 cache at depth ~0, one noisy run on the
+ * shared cores: 112 / 106 tok/s with this threshold, 91 / 90 splitting
+ * every matrix, 85 / 84 splitting none (docs/model.md). */
+#define LLAMA_QGEMV_SPLIT ((size_t)1 << 20)
+
+/* One GEMV task: a run of rows of a gguf matrix. */
+typedef struct qgemv_job {
+    const llama_qkernels *k;
+    const llama_matrix *w;
+    const float *x;
+    float *y;
+    int rows_per_task;
+} qgemv_job;
+
+static void qgemv_task(void *ctx, int task, int worker)
+{
+    (void)worker;
+    const qgemv_job *j = ctx;
+    int r0 = task * j->rows_per_task;
+    int rows = j->w->out - r0 < j->rows_per_task ? j->w->out - r0 : j->rows_per_task;
+    if (rows > 0)
+        j->k->gemv(j->w->q + (size_t)r0 * j->w->row_bytes, j->w->row_bytes, j->w->in, j->x,
+                   j->y + r0, rows);
+}
+
+/* gguf weights: llama_matmul's n == 1 GEMV and n > 1 slab + sgemm. Every
+ * row's value is computed by the same instructions whatever the split (a
+ * row gives the same result in a pass of 4 rows as alone), so the result
+ * does not depend on the thread count. */
+static void matmul_q(llama_mm_ctx *c, const float *x, int n, const llama_matrix *w, float *y)
+{
+    const llama_qkernels *k = llama_qkernels_get(w->qtype, kvarn__cpu_level());
+    if (n == 1) {
+        /* Split only a matrix of at least LLAMA_QGEMV_SPLIT weights: a
+         * pool run costs a wake-up and a join (condition variables, some
+         * 10-20 us, more when the other core is busy), worth paying for
+         * ~60 us or more of GEMV on one core (~17 G weights/s). */
+        int workers = (size_t)w->out * (size_t)w->in >= LLAMA_QGEMV_SPLIT
+                    ? kvarn_thread_pool_size(c->pool) : 1;
+        /* tasks of whole 4-row passes, about 4 per worker for balance */
+        int tasks = workers > 1 ? workers * 4 : 1;
+        int per = (w->out + tasks - 1) / tasks;
+        per = (per + 3) & ~3;
+        qgemv_job j = {k, w, x, y, per};
+        attn_pool_run(workers > 1 ? c->pool : NULL, qgemv_task, &j, (w->out + per - 1) / per);
+        return;
+    }
+    for (int r0 = 0; r0 < w->out; r0 += LLAMA_MM_SLAB) {
+        int rows = w->out - r0 < LLAMA_MM_SLAB ? w->out - r0 : LLAMA_MM_SLAB;
+        k->dequant(w->q + (size_t)r0 * w->row_bytes, w->row_bytes, w->in, c->slab, rows);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, w->in, 1.0f, x, w->in,
+                    c->slab, w->in, 0.0f, y + r0, w->out);
+    }
+}
+
 kvarn_status llama_matmul(llama_mm_ctx *c, const float *x, int n, const llama_matrix *w,
                           float *y)
 {
+    if (w->q) {
+        matmul_q(c, x, n, w, y);
+        return KVARN_OK;
+    }
     if (w->f32) {
         if (n == 1)
             cblas_sgemv(CblasRowMajor, CblasNoTrans, w->out, w->in, 1.0f, w->f32, w->in,

@@ -646,10 +646,14 @@ static void test_gguf_model_tokenizer_load(void **state)
     assert_int_equal(fault_loop(&op, &fa), 1 + 1 + 3 + 1 + 6 * NL);
     /* bf16 and int8 weights: the same, plus the blocked copy of every
      * multiplied matrix (and int8's row scales); each refusal NOMEM, no
-     * leak (skipped where the build has no oneDNN). */
+     * leak (skipped where the build has no oneDNN). gguf weights: one
+     * allocation per matrix, blocks or fp32, as fp32's. */
     const char *wname[2] = { "bf16", "int8" }, *env = getenv("KVARN_WEIGHTS");
     char saved[16] = "";
     if (env) snprintf(saved, sizeof saved, "%s", env);
+    assert_int_equal(setenv("KVARN_WEIGHTS", "gguf", 1), 0);
+    op = (fault_op){ "kvarn_llama_load_gguf_ex (gguf)", load_run, load_undo, NULL, &x, 0 };
+    assert_int_equal(fault_loop(&op, &fa), 1 + 1 + 3 + 1 + 6 * NL);
     for (int i = 0; i < 2; i++) {
         assert_int_equal(setenv("KVARN_WEIGHTS", wname[i], 1), 0);
         kvarn_llama *probe = NULL;
@@ -840,19 +844,10 @@ static void feed(kvarn_llama_session *s, const int32_t *ids, int n, float *logit
     }
 }
 
-static void test_session(void **state)
+/* Every case of test_session on model m: creation refused at each
+ * allocation in turn, then forward calls and resets that allocate nothing. */
+static void session_cases(const kvarn_llama *m, const int32_t *ids)
 {
-    (void)state;
-    gw file = tiny_gguf();
-    kvarn_gguf *g = NULL;
-    kvarn_llama *m = NULL;
-    assert_int_equal(kvarn_gguf_open_memory(file.buf, file.len, &g, NULL, 0), KVARN_OK);
-    assert_int_equal(kvarn_llama_load_gguf(g, &m), KVARN_OK);
-    int32_t ids[200];
-    test_rng r;
-    test_rng_seed(&r, 5);
-    for (int i = 0; i < 200; i++) ids[i] = (int32_t)test_rng_below(&r, VOCAB);
-
     /* shared: the sessions take sequences of one cache made here (without
      * the test allocator): a refused create leaves no sequence behind. */
     struct { const char *fmt; int exact, threads, keep, exact_chunk, shared; } cases[] = {
@@ -936,7 +931,30 @@ static void test_session(void **state)
             kvarn_cache_destroy(shared);
         }
     }
+}
+
+static void test_session(void **state)
+{
+    (void)state;
+    gw file = tiny_gguf();
+    kvarn_gguf *g = NULL;
+    kvarn_llama *m = NULL;
+    assert_int_equal(kvarn_gguf_open_memory(file.buf, file.len, &g, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_load_gguf(g, &m), KVARN_OK);
+    /* and the same cases on gguf weights (their sessions add the GEMV's
+     * slab and thread pool) */
+    kvarn_llama *mg = NULL;
+    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    lo.weights = KVARN_LLAMA_WEIGHTS_GGUF;
+    assert_int_equal(kvarn_llama_load_gguf_with(g, &lo, &mg), KVARN_OK);
+    int32_t ids[200];
+    test_rng r;
+    test_rng_seed(&r, 5);
+    for (int i = 0; i < 200; i++) ids[i] = (int32_t)test_rng_below(&r, VOCAB);
+    session_cases(m, ids);
+    session_cases(mg, ids);
     kvarn_llama_free(m);
+    kvarn_llama_free(mg);
     kvarn_gguf_close(g);
     gw_free(&file);
 }

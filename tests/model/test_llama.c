@@ -13,6 +13,7 @@
  * NaN activations (refused, rolled back); bad files.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -26,6 +27,7 @@
 #include "kvarn/cache.h"
 #include "kvarn/gguf.h"
 #include "kvarn/model.h"
+#include "codec/cpu.h"
 #include "model/llama_internal.h"
 
 enum { NL = 2, E = 128, NH = 4, NKV = 2, HD = 64, FF = 192, VOCAB = 300 };
@@ -149,8 +151,9 @@ static void make_tensor(wtensor *t, const char *name, int in, int out,
 /* Metadata a test may change; the tensors keep the shapes of the enum. */
 typedef struct wmeta {
     uint32_t context_length, head_count, head_count_kv, key_length;
+    int all_blocked; /* 1: every matrix Q4_1 or Q8_0 (the F16 ones Q4_1) */
 } wmeta;
-static const wmeta k_meta = { 1024, NH, NKV, HD };
+static const wmeta k_meta = { 1024, NH, NKV, HD, 0 };
 
 /* The whole file: metadata (arch and *meta as given), then the tensors. */
 static buf write_gguf(const char *arch, int drop_tensor, const wmeta *meta)
@@ -169,7 +172,8 @@ static buf write_gguf(const char *arch, int drop_tensor, const wmeta *meta)
     }
     make_tensor(&ts[nt++], "output_norm.weight", E, 0, KVARN_GGML_F32, 0.1f, 1.0f, &rng);
     /* An output head of its own (untied; the real model covers tied). */
-    make_tensor(&ts[nt++], "output.weight", E, VOCAB, KVARN_GGML_F16, 1.0f, 0, &rng);
+    const kvarn_ggml_type f16 = meta->all_blocked ? KVARN_GGML_Q4_1 : KVARN_GGML_F16;
+    make_tensor(&ts[nt++], "output.weight", E, VOCAB, f16, 1.0f, 0, &rng);
     float ws = 1.0f / sqrtf((float)E);
     for (int l = 0; l < NL; l++) {
         char nm[64];
@@ -180,13 +184,13 @@ static buf write_gguf(const char *arch, int drop_tensor, const wmeta *meta)
     } while (0)
         T("attn_norm", E, 0, KVARN_GGML_F32, 0.1f, 1.0f);
         /* Larger Q/K make the softmax peaky, so attention matters. */
-        T("attn_q", E, NH * HD, KVARN_GGML_F16, 2 * ws, 0);
+        T("attn_q", E, NH * HD, f16, 2 * ws, 0);
         T("attn_k", E, NKV * HD, KVARN_GGML_Q4_1, 2 * ws, 0);
         T("attn_v", E, NKV * HD, KVARN_GGML_Q8_0, ws, 0);
         T("attn_output", NH * HD, E, KVARN_GGML_Q4_1, 1.0f / sqrtf(NH * HD), 0);
         T("ffn_norm", E, 0, KVARN_GGML_F32, 0.1f, 1.0f);
         T("ffn_gate", E, FF, KVARN_GGML_Q4_1, ws, 0);
-        T("ffn_up", E, FF, KVARN_GGML_F16, ws, 0);
+        T("ffn_up", E, FF, f16, ws, 0);
         T("ffn_down", FF, E, KVARN_GGML_Q8_0, 1.0f / sqrtf(FF), 0);
 #undef T
     }
@@ -289,18 +293,28 @@ static const kvarn_format *fmt_of(const char *name)
 /* How a run keeps its K/V. */
 enum { KERNELS = 0, EXACT_CHUNK = 1, EXACT = 2 };
 
+static float *run_model(const kvarn_llama *m, const fixture *f, const char *format, int mode,
+                        int chunk, int threads);
+
 /* Logits of all NTOK tokens fed in chunks of `chunk`; caller frees. */
 static float *run(const fixture *f, const char *format, int mode, int chunk)
 {
+    return run_model(f->m, f, format, mode, chunk, test_threads(1));
+}
+
+/* The same on model m with `threads` attention (and gguf GEMV) workers. */
+static float *run_model(const kvarn_llama *m, const fixture *f, const char *format, int mode,
+                        int chunk, int threads)
+{
     kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
-    o.attn_threads = test_threads(1);
+    o.attn_threads = threads;
     o.format = fmt_of(format);
     o.exact = mode == EXACT;
     o.exact_chunk = mode == EXACT_CHUNK;
     o.max_tokens = NTOK;
     o.max_chunk = chunk;
     kvarn_llama_session *s = NULL;
-    assert_int_equal(kvarn_llama_session_create(f->m, &o, &s), KVARN_OK);
+    assert_int_equal(kvarn_llama_session_create(m, &o, &s), KVARN_OK);
     float *lg = malloc(sizeof(float) * NTOK * VOCAB);
     assert_non_null(lg);
     for (int p = 0; p < NTOK; p += chunk) {
@@ -1164,6 +1178,127 @@ static void test_weights_option(void **state)
     kvarn_llama_free(m);
 }
 
+/* gguf weights on the tiny file. Kept as blocks: attn_output (Q4_1),
+ * ffn_down (Q8_0) and the embedding (Q8_0); the stacks of mixed types
+ * (QKV: F16 + Q4_1 + Q8_0, gate/up: Q4_1 + F16) and the F16 head in fp32.
+ * Every weight is dequant.c's value (tests/model/test_qgemv.c), so this is
+ * the fp32 model with other summation orders: against the fp32 weights'
+ * run the bound of test_exact_prefill_decode_chunked holds (2 paths x 11
+ * stages x gamma_300 of max|logit|), for one prefill, chunks of 7 (the
+ * slab + sgemm path) and decode (the GEMV). Two sessions on two threads
+ * share the model, each with 2 GEMV / attention workers: the same bits as
+ * one such session alone. AUTO does not pick gguf for this file (F16
+ * matrices); KVARN_WEIGHTS=gguf does. */
+typedef struct sess_arg {
+    const kvarn_llama *m;
+    const fixture *f;
+    float *out;
+} sess_arg;
+
+static void *sess_thread(void *p)
+{
+    sess_arg *a = p;
+    a->out = run_model(a->m, a->f, "kvarn_k4v2_g128", KERNELS, 1, 2);
+    return NULL;
+}
+
+static void test_gguf_weights(void **state)
+{
+    fixture *f = *state;
+    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    lo.weights = KVARN_LLAMA_WEIGHTS_GGUF;
+    kvarn_llama *m = NULL;
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
+    assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_GGUF);
+    assert_non_null(m->layers[0].wo.q);
+    assert_non_null(m->layers[0].w_down.q);
+    assert_non_null(m->tok_embd.q);
+    assert_non_null(m->layers[0].wqkv.f32);
+    assert_non_null(m->layers[0].w_gate_up.f32);
+    assert_non_null(m->output.f32);
+    /* bytes: the fp32 model's, with wo, down and the embedding at their
+     * block sizes (Q4_1: 20 bytes, Q8_0: 34 bytes per 32 weights) */
+    const uint64_t wo = (uint64_t)E * NH * HD, down = (uint64_t)E * FF, emb = (uint64_t)VOCAB * E;
+    uint64_t expect = kvarn_llama_weight_bytes(f->m) - 4 * (NL * (wo + down) + emb) +
+                      NL * (wo / 32 * 20 + down / 32 * 34) + emb / 32 * 34;
+    assert_true(kvarn_llama_weight_bytes(m) == expect);
+    /* the embedding rows are dequant.c's */
+    float row[E], ref[E];
+    kvarn_llama_hparams const *hp = kvarn_llama_get_hparams(m);
+    assert_int_equal(hp->vocab, VOCAB);
+    llama_matrix_get_row(&m->tok_embd, 17, row);
+    llama_matrix_get_row(&f->m->tok_embd, 17, ref);
+    assert_memory_equal(row, ref, sizeof row);
+
+    const double u = 1.0 / 16777216.0, gamma = NTOK * u / (1.0 - NTOK * u);
+    const double tol = 2.0 * (5 * NL + 1) * gamma;
+    static const int CH[3] = {NTOK, 7, 1};
+    for (int i = 0; i < 3; i++) {
+        float *a = run(f, NULL, EXACT, CH[i]);
+        float *b = run_model(m, f, NULL, EXACT, CH[i], 1);
+        double scale = max_abs(a);
+        print_message("gguf vs fp32 weights, exact store, chunk %d: max|diff| %.2e (bound %.2e)\n",
+                      CH[i], max_diff(a, b), tol * scale);
+        assert_true(max_diff(a, b) <= tol * scale);
+        free(a);
+        free(b);
+    }
+    /* two sessions on two threads, one model */
+    float *alone = run_model(m, f, "kvarn_k4v2_g128", KERNELS, 1, 2);
+    sess_arg sa = {m, f, NULL}, sb = {m, f, NULL};
+    pthread_t ta, tb;
+    assert_int_equal(pthread_create(&ta, NULL, sess_thread, &sa), 0);
+    assert_int_equal(pthread_create(&tb, NULL, sess_thread, &sb), 0);
+    pthread_join(ta, NULL);
+    pthread_join(tb, NULL);
+    assert_true(sa.out && sb.out);
+    assert_memory_equal(sa.out, alone, sizeof(float) * NTOK * VOCAB);
+    assert_memory_equal(sb.out, alone, sizeof(float) * NTOK * VOCAB);
+    free(alone);
+    free(sa.out);
+    free(sb.out);
+    kvarn_llama_free(m);
+
+    /* AUTO: gguf only for a file of blocked matrices on a CPU with the
+     * AVX2 / AVX-512 GEMV (KVARN_SIMD=scalar: not), or when named */
+    const char *env = getenv("KVARN_WEIGHTS"), *simd = getenv("KVARN_SIMD");
+    char saved[16] = "", saved_simd[16] = "";
+    if (env) snprintf(saved, sizeof saved, "%s", env);
+    if (simd) snprintf(saved_simd, sizeof saved_simd, "%s", simd);
+    lo.weights = KVARN_LLAMA_WEIGHTS_AUTO;
+    assert_int_equal(unsetenv("KVARN_WEIGHTS"), 0);
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
+    assert_true(kvarn_llama_get_weights(m) != KVARN_LLAMA_WEIGHTS_GGUF);
+    kvarn_llama_free(m);
+    wmeta blocked = k_meta;
+    blocked.all_blocked = 1;
+    buf bf = write_gguf("llama", 0, &blocked);
+    kvarn_gguf *gb = NULL;
+    assert_int_equal(kvarn_gguf_open_memory(bf.p, bf.n, &gb, NULL, 0), KVARN_OK);
+    assert_int_equal(kvarn_llama_load_gguf_with(gb, &lo, &m), KVARN_OK);
+    if (kvarn__cpu_level() >= KVARN_CPU_AVX2) {
+        assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_GGUF);
+        assert_non_null(m->output.q); /* Q4_1 head, Q4_1 + Q8_0 stacks... */
+        assert_null(m->layers[0].wqkv.q); /* ...of mixed types: fp32 */
+        assert_non_null(m->layers[0].w_gate_up.q); /* Q4_1 + Q4_1 */
+    }
+    kvarn_llama_free(m);
+    assert_int_equal(setenv("KVARN_SIMD", "scalar", 1), 0);
+    assert_int_equal(kvarn_llama_load_gguf_with(gb, &lo, &m), KVARN_OK);
+    assert_true(kvarn_llama_get_weights(m) != KVARN_LLAMA_WEIGHTS_GGUF);
+    kvarn_llama_free(m);
+    if (simd) assert_int_equal(setenv("KVARN_SIMD", saved_simd, 1), 0);
+    else assert_int_equal(unsetenv("KVARN_SIMD"), 0);
+    kvarn_gguf_close(gb);
+    free(bf.p);
+    assert_int_equal(setenv("KVARN_WEIGHTS", "gguf", 1), 0);
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
+    assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_GGUF);
+    kvarn_llama_free(m);
+    if (env) assert_int_equal(setenv("KVARN_WEIGHTS", saved, 1), 0);
+    else assert_int_equal(unsetenv("KVARN_WEIGHTS"), 0);
+}
+
 /* A NaN reaching the cache fails the call with KVARN_ERR_NONFINITE and
  * leaves the session as before: the same tokens then give the logits of a
  * session that never saw the failure. */
@@ -1333,6 +1468,7 @@ int main(void)
         cmocka_unit_test(test_session_cache),
         cmocka_unit_test(test_shared_cache),
         cmocka_unit_test(test_weights_option),
+        cmocka_unit_test(test_gguf_weights),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),
         cmocka_unit_test(test_context_limits),

@@ -85,7 +85,7 @@ static void check_shape(kvarn_llama_weights wt, int out, int in, const int *ns, 
     int nmax = 0;
     for (int i = 0; i < n_ns; i++) nmax = ns[i] > nmax ? ns[i] : nmax;
     llama_mm_ctx c;
-    assert_int_equal(llama_mm_ctx_create(m, &m->alloc, nmax, in, &c), KVARN_OK);
+    assert_int_equal(llama_mm_ctx_create(m, &m->alloc, nmax, in, 1, &c), KVARN_OK);
     float *x = malloc(sizeof(float) * (size_t)nmax * in);
     float *y = malloc(sizeof(float) * (size_t)nmax * out);
     assert_true(x && y);
@@ -188,7 +188,7 @@ static void check_int8(int out, int in, const int *ns, int n_ns)
     int nmax = 0;
     for (int i = 0; i < n_ns; i++) nmax = ns[i] > nmax ? ns[i] : nmax;
     llama_mm_ctx c;
-    assert_int_equal(llama_mm_ctx_create(m, &m->alloc, nmax, in, &c), KVARN_OK);
+    assert_int_equal(llama_mm_ctx_create(m, &m->alloc, nmax, in, 1, &c), KVARN_OK);
     float *x = malloc(sizeof(float) * (size_t)nmax * in);
     float *y = malloc(sizeof(float) * (size_t)nmax * out);
     int8_t *xq = malloc((size_t)in), *qw = malloc((size_t)in);
