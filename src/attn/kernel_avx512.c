@@ -10,14 +10,19 @@
  *   token-major K (fp16 pages, per-token formats): 4 tokens x up to 5 rows
  *     of 16-channel partial dots (20 accumulators), reduced at the end;
  *   KVarN K (channel-major codes): 32 tokens x up to 8 rows (16
- *     accumulators), codes unpacked once per channel for all rows, the
- *     broadcast of (q_d * a_d) embedded in the FMA;
- *   V (all formats, token-major): 32 channels x up to 8 rows.
- * Codes become floats by a table lookup (vpermps reads the low 4 bits of
- * each lane): 4-bit K codes take a 64-bit broadcast, a 64-bit variable
- * shift and the lookup, in a permuted token order undone once per row and
- * block; other 4-bit and 2-bit codes a broadcast (or vpermd), a variable
- * shift and the lookup; 8-bit codes zero-extension and conversion.
+ *     accumulators; 4-bit K of 128-token tiles: 64 tokens x up to 6 rows),
+ *     codes unpacked once per channel for all rows, the broadcast of
+ *     (q_d * a_d) embedded in the FMA;
+ *   KVarN V: 64 channels x up to 6 rows (D % 64 == 0) or 32 x up to 8;
+ *   token-major V (fp16 pages, per-token formats): 32 channels x up to 8
+ *     rows.
+ * KVarN codes become floats with no shift and no table (unpack16_pow2):
+ * each lane masks its code in place in a broadcast word and converts
+ * code * 2^(bits * k), the power of two undone once per row and tile, so
+ * the conversion runs on the FP add pipes beside the FMAs. Per-token int4
+ * codes use a table lookup (vpermps reads the low 4 bits of each lane)
+ * after a broadcast and a variable shift; 8-bit codes zero-extension and
+ * conversion.
  * fp16/bf16/fp8 as in kernel_avx2.c.
  * The online-softmax step masks positions with 16-bit lane masks.
  * Integer (VNNI) dot products are not used: docs/attention.md "SIMD" gives
@@ -111,22 +116,55 @@ AI __m512 unpack16(const uint8_t *row, int i0, int bits)
     }
 }
 
-/* Channel-major K codes, 16 tokens from i0: as unpack16, but 4-bit codes
- * come in the order 0, 8, 1, 9, ..., 7, 15 (one 64-bit broadcast, one
- * 64-bit variable shift, the table: two vector ALU operations); kv_kdots
- * restores the order once per row with KPERM_INV. Other widths: natural. */
-AI __m512 unpack16_k(const uint8_t *row, int i0, int bits)
+/* Natural token (or channel) i sits in lane KPERM_INV[i] of the 4-bit
+ * order of unpack16_pow2 (below). */
+#define KPERM_INV _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)
+
+/* The KVarN kernels' code -> float without a shift or a table: each lane
+ * masks its code IN PLACE in a broadcast word and converts the masked
+ * integer, code * 2^(bits * k), to float (vpandq with a broadcast operand,
+ * vcvtudq2ps). The conversion runs on the FP add pipes, not on the FMA
+ * pipes the shift and the table lookup (vpsrlvq, vpermps) share on AMD Zen
+ * 4. The power of two is fixed per lane and is undone once per row and
+ * tile (pow2_unscale), so every product and sum is the old one times an
+ * exact power of two: the same bits unless a value falls out of the normal
+ * fp32 range (below 2^-126, or above 2^98 before the 2^-30 of the last
+ * lane is undone), far outside the range of attention scores and weights.
+ *   4-bit, 16 codes i0..i0+15 (i0 % 16 == 0) from one 64-bit word: lane 2k
+ *     holds code i0+k, lane 2k+1 code i0+8+k, both times 16^k (KPERM_INV
+ *     restores the order);
+ *   2-bit, 16 codes from one 32-bit word: lane k holds code i0+k times 4^k
+ *     (natural order);
+ *   8-bit: as unpack16 (times 1). */
+AI __m512 unpack16_pow2(const uint8_t *row, int i0, int bits)
 {
     if (bits == 4) {
-        const __m512i sh = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
-        __m512i w = _mm512_srlv_epi64(_mm512_set1_epi64((long long)load_u64(row + i0 / 2)), sh);
-        return _mm512_permutexvar_ps(w, code_table(4));
+        const __m512i mask = _mm512_setr_epi32(0xf, 0xf, 0xf0, 0xf0, 0xf00, 0xf00, 0xf000, 0xf000,
+                                                0xf0000, 0xf0000, 0xf00000, 0xf00000, 0xf000000,
+                                                0xf000000, (int)0xf0000000u, (int)0xf0000000u);
+        __m512i w = _mm512_set1_epi64((long long)load_u64(row + i0 / 2));
+        return _mm512_cvtepu32_ps(_mm512_and_si512(w, mask));
+    } else if (bits == 2) {
+        const __m512i mask = _mm512_setr_epi32(0x3, 0xc, 0x30, 0xc0, 0x300, 0xc00, 0x3000, 0xc000,
+                                                0x30000, 0xc0000, 0x300000, 0xc00000, 0x3000000,
+                                                0xc000000, 0x30000000, (int)0xc0000000u);
+        __m512i w = _mm512_set1_epi32((int)load_u32(row + i0 / 4));
+        return _mm512_cvtepu32_ps(_mm512_and_si512(w, mask));
     }
     return unpack16(row, i0, bits);
 }
 
-/* Natural token i sits in lane KPERM_INV[i] of unpack16_k's 4-bit order. */
-#define KPERM_INV _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)
+/* Per lane, the inverse of unpack16_pow2's power of two (exact). */
+AI __m512 pow2_unscale(int bits)
+{
+    const float a = 1.0f / 16, b = a / 16, c = b / 16, d = c / 16, e = d / 16, f = e / 16, g = f / 16;
+    const float u = 1.0f / 4, v = u / 4, w = v / 4, x = w / 4, y = x / 4, z = y / 4, o = z / 4;
+    if (bits == 4) return _mm512_setr_ps(1, 1, a, a, b, b, c, c, d, d, e, e, f, f, g, g);
+    if (bits == 2)
+        return _mm512_setr_ps(1, u, v, w, x, y, z, o, o / 4, o / 16, o / 64, o / 256, o / 1024,
+                              o / 4096, o / 16384, o / 65536);
+    return _mm512_set1_ps(1.0f);
+}
 
 /* 16 elements d..d+15 (d % 16 == 0) of a per-token code array, before
  * scale and zero-point (E4M3: 2^-8 times the value). */
@@ -487,7 +525,7 @@ AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const flo
     for (int d = 0; d < D; d++) {
         if ((d & ((1 << pf_shift) - 1)) == 0) attn_prefetch_step(r->pf, 1);
         const uint8_t *row = kc + (size_t)d * krow;
-        __m512 c0 = unpack16_k(row, tb, kb), c1 = unpack16_k(row, tb + 16, kb);
+        __m512 c0 = unpack16_pow2(row, tb, kb), c1 = unpack16_pow2(row, tb + 16, kb);
 #pragma GCC unroll 8
         for (int i = 0; i < RB; i++) {
             __m512 w = _mm512_set1_ps(r->qa[(size_t)(r0 + i) * D + d]);
@@ -498,6 +536,10 @@ AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const flo
     const __m512 s0 = _mm512_loadu_ps(stok + tb), s1 = _mm512_loadu_ps(stok + tb + 16);
 #pragma GCC unroll 8
     for (int i = 0; i < RB; i++) {
+        if (kb != 8) {
+            acc[i][0] = _mm512_mul_ps(acc[i][0], pow2_unscale(kb));
+            acc[i][1] = _mm512_mul_ps(acc[i][1], pow2_unscale(kb));
+        }
         if (kb == 4) {
             acc[i][0] = _mm512_permutexvar_ps(KPERM_INV, acc[i][0]);
             acc[i][1] = _mm512_permutexvar_ps(KPERM_INV, acc[i][1]);
@@ -510,22 +552,27 @@ AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const flo
 }
 
 /* 4-bit K codes of a 128-token tile: each channel row is 64 bytes, one
- * 512-bit load, from which eight 64-bit right shifts by 4j (j = 0..7) and the
- * table put token 16k + j in lane 2k and token 16k + 8 + j in lane 2k + 1
- * (k = 0..7). Half h takes j = 4h..4h+3: 4 vectors of 16 tokens, so up to 6
- * rows keep 24 accumulators. Against kv_kdots one load per channel replaces
- * four 64-bit broadcasts, and each broadcast query value feeds 4 FMAs
- * instead of 2: the broadcasts, not the FMAs, bounded that loop. Every
- * token's sum still runs over d = 0..D-1 in order, so the scores are the
- * same bits as kv_kdots's. The raw sums go to the row's s in this permuted
- * order (vector j at s + 16j); kv_kfinish128 restores the token order. */
+ * 512-bit load; 32-bit lane m holds tokens 8m..8m+7, token 8m + j in
+ * nibble j. Vector j (j = 0..7) masks nibble j in place and converts
+ * (unpack16_pow2's scheme): lane m = code of token 8m + j times 16^j. Half
+ * h takes j = 4h..4h+3: 4 vectors of 16 tokens, so up to 6 rows keep 24
+ * accumulators. Against kv_kdots one load per channel replaces four 64-bit
+ * broadcasts, and each broadcast query value feeds 4 FMAs instead of 2.
+ * Every token's sum still runs over d = 0..D-1 in order, and 16^-j is
+ * applied once per row and vector, so the scores are the same bits as
+ * kv_kdots's. The raw sums go to the row's s in this permuted order
+ * (vector j at s + 16j: lane 2k holds token 16k + j, lane 2k + 1 token
+ * 16k + 8 + j); kv_kfinish128 restores the token order. */
 AI void kv_kdots4_128(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, int pf_shift)
 {
     const int D = r->D, gs = r->gs;
-    const __m512 table = code_table(4);
-    __m512i sh[4];
+    __m512i mask[4];
+    float unscale[4];
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) sh[j] = _mm512_set1_epi64(4 * (4 * h + j));
+    for (int j = 0; j < 4; j++) {
+        mask[j] = _mm512_set1_epi32((int)(0xfu << (4 * (4 * h + j))));
+        unscale[j] = 1.0f / (float)(1u << (4 * (4 * h + j)));
+    }
     __m512 acc[8][4];
 #pragma GCC unroll 8
     for (int i = 0; i < RB; i++)
@@ -536,7 +583,7 @@ AI void kv_kdots4_128(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, in
         const __m512i w = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64));
         __m512 c[4];
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) c[j] = _mm512_permutexvar_ps(_mm512_srlv_epi64(w, sh[j]), table);
+        for (int j = 0; j < 4; j++) c[j] = _mm512_cvtepu32_ps(_mm512_and_si512(w, mask[j]));
 #pragma GCC unroll 8
         for (int i = 0; i < RB; i++) {
             __m512 q = _mm512_set1_ps(r->qa[(size_t)(r0 + i) * D + d]);
@@ -548,7 +595,8 @@ AI void kv_kdots4_128(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, in
     for (int i = 0; i < RB; i++) {
         float *s = r->s + (size_t)(r0 + i) * gs + 64 * h;
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(s + 16 * j, acc[i][j]);
+        for (int j = 0; j < 4; j++)
+            _mm512_storeu_ps(s + 16 * j, _mm512_mul_ps(acc[i][j], _mm512_set1_ps(unscale[j])));
     }
 }
 
@@ -591,31 +639,44 @@ AI void kv_kfinish128(float *s, const float *stok, float c)
     }
 }
 
-/* tmp = sum_t w[r][t] code[t][d0..d0+32); acc += s_chan * (tmp + pb[r]). */
+/* tmp = sum_t w[r][t] code[t][d0..d0+16 NV); acc += s_chan * (tmp + pb[r]),
+ * NV = 2 or 4 vectors of 16 channels (4: each broadcast weight feeds 4
+ * FMAs). Codes by unpack16_pow2: the sums run in the lanes' order (4-bit:
+ * that of KPERM_INV) times a power of two per lane, undone once per row;
+ * each channel's sum runs over t in order, as before. */
 AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
-                const float *schan, const float *pb, int r0, int RB, int d0)
+                const float *schan, const float *pb, int r0, int RB, int d0, int NV)
 {
     const int D = r->D, gs = r->gs;
-    __m512 acc[8][2];
+    __m512 acc[8][4];
 #pragma GCC unroll 8
-    for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int i = 0; i < RB; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) acc[i][j] = _mm512_setzero_ps();
     for (int t = 0; t < G; t++) {
         const uint8_t *row = vc + (size_t)t * vrow;
-        __m512 c0 = unpack16(row, d0, vb), c1 = unpack16(row, d0 + 16, vb);
+        __m512 c[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) c[j] = unpack16_pow2(row, d0 + 16 * j, vb);
 #pragma GCC unroll 8
         for (int i = 0; i < RB; i++) {
             __m512 w = _mm512_set1_ps(r->s[(size_t)(r0 + i) * gs + t]);
-            acc[i][0] = _mm512_fmadd_ps(w, c0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(w, c1, acc[i][1]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; j++) acc[i][j] = _mm512_fmadd_ps(w, c[j], acc[i][j]);
         }
     }
-    const __m512 s0 = _mm512_loadu_ps(schan + d0), s1 = _mm512_loadu_ps(schan + d0 + 16);
 #pragma GCC unroll 8
     for (int i = 0; i < RB; i++) {
         float *a = r->acc + (size_t)(r0 + i) * D + d0;
         __m512 b = _mm512_set1_ps(pb[r0 + i]);
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(s0, _mm512_add_ps(acc[i][0], b), _mm512_loadu_ps(a)));
-        _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(s1, _mm512_add_ps(acc[i][1], b), _mm512_loadu_ps(a + 16)));
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) {
+            __m512 x = acc[i][j];
+            if (vb != 8) x = _mm512_mul_ps(x, pow2_unscale(vb));
+            if (vb == 4) x = _mm512_permutexvar_ps(KPERM_INV, x);
+            _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(_mm512_loadu_ps(schan + d0 + 16 * j),
+                                                         _mm512_add_ps(x, b), _mm512_loadu_ps(a + 16 * j)));
+        }
     }
 }
 
@@ -675,10 +736,14 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     /* Weights p_t * a_t; the b_t sum is one constant per row. */
     float *pb = r->rc;
     for (int i = 0; i < r->n; i++) pb[i] = fold_weights(r->s + (size_t)i * gs, va, vbias, G);
-    for (int d0 = 0; d0 < D; d0 += 32)
+    /* 64 channels per pass (up to 6 rows, 24 accumulators) where D allows,
+     * else 32 (up to 8 rows). */
+    const int nv = D % 64 == 0 ? 4 : 2;
+    for (int d0 = 0; d0 < D; d0 += 16 * nv)
         for (int r0 = 0; r0 < r->n;) {
-            int rb = block_rows(r->n, 8, r0);
-#define VCALL(N) kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0)
+            int rb = block_rows(r->n, nv == 4 ? 6 : 8, r0);
+#define VCALL(N) (nv == 4 ? kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0, 4) \
+                          : kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0, 2))
             RB_SWITCH8(rb, VCALL)
 #undef VCALL
             r0 += rb;
