@@ -696,16 +696,28 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const size_t krow = (size_t)G * kb / 8, vrow = (size_t)D * vb / 8;
 
     /* Fold a_d into the query once per tile; the b_d sum is one constant. */
+    __m512 qmax = _mm512_setzero_ps();
     for (int i = 0; i < r->n; i++) {
         const float *q = r->q + (size_t)i * D;
         float *qa = r->qa + (size_t)i * D;
         __m512 c = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 16) {
-            __m512 qv = _mm512_loadu_ps(q + d);
-            _mm512_storeu_ps(qa + d, _mm512_mul_ps(qv, _mm512_loadu_ps(ka + d)));
+            __m512 qv = _mm512_loadu_ps(q + d), x = _mm512_mul_ps(qv, _mm512_loadu_ps(ka + d));
+            _mm512_storeu_ps(qa + d, x);
+            qmax = _mm512_max_ps(qmax, _mm512_abs_ps(x));
             c = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kbias + d), c);
         }
         r->rc[i] = _mm512_reduce_add_ps(c);
+    }
+    /* The K sums run times up to 2^28 (4-bit) or 2^30 (2-bit codes,
+     * unpack16_pow2): with |qa_d| < 2^80 every product is below 2^112 and a
+     * sum of D <= 1024 of them below 2^122, far from the fp32 overflow at
+     * 2^128. Queries beyond (no real model's) take the AVX2 kernel, whose
+     * sums are the reference's. (V needs no such check: its weights p_t a_t
+     * are at most 65504 < 2^16.) */
+    if (kb != 8 && !(_mm512_reduce_max_ps(qmax) < 0x1p80f)) {
+        attn_avx2_kvarn_tile(r, L, rec, t0, G);
+        return;
     }
     /* One prefetch every 2^pf_shift channels of the first row block's
      * score loop: the next tiles' lines spread over the G/32 x D steps. */
