@@ -220,19 +220,19 @@ AI int block_rows(int n, int max_rb, int r0)
 /* As softmax_update_avx2: s holds whole 8-float vectors up to nt rounded
  * up to 8 (the row stride gs is a multiple of 8), so the last 16-lane step
  * is masked to that length. */
-static void softmax_update_avx512(attn_rows *r, int t0, int nt)
+static void softmax_row_avx512(attn_rows *r, int i, int t0, int nt)
 {
     const int D = r->D, gs = r->gs, nv = (nt + 7) & ~7;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    for (int i = 0; i < r->n; i++) {
+    {
         float *s = r->s + (size_t)i * gs;
         int a = r->lo[i] - t0, b = r->hi[i] - t0 + 1;
         if (a < 0) a = 0;
         if (b > nt) b = nt;
         if (a >= b) {
             for (int t = 0; t < nv; t += 16) _mm512_mask_storeu_ps(s + t, lanes(nv - t), _mm512_setzero_ps());
-            continue;
+            return;
         }
         const __m512i va = _mm512_set1_epi32(a - 1), vb = _mm512_set1_epi32(b);
         __m512 mx = ninf;
@@ -263,6 +263,11 @@ static void softmax_update_avx512(attn_rows *r, int t0, int nt)
                 _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), vc));
         }
     }
+}
+
+static void softmax_update_avx512(attn_rows *r, int t0, int nt)
+{
+    for (int i = 0; i < r->n; i++) softmax_row_avx512(r, i, t0, nt);
 }
 
 /* p[t] *= scale[t] for t < nv, and return sum_t p[t] * bias[t] (the
@@ -604,9 +609,21 @@ AI void kv_kdots4_128(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, in
  * holds tokens 16k + j, 16k + 8 + j) back in token order, scaled as in
  * kv_kdots: s[t] = s_tok[t] * (sum + c). Transposing the 8 x 8 matrix of
  * 64-bit pairs gives, for each k, tokens 16k..16k+15 in the order 0, 8, 1,
- * 9, ..., 7, 15, which KPERM_INV undoes. */
-AI void kv_kfinish128(float *s, const float *stok, float c)
+ * 9, ..., 7, 15, which KPERM_INV undoes. When the row sees the whole tile
+ * the online-softmax step and the folding of a_t, b_t follow on the scores
+ * in registers: s becomes the weights p_t a_t, rc[i] the row's sum_t p_t b_t;
+ * else s holds the scores for the general step. */
+/* Whether row i sees every position of the 128-token tile at t0. */
+AI int kv_sees_tile(const attn_rows *r, int i, int t0)
 {
+    return r->lo[i] <= t0 && r->hi[i] >= t0 + 127;
+}
+
+AI void kv_kfinish128(attn_rows *r, int i, int t0, const float *stok, const float *va,
+                      const float *vbias)
+{
+    float *s = r->s + (size_t)i * r->gs;
+    const float c = r->rc[i];
     __m512d v[8], u[8], x[4], y[4];
     for (int j = 0; j < 8; j++) v[j] = _mm512_castps_pd(_mm512_loadu_ps(s + 16 * j));
     for (int j = 0; j < 8; j += 2) {
@@ -633,10 +650,41 @@ AI void kv_kfinish128(float *s, const float *stok, float c)
     t[3] = _mm512_shuffle_f64x2(y[2], y[3], 0x88);
     t[7] = _mm512_shuffle_f64x2(y[2], y[3], 0xdd);
     const __m512 vc = _mm512_set1_ps(c);
+    __m512 sc[8];
     for (int k = 0; k < 8; k++) {
         __m512 a = _mm512_permutexvar_ps(KPERM_INV, _mm512_castpd_ps(t[k]));
-        _mm512_storeu_ps(s + 16 * k, _mm512_mul_ps(_mm512_loadu_ps(stok + 16 * k), _mm512_add_ps(a, vc)));
+        sc[k] = _mm512_mul_ps(_mm512_loadu_ps(stok + 16 * k), _mm512_add_ps(a, vc));
     }
+    if (!kv_sees_tile(r, i, t0)) {
+        /* part of the tile hidden: the general masked step follows */
+        for (int k = 0; k < 8; k++) _mm512_storeu_ps(s + 16 * k, sc[k]);
+        return;
+    }
+    /* The whole tile visible (decode, and every full tile of a prefill
+     * row): softmax_row_avx512 and fold_weights on the scores still in
+     * registers, the same operations in the same order, so the same bits. */
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int k = 0; k < 8; k++) mx = _mm512_max_ps(mx, sc[k]);
+    float mt = _mm512_reduce_max_ps(mx), m_old = r->m[i];
+    float m_new = mt > m_old ? mt : m_old;
+    float corr = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+    const __m512 vm = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps(), z = _mm512_setzero_ps();
+    for (int k = 0; k < 8; k++) {
+        __m512 p = exp512(_mm512_sub_ps(sc[k], vm));
+        sum = _mm512_add_ps(sum, p);
+        z = _mm512_fmadd_ps(p, _mm512_loadu_ps(vbias + 16 * k), z);
+        _mm512_storeu_ps(s + 16 * k, _mm512_mul_ps(p, _mm512_loadu_ps(va + 16 * k)));
+    }
+    r->m[i] = m_new;
+    r->l[i] = r->l[i] * corr + _mm512_reduce_add_ps(sum);
+    if (corr != 1.0f) {
+        float *acc = r->acc + (size_t)i * r->D;
+        const __m512 vcorr = _mm512_set1_ps(corr);
+        for (int d = 0; d < r->D; d += 16)
+            _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), vcorr));
+    }
+    r->rc[i] = _mm512_reduce_add_ps(z); /* the row's sum_t p_t b_t */
 }
 
 /* tmp = sum_t w[r][t] code[t][d0..d0+16 NV); acc += s_chan * (tmp + pb[r]),
@@ -733,7 +781,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
 #undef K4CALL
             r0 += rb;
         }
-    for (int i = 0; k128 && i < r->n; i++) kv_kfinish128(r->s + (size_t)i * gs, stok, r->rc[i]);
+    for (int i = 0; k128 && i < r->n; i++) kv_kfinish128(r, i, t0, stok, va, vbias);
     for (int tb = 0; !k128 && tb < G; tb += 32) {
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 8, r0);
@@ -744,10 +792,13 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         }
     }
     attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
-    softmax_update_avx512(r, t0, G);
     /* Weights p_t * a_t; the b_t sum is one constant per row. */
     float *pb = r->rc;
-    for (int i = 0; i < r->n; i++) pb[i] = fold_weights(r->s + (size_t)i * gs, va, vbias, G);
+    for (int i = 0; i < r->n; i++) {
+        if (k128 && kv_sees_tile(r, i, t0)) continue; /* done by kv_kfinish128 */
+        softmax_row_avx512(r, i, t0, G);
+        pb[i] = fold_weights(r->s + (size_t)i * gs, va, vbias, G);
+    }
     /* 64 channels per pass (up to 6 rows, 24 accumulators) where D allows,
      * else 32 (up to 8 rows). */
     const int nv = D % 64 == 0 ? 4 : 2;
