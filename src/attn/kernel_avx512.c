@@ -813,7 +813,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         }
 }
 
-/* Specializations on the bit widths, so unpack16's branches fold away. */
+/* Specializations on the bit widths, so the unpacking's branches fold away. */
 #define KVARN_TILE(KB, VB)                                                                  \
     static void kvarn_tile_k##KB##v##VB(attn_rows *r, const kvarn_record_layout *L,         \
                                         const uint8_t *rec, int t0)                         \
