@@ -344,7 +344,7 @@ AI void tm_block(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_
     int t = 0;
     /* the next tiles' prefetches, spread over every 16-channel step */
     const int steps = nt / 4 * (r->D / 16);
-    const int per = steps > 0 ? (attn_prefetch_left(r->pf) + steps - 1) / steps : 0;
+    const int per = steps > 0 ? (attn_prefetch_left(r->pf) / 2 + steps - 1) / steps : 0;
     for (; t + 4 <= nt; t += 4) {
         tm_dots(r, kind, tok, koff, r0, RB, t, 4, per, out);
 #pragma GCC unroll 5
@@ -375,7 +375,6 @@ AI void tm_scores(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
         }
         r0 += rb;
     }
-    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
     if (kscale == NULL) return;
     /* Whole 8-float vectors: kscale/kzero are zero past nt, the softmax
      * masks s there. */
@@ -404,6 +403,7 @@ AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t
 #pragma GCC unroll 8
     for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int t = 0; t < nt; t++) {
+        attn_prefetch_step(r->pf, 1);
         const uint8_t *vp = tok[t] + voff;
         __m512 c0 = load16(kind, vp, d0), c1 = load16(kind, vp, d0 + 16);
 #pragma GCC unroll 8
@@ -433,6 +433,7 @@ AI void tm_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
 #undef VTCALL
             r0 += rb;
         }
+    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
 }
 
 /* ---------------------------------------------------------- fp16 pages */
@@ -702,6 +703,7 @@ AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
 #pragma GCC unroll 4
         for (int j = 0; j < NV; j++) acc[i][j] = _mm512_setzero_ps();
     for (int t = 0; t < G; t++) {
+        attn_prefetch_step(r->pf, 1);
         const uint8_t *row = vc + (size_t)t * vrow;
         __m512 c[4];
 #pragma GCC unroll 4
@@ -772,7 +774,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const int k128 = kb == 4 && G == 128; /* kv_kdots4_128's case */
     const int steps = (k128 ? 2 : G / 32) * D, left = attn_prefetch_left(r->pf);
     int pf_shift = 0;
-    while (pf_shift < 6 && (steps >> (pf_shift + 1)) >= left) pf_shift++;
+    while (pf_shift < 6 && (steps >> (pf_shift + 1)) >= (left + 1) / 2) pf_shift++;
     for (int h = 0; k128 && h < 2; h++)
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 6, r0);
@@ -791,7 +793,6 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
             r0 += rb;
         }
     }
-    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
     /* Weights p_t * a_t; the b_t sum is one constant per row. */
     float *pb = r->rc;
     for (int i = 0; i < r->n; i++) {
@@ -811,6 +812,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
 #undef VCALL
             r0 += rb;
         }
+    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
 }
 
 /* Specializations on the bit widths, so the unpacking's branches fold away. */
