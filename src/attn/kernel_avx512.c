@@ -342,7 +342,8 @@ AI void tm_block(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_
 {
     float out[5][4];
     int t = 0;
-    /* the next tiles' prefetches, spread over every 16-channel step */
+    /* half the next tiles' prefetches, spread over every 16-channel step;
+     * tm_vsum issues the rest, one per token */
     const int steps = nt / 4 * (r->D / 16);
     const int per = steps > 0 ? (attn_prefetch_left(r->pf) / 2 + steps - 1) / steps : 0;
     for (; t + 4 <= nt; t += 4) {
@@ -770,7 +771,8 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         return;
     }
     /* One prefetch every 2^pf_shift channels of the first row block's
-     * score loop: the next tiles' lines spread over the G/32 x D steps. */
+     * score loop: half the next tiles' lines spread over the G/32 x D
+     * steps; kv_vsum issues the rest, one per token. */
     const int k128 = kb == 4 && G == 128; /* kv_kdots4_128's case */
     const int steps = (k128 ? 2 : G / 32) * D, left = attn_prefetch_left(r->pf);
     int pf_shift = 0;
