@@ -27,8 +27,9 @@ void attn_pool_run(kvarn_thread_pool *pool, attn_task_fn fn, void *ctx, int n_ta
  * Records of consecutive tiles sit anywhere in the arena (shuffled block
  * ids), so the hardware prefetcher restarts at every block. The driver
  * lists the next tiles; the kernels issue a few prefetches per step of
- * their score loop (attn_prefetch_step), spreading the misses over the
- * computation instead of stalling on a burst. */
+ * their score loop (AVX-512: and of their V loop; attn_prefetch_step),
+ * spreading the misses over the computation instead of stalling on a
+ * burst. */
 #define ATTN_PREFETCH_MAX 128
 typedef struct attn_prefetch {
     const uint8_t *base[ATTN_PREFETCH_MAX]; /* tiles to fetch */

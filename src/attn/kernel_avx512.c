@@ -10,14 +10,19 @@
  *   token-major K (fp16 pages, per-token formats): 4 tokens x up to 5 rows
  *     of 16-channel partial dots (20 accumulators), reduced at the end;
  *   KVarN K (channel-major codes): 32 tokens x up to 8 rows (16
- *     accumulators), codes unpacked once per channel for all rows, the
- *     broadcast of (q_d * a_d) embedded in the FMA;
- *   V (all formats, token-major): 32 channels x up to 8 rows.
- * Codes become floats by a table lookup (vpermps reads the low 4 bits of
- * each lane): 4-bit K codes take a 64-bit broadcast, a 64-bit variable
- * shift and the lookup, in a permuted token order undone once per row and
- * block; other 4-bit and 2-bit codes a broadcast (or vpermd), a variable
- * shift and the lookup; 8-bit codes zero-extension and conversion.
+ *     accumulators; 4-bit K of 128-token tiles: 64 tokens x up to 6 rows),
+ *     codes unpacked once per channel for all rows, the broadcast of
+ *     (q_d * a_d) embedded in the FMA;
+ *   KVarN V: 64 channels x up to 6 rows (D % 64 == 0) or 32 x up to 8;
+ *   token-major V (fp16 pages, per-token formats): 32 channels x up to 8
+ *     rows.
+ * KVarN codes become floats with no shift and no table (unpack16_pow2):
+ * each lane masks its code in place in a broadcast word and converts
+ * code * 2^(bits * k), the power of two undone once per row and tile, so
+ * the conversion runs on the FP add pipes beside the FMAs. Per-token int4
+ * codes use a table lookup (vpermps reads the low 4 bits of each lane)
+ * after a broadcast and a variable shift; 8-bit codes zero-extension and
+ * conversion.
  * fp16/bf16/fp8 as in kernel_avx2.c.
  * The online-softmax step masks positions with 16-bit lane masks.
  * Integer (VNNI) dot products are not used: docs/attention.md "SIMD" gives
@@ -111,22 +116,55 @@ AI __m512 unpack16(const uint8_t *row, int i0, int bits)
     }
 }
 
-/* Channel-major K codes, 16 tokens from i0: as unpack16, but 4-bit codes
- * come in the order 0, 8, 1, 9, ..., 7, 15 (one 64-bit broadcast, one
- * 64-bit variable shift, the table: two vector ALU operations); kv_kdots
- * restores the order once per row with KPERM_INV. Other widths: natural. */
-AI __m512 unpack16_k(const uint8_t *row, int i0, int bits)
+/* Natural token (or channel) i sits in lane KPERM_INV[i] of the 4-bit
+ * order of unpack16_pow2 (below). */
+#define KPERM_INV _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)
+
+/* The KVarN kernels' code -> float without a shift or a table: each lane
+ * masks its code IN PLACE in a broadcast word and converts the masked
+ * integer, code * 2^(bits * k), to float (vpandq with a broadcast operand,
+ * vcvtudq2ps). The conversion runs on the FP add pipes, not on the FMA
+ * pipes the shift and the table lookup (vpsrlvq, vpermps) share on AMD Zen
+ * 4. The power of two is fixed per lane and is undone once per row and
+ * tile (pow2_unscale), so every product and sum is the old one times an
+ * exact power of two: the same bits unless a value falls out of the normal
+ * fp32 range (below 2^-126, or above 2^98 before the 2^-30 of the last
+ * lane is undone), far outside the range of attention scores and weights.
+ *   4-bit, 16 codes i0..i0+15 (i0 % 16 == 0) from one 64-bit word: lane 2k
+ *     holds code i0+k, lane 2k+1 code i0+8+k, both times 16^k (KPERM_INV
+ *     restores the order);
+ *   2-bit, 16 codes from one 32-bit word: lane k holds code i0+k times 4^k
+ *     (natural order);
+ *   8-bit: as unpack16 (times 1). */
+AI __m512 unpack16_pow2(const uint8_t *row, int i0, int bits)
 {
     if (bits == 4) {
-        const __m512i sh = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
-        __m512i w = _mm512_srlv_epi64(_mm512_set1_epi64((long long)load_u64(row + i0 / 2)), sh);
-        return _mm512_permutexvar_ps(w, code_table(4));
+        const __m512i mask = _mm512_setr_epi32(0xf, 0xf, 0xf0, 0xf0, 0xf00, 0xf00, 0xf000, 0xf000,
+                                                0xf0000, 0xf0000, 0xf00000, 0xf00000, 0xf000000,
+                                                0xf000000, (int)0xf0000000u, (int)0xf0000000u);
+        __m512i w = _mm512_set1_epi64((long long)load_u64(row + i0 / 2));
+        return _mm512_cvtepu32_ps(_mm512_and_si512(w, mask));
+    } else if (bits == 2) {
+        const __m512i mask = _mm512_setr_epi32(0x3, 0xc, 0x30, 0xc0, 0x300, 0xc00, 0x3000, 0xc000,
+                                                0x30000, 0xc0000, 0x300000, 0xc00000, 0x3000000,
+                                                0xc000000, 0x30000000, (int)0xc0000000u);
+        __m512i w = _mm512_set1_epi32((int)load_u32(row + i0 / 4));
+        return _mm512_cvtepu32_ps(_mm512_and_si512(w, mask));
     }
     return unpack16(row, i0, bits);
 }
 
-/* Natural token i sits in lane KPERM_INV[i] of unpack16_k's 4-bit order. */
-#define KPERM_INV _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)
+/* Per lane, the inverse of unpack16_pow2's power of two (exact). */
+AI __m512 pow2_unscale(int bits)
+{
+    const float a = 1.0f / 16, b = a / 16, c = b / 16, d = c / 16, e = d / 16, f = e / 16, g = f / 16;
+    const float u = 1.0f / 4, v = u / 4, w = v / 4, x = w / 4, y = x / 4, z = y / 4, o = z / 4;
+    if (bits == 4) return _mm512_setr_ps(1, 1, a, a, b, b, c, c, d, d, e, e, f, f, g, g);
+    if (bits == 2)
+        return _mm512_setr_ps(1, u, v, w, x, y, z, o, o / 4, o / 16, o / 64, o / 256, o / 1024,
+                              o / 4096, o / 16384, o / 65536);
+    return _mm512_set1_ps(1.0f);
+}
 
 /* 16 elements d..d+15 (d % 16 == 0) of a per-token code array, before
  * scale and zero-point (E4M3: 2^-8 times the value). */
@@ -182,19 +220,19 @@ AI int block_rows(int n, int max_rb, int r0)
 /* As softmax_update_avx2: s holds whole 8-float vectors up to nt rounded
  * up to 8 (the row stride gs is a multiple of 8), so the last 16-lane step
  * is masked to that length. */
-static void softmax_update_avx512(attn_rows *r, int t0, int nt)
+static void softmax_row_avx512(attn_rows *r, int i, int t0, int nt)
 {
     const int D = r->D, gs = r->gs, nv = (nt + 7) & ~7;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    for (int i = 0; i < r->n; i++) {
+    {
         float *s = r->s + (size_t)i * gs;
         int a = r->lo[i] - t0, b = r->hi[i] - t0 + 1;
         if (a < 0) a = 0;
         if (b > nt) b = nt;
         if (a >= b) {
             for (int t = 0; t < nv; t += 16) _mm512_mask_storeu_ps(s + t, lanes(nv - t), _mm512_setzero_ps());
-            continue;
+            return;
         }
         const __m512i va = _mm512_set1_epi32(a - 1), vb = _mm512_set1_epi32(b);
         __m512 mx = ninf;
@@ -225,6 +263,11 @@ static void softmax_update_avx512(attn_rows *r, int t0, int nt)
                 _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), vc));
         }
     }
+}
+
+static void softmax_update_avx512(attn_rows *r, int t0, int nt)
+{
+    for (int i = 0; i < r->n; i++) softmax_row_avx512(r, i, t0, nt);
 }
 
 /* p[t] *= scale[t] for t < nv, and return sum_t p[t] * bias[t] (the
@@ -299,9 +342,10 @@ AI void tm_block(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_
 {
     float out[5][4];
     int t = 0;
-    /* the next tiles' prefetches, spread over every 16-channel step */
+    /* half the next tiles' prefetches, spread over every 16-channel step;
+     * tm_vsum issues the rest, one per token */
     const int steps = nt / 4 * (r->D / 16);
-    const int per = steps > 0 ? (attn_prefetch_left(r->pf) + steps - 1) / steps : 0;
+    const int per = steps > 0 ? (attn_prefetch_left(r->pf) / 2 + steps - 1) / steps : 0;
     for (; t + 4 <= nt; t += 4) {
         tm_dots(r, kind, tok, koff, r0, RB, t, 4, per, out);
 #pragma GCC unroll 5
@@ -332,7 +376,6 @@ AI void tm_scores(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
         }
         r0 += rb;
     }
-    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
     if (kscale == NULL) return;
     /* Whole 8-float vectors: kscale/kzero are zero past nt, the softmax
      * masks s there. */
@@ -361,6 +404,7 @@ AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t
 #pragma GCC unroll 8
     for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int t = 0; t < nt; t++) {
+        attn_prefetch_step(r->pf, 1);
         const uint8_t *vp = tok[t] + voff;
         __m512 c0 = load16(kind, vp, d0), c1 = load16(kind, vp, d0 + 16);
 #pragma GCC unroll 8
@@ -390,6 +434,7 @@ AI void tm_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
 #undef VTCALL
             r0 += rb;
         }
+    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
 }
 
 /* ---------------------------------------------------------- fp16 pages */
@@ -487,7 +532,7 @@ AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const flo
     for (int d = 0; d < D; d++) {
         if ((d & ((1 << pf_shift) - 1)) == 0) attn_prefetch_step(r->pf, 1);
         const uint8_t *row = kc + (size_t)d * krow;
-        __m512 c0 = unpack16_k(row, tb, kb), c1 = unpack16_k(row, tb + 16, kb);
+        __m512 c0 = unpack16_pow2(row, tb, kb), c1 = unpack16_pow2(row, tb + 16, kb);
 #pragma GCC unroll 8
         for (int i = 0; i < RB; i++) {
             __m512 w = _mm512_set1_ps(r->qa[(size_t)(r0 + i) * D + d]);
@@ -498,6 +543,10 @@ AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const flo
     const __m512 s0 = _mm512_loadu_ps(stok + tb), s1 = _mm512_loadu_ps(stok + tb + 16);
 #pragma GCC unroll 8
     for (int i = 0; i < RB; i++) {
+        if (kb != 8) {
+            acc[i][0] = _mm512_mul_ps(acc[i][0], pow2_unscale(kb));
+            acc[i][1] = _mm512_mul_ps(acc[i][1], pow2_unscale(kb));
+        }
         if (kb == 4) {
             acc[i][0] = _mm512_permutexvar_ps(KPERM_INV, acc[i][0]);
             acc[i][1] = _mm512_permutexvar_ps(KPERM_INV, acc[i][1]);
@@ -510,22 +559,27 @@ AI void kv_kdots(attn_rows *r, const uint8_t *kc, size_t krow, int kb, const flo
 }
 
 /* 4-bit K codes of a 128-token tile: each channel row is 64 bytes, one
- * 512-bit load, from which eight 64-bit right shifts by 4j (j = 0..7) and the
- * table put token 16k + j in lane 2k and token 16k + 8 + j in lane 2k + 1
- * (k = 0..7). Half h takes j = 4h..4h+3: 4 vectors of 16 tokens, so up to 6
- * rows keep 24 accumulators. Against kv_kdots one load per channel replaces
- * four 64-bit broadcasts, and each broadcast query value feeds 4 FMAs
- * instead of 2: the broadcasts, not the FMAs, bounded that loop. Every
- * token's sum still runs over d = 0..D-1 in order, so the scores are the
- * same bits as kv_kdots's. The raw sums go to the row's s in this permuted
- * order (vector j at s + 16j); kv_kfinish128 restores the token order. */
+ * 512-bit load; 32-bit lane m holds tokens 8m..8m+7, token 8m + j in
+ * nibble j. Vector j (j = 0..7) masks nibble j in place and converts
+ * (unpack16_pow2's scheme): lane m = code of token 8m + j times 16^j. Half
+ * h takes j = 4h..4h+3: 4 vectors of 16 tokens, so up to 6 rows keep 24
+ * accumulators. Against kv_kdots one load per channel replaces four 64-bit
+ * broadcasts, and each broadcast query value feeds 4 FMAs instead of 2.
+ * Every token's sum still runs over d = 0..D-1 in order, and 16^-j is
+ * applied once per row and vector, so the scores are the same bits as
+ * kv_kdots's. The raw sums go to the row's s in this permuted order
+ * (vector j at s + 16j: lane 2k holds token 16k + j, lane 2k + 1 token
+ * 16k + 8 + j); kv_kfinish128 restores the token order. */
 AI void kv_kdots4_128(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, int pf_shift)
 {
     const int D = r->D, gs = r->gs;
-    const __m512 table = code_table(4);
-    __m512i sh[4];
+    __m512i mask[4];
+    float unscale[4];
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) sh[j] = _mm512_set1_epi64(4 * (4 * h + j));
+    for (int j = 0; j < 4; j++) {
+        mask[j] = _mm512_set1_epi32((int)(0xfu << (4 * (4 * h + j))));
+        unscale[j] = 1.0f / (float)(1u << (4 * (4 * h + j)));
+    }
     __m512 acc[8][4];
 #pragma GCC unroll 8
     for (int i = 0; i < RB; i++)
@@ -536,7 +590,7 @@ AI void kv_kdots4_128(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, in
         const __m512i w = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64));
         __m512 c[4];
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) c[j] = _mm512_permutexvar_ps(_mm512_srlv_epi64(w, sh[j]), table);
+        for (int j = 0; j < 4; j++) c[j] = _mm512_cvtepu32_ps(_mm512_and_si512(w, mask[j]));
 #pragma GCC unroll 8
         for (int i = 0; i < RB; i++) {
             __m512 q = _mm512_set1_ps(r->qa[(size_t)(r0 + i) * D + d]);
@@ -548,7 +602,8 @@ AI void kv_kdots4_128(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, in
     for (int i = 0; i < RB; i++) {
         float *s = r->s + (size_t)(r0 + i) * gs + 64 * h;
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(s + 16 * j, acc[i][j]);
+        for (int j = 0; j < 4; j++)
+            _mm512_storeu_ps(s + 16 * j, _mm512_mul_ps(acc[i][j], _mm512_set1_ps(unscale[j])));
     }
 }
 
@@ -556,9 +611,21 @@ AI void kv_kdots4_128(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, in
  * holds tokens 16k + j, 16k + 8 + j) back in token order, scaled as in
  * kv_kdots: s[t] = s_tok[t] * (sum + c). Transposing the 8 x 8 matrix of
  * 64-bit pairs gives, for each k, tokens 16k..16k+15 in the order 0, 8, 1,
- * 9, ..., 7, 15, which KPERM_INV undoes. */
-AI void kv_kfinish128(float *s, const float *stok, float c)
+ * 9, ..., 7, 15, which KPERM_INV undoes. When the row sees the whole tile
+ * the online-softmax step and the folding of a_t, b_t follow on the scores
+ * in registers: s becomes the weights p_t a_t, rc[i] the row's sum_t p_t b_t;
+ * else s holds the scores for the general step. */
+/* Whether row i sees every position of the 128-token tile at t0. */
+AI int kv_sees_tile(const attn_rows *r, int i, int t0)
 {
+    return r->lo[i] <= t0 && r->hi[i] >= t0 + 127;
+}
+
+AI void kv_kfinish128(attn_rows *r, int i, int t0, const float *stok, const float *va,
+                      const float *vbias)
+{
+    float *s = r->s + (size_t)i * r->gs;
+    const float c = r->rc[i];
     __m512d v[8], u[8], x[4], y[4];
     for (int j = 0; j < 8; j++) v[j] = _mm512_castps_pd(_mm512_loadu_ps(s + 16 * j));
     for (int j = 0; j < 8; j += 2) {
@@ -585,37 +652,82 @@ AI void kv_kfinish128(float *s, const float *stok, float c)
     t[3] = _mm512_shuffle_f64x2(y[2], y[3], 0x88);
     t[7] = _mm512_shuffle_f64x2(y[2], y[3], 0xdd);
     const __m512 vc = _mm512_set1_ps(c);
+    __m512 sc[8];
     for (int k = 0; k < 8; k++) {
         __m512 a = _mm512_permutexvar_ps(KPERM_INV, _mm512_castpd_ps(t[k]));
-        _mm512_storeu_ps(s + 16 * k, _mm512_mul_ps(_mm512_loadu_ps(stok + 16 * k), _mm512_add_ps(a, vc)));
+        sc[k] = _mm512_mul_ps(_mm512_loadu_ps(stok + 16 * k), _mm512_add_ps(a, vc));
     }
+    if (!kv_sees_tile(r, i, t0)) {
+        /* part of the tile hidden: the general masked step follows */
+        for (int k = 0; k < 8; k++) _mm512_storeu_ps(s + 16 * k, sc[k]);
+        return;
+    }
+    /* The whole tile visible (decode, and every full tile of a prefill
+     * row): softmax_row_avx512 and fold_weights on the scores still in
+     * registers, the same operations in the same order, so the same bits. */
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int k = 0; k < 8; k++) mx = _mm512_max_ps(mx, sc[k]);
+    float mt = _mm512_reduce_max_ps(mx), m_old = r->m[i];
+    float m_new = mt > m_old ? mt : m_old;
+    float corr = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+    const __m512 vm = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps(), z = _mm512_setzero_ps();
+    for (int k = 0; k < 8; k++) {
+        __m512 p = exp512(_mm512_sub_ps(sc[k], vm));
+        sum = _mm512_add_ps(sum, p);
+        z = _mm512_fmadd_ps(p, _mm512_loadu_ps(vbias + 16 * k), z);
+        _mm512_storeu_ps(s + 16 * k, _mm512_mul_ps(p, _mm512_loadu_ps(va + 16 * k)));
+    }
+    r->m[i] = m_new;
+    r->l[i] = r->l[i] * corr + _mm512_reduce_add_ps(sum);
+    if (corr != 1.0f) {
+        float *acc = r->acc + (size_t)i * r->D;
+        const __m512 vcorr = _mm512_set1_ps(corr);
+        for (int d = 0; d < r->D; d += 16)
+            _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), vcorr));
+    }
+    r->rc[i] = _mm512_reduce_add_ps(z); /* the row's sum_t p_t b_t */
 }
 
-/* tmp = sum_t w[r][t] code[t][d0..d0+32); acc += s_chan * (tmp + pb[r]). */
+/* tmp = sum_t w[r][t] code[t][d0..d0+16 NV); acc += s_chan * (tmp + pb[r]),
+ * NV = 2 or 4 vectors of 16 channels (4: each broadcast weight feeds 4
+ * FMAs). Codes by unpack16_pow2: the sums run in the lanes' order (4-bit:
+ * that of KPERM_INV) times a power of two per lane, undone once per row;
+ * each channel's sum runs over t in order, as before. */
 AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
-                const float *schan, const float *pb, int r0, int RB, int d0)
+                const float *schan, const float *pb, int r0, int RB, int d0, int NV)
 {
     const int D = r->D, gs = r->gs;
-    __m512 acc[8][2];
+    __m512 acc[8][4];
 #pragma GCC unroll 8
-    for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int i = 0; i < RB; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) acc[i][j] = _mm512_setzero_ps();
     for (int t = 0; t < G; t++) {
+        attn_prefetch_step(r->pf, 1);
         const uint8_t *row = vc + (size_t)t * vrow;
-        __m512 c0 = unpack16(row, d0, vb), c1 = unpack16(row, d0 + 16, vb);
+        __m512 c[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) c[j] = unpack16_pow2(row, d0 + 16 * j, vb);
 #pragma GCC unroll 8
         for (int i = 0; i < RB; i++) {
             __m512 w = _mm512_set1_ps(r->s[(size_t)(r0 + i) * gs + t]);
-            acc[i][0] = _mm512_fmadd_ps(w, c0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(w, c1, acc[i][1]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; j++) acc[i][j] = _mm512_fmadd_ps(w, c[j], acc[i][j]);
         }
     }
-    const __m512 s0 = _mm512_loadu_ps(schan + d0), s1 = _mm512_loadu_ps(schan + d0 + 16);
 #pragma GCC unroll 8
     for (int i = 0; i < RB; i++) {
         float *a = r->acc + (size_t)(r0 + i) * D + d0;
         __m512 b = _mm512_set1_ps(pb[r0 + i]);
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(s0, _mm512_add_ps(acc[i][0], b), _mm512_loadu_ps(a)));
-        _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(s1, _mm512_add_ps(acc[i][1], b), _mm512_loadu_ps(a + 16)));
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) {
+            __m512 x = acc[i][j];
+            if (vb != 8) x = _mm512_mul_ps(x, pow2_unscale(vb));
+            if (vb == 4) x = _mm512_permutexvar_ps(KPERM_INV, x);
+            _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(_mm512_loadu_ps(schan + d0 + 16 * j),
+                                                         _mm512_add_ps(x, b), _mm512_loadu_ps(a + 16 * j)));
+        }
     }
 }
 
@@ -635,23 +747,36 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const size_t krow = (size_t)G * kb / 8, vrow = (size_t)D * vb / 8;
 
     /* Fold a_d into the query once per tile; the b_d sum is one constant. */
+    __m512 qmax = _mm512_setzero_ps();
     for (int i = 0; i < r->n; i++) {
         const float *q = r->q + (size_t)i * D;
         float *qa = r->qa + (size_t)i * D;
         __m512 c = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 16) {
-            __m512 qv = _mm512_loadu_ps(q + d);
-            _mm512_storeu_ps(qa + d, _mm512_mul_ps(qv, _mm512_loadu_ps(ka + d)));
+            __m512 qv = _mm512_loadu_ps(q + d), x = _mm512_mul_ps(qv, _mm512_loadu_ps(ka + d));
+            _mm512_storeu_ps(qa + d, x);
+            qmax = _mm512_max_ps(qmax, _mm512_abs_ps(x));
             c = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kbias + d), c);
         }
         r->rc[i] = _mm512_reduce_add_ps(c);
     }
+    /* The K sums run times up to 2^28 (4-bit) or 2^30 (2-bit codes,
+     * unpack16_pow2): with |qa_d| < 2^80 every product is below 2^112 and a
+     * sum of D <= 1024 of them below 2^122, far from the fp32 overflow at
+     * 2^128. Queries beyond (no real model's) take the AVX2 kernel, whose
+     * sums are the reference's. (V needs no such check: its weights p_t a_t
+     * are at most 65504 < 2^16.) */
+    if (kb != 8 && !(_mm512_reduce_max_ps(qmax) < 0x1p80f)) {
+        attn_avx2_kvarn_tile(r, L, rec, t0, G);
+        return;
+    }
     /* One prefetch every 2^pf_shift channels of the first row block's
-     * score loop: the next tiles' lines spread over the G/32 x D steps. */
+     * score loop: half the next tiles' lines spread over the G/32 x D
+     * steps; kv_vsum issues the rest, one per token. */
     const int k128 = kb == 4 && G == 128; /* kv_kdots4_128's case */
     const int steps = (k128 ? 2 : G / 32) * D, left = attn_prefetch_left(r->pf);
     int pf_shift = 0;
-    while (pf_shift < 6 && (steps >> (pf_shift + 1)) >= left) pf_shift++;
+    while (pf_shift < 6 && (steps >> (pf_shift + 1)) >= (left + 1) / 2) pf_shift++;
     for (int h = 0; k128 && h < 2; h++)
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 6, r0);
@@ -660,7 +785,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
 #undef K4CALL
             r0 += rb;
         }
-    for (int i = 0; k128 && i < r->n; i++) kv_kfinish128(r->s + (size_t)i * gs, stok, r->rc[i]);
+    for (int i = 0; k128 && i < r->n; i++) kv_kfinish128(r, i, t0, stok, va, vbias);
     for (int tb = 0; !k128 && tb < G; tb += 32) {
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 8, r0);
@@ -670,22 +795,29 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
             r0 += rb;
         }
     }
-    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
-    softmax_update_avx512(r, t0, G);
     /* Weights p_t * a_t; the b_t sum is one constant per row. */
     float *pb = r->rc;
-    for (int i = 0; i < r->n; i++) pb[i] = fold_weights(r->s + (size_t)i * gs, va, vbias, G);
-    for (int d0 = 0; d0 < D; d0 += 32)
+    for (int i = 0; i < r->n; i++) {
+        if (k128 && kv_sees_tile(r, i, t0)) continue; /* done by kv_kfinish128 */
+        softmax_row_avx512(r, i, t0, G);
+        pb[i] = fold_weights(r->s + (size_t)i * gs, va, vbias, G);
+    }
+    /* 64 channels per pass (up to 6 rows, 24 accumulators) where D allows,
+     * else 32 (up to 8 rows). */
+    const int nv = D % 64 == 0 ? 4 : 2;
+    for (int d0 = 0; d0 < D; d0 += 16 * nv)
         for (int r0 = 0; r0 < r->n;) {
-            int rb = block_rows(r->n, 8, r0);
-#define VCALL(N) kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0)
+            int rb = block_rows(r->n, nv == 4 ? 6 : 8, r0);
+#define VCALL(N) (nv == 4 ? kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0, 4) \
+                          : kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0, 2))
             RB_SWITCH8(rb, VCALL)
 #undef VCALL
             r0 += rb;
         }
+    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
 }
 
-/* Specializations on the bit widths, so unpack16's branches fold away. */
+/* Specializations on the bit widths, so the unpacking's branches fold away. */
 #define KVARN_TILE(KB, VB)                                                                  \
     static void kvarn_tile_k##KB##v##VB(attn_rows *r, const kvarn_record_layout *L,         \
                                         const uint8_t *rec, int t0)                         \

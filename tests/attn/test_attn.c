@@ -600,6 +600,69 @@ static void test_simd_threads(void **state)
     for (int t = 1; t <= 3; t++) kvarn_thread_pool_destroy(pools[t]);
 }
 
+/* Queries far from unit size (|q| ~ 1e30 and 1e-30 times a normal draw),
+ * KVarN at every key width the SIMD kernels specialize (4-bit K of
+ * 128-token tiles, 4-bit, 2-bit and 8-bit K of shorter ones): every SIMD
+ * level finite and within the bound test_simd_threads holds it to (1e-5 of
+ * the row's largest output: the levels differ only in the order of the
+ * fp32 sums). The AVX-512 KVarN kernels convert codes as code * 2^(bits k)
+ * (k up to 7 for 4-bit, 15 for 2-bit codes) and undo the power of two
+ * after the sums; with |q a_d| near 1e28 those sums overflowed to inf
+ * (NaN outputs) where the reference's do not, so such tiles go to the
+ * AVX2 kernel. */
+static void test_extreme_query(void **state)
+{
+    (void)state;
+    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v2_g32", "kvarn_k8v2_g64"};
+    const double mags[] = {1e30, 1e-30};
+    for (int fi = 0; fi < 4; fi++)
+        for (int D = 64; D <= 128; D += 64)
+            for (int mi = 0; mi < 2; mi++) {
+                attn_case c;
+                memset(&c, 0, sizeof c);
+                c.fmt = fmts[fi];
+                c.D = D;
+                c.Hk = 2;
+                c.group = 3;
+                c.sink = 1;
+                c.n_seqs = 1;
+                c.seqs[0].seq_len = 600;
+                paged_fixture f;
+                kvarn_format fmt;
+                assert_int_equal(kvarn_format_parse(c.fmt, &fmt), KVARN_OK);
+                c.G = fmt.tile_tokens;
+                assert_int_equal(pf_build(&f, c.fmt, D, c.Hk, c.G, c.sink, c.seqs, 1, 1500 + fi), 0);
+                int32_t qsl[2] = {0, 1};
+                const size_t nq = (size_t)c.Hk * c.group * D;
+                float *q = malloc(nq * sizeof(float)), *ref = malloc(nq * sizeof(float));
+                float *out = malloc(nq * sizeof(float));
+                test_rng rng;
+                test_rng_seed(&rng, 91 + fi);
+                for (size_t i = 0; i < nq; i++) q[i] = (float)(mags[mi] * test_rng_normal(&rng));
+                c.force_scalar = 1;
+                assert_int_equal(run_attn(&f, &c, qsl, q, ref, NULL), KVARN_OK);
+                c.force_scalar = 0;
+                for (int lv = LV_AVX2; lv < LV_COUNT; lv++) {
+                    c.level = lv;
+                    assert_int_equal(run_attn(&f, &c, qsl, q, out, NULL), KVARN_OK);
+                    for (size_t row = 0; row < nq / D; row++) {
+                        double mx = 0, err = 0;
+                        for (int d = 0; d < D; d++) {
+                            assert_true(isfinite(out[row * D + d]));
+                            mx = fmax(mx, fabs(ref[row * D + d]));
+                            err = fmax(err, fabs(out[row * D + d] - ref[row * D + d]));
+                        }
+                        if (!(err <= 1e-5 * mx))
+                            print_error("%s D=%d |q|~%g %s row %zu: %g\n", c.fmt, D, mags[mi],
+                                        lv_name[lv], row, err / mx);
+                        assert_true(err <= 1e-5 * mx);
+                    }
+                }
+                free(q); free(ref); free(out);
+                pf_free(&f);
+            }
+}
+
 /* Bad inputs: the right status, and the output left untouched. */
 static void test_bad_inputs(void **state)
 {
@@ -809,7 +872,8 @@ int main(void)
         cmocka_unit_test(test_sliding_window),
         cmocka_unit_test(test_multi_query), cmocka_unit_test(test_long_chunk),
         cmocka_unit_test(test_odd_head_dim), cmocka_unit_test(test_empty),
-        cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_bad_inputs),
+        cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_extreme_query),
+        cmocka_unit_test(test_bad_inputs),
         cmocka_unit_test(test_kernel_table),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
