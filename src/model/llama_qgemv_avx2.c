@@ -13,32 +13,9 @@
  * activation load.
  */
 #include <immintrin.h>
-#include <string.h>
 
 #include "model/llama_qgemv.h"
-
-#define LLAMA_QGEMV_ROWS 4
-/* Software prefetch distance, bytes ahead in each row's stream: a decode
- * step reads every matrix from memory once, and the hardware prefetcher
- * alone left the Q8_0 head at 6 GB/s where 4 KiB ahead gave 14 GB/s
- * (one core, Zen 4; the Q4_1 rows are compute-bound either way). A
- * prefetch never faults, so it may run past the matrix. */
-#define LLAMA_QGEMV_AHEAD 4096
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE __m128 half2(const uint8_t *b)
-{
-    uint32_t v;
-    memcpy(&v, b, 4);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
-}
-
-INLINE __m128 half1(const uint8_t *b)
-{
-    uint16_t v;
-    memcpy(&v, b, 2);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
-}
+#include "model/llama_qgemv_x86.h"
 
 /* Block b decoded into w[0..3] = weights 0-7, 8-15, 16-23, 24-31. */
 INLINE void dec_nibbles(const uint8_t *qs, __m256 *w, __m256 d, __m256 m, int offset8)

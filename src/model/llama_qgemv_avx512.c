@@ -18,33 +18,9 @@
  * shared by that many rows (their blocks are streamed side by side).
  */
 #include <immintrin.h>
-#include <string.h>
 
 #include "model/llama_qgemv.h"
-
-#define LLAMA_QGEMV_ROWS 4
-/* Software prefetch distance, bytes ahead in each row's stream: a decode
- * step reads every matrix from memory once, and the hardware prefetcher
- * alone left the Q8_0 head at 6 GB/s where 4 KiB ahead gave 14 GB/s
- * (one core, Zen 4; the Q4_1 rows are compute-bound either way). A
- * prefetch never faults, so it may run past the matrix. */
-#define LLAMA_QGEMV_AHEAD 4096
-#define INLINE static inline __attribute__((always_inline))
-
-/* The block's fp16 fields at b (d, then m for Q4_1) as floats in lanes 0, 1. */
-INLINE __m128 half2(const uint8_t *b)
-{
-    uint32_t v;
-    memcpy(&v, b, 4);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
-}
-
-INLINE __m128 half1(const uint8_t *b)
-{
-    uint16_t v;
-    memcpy(&v, b, 2);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)v));
-}
+#include "model/llama_qgemv_x86.h"
 
 /* Block b decoded into the two halves (weights 0-15 in *lo, 16-31 in *hi). */
 INLINE void dec_q4_1(const uint8_t *b, __m512 *lo, __m512 *hi)
