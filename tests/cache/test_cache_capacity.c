@@ -339,6 +339,19 @@ static void test_budget_below_pages(void **state)
     assert_int_equal(cap.seqs, 0);
 }
 
+/* Options of format fmt at the fixture's shape (L layers, HK KV heads,
+ * head_dim D) for 3 sequences, the rest default. */
+static kvarn_cache_opts fit_opts(const char *fmt)
+{
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    o.format = fx_format(fmt);
+    o.n_layers = L;
+    o.n_kv_heads = HK;
+    o.head_dim = D;
+    o.max_seqs = 3;
+    return o;
+}
+
 /* kvarn_cache_fit_budget: the fitted cache asks for at most the budget, and
  * one block more would not fit; kvarn_cache_seqs_fit: k requests fit, k + 1
  * do not. */
@@ -349,12 +362,7 @@ static void test_fit_budget_and_seqs(void **state)
     const uint64_t budgets[] = {300000, 1000000};
     for (int f = 0; f < 2; f++)
         for (int b = 0; b < 2; b++) {
-            kvarn_cache_opts o = kvarn_cache_default_opts();
-            o.format = fx_format(fmts[f]);
-            o.n_layers = L;
-            o.n_kv_heads = HK;
-            o.head_dim = D;
-            o.max_seqs = 3;
+            kvarn_cache_opts o = fit_opts(fmts[f]);
             kvarn_cache_opts fit;
             assert_int_equal(kvarn_cache_fit_budget(&o, budgets[b], &fit), KVARN_OK);
             kvarn_cache_capacity cap, more;
@@ -411,12 +419,7 @@ static void test_fit_budget_every_offset(void **state)
     (void)state;
     const char *fmts[] = {"fp16", "int8", "kvarn_k4v2_g32", "kvarn_k4v4_g64", "kvarn_k4v2_g128"};
     for (int f = 0; f < 5; f++) {
-        kvarn_cache_opts o = kvarn_cache_default_opts();
-        o.format = fx_format(fmts[f]);
-        o.n_layers = L;
-        o.n_kv_heads = HK;
-        o.head_dim = D;
-        o.max_seqs = 3;
+        kvarn_cache_opts o = fit_opts(fmts[f]);
         o.max_seq_len = 4096;
         int n_ok = 0;
         for (int i = 0; i < 600; i++) {
