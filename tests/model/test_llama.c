@@ -1453,6 +1453,75 @@ static void test_context_limits(void **state)
     assert_int_equal(kvarn_llama_session_plan(f->m, &o, NULL), KVARN_ERR_INVALID_ARG);
 }
 
+/* The plan counts the thread pools a session makes (issue: the session
+ * plan omitted the gguf GEMV's pool, src/model/llama_weights.c, and the
+ * attention's, llama_kv_paged.c). A counting allocator sees every byte the
+ * session takes through it; the plan leaves out a fixed set of small
+ * objects (the session, store and cache structs, the cache's per-sequence
+ * books: the same for any thread count), so allocated - planned must not
+ * depend on attn_threads: a pool the plan missed adds its bytes to that
+ * difference for every thread count but 1 (no pool at 1). Checked for
+ * the fp32 model (attention pool only) and gguf weights (both pools), a
+ * paged and the exact store. */
+typedef struct counted {
+    long long live;
+} counted;
+
+static void *counted_alloc(void *opaque, size_t bytes)
+{
+    size_t *h = malloc(bytes + 16); /* 16: keeps max_align_t alignment */
+    if (!h) return NULL;
+    h[0] = bytes;
+    ((counted *)opaque)->live += (long long)bytes;
+    return (char *)h + 16;
+}
+
+static void counted_free(void *opaque, void *p)
+{
+    size_t *h = (size_t *)(void *)((char *)p - 16);
+    ((counted *)opaque)->live -= (long long)h[0];
+    free(h);
+}
+
+static void test_plan_counts_thread_pools(void **state)
+{
+    fixture *f = *state;
+    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    lo.weights = KVARN_LLAMA_WEIGHTS_GGUF;
+    kvarn_llama *gm = NULL;
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &gm), KVARN_OK);
+    const kvarn_llama *models[2] = {f->m, gm};
+    const char *formats[3] = {"int8", "kvarn_k4v2_g128", NULL /* exact */};
+    for (int mi = 0; mi < 2; mi++)
+        for (int fi = 0; fi < 3; fi++) {
+            long long gap1 = 0;
+            for (int t = 1; t <= 4; t++) {
+                counted c = {0};
+                kvarn_allocator a = {counted_alloc, counted_free, &c};
+                kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+                o.max_tokens = NTOK;
+                o.max_chunk = 64;
+                o.attn_threads = t;
+                o.allocator = &a;
+                if (formats[fi]) o.format = fmt_of(formats[fi]);
+                else o.exact = 1;
+                kvarn_llama_session_info info;
+                assert_int_equal(kvarn_llama_session_plan(models[mi], &o, &info), KVARN_OK);
+                kvarn_llama_session *s = NULL;
+                assert_int_equal(kvarn_llama_session_create(models[mi], &o, &s), KVARN_OK);
+                long long gap = c.live - (long long)info.total_bytes;
+                if (t == 1) gap1 = gap;
+                print_message("%s weights, %s, %d threads: allocated %lld, planned %llu\n",
+                              mi ? "gguf" : "fp32", formats[fi] ? formats[fi] : "exact", t,
+                              c.live, (unsigned long long)info.total_bytes);
+                assert_true(gap == gap1);
+                kvarn_llama_session_free(s);
+                assert_true(c.live == 0);
+            }
+        }
+    kvarn_llama_free(gm);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1469,6 +1538,7 @@ int main(void)
         cmocka_unit_test(test_shared_cache),
         cmocka_unit_test(test_weights_option),
         cmocka_unit_test(test_gguf_weights),
+        cmocka_unit_test(test_plan_counts_thread_pools),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),
         cmocka_unit_test(test_context_limits),
