@@ -148,6 +148,14 @@ int cli_model_open(const char *cmd, const char *path, cli_model *m)
                   err[0] ? ": " : "", err);
         return -1;
     }
+    /* the metadata first: a bad key is named with its value */
+    kvarn_llama_hparams hp;
+    st = kvarn_llama_read_hparams(m->gguf, &hp, err, sizeof err);
+    if (st != KVARN_OK) {
+        cli_error(cmd, "cannot load '%s' as a llama model: %s", path, err);
+        cli_model_close(m);
+        return -1;
+    }
     st = kvarn_llama_load_gguf(m->gguf, &m->llama);
     if (st != KVARN_OK) {
         const char *w = getenv("KVARN_WEIGHTS");

@@ -1354,6 +1354,52 @@ static void test_bad_files(void **state)
         kvarn_gguf_close(g);
         free(b.p);
     }
+    /* kvarn_llama_read_hparams names the bad key and its value, and leaves
+     * *out as it was: another architecture; head_count_kv 0, and one that
+     * does not divide head_count; an odd key_length; context_length 0. */
+    struct { const char *arch; wmeta meta; const char *msg; } bad[] = {
+        {"gpt2", k_meta, "GGUF key general.architecture = 'gpt2': this runner takes 'llama'"},
+        {"llama", {1024, NH, 0, HD, 0},
+         "GGUF key llama.attention.head_count_kv = 0: must be >= 1 and divide head_count"},
+        {"llama", {1024, NH, NH + 1, HD, 0},
+         "GGUF key llama.attention.head_count_kv = " },
+        {"llama", {1024, NH, NKV, HD + 1, 0}, "GGUF key llama.attention.key_length = "},
+        {"llama", {0, NH, NKV, HD, 0},
+         "GGUF key llama.context_length = 0: must be from 1 to 2147483647"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        buf bb = write_gguf(bad[i].arch, 0, &bad[i].meta);
+        kvarn_gguf *gg = NULL;
+        assert_int_equal(kvarn_gguf_open_memory(bb.p, bb.n, &gg, NULL, 0), KVARN_OK);
+        kvarn_llama_hparams hp;
+        memset(&hp, 0x5a, sizeof hp);
+        char err[200];
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, err, sizeof err), KVARN_ERR_BAD_FILE);
+        print_message("%s\n", err);
+        assert_non_null(strstr(err, bad[i].msg));
+        for (size_t k = 0; k < sizeof hp; k++) assert_int_equal(((unsigned char *)&hp)[k], 0x5a);
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, NULL, 0), KVARN_ERR_BAD_FILE);
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, err, 8), KVARN_ERR_BAD_FILE);
+        assert_int_equal(strlen(err), 7); /* cut to fit, terminated */
+        assert_int_equal(kvarn_llama_load_gguf(gg, &m), KVARN_ERR_BAD_FILE);
+        kvarn_gguf_close(gg);
+        free(bb.p);
+    }
+    {
+        buf bb = write_gguf("llama", 0, &k_meta);
+        kvarn_gguf *gg = NULL;
+        assert_int_equal(kvarn_gguf_open_memory(bb.p, bb.n, &gg, NULL, 0), KVARN_OK);
+        kvarn_llama_hparams hp;
+        char err[64] = "x";
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, err, sizeof err), KVARN_OK);
+        assert_string_equal(err, "");
+        assert_true(hp.n_heads == NH && hp.n_kv_heads == NKV && hp.head_dim == HD &&
+                    hp.vocab == VOCAB && hp.hidden == E && hp.n_layers == NL);
+        assert_int_equal(kvarn_llama_read_hparams(NULL, &hp, err, sizeof err), KVARN_ERR_INVALID_ARG);
+        assert_int_equal(kvarn_llama_read_hparams(gg, NULL, err, sizeof err), KVARN_ERR_INVALID_ARG);
+        kvarn_gguf_close(gg);
+        free(bb.p);
+    }
     /* Hyper-parameters whose weight sizes cannot be held: 2^16 heads of
      * 2^16 channels make Q 2^32 rows wide, beyond the int dimensions of a
      * tensor (and wqkv 3 * 2^32 * 128 floats). Refused before the first

@@ -356,3 +356,99 @@ def test_eval_says_what_it_lowered(kvarn_bin, model_path, tmp_path):
              "--decode-tokens", "2", "--kv-cache-dtype", "int8"])
     assert r.returncode == 0, r.stderr
     assert "--ctx lowered to" in r.stderr
+
+
+# ---- GGUF metadata the runner refuses: the key and its value named -------
+# (fresh-user trial: llama.attention.head_count_kv = 0 said "give -m MODEL"
+# in inspect; other bad or missing keys said only "malformed or truncated").
+# Each file is a small llama GGUF written with the gguf package: the keys
+# below (SmolLM2-135M's head counts, smaller widths) and a token_embd of
+# 32 x 64, with one key changed, removed or retyped.
+
+GOOD_KEYS = {
+    "llama.block_count": ("uint32", 2),
+    "llama.embedding_length": ("uint32", 64),
+    "llama.attention.head_count": ("uint32", 9),
+    "llama.attention.head_count_kv": ("uint32", 3),
+    "llama.attention.key_length": ("uint32", 64),
+    "llama.feed_forward_length": ("uint32", 128),
+    "llama.context_length": ("uint32", 256),
+    "llama.rope.freq_base": ("float32", 10000.0),
+}
+
+
+def write_llama_gguf(path, keys, arch="llama", embd=(32, 64)):
+    """A GGUF of arch with keys {name: (type, value)} and, unless embd is
+    None, a token_embd.weight of embd = (vocab, hidden) rows (numpy order)."""
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(path), arch)
+    for name, (kind, value) in keys.items():
+        getattr(w, "add_" + kind)(name, value)
+    if embd is not None:
+        w.add_tensor("token_embd.weight", np.zeros(embd, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+BAD_METADATA = [
+    # (id, change to GOOD_KEYS: {key: (type, value) or None to drop}, expected text)
+    ("kv_heads_0", {"llama.attention.head_count_kv": ("uint32", 0)},
+     "GGUF key llama.attention.head_count_kv = 0: must be >= 1 and divide head_count 9"),
+    ("kv_heads_4", {"llama.attention.head_count_kv": ("uint32", 4)},
+     "GGUF key llama.attention.head_count_kv = 4: must be >= 1 and divide head_count 9"),
+    ("no_block_count", {"llama.block_count": None}, "GGUF key llama.block_count is missing"),
+    ("emb_string", {"llama.embedding_length": ("string", "64")},
+     "GGUF key llama.embedding_length has type string: expected an integer"),
+    ("ctx_0", {"llama.context_length": ("uint32", 0)},
+     "GGUF key llama.context_length = 0: must be from 1 to 2147483647"),
+    ("ffn_huge", {"llama.feed_forward_length": ("uint64", 2 ** 32 + 5)},
+     "GGUF key llama.feed_forward_length = 4294967301: must be from 1 to 2147483647"),
+    ("heads_negative", {"llama.attention.head_count": ("int32", -3)},
+     "GGUF key llama.attention.head_count = -3: must be from 1 to 2147483647"),
+    ("key_length_odd", {"llama.attention.key_length": ("uint32", 63)},
+     "GGUF key llama.attention.key_length = 63: must be even and >= 2"),
+    ("freq_base_0", {"llama.rope.freq_base": ("float32", 0.0)},
+     "GGUF key llama.rope.freq_base = 0: must be a finite number > 0"),
+    ("freq_base_string", {"llama.rope.freq_base": ("string", "1e4")},
+     "GGUF key llama.rope.freq_base has type string: expected a number"),
+]
+
+
+@pytest.mark.parametrize("change,expected", [c[1:] for c in BAD_METADATA],
+                         ids=[c[0] for c in BAD_METADATA])
+def test_bad_gguf_metadata_names_the_key(kvarn_bin, tmp_path, change, expected):
+    keys = dict(GOOD_KEYS)
+    for k, v in change.items():
+        if v is None:
+            del keys[k]
+        else:
+            keys[k] = v
+    path = tmp_path / "bad.gguf"
+    write_llama_gguf(path, keys)
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged.")
+    for cmd in (["generate", "-p", "hi"], ["eval", "-f", str(text)], ["passkey"], ["inspect"]):
+        r = run([kvarn_bin, cmd[0], "-m", str(path)] + cmd[1:], timeout=60)
+        assert r.returncode == 1, (cmd, r.stderr)
+        assert expected in r.stderr, (cmd, r.stderr)
+        assert "give -m" not in r.stderr and "malformed or truncated" not in r.stderr
+
+
+def test_not_llama_or_no_embedding_is_named(kvarn_bin, tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    write_llama_gguf(path, {}, arch="gpt2")
+    for cmd in (["generate", "-p", "hi"], ["inspect"]):
+        r = run([kvarn_bin, cmd[0], "-m", str(path)] + cmd[1:])
+        assert r.returncode == 1 and "GGUF key general.architecture = 'gpt2'" in r.stderr, r.stderr
+    path = tmp_path / "noembd.gguf"
+    write_llama_gguf(path, GOOD_KEYS, embd=None)
+    r = run([kvarn_bin, "generate", "-m", str(path), "-p", "hi"])
+    assert r.returncode == 1 and "GGUF tensor token_embd.weight is missing" in r.stderr, r.stderr
+    path = tmp_path / "wideembd.gguf"
+    write_llama_gguf(path, GOOD_KEYS, embd=(32, 65))
+    r = run([kvarn_bin, "generate", "-m", str(path), "-p", "hi"])
+    assert r.returncode == 1, r.stderr
+    assert "GGUF tensor token_embd.weight has shape [65, 32, 1, 1]" in r.stderr, r.stderr
