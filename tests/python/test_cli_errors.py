@@ -452,3 +452,36 @@ def test_not_llama_or_no_embedding_is_named(kvarn_bin, tmp_path):
     r = run([kvarn_bin, "generate", "-m", str(path), "-p", "hi"])
     assert r.returncode == 1, r.stderr
     assert "GGUF tensor token_embd.weight has shape [65, 32, 1, 1]" in r.stderr, r.stderr
+
+
+# ---- KVARN_SIMD naming no level (fresh-user trial: silently ignored) -----
+# The library ignores it (runs at the CPU's level, prints nothing); the
+# kvarn command and the benchmarks that run kernels refuse it: exit 2, one
+# line naming the accepted values, before any work.
+
+def test_bad_simd_env_is_a_usage_error(kvarn_bin, model_path):
+    import os
+    for bad in ("bogus", "AVX2", "sse4"):
+        env = dict(os.environ, KVARN_SIMD=bad)
+        argvs = [
+            [kvarn_bin, "generate", "-m", model_path, "-p", "hi", "-n", "1"],
+            [kvarn_bin, "eval", "-m", model_path, "-f", "absent.txt"],
+            [kvarn_bin, "passkey", "-m", model_path],
+            [kvarn_bin, "inspect", "--layers", "1", "--kv-heads", "1", "--head-dim", "64"],
+            [bench_bin("bench_attn"), "--formats", "int8"] + ATTN_QUICK,
+            [bench_bin("bench_codec"), "--format", "int8"] + CODEC_QUICK,
+            [bench_bin("bench_decode"), "-m", "absent.gguf"],
+            [bench_bin("bench_matmul"), "--m", "1"],
+        ]
+        for argv in argvs:
+            r = run(argv, env=env, timeout=120)
+            assert r.returncode == 2, (argv[:2], bad, r.stderr)
+            assert f"KVARN_SIMD='{bad}' is not a SIMD level" in r.stderr, (argv[:2], r.stderr)
+            assert "scalar|avx2|avx512" in r.stderr and r.stdout == "", (argv[:2], r.stdout)
+    # the accepted values and an empty one run as before; help still prints
+    for good in ("scalar", "avx2", "avx512", ""):
+        env = dict(os.environ, KVARN_SIMD=good)
+        r = run([kvarn_bin, "inspect", "--layers", "1", "--kv-heads", "1", "--head-dim", "64"], env=env)
+        assert r.returncode == 0, (good, r.stderr)
+    r = run([kvarn_bin, "generate", "--help"], env=dict(os.environ, KVARN_SIMD="bogus"))
+    assert r.returncode == 0 and r.stdout.startswith("usage: kvarn generate")
