@@ -217,8 +217,8 @@ static int eval_load(eval_run *r, const eval_opts *o)
 }
 
 /* The options fitted to the text and the model: windows of at most the
- * text's tokens, decode and chunk within a window, dump layers within the
- * model's. 0, or 2 (--ctx beyond the model's context, message printed). */
+ * text's tokens, decode and chunk within a window. 0, or 2 (--ctx beyond
+ * the model's context, --dump-layers beyond its layers; message printed). */
 static int eval_fit(eval_run *r, const eval_opts *o)
 {
     const kvarn_llama_hparams *hp = r->m.hp;
@@ -244,7 +244,12 @@ static int eval_fit(eval_run *r, const eval_opts *o)
                 "measurement keeps 1 position per window; raise --ctx or lower --decode-tokens\n",
                 o->decode_tokens, r->decode_tokens);
     r->chunk = o->chunk > r->ctx ? r->ctx : o->chunk;
-    r->dump_layers = o->dump_layers == 0 || o->dump_layers > hp->n_layers ? hp->n_layers : o->dump_layers;
+    if (o->dump_layers > hp->n_layers) {
+        cli_error("eval", "--dump-layers %ld is more than the model's %d layers (1 to %d; default all)",
+                  o->dump_layers, hp->n_layers, hp->n_layers);
+        return 2;
+    }
+    r->dump_layers = o->dump_layers == 0 ? hp->n_layers : o->dump_layers;
     return 0;
 }
 
@@ -620,6 +625,11 @@ int cmd_eval(int argc, char **argv)
     if (rc >= 0) return rc;
     if (o.model_path == NULL || o.text_path == NULL) {
         cli_error("eval", "need -m MODEL and -f TEXT (see kvarn eval --help)");
+        return 2;
+    }
+    if (o.dump_layers != 0 && o.dump_path == NULL) {
+        cli_error("eval", "--dump-layers %ld needs --dump-kv FILE (it says how many layers to dump)",
+                  o.dump_layers);
         return 2;
     }
     kvarn_format fmts[CLI_MAX_FORMATS];

@@ -485,3 +485,33 @@ def test_bad_simd_env_is_a_usage_error(kvarn_bin, model_path):
         assert r.returncode == 0, (good, r.stderr)
     r = run([kvarn_bin, "generate", "--help"], env=dict(os.environ, KVARN_SIMD="bogus"))
     assert r.returncode == 0 and r.stdout.startswith("usage: kvarn generate")
+
+
+# ---- --dump-layers (fresh-user trial: ignored without --dump-kv, and a
+# count beyond the model's layers silently cut to all) ---------------------
+
+def test_dump_layers_needs_dump_kv(kvarn_bin, model_path, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged. " * 8)
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
+             "--kv-cache-dtype", "int8", "--dump-layers", "2"])
+    assert r.returncode == 2, r.stderr
+    assert "--dump-layers 2 needs --dump-kv FILE" in r.stderr and r.stdout == ""
+
+
+def test_dump_layers_beyond_the_model(kvarn_bin, model_path, tmp_path):
+    # SmolLM2-135M has 30 layers: 31 and 999 are refused once it is loaded,
+    # naming the count; nothing is dumped. 30 (all) is accepted.
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged. " * 8)
+    dump = tmp_path / "kv.bin"
+    for n in ("31", "999"):
+        r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
+                 "--kv-cache-dtype", "int8", "--dump-kv", str(dump), "--dump-layers", n])
+        assert r.returncode == 2, (n, r.stderr)
+        assert f"--dump-layers {n} is more than the model's 30 layers" in r.stderr, r.stderr
+        assert r.stdout == "" and not dump.exists()
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32", "--decode-tokens", "4",
+             "--kv-cache-dtype", "int8", "--dump-kv", str(dump), "--dump-layers", "30"])
+    assert r.returncode == 0, r.stderr
+    assert int.from_bytes(dump.read_bytes()[12:16], "little") == 30  # n_layers (docs/kv-dump.md)
