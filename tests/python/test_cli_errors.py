@@ -515,3 +515,70 @@ def test_dump_layers_beyond_the_model(kvarn_bin, model_path, tmp_path):
              "--kv-cache-dtype", "int8", "--dump-kv", str(dump), "--dump-layers", "30"])
     assert r.returncode == 0, r.stderr
     assert int.from_bytes(dump.read_bytes()[12:16], "little") == 30  # n_layers (docs/kv-dump.md)
+
+
+# ---- cosmetics of the fresh-user trial -----------------------------------
+
+def test_chat_on_empty_stdin_says_nothing_to_generate(kvarn_bin, model_path):
+    # it printed "prompt 0.0 tok/s, generation 0.0 tok/s" and a 0-token cache
+    for stdin in ("", "\n\n"):
+        r = run([kvarn_bin, "generate", "-m", model_path, "--chat", "--kv-cache-dtype", "int8"],
+                input=stdin)
+        assert r.returncode == 0, r.stderr
+        assert "[int8] nothing to generate: no message on standard input" in r.stderr
+        assert "tok/s" not in r.stderr and r.stdout == ""
+
+
+def test_eval_decode_tokens_0_says_skipped(kvarn_bin, model_path, tmp_path):
+    # the reference's "dec tok/s" said 0.0 when nothing was decoded
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged. " * 8)
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
+             "--decode-tokens", "0", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "decode skipped (--decode-tokens 0" in lines[0]
+    rows = [line.split() for line in lines if line.startswith(("fp16 (reference)", "int8 "))]
+    assert len(rows) == 2
+    for row in rows:
+        assert row[-2:] == ["skipped", "-"], row
+
+
+def test_passkey_progress_is_evenly_spaced(kvarn_bin, model_path):
+    # 1 length x 2 depths x 3 trials x (fp16 + int8) = 12 prompts; off a
+    # terminal a line per ceil(12 / 10) = 2 of them: 2, 4, ..., 12 (it
+    # printed 1..6, then 8..12: 10 * done / total skipped 7)
+    r = run([kvarn_bin, "passkey", "-m", model_path, "--lengths", "128", "--depths", "0,100",
+             "--trials", "3", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0, r.stderr
+    counts = [line.split(": ")[1] for line in r.stderr.splitlines()
+              if line.startswith("kvarn passkey: ") and "/" in line]
+    assert counts == [f"{n}/12" for n in range(2, 13, 2)], r.stderr
+
+
+def help_option_lines(text):
+    """The option lines of a --help: after the synopsis's blank line, lines
+    that start with '-' or are indented, up to the notes."""
+    body = text.split("\n\n", 1)[1]
+    out = []
+    for line in body.splitlines():
+        if not line.startswith(("-", " ")):
+            break
+        out.append(line)
+    return out
+
+
+def test_help_columns_and_synopsis(kvarn_bin):
+    # "--tail-page-tokens TKVarN:": a synopsis as wide as the 18-column
+    # first column ran into its text; eval's synopsis lacked the option.
+    for cmd in ("generate", "eval", "passkey", "inspect"):
+        text = run([kvarn_bin, cmd, "--help"]).stdout
+        synopsis = text.split("\n\n", 1)[0]
+        lines = help_option_lines(text)
+        assert lines, cmd
+        for line in lines:
+            if line.startswith("-"):
+                # the synopsis alone, or a space at the end of the column
+                assert len(line.split()) <= 2 or line[17] == " ", (cmd, line)
+                assert line.split()[0] in synopsis, (cmd, line.split()[0])
+        assert "TKVarN" not in text
