@@ -375,6 +375,9 @@ kvarn_status llama_kv_paged_plan(const llama_kv_shape *shape, const kvarn_format
     bad |= kvarn__add_u64(other, (uint64_t)z.scratch, &other);
     bad |= kvarn__add_u64(other, 2 * (uint64_t)z.hist, &other);
     bad |= kvarn__add_u64(other, (uint64_t)z.ws, &other);
+    /* the store and its layer views */
+    bad |= kvarn__add_u64(other, sizeof(kv_paged) +
+                                     (uint64_t)shape->n_layers * sizeof(kvarn_paged_kv), &other);
     /* the attention's thread pool (llama_kv_paged_create makes it for
      * threads > 1) */
     if (threads > 1) bad |= kvarn__add_u64(other, kvarn__thread_pool_bytes(threads), &other);

@@ -121,7 +121,7 @@ static kvarn_status session_plan(const kvarn_llama *model,
     kvarn_status st = o->exact ? llama_kv_exact_plan(sh, &kv_bytes, &store_other)
                                : llama_kv_paged_plan(sh, fmt, o, &kv_bytes, &store_other);
     if (st != KVARN_OK) return st;
-    uint64_t other = store_other;
+    uint64_t other = store_other + sizeof(kvarn_llama_session); /* small: no overflow */
     const size_t parts[] = { z->x, z->xn, z->qkv, z->attn, z->gu, z->act, z->rope, z->rope };
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++)
         bad |= kvarn__add_u64(other, parts[i], &other);

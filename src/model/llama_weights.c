@@ -383,13 +383,14 @@ static int xb_rows(int max_chunk)
 }
 
 /* gguf weights: the slab of dequantized rows a chunk multiplies (0 for
- * max_chunk 1), checked to fit size_t with its 64-byte rounding. */
+ * max_chunk 1), checked to fit size_t with its 64-byte rounding and
+ * kvarn__malloc_aligned's slack. */
 static kvarn_status gguf_slab_bytes(int max_chunk, int max_in, uint64_t *slab)
 {
     *slab = 0;
     if (max_chunk > 1 &&
         (kvarn__mul3_u64(LLAMA_MM_SLAB, (uint64_t)max_in, sizeof(float), slab) ||
-         *slab > SIZE_MAX - 128))
+         *slab > SIZE_MAX - 256))
         return KVARN_ERR_TOO_LARGE;
     return KVARN_OK;
 }
@@ -403,6 +404,9 @@ kvarn_status llama_mm_ctx_plan(const kvarn_llama *model, int max_chunk, int max_
         uint64_t slab;
         kvarn_status st = gguf_slab_bytes(max_chunk, max_in, &slab);
         if (st != KVARN_OK) return st;
+        /* as allocated: rounded to 64 bytes, plus kvarn__malloc_aligned's
+         * alignment slack and pointer (slab <= SIZE_MAX - 256: fits) */
+        if (slab) slab = ((slab + 63) & ~(uint64_t)63) + 64 + sizeof(void *);
         /* the GEMV's pool (llama_mm_ctx_create makes it for threads > 1) */
         *bytes = slab + (threads > 1 ? kvarn__thread_pool_bytes(threads) : 0);
         return KVARN_OK;
