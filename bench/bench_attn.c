@@ -34,6 +34,7 @@
 #include "kvarn/kvarn.h"
 #include "kvarn/record.h"
 #include "format_list.h"
+#include "simd_env.h"
 
 #define MAXL 16
 #define MAX_FORMATS 64
@@ -259,6 +260,7 @@ static double memcpy_gbs(void)
 
 int main(int argc, char **argv)
 {
+    if (simd_env_check("bench_attn")) return 2; /* KVARN_SIMD names no level */
     list ctxs, batches, threads;
     parse_list("1024,4096,8192,16384,32768", &ctxs);
     parse_list("1,16", &batches);

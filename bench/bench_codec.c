@@ -26,6 +26,7 @@
 
 #include "kvarn/kvarn.h"
 #include "format_list.h"
+#include "simd_env.h"
 
 #define PER_TOKEN_BLOCK 128
 #define BATCH_INPUT_BYTES (1u << 20)
@@ -195,6 +196,7 @@ static void usage(const char *argv0)
 
 int main(int argc, char **argv)
 {
+    if (simd_env_check("bench_codec")) return 2; /* KVARN_SIMD names no level */
     bench_cfg cfg = {5, 0.020, NULL, 0};
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--quick") == 0) { cfg.runs = 3; cfg.min_s = 0.005; }

@@ -29,6 +29,7 @@
 #include "kvarn/model.h"
 #include "kvarn/tokenizer.h"
 #include "format_list.h"
+#include "simd_env.h"
 
 static double now(void)
 {
@@ -59,6 +60,7 @@ static int parse_list(const char *s, long *out, int max)
 
 int main(int argc, char **argv)
 {
+    if (simd_env_check("bench_decode")) return 2; /* KVARN_SIMD names no level */
     const char *model_path = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     const char *text_path = "data/austen/all.txt";
     const char *dtypes = "all";

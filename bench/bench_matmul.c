@@ -42,6 +42,7 @@
 #include "kvarn/kvarn.h"
 #include "model/llama_internal.h"
 #include "model/llama_qgemv.h"
+#include "simd_env.h"
 
 #ifdef KVARN_BENCH_DNNL
 #include <oneapi/dnnl/dnnl.h>
@@ -278,6 +279,7 @@ static int parse_list(const char *s, long *out, int max)
 
 int main(int argc, char **argv)
 {
+    if (simd_env_check("bench_matmul")) return 2; /* KVARN_SIMD names no level */
     long ms[8] = {1, 128};
     int n_m = 2;
     long repeat = 5, stream = 0;

@@ -5,6 +5,7 @@
 #include "kvarn/cache.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdlib.h>
@@ -148,6 +149,14 @@ int cli_model_open(const char *cmd, const char *path, cli_model *m)
                   err[0] ? ": " : "", err);
         return -1;
     }
+    /* the metadata first: a bad key is named with its value */
+    kvarn_llama_hparams hp;
+    st = kvarn_llama_read_hparams(m->gguf, &hp, err, sizeof err);
+    if (st != KVARN_OK) {
+        cli_error(cmd, "cannot load '%s' as a llama model: %s", path, err);
+        cli_model_close(m);
+        return -1;
+    }
     st = kvarn_llama_load_gguf(m->gguf, &m->llama);
     if (st != KVARN_OK) {
         const char *w = getenv("KVARN_WEIGHTS");
@@ -217,7 +226,7 @@ double cli_now(void)
 
 static double g_progress_last = 0.0;
 static int g_progress_open = 0;
-static long g_progress_decile = -1;
+static long g_progress_step = 0; /* non-terminal: the last step printed */
 
 void cli_progress(const char *label, long done, long total)
 {
@@ -231,9 +240,13 @@ void cli_progress(const char *label, long done, long total)
         fprintf(stderr, "] %ld/%ld", done, total);
         g_progress_open = 1;
     } else {
-        long decile = total > 0 ? 10 * done / total : 10;
-        if (decile == g_progress_decile) return;
-        g_progress_decile = decile;
+        /* a line each time done passes a multiple of ceil(total / 10), and
+         * at the end: counted one by one (passkey), the lines are evenly
+         * spaced (10 * done / total skipped numbers: 6/12 then 8/12) */
+        long unit = total > 10 ? (total + 9) / 10 : 1;
+        long step = total > 0 && done < total ? done / unit : LONG_MAX;
+        if (step <= g_progress_step) return;
+        g_progress_step = step;
         fprintf(stderr, "%s: %ld/%ld\n", label, done, total);
     }
 }
@@ -242,7 +255,7 @@ void cli_progress_end(void)
 {
     if (g_progress_open) fputc('\n', stderr);
     g_progress_open = 0;
-    g_progress_decile = -1;
+    g_progress_step = 0;
 }
 
 static kvarn_cache_opts cli_cache_opts(const kvarn_format *f, int layers, int kv_heads,

@@ -102,8 +102,9 @@ int cli_read_file(const char *cmd, const char *path, char **data, size_t *len);
 double cli_now(void);
 
 /* Progress on stderr: "\r[label] done/total" at most every 0.2 s when
- * stderr is a terminal; a line every 10% otherwise. cli_progress_end ends
- * the line. */
+ * stderr is a terminal; otherwise a line each time done passes a multiple
+ * of ceil(total / 10), and one at done == total. cli_progress_end ends the
+ * line (and starts the next count afresh). */
 void cli_progress(const char *label, long done, long total);
 void cli_progress_end(void);
 

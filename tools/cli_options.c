@@ -19,7 +19,9 @@ void cli_print_usage(const cli_command *cmd, FILE *f)
     for (size_t i = 0; i < cmd->n_options; i++) {
         const cli_option *r = &cmd->options[i];
         if (r->synopsis == NULL) continue;
-        fprintf(f, "%-*s", HELP_COLUMN, r->synopsis);
+        /* a synopsis as wide as the column gets a line of its own */
+        if (strlen(r->synopsis) >= HELP_COLUMN) fprintf(f, "%s\n%*s", r->synopsis, HELP_COLUMN, "");
+        else fprintf(f, "%-*s", HELP_COLUMN, r->synopsis);
         for (const char *s = r->help; *s; s++) {
             fputc(*s, f);
             if (*s == '\n') fprintf(f, "%*s", HELP_COLUMN, "");

@@ -75,7 +75,8 @@ static const cli_command k_command = {
     "eval", k_options, sizeof k_options / sizeof k_options[0],
     "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
     "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 320]\n"
-    "                  [--threads 1] [--passkey N] [--sink-tokens S] [--json]\n"
+    "                  [--threads 1] [--passkey N] [--json]\n"
+    "                  [--sink-tokens S] [--tail-page-tokens T]\n"
     "                  [--dump-kv FILE [--dump-layers N]]\n\n",
     "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
     "tokens (every chunk after the first attends to the cached history, as chunked\n"
@@ -217,8 +218,8 @@ static int eval_load(eval_run *r, const eval_opts *o)
 }
 
 /* The options fitted to the text and the model: windows of at most the
- * text's tokens, decode and chunk within a window, dump layers within the
- * model's. 0, or 2 (--ctx beyond the model's context, message printed). */
+ * text's tokens, decode and chunk within a window. 0, or 2 (--ctx beyond
+ * the model's context, --dump-layers beyond its layers; message printed). */
 static int eval_fit(eval_run *r, const eval_opts *o)
 {
     const kvarn_llama_hparams *hp = r->m.hp;
@@ -244,7 +245,12 @@ static int eval_fit(eval_run *r, const eval_opts *o)
                 "measurement keeps 1 position per window; raise --ctx or lower --decode-tokens\n",
                 o->decode_tokens, r->decode_tokens);
     r->chunk = o->chunk > r->ctx ? r->ctx : o->chunk;
-    r->dump_layers = o->dump_layers == 0 || o->dump_layers > hp->n_layers ? hp->n_layers : o->dump_layers;
+    if (o->dump_layers > hp->n_layers) {
+        cli_error("eval", "--dump-layers %ld is more than the model's %d layers (1 to %d; default all)",
+                  o->dump_layers, hp->n_layers, hp->n_layers);
+        return 2;
+    }
+    r->dump_layers = o->dump_layers == 0 ? hp->n_layers : o->dump_layers;
     return 0;
 }
 
@@ -494,9 +500,14 @@ static void eval_results_get(eval_run *r, const eval_opts *o, eval_results *res)
 /* The line printed before the run (table mode). */
 static void print_header(const eval_run *r, const eval_opts *o)
 {
+    char decoded[96];
+    if (r->decode_tokens > 0)
+        snprintf(decoded, sizeof decoded, "last %ld tokens decoded one by one", r->decode_tokens);
+    else
+        snprintf(decoded, sizeof decoded, "decode skipped (--decode-tokens 0: no dec columns)");
     printf("kvarn eval: %s | text %s (%zu tokens) | %ld window(s) x %ld tokens, chunk %ld, "
-           "last %ld tokens decoded one by one | reference: fp16 cache\n",
-           o->model_path, o->text_path, r->n_ids, r->windows, r->ctx, r->chunk, r->decode_tokens);
+           "%s | reference: fp16 cache\n",
+           o->model_path, o->text_path, r->n_ids, r->windows, r->ctx, r->chunk, decoded);
     fflush(stdout);
 }
 
@@ -516,13 +527,17 @@ static void print_table(const eval_results *res)
            "PPL", "dPPL", "passkey", "dec tok/s", "x fp16");
     /* x fp16 (capacity) from the record bytes: what long contexts reach;
      * eff B/tok adds the fp16 sink and tail at this --ctx. */
-    printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9s %7s %9.4f %8s %7s %9.1f %6.2fx\n",
+    /* no decoded tokens (--decode-tokens 0): no speed to show, not 0.0 */
+    char ref_speed[48] = "  skipped       -";
+    if (res->ref_tps > 0) snprintf(ref_speed, sizeof ref_speed, "%9.1f %6.2fx", res->ref_tps, 1.0);
+    printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9s %7s %9.4f %8s %7s %s\n",
            "fp16 (reference)", res->ref_bpt, res->ref_eff, 1.0, "-", "-", "-", "-", "-", "-", "-",
            res->ref_ppl, "-", passkey_text(res->ref_passkey, res->passkey_trials, pk, sizeof pk),
-           res->ref_tps, 1.0);
+           ref_speed);
     for (int f = 0; f < res->n; f++) {
         const eval_row *w = &res->rows[f];
         char speed[48] = "        -       -", dk[16] = "-", dt[16] = "-";
+        if (res->decode_tokens == 0) snprintf(speed, sizeof speed, "  skipped       -");
         if (w->tps > 0 && res->ref_tps > 0)
             snprintf(speed, sizeof speed, "%9.1f %6.2fx", w->tps, w->tps / res->ref_tps);
         if (w->ds.n) {
@@ -620,6 +635,11 @@ int cmd_eval(int argc, char **argv)
     if (rc >= 0) return rc;
     if (o.model_path == NULL || o.text_path == NULL) {
         cli_error("eval", "need -m MODEL and -f TEXT (see kvarn eval --help)");
+        return 2;
+    }
+    if (o.dump_layers != 0 && o.dump_path == NULL) {
+        cli_error("eval", "--dump-layers %ld needs --dump-kv FILE (it says how many layers to dump)",
+                  o.dump_layers);
         return 2;
     }
     kvarn_format fmts[CLI_MAX_FORMATS];

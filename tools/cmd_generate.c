@@ -323,7 +323,10 @@ int cmd_generate(int argc, char **argv)
     if (gen_init(&g, &m, &o, &fmt) == 0 && (o.prompt ? run_prompt(&g, &o) : run_chat(&g, &o)) == 0) {
         g.stats.n_tokens = kvarn_llama_session_pos(g.sess);
         g.stats.kv_bytes = cli_session_kv_bytes(g.sess);
-        report(&g.stats, &fmt, m.hp);
+        if (g.stats.n_tokens > 0) report(&g.stats, &fmt, m.hp);
+        else /* --chat on an empty stdin: no speeds of nothing */
+            fprintf(stderr, "[%s] nothing to generate: no message on standard input "
+                    "(--chat reads one per line)\n", fmt.name);
         rc = 0;
     }
     gen_free(&g);

@@ -62,7 +62,8 @@ static const cli_command k_command = {
     "sequences holds, and how many requests of 2k / 8k / 32k tokens fit at once.\n",
 };
 
-/* The KV shape of a llama GGUF from its metadata alone. */
+/* The KV shape of a llama GGUF from its metadata (kvarn_llama_read_hparams:
+ * a bad key is named with its value). */
 static int read_shape(const char *path, long *layers, long *kv_heads, long *head_dim)
 {
     if (cli_check_model_path("inspect", path)) return -1;
@@ -73,22 +74,16 @@ static int read_shape(const char *path, long *layers, long *kv_heads, long *head
         cli_error("inspect", "cannot read '%s': %s%s%s", path, kvarn_strerror(st), err[0] ? ": " : "", err);
         return -1;
     }
-    uint32_t nl = 0, nh = 0, nkv = 0, emb = 0;
-    if (kvarn_gguf_get_u32(g, "llama.block_count", &nl) != KVARN_OK ||
-        kvarn_gguf_get_u32(g, "llama.attention.head_count", &nh) != KVARN_OK ||
-        kvarn_gguf_get_u32(g, "llama.embedding_length", &emb) != KVARN_OK || nh == 0) {
-        cli_error("inspect", "'%s' is not a llama GGUF (llama.block_count, .attention.head_count, "
-                  ".embedding_length needed)", path);
-        kvarn_gguf_close(g);
+    kvarn_llama_hparams hp;
+    st = kvarn_llama_read_hparams(g, &hp, err, sizeof err);
+    kvarn_gguf_close(g);
+    if (st != KVARN_OK) {
+        cli_error("inspect", "cannot read '%s' as a llama model: %s", path, err);
         return -1;
     }
-    if (kvarn_gguf_get_u32(g, "llama.attention.head_count_kv", &nkv) != KVARN_OK) nkv = nh;
-    uint32_t kdim = 0;
-    if (kvarn_gguf_get_u32(g, "llama.attention.key_length", &kdim) != KVARN_OK) kdim = emb / nh;
-    kvarn_gguf_close(g);
-    *layers = nl;
-    *kv_heads = nkv;
-    *head_dim = kdim;
+    *layers = hp.n_layers;
+    *kv_heads = hp.n_kv_heads;
+    *head_dim = hp.head_dim;
     return 0;
 }
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "simd_env.h"
 
 typedef struct subcommand {
     const char *name;
@@ -52,8 +53,13 @@ int main(int argc, char **argv)
         usage(stdout);
         return finish(0);
     }
-    for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
-        if (strcmp(argv[1], k_commands[i].name) == 0) return finish(k_commands[i].run(argc - 1, argv + 1));
+    for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++) {
+        if (strcmp(argv[1], k_commands[i].name) != 0) continue;
+        /* a KVARN_SIMD the library would ignore: refused (--help aside) */
+        int help = argc > 2 && (strcmp(argv[2], "--help") == 0 || strcmp(argv[2], "-h") == 0);
+        if (!help && simd_env_check("kvarn")) return 2;
+        return finish(k_commands[i].run(argc - 1, argv + 1));
+    }
     fprintf(stderr, "kvarn: unknown command '%s'\n", argv[1]);
     usage(stderr);
     return 2;

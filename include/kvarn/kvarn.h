@@ -54,6 +54,19 @@ typedef enum kvarn_status {
  * Never returns NULL; unknown codes give "unknown status". */
 const char *kvarn_strerror(kvarn_status status);
 
+/* The SIMD level every kernel family (codec, Hadamard, attention, GEMV)
+ * runs at now: the CPU's best ("avx512": AVX-512 F/BW/VL; "avx2": AVX2 +
+ * FMA + F16C; else "scalar"), capped by the environment variable
+ * KVARN_SIMD = scalar | avx2 | avx512 (unset or empty: no cap; a cap never
+ * raises the level above the CPU's). *name (may be NULL) gets the level's
+ * name, a static string. Returns KVARN_OK, or KVARN_ERR_INVALID_ARG when
+ * KVARN_SIMD holds anything else: the kernels then ignore it and run at
+ * the CPU's level (*name says which); the library prints nothing, so a
+ * program decides whether to refuse it (the kvarn command and the
+ * benchmarks do: a usage error, exit 2). Reads the environment on every
+ * call; thread-safe as getenv is. Source: codec/cpu.c. */
+kvarn_status kvarn_simd_level(const char **name);
+
 /* ------------------------------------------------------------------------ */
 /* Formats: one row per cache format (docs/formats.md)                      */
 /* ------------------------------------------------------------------------ */

@@ -53,7 +53,7 @@ typedef struct kvarn_llama_hparams {
     int hidden;          /* llama.embedding_length */
     int n_heads;         /* llama.attention.head_count (query heads, H) */
     int n_kv_heads;      /* llama.attention.head_count_kv (Hk; H % Hk == 0) */
-    int head_dim;        /* D = hidden / n_heads */
+    int head_dim;        /* D: llama.attention.key_length, else hidden / n_heads */
     int ffn;             /* llama.feed_forward_length (SwiGLU width) */
     int vocab;           /* rows of token_embd.weight */
     int context_length;  /* llama.context_length (tokens) */
@@ -64,6 +64,24 @@ typedef struct kvarn_llama_hparams {
 
 typedef struct kvarn_llama kvarn_llama;
 typedef struct kvarn_llama_session kvarn_llama_session;
+
+/* Read and check the hyper-parameters of a llama GGUF (g open, gguf.h)
+ * into *out, as kvarn_llama_load does before it allocates anything: the
+ * llama.* keys above (required: block_count, embedding_length,
+ * attention.head_count, feed_forward_length; any integer type), the
+ * defaults of the optional ones, and vocab and tied_output from the
+ * tensors token_embd.weight ([embedding_length, vocab]) and output.weight.
+ * On error err (errlen bytes, NUL-terminated, cut to fit; NULL or 0 for
+ * none) names the key or tensor and its bad value, e.g.
+ * "GGUF key llama.attention.head_count_kv = 0: must be >= 1 and divide
+ * head_count 9"; *out is untouched. Errors: KVARN_ERR_INVALID_ARG (NULL g or
+ * out), KVARN_ERR_BAD_FILE (general.architecture not "llama", a required
+ * key missing, a key of the wrong type or out of range, head counts or
+ * head_dim inconsistent, token_embd.weight missing or misshapen),
+ * KVARN_ERR_UNSUPPORTED (llama.rope.dimension_count other than head_dim:
+ * partial RoPE). Source: the llama.* metadata of ggml's docs/gguf.md. */
+kvarn_status kvarn_llama_read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *out, char *err,
+                                      size_t errlen);
 
 /* Load a llama-architecture GGUF: checks general.architecture == "llama",
  * reads the hyper-parameters and dequantizes every weight (tensor types

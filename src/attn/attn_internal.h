@@ -23,6 +23,12 @@ typedef void (*attn_task_fn)(void *ctx, int task, int worker);
  * returns when all are done. pool NULL: all on the calling thread. */
 void attn_pool_run(kvarn_thread_pool *pool, attn_task_fn fn, void *ctx, int n_tasks);
 
+/* Bytes kvarn_thread_pool_create_ex(n_threads, allocator, ...) takes from
+ * its allocator (the pool and its thread table; the threads' stacks are the
+ * C library's, alloc.h); 0 for n_threads outside [1, 256]. For the memory
+ * plans of the objects that own a pool (kvarn_llama_session_plan). */
+size_t kvarn__thread_pool_bytes(int n_threads);
+
 /* ---- software prefetch of the next tiles ----
  * Records of consecutive tiles sit anywhere in the arena (shuffled block
  * ids), so the hardware prefetcher restarts at every block. The driver

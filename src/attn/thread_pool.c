@@ -68,6 +68,13 @@ static void *worker_main(void *argp)
     }
 }
 
+size_t kvarn__thread_pool_bytes(int n_threads)
+{
+    if (n_threads < 1 || n_threads > 256) return 0;
+    /* the two allocations of kvarn_thread_pool_create_ex below */
+    return sizeof(kvarn_thread_pool) + (size_t)n_threads * (sizeof(pthread_t) + sizeof(worker_arg));
+}
+
 kvarn_status kvarn_thread_pool_create(int n_threads, kvarn_thread_pool **out)
 {
     return kvarn_thread_pool_create_ex(n_threads, NULL, out);

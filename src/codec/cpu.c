@@ -2,6 +2,7 @@
  * cpu.c -- CPU feature detection and the KVARN_SIMD cap (see cpu.h).
  */
 #include "codec/cpu.h"
+#include "kvarn/kvarn.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -50,16 +51,33 @@ static kvarn_cpu_level hardware_level(void)
 #endif
 }
 
-kvarn_cpu_level kvarn__cpu_level(void)
+/* The level KVARN_SIMD caps hw at; *ok = 0 when it names no level (the
+ * cap is then ignored). */
+static kvarn_cpu_level capped_level(kvarn_cpu_level hw, int *ok)
 {
-    kvarn_cpu_level hw = hardware_level();
+    *ok = 1;
     const char *cap = getenv("KVARN_SIMD");
     if (cap == NULL || cap[0] == '\0') return hw;
     kvarn_cpu_level want = hw;
     if (strcmp(cap, "scalar") == 0) want = KVARN_CPU_SCALAR;
     else if (strcmp(cap, "avx2") == 0) want = KVARN_CPU_AVX2;
     else if (strcmp(cap, "avx512") == 0) want = KVARN_CPU_AVX512;
+    else *ok = 0;
     return want < hw ? want : hw;
+}
+
+kvarn_cpu_level kvarn__cpu_level(void)
+{
+    int ok;
+    return capped_level(hardware_level(), &ok);
+}
+
+kvarn_status kvarn_simd_level(const char **name)
+{
+    int ok;
+    kvarn_cpu_level level = capped_level(hardware_level(), &ok);
+    if (name) *name = kvarn__cpu_level_name(level);
+    return ok ? KVARN_OK : KVARN_ERR_INVALID_ARG;
 }
 
 const char *kvarn__cpu_level_name(kvarn_cpu_level level)

@@ -12,7 +12,8 @@
  *
  * The variable can only lower the level, never raise it above what the CPU
  * reports, so a wrong setting cannot run an illegal instruction. An
- * unrecognised value is treated as unset. This lets the tests prove that
+ * unrecognised value is treated as unset here; kvarn_simd_level (kvarn.h)
+ * reports it, and the kvarn command and the benchmarks refuse it. This lets the tests prove that
  * every kernel family agrees with its scalar reference on any machine (as
  * OpenBLAS's OPENBLAS_CORETYPE or oneDNN's ONEDNN_MAX_CPU_ISA do for theirs).
  * Not part of the public contract.

@@ -135,10 +135,12 @@ typedef struct llama_mm_ctx {
  * stays in L2 while OpenBLAS multiplies it by the chunk. */
 #define LLAMA_MM_SLAB 64
 
-/* Bytes llama_mm_ctx_create allocates for chunks of max_chunk rows of at
- * most max_in floats (0 for fp32 weights), checked: KVARN_ERR_TOO_LARGE. */
+/* Bytes llama_mm_ctx_create(model, a, max_chunk, max_in, threads, c)
+ * allocates (0 for fp32 weights): the buffers for chunks of max_chunk rows
+ * of at most max_in floats and, for gguf weights with threads > 1, the GEMV
+ * thread pool (kvarn__thread_pool_bytes); checked: KVARN_ERR_TOO_LARGE. */
 kvarn_status llama_mm_ctx_plan(const kvarn_llama *model, int max_chunk, int max_in,
-                               uint64_t *bytes);
+                               int threads, uint64_t *bytes);
 /* threads: workers that split a gguf GEMV's rows (the session's
  * attn_threads; <= 1: the calling thread alone; other precisions ignore
  * it). Errors: KVARN_ERR_NOMEM, KVARN_ERR_UNSUPPORTED (bf16/int8 without

@@ -125,7 +125,7 @@ kvarn_status llama_kv_exact_plan(const llama_kv_shape *shape, uint64_t *kv_bytes
     kvarn_status st = exact_sizes(shape, &kvb, &scr);
     if (st != KVARN_OK) return st;
     if (kvarn__add_u64(kvb, kvb, kv_bytes)) return KVARN_ERR_TOO_LARGE; /* K and V */
-    *other_bytes = scr;
+    *other_bytes = (uint64_t)scr + sizeof(kv_exact); /* the scratch, the store */
     return KVARN_OK;
 }
 

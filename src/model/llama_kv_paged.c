@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "kvarn/attn.h"
+#include "attn/attn_internal.h"
 #include "codec/checked.h"
 #include "kvarn/cache.h"
 #include "model/llama_internal.h"
@@ -374,6 +375,12 @@ kvarn_status llama_kv_paged_plan(const llama_kv_shape *shape, const kvarn_format
     bad |= kvarn__add_u64(other, (uint64_t)z.scratch, &other);
     bad |= kvarn__add_u64(other, 2 * (uint64_t)z.hist, &other);
     bad |= kvarn__add_u64(other, (uint64_t)z.ws, &other);
+    /* the store and its layer views */
+    bad |= kvarn__add_u64(other, sizeof(kv_paged) +
+                                     (uint64_t)shape->n_layers * sizeof(kvarn_paged_kv), &other);
+    /* the attention's thread pool (llama_kv_paged_create makes it for
+     * threads > 1) */
+    if (threads > 1) bad |= kvarn__add_u64(other, kvarn__thread_pool_bytes(threads), &other);
     if (bad) return KVARN_ERR_TOO_LARGE;
     *kv_bytes = o->cache ? 0 : ci.arena_bytes;
     *other_bytes = other;

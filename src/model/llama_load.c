@@ -5,6 +5,7 @@
  * weights copied as the file's own blocks, and laid out for batched GEMMs
  * (src/model/llama_internal.h).
  */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,66 +16,150 @@
 #include "codec/cpu.h"
 #include "model/llama_qgemv.h"
 
-/* Read an optional u32 key; absent leaves *out unchanged. */
-static kvarn_status opt_u32(const kvarn_gguf *g, const char *key, int *out)
+/* The message of a refused file into err[errlen] (err may be NULL);
+ * returns st. */
+static kvarn_status hp_fail(char *err, size_t errlen, kvarn_status st, const char *fmt, ...)
 {
-    if (kvarn_gguf_find_key(g, key) < 0) return KVARN_OK;
-    uint32_t v;
-    kvarn_status st = kvarn_gguf_get_u32(g, key, &v);
-    if (st != KVARN_OK) return st;
-    if (v > (uint32_t)INT32_MAX) return KVARN_ERR_BAD_FILE;
-    *out = (int)v;
-    return KVARN_OK;
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return st;
 }
 
-static kvarn_status opt_f32(const kvarn_gguf *g, const char *key, float *out)
+/* Read integer key into *out (an int in [lo, INT32_MAX]); absent: *out
+ * unchanged, or an error naming the key when required. Any integer type
+ * is accepted (gguf.h's getters); another type, or a value out of range,
+ * is an error naming the key and what it holds. */
+static kvarn_status hp_int(const kvarn_gguf *g, const char *key, int required, int lo, int *out,
+                           char *err, size_t errlen)
 {
-    if (kvarn_gguf_find_key(g, key) < 0) return KVARN_OK;
-    return kvarn_gguf_get_f32(g, key, out);
+    int64_t idx = kvarn_gguf_find_key(g, key);
+    if (idx < 0)
+        return required ? hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                                  "GGUF key %s is missing (a llama model needs it)", key)
+                        : KVARN_OK;
+    kvarn_gguf_type t = kvarn_gguf_kv_type(g, (uint64_t)idx);
+    int64_t v;
+    uint64_t u;
+    if (kvarn_gguf_get_i64(g, key, &v) == KVARN_OK) {
+        if (v < lo || v > INT32_MAX)
+            return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                           "GGUF key %s = %lld: must be from %d to %d", key, (long long)v, lo,
+                           INT32_MAX);
+        *out = (int)v;
+        return KVARN_OK;
+    }
+    if (kvarn_gguf_get_u64(g, key, &u) == KVARN_OK) /* above INT64_MAX */
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE, "GGUF key %s = %llu: must be from %d to %d",
+                       key, (unsigned long long)u, lo, INT32_MAX);
+    return hp_fail(err, errlen, KVARN_ERR_BAD_FILE, "GGUF key %s has type %s: expected an integer",
+                   key, kvarn_gguf_type_name(t));
 }
 
-static kvarn_status read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *hp)
+/* Read optional real key into *out (absent: unchanged); another type is an
+ * error naming the key. */
+static kvarn_status hp_real(const kvarn_gguf *g, const char *key, float *out, char *err,
+                            size_t errlen)
 {
+    int64_t idx = kvarn_gguf_find_key(g, key);
+    if (idx < 0) return KVARN_OK;
+    if (kvarn_gguf_get_f32(g, key, out) == KVARN_OK) return KVARN_OK;
+    return hp_fail(err, errlen, KVARN_ERR_BAD_FILE, "GGUF key %s has type %s: expected a number",
+                   key, kvarn_gguf_type_name(kvarn_gguf_kv_type(g, (uint64_t)idx)));
+}
+
+kvarn_status kvarn_llama_read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *out, char *err,
+                                      size_t errlen)
+{
+    if (err && errlen) err[0] = '\0';
+    if (!g || !out) return hp_fail(err, errlen, KVARN_ERR_INVALID_ARG, "NULL argument");
     kvarn_gguf_str arch;
-    if (kvarn_gguf_get_string(g, "general.architecture", &arch) != KVARN_OK ||
-        !kvarn_gguf_str_eq(arch, "llama"))
-        return KVARN_ERR_BAD_FILE;
-    memset(hp, 0, sizeof *hp);
-    hp->n_heads = -1;
-    hp->hidden = -1;
-    hp->n_layers = -1;
-    hp->ffn = -1;
-    hp->n_kv_heads = -1;
-    hp->head_dim = -1;
-    hp->context_length = 2048;
-    hp->rope_theta = 10000.0f;
-    hp->rms_eps = 1e-5f;
+    int64_t ai = kvarn_gguf_find_key(g, "general.architecture");
+    if (ai < 0)
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                       "GGUF key general.architecture is missing (a llama model has 'llama')");
+    if (kvarn_gguf_get_string(g, "general.architecture", &arch) != KVARN_OK)
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                       "GGUF key general.architecture has type %s: expected the string 'llama'",
+                       kvarn_gguf_type_name(kvarn_gguf_kv_type(g, (uint64_t)ai)));
+    if (!kvarn_gguf_str_eq(arch, "llama")) {
+        int n = arch.len > 64 ? 64 : (int)arch.len;
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                       "GGUF key general.architecture = '%.*s%s': this runner takes 'llama'", n,
+                       arch.ptr, arch.len > 64 ? "..." : "");
+    }
+    kvarn_llama_hparams h;
+    memset(&h, 0, sizeof h);
+    h.n_kv_heads = -1;
+    h.head_dim = -1;
+    h.context_length = 2048;
+    h.rope_theta = 10000.0f;
+    h.rms_eps = 1e-5f;
     int rope_dim = -1;
     kvarn_status st;
-    if ((st = opt_u32(g, "llama.block_count", &hp->n_layers)) ||
-        (st = opt_u32(g, "llama.embedding_length", &hp->hidden)) ||
-        (st = opt_u32(g, "llama.attention.head_count", &hp->n_heads)) ||
-        (st = opt_u32(g, "llama.attention.head_count_kv", &hp->n_kv_heads)) ||
-        (st = opt_u32(g, "llama.attention.key_length", &hp->head_dim)) ||
-        (st = opt_u32(g, "llama.feed_forward_length", &hp->ffn)) ||
-        (st = opt_u32(g, "llama.context_length", &hp->context_length)) ||
-        (st = opt_u32(g, "llama.rope.dimension_count", &rope_dim)) ||
-        (st = opt_f32(g, "llama.rope.freq_base", &hp->rope_theta)) ||
-        (st = opt_f32(g, "llama.attention.layer_norm_rms_epsilon", &hp->rms_eps)))
-        return KVARN_ERR_BAD_FILE;
-    if (hp->n_layers < 1 || hp->hidden < 1 || hp->n_heads < 1 || hp->ffn < 1 ||
-        hp->context_length < 1)
-        return KVARN_ERR_BAD_FILE;
-    if (hp->n_kv_heads < 0) hp->n_kv_heads = hp->n_heads;
-    if (hp->head_dim < 0) {
-        if (hp->hidden % hp->n_heads) return KVARN_ERR_BAD_FILE;
-        hp->head_dim = hp->hidden / hp->n_heads;
+    if ((st = hp_int(g, "llama.block_count", 1, 1, &h.n_layers, err, errlen)) ||
+        (st = hp_int(g, "llama.embedding_length", 1, 1, &h.hidden, err, errlen)) ||
+        (st = hp_int(g, "llama.attention.head_count", 1, 1, &h.n_heads, err, errlen)) ||
+        (st = hp_int(g, "llama.attention.head_count_kv", 0, 0, &h.n_kv_heads, err, errlen)) ||
+        (st = hp_int(g, "llama.attention.key_length", 0, 0, &h.head_dim, err, errlen)) ||
+        (st = hp_int(g, "llama.feed_forward_length", 1, 1, &h.ffn, err, errlen)) ||
+        (st = hp_int(g, "llama.context_length", 0, 1, &h.context_length, err, errlen)) ||
+        (st = hp_int(g, "llama.rope.dimension_count", 0, 0, &rope_dim, err, errlen)) ||
+        (st = hp_real(g, "llama.rope.freq_base", &h.rope_theta, err, errlen)) ||
+        (st = hp_real(g, "llama.attention.layer_norm_rms_epsilon", &h.rms_eps, err, errlen)))
+        return st;
+    if (h.n_kv_heads < 0) h.n_kv_heads = h.n_heads;
+    else if (h.n_kv_heads < 1 || h.n_heads % h.n_kv_heads)
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                       "GGUF key llama.attention.head_count_kv = %d: must be >= 1 and divide "
+                       "head_count %d", h.n_kv_heads, h.n_heads);
+    if (h.head_dim < 0) {
+        if (h.hidden % h.n_heads)
+            return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                           "GGUF key llama.embedding_length = %d: must be a multiple of "
+                           "llama.attention.head_count %d (no llama.attention.key_length)",
+                           h.hidden, h.n_heads);
+        h.head_dim = h.hidden / h.n_heads;
+        if (h.head_dim < 2 || h.head_dim % 2)
+            return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                           "head_dim %d (llama.embedding_length %d / llama.attention.head_count "
+                           "%d): must be even and >= 2 (RoPE rotates channel pairs)",
+                           h.head_dim, h.hidden, h.n_heads);
+    } else if (h.head_dim < 2 || h.head_dim % 2) {
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                       "GGUF key llama.attention.key_length = %d: must be even and >= 2 (RoPE "
+                       "rotates channel pairs)", h.head_dim);
     }
-    if (hp->n_kv_heads < 1 || hp->n_heads % hp->n_kv_heads || hp->head_dim < 2 ||
-        hp->head_dim % 2 || !(hp->rope_theta > 0.0f) || !(hp->rms_eps >= 0.0f))
-        return KVARN_ERR_BAD_FILE;
+    if (!(h.rope_theta > 0.0f) || h.rope_theta > 3.4e38f)
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                       "GGUF key llama.rope.freq_base = %g: must be a finite number > 0",
+                       (double)h.rope_theta);
+    if (!(h.rms_eps >= 0.0f) || h.rms_eps > 3.4e38f)
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                       "GGUF key llama.attention.layer_norm_rms_epsilon = %g: must be a finite "
+                       "number >= 0", (double)h.rms_eps);
     /* Partial RoPE (rotating fewer channels than head_dim) is not llama. */
-    if (rope_dim >= 0 && rope_dim != hp->head_dim) return KVARN_ERR_UNSUPPORTED;
+    if (rope_dim >= 0 && rope_dim != h.head_dim)
+        return hp_fail(err, errlen, KVARN_ERR_UNSUPPORTED,
+                       "GGUF key llama.rope.dimension_count = %d: a RoPE over other than all "
+                       "head_dim %d channels is not supported", rope_dim, h.head_dim);
+    /* vocab and the head from the tensors */
+    const kvarn_gguf_tensor *emb = kvarn_gguf_find_tensor(g, "token_embd.weight");
+    if (!emb)
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE, "GGUF tensor token_embd.weight is missing");
+    if (emb->ne[0] != (uint64_t)h.hidden || emb->ne[1] < 1 || emb->ne[1] > (uint64_t)INT32_MAX ||
+        emb->ne[2] != 1 || emb->ne[3] != 1)
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                       "GGUF tensor token_embd.weight has shape [%llu, %llu, %llu, %llu]: expected "
+                       "[embedding_length %d, vocab from 1 to %d]", (unsigned long long)emb->ne[0],
+                       (unsigned long long)emb->ne[1], (unsigned long long)emb->ne[2],
+                       (unsigned long long)emb->ne[3], h.hidden, INT32_MAX);
+    h.vocab = (int)emb->ne[1];
+    h.tied_output = kvarn_gguf_find_tensor(g, "output.weight") == NULL;
+    *out = h;
     return KVARN_OK;
 }
 
@@ -262,14 +347,8 @@ static kvarn_status load_layer(const kvarn_gguf *g, kvarn_llama *m, int l, float
 static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
 {
     kvarn_llama_hparams *hp = &m->hp;
-    kvarn_status st = read_hparams(g, hp);
+    kvarn_status st = kvarn_llama_read_hparams(g, hp, NULL, 0);
     if (st != KVARN_OK) return st;
-    const kvarn_gguf_tensor *emb = kvarn_gguf_find_tensor(g, "token_embd.weight");
-    if (!emb || emb->ne[0] != (uint64_t)hp->hidden || emb->ne[1] < 1 ||
-        emb->ne[1] > (uint64_t)INT32_MAX)
-        return KVARN_ERR_BAD_FILE;
-    hp->vocab = (int)emb->ne[1];
-    hp->tied_output = kvarn_gguf_find_tensor(g, "output.weight") == NULL;
     /* Every weight size checked before the first allocation. */
     weight_sizes w;
     st = weight_sizes_get(hp, &w);

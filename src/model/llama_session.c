@@ -121,14 +121,15 @@ static kvarn_status session_plan(const kvarn_llama *model,
     kvarn_status st = o->exact ? llama_kv_exact_plan(sh, &kv_bytes, &store_other)
                                : llama_kv_paged_plan(sh, fmt, o, &kv_bytes, &store_other);
     if (st != KVARN_OK) return st;
-    uint64_t other = store_other;
+    uint64_t other = store_other + sizeof(kvarn_llama_session); /* small: no overflow */
     const size_t parts[] = { z->x, z->xn, z->qkv, z->attn, z->gu, z->act, z->rope, z->rope };
     for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++)
         bad |= kvarn__add_u64(other, parts[i], &other);
-    /* The weight matmuls' bf16 activations and scratchpad (bf16 weights). */
+    /* The weight matmuls' buffers (bf16 / int8 activations and scratchpad;
+     * gguf: the chunk slab) and the gguf GEMV's thread pool. */
     uint64_t max_in = E > qd ? E : qd, mm_bytes;
     if (ffn > max_in) max_in = ffn;
-    st = llama_mm_ctx_plan(model, o->max_chunk, (int)max_in, &mm_bytes);
+    st = llama_mm_ctx_plan(model, o->max_chunk, (int)max_in, o->attn_threads, &mm_bytes);
     if (st != KVARN_OK) return st;
     bad |= kvarn__add_u64(other, mm_bytes, &other);
     uint64_t kept2, total;

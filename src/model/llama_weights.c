@@ -382,19 +382,33 @@ static int xb_rows(int max_chunk)
     return max_chunk > 1 && max_chunk < LLAMA_MM_BLOCK ? LLAMA_MM_BLOCK : max_chunk;
 }
 
+/* gguf weights: the slab of dequantized rows a chunk multiplies (0 for
+ * max_chunk 1), checked to fit size_t with its 64-byte rounding and
+ * kvarn__malloc_aligned's slack. */
+static kvarn_status gguf_slab_bytes(int max_chunk, int max_in, uint64_t *slab)
+{
+    *slab = 0;
+    if (max_chunk > 1 &&
+        (kvarn__mul3_u64(LLAMA_MM_SLAB, (uint64_t)max_in, sizeof(float), slab) ||
+         *slab > SIZE_MAX - 256))
+        return KVARN_ERR_TOO_LARGE;
+    return KVARN_OK;
+}
+
 kvarn_status llama_mm_ctx_plan(const kvarn_llama *model, int max_chunk, int max_in,
-                               uint64_t *bytes)
+                               int threads, uint64_t *bytes)
 {
     *bytes = 0;
     if (model->weights == KVARN_LLAMA_WEIGHTS_FP32) return KVARN_OK;
     if (model->weights == KVARN_LLAMA_WEIGHTS_GGUF) {
-        /* the slab of dequantized rows a chunk multiplies */
-        uint64_t slab = 0;
-        if (max_chunk > 1 &&
-            (kvarn__mul3_u64(LLAMA_MM_SLAB, (uint64_t)max_in, sizeof(float), &slab) ||
-             slab > SIZE_MAX - 128))
-            return KVARN_ERR_TOO_LARGE;
-        *bytes = slab;
+        uint64_t slab;
+        kvarn_status st = gguf_slab_bytes(max_chunk, max_in, &slab);
+        if (st != KVARN_OK) return st;
+        /* as allocated: rounded to 64 bytes, plus kvarn__malloc_aligned's
+         * alignment slack and pointer (slab <= SIZE_MAX - 256: fits) */
+        if (slab) slab = ((slab + 63) & ~(uint64_t)63) + 64 + sizeof(void *);
+        /* the GEMV's pool (llama_mm_ctx_create makes it for threads > 1) */
+        *bytes = slab + (threads > 1 ? kvarn__thread_pool_bytes(threads) : 0);
         return KVARN_OK;
     }
     const int q8 = model->weights == KVARN_LLAMA_WEIGHTS_INT8;
@@ -420,7 +434,7 @@ kvarn_status llama_mm_ctx_create(const kvarn_llama *model, const kvarn_allocator
     if (model->weights == KVARN_LLAMA_WEIGHTS_FP32) return KVARN_OK;
     if (model->weights == KVARN_LLAMA_WEIGHTS_GGUF) {
         uint64_t slab;
-        kvarn_status st = llama_mm_ctx_plan(model, max_chunk, max_in, &slab);
+        kvarn_status st = gguf_slab_bytes(max_chunk, max_in, &slab);
         if (st != KVARN_OK) return st;
         if (slab) {
             c->slab = kvarn__malloc_aligned(a, ((size_t)slab + 63) & ~(size_t)63, 64, 0);
@@ -433,7 +447,7 @@ kvarn_status llama_mm_ctx_create(const kvarn_llama *model, const kvarn_allocator
     (void)threads;
 #ifdef KVARN_HAVE_DNNL
     uint64_t total;
-    kvarn_status st = llama_mm_ctx_plan(model, max_chunk, max_in, &total);
+    kvarn_status st = llama_mm_ctx_plan(model, max_chunk, max_in, threads, &total);
     if (st != KVARN_OK) return st;
     const int q8 = model->weights == KVARN_LLAMA_WEIGHTS_INT8;
     size_t rows = (size_t)xb_rows(max_chunk), xb = rows * (size_t)max_in;

@@ -29,6 +29,7 @@
 #endif
 
 #include "codec/cpu.h"
+#include "kvarn/kvarn.h"
 #include "codec/hadamard.h"
 #include "common/testutil.h"
 
@@ -97,6 +98,35 @@ static void test_cap(void **state)
     else unsetenv("KVARN_SIMD");
 }
 
+/* kvarn_simd_level (kvarn.h): the level kvarn__cpu_level runs at, by name;
+ * KVARN_ERR_INVALID_ARG for a value that names no level (then the CPU's
+ * level, as the kernels run), KVARN_OK for unset, empty and the three
+ * names. NULL name is allowed. */
+static void test_simd_level_reports_bad_values(void **state)
+{
+    (void)state;
+    char *saved = getenv("KVARN_SIMD") ? strdup(getenv("KVARN_SIMD")) : NULL;
+    kvarn_cpu_level hw = level_with(NULL);
+    static const char *good[] = {NULL, "", "scalar", "avx2", "avx512"};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        kvarn_cpu_level lv = level_with(good[i]);
+        const char *name = NULL;
+        assert_int_equal(kvarn_simd_level(&name), KVARN_OK);
+        assert_string_equal(name, kvarn__cpu_level_name(lv));
+        assert_int_equal(kvarn_simd_level(NULL), KVARN_OK);
+    }
+    static const char *bad[] = {"bogus", "AVX2", "avx2 ", "sse4", "avx1024"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(level_with(bad[i]), hw);
+        const char *name = NULL;
+        assert_int_equal(kvarn_simd_level(&name), KVARN_ERR_INVALID_ARG);
+        assert_string_equal(name, kvarn__cpu_level_name(hw));
+        assert_int_equal(kvarn_simd_level(NULL), KVARN_ERR_INVALID_ARG);
+    }
+    if (saved) { setenv("KVARN_SIMD", saved, 1); free(saved); }
+    else unsetenv("KVARN_SIMD");
+}
+
 /* In a child with CPUID faulting on, a CPUID would kill it with SIGSEGV:
  * the level query and a dispatched rotation must run without one. */
 static void test_no_cpuid_at_run_time(void **state)
@@ -133,6 +163,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_level_matches_cpuid),
         cmocka_unit_test(test_cap),
+        cmocka_unit_test(test_simd_level_reports_bad_values),
         cmocka_unit_test(test_no_cpuid_at_run_time),
     };
     int failed = cmocka_run_group_tests(tests, NULL, NULL);

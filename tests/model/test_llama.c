@@ -1354,6 +1354,52 @@ static void test_bad_files(void **state)
         kvarn_gguf_close(g);
         free(b.p);
     }
+    /* kvarn_llama_read_hparams names the bad key and its value, and leaves
+     * *out as it was: another architecture; head_count_kv 0, and one that
+     * does not divide head_count; an odd key_length; context_length 0. */
+    struct { const char *arch; wmeta meta; const char *msg; } bad[] = {
+        {"gpt2", k_meta, "GGUF key general.architecture = 'gpt2': this runner takes 'llama'"},
+        {"llama", {1024, NH, 0, HD, 0},
+         "GGUF key llama.attention.head_count_kv = 0: must be >= 1 and divide head_count"},
+        {"llama", {1024, NH, NH + 1, HD, 0},
+         "GGUF key llama.attention.head_count_kv = " },
+        {"llama", {1024, NH, NKV, HD + 1, 0}, "GGUF key llama.attention.key_length = "},
+        {"llama", {0, NH, NKV, HD, 0},
+         "GGUF key llama.context_length = 0: must be from 1 to 2147483647"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        buf bb = write_gguf(bad[i].arch, 0, &bad[i].meta);
+        kvarn_gguf *gg = NULL;
+        assert_int_equal(kvarn_gguf_open_memory(bb.p, bb.n, &gg, NULL, 0), KVARN_OK);
+        kvarn_llama_hparams hp;
+        memset(&hp, 0x5a, sizeof hp);
+        char err[200];
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, err, sizeof err), KVARN_ERR_BAD_FILE);
+        print_message("%s\n", err);
+        assert_non_null(strstr(err, bad[i].msg));
+        for (size_t k = 0; k < sizeof hp; k++) assert_int_equal(((unsigned char *)&hp)[k], 0x5a);
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, NULL, 0), KVARN_ERR_BAD_FILE);
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, err, 8), KVARN_ERR_BAD_FILE);
+        assert_int_equal(strlen(err), 7); /* cut to fit, terminated */
+        assert_int_equal(kvarn_llama_load_gguf(gg, &m), KVARN_ERR_BAD_FILE);
+        kvarn_gguf_close(gg);
+        free(bb.p);
+    }
+    {
+        buf bb = write_gguf("llama", 0, &k_meta);
+        kvarn_gguf *gg = NULL;
+        assert_int_equal(kvarn_gguf_open_memory(bb.p, bb.n, &gg, NULL, 0), KVARN_OK);
+        kvarn_llama_hparams hp;
+        char err[64] = "x";
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, err, sizeof err), KVARN_OK);
+        assert_string_equal(err, "");
+        assert_true(hp.n_heads == NH && hp.n_kv_heads == NKV && hp.head_dim == HD &&
+                    hp.vocab == VOCAB && hp.hidden == E && hp.n_layers == NL);
+        assert_int_equal(kvarn_llama_read_hparams(NULL, &hp, err, sizeof err), KVARN_ERR_INVALID_ARG);
+        assert_int_equal(kvarn_llama_read_hparams(gg, NULL, err, sizeof err), KVARN_ERR_INVALID_ARG);
+        kvarn_gguf_close(gg);
+        free(bb.p);
+    }
     /* Hyper-parameters whose weight sizes cannot be held: 2^16 heads of
      * 2^16 channels make Q 2^32 rows wide, beyond the int dimensions of a
      * tensor (and wqkv 3 * 2^32 * 128 floats). Refused before the first
@@ -1453,6 +1499,77 @@ static void test_context_limits(void **state)
     assert_int_equal(kvarn_llama_session_plan(f->m, &o, NULL), KVARN_ERR_INVALID_ARG);
 }
 
+/* The plan counts the thread pools a session makes (issue: the session
+ * plan omitted the gguf GEMV's pool, src/model/llama_weights.c, and the
+ * attention's, llama_kv_paged.c). A counting allocator sees every byte the
+ * session takes through it. With the exact store the plan is every byte:
+ * allocated == planned. A paged store's cache keeps a few objects the plan
+ * does not count yet (the cache's own struct, sequence table and internal
+ * scratch: the same for any thread count), so there allocated - planned
+ * must not depend on attn_threads: a pool the plan missed adds its bytes to
+ * that difference for every thread count but 1 (no pool at 1). Checked for
+ * the fp32 model (attention pool only) and gguf weights (both pools). */
+typedef struct counted {
+    long long live;
+} counted;
+
+static void *counted_alloc(void *opaque, size_t bytes)
+{
+    size_t *h = malloc(bytes + 16); /* 16: keeps max_align_t alignment */
+    if (!h) return NULL;
+    h[0] = bytes;
+    ((counted *)opaque)->live += (long long)bytes;
+    return (char *)h + 16;
+}
+
+static void counted_free(void *opaque, void *p)
+{
+    size_t *h = (size_t *)(void *)((char *)p - 16);
+    ((counted *)opaque)->live -= (long long)h[0];
+    free(h);
+}
+
+static void test_plan_counts_thread_pools(void **state)
+{
+    fixture *f = *state;
+    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    lo.weights = KVARN_LLAMA_WEIGHTS_GGUF;
+    kvarn_llama *gm = NULL;
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &gm), KVARN_OK);
+    const kvarn_llama *models[2] = {f->m, gm};
+    const char *formats[3] = {"int8", "kvarn_k4v2_g128", NULL /* exact */};
+    for (int mi = 0; mi < 2; mi++)
+        for (int fi = 0; fi < 3; fi++) {
+            long long gap1 = 0;
+            for (int t = 1; t <= 4; t++) {
+                counted c = {0};
+                kvarn_allocator a = {counted_alloc, counted_free, &c};
+                kvarn_llama_session_opts o = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
+                o.max_tokens = NTOK;
+                o.max_chunk = 64;
+                o.attn_threads = t;
+                o.allocator = &a;
+                if (formats[fi]) o.format = fmt_of(formats[fi]);
+                else o.exact = 1;
+                kvarn_llama_session_info info;
+                assert_int_equal(kvarn_llama_session_plan(models[mi], &o, &info), KVARN_OK);
+                kvarn_llama_session *s = NULL;
+                assert_int_equal(kvarn_llama_session_create(models[mi], &o, &s), KVARN_OK);
+                long long gap = c.live - (long long)info.total_bytes;
+                if (t == 1) gap1 = gap;
+                print_message("%s weights, %s, %d threads: allocated %lld, planned %llu\n",
+                              mi ? "gguf" : "fp32", formats[fi] ? formats[fi] : "exact", t,
+                              c.live, (unsigned long long)info.total_bytes);
+                assert_true(gap == gap1);
+                /* the exact store: nothing left out (no cache) */
+                if (!formats[fi]) assert_true(gap == 0);
+                kvarn_llama_session_free(s);
+                assert_true(c.live == 0);
+            }
+        }
+    kvarn_llama_free(gm);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1469,6 +1586,7 @@ int main(void)
         cmocka_unit_test(test_shared_cache),
         cmocka_unit_test(test_weights_option),
         cmocka_unit_test(test_gguf_weights),
+        cmocka_unit_test(test_plan_counts_thread_pools),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),
         cmocka_unit_test(test_context_limits),

@@ -356,3 +356,229 @@ def test_eval_says_what_it_lowered(kvarn_bin, model_path, tmp_path):
              "--decode-tokens", "2", "--kv-cache-dtype", "int8"])
     assert r.returncode == 0, r.stderr
     assert "--ctx lowered to" in r.stderr
+
+
+# ---- GGUF metadata the runner refuses: the key and its value named -------
+# (fresh-user trial: llama.attention.head_count_kv = 0 said "give -m MODEL"
+# in inspect; other bad or missing keys said only "malformed or truncated").
+# Each file is a small llama GGUF written with the gguf package: the keys
+# below (SmolLM2-135M's head counts, smaller widths) and a token_embd of
+# 32 x 64, with one key changed, removed or retyped.
+
+GOOD_KEYS = {
+    "llama.block_count": ("uint32", 2),
+    "llama.embedding_length": ("uint32", 64),
+    "llama.attention.head_count": ("uint32", 9),
+    "llama.attention.head_count_kv": ("uint32", 3),
+    "llama.attention.key_length": ("uint32", 64),
+    "llama.feed_forward_length": ("uint32", 128),
+    "llama.context_length": ("uint32", 256),
+    "llama.rope.freq_base": ("float32", 10000.0),
+}
+
+
+def write_llama_gguf(path, keys, arch="llama", embd=(32, 64)):
+    """A GGUF of arch with keys {name: (type, value)} and, unless embd is
+    None, a token_embd.weight of embd = (vocab, hidden) rows (numpy order)."""
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(path), arch)
+    for name, (kind, value) in keys.items():
+        getattr(w, "add_" + kind)(name, value)
+    if embd is not None:
+        w.add_tensor("token_embd.weight", np.zeros(embd, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+BAD_METADATA = [
+    # (id, change to GOOD_KEYS: {key: (type, value) or None to drop}, expected text)
+    ("kv_heads_0", {"llama.attention.head_count_kv": ("uint32", 0)},
+     "GGUF key llama.attention.head_count_kv = 0: must be >= 1 and divide head_count 9"),
+    ("kv_heads_4", {"llama.attention.head_count_kv": ("uint32", 4)},
+     "GGUF key llama.attention.head_count_kv = 4: must be >= 1 and divide head_count 9"),
+    ("no_block_count", {"llama.block_count": None}, "GGUF key llama.block_count is missing"),
+    ("emb_string", {"llama.embedding_length": ("string", "64")},
+     "GGUF key llama.embedding_length has type string: expected an integer"),
+    ("ctx_0", {"llama.context_length": ("uint32", 0)},
+     "GGUF key llama.context_length = 0: must be from 1 to 2147483647"),
+    ("ffn_huge", {"llama.feed_forward_length": ("uint64", 2 ** 32 + 5)},
+     "GGUF key llama.feed_forward_length = 4294967301: must be from 1 to 2147483647"),
+    ("heads_negative", {"llama.attention.head_count": ("int32", -3)},
+     "GGUF key llama.attention.head_count = -3: must be from 1 to 2147483647"),
+    ("key_length_odd", {"llama.attention.key_length": ("uint32", 63)},
+     "GGUF key llama.attention.key_length = 63: must be even and >= 2"),
+    ("freq_base_0", {"llama.rope.freq_base": ("float32", 0.0)},
+     "GGUF key llama.rope.freq_base = 0: must be a finite number > 0"),
+    ("freq_base_string", {"llama.rope.freq_base": ("string", "1e4")},
+     "GGUF key llama.rope.freq_base has type string: expected a number"),
+]
+
+
+@pytest.mark.parametrize("change,expected", [c[1:] for c in BAD_METADATA],
+                         ids=[c[0] for c in BAD_METADATA])
+def test_bad_gguf_metadata_names_the_key(kvarn_bin, tmp_path, change, expected):
+    keys = dict(GOOD_KEYS)
+    for k, v in change.items():
+        if v is None:
+            del keys[k]
+        else:
+            keys[k] = v
+    path = tmp_path / "bad.gguf"
+    write_llama_gguf(path, keys)
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged.")
+    for cmd in (["generate", "-p", "hi"], ["eval", "-f", str(text)], ["passkey"], ["inspect"]):
+        r = run([kvarn_bin, cmd[0], "-m", str(path)] + cmd[1:], timeout=60)
+        assert r.returncode == 1, (cmd, r.stderr)
+        assert expected in r.stderr, (cmd, r.stderr)
+        assert "give -m" not in r.stderr and "malformed or truncated" not in r.stderr
+
+
+def test_not_llama_or_no_embedding_is_named(kvarn_bin, tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    write_llama_gguf(path, {}, arch="gpt2")
+    for cmd in (["generate", "-p", "hi"], ["inspect"]):
+        r = run([kvarn_bin, cmd[0], "-m", str(path)] + cmd[1:])
+        assert r.returncode == 1 and "GGUF key general.architecture = 'gpt2'" in r.stderr, r.stderr
+    path = tmp_path / "noembd.gguf"
+    write_llama_gguf(path, GOOD_KEYS, embd=None)
+    r = run([kvarn_bin, "generate", "-m", str(path), "-p", "hi"])
+    assert r.returncode == 1 and "GGUF tensor token_embd.weight is missing" in r.stderr, r.stderr
+    path = tmp_path / "wideembd.gguf"
+    write_llama_gguf(path, GOOD_KEYS, embd=(32, 65))
+    r = run([kvarn_bin, "generate", "-m", str(path), "-p", "hi"])
+    assert r.returncode == 1, r.stderr
+    assert "GGUF tensor token_embd.weight has shape [65, 32, 1, 1]" in r.stderr, r.stderr
+
+
+# ---- KVARN_SIMD naming no level (fresh-user trial: silently ignored) -----
+# The library ignores it (runs at the CPU's level, prints nothing); the
+# kvarn command and the benchmarks that run kernels refuse it: exit 2, one
+# line naming the accepted values, before any work.
+
+def test_bad_simd_env_is_a_usage_error(kvarn_bin, model_path):
+    import os
+    for bad in ("bogus", "AVX2", "sse4"):
+        env = dict(os.environ, KVARN_SIMD=bad)
+        argvs = [
+            [kvarn_bin, "generate", "-m", model_path, "-p", "hi", "-n", "1"],
+            [kvarn_bin, "eval", "-m", model_path, "-f", "absent.txt"],
+            [kvarn_bin, "passkey", "-m", model_path],
+            [kvarn_bin, "inspect", "--layers", "1", "--kv-heads", "1", "--head-dim", "64"],
+            [bench_bin("bench_attn"), "--formats", "int8"] + ATTN_QUICK,
+            [bench_bin("bench_codec"), "--format", "int8"] + CODEC_QUICK,
+            [bench_bin("bench_decode"), "-m", "absent.gguf"],
+            [bench_bin("bench_matmul"), "--m", "1"],
+        ]
+        for argv in argvs:
+            r = run(argv, env=env, timeout=120)
+            assert r.returncode == 2, (argv[:2], bad, r.stderr)
+            assert f"KVARN_SIMD='{bad}' is not a SIMD level" in r.stderr, (argv[:2], r.stderr)
+            assert "scalar|avx2|avx512" in r.stderr and r.stdout == "", (argv[:2], r.stdout)
+    # the accepted values and an empty one run as before; help still prints
+    for good in ("scalar", "avx2", "avx512", ""):
+        env = dict(os.environ, KVARN_SIMD=good)
+        r = run([kvarn_bin, "inspect", "--layers", "1", "--kv-heads", "1", "--head-dim", "64"], env=env)
+        assert r.returncode == 0, (good, r.stderr)
+    r = run([kvarn_bin, "generate", "--help"], env=dict(os.environ, KVARN_SIMD="bogus"))
+    assert r.returncode == 0 and r.stdout.startswith("usage: kvarn generate")
+
+
+# ---- --dump-layers (fresh-user trial: ignored without --dump-kv, and a
+# count beyond the model's layers silently cut to all) ---------------------
+
+def test_dump_layers_needs_dump_kv(kvarn_bin, model_path, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged. " * 8)
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
+             "--kv-cache-dtype", "int8", "--dump-layers", "2"])
+    assert r.returncode == 2, r.stderr
+    assert "--dump-layers 2 needs --dump-kv FILE" in r.stderr and r.stdout == ""
+
+
+def test_dump_layers_beyond_the_model(kvarn_bin, model_path, tmp_path):
+    # SmolLM2-135M has 30 layers: 31 and 999 are refused once it is loaded,
+    # naming the count; nothing is dumped. 30 (all) is accepted.
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged. " * 8)
+    dump = tmp_path / "kv.bin"
+    for n in ("31", "999"):
+        r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
+                 "--kv-cache-dtype", "int8", "--dump-kv", str(dump), "--dump-layers", n])
+        assert r.returncode == 2, (n, r.stderr)
+        assert f"--dump-layers {n} is more than the model's 30 layers" in r.stderr, r.stderr
+        assert r.stdout == "" and not dump.exists()
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32", "--decode-tokens", "4",
+             "--kv-cache-dtype", "int8", "--dump-kv", str(dump), "--dump-layers", "30"])
+    assert r.returncode == 0, r.stderr
+    assert int.from_bytes(dump.read_bytes()[12:16], "little") == 30  # n_layers (docs/kv-dump.md)
+
+
+# ---- cosmetics of the fresh-user trial -----------------------------------
+
+def test_chat_on_empty_stdin_says_nothing_to_generate(kvarn_bin, model_path):
+    # it printed "prompt 0.0 tok/s, generation 0.0 tok/s" and a 0-token cache
+    for stdin in ("", "\n\n"):
+        r = run([kvarn_bin, "generate", "-m", model_path, "--chat", "--kv-cache-dtype", "int8"],
+                input=stdin)
+        assert r.returncode == 0, r.stderr
+        assert "[int8] nothing to generate: no message on standard input" in r.stderr
+        assert "tok/s" not in r.stderr and r.stdout == ""
+
+
+def test_eval_decode_tokens_0_says_skipped(kvarn_bin, model_path, tmp_path):
+    # the reference's "dec tok/s" said 0.0 when nothing was decoded
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged. " * 8)
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
+             "--decode-tokens", "0", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "decode skipped (--decode-tokens 0" in lines[0]
+    rows = [line.split() for line in lines if line.startswith(("fp16 (reference)", "int8 "))]
+    assert len(rows) == 2
+    for row in rows:
+        assert row[-2:] == ["skipped", "-"], row
+
+
+def test_passkey_progress_is_evenly_spaced(kvarn_bin, model_path):
+    # 1 length x 2 depths x 3 trials x (fp16 + int8) = 12 prompts; off a
+    # terminal a line per ceil(12 / 10) = 2 of them: 2, 4, ..., 12 (it
+    # printed 1..6, then 8..12: 10 * done / total skipped 7)
+    r = run([kvarn_bin, "passkey", "-m", model_path, "--lengths", "128", "--depths", "0,100",
+             "--trials", "3", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0, r.stderr
+    counts = [line.split(": ")[1] for line in r.stderr.splitlines()
+              if line.startswith("kvarn passkey: ") and "/" in line]
+    assert counts == [f"{n}/12" for n in range(2, 13, 2)], r.stderr
+
+
+def help_option_lines(text):
+    """The option lines of a --help: after the synopsis's blank line, lines
+    that start with '-' or are indented, up to the notes."""
+    body = text.split("\n\n", 1)[1]
+    out = []
+    for line in body.splitlines():
+        if not line.startswith(("-", " ")):
+            break
+        out.append(line)
+    return out
+
+
+def test_help_columns_and_synopsis(kvarn_bin):
+    # "--tail-page-tokens TKVarN:": a synopsis as wide as the 18-column
+    # first column ran into its text; eval's synopsis lacked the option.
+    for cmd in ("generate", "eval", "passkey", "inspect"):
+        text = run([kvarn_bin, cmd, "--help"]).stdout
+        synopsis = text.split("\n\n", 1)[0]
+        lines = help_option_lines(text)
+        assert lines, cmd
+        for line in lines:
+            if line.startswith("-"):
+                # the synopsis alone, or a space at the end of the column
+                assert len(line.split()) <= 2 or line[17] == " ", (cmd, line)
+                assert line.split()[0] in synopsis, (cmd, line.split()[0])
+        assert "TKVarN" not in text
