@@ -610,6 +610,14 @@ static void test_nonfinite(void **state)
         memcpy(b.rec2, b.rec, b.L.record_bytes);
         assert_int_equal(encode(&b, D, k, v, b.rec, 8, rep % 4 == 3), KVARN_ERR_NONFINITE);
         assert_memory_equal(b.rec, b.rec2, b.L.record_bytes);
+        /* NaN / Inf is reported before a missing or short workspace (the
+         * KVarN encoder checks finiteness itself; codec.c keeps the order) */
+        assert_int_equal(kvarn_encode(&b.fmt, D, k, v, b.rec, b.L.record_bytes, NULL, 0, NULL),
+                         KVARN_ERR_NONFINITE);
+        assert_int_equal(kvarn_encode(&b.fmt, D, k, v, b.rec, b.L.record_bytes, b.ws, b.ws_bytes - 1,
+                                      NULL),
+                         KVARN_ERR_NONFINITE);
+        assert_memory_equal(b.rec, b.rec2, b.L.record_bytes);
     }
     bufs_close(&b);
 }
