@@ -115,8 +115,13 @@ static size_t ws_layout(int head_dim, int tile_tokens, void *base, tile_ws *ws)
     dc_off = off; off += round64(32 * M * sizeof(float));
     for (int i = 0; i < V_COUNT; i++) { vec_off[i] = off; off += round64(M * sizeof(float)); }
     codes_off = off; off += round64(M);
+    /* The caller's workspace may be only as aligned as malloc makes it (16
+     * bytes); the carve starts at its first 64-byte boundary, so that no
+     * 64-byte vector of the scratch straddles two cache lines (a 16-byte
+     * offset made the AVX-512 encode ~30% slower). */
+    off += 64;
     if (base != NULL) {
-        uint8_t *b = (uint8_t *)base;
+        uint8_t *b = (uint8_t *)base + ((64 - (uintptr_t)base % 64) % 64);
         ws->rec = b + rec_off;
         ws->x = (float *)(void *)(b + x_off);
         ws->tmp = (float *)(void *)(b + tmp_off);
