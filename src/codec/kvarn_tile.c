@@ -110,8 +110,10 @@ static size_t ws_layout(int head_dim, int tile_tokens, void *base, tile_ws *ws)
     const size_t D = (size_t)head_dim, G = (size_t)tile_tokens, M = D > G ? D : G;
     size_t off = 0, rec_off, x_off, tmp_off, dc_off, vec_off[V_COUNT], codes_off;
     rec_off = off; off += round64(rec);
-    x_off = off; off += round64(D * G * sizeof(float));
-    tmp_off = off; off += round64(D * G * sizeof(float));
+    /* x and tmp: D G floats, and for the AVX-512 panels one cache line
+     * more per panel (kvarn_tile_avx512.c pstride): D G + max(D, G) */
+    x_off = off; off += round64((D * G + M) * sizeof(float));
+    tmp_off = off; off += round64((D * G + M) * sizeof(float));
     dc_off = off; off += round64(32 * M * sizeof(float));
     for (int i = 0; i < V_COUNT; i++) { vec_off[i] = off; off += round64(M * sizeof(float)); }
     codes_off = off; off += round64(M);
