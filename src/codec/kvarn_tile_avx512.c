@@ -285,21 +285,20 @@ rtn_extremes(const float *xp, int R, int i, const float *s_col, float sr, float 
              float *hi_out, int NZ)
 {
     const __m512 vsr = _mm512_set1_ps(sr);
-    __m512 y[32];
     __m512 lov = _mm512_set1_ps(__builtin_inff()), hiv = _mm512_set1_ps(-__builtin_inff());
     _Pragma("GCC unroll 32")
     for (int c = 0; c < NZ; c++) {
         const float *xj = xp + (size_t)c * pstride(R) + (size_t)i * 16;
-        y[c] = _mm512_div_ps(_mm512_div_ps(_mm512_loadu_ps(xj), _mm512_loadu_ps(s_col + 16 * c)), vsr);
-        _mm512_storeu_ps(yr + 16 * c, y[c]);
-        lov = _mm512_min_ps(lov, y[c]);
-        hiv = _mm512_max_ps(hiv, y[c]);
+        const __m512 y = _mm512_div_ps(_mm512_div_ps(_mm512_loadu_ps(xj), _mm512_loadu_ps(s_col + 16 * c)), vsr);
+        _mm512_storeu_ps(yr + 16 * c, y);
+        lov = _mm512_min_ps(lov, y);
+        hiv = _mm512_max_ps(hiv, y);
     }
     float lo = _mm512_reduce_min_ps(lov), hi = _mm512_reduce_max_ps(hiv);
     if (lo == 0.0f || hi == 0.0f) {
         const __m512 zero = _mm512_setzero_ps();
         for (int c = 0; c < NZ; c++) {
-            const __mmask16 z = _mm512_cmp_ps_mask(y[c], zero, _CMP_EQ_OQ);
+            const __mmask16 z = _mm512_cmp_ps_mask(_mm512_loadu_ps(yr + 16 * c), zero, _CMP_EQ_OQ);
             if (z) {
                 const float first = yr[16 * c + __builtin_ctz(z)];
                 if (lo == 0.0f) lo = first;
