@@ -321,8 +321,8 @@ static kvarn_status encode_matrix(const tile_ws *ws, const float *x, const float
 
 #ifdef KVARN_TILE_HAVE_AVX2
     if (ws->level >= KVARN_CPU_AVX512) { /* xt is free again: the balanced rows */
-        kvarn__tile512_rtn(x, R, C, s_col, s_row, qmax, RTN_SCALE_MIN, bits, ws->tmp, codes, codes_out,
-                           row_bytes, a, b);
+        kvarn__tile512_rtn(x, R, C, s_col, s_row, qmax, RTN_SCALE_MIN, bits, ws->tmp, codes_out, row_bytes,
+                           a, b);
         for (int i = 0; i < R; i++)
             if (!(fabsf(a[i]) <= FP16_MAX) || !(fabsf(b[i]) <= FP16_MAX)) return KVARN_ERR_NONFINITE;
         kvarn__tile512_store_fp16(a16, a, R);

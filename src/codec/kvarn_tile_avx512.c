@@ -251,31 +251,6 @@ void kvarn__tile512_store_fp16(unsigned char *dst, const float *src, int n)
                             _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* kvarn_pack_codes (src/codec/pack.h: code i in byte i / (8 / bits), bits
- * (i mod (8 / bits)) * bits up, low bits first) for bits 2, 4, 8 and n a
- * multiple of 16, 16 codes (each < 2^bits) at a time: the bytes, read as
- * 16- or 32-bit lanes, are shifted down onto the low byte of their lane. */
-void kvarn__tile512_pack(const unsigned char *codes, int n, int bits, unsigned char *out)
-{
-    if (bits == 8) {
-        memcpy(out, codes, (size_t)n);
-        return;
-    }
-    const __m128i lo8 = bits == 4 ? _mm_set1_epi16(0xFF) : _mm_set1_epi32(0xFF);
-    for (int i = 0; i < n; i += 16) {
-        const __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(codes + i));
-        if (bits == 4) { /* lane k: c[2k] | c[2k+1] << 8 -> c[2k] | c[2k+1] << 4 */
-            const __m128i t = _mm_and_si128(_mm_or_si128(c, _mm_srli_epi16(c, 4)), lo8);
-            _mm_storel_epi64((__m128i *)(void *)(out + i / 2), _mm_packus_epi16(t, t));
-        } else { /* lane k: c[4k] | c[4k+1] << 8 | c[4k+2] << 16 | c[4k+3] << 24 */
-            __m128i t = _mm_or_si128(c, _mm_srli_epi32(c, 6));
-            t = _mm_and_si128(_mm_or_si128(t, _mm_srli_epi32(t, 12)), lo8);
-            const int packed = _mm_cvtsi128_si32(_mm_cvtepi32_epi8(t));
-            memcpy(out + i / 4, &packed, 4);
-        }
-    }
-}
-
 /* Phase 1 of the RTN of row i: y = x / s_col / sr (the scalar code's two
  * divisions) into yr, and its extremes. The extremes as values are unique
  * except for the sign of a zero, which the scalar code takes from the
@@ -311,6 +286,30 @@ rtn_extremes(const float *xp, int R, int i, const float *s_col, float sr, float 
     *hi_out = hi;
 }
 
+/* kvarn_pack_codes (src/codec/pack.h: code i in byte i / (8 / bits), bits
+ * (i mod (8 / bits)) * bits up, low bits first) of 16 codes (each < 2^bits,
+ * in the int32 lanes of n;
+ * bits 2, 4 or 8) into the 2 bits bytes at out, straight from the
+ * register: 8 bits, one byte per lane; 4 bits, each 64-bit lane holds
+ * codes 2k (low half) and 2k + 1 (high half), and (lane | lane >> 28)
+ * has c[2k] | c[2k+1] << 4 in its low byte; 2 bits, as
+ * bytes shifted onto the low byte of each 32-bit lane. */
+static inline __attribute__((always_inline)) void pack16(__m512i n, int bits, unsigned char *out)
+{
+    if (bits == 8) {
+        _mm_storeu_si128((__m128i *)(void *)out, _mm512_cvtepi32_epi8(n));
+    } else if (bits == 4) {
+        _mm_storel_epi64((__m128i *)(void *)out,
+                         _mm512_cvtepi64_epi8(_mm512_or_si512(n, _mm512_srli_epi64(n, 28))));
+    } else { /* lane k: c[4k] | c[4k+1] << 8 | c[4k+2] << 16 | c[4k+3] << 24 */
+        const __m128i c = _mm512_cvtepi32_epi8(n);
+        __m128i t = _mm_or_si128(c, _mm_srli_epi32(c, 6));
+        t = _mm_and_si128(_mm_or_si128(t, _mm_srli_epi32(t, 12)), _mm_set1_epi32(0xFF));
+        const int packed = _mm_cvtsi128_si32(_mm_cvtepi32_epi8(t));
+        memcpy(out, &packed, 4);
+    }
+}
+
 /* Phase 3: codes of one row from yr, lo, scale and rcp = 1 / scale.
  *
  * Codes without the division where it cannot matter. With t = y - lo
@@ -325,7 +324,7 @@ rtn_extremes(const float *xp, int R, int i, const float *s_col, float sr, float 
  * bound only by a few 2^-149. RNE(q) by VRNDSCALEPS equals the scalar
  * code's (q + 1.5 * 2^23) - 1.5 * 2^23 for 0 <= q < 2^22. */
 static inline __attribute__((always_inline)) void
-rtn_codes(const float *yr, float lo, float scale, float rcp, float qmax, unsigned char *codes, int NZ)
+rtn_codes(const float *yr, float lo, float scale, float rcp, float qmax, int bits, unsigned char *out, int NZ)
 {
     const __m512 vlo = _mm512_set1_ps(lo), vscale = _mm512_set1_ps(scale);
     const __m512 vrcp = _mm512_set1_ps(rcp), vq = _mm512_set1_ps(qmax);
@@ -341,13 +340,13 @@ rtn_codes(const float *yr, float lo, float scale, float rcp, float qmax, unsigne
             n = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         }
         n = _mm512_min_ps(n, vq);
-        _mm_storeu_si128((__m128i *)(void *)(codes + 16 * c), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(n)));
+        pack16(_mm512_cvttps_epi32(n), bits, out + (size_t)c * (size_t)(2 * bits));
     }
 }
 
 static inline __attribute__((always_inline)) void
 rtn_rows(const float *xp, int R, int C, const float *s_col, const float *s_row, float qmax,
-         float scale_min, int bits, float *ybuf, unsigned char *codes, unsigned char *codes_out,
+         float scale_min, int bits, float *ybuf, unsigned char *codes_out,
          size_t row_bytes, float *a, float *b, int NZ)
 {
     float lo[512], hi[512], sc[512], rc[512];
@@ -367,28 +366,28 @@ rtn_rows(const float *xp, int R, int C, const float *s_col, const float *s_row, 
         _mm512_storeu_ps(b + i, _mm512_mul_ps(sr, l));
     }
     for (int i = 0; i < R; i++) {
-        rtn_codes(ybuf + (size_t)i * (size_t)C, lo[i], sc[i], rc[i], qmax, codes, NZ);
-        kvarn__tile512_pack(codes, C, bits, codes_out + (size_t)i * row_bytes);
+        rtn_codes(ybuf + (size_t)i * (size_t)C, lo[i], sc[i], rc[i], qmax, bits,
+                  codes_out + (size_t)i * row_bytes, NZ);
     }
 }
 
 /* Spec steps 3-4 for every row of X (column panels xp, [R][C]): codes
  * packed into codes_out (row_bytes per row), fp32 a = s_row * scale and
  * b = s_row * lo per row; the same values as the scalar rtn_row and fold
- * of kvarn_tile.c. ybuf: scratch [R][C]; codes: scratch [C]. The rows go
+ * of kvarn_tile.c. ybuf: scratch [R][C]. The rows go
  * in three phases (the balanced rows and their extremes; scale, 1 / scale
  * and the fold for 16 rows at a time; the codes) so that no row waits for
  * a scalar chain of its own. R, C <= 512. */
 void kvarn__tile512_rtn(const float *xp, int R, int C, const float *s_col, const float *s_row,
-                        float qmax, float scale_min, int bits, float *ybuf, unsigned char *codes,
+                        float qmax, float scale_min, int bits, float *ybuf,
                         unsigned char *codes_out, size_t row_bytes, float *a, float *b)
 {
     switch (C) {
-    case 32: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 2); break;
-    case 64: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 4); break;
-    case 128: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 8); break;
-    case 256: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 16); break;
-    default: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 32); break;
+    case 32: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes_out, row_bytes, a, b, 2); break;
+    case 64: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes_out, row_bytes, a, b, 4); break;
+    case 128: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes_out, row_bytes, a, b, 8); break;
+    case 256: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes_out, row_bytes, a, b, 16); break;
+    default: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes_out, row_bytes, a, b, 32); break;
     }
 }
 

@@ -45,11 +45,10 @@ void kvarn__tile512_rescale(float *s, float *inv, float *sd_out, const float *sd
                             const float *pre, int n, const float lim[4]);
 double kvarn__tile512_std_ratio(float *sd, const float *u, int n, float lo_floor);
 void kvarn__tile512_store_fp16(unsigned char *dst, const float *src, int n);
-void kvarn__tile512_pack(const unsigned char *codes, int n, int bits, unsigned char *out);
 void kvarn__tile512_col_stds(const float *xp, int R, int C, const float *w, float *dc, float *out);
 void kvarn__tile512_row_stds_t(const float *xtp, int R, int C, const float *u, float *dc, float *out);
 void kvarn__tile512_rtn(const float *xp, int R, int C, const float *s_col, const float *s_row,
-                        float qmax, float scale_min, int bits, float *ybuf, unsigned char *codes,
+                        float qmax, float scale_min, int bits, float *ybuf,
                         unsigned char *codes_out, size_t row_bytes, float *a, float *b);
 #endif
 #endif
