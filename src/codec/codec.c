@@ -44,14 +44,22 @@ kvarn_status kvarn_encode(const kvarn_format *fmt, int head_dim,
     if (st != KVARN_OK) return st;
     if (record_size < L.record_bytes) return KVARN_ERR_BUFFER_TOO_SMALL;
 
-    size_t n = (size_t)head_dim * (size_t)fmt->tile_tokens;
-    if (!all_finite(k, n) || !all_finite(v, n)) return KVARN_ERR_NONFINITE;
-
     /* the layout call checked the format: its row exists */
     const kvarn_kind_ops *op = kvarn__kind_ops(fmt->kind);
+    size_t n = (size_t)head_dim * (size_t)fmt->tile_tokens;
+    /* A kind whose encoder rejects NaN / Inf itself (KVarN: its range
+     * checks while loading the tile) is not scanned here, except before a
+     * workspace error, so that NaN / Inf input still gives
+     * KVARN_ERR_NONFINITE first, whatever the kind. */
+    if (!op->encode_checks_finite && (!all_finite(k, n) || !all_finite(v, n)))
+        return KVARN_ERR_NONFINITE;
     if (op->workspace_bytes) {
         size_t need = op->workspace_bytes(head_dim, fmt->tile_tokens);
-        if (workspace == NULL || workspace_size < need) return KVARN_ERR_BUFFER_TOO_SMALL;
+        if (workspace == NULL || workspace_size < need) {
+            if (op->encode_checks_finite && (!all_finite(k, n) || !all_finite(v, n)))
+                return KVARN_ERR_NONFINITE;
+            return KVARN_ERR_BUFFER_TOO_SMALL;
+        }
     }
     return op->encode(&L, k, v, record, workspace, &o);
 }

@@ -92,7 +92,8 @@ static const kvarn_kind_ops k_kinds[KVARN_KIND_COUNT] = {
                           {KVARN_META_PER_CHANNEL, KVARN_META_PER_CHANNEL, KVARN_META_PER_TOKEN,
                            KVARN_META_PER_CHANNEL, KVARN_META_PER_TOKEN, KVARN_META_PER_TOKEN},
                           kvarn_record_bytes_of, kvarn__tile_workspace_bytes,
-                          kvarn__tile_encode, kvarn__tile_decode},
+                          kvarn__tile_encode, kvarn__tile_decode,
+                          1 /* its range checks on loading reject NaN / Inf */},
 };
 
 const kvarn_kind_ops *kvarn__kind_ops(kvarn_kind kind)

@@ -39,7 +39,7 @@ typedef struct kvarn_kind_meta {
 /* Encode one record: k, v fp32 [G][D] token-major (G = 1 for per-token
  * kinds); record >= L->record_bytes; workspace: workspace_bytes(D, G) bytes
  * (unused when that is NULL). Arguments are already checked by kvarn_encode
- * (codec.c), finiteness included. Errors: KVARN_ERR_NONFINITE when a stored
+ * (codec.c), finiteness included unless the row's encode_checks_finite is set. Errors: KVARN_ERR_NONFINITE when a stored
  * fp16 field would overflow (nothing written), KVARN_ERR_UNSUPPORTED_HEAD_DIM. */
 typedef kvarn_status (*kvarn_kind_encode_fn)(const kvarn_record_layout *L, const float *k,
                                              const float *v, void *record, void *workspace,
@@ -70,6 +70,10 @@ typedef struct kvarn_kind_ops {
     size_t (*workspace_bytes)(int head_dim, int tile_tokens);
     kvarn_kind_encode_fn encode;
     kvarn_kind_decode_fn decode;
+    /* 1: encode itself rejects NaN / Inf input with KVARN_ERR_NONFINITE
+     * (in its first pass over the tile), so kvarn_encode skips its own scan;
+     * 0: kvarn_encode scans k and v first. */
+    int encode_checks_finite;
 } kvarn_kind_ops;
 
 /* The row of a kind; NULL for a value outside [0, KVARN_KIND_COUNT). */

@@ -53,6 +53,15 @@ static inline __m512 opaque_one(void)
     return one;
 }
 
+/* Floats from one panel of N rows to the next (kvarn_tile_stats.h):
+ * 16 N and 16 floats (one cache line) more, so that the same row of
+ * successive panels falls in successive L1 sets instead of one (panels of
+ * 16 N floats are a multiple of 4 KB apart for N >= 64: the 8 or more
+ * streams of a token row, written while loading or read by the RTN, then
+ * compete for the 8 ways of one set; measured on Zen 4: the load's stores
+ * 6.7 -> 4.2 cycles per vector). */
+static inline size_t pstride(int N) { return (size_t)N * 16 + 16; }
+
 /* a * (*p) with *p broadcast from memory inside the multiply (the {1to16}
  * operand): one load and no shuffle for the scale of a panel row. GCC
  * folds the vector load instead and issues a separate broadcast, which
@@ -102,18 +111,18 @@ stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *o
 {
     const __m512 one = opaque_one();
     const __m512 inv_n = _mm512_set1_ps(1.0f / (float)N), n1 = _mm512_set1_ps((float)(N - 1));
-    const size_t n16 = (size_t)N * 16;
+    const size_t n16 = (size_t)N * 16, ps = pstride(N);
     __m512 mean_prev = _mm512_setzero_ps();
     for (int k = 0; k <= NP; k++) {
         const int do_mean = k < NP, do_dev = k > 0;
-        const float *x = xp + (size_t)(do_mean ? k : 0) * n16;
+        const float *x = xp + (size_t)(do_mean ? k : 0) * ps;
         float *dcur = dc + (size_t)(k & 1) * n16;
         const float *dprev = dc + (size_t)((k + 1) & 1) * n16;
         const __m512 sh = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(s[0]));
         __m512 a[8], q[8];
         for (int l = 0; l < 8; l++) a[l] = q[l] = _mm512_setzero_ps();
         if (do_mean && do_dev && recompute) {
-            const float *xprev = xp + (size_t)(k - 1) * n16;
+            const float *xprev = xp + (size_t)(k - 1) * ps;
             const __m512 shp = _mm512_mul_ps(_mm512_loadu_ps(xprev), _mm512_set1_ps(s[0]));
             for (int n0 = 0; n0 < N; n0 += 8)
                 _Pragma("GCC unroll 8")
@@ -157,9 +166,9 @@ stats_panels(const float *xp, int N, int NP, const float *s, float *dc, float *o
                     const size_t n = (size_t)(n0 + l);
                     const int acc = nacc == 8 ? l : 0;
                     const __m512 dv =
-                        recompute ? _mm512_sub_ps(mul_bcast(_mm512_loadu_ps(xp + (size_t)(k - 1) * n16 + 16 * n),
+                        recompute ? _mm512_sub_ps(mul_bcast(_mm512_loadu_ps(xp + (size_t)(k - 1) * ps + 16 * n),
                                                             s + n),
-                                                  _mm512_mul_ps(_mm512_loadu_ps(xp + (size_t)(k - 1) * n16),
+                                                  _mm512_mul_ps(_mm512_loadu_ps(xp + (size_t)(k - 1) * ps),
                                                                 _mm512_set1_ps(s[0])))
                                   : _mm512_loadu_ps(dprev + 16 * n);
                     const __m512 e = (l & 1) ? sub_f(dv, mean_prev, one) : _mm512_sub_ps(dv, mean_prev);
@@ -242,31 +251,6 @@ void kvarn__tile512_store_fp16(unsigned char *dst, const float *src, int n)
                             _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-/* kvarn_pack_codes (src/codec/pack.h: code i in byte i / (8 / bits), bits
- * (i mod (8 / bits)) * bits up, low bits first) for bits 2, 4, 8 and n a
- * multiple of 16, 16 codes (each < 2^bits) at a time: the bytes, read as
- * 16- or 32-bit lanes, are shifted down onto the low byte of their lane. */
-void kvarn__tile512_pack(const unsigned char *codes, int n, int bits, unsigned char *out)
-{
-    if (bits == 8) {
-        memcpy(out, codes, (size_t)n);
-        return;
-    }
-    const __m128i lo8 = bits == 4 ? _mm_set1_epi16(0xFF) : _mm_set1_epi32(0xFF);
-    for (int i = 0; i < n; i += 16) {
-        const __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(codes + i));
-        if (bits == 4) { /* lane k: c[2k] | c[2k+1] << 8 -> c[2k] | c[2k+1] << 4 */
-            const __m128i t = _mm_and_si128(_mm_or_si128(c, _mm_srli_epi16(c, 4)), lo8);
-            _mm_storel_epi64((__m128i *)(void *)(out + i / 2), _mm_packus_epi16(t, t));
-        } else { /* lane k: c[4k] | c[4k+1] << 8 | c[4k+2] << 16 | c[4k+3] << 24 */
-            __m128i t = _mm_or_si128(c, _mm_srli_epi32(c, 6));
-            t = _mm_and_si128(_mm_or_si128(t, _mm_srli_epi32(t, 12)), lo8);
-            const int packed = _mm_cvtsi128_si32(_mm_cvtepi32_epi8(t));
-            memcpy(out + i / 4, &packed, 4);
-        }
-    }
-}
-
 /* Phase 1 of the RTN of row i: y = x / s_col / sr (the scalar code's two
  * divisions) into yr, and its extremes. The extremes as values are unique
  * except for the sign of a zero, which the scalar code takes from the
@@ -276,21 +260,20 @@ rtn_extremes(const float *xp, int R, int i, const float *s_col, float sr, float 
              float *hi_out, int NZ)
 {
     const __m512 vsr = _mm512_set1_ps(sr);
-    __m512 y[32];
     __m512 lov = _mm512_set1_ps(__builtin_inff()), hiv = _mm512_set1_ps(-__builtin_inff());
     _Pragma("GCC unroll 32")
     for (int c = 0; c < NZ; c++) {
-        const float *xj = xp + (size_t)c * (size_t)R * 16 + (size_t)i * 16;
-        y[c] = _mm512_div_ps(_mm512_div_ps(_mm512_loadu_ps(xj), _mm512_loadu_ps(s_col + 16 * c)), vsr);
-        _mm512_storeu_ps(yr + 16 * c, y[c]);
-        lov = _mm512_min_ps(lov, y[c]);
-        hiv = _mm512_max_ps(hiv, y[c]);
+        const float *xj = xp + (size_t)c * pstride(R) + (size_t)i * 16;
+        const __m512 y = _mm512_div_ps(_mm512_div_ps(_mm512_loadu_ps(xj), _mm512_loadu_ps(s_col + 16 * c)), vsr);
+        _mm512_storeu_ps(yr + 16 * c, y);
+        lov = _mm512_min_ps(lov, y);
+        hiv = _mm512_max_ps(hiv, y);
     }
     float lo = _mm512_reduce_min_ps(lov), hi = _mm512_reduce_max_ps(hiv);
     if (lo == 0.0f || hi == 0.0f) {
         const __m512 zero = _mm512_setzero_ps();
         for (int c = 0; c < NZ; c++) {
-            const __mmask16 z = _mm512_cmp_ps_mask(y[c], zero, _CMP_EQ_OQ);
+            const __mmask16 z = _mm512_cmp_ps_mask(_mm512_loadu_ps(yr + 16 * c), zero, _CMP_EQ_OQ);
             if (z) {
                 const float first = yr[16 * c + __builtin_ctz(z)];
                 if (lo == 0.0f) lo = first;
@@ -301,6 +284,30 @@ rtn_extremes(const float *xp, int R, int i, const float *s_col, float sr, float 
     }
     *lo_out = lo;
     *hi_out = hi;
+}
+
+/* kvarn_pack_codes (src/codec/pack.h: code i in byte i / (8 / bits), bits
+ * (i mod (8 / bits)) * bits up, low bits first) of 16 codes (each < 2^bits,
+ * in the int32 lanes of n;
+ * bits 2, 4 or 8) into the 2 bits bytes at out, straight from the
+ * register: 8 bits, one byte per lane; 4 bits, each 64-bit lane holds
+ * codes 2k (low half) and 2k + 1 (high half), and (lane | lane >> 28)
+ * has c[2k] | c[2k+1] << 4 in its low byte; 2 bits, as
+ * bytes shifted onto the low byte of each 32-bit lane. */
+static inline __attribute__((always_inline)) void pack16(__m512i n, int bits, unsigned char *out)
+{
+    if (bits == 8) {
+        _mm_storeu_si128((__m128i *)(void *)out, _mm512_cvtepi32_epi8(n));
+    } else if (bits == 4) {
+        _mm_storel_epi64((__m128i *)(void *)out,
+                         _mm512_cvtepi64_epi8(_mm512_or_si512(n, _mm512_srli_epi64(n, 28))));
+    } else { /* lane k: c[4k] | c[4k+1] << 8 | c[4k+2] << 16 | c[4k+3] << 24 */
+        const __m128i c = _mm512_cvtepi32_epi8(n);
+        __m128i t = _mm_or_si128(c, _mm_srli_epi32(c, 6));
+        t = _mm_and_si128(_mm_or_si128(t, _mm_srli_epi32(t, 12)), _mm_set1_epi32(0xFF));
+        const int packed = _mm_cvtsi128_si32(_mm_cvtepi32_epi8(t));
+        memcpy(out, &packed, 4);
+    }
 }
 
 /* Phase 3: codes of one row from yr, lo, scale and rcp = 1 / scale.
@@ -317,7 +324,7 @@ rtn_extremes(const float *xp, int R, int i, const float *s_col, float sr, float 
  * bound only by a few 2^-149. RNE(q) by VRNDSCALEPS equals the scalar
  * code's (q + 1.5 * 2^23) - 1.5 * 2^23 for 0 <= q < 2^22. */
 static inline __attribute__((always_inline)) void
-rtn_codes(const float *yr, float lo, float scale, float rcp, float qmax, unsigned char *codes, int NZ)
+rtn_codes(const float *yr, float lo, float scale, float rcp, float qmax, int bits, unsigned char *out, int NZ)
 {
     const __m512 vlo = _mm512_set1_ps(lo), vscale = _mm512_set1_ps(scale);
     const __m512 vrcp = _mm512_set1_ps(rcp), vq = _mm512_set1_ps(qmax);
@@ -333,13 +340,13 @@ rtn_codes(const float *yr, float lo, float scale, float rcp, float qmax, unsigne
             n = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         }
         n = _mm512_min_ps(n, vq);
-        _mm_storeu_si128((__m128i *)(void *)(codes + 16 * c), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(n)));
+        pack16(_mm512_cvttps_epi32(n), bits, out + (size_t)c * (size_t)(2 * bits));
     }
 }
 
 static inline __attribute__((always_inline)) void
 rtn_rows(const float *xp, int R, int C, const float *s_col, const float *s_row, float qmax,
-         float scale_min, int bits, float *ybuf, unsigned char *codes, unsigned char *codes_out,
+         float scale_min, int bits, float *ybuf, unsigned char *codes_out,
          size_t row_bytes, float *a, float *b, int NZ)
 {
     float lo[512], hi[512], sc[512], rc[512];
@@ -359,28 +366,28 @@ rtn_rows(const float *xp, int R, int C, const float *s_col, const float *s_row, 
         _mm512_storeu_ps(b + i, _mm512_mul_ps(sr, l));
     }
     for (int i = 0; i < R; i++) {
-        rtn_codes(ybuf + (size_t)i * (size_t)C, lo[i], sc[i], rc[i], qmax, codes, NZ);
-        kvarn__tile512_pack(codes, C, bits, codes_out + (size_t)i * row_bytes);
+        rtn_codes(ybuf + (size_t)i * (size_t)C, lo[i], sc[i], rc[i], qmax, bits,
+                  codes_out + (size_t)i * row_bytes, NZ);
     }
 }
 
 /* Spec steps 3-4 for every row of X (column panels xp, [R][C]): codes
  * packed into codes_out (row_bytes per row), fp32 a = s_row * scale and
  * b = s_row * lo per row; the same values as the scalar rtn_row and fold
- * of kvarn_tile.c. ybuf: scratch [R][C]; codes: scratch [C]. The rows go
+ * of kvarn_tile.c. ybuf: scratch [R][C]. The rows go
  * in three phases (the balanced rows and their extremes; scale, 1 / scale
  * and the fold for 16 rows at a time; the codes) so that no row waits for
  * a scalar chain of its own. R, C <= 512. */
 void kvarn__tile512_rtn(const float *xp, int R, int C, const float *s_col, const float *s_row,
-                        float qmax, float scale_min, int bits, float *ybuf, unsigned char *codes,
+                        float qmax, float scale_min, int bits, float *ybuf,
                         unsigned char *codes_out, size_t row_bytes, float *a, float *b)
 {
     switch (C) {
-    case 32: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 2); break;
-    case 64: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 4); break;
-    case 128: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 8); break;
-    case 256: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 16); break;
-    default: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes, codes_out, row_bytes, a, b, 32); break;
+    case 32: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes_out, row_bytes, a, b, 2); break;
+    case 64: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes_out, row_bytes, a, b, 4); break;
+    case 128: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes_out, row_bytes, a, b, 8); break;
+    case 256: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes_out, row_bytes, a, b, 16); break;
+    default: rtn_rows(xp, R, C, s_col, s_row, qmax, scale_min, bits, ybuf, codes_out, row_bytes, a, b, 32); break;
     }
 }
 
@@ -421,12 +428,20 @@ static inline void transpose16(const float *src, size_t ss, float *dst, size_t d
     }
 }
 
-/* One butterfly stage h < 16 inside a vector: `part` holds x[j ^ h] in lane
- * j; lanes of `upper` (bit h of j set) take x[j-h] - x[j], the others
- * x[j] + x[j+h]: the scalar a + b and a - b. */
-static inline __m512 hstage(__m512 v, __m512 part, __mmask16 upper)
+/* One butterfly stage h < 16 inside a vector, as one FMA: `part` holds
+ * x[j ^ h] in lane j and sgn is -1 in the lanes with bit h of j set (the
+ * upper ones), +1 elsewhere; fma(v, sgn, part) = RN(part - x[j]) =
+ * x[j-h] - x[j] in the upper lanes and RN(x[j] + part) = x[j] + x[j+h] in
+ * the others: the scalar a - b and a + b rounded once, bit for bit (v * +-1
+ * is exact, and an exact zero sum is +0 in both forms: the product
+ * carries the sign of -v, as b's sign is flipped by the scalar a - b). */
+static inline __m512 hstage(__m512 v, __m512 part, __m512 sgn) { return _mm512_fmadd_ps(v, sgn, part); }
+
+/* The +-1 vector of hstage for stage h: -1 in lanes j with j & h. */
+static inline __m512 hsign(int h)
 {
-    return _mm512_mask_sub_ps(_mm512_add_ps(v, part), upper, part, v);
+    return _mm512_mask_blend_ps((__mmask16)(h == 1 ? 0xAAAA : h == 2 ? 0xCCCC : h == 4 ? 0xF0F0 : 0xFF00),
+                                _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
 }
 
 /* Normalized Walsh-Hadamard of one vector of 16 NZ floats held in v[],
@@ -434,13 +449,14 @@ static inline __m512 hstage(__m512 v, __m512 part, __mmask16 upper)
  * then one multiply by the scale), hence the same bits. */
 static inline __attribute__((always_inline)) void fwht_regs(__m512 *v, int NZ, __m512 scale)
 {
+    const __m512 s1 = hsign(1), s2 = hsign(2), s4 = hsign(4), s8 = hsign(8);
     _Pragma("GCC unroll 32")
     for (int c = 0; c < NZ; c++) {
         __m512 t = v[c];
-        t = hstage(t, _mm512_permute_ps(t, 0xB1), 0xAAAA);         /* h = 1 */
-        t = hstage(t, _mm512_permute_ps(t, 0x4E), 0xCCCC);         /* h = 2 */
-        t = hstage(t, _mm512_shuffle_f32x4(t, t, 0xB1), 0xF0F0);   /* h = 4 */
-        t = hstage(t, _mm512_shuffle_f32x4(t, t, 0x4E), 0xFF00);   /* h = 8 */
+        t = hstage(t, _mm512_permute_ps(t, 0xB1), s1);         /* h = 1 */
+        t = hstage(t, _mm512_permute_ps(t, 0x4E), s2);         /* h = 2 */
+        t = hstage(t, _mm512_shuffle_f32x4(t, t, 0xB1), s4);   /* h = 4 */
+        t = hstage(t, _mm512_shuffle_f32x4(t, t, 0x4E), s8);   /* h = 8 */
         v[c] = t;
     }
     _Pragma("GCC unroll 32")
@@ -460,33 +476,57 @@ static inline __attribute__((always_inline)) void fwht_regs(__m512 *v, int NZ, _
 /* Rotate (unless prerotated) and check every token row of src [G][D], and
  * store it in the layout that keeps a token's channels together: for keys
  * the row panels of XT, for values the column panels of X. Returns 0, or
- * -1 as soon as a row holds a raw |x| > raw_max or a rotated |x| > rot_max
- * (NaN included). */
+ * -1 as soon as a row holds a rotated |x| > rot_max or a NaN / Inf.
+ *
+ * The check, |x| <= rot_max for every x of the row, is done on the bits:
+ * for a float, (bits << 1) read as unsigned drops the sign and orders
+ * magnitudes as the floats do, with Inf and NaN above every finite value;
+ * so the row's largest (bits << 1) against rot_max's is the scalar test
+ * !(fabsf(x) <= rot_max) of every element (2 integer operations per
+ * vector, one compare per row).
+ *
+ * The scalar code also rejects a raw |x| > raw_max = 2^44 before the
+ * rotation; here that test is left to the rotated one, which gives the
+ * same status (KVARN_ERR_NONFINITE) for every such row: the rotation
+ * H / sqrt(D) keeps the 2-norm, so a raw |x_k| > 2^44 rotates to a vector
+ * whose largest |y| is at least 2^44 / sqrt(D) >= 2^39.5 for D <= 512, and
+ * the fp32 butterflies (log2(D) <= 9 roundings per element, a 2-norm
+ * error below 1e-5 relative) cannot take that down to 2^39; an overflow
+ * on the way gives Inf or NaN, rejected too. Raw NaN / Inf stays NaN /
+ * Inf through the butterflies (Inf - Inf is NaN). raw_max is unused. */
 static inline __attribute__((always_inline)) int
-load_rows(const float *src, int G, int D, int prerotated, int is_key, float raw_max,
-          float rot_max, float *xp, float *xtp, int NZ)
+load_rows(const float *src, int G, int D, int prerotated, int is_key, float rot_max, float *xp,
+          float *xtp, int NZ)
 {
     const __m512 scale = _mm512_set1_ps(kvarn_hadamard_scale(D));
-    const __m512 vraw = _mm512_set1_ps(raw_max), vrot = _mm512_set1_ps(rot_max);
-    const size_t g = (size_t)G;
+    uint32_t rot_bits;
+    memcpy(&rot_bits, &rot_max, sizeof rot_bits);
+    const __m512i vrot2 = _mm512_set1_epi32((int)(rot_bits << 1));
+    const size_t g = (size_t)G, d = (size_t)D;
     for (size_t t = 0; t < g; t++) {
         __m512 v[32];
-        __mmask16 ok = 0xFFFF;
         _Pragma("GCC unroll 32")
         for (int c = 0; c < NZ; c++) v[c] = _mm512_loadu_ps(src + t * (size_t)D + 16 * (size_t)c);
-        if (!prerotated) {
-            _Pragma("GCC unroll 32")
-            for (int c = 0; c < NZ; c++) ok &= _mm512_cmp_ps_mask(_mm512_abs_ps(v[c]), vraw, _CMP_LE_OQ);
-            if (ok != 0xFFFF) return -1;
-            fwht_regs(v, NZ, scale);
-        }
+        if (!prerotated) fwht_regs(v, NZ, scale);
+        __m512i m = _mm512_slli_epi32(_mm512_castps_si512(v[0]), 1);
         _Pragma("GCC unroll 32")
-        for (int c = 0; c < NZ; c++) ok &= _mm512_cmp_ps_mask(_mm512_abs_ps(v[c]), vrot, _CMP_LE_OQ);
-        if (ok != 0xFFFF) return -1;
+        for (int c = 1; c < NZ; c++) m = _mm512_max_epu32(m, _mm512_slli_epi32(_mm512_castps_si512(v[c]), 1));
+        if (_mm512_cmp_epu32_mask(m, vrot2, _MM_CMPINT_NLE) != 0) return -1;
         _Pragma("GCC unroll 32")
         for (int c = 0; c < NZ; c++) {
-            float *dst = (is_key ? xtp : xp) + (size_t)c * g * 16 + t * 16;
+            float *dst = (is_key ? xtp : xp) + (size_t)c * pstride(G) + t * 16;
             _mm512_storeu_ps(dst, v[c]);
+        }
+        if (t % 16 != 15) continue;
+        /* The other layout of these 16 tokens (b), while their D x 16
+         * floats are still in L1. */
+        const size_t b = t / 16;
+        if (is_key) { /* X = K [D][G]: column panels = 16 tokens; from XT's row panels */
+            for (size_t c = 0; c < d / 16; c++)
+                transpose16(xtp + c * pstride(G) + b * 256, 16, xp + b * pstride(D) + c * 256, 16);
+        } else { /* XT = V^T [D][G]: row panels = 16 tokens; from X's column panels */
+            for (size_t c = 0; c < d / 16; c++)
+                transpose16(xp + c * pstride(G) + b * 256, 16, xtp + b * pstride(D) + c * 256, 16);
         }
     }
     return 0;
@@ -495,25 +535,15 @@ load_rows(const float *src, int G, int D, int prerotated, int is_key, float raw_
 int kvarn__tile512_load(const float *src, int G, int D, int prerotated, int is_key, float raw_max,
                         float rot_max, float *xp, float *xtp)
 {
+    (void)raw_max; /* see load_rows */
     int rc;
     switch (D) {
-    case 64: rc = load_rows(src, G, D, prerotated, is_key, raw_max, rot_max, xp, xtp, 4); break;
-    case 128: rc = load_rows(src, G, D, prerotated, is_key, raw_max, rot_max, xp, xtp, 8); break;
-    case 256: rc = load_rows(src, G, D, prerotated, is_key, raw_max, rot_max, xp, xtp, 16); break;
-    default: rc = load_rows(src, G, D, prerotated, is_key, raw_max, rot_max, xp, xtp, 32); break;
+    case 64: rc = load_rows(src, G, D, prerotated, is_key, rot_max, xp, xtp, 4); break;
+    case 128: rc = load_rows(src, G, D, prerotated, is_key, rot_max, xp, xtp, 8); break;
+    case 256: rc = load_rows(src, G, D, prerotated, is_key, rot_max, xp, xtp, 16); break;
+    default: rc = load_rows(src, G, D, prerotated, is_key, rot_max, xp, xtp, 32); break;
     }
-    if (rc != 0) return rc;
-    const size_t g = (size_t)G, d = (size_t)D;
-    if (is_key) { /* X = K [D][G]: column panels = 16 tokens; from XT's row panels */
-        for (size_t b = 0; b < g / 16; b++)
-            for (size_t c = 0; c < d / 16; c++)
-                transpose16(xtp + c * g * 16 + b * 256, 16, xp + b * d * 16 + c * 256, 16);
-    } else { /* XT = V^T [D][G]: row panels = 16 tokens; from X's column panels */
-        for (size_t b = 0; b < g / 16; b++)
-            for (size_t c = 0; c < d / 16; c++)
-                transpose16(xp + c * g * 16 + b * 256, 16, xtp + b * d * 16 + c * 256, 16);
-    }
-    return 0;
+    return rc;
 }
 #else
 typedef int kvarn_tile_avx512_unused; /* keep the translation unit non-empty */

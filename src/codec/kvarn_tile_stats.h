@@ -29,11 +29,12 @@ void kvarn__tile_rtn_row_avx2(const float *xr, int C, const float *s_col, float 
 /* AVX-512 kernels of kvarn_tile_avx512.c (same results as the _base copies;
  * see that file). They read the [R][C] matrix X of kvarn_tile.c in two
  * panel layouts of 16 lanes: xp, column panels (panel p is X's columns
- * 16p..16p+15 as [R][16], at xp + 16 p R: element (i, j) at
- * xp + (j / 16) * 16 R + 16 i + j % 16), and xtp, row panels (panel q is
- * X's rows 16q..16q+15 as [C][16], at xtp + 16 q C: element (i, j) at
- * xtp + (i / 16) * 16 C + 16 j + i % 16). dc: scratch of 32 * max(R, C)
- * floats. R, C: multiples of 16.
+ * 16p..16p+15 as [R][16], at xp + p (16 R + 16): element (i, j) at
+ * xp + (j / 16) (16 R + 16) + 16 i + j % 16), and xtp, row panels (panel
+ * q is X's rows 16q..16q+15 as [C][16], at xtp + q (16 C + 16): element
+ * (i, j) at xtp + (i / 16) (16 C + 16) + 16 j + i % 16); the 16 floats
+ * after each panel are padding (R C + C and R C + R floats in all). dc:
+ * scratch of 32 * max(R, C) floats. R, C: multiples of 16.
  * kvarn__tile512_load fills both layouts from a token-major [G][D] tile
  * (rotated unless prerotated; keys are X^T, values X) and returns -1 if a
  * value is out of range (raw_max before, rot_max after the rotation; NaN
@@ -44,11 +45,10 @@ void kvarn__tile512_rescale(float *s, float *inv, float *sd_out, const float *sd
                             const float *pre, int n, const float lim[4]);
 double kvarn__tile512_std_ratio(float *sd, const float *u, int n, float lo_floor);
 void kvarn__tile512_store_fp16(unsigned char *dst, const float *src, int n);
-void kvarn__tile512_pack(const unsigned char *codes, int n, int bits, unsigned char *out);
 void kvarn__tile512_col_stds(const float *xp, int R, int C, const float *w, float *dc, float *out);
 void kvarn__tile512_row_stds_t(const float *xtp, int R, int C, const float *u, float *dc, float *out);
 void kvarn__tile512_rtn(const float *xp, int R, int C, const float *s_col, const float *s_row,
-                        float qmax, float scale_min, int bits, float *ybuf, unsigned char *codes,
+                        float qmax, float scale_min, int bits, float *ybuf,
                         unsigned char *codes_out, size_t row_bytes, float *a, float *b);
 #endif
 #endif

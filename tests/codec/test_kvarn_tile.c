@@ -560,6 +560,42 @@ static void test_prerotated(void **state)
     }
 }
 
+/* A workspace at any 16-byte offset from a 64-byte boundary, of exactly
+ * kvarn_encode_workspace_bytes: the encoder carves it from its first
+ * 64-byte boundary (kvarn_tile.c ws_layout), which the size must allow
+ * for. The same record as from an aligned workspace, and nothing written
+ * outside the workspace (canaries on both sides). */
+static void test_misaligned_workspace(void **state)
+{
+    (void)state;
+    static float k[MAXN], v[MAXN];
+    test_rng r;
+    test_rng_seed(&r, 0x3157ull);
+    const int dims[3] = {64, 128, 256};
+    for (int di = 0; di < 3; di++) {
+        codec_bufs b;
+        const int D = dims[di], G = 128;
+        bufs_open(&b, D, G, 4, 2);
+        const size_t pad = 256, n = b.ws_bytes;
+        uint8_t *big = aligned_alloc(64, (n + 2 * pad + 64 + 63) / 64 * 64);
+        assert_non_null(big);
+        gen_tile(&r, KIND_GAUSS, D, G, k, v);
+        assert_int_equal(encode(&b, D, k, v, b.rec, 8, 0), KVARN_OK);
+        for (size_t mis = 16; mis < 64; mis += 16) {
+            uint8_t *ws = big + pad + mis;
+            memset(big, 0xC3, n + 2 * pad + 64);
+            memset(b.rec2, 0x5a, b.L.record_bytes);
+            kvarn_codec_opts o = {8, 0};
+            assert_int_equal(kvarn_encode(&b.fmt, D, k, v, b.rec2, b.L.record_bytes, ws, n, &o), KVARN_OK);
+            assert_memory_equal(b.rec, b.rec2, b.L.record_bytes);
+            for (uint8_t *p = big; p < ws; p++) assert_int_equal(*p, 0xC3);
+            for (uint8_t *p = ws + n; p < big + n + 2 * pad + 64; p++) assert_int_equal(*p, 0xC3);
+        }
+        free(big);
+        bufs_close(&b);
+    }
+}
+
 /* balance_iters = 0: identity balance, every s stored as 1.0 (0x3C00), and
  * codes, a, b as plain per-row RTN of the reference with s = 1. */
 static void test_iters_zero(void **state)
@@ -609,6 +645,14 @@ static void test_nonfinite(void **state)
         memset(b.rec, 0xA5, b.L.record_bytes);
         memcpy(b.rec2, b.rec, b.L.record_bytes);
         assert_int_equal(encode(&b, D, k, v, b.rec, 8, rep % 4 == 3), KVARN_ERR_NONFINITE);
+        assert_memory_equal(b.rec, b.rec2, b.L.record_bytes);
+        /* NaN / Inf is reported before a missing or short workspace (the
+         * KVarN encoder checks finiteness itself; codec.c keeps the order) */
+        assert_int_equal(kvarn_encode(&b.fmt, D, k, v, b.rec, b.L.record_bytes, NULL, 0, NULL),
+                         KVARN_ERR_NONFINITE);
+        assert_int_equal(kvarn_encode(&b.fmt, D, k, v, b.rec, b.L.record_bytes, b.ws, b.ws_bytes - 1,
+                                      NULL),
+                         KVARN_ERR_NONFINITE);
         assert_memory_equal(b.rec, b.rec2, b.L.record_bytes);
     }
     bufs_close(&b);
@@ -959,6 +1003,7 @@ int main(void)
         cmocka_unit_test(test_bad_buffers),
         cmocka_unit_test(test_simd_levels_identical),
         cmocka_unit_test(test_simd_adversarial),
+        cmocka_unit_test(test_misaligned_workspace),
     };
     /* e.g. KVARN_TEST_FILTER='test_[a-f]*' to skip the grid while iterating */
     if (getenv("KVARN_TEST_FILTER")) cmocka_set_test_filter(getenv("KVARN_TEST_FILTER"));
