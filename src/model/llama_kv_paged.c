@@ -302,7 +302,6 @@ typedef struct paged_sizes {
     size_t scratch;      /* llama_attn_f32 scratch */
     size_t hist;         /* hist_k, hist_v (exact_chunk): [max_tokens][Hk][D] */
     size_t ws;           /* attention workspace (kernel path) */
-    uint64_t cache_books;/* the cache's block table and id pools */
 } paged_sizes;
 
 static kvarn_status paged_sizes_get(const llama_kv_shape *sh, const kvarn_cache_info *ci,
@@ -324,13 +323,6 @@ static kvarn_status paged_sizes_get(const llama_kv_shape *sh, const kvarn_cache_
     if (exact_chunk)
         bad |= kvarn__mul3_u64(T, (uint64_t)sh->n_kv_heads * D, F, &v) |
                kvarn__u64_to_size(v, &z->hist);
-    /* block table, tile -> block and tile -> page (int32 each per tile),
-     * refcount and free stack (int32 each per block and per page) */
-    uint64_t tiles = kvarn__ceil_div_u64((uint64_t)ci->max_seq_len, (uint64_t)ci->block_size);
-    z->cache_books = 12 * tiles + 8 * ((uint64_t)ci->n_blocks + (uint64_t)ci->n_pages);
-    if (ci->n_tail_pages > 0) /* small tail page ids per T tokens, their pool */
-        z->cache_books += 4 * tiles * (uint64_t)(ci->block_size / ci->tail_page_tokens) +
-                          8 * (uint64_t)ci->n_tail_pages;
     if (bad) return KVARN_ERR_TOO_LARGE;
     if (!exact_chunk) {
         /* Sized for the largest call: one sequence, max_chunk queries. The
@@ -367,8 +359,17 @@ kvarn_status llama_kv_paged_plan(const llama_kv_shape *shape, const kvarn_format
     st = paged_sizes_get(shape, &ci, o->exact_chunk, threads, &z);
     if (st != KVARN_OK) return st;
     /* a caller's cache: its arena and books are the caller's (the
-     * sequence's block table comes from the cache's own allocator) */
-    uint64_t other = o->cache ? 0 : z.cache_books;
+     * sequence's block table comes from the cache's own allocator); the
+     * store's own: every byte kvarn_cache_create and its one sequence ask
+     * for besides the arenas (struct, id pools, block table, scratch,
+     * alignment slack), as the cache itself counts them */
+    uint64_t other = 0;
+    if (!o->cache) {
+        kvarn_cache_capacity cap;
+        st = kvarn_cache_capacity_get(&co, 1, 1, &cap);
+        if (st != KVARN_OK) return st;
+        other = cap.books_bytes;
+    }
     int bad = kvarn__add_u64(other, 2 * (uint64_t)z.chunk_kv, &other);
     bad |= kvarn__add_u64(other, 2 * (uint64_t)z.chunk_q, &other);
     bad |= kvarn__add_u64(other, 2 * (uint64_t)z.chunk_lse, &other);
