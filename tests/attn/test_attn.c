@@ -136,11 +136,48 @@ static double int_dot_bound(const paged_fixture *f, int s, int h, const float *q
         if (kvarn_paged_tile_is_page(&f->kv, v->committed_tiles, ti)) continue;
         const uint8_t *rec = kvarn_paged_record(&f->kv, v->block_table[ti], h);
         if (f->fmt.key_bits == 4) {
-            double qmax = 0.0;
-            for (int d = 0; d < D; d++) qmax = fmax(qmax, fabs(scale * qr[d] * pf_half(rec + L.k_a_off, d)));
+            /* The rounding error e_d of each channel is known from the
+             * data (round to nearest of qa_d / sq, in double) up to the
+             * kernel's fp32: its rotated query differs from qr by at most
+             * (log2 D + 3) 2^-24 sum_i |q_i| / sqrt(D) per channel (one
+             * rounding per butterfly stage, the scale, the product with
+             * a_d), and qa_d 32767 / max, sq and the conversions add
+             * under 2^-7 steps; eps_d (in steps of sq) is the sum. A
+             * channel whose qa_d / sq lies within eps_d of a rounding
+             * boundary may round either way: |e_d| <= sq (1/2 + eps_d);
+             * the others' e_d is known within eps_d sq, and
+             *   |ds_t| <= |s_tok_t| (|sum_d e_d code_dt| + sum_d c_d code_dt),
+             * c_d = sq eps_d or sq (1/2 + eps_d), summed over the 4-bit
+             * codes of the record. (The worst case over all codes,
+             * 15 D sq / 2 |s_tok_t|, is about ten times larger.) */
+            double qmax = 0.0, qa[1024], e[1024], cw[1024], q1 = 0.0;
+            for (int d = 0; d < D; d++) q1 += fabs(q[d]);
+            for (int d = 0; d < D; d++) {
+                qa[d] = scale * qr[d] * pf_half(rec + L.k_a_off, d);
+                qmax = fmax(qmax, fabs(qa[d]));
+            }
+            const double sq = qmax / 32767.0, lg = log2((double)D) + 3.0;
+            for (int d = 0; d < D; d++) {
+                double eps = fabs(pf_half(rec + L.k_a_off, d)) * scale * lg * 0x1p-24 * q1 /
+                                 sqrt((double)D) / sq + 0x1p-7;
+                double x = qa[d] / sq, fr = x - floor(x);
+                if (fabs(fr - 0.5) <= eps) {
+                    e[d] = 0.0;
+                    cw[d] = sq * (0.5 + eps);
+                } else {
+                    e[d] = qa[d] - sq * nearbyint(x);
+                    cw[d] = sq * eps;
+                }
+            }
+            const uint8_t *kc = rec + L.k_codes_off;
             for (int t = 0; t < G; t++) {
-                double ds = fabs(pf_half(rec + L.k_stok_off, t)) * 15.0 * D * step * qmax / 32767.0;
-                delta = fmax(delta, ds);
+                double sgn = 0.0, wc = 0.0;
+                for (int d = 0; d < D; d++) {
+                    int code = (kc[(size_t)d * (G / 2) + t / 2] >> (4 * (t & 1))) & 15;
+                    sgn += e[d] * code;
+                    wc += cw[d] * code;
+                }
+                delta = fmax(delta, fabs(pf_half(rec + L.k_stok_off, t)) * (fabs(sgn) + wc));
             }
         }
         if (f->fmt.value_bits == 2) {
