@@ -275,10 +275,13 @@ static void softmax_row_avx512(attn_rows *r, int i, int t0, int nt)
     }
 }
 
+#ifndef KVARN_AVX512_VNNI /* the VNNI build holds only the KVarN record kernel */
 static void softmax_update_avx512(attn_rows *r, int t0, int nt)
 {
     for (int i = 0; i < r->n; i++) softmax_row_avx512(r, i, t0, nt);
 }
+
+#endif
 
 /* p[t] *= scale[t] for t < nv, and return sum_t p[t] * bias[t] (the
  * per-row constant of the zero-points / KVarN b_t). */
@@ -447,6 +450,7 @@ AI void tm_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
     attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
 }
 
+#ifndef KVARN_AVX512_VNNI
 /* ---------------------------------------------------------- fp16 pages */
 
 void attn_avx512_fp16_tile(attn_rows *r, const uint16_t *k, const uint16_t *v, int t0, int nt)
@@ -527,6 +531,8 @@ TOKEN_TILE(fp8_e4m3, KVARN_KIND_FP8_E4M3)
 TOKEN_TILE(fp8_e5m2, KVARN_KIND_FP8_E5M2)
 TOKEN_TILE(int8, KVARN_KIND_INT8)
 TOKEN_TILE(int4, KVARN_KIND_INT4)
+
+#endif /* !KVARN_AVX512_VNNI */
 
 /* --------------------------------------------------------- KVarN records */
 
@@ -751,6 +757,19 @@ AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
  * (score error at most 15 D sq / 2 s_tok_t over a tile's 4-bit K; V error
  * at most 3 G sw / 2 s_chan_d) and the measurements. */
 
+/* acc + the pairwise sums of a x b (16-bit lanes, int32 sums; exact in the
+ * kernels' ranges): vpmaddwd + vpaddd, or one vpdpwssd in the VNNI build
+ * (kernel_avx512_vnni.c, run when the CPU has AVX512-VNNI; the same
+ * results bit for bit). */
+AI __m512i dot_i16(__m512i acc, __m512i a, __m512i b)
+{
+#ifdef KVARN_AVX512_VNNI
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
 /* Round row i's qa (fp32 [D], in r->qa) to int16 in place: qi_d at the
  * first 2D bytes of the row, sq at float index D / 2. Returns sq. The
  * caller has checked 2^-100 <= max_d |qa_d| < 2^80, so 32767 / max is a
@@ -812,7 +831,7 @@ AI void kv_kdots4_128_i16(attn_rows *r, const uint8_t *kc, int r0, int RB, int h
             memcpy(&qp, (const int16_t *)(const void *)(r->qa + (size_t)(r0 + i) * D) + d, 4);
             const __m512i q = _mm512_set1_epi32(qp);
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_add_epi32(acc[i][j], _mm512_madd_epi16(c[j], q));
+            for (int j = 0; j < 4; j++) acc[i][j] = dot_i16(acc[i][j], c[j], q);
         }
     }
 #pragma GCC unroll 6
@@ -882,7 +901,7 @@ AI void kv_vsum2_i16(attn_rows *r, const uint8_t *vc, size_t vrow, int G, const 
             memcpy(&wp, (const int16_t *)(const void *)(r->s + (size_t)(r0 + i) * gs) + t, 4);
             const __m512i w = _mm512_set1_epi32(wp);
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_add_epi32(acc[i][j], _mm512_madd_epi16(c[j], w));
+            for (int j = 0; j < 4; j++) acc[i][j] = dot_i16(acc[i][j], c[j], w);
         }
     }
     /* lane k of vector j is channel d0 + 4k + j: two rounds of 4 x 4
@@ -1047,8 +1066,13 @@ KVARN_TILE(2, 8)
 KVARN_TILE(8, 2)
 KVARN_TILE(8, 4)
 
+#ifdef KVARN_AVX512_VNNI
+void attn_avx512vnni_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
+                                int t0, int nt)
+#else
 void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
-                              int t0, int nt)
+                            int t0, int nt)
+#endif
 {
     /* committed records are full (nt == G); tiles of 32+ tokens */
     if (L->tile_tokens % 32 != 0) {

@@ -62,6 +62,15 @@ kvarn_cpu_level kvarn__cpu_level(void)
     return want < hw ? want : hw;
 }
 
+int kvarn__cpu_avx512_vnni(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    return kvarn__cpu_level() == KVARN_CPU_AVX512 && __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
 const char *kvarn__cpu_level_name(kvarn_cpu_level level)
 {
     switch (level) {

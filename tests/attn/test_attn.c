@@ -36,6 +36,8 @@ typedef struct attn_case {
     int causal, window, split, threads, force_scalar;
     int level;            /* SIMD level cap (LV_AVX2, LV_AVX512; 0: the
                              best); force_scalar wins */
+    int no_vnni;          /* 1: the AVX-512 KVarN kernel's vpmaddwd build
+                             even on a CPU with AVX512-VNNI */
 } attn_case;
 
 /* SIMD levels, by their KVARN_SIMD names (codec/cpu.h). run_attn sets the
@@ -240,7 +242,7 @@ static kvarn_status run_attn(const paged_fixture *f, const attn_case *c, const i
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)(1.0 / sqrt((double)c->D)));
     o.sliding_window = c->window;
     o.causal = c->causal;
-    kvarn_attn_testing knobs = {c->split, c->force_scalar};
+    kvarn_attn_testing knobs = {c->split, c->force_scalar, c->no_vnni};
     o.testing = &knobs;
     set_level(c->force_scalar ? LV_SCALAR : c->level ? c->level : LV_AVX512); /* 0: the best */
     int total_q = c->multi ? qsl[c->n_seqs] : c->n_seqs;
@@ -377,9 +379,13 @@ static void test_every_format(void **state)
     for (size_t i = 0; i < sizeof fm / sizeof fm[0]; i++) {
         for (int di = 0; di < 2; di++) {
             double worst_deq = 0, worst_orig = 0, worst_use = 0, worst_int = 0;
-            for (int lv = 0; lv < LV_COUNT; lv++) {
+            /* the AVX-512 level twice: its VNNI build (where the CPU has
+             * VNNI) and its vpmaddwd build */
+            for (int pass = 0; pass <= LV_COUNT; pass++) {
+                const int lv = pass == LV_COUNT ? LV_AVX512 : pass;
                 attn_case c;
                 memset(&c, 0, sizeof c);
+                c.no_vnni = pass == LV_COUNT;
                 c.fmt = fm[i].name;
                 c.D = di ? 128 : 64;
                 c.Hk = 2;
@@ -727,6 +733,12 @@ static void test_simd_threads(void **state)
                     assert_int_equal(run_attn(&f, &c, qsl, q, out, pools[t]), KVARN_OK);
                     assert_int_equal(run_attn(&f, &c, qsl, q, again, pools[t]), KVARN_OK);
                     assert_memory_equal(out, again, nq * sizeof(float));
+                    /* the vpmaddwd and VNNI builds: the same exact int32
+                     * sums, the same bits */
+                    c.no_vnni = 1;
+                    assert_int_equal(run_attn(&f, &c, qsl, q, again, pools[t]), KVARN_OK);
+                    assert_memory_equal(out, again, nq * sizeof(float));
+                    c.no_vnni = 0;
                     for (size_t row = 0; row < nq / c.D; row++) {
                         double mx = 0, err = 0;
                         for (int d = 0; d < c.D; d++) {
@@ -870,8 +882,8 @@ static void test_bad_inputs(void **state)
     bad = o;
     bad.sliding_window = -1;
     EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&f.kv, f.views, 2, Hq, q, out, &bad, NULL, ws, wsz));
-    const kvarn_attn_testing bad_knobs[3] = {{-1, 0}, {1025, 0}, {0, 2}};
-    for (int i = 0; i < 3; i++) {
+    const kvarn_attn_testing bad_knobs[4] = {{-1, 0, 0}, {1025, 0, 0}, {0, 2, 0}, {0, 0, 2}};
+    for (int i = 0; i < 4; i++) {
         bad = o;
         bad.testing = &bad_knobs[i];
         EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&f.kv, f.views, 2, Hq, q, out, &bad, NULL, ws, wsz));
