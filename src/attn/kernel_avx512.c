@@ -1,8 +1,8 @@
 /*
  * kernel_avx512.c -- AVX-512 (F/BW/VL + FMA/F16C) tile kernels of the
  * attention. Same math, same folding and same order of tiles as
- * kernel_ref.c (the oracle) and kernel_avx2.c; only the order of the fp32
- * sums inside a tile differs. Chosen at run time by attn.c when
+ * kernel_ref.c (the oracle) and kernel_avx2.c; the order of the fp32
+ * sums inside a tile differs, and the int16 products below. Chosen at run time by attn.c when
  * kvarn__cpu_level() reports AVX-512 and D % 32 == 0 (codec/cpu.h).
  *
  * The structure follows kernel_avx2.c with 16-lane vectors and 32
@@ -25,8 +25,12 @@
  * conversion.
  * fp16/bf16/fp8 as in kernel_avx2.c.
  * The online-softmax step masks positions with 16-bit lane masks.
- * Integer (VNNI) dot products are not used: docs/attention.md "SIMD" gives
- * the error analysis that rules the int8 query out.
+ * 4-bit K and 2-bit V of 128-token KVarN tiles are multiplied in int16
+ * (vpmaddwd; one vpdpwssd in the VNNI build, kernel_avx512_vnni.c) against
+ * a query / weights rounded to int16 per row and tile: the only place the
+ * SIMD kernels' arithmetic differs from the reference by more than the
+ * order of fp32 sums; docs/attention.md "Integer (int16) dot products"
+ * bounds the error.
  */
 #include <immintrin.h>
 #include <math.h>
