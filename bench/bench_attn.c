@@ -308,7 +308,7 @@ int main(int argc, char **argv)
         return 2;
     }
     kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    kvarn_attn_testing knobs = {0, scalar};
+    kvarn_attn_testing knobs = {0, scalar, 0};
     o0.testing = &knobs;
     printf("memcpy bandwidth (1 thread, 256 MiB): %.1f GB/s copied\n", memcpy_gbs());
     printf("kernels: %s\n", kvarn_attn_kernel_name(&o0));

@@ -215,6 +215,9 @@ typedef struct kvarn_attn_testing {
     int force_scalar; /* 1: the scalar reference kernels even when the CPU
                          has AVX2 or AVX-512 (KVARN_SIMD=avx2 or =scalar
                          caps the level for a whole process); 0: the best */
+    int no_vnni;      /* 1: the AVX-512 KVarN kernel without AVX512-VNNI
+                         (vpmaddwd + vpaddd) even when the CPU has it (the
+                         results are the same bits; tests run both) */
 } kvarn_attn_testing;
 
 #ifdef __cplusplus

@@ -88,7 +88,8 @@ static int opts_valid(const kvarn_attn_opts *o)
     return isfinite(o->softmax_scale) && o->softmax_scale > 0.0f &&
            o->sliding_window >= 0 && (o->causal == 0 || o->causal == 1) &&
            split_k_of(o) >= 0 && split_k_of(o) <= 1024 &&
-           (force_scalar_of(o) == 0 || force_scalar_of(o) == 1);
+           (force_scalar_of(o) == 0 || force_scalar_of(o) == 1) &&
+           (o->testing == NULL || o->testing->no_vnni == 0 || o->testing->no_vnni == 1);
 }
 
 /* Geometry and workspace bounds; 0 on success, else a status. */
@@ -197,6 +198,11 @@ static void pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim
 {
     const int top = force_scalar_of(o) ? KVARN_CPU_SCALAR : (int)kvarn__cpu_level();
     (void)attn_select_kernels(kind, head_dim, top, out); /* kind checked by make_geom */
+    /* The AVX-512 KVarN kernel's VNNI build where the CPU has VNNI (same
+     * results; the testing knob no_vnni keeps the vpmaddwd build). */
+    if (out->kvarn_tile == attn_avx512_kvarn_tile && !(o->testing && o->testing->no_vnni) &&
+        kvarn__cpu_avx512_vnni())
+        out->kvarn_tile = attn_avx512vnni_kvarn_tile;
 }
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)

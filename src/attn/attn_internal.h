@@ -177,6 +177,11 @@ ATTN_DECLARE_KERNELS(avx2)
 ATTN_DECLARE_KERNELS(avx512)
 #undef ATTN_DECLARE_KERNELS
 #undef ATTN_DECLARE_TOKEN
+/* The AVX-512 KVarN record kernel built with AVX512-VNNI
+ * (kernel_avx512_vnni.c): same contract and results as
+ * attn_avx512_kvarn_tile; only on CPUs with VNNI (kvarn__cpu_avx512_vnni). */
+void attn_avx512vnni_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
+                                int t0, int nt);
 
 /* Scalar online-softmax step shared by the reference kernels: mask s[r][t]
  * to the row's visible positions, update m and l, rescale acc, and turn s

@@ -1,8 +1,8 @@
 /*
  * kernel_avx512.c -- AVX-512 (F/BW/VL + FMA/F16C) tile kernels of the
  * attention. Same math, same folding and same order of tiles as
- * kernel_ref.c (the oracle) and kernel_avx2.c; only the order of the fp32
- * sums inside a tile differs. Chosen at run time by attn.c when
+ * kernel_ref.c (the oracle) and kernel_avx2.c; the order of the fp32
+ * sums inside a tile differs, and the int16 products below. Chosen at run time by attn.c when
  * kvarn__cpu_level() reports AVX-512 and D % 32 == 0 (codec/cpu.h).
  *
  * The structure follows kernel_avx2.c with 16-lane vectors and 32
@@ -25,8 +25,12 @@
  * conversion.
  * fp16/bf16/fp8 as in kernel_avx2.c.
  * The online-softmax step masks positions with 16-bit lane masks.
- * Integer (VNNI) dot products are not used: docs/attention.md "SIMD" gives
- * the error analysis that rules the int8 query out.
+ * 4-bit K and 2-bit V of 128-token KVarN tiles are multiplied in int16
+ * (vpmaddwd; one vpdpwssd in the VNNI build, kernel_avx512_vnni.c) against
+ * a query / weights rounded to int16 per row and tile: the only place the
+ * SIMD kernels' arithmetic differs from the reference by more than the
+ * order of fp32 sums; docs/attention.md "Integer (int16) dot products"
+ * bounds the error.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -215,6 +219,16 @@ AI int block_rows(int n, int max_rb, int r0)
     default: CALL(1); break;               \
     }
 
+#define RB_SWITCH6(rb, CALL)               \
+    switch (rb) {                          \
+    case 6: CALL(6); break;                \
+    case 5: CALL(5); break;                \
+    case 4: CALL(4); break;                \
+    case 3: CALL(3); break;                \
+    case 2: CALL(2); break;                \
+    default: CALL(1); break;               \
+    }
+
 /* ------------------------------------------------- online softmax step */
 
 /* As softmax_update_avx2: s holds whole 8-float vectors up to nt rounded
@@ -265,10 +279,13 @@ static void softmax_row_avx512(attn_rows *r, int i, int t0, int nt)
     }
 }
 
+#ifndef KVARN_AVX512_VNNI /* the VNNI build holds only the KVarN record kernel */
 static void softmax_update_avx512(attn_rows *r, int t0, int nt)
 {
     for (int i = 0; i < r->n; i++) softmax_row_avx512(r, i, t0, nt);
 }
+
+#endif
 
 /* p[t] *= scale[t] for t < nv, and return sum_t p[t] * bias[t] (the
  * per-row constant of the zero-points / KVarN b_t). */
@@ -437,6 +454,7 @@ AI void tm_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
     attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
 }
 
+#ifndef KVARN_AVX512_VNNI
 /* ---------------------------------------------------------- fp16 pages */
 
 void attn_avx512_fp16_tile(attn_rows *r, const uint16_t *k, const uint16_t *v, int t0, int nt)
@@ -517,6 +535,8 @@ TOKEN_TILE(fp8_e4m3, KVARN_KIND_FP8_E4M3)
 TOKEN_TILE(fp8_e5m2, KVARN_KIND_FP8_E5M2)
 TOKEN_TILE(int8, KVARN_KIND_INT8)
 TOKEN_TILE(int4, KVARN_KIND_INT4)
+
+#endif /* !KVARN_AVX512_VNNI */
 
 /* --------------------------------------------------------- KVarN records */
 
@@ -731,6 +751,196 @@ AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
     }
 }
 
+/* ------------------------------------- integer (int16) dot products, KVarN
+ * The k4 g128 scores and the 2-bit V sums of D % 64 == 0 run as exact
+ * int32 sums of int16 x int16 products (vpmaddwd, AVX-512BW: 32 products
+ * per instruction, two channels or two tokens per 32-bit lane) against a
+ * query / weights rounded to int16 once per row and tile:
+ *   qa_d ~ sq qi_d, sq = max_d |qa_d| / 32767;  w_t ~ sw wi_t, sw = max_t |w_t| / 32767.
+ * docs/attention.md "Integer (int16) dot products" gives the error bounds
+ * (score error at most 15 D sq / 2 s_tok_t over a tile's 4-bit K; V error
+ * at most 3 G sw / 2 s_chan_d) and the measurements. */
+
+/* acc + the pairwise sums of a x b (16-bit lanes, int32 sums; exact in the
+ * kernels' ranges): vpmaddwd + vpaddd, or one vpdpwssd in the VNNI build
+ * (kernel_avx512_vnni.c, run when the CPU has AVX512-VNNI; the same
+ * results bit for bit). */
+AI __m512i dot_i16(__m512i acc, __m512i a, __m512i b)
+{
+#ifdef KVARN_AVX512_VNNI
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* Round row i's qa (fp32 [D], in r->qa) to int16 in place: qi_d at the
+ * first 2D bytes of the row, sq at float index D / 2. Returns sq. The
+ * caller has checked 2^-100 <= max_d |qa_d| < 2^80, so 32767 / max is a
+ * normal float; |qa_d * inv| <= 32767 (1 + 2^-23) rounds into int16. */
+AI void kv_round_query(attn_rows *r, int i)
+{
+    const int D = r->D;
+    float *qa = r->qa + (size_t)i * D;
+    int16_t *qi = (int16_t *)(void *)qa;
+    __m512 mx = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qa + d)));
+    const float qmax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(32767.0f / qmax);
+    /* in order of d: the int16 written at bytes [2d, 2d + 32) never
+     * overwrite floats not yet read (bytes [4d, ...)) */
+    for (int d = 0; d < D; d += 16) {
+        __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qa + d), inv));
+        _mm256_storeu_si256((__m256i *)(void *)(qi + d), _mm512_cvtepi32_epi16(x));
+    }
+    qa[D / 2] = qmax / 32767.0f;
+}
+
+/* kv_kdots4_128 with the int16 query of kv_round_query: half h of the tile
+ * (tokens 8m + 4h + j, j = 0..3, lane m of vector j), two channels per
+ * step. With w0, w1 the 64-byte rows of channels d, d + 1 (32-bit lane m:
+ * tokens 8m..8m+7 of the channel, token 8m + j in nibble j), the 16-bit
+ * word h of w0's lane m and word h of w1's are blended into one lane (low:
+ * channel d, high: channel d + 1), so nibble j of both words is token
+ * 8m + 4h + j of the two channels, the pair vpmaddwd multiplies with the
+ * broadcast (qi_d, qi_{d+1}). Nibble 0 is masked in place (code), nibble 1
+ * in place (16 x code: the 16 is undone in fp32 after the sum, exact),
+ * nibbles 2 and 3 shifted down. Int32 sums: |qi| <= 32767, codes <= 240,
+ * D / 2 pairs: D 32767 240 < 2^31 - 1 for D <= 256 (the caller's check).
+ * The sums, times sq (and 1/16 for j = 1), go to s in kv_kdots4_128's
+ * order for kv_kfinish128. */
+AI void kv_kdots4_128_i16(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, int pf_shift)
+{
+    const int D = r->D, gs = r->gs;
+    const __m512i m0 = _mm512_set1_epi32(0x000f000f), m1 = _mm512_set1_epi32(0x00f000f0);
+    __m512i acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int d = 0; d < D; d += 2) {
+        if ((d & ((1 << pf_shift) - 1)) == 0) attn_prefetch_step(r->pf, 1);
+        const __m512i w0 = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64));
+        const __m512i w1 = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64 + 64));
+        const __m512i x = h == 0 ? _mm512_mask_blend_epi16(0xaaaaaaaau, w0, _mm512_slli_epi32(w1, 16))
+                                 : _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(w0, 16), w1);
+        __m512i c[4];
+        c[0] = _mm512_and_si512(x, m0);
+        c[1] = _mm512_and_si512(x, m1);
+        c[2] = _mm512_and_si512(_mm512_srli_epi16(x, 8), m0);
+        c[3] = _mm512_srli_epi16(x, 12);
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) {
+            int32_t qp;
+            memcpy(&qp, (const int16_t *)(const void *)(r->qa + (size_t)(r0 + i) * D) + d, 4);
+            const __m512i q = _mm512_set1_epi32(qp);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[i][j] = dot_i16(acc[i][j], c[j], q);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) {
+        const float sq = r->qa[(size_t)(r0 + i) * D + D / 2];
+        float *s = r->s + (size_t)(r0 + i) * gs + 64 * h;
+        const __m512 v0 = _mm512_set1_ps(sq), v1 = _mm512_set1_ps(sq * 0.0625f);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+            _mm512_storeu_ps(s + 16 * j, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), j == 1 ? v1 : v0));
+    }
+}
+
+/* Round row i's weights (fp32 s[i][0..G), G even) to int16 in place: wi_t
+ * at the first 2G bytes of the row, sw at float index G / 2. A row whose
+ * largest |w_t| is below 2^-100 (or 0: no visible position in the tile)
+ * gets wi = 0, sw = 0: it drops at most 3 G 2^-100 s_chan_d from acc,
+ * against l >= 1. */
+AI void kv_round_weights(attn_rows *r, int i, int G)
+{
+    float *w = r->s + (size_t)i * r->gs;
+    int16_t *wi = (int16_t *)(void *)w;
+    __m512 mx = _mm512_setzero_ps();
+    for (int t = 0; t < G; t += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(w + t)));
+    const float wmax = _mm512_reduce_max_ps(mx);
+    const int ok = wmax >= 0x1p-100f; /* also false for NaN */
+    const __m512 inv = _mm512_set1_ps(ok ? 32767.0f / wmax : 0.0f);
+    for (int t = 0; t < G; t += 16) {
+        __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(w + t), inv));
+        _mm256_storeu_si256((__m256i *)(void *)(wi + t), _mm512_cvtepi32_epi16(x));
+    }
+    w[G / 2] = ok ? wmax / 32767.0f : 0.0f;
+}
+
+/* kv_vsum for 2-bit V codes with the int16 weights of kv_round_weights:
+ * channels d0..d0+63 (16 bytes of each token row), two tokens per step.
+ * The 16 bytes of tokens t and t + 1 are interleaved (byte k of t, byte k
+ * of t + 1) and zero-extended to words, so 32-bit lane k holds byte k of
+ * token t (low word) and of token t + 1 (high word); byte k holds channels
+ * d0 + 4k + j at bits 2j, masked in place (4^j x code, undone in fp32
+ * after the sum). vpmaddwd with the broadcast (wi_t, wi_{t+1}). Int32
+ * sums: |wi| <= 32767, codes <= 192, G / 2 pairs: G 32767 192 < 2^31 - 1
+ * for G <= 128. Then acc += s_chan (sw sum + pb), as kv_vsum. */
+AI void kv_vsum2_i16(attn_rows *r, const uint8_t *vc, size_t vrow, int G, const float *schan,
+                     const float *pb, int r0, int RB, int d0)
+{
+    const int D = r->D, gs = r->gs;
+    __m512i acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int t = 0; t < G; t += 2) {
+        attn_prefetch_step(r->pf, 2);
+        const uint8_t *row = vc + (size_t)t * vrow + d0 / 4;
+        const __m128i a = _mm_loadu_si128((const __m128i *)(const void *)row);
+        const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(row + vrow));
+        const __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)),
+                                                   _mm_unpackhi_epi8(a, b), 1);
+        const __m512i x = _mm512_cvtepu8_epi16(ab);
+        __m512i c[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) c[j] = _mm512_and_si512(x, _mm512_set1_epi32(0x00030003 << (2 * j)));
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) {
+            int32_t wp;
+            memcpy(&wp, (const int16_t *)(const void *)(r->s + (size_t)(r0 + i) * gs) + t, 4);
+            const __m512i w = _mm512_set1_epi32(wp);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[i][j] = dot_i16(acc[i][j], c[j], w);
+        }
+    }
+    /* lane k of vector j is channel d0 + 4k + j: two rounds of 4 x 4
+     * transposes (inside 128-bit lanes, then of 128-bit lanes) give
+     * channels d0 + 16b.. in vector b */
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) {
+        const float sw = r->s[(size_t)(r0 + i) * gs + G / 2];
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_set1_ps(sw / (float)(1 << (2 * j))));
+        __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
+        __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
+        __m512 u0 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+        __m512 u1 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+        __m512 u2 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+        __m512 u3 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+        /* u_k, 128-bit lane b: channels 16b + 4k .. 16b + 4k + 3 */
+        __m512 x0 = _mm512_shuffle_f32x4(u0, u1, 0x44), x1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
+        __m512 x2 = _mm512_shuffle_f32x4(u0, u1, 0xee), x3 = _mm512_shuffle_f32x4(u2, u3, 0xee);
+        __m512 o[4];
+        o[0] = _mm512_shuffle_f32x4(x0, x1, 0x88);
+        o[1] = _mm512_shuffle_f32x4(x0, x1, 0xdd);
+        o[2] = _mm512_shuffle_f32x4(x2, x3, 0x88);
+        o[3] = _mm512_shuffle_f32x4(x2, x3, 0xdd);
+        float *acc_o = r->acc + (size_t)(r0 + i) * D + d0;
+        const __m512 b = _mm512_set1_ps(pb[r0 + i]);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            _mm512_storeu_ps(acc_o + 16 * k, _mm512_fmadd_ps(_mm512_loadu_ps(schan + d0 + 16 * k),
+                                                             _mm512_add_ps(o[k], b), _mm512_loadu_ps(acc_o + 16 * k)));
+    }
+}
+
 AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                         int t0, int kb, int vb)
 {
@@ -748,16 +958,20 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
 
     /* Fold a_d into the query once per tile; the b_d sum is one constant. */
     __m512 qmax = _mm512_setzero_ps();
+    float row_min = INFINITY; /* the smallest row maximum of |qa_d| */
     for (int i = 0; i < r->n; i++) {
         const float *q = r->q + (size_t)i * D;
         float *qa = r->qa + (size_t)i * D;
-        __m512 c = _mm512_setzero_ps();
+        __m512 c = _mm512_setzero_ps(), rmax = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 16) {
             __m512 qv = _mm512_loadu_ps(q + d), x = _mm512_mul_ps(qv, _mm512_loadu_ps(ka + d));
             _mm512_storeu_ps(qa + d, x);
-            qmax = _mm512_max_ps(qmax, _mm512_abs_ps(x));
+            rmax = _mm512_max_ps(rmax, _mm512_abs_ps(x));
             c = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kbias + d), c);
         }
+        qmax = _mm512_max_ps(qmax, rmax);
+        const float m = _mm512_reduce_max_ps(rmax);
+        row_min = m < row_min ? m : row_min;
         r->rc[i] = _mm512_reduce_add_ps(c);
     }
     /* The K sums run times up to 2^28 (4-bit) or 2^30 (2-bit codes,
@@ -774,14 +988,23 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
      * score loop: half the next tiles' lines spread over the G/32 x D
      * steps; kv_vsum issues the rest, one per token. */
     const int k128 = kb == 4 && G == 128; /* kv_kdots4_128's case */
+    /* int16 query (kv_kdots4_128_i16): every row's max |qa_d| at least
+     * 2^-100 (so 32767 / max is finite; all-zero and tiny query rows keep
+     * fp32), D <= 256 (exact int32 sums); the 2^80 cap is checked above */
+    const int kint = k128 && D <= 256 && row_min >= 0x1p-100f;
+    /* int16 weights (kv_vsum2_i16): 2-bit V of 128-token tiles, 64
+     * channels per pass */
+    const int vint = vb == 2 && G == 128 && D % 64 == 0;
+    for (int i = 0; kint && i < r->n; i++) kv_round_query(r, i);
     const int steps = (k128 ? 2 : G / 32) * D, left = attn_prefetch_left(r->pf);
     int pf_shift = 0;
     while (pf_shift < 6 && (steps >> (pf_shift + 1)) >= (left + 1) / 2) pf_shift++;
     for (int h = 0; k128 && h < 2; h++)
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 6, r0);
-#define K4CALL(N) kv_kdots4_128(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30)
-            RB_SWITCH8(rb, K4CALL)
+#define K4CALL(N) (kint ? kv_kdots4_128_i16(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30) \
+                       : kv_kdots4_128(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30))
+            RB_SWITCH6(rb, K4CALL)
 #undef K4CALL
             r0 += rb;
         }
@@ -801,6 +1024,19 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         if (k128 && kv_sees_tile(r, i, t0)) continue; /* done by kv_kfinish128 */
         softmax_row_avx512(r, i, t0, G);
         pb[i] = fold_weights(r->s + (size_t)i * gs, va, vbias, G);
+    }
+    if (vint) {
+        for (int i = 0; i < r->n; i++) kv_round_weights(r, i, G);
+        for (int d0 = 0; d0 < D; d0 += 64)
+            for (int r0 = 0; r0 < r->n;) {
+                int rb = block_rows(r->n, 6, r0);
+#define VICALL(N) kv_vsum2_i16(r, vc, vrow, G, schan, pb, r0, N, d0)
+                RB_SWITCH6(rb, VICALL)
+#undef VICALL
+                r0 += rb;
+            }
+        attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
+        return;
     }
     /* 64 channels per pass (up to 6 rows, 24 accumulators) where D allows,
      * else 32 (up to 8 rows). */
@@ -834,8 +1070,13 @@ KVARN_TILE(2, 8)
 KVARN_TILE(8, 2)
 KVARN_TILE(8, 4)
 
+#ifdef KVARN_AVX512_VNNI
+void attn_avx512vnni_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
+                                int t0, int nt)
+#else
 void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
-                              int t0, int nt)
+                            int t0, int nt)
+#endif
 {
     /* committed records are full (nt == G); tiles of 32+ tokens */
     if (L->tile_tokens % 32 != 0) {

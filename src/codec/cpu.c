@@ -80,6 +80,15 @@ kvarn_status kvarn_simd_level(const char **name)
     return ok ? KVARN_OK : KVARN_ERR_INVALID_ARG;
 }
 
+int kvarn__cpu_avx512_vnni(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    return kvarn__cpu_level() == KVARN_CPU_AVX512 && __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
 const char *kvarn__cpu_level_name(kvarn_cpu_level level)
 {
     switch (level) {

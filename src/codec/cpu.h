@@ -34,6 +34,12 @@ typedef enum kvarn_cpu_level {
  * the call out of the loop). Thread-safe: no state is kept. */
 kvarn_cpu_level kvarn__cpu_level(void);
 
+/* 1 when kvarn__cpu_level() is KVARN_CPU_AVX512 (so KVARN_SIMD=avx2 or
+ * =scalar turn it off too) and the CPU has AVX512-VNNI (vpdpwssd): the
+ * attention's KVarN kernel then runs its VNNI build. A feature of the
+ * AVX-512 level, not a level of its own. */
+int kvarn__cpu_avx512_vnni(void);
+
 /* The name of a level: "scalar", "avx2", "avx512". */
 const char *kvarn__cpu_level_name(kvarn_cpu_level level);
 

@@ -20,6 +20,7 @@
 #include "attn/attn_internal.h"
 #include "codec/cpu.h"
 #include "codec/format_kinds.h"
+#include "common/int_dot_bound.h"
 #include "common/paged_fixture.h"
 #include "kvarn/attn.h"
 
@@ -36,6 +37,8 @@ typedef struct attn_case {
     int causal, window, split, threads, force_scalar;
     int level;            /* SIMD level cap (LV_AVX2, LV_AVX512; 0: the
                              best); force_scalar wins */
+    int no_vnni;          /* 1: the AVX-512 KVarN kernel's vpmaddwd build
+                             even on a CPU with AVX512-VNNI */
 } attn_case;
 
 /* SIMD levels, by their KVARN_SIMD names (codec/cpu.h). run_attn sets the
@@ -81,6 +84,43 @@ static double orig_bound(const paged_fixture *f, int s, int h, const double *qo,
     return ev + (exp(2.0 * delta) - 1.0) * vmax;
 }
 
+/* The extra error of the AVX-512 KVarN kernel's integer dot products
+ * (kernel_avx512.c, docs/attention.md "Integer (int16) dot products"),
+ * bounded from this case's records and query; 0 where they are not used
+ * (levels below AVX-512, formats other than KVarN of 128-token tiles with
+ * 4-bit K or 2-bit V).
+ *   K (4-bit, G = 128): per tile the query qa_d = q'_d a_d (q' = scale H q,
+ *   rotated) is rounded to sq qi_d, sq = max_d |qa_d| / 32767, with
+ *   |qa_d - sq qi_d| <= sq (1/2 + 2^-8) (the half step, plus the fp32
+ *   rounding of qa_d 32767 / max, < 32767 2^-23 < 2^-8 steps); a 4-bit code
+ *   is at most 15, so score t moves by at most
+ *       ds_t = |s_tok_t| 15 D sq (1/2 + 2^-8),
+ *   and with delta = max_t ds_t over the visible committed tiles the
+ *   softmax weights move by ||p' - p||_1 <= e^(2 delta) - 1 (as in
+ *   orig_bound), the output by at most (e^(2 delta) - 1) max_t ||v'_t||_inf.
+ *   V (2-bit, G = 128): per tile and row the weights w_t = p_t a_t are
+ *   rounded to sw wi_t, sw = max_t |w_t| / 32767, error <= sw (1/2 + 2^-8)
+ *   per weight; codes <= 3, so acc_d moves by at most
+ *   |s_chan_d| 3 G sw (1/2 + 2^-8). Divided by l = sum_t p_t: sw / l =
+ *   max_t (p_t / l) |a_t| / 32767 <= max_t pi_t * max_t |a_t| / 32767, and
+ *   the pi_t maxima of the tiles sum to at most 1, so rotated channel d of
+ *   the output moves by at most
+ *       e_d = 3 G (1/2 + 2^-8) / 32767 max over tiles, t (|s_chan_d| |a_t|),
+ *   and the output in the original basis (H / sqrt(D) applied to the
+ *   error vector) by at most sum_d e_d / sqrt(D). Nothing else changes:
+ *   the int32 sums are exact. */
+/* tests/common/int_dot_bound.h for sequence s, KV head h of the fixture:
+ * 0 below the AVX-512 level (this case's cap or the CPU's). */
+static double int_dot_bound(const paged_fixture *f, int s, int h, const float *q, double scale,
+                            int lo, int hi, const float *vdo, int level)
+{
+    if (level < LV_AVX512 || g_max_level < LV_AVX512 || hi < lo) return 0.0;
+    double vmax = 0.0;
+    for (int t = lo; t <= hi; t++)
+        for (int d = 0; d < f->D; d++) vmax = fmax(vmax, fabs(vdo[((size_t)t * f->Hk + h) * f->D + d]));
+    return attn_int_dot_bound(&f->kv, &f->views[s], h, q, scale, lo, hi, vmax);
+}
+
 /* Dequantized K/V of sequence s in the original basis (KVarN: rotate back). */
 static void deq_original(const paged_fixture *f, int s, float *kdo, float *vdo)
 {
@@ -103,6 +143,23 @@ static void deq_original(const paged_fixture *f, int s, float *kdo, float *vdo)
     }
 }
 
+/* int_dot_bound of output row `row` ([token][Hq] order) of a call with
+ * query_start_loc qsl (decode: one token per sequence), no window; vdo[s]:
+ * sequence s's dequantized V in the original basis (deq_original). */
+static double row_int_bound(const paged_fixture *f, const attn_case *c, const int32_t *qsl,
+                            const float *q, size_t row, float *const *vdo, int level)
+{
+    const int Hq = c->Hk * c->group;
+    const int tok = (int)(row / (size_t)Hq), head = (int)(row % (size_t)Hq);
+    int s = 0;
+    while (tok >= qsl[s + 1]) s++;
+    const int len = c->seqs[s].seq_len, ql = qsl[s + 1] - qsl[s];
+    const int pos = c->multi ? len - ql + (tok - qsl[s]) : len - 1;
+    const int hi = (c->multi && !c->causal) ? len - 1 : pos;
+    return int_dot_bound(f, s, head / c->group, q + row * (size_t)c->D,
+                         1.0 / sqrt((double)c->D), 0, hi, vdo[s], level);
+}
+
 static kvarn_status run_attn(const paged_fixture *f, const attn_case *c, const int32_t *qsl,
                              const float *q, float *out, kvarn_thread_pool *pool)
 {
@@ -110,7 +167,7 @@ static kvarn_status run_attn(const paged_fixture *f, const attn_case *c, const i
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)(1.0 / sqrt((double)c->D)));
     o.sliding_window = c->window;
     o.causal = c->causal;
-    kvarn_attn_testing knobs = {c->split, c->force_scalar};
+    kvarn_attn_testing knobs = {c->split, c->force_scalar, c->no_vnni};
     o.testing = &knobs;
     set_level(c->force_scalar ? LV_SCALAR : c->level ? c->level : LV_AVX512); /* 0: the best */
     int total_q = c->multi ? qsl[c->n_seqs] : c->n_seqs;
@@ -129,6 +186,8 @@ typedef struct case_result {
     double max_rel_deq;   /* vs attention over the dequantized K/V */
     double max_rel_orig;  /* vs attention over the original K/V */
     double max_bound_use; /* error / derived bound (must be <= 1) */
+    double max_int_use;   /* error / (int_dot_bound + 1e-4 max|o|), where
+                             the integer dot products ran */
 } case_result;
 
 /* Build the fixture, run the case, compare every output row with the
@@ -154,7 +213,7 @@ static case_result run_case(const attn_case *c, uint64_t seed)
     assert_int_equal(run_attn(&f, c, qsl, q, out, pool), KVARN_OK);
     kvarn_thread_pool_destroy(pool);
 
-    case_result res = {0, 0, 0};
+    case_result res = {0, 0, 0, 0};
     const double scale = 1.0 / sqrt((double)D);
     double ref[1024], ref_o[1024];
     for (int s = 0; s < c->n_seqs; s++) {
@@ -184,14 +243,21 @@ static case_result run_case(const attn_case *c, uint64_t seed)
                     for (int d = 0; d < D; d++) assert_true(o[d] == 0.0f);
                     continue;
                 }
+                /* the integer dot products' derived error (0 unless the
+                 * AVX-512 KVarN g128 kernel ran) on top of 1e-4 */
+                const int level = c->force_scalar ? LV_SCALAR : c->level ? c->level : LV_AVX512;
+                const double ib = int_dot_bound(&f, s, head / c->group, qq, scale, lo, hi, vdo, level);
                 double rel = err / fmax(mx, 1e-6);
                 if (rel > res.max_rel_deq) res.max_rel_deq = rel;
-                if (rel >= 1e-4)
-                    print_error("%s D=%d seq %d q %d head %d: rel err %g\n", c->fmt, D, s, qi, head, rel);
-                assert_true(rel < 1e-4);
+                if (ib > 0.0 && err / (ib + 1e-4 * fmax(mx, 1e-6)) > res.max_int_use)
+                    res.max_int_use = err / (ib + 1e-4 * fmax(mx, 1e-6));
+                if (!(err < 1e-4 * fmax(mx, 1e-6) + ib))
+                    print_error("%s D=%d seq %d q %d head %d: rel err %g (int bound %g)\n", c->fmt, D, s,
+                                qi, head, rel, ib / fmax(mx, 1e-6));
+                assert_true(err < 1e-4 * fmax(mx, 1e-6) + ib);
                 double qo[1024];
                 for (int d = 0; d < D; d++) qo[d] = qq[d];
-                double bound = orig_bound(&f, s, head / c->group, qo, scale, lo, hi, kdo, vdo);
+                double bound = orig_bound(&f, s, head / c->group, qo, scale, lo, hi, kdo, vdo) + ib;
                 double use = erro / (bound * (1.0 + 1e-6) + 1e-4 * mxo + 1e-12);
                 if (use > res.max_bound_use) res.max_bound_use = use;
                 assert_true(use <= 1.0);
@@ -237,10 +303,14 @@ static void test_every_format(void **state)
     }
     for (size_t i = 0; i < sizeof fm / sizeof fm[0]; i++) {
         for (int di = 0; di < 2; di++) {
-            double worst_deq = 0, worst_orig = 0, worst_use = 0;
-            for (int lv = 0; lv < LV_COUNT; lv++) {
+            double worst_deq = 0, worst_orig = 0, worst_use = 0, worst_int = 0;
+            /* the AVX-512 level twice: its VNNI build (where the CPU has
+             * VNNI) and its vpmaddwd build */
+            for (int pass = 0; pass <= LV_COUNT; pass++) {
+                const int lv = pass == LV_COUNT ? LV_AVX512 : pass;
                 attn_case c;
                 memset(&c, 0, sizeof c);
+                c.no_vnni = pass == LV_COUNT;
                 c.fmt = fm[i].name;
                 c.D = di ? 128 : 64;
                 c.Hk = 2;
@@ -263,10 +333,13 @@ static void test_every_format(void **state)
                 worst_deq = fmax(worst_deq, r.max_rel_deq);
                 worst_orig = fmax(worst_orig, r.max_rel_orig);
                 worst_use = fmax(worst_use, r.max_bound_use);
+                worst_int = fmax(worst_int, r.max_int_use);
             }
             printf("  %-16s D=%3d  rel err vs dequantized %.2e, vs original %.3f, "
-                   "error/derived bound %.3f\n",
+                   "error/derived bound %.3f",
                    fm[i].name, di ? 128 : 64, worst_deq, worst_orig, worst_use);
+            if (worst_int > 0.0) printf(", error/integer-dot bound %.3f", worst_int);
+            printf("\n");
             assert_true(worst_use <= 1.0);
         }
     }
@@ -566,6 +639,14 @@ static void test_simd_threads(void **state)
             c.split = 1;
             assert_int_equal(run_attn(&f, &c, qsl, q, ref, NULL), KVARN_OK);
             c.force_scalar = 0;
+            float *vdo[2];
+            for (int s = 0; s < 2; s++) {
+                size_t nv = (size_t)c.seqs[s].seq_len * c.Hk * c.D + 1;
+                float *kdo = malloc(nv * sizeof(float));
+                vdo[s] = malloc(nv * sizeof(float));
+                deq_original(&f, s, kdo, vdo[s]);
+                free(kdo);
+            }
             const int splits[3] = {1, 0, 3};
             for (int lv = LV_AVX2; lv < LV_COUNT; lv++)
             for (int t = 1; t <= 3; t++)
@@ -577,15 +658,25 @@ static void test_simd_threads(void **state)
                     assert_int_equal(run_attn(&f, &c, qsl, q, out, pools[t]), KVARN_OK);
                     assert_int_equal(run_attn(&f, &c, qsl, q, again, pools[t]), KVARN_OK);
                     assert_memory_equal(out, again, nq * sizeof(float));
+                    /* the vpmaddwd and VNNI builds: the same exact int32
+                     * sums, the same bits */
+                    c.no_vnni = 1;
+                    assert_int_equal(run_attn(&f, &c, qsl, q, again, pools[t]), KVARN_OK);
+                    assert_memory_equal(out, again, nq * sizeof(float));
+                    c.no_vnni = 0;
                     for (size_t row = 0; row < nq / c.D; row++) {
                         double mx = 0, err = 0;
                         for (int d = 0; d < c.D; d++) {
                             mx = fmax(mx, fabs(ref[row * c.D + d]));
                             err = fmax(err, fabs(out[row * c.D + d] - ref[row * c.D + d]));
                         }
-                        if (err > 1e-5 * mx)
-                            print_error("%s %s threads %d split %d row %zu: %g\n", c.fmt, lv_name[lv], t, c.split, row, err / mx);
-                        assert_true(err <= 1e-5 * mx);
+                        /* 1e-5: fp32 sums in another order; plus the
+                         * derived error of the integer dot products */
+                        const double lim = 1e-5 * mx + row_int_bound(&f, &c, qsl, q, row, vdo, lv);
+                        if (err > lim)
+                            print_error("%s %s threads %d split %d row %zu: %g (limit %g)\n", c.fmt,
+                                        lv_name[lv], t, c.split, row, err / mx, lim / mx);
+                        assert_true(err <= lim);
                     }
                     /* the scalar kernels threaded and split agree too */
                     c.force_scalar = 1;
@@ -595,6 +686,7 @@ static void test_simd_threads(void **state)
                     c.force_scalar = 0;
                 }
             free(q); free(ref); free(out); free(again);
+            free(vdo[0]); free(vdo[1]);
             pf_free(&f);
         }
     for (int t = 1; t <= 3; t++) kvarn_thread_pool_destroy(pools[t]);
@@ -642,6 +734,10 @@ static void test_extreme_query(void **state)
                 c.force_scalar = 1;
                 assert_int_equal(run_attn(&f, &c, qsl, q, ref, NULL), KVARN_OK);
                 c.force_scalar = 0;
+                float *vdo[1], *kdo = malloc((size_t)600 * c.Hk * D * sizeof(float));
+                vdo[0] = malloc((size_t)600 * c.Hk * D * sizeof(float));
+                deq_original(&f, 0, kdo, vdo[0]);
+                free(kdo);
                 for (int lv = LV_AVX2; lv < LV_COUNT; lv++) {
                     c.level = lv;
                     assert_int_equal(run_attn(&f, &c, qsl, q, out, NULL), KVARN_OK);
@@ -652,12 +748,14 @@ static void test_extreme_query(void **state)
                             mx = fmax(mx, fabs(ref[row * D + d]));
                             err = fmax(err, fabs(out[row * D + d] - ref[row * D + d]));
                         }
-                        if (!(err <= 1e-5 * mx))
-                            print_error("%s D=%d |q|~%g %s row %zu: %g\n", c.fmt, D, mags[mi],
-                                        lv_name[lv], row, err / mx);
-                        assert_true(err <= 1e-5 * mx);
+                        const double lim = 1e-5 * mx + row_int_bound(&f, &c, qsl, q, row, vdo, lv);
+                        if (!(err <= lim))
+                            print_error("%s D=%d |q|~%g %s row %zu: %g (limit %g)\n", c.fmt, D, mags[mi],
+                                        lv_name[lv], row, err / mx, lim / mx);
+                        assert_true(err <= lim);
                     }
                 }
+                free(vdo[0]);
                 free(q); free(ref); free(out);
                 pf_free(&f);
             }
@@ -709,8 +807,8 @@ static void test_bad_inputs(void **state)
     bad = o;
     bad.sliding_window = -1;
     EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&f.kv, f.views, 2, Hq, q, out, &bad, NULL, ws, wsz));
-    const kvarn_attn_testing bad_knobs[3] = {{-1, 0}, {1025, 0}, {0, 2}};
-    for (int i = 0; i < 3; i++) {
+    const kvarn_attn_testing bad_knobs[4] = {{-1, 0, 0}, {1025, 0, 0}, {0, 2, 0}, {0, 0, 2}};
+    for (int i = 0; i < 4; i++) {
         bad = o;
         bad.testing = &bad_knobs[i];
         EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&f.kv, f.views, 2, Hq, q, out, &bad, NULL, ws, wsz));

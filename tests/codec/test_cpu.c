@@ -127,6 +127,27 @@ static void test_simd_level_reports_bad_values(void **state)
     else unsetenv("KVARN_SIMD");
 }
 
+/* kvarn__cpu_avx512_vnni: the CPUID bit (leaf 7 ECX bit 11, AVX512-VNNI)
+ * at the AVX-512 level, 0 whenever KVARN_SIMD caps the level below it. */
+static void test_avx512_vnni(void **state)
+{
+    (void)state;
+    char *saved = getenv("KVARN_SIMD") ? strdup(getenv("KVARN_SIMD")) : NULL;
+#if defined(__x86_64__)
+    unsigned a = 0, b = 0, c7 = 0, d = 0;
+    if (__get_cpuid_max(0, NULL) >= 7) __cpuid_count(7, 0, a, b, c7, d);
+    const int bit = (int)((c7 >> 11) & 1);
+    unsetenv("KVARN_SIMD");
+    assert_int_equal(kvarn__cpu_avx512_vnni(), reference_level() == KVARN_CPU_AVX512 ? bit : 0);
+#endif
+    setenv("KVARN_SIMD", "avx2", 1);
+    assert_int_equal(kvarn__cpu_avx512_vnni(), 0);
+    setenv("KVARN_SIMD", "scalar", 1);
+    assert_int_equal(kvarn__cpu_avx512_vnni(), 0);
+    if (saved) { setenv("KVARN_SIMD", saved, 1); free(saved); }
+    else unsetenv("KVARN_SIMD");
+}
+
 /* In a child with CPUID faulting on, a CPUID would kill it with SIGSEGV:
  * the level query and a dispatched rotation must run without one. */
 static void test_no_cpuid_at_run_time(void **state)
@@ -140,7 +161,7 @@ static void test_no_cpuid_at_run_time(void **state)
         float x[64];
         for (int i = 0; i < 64; i++) x[i] = (float)i;
         int ok = 1;
-        for (int i = 0; i < 1000; i++) ok &= kvarn__cpu_level() >= KVARN_CPU_SCALAR;
+        for (int i = 0; i < 1000; i++) ok &= kvarn__cpu_level() >= KVARN_CPU_SCALAR && kvarn__cpu_avx512_vnni() >= 0;
         kvarn_hadamard(x, 64);
         _exit(ok ? 0 : 1);
     }
@@ -164,6 +185,7 @@ int main(void)
         cmocka_unit_test(test_level_matches_cpuid),
         cmocka_unit_test(test_cap),
         cmocka_unit_test(test_simd_level_reports_bad_values),
+        cmocka_unit_test(test_avx512_vnni),
         cmocka_unit_test(test_no_cpuid_at_run_time),
     };
     int failed = cmocka_run_group_tests(tests, NULL, NULL);
