@@ -287,10 +287,11 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--working-set") && nx) { ws_mb = atof(nx); i++; }
         else if (!strcmp(a, "--scalar")) scalar = 1;
         else {
-            fprintf(stderr, "usage: %s [--quick] [--contexts L] [--shapes smol,llama] "
+            const int help = !strcmp(a, "-h") || !strcmp(a, "--help");
+            fprintf(help ? stdout : stderr, "usage: %s [--quick] [--contexts L] [--shapes smol,llama] "
                             "[--batches L] [--threads L] [--formats L] [--min-time S] "
                             "[--max-mb MB] [--working-set MB] [--block-size G] [--scalar]\n", argv[0]);
-            return 2;
+            return help ? 0 : 2;
         }
     }
     struct { const char *name; int Hq, Hk, D; } shp[2] = {{"smol", 9, 3, 64}, {"llama", 32, 8, 128}};

@@ -186,9 +186,9 @@ static void teardown(bench_ctx *c)
     free(c->src16); free(c->dst16); free(c->ws);
 }
 
-static void usage(const char *argv0)
+static void usage(const char *argv0, FILE *to)
 {
-    fprintf(stderr,
+    fprintf(to,
             "usage: %s [--quick] [--runs N] [--min-ms MS] [--formats NAME[,NAME...]|all] [--dim D]\n"
             "  encode/decode throughput of each cache format vs memcpy, single thread\n",
             argv0);
@@ -205,9 +205,12 @@ int main(int argc, char **argv)
         else if ((strcmp(argv[i], "--format") == 0 || strcmp(argv[i], "--formats") == 0) && i + 1 < argc)
             cfg.only_format = argv[++i];
         else if (strcmp(argv[i], "--dim") == 0 && i + 1 < argc) cfg.only_dim = atoi(argv[++i]);
-        else { usage(argv[0]); return 2; }
+        else if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
+            usage(argv[0], stdout);
+            return 0;
+        } else { usage(argv[0], stderr); return 2; }
     }
-    if (cfg.runs < 1 || cfg.runs > 101 || cfg.min_s <= 0) { usage(argv[0]); return 2; }
+    if (cfg.runs < 1 || cfg.runs > 101 || cfg.min_s <= 0) { usage(argv[0], stderr); return 2; }
 
     /* The kvarn command's own list parser: an unknown name or an empty item
      * is an error, any name the library accepts runs. */

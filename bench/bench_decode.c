@@ -68,8 +68,18 @@ int main(int argc, char **argv)
     int n_ctx = 3;
     long n_decode = 16, repeat = 3, threads = 1;
     const char *weights_list = NULL;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const char *a = argv[i], *v = argv[i + 1];
+    static const char usage[] =
+        "usage: bench_decode [-m MODEL] [-f TEXT] [--ctx 512,2048,8192]\n"
+        "                    [--kv-cache-dtype all|NAME,...] [--decode 16] [--repeat 3]\n"
+        "                    [--threads 1] [--weights fp32|bf16|int8|gguf[,...]]\n";
+    for (int i = 1; i < argc; i += 2) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { fputs(usage, stdout); return 0; }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "bench_decode: %s needs a value\n%s", a, usage);
+            return 2;
+        }
+        const char *v = argv[i + 1];
         if (!strcmp(a, "-m")) model_path = v;
         else if (!strcmp(a, "-f")) text_path = v;
         else if (!strcmp(a, "--kv-cache-dtype")) dtypes = v;
@@ -78,7 +88,7 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--repeat")) repeat = atol(v);
         else if (!strcmp(a, "--threads")) threads = atol(v);
         else if (!strcmp(a, "--weights")) weights_list = v;
-        else { fprintf(stderr, "bench_decode: unknown option %s\n", a); return 2; }
+        else { fprintf(stderr, "bench_decode: unknown option %s\n%s", a, usage); return 2; }
     }
     if (n_decode < 1 || repeat < 1 || repeat > 64 || threads < 1) return 2;
 

@@ -283,11 +283,17 @@ int main(int argc, char **argv)
     long ms[8] = {1, 128};
     int n_m = 2;
     long repeat = 5, stream = 0;
-    for (int i = 1; i + 1 < argc; i += 2) {
+    static const char usage[] = "usage: bench_matmul [--m 1,128] [--repeat 5] [--stream 0|1]\n";
+    for (int i = 1; i < argc; i += 2) {
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) { fputs(usage, stdout); return 0; }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "bench_matmul: %s needs a value\n%s", argv[i], usage);
+            return 2;
+        }
         if (!strcmp(argv[i], "--m")) { if ((n_m = parse_list(argv[i + 1], ms, 8)) <= 0) return 2; }
         else if (!strcmp(argv[i], "--repeat")) repeat = atol(argv[i + 1]);
         else if (!strcmp(argv[i], "--stream")) stream = atol(argv[i + 1]);
-        else { fprintf(stderr, "bench_matmul: unknown option %s\n", argv[i]); return 2; }
+        else { fprintf(stderr, "bench_matmul: unknown option %s\n%s", argv[i], usage); return 2; }
     }
     if (repeat < 1 || repeat > 99 || stream < 0 || stream > 1) return 2;
     printf("kvarn SIMD level: %s; %s\n", kvarn__cpu_level_name(kvarn__cpu_level()),

@@ -48,7 +48,8 @@ while getopts "l:m:t:r:d:n:w:h" o; do
     d) DEPTHS=$OPTARG ;;
     n) DECODE=$OPTARG ;;
     w) WEIGHTS=$OPTARG ;;
-    *) sed -n 2,35p "$0"; exit 2 ;;
+    h) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    *) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2; exit 2 ;;
   esac
 done
 BENCH=${KVARN_BUILD_DIR:-build}/bench_decode

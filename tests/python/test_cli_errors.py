@@ -582,3 +582,34 @@ def test_help_columns_and_synopsis(kvarn_bin):
                 assert len(line.split()) <= 2 or line[17] == " ", (cmd, line)
                 assert line.split()[0] in synopsis, (cmd, line.split()[0])
         assert "TKVarN" not in text
+
+
+# ---- the benchmarks' own help (fresh-user trial: bench_decode --help and
+# bench_matmul --help silently ran the whole benchmark, a trailing option
+# without its value was dropped; bench_attn / bench_codec --help exited 2)
+
+def test_bench_help_and_missing_values(kvarn_bin):
+    for name in ("bench_attn", "bench_codec", "bench_decode", "bench_matmul"):
+        for flag in ("--help", "-h"):
+            r = run([bench_bin(name), flag], timeout=60)
+            assert r.returncode == 0, (name, flag, r.stderr)
+            assert r.stdout.startswith("usage: ") and name in r.stdout.splitlines()[0], (name, r.stdout)
+    # an option given without its value is a usage error, before any work
+    for argv in ([bench_bin("bench_decode"), "--ctx"],
+                 [bench_bin("bench_decode"), "-m", "absent.gguf", "--repeat"],
+                 [bench_bin("bench_matmul"), "--repeat"]):
+        r = run(argv, timeout=60)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert "needs a value" in r.stderr and r.stdout == "", (argv, r.stdout, r.stderr)
+
+
+def test_bench_vs_llamacpp_help():
+    import os
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_vs_llamacpp.sh")
+    r = run(["bash", script, "-h"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "bench_vs_llamacpp.sh" in r.stdout
+    # its header only, no code
+    assert "set -euo pipefail" not in r.stdout and "MODEL=" not in r.stdout, r.stdout
+    r = run(["bash", script, "-Z"], timeout=60)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
