@@ -115,6 +115,27 @@ typedef struct attn_kernels {
     attn_token_tile_fn token_tile;
 } attn_kernels;
 
+/* Row-block dispatch of the SIMD kernels: CALL(R) with R = rb as a
+ * compile-time constant, for rb in 1..6 (AVX2, and the AVX-512 kernels whose
+ * register budget allows 6 rows) or 1..8 (the other AVX-512 kernels);
+ * rb < 1 takes 1. */
+#define ATTN_RB_SWITCH6(rb, CALL)          \
+    switch (rb) {                          \
+    case 6: CALL(6); break;                \
+    case 5: CALL(5); break;                \
+    case 4: CALL(4); break;                \
+    case 3: CALL(3); break;                \
+    case 2: CALL(2); break;                \
+    default: CALL(1); break;               \
+    }
+
+#define ATTN_RB_SWITCH8(rb, CALL)          \
+    switch (rb) {                          \
+    case 8: CALL(8); break;                \
+    case 7: CALL(7); break;                \
+    default: ATTN_RB_SWITCH6(rb, CALL)     \
+    }
+
 /* SIMD levels, indexed by kvarn_cpu_level (codec/cpu.h). */
 #define ATTN_LEVELS 3
 

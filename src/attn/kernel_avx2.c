@@ -149,16 +149,6 @@ AI int block_rows(int n, int max_rb, int r0)
     return (rest + left - 1) / left;
 }
 
-#define RB_SWITCH(rb, CALL)                \
-    switch (rb) {                          \
-    case 6: CALL(6); break;                \
-    case 5: CALL(5); break;                \
-    case 4: CALL(4); break;                \
-    case 3: CALL(3); break;                \
-    case 2: CALL(2); break;                \
-    default: CALL(1); break;               \
-    }
-
 /* ------------------------------------------------- online softmax step */
 
 static void softmax_update_avx2(attn_rows *r, int t0, int nt)
@@ -289,7 +279,7 @@ AI void tm_scores(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 6, r0);
 #define TCALL(N) tm_block(r, kind, tok, koff, nt, r0, N, 2)
-            RB_SWITCH(rb, TCALL)
+            ATTN_RB_SWITCH6(rb, TCALL)
 #undef TCALL
             r0 += rb;
         }
@@ -523,7 +513,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 6, r0);
 #define KCALL(N) kv_kdots(r, kc, krow, kb, stok, r0, N, tb)
-            RB_SWITCH(rb, KCALL)
+            ATTN_RB_SWITCH6(rb, KCALL)
 #undef KCALL
             r0 += rb;
         }
@@ -545,7 +535,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 6, r0);
 #define VCALL(N) kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0)
-            RB_SWITCH(rb, VCALL)
+            ATTN_RB_SWITCH6(rb, VCALL)
 #undef VCALL
             r0 += rb;
         }

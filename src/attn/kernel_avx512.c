@@ -207,28 +207,6 @@ AI int block_rows(int n, int max_rb, int r0)
     return (rest + left - 1) / left;
 }
 
-#define RB_SWITCH8(rb, CALL)               \
-    switch (rb) {                          \
-    case 8: CALL(8); break;                \
-    case 7: CALL(7); break;                \
-    case 6: CALL(6); break;                \
-    case 5: CALL(5); break;                \
-    case 4: CALL(4); break;                \
-    case 3: CALL(3); break;                \
-    case 2: CALL(2); break;                \
-    default: CALL(1); break;               \
-    }
-
-#define RB_SWITCH6(rb, CALL)               \
-    switch (rb) {                          \
-    case 6: CALL(6); break;                \
-    case 5: CALL(5); break;                \
-    case 4: CALL(4); break;                \
-    case 3: CALL(3); break;                \
-    case 2: CALL(2); break;                \
-    default: CALL(1); break;               \
-    }
-
 /* ------------------------------------------------- online softmax step */
 
 /* As softmax_update_avx2: s holds whole 8-float vectors up to nt rounded
@@ -447,7 +425,7 @@ AI void tm_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 8, r0);
 #define VTCALL(N) tm_vsum(r, kind, tok, voff, nt, r0, N, d0, bias)
-            RB_SWITCH8(rb, VTCALL)
+            ATTN_RB_SWITCH8(rb, VTCALL)
 #undef VTCALL
             r0 += rb;
         }
@@ -1004,7 +982,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
             int rb = block_rows(r->n, 6, r0);
 #define K4CALL(N) (kint ? kv_kdots4_128_i16(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30) \
                        : kv_kdots4_128(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30))
-            RB_SWITCH6(rb, K4CALL)
+            ATTN_RB_SWITCH6(rb, K4CALL)
 #undef K4CALL
             r0 += rb;
         }
@@ -1013,7 +991,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 8, r0);
 #define KCALL(N) kv_kdots(r, kc, krow, kb, stok, r0, N, tb, r0 == 0 ? pf_shift : 30)
-            RB_SWITCH8(rb, KCALL)
+            ATTN_RB_SWITCH8(rb, KCALL)
 #undef KCALL
             r0 += rb;
         }
@@ -1031,7 +1009,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
             for (int r0 = 0; r0 < r->n;) {
                 int rb = block_rows(r->n, 6, r0);
 #define VICALL(N) kv_vsum2_i16(r, vc, vrow, G, schan, pb, r0, N, d0)
-                RB_SWITCH6(rb, VICALL)
+                ATTN_RB_SWITCH6(rb, VICALL)
 #undef VICALL
                 r0 += rb;
             }
@@ -1046,7 +1024,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
             int rb = block_rows(r->n, nv == 4 ? 6 : 8, r0);
 #define VCALL(N) (nv == 4 ? kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0, 4) \
                           : kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0, 2))
-            RB_SWITCH8(rb, VCALL)
+            ATTN_RB_SWITCH8(rb, VCALL)
 #undef VCALL
             r0 += rb;
         }

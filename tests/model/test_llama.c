@@ -1217,13 +1217,21 @@ static void *sess_thread(void *p)
     return NULL;
 }
 
+/* The fixture's model loaded again with weights w (the caller frees it). */
+static kvarn_llama *load_with_weights(const fixture *f, kvarn_llama_weights w)
+{
+    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
+    lo.weights = w;
+    kvarn_llama *m = NULL;
+    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
+    return m;
+}
+
 static void test_gguf_weights(void **state)
 {
     fixture *f = *state;
-    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
-    lo.weights = KVARN_LLAMA_WEIGHTS_GGUF;
-    kvarn_llama *m = NULL;
-    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
+    kvarn_llama *m = load_with_weights(f, KVARN_LLAMA_WEIGHTS_GGUF);
+    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT; /* the AUTO loads below */
     assert_int_equal(kvarn_llama_get_weights(m), KVARN_LLAMA_WEIGHTS_GGUF);
     assert_non_null(m->layers[0].wo.q);
     assert_non_null(m->layers[0].w_down.q);
@@ -1547,10 +1555,7 @@ static void counted_free(void *opaque, void *p)
 static void test_plan_counts_thread_pools(void **state)
 {
     fixture *f = *state;
-    kvarn_llama_load_opts lo = KVARN_LLAMA_LOAD_OPTS_DEFAULT;
-    lo.weights = KVARN_LLAMA_WEIGHTS_GGUF;
-    kvarn_llama *gm = NULL;
-    assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &gm), KVARN_OK);
+    kvarn_llama *gm = load_with_weights(f, KVARN_LLAMA_WEIGHTS_GGUF);
     const kvarn_llama *models[2] = {f->m, gm};
     const char *formats[3] = {"int8", "kvarn_k4v2_g128", NULL /* exact */};
     for (int mi = 0; mi < 2; mi++)

@@ -487,12 +487,18 @@ def test_bad_simd_env_is_a_usage_error(kvarn_bin, model_path):
     assert r.returncode == 0 and r.stdout.startswith("usage: kvarn generate")
 
 
+def short_text(tmp_path):
+    """A short text file (8 sentences) for eval runs that only check options."""
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged. " * 8)
+    return text
+
+
 # ---- --dump-layers (fresh-user trial: ignored without --dump-kv, and a
 # count beyond the model's layers silently cut to all) ---------------------
 
 def test_dump_layers_needs_dump_kv(kvarn_bin, model_path, tmp_path):
-    text = tmp_path / "text.txt"
-    text.write_text("It is a truth universally acknowledged. " * 8)
+    text = short_text(tmp_path)
     r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
              "--kv-cache-dtype", "int8", "--dump-layers", "2"])
     assert r.returncode == 2, r.stderr
@@ -502,8 +508,7 @@ def test_dump_layers_needs_dump_kv(kvarn_bin, model_path, tmp_path):
 def test_dump_layers_beyond_the_model(kvarn_bin, model_path, tmp_path):
     # SmolLM2-135M has 30 layers: 31 and 999 are refused once it is loaded,
     # naming the count; nothing is dumped. 30 (all) is accepted.
-    text = tmp_path / "text.txt"
-    text.write_text("It is a truth universally acknowledged. " * 8)
+    text = short_text(tmp_path)
     dump = tmp_path / "kv.bin"
     for n in ("31", "999"):
         r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
@@ -531,8 +536,7 @@ def test_chat_on_empty_stdin_says_nothing_to_generate(kvarn_bin, model_path):
 
 def test_eval_decode_tokens_0_says_skipped(kvarn_bin, model_path, tmp_path):
     # the reference's "dec tok/s" said 0.0 when nothing was decoded
-    text = tmp_path / "text.txt"
-    text.write_text("It is a truth universally acknowledged. " * 8)
+    text = short_text(tmp_path)
     r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
              "--decode-tokens", "0", "--kv-cache-dtype", "int8"])
     assert r.returncode == 0, r.stderr
