@@ -142,7 +142,7 @@ int cli_model_open(const char *cmd, const char *path, cli_model *m)
 {
     memset(m, 0, sizeof *m);
     if (cli_check_model_path(cmd, path)) return -1;
-    char err[256] = "";
+    char err[512] = "";
     kvarn_status st = kvarn_gguf_open(path, &m->gguf, err, sizeof err);
     if (st != KVARN_OK) {
         cli_error(cmd, "cannot read model '%s': %s%s%s", path, kvarn_strerror(st),
@@ -152,6 +152,8 @@ int cli_model_open(const char *cmd, const char *path, cli_model *m)
     /* the metadata first: a bad key is named with its value */
     kvarn_llama_hparams hp;
     st = kvarn_llama_read_hparams(m->gguf, &hp, err, sizeof err);
+    /* then the tensors: a missing or misshapen one is named with its shape */
+    if (st == KVARN_OK) st = kvarn_llama_check_tensors(m->gguf, &hp, err, sizeof err);
     if (st != KVARN_OK) {
         cli_error(cmd, "cannot load '%s' as a llama model: %s", path, err);
         cli_model_close(m);

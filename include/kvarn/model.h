@@ -83,6 +83,29 @@ typedef struct kvarn_llama_session kvarn_llama_session;
 kvarn_status kvarn_llama_read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *out, char *err,
                                       size_t errlen);
 
+/* Check that every tensor kvarn_llama_load reads is in g with its shape,
+ * as kvarn_llama_load does before it allocates anything: token_embd.weight
+ * [embedding_length, vocab], output_norm.weight [embedding_length],
+ * output.weight [embedding_length, vocab] unless hp->tied_output, and for
+ * each layer N < block_count blk.N.attn_norm / ffn_norm [E], attn_q [E,
+ * H D], attn_k / attn_v [E, Hk D], attn_output [H D, E], ffn_gate / ffn_up
+ * [E, F], ffn_down [F, E] (GGUF ne order, innermost first; E =
+ * embedding_length, H / Hk = head_count / head_count_kv, D = head_dim, F
+ * = feed_forward_length; trailing dimensions of 1 are accepted). hp is
+ * what kvarn_llama_read_hparams gave for g. Tensor types need no check
+ * here: kvarn_gguf_open refuses a type it does not serve (naming the
+ * tensor), and every type it serves loads into any of them.
+ * On error err (errlen bytes, NUL-terminated, cut to fit; NULL or 0 for
+ * none) names the first bad tensor in load order and what is wrong, e.g.
+ * "GGUF tensor blk.0.attn_k.weight has shape [64, 190]: expected [64, 192]
+ * (embedding_length 64, head_count_kv 3 x head_dim 64)" or "GGUF tensor
+ * blk.1.ffn_down.weight is missing (...)"; empty on success.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL g or hp), KVARN_ERR_BAD_FILE (a
+ * tensor missing or of another shape). Source: the llama tensor names of
+ * ggml's docs/gguf.md. */
+kvarn_status kvarn_llama_check_tensors(const kvarn_gguf *g, const kvarn_llama_hparams *hp,
+                                       char *err, size_t errlen);
+
 /* Load a llama-architecture GGUF: checks general.architecture == "llama",
  * reads the hyper-parameters and dequantizes every weight (tensor types
  * F32, F16, BF16, Q8_0, Q4_0, Q4_1) to the precision
@@ -95,7 +118,8 @@ kvarn_status kvarn_llama_read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *
  * attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight.
  * Errors: KVARN_ERR_INVALID_ARG (NULL), KVARN_ERR_IO (cannot open/read),
  * KVARN_ERR_BAD_FILE (not GGUF, not llama, a tensor missing or of the wrong
- * shape, inconsistent hyper-parameters), KVARN_ERR_UNSUPPORTED (a tensor
+ * shape, inconsistent hyper-parameters; kvarn_llama_read_hparams and
+ * kvarn_llama_check_tensors name which), KVARN_ERR_UNSUPPORTED (a tensor
  * type or a partial RoPE this runner does not serve), KVARN_ERR_TOO_LARGE
  * (hyper-parameters whose weight sizes, formed in checked 64-bit
  * arithmetic, overflow size_t, or a Q/K width n_heads * head_dim beyond

@@ -71,6 +71,19 @@ static kvarn_status hp_real(const kvarn_gguf *g, const char *key, float *out, ch
                    key, kvarn_gguf_type_name(kvarn_gguf_kv_type(g, (uint64_t)idx)));
 }
 
+/* t's shape as "[ne0, ne1, ...]" (its n_dims entries) into buf[len]. */
+static void shape_text(const kvarn_gguf_tensor *t, char *buf, size_t len)
+{
+    size_t at = 0;
+    buf[0] = '\0';
+    for (uint32_t d = 0; d < t->n_dims && d < KVARN_GGUF_MAX_DIMS && at < len; d++) {
+        int n = snprintf(buf + at, len - at, "%s%llu", d ? ", " : "[", (unsigned long long)t->ne[d]);
+        if (n < 0) return;
+        at += (size_t)n;
+    }
+    if (at < len) snprintf(buf + at, len - at, "]");
+}
+
 kvarn_status kvarn_llama_read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *out, char *err,
                                       size_t errlen)
 {
@@ -151,15 +164,82 @@ kvarn_status kvarn_llama_read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *
     if (!emb)
         return hp_fail(err, errlen, KVARN_ERR_BAD_FILE, "GGUF tensor token_embd.weight is missing");
     if (emb->ne[0] != (uint64_t)h.hidden || emb->ne[1] < 1 || emb->ne[1] > (uint64_t)INT32_MAX ||
-        emb->ne[2] != 1 || emb->ne[3] != 1)
+        emb->ne[2] != 1 || emb->ne[3] != 1) {
+        char shape[128];
+        shape_text(emb, shape, sizeof shape);
         return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
-                       "GGUF tensor token_embd.weight has shape [%llu, %llu, %llu, %llu]: expected "
-                       "[embedding_length %d, vocab from 1 to %d]", (unsigned long long)emb->ne[0],
-                       (unsigned long long)emb->ne[1], (unsigned long long)emb->ne[2],
-                       (unsigned long long)emb->ne[3], h.hidden, INT32_MAX);
+                       "GGUF tensor token_embd.weight has shape %s: expected [embedding_length %d, "
+                       "vocab from 1 to %d]", shape, h.hidden, INT32_MAX);
+    }
     h.vocab = (int)emb->ne[1];
     h.tied_output = kvarn_gguf_find_tensor(g, "output.weight") == NULL;
     *out = h;
+    return KVARN_OK;
+}
+
+/* Tensor name must be present with ne = {in, out} (out 0: a vector [in]);
+ * in_what / out_what say where in and out come from, for the message. */
+static kvarn_status check_tensor(const kvarn_gguf *g, const char *name, uint64_t in,
+                                 const char *in_what, uint64_t out, const char *out_what,
+                                 const char *needed, char *err, size_t errlen)
+{
+    const kvarn_gguf_tensor *t = kvarn_gguf_find_tensor(g, name);
+    if (!t) return hp_fail(err, errlen, KVARN_ERR_BAD_FILE, "GGUF tensor %s is missing (%s)", name, needed);
+    if (t->ne[0] == in && t->ne[1] == (out ? out : 1) && t->ne[2] == 1 && t->ne[3] == 1)
+        return KVARN_OK;
+    char shape[128];
+    shape_text(t, shape, sizeof shape);
+    if (out)
+        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+                       "GGUF tensor %s has shape %s: expected [%llu, %llu] (%s, %s)", name, shape,
+                       (unsigned long long)in, (unsigned long long)out, in_what, out_what);
+    return hp_fail(err, errlen, KVARN_ERR_BAD_FILE, "GGUF tensor %s has shape %s: expected [%llu] (%s)",
+                   name, shape, (unsigned long long)in, in_what);
+}
+
+kvarn_status kvarn_llama_check_tensors(const kvarn_gguf *g, const kvarn_llama_hparams *hp,
+                                       char *err, size_t errlen)
+{
+    if (err && errlen) err[0] = '\0';
+    if (!g || !hp) return hp_fail(err, errlen, KVARN_ERR_INVALID_ARG, "NULL argument");
+    const uint64_t E = (uint64_t)hp->hidden, D = (uint64_t)hp->head_dim;
+    const uint64_t Q = (uint64_t)hp->n_heads * D, KV = (uint64_t)hp->n_kv_heads * D;
+    const uint64_t F = (uint64_t)hp->ffn;
+    char e[48], q[80], kv[80], f[48], v[32];
+    snprintf(e, sizeof e, "embedding_length %d", hp->hidden);
+    snprintf(q, sizeof q, "head_count %d x head_dim %d", hp->n_heads, hp->head_dim);
+    snprintf(kv, sizeof kv, "head_count_kv %d x head_dim %d", hp->n_kv_heads, hp->head_dim);
+    snprintf(f, sizeof f, "feed_forward_length %d", hp->ffn);
+    snprintf(v, sizeof v, "vocab %d", hp->vocab);
+    static const char model_needs[] = "a llama model needs it";
+    static const char layer_needs[] =
+        "every llama layer N has blk.N.{attn_norm, attn_q, attn_k, attn_v, attn_output, ffn_norm, "
+        "ffn_gate, ffn_up, ffn_down}.weight";
+    kvarn_status st;
+    if ((st = check_tensor(g, "token_embd.weight", E, e, (uint64_t)hp->vocab, v, model_needs, err,
+                           errlen)) ||
+        (st = check_tensor(g, "output_norm.weight", E, e, 0, NULL, model_needs, err, errlen)))
+        return st;
+    if (!hp->tied_output &&
+        (st = check_tensor(g, "output.weight", E, e, (uint64_t)hp->vocab, v, model_needs, err, errlen)))
+        return st;
+    static const struct {
+        const char *part;
+        int in, out; /* 0 E, 1 Q, 2 KV, 3 F; out -1: a vector */
+    } parts[9] = {{"attn_norm", 0, -1}, {"attn_q", 0, 1},   {"attn_k", 0, 2},
+                  {"attn_v", 0, 2},     {"attn_output", 1, 0}, {"ffn_norm", 0, -1},
+                  {"ffn_gate", 0, 3},   {"ffn_up", 0, 3},   {"ffn_down", 3, 0}};
+    const uint64_t dim[4] = {E, Q, KV, F};
+    const char *what[4] = {e, q, kv, f};
+    for (int l = 0; l < hp->n_layers; l++)
+        for (int i = 0; i < 9; i++) {
+            char name[KVARN_GGUF_MAX_NAME + 1];
+            snprintf(name, sizeof name, "blk.%d.%s.weight", l, parts[i].part);
+            const int o = parts[i].out;
+            st = check_tensor(g, name, dim[parts[i].in], what[parts[i].in], o < 0 ? 0 : dim[o],
+                              o < 0 ? NULL : what[o], layer_needs, err, errlen);
+            if (st) return st;
+        }
     return KVARN_OK;
 }
 
@@ -352,6 +432,9 @@ static kvarn_status load_from(const kvarn_gguf *g, kvarn_llama *m)
     /* Every weight size checked before the first allocation. */
     weight_sizes w;
     st = weight_sizes_get(hp, &w);
+    if (st != KVARN_OK) return st;
+    /* every tensor present and of its shape, before the first allocation */
+    st = kvarn_llama_check_tensors(g, hp, NULL, 0);
     if (st != KVARN_OK) return st;
 
     if ((m->weights == KVARN_LLAMA_WEIGHTS_BF16 || m->weights == KVARN_LLAMA_WEIGHTS_INT8) &&

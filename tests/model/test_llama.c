@@ -1423,6 +1423,71 @@ static void test_bad_files(void **state)
         kvarn_gguf_close(gg);
         free(bb.p);
     }
+    /* kvarn_llama_check_tensors names the first missing or misshapen
+     * tensor (the loader refused both with a bare KVARN_ERR_BAD_FILE) */
+    {
+        buf bb = write_gguf("llama", 1, &k_meta); /* blk.(NL-1).ffn_down dropped */
+        kvarn_gguf *gg = NULL;
+        assert_int_equal(kvarn_gguf_open_memory(bb.p, bb.n, &gg, NULL, 0), KVARN_OK);
+        kvarn_llama_hparams hp;
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, NULL, 0), KVARN_OK);
+        char err[320], want[200];
+        assert_int_equal(kvarn_llama_check_tensors(gg, &hp, err, sizeof err), KVARN_ERR_BAD_FILE);
+        print_message("%s\n", err);
+        snprintf(want, sizeof want, "GGUF tensor blk.%d.ffn_down.weight is missing (", NL - 1);
+        assert_non_null(strstr(err, want));
+        kvarn_gguf_close(gg);
+        free(bb.p);
+    }
+    {
+        /* attn_k of layer 0 one row short: its tensor info's ne[1] (after
+         * the name, n_dims u32 and ne[0] u64) patched; Q4_1 rows are whole
+         * blocks, so the file stays valid */
+        buf bb = write_gguf("llama", 0, &k_meta);
+        const char *name = "blk.0.attn_k.weight";
+        size_t len = strlen(name), at = 0;
+        for (size_t i = 8; i + len + 20 <= bb.n && !at; i++) {
+            uint64_t n8;
+            memcpy(&n8, bb.p + i - 8, 8);
+            if (n8 == len && memcmp(bb.p + i, name, len) == 0) at = i + len + 4 + 8;
+        }
+        assert_true(at > 0);
+        uint64_t rows = NKV * HD - 1;
+        memcpy(bb.p + at, &rows, 8);
+        kvarn_gguf *gg = NULL;
+        assert_int_equal(kvarn_gguf_open_memory(bb.p, bb.n, &gg, NULL, 0), KVARN_OK);
+        kvarn_llama_hparams hp;
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, NULL, 0), KVARN_OK);
+        char err[320], want[200];
+        assert_int_equal(kvarn_llama_check_tensors(gg, &hp, err, sizeof err), KVARN_ERR_BAD_FILE);
+        print_message("%s\n", err);
+        snprintf(want, sizeof want,
+                 "GGUF tensor blk.0.attn_k.weight has shape [%d, %d]: expected [%d, %d] "
+                 "(embedding_length %d, head_count_kv %d x head_dim %d)",
+                 E, NKV * HD - 1, E, NKV * HD, E, NKV, HD);
+        assert_string_equal(err, want);
+        assert_int_equal(kvarn_llama_check_tensors(gg, &hp, NULL, 0), KVARN_ERR_BAD_FILE);
+        assert_int_equal(kvarn_llama_check_tensors(gg, &hp, err, 8), KVARN_ERR_BAD_FILE);
+        assert_int_equal(strlen(err), 7); /* cut to fit, terminated */
+        assert_int_equal(kvarn_llama_check_tensors(NULL, &hp, err, sizeof err), KVARN_ERR_INVALID_ARG);
+        assert_int_equal(kvarn_llama_check_tensors(gg, NULL, err, sizeof err), KVARN_ERR_INVALID_ARG);
+        assert_int_equal(kvarn_llama_load_gguf(gg, &m), KVARN_ERR_BAD_FILE);
+        assert_null(m);
+        kvarn_gguf_close(gg);
+        free(bb.p);
+    }
+    {
+        buf bb = write_gguf("llama", 0, &k_meta);
+        kvarn_gguf *gg = NULL;
+        assert_int_equal(kvarn_gguf_open_memory(bb.p, bb.n, &gg, NULL, 0), KVARN_OK);
+        kvarn_llama_hparams hp;
+        assert_int_equal(kvarn_llama_read_hparams(gg, &hp, NULL, 0), KVARN_OK);
+        char err[64] = "x";
+        assert_int_equal(kvarn_llama_check_tensors(gg, &hp, err, sizeof err), KVARN_OK);
+        assert_string_equal(err, "");
+        kvarn_gguf_close(gg);
+        free(bb.p);
+    }
     /* Hyper-parameters whose weight sizes cannot be held: 2^16 heads of
      * 2^16 channels make Q 2^32 rows wide, beyond the int dimensions of a
      * tensor (and wqkv 3 * 2^32 * 128 floats). Refused before the first
