@@ -289,22 +289,24 @@ static void gen_free(gen_state *g)
 
 /* ---- reporting ---------------------------------------------------------- */
 
-/* On stderr: the bytes the session's cache holds for its tokens against
- * what an fp16 cache would hold for them (cli_kv_bytes_used),
- * and the prompt and generation speeds. */
+/* On stderr: the bytes the session's cache holds for its tokens, as a
+ * multiple of what an fp16 cache would hold for them (cli_kv_bytes_used),
+ * e.g. "KV cache for 9 tokens: 191.2 KiB, 0.53x the size of an fp16 cache
+ * (360.0 KiB)"; and the prompt and generation speeds. */
 static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llama_hparams *hp)
 {
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
     double used = s->kv_bytes, base = cli_kv_bytes_used(&fp16, hp, s->n_tokens);
     char b1[32], b2[32];
-    fprintf(stderr, "[%s] KV cache for %ld tokens: %s; an fp16 cache: %s (%.0f%% of it)", fmt->name,
-            s->n_tokens, cli_fmt_bytes(used, b1, sizeof b1), cli_fmt_bytes(base, b2, sizeof b2),
-            base > 0 ? 100.0 * used / base : 0.0);
+    fprintf(stderr, "[%s] KV cache for %ld tokens: %s, %.2fx the size of an fp16 cache (%s)",
+            fmt->name, s->n_tokens, cli_fmt_bytes(used, b1, sizeof b1),
+            base > 0 ? used / base : 0.0, cli_fmt_bytes(base, b2, sizeof b2));
     if (fmt->per_tile)
         fprintf(stderr, "; the first %d-token tile (sink) and the last partial tile stay fp16, so "
-                "short texts gain little; %s reaches %.2fx the fp16 capacity on long contexts",
-                fmt->tile_tokens, fmt->name, 4.0 * hp->head_dim / kvarn_bytes_per_token_head(fmt, hp->head_dim));
+                "short texts gain little; on long contexts %s holds %.2fx as many tokens as fp16 "
+                "in the same memory", fmt->tile_tokens, fmt->name,
+                4.0 * hp->head_dim / kvarn_bytes_per_token_head(fmt, hp->head_dim));
     fprintf(stderr, "\n[%s] prompt %.1f tok/s, generation %.1f tok/s\n", fmt->name,
             s->prompt_s > 0 ? s->prompt_n / s->prompt_s : 0.0, s->gen_s > 0 ? s->gen_n / s->gen_s : 0.0);
 }

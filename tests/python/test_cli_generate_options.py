@@ -2,6 +2,7 @@
 getopt_long, the value checks and --help): each option's spelling and
 range, the usage errors (exit 2) and what --help lists. The error texts
 that every command shares are in test_cli_errors.py."""
+import re
 import subprocess
 
 import pytest
@@ -77,3 +78,33 @@ def test_spellings_of_one_run_agree(kvarn_bin, model_path):
         outs.append((r.stdout, kv_line))
     assert outs[0][0].strip(), outs[0]
     assert all(o == outs[0] for o in outs), outs
+
+
+UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30}
+
+
+def test_memory_line_states_which_way_the_ratio_goes(kvarn_bin, model_path):
+    # It read "KV cache for 11 tokens: 2.8 MiB; an fp16 cache: 360.0 KiB
+    # (800% of it)": 800% of which? Now the ratio is this cache's bytes over
+    # an fp16 cache's for the same tokens, said so. int8 takes 12240 of
+    # fp16's 23040 bytes a token (both in 16-token blocks): below 1; a short
+    # KVarN text holds whole fp16 sink and tail tiles: above 1.
+    for fmt, above_one in (("int8", False), ("kvarn_k4v2_g128", True)):
+        r = generate(kvarn_bin, "-m", model_path, "-p", "The capital of France is", "-n", "4",
+                     "--temp", "0", "--kv-cache-dtype", fmt)
+        assert r.returncode == 0, r.stderr
+        m = re.search(rf"^\[{fmt}\] KV cache for (\d+) tokens: ([\d.]+) (B|KiB|MiB|GiB), "
+                      r"([\d.]+)x the size of an fp16 cache \(([\d.]+) (B|KiB|MiB|GiB)\)",
+                      r.stderr, re.M)
+        assert m, r.stderr
+        used, base = float(m[2]) * UNITS[m[3]], float(m[5]) * UNITS[m[6]]
+        ratio = float(m[4])
+        # each size is printed rounded to 0.1 of its unit (whole bytes for
+        # B): the exact sizes lie within half of that, so their ratio within
+        # [lo, hi]; the ratio itself is printed to 0.005
+        half_u = 0.05 * UNITS[m[3]] if m[3] != "B" else 0.5
+        half_b = 0.05 * UNITS[m[6]] if m[6] != "B" else 0.5
+        lo, hi = (used - half_u) / (base + half_b), (used + half_u) / (base - half_b)
+        assert lo - 0.005 <= ratio <= hi + 0.005, (ratio, lo, hi, m[0])
+        assert (ratio > 1) == above_one, m[0]
+        assert "%" not in m[0]
