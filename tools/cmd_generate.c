@@ -57,9 +57,10 @@ static const cli_option k_options[] = {
 
 static const cli_command k_command = {
     "generate", k_options, sizeof k_options / sizeof k_options[0],
-    "usage: kvarn generate -m MODEL [--kv-cache-dtype NAME] (-p PROMPT | --chat [-p PROMPT])\n"
-    "                      [-n 128] [--temp 0.7] [--top-p 0.9] [--seed 1] [--threads 1]\n"
-    "                      [--ctx N]\n\n",
+    "usage: kvarn generate -m MODEL [--kv-cache-dtype NAME]\n"
+    "                      (-p PROMPT | --chat [-p PROMPT])\n"
+    "                      [-n 128] [--temp 0.7] [--top-p 0.9] [--seed 1]\n"
+    "                      [--threads 1] [--ctx N]\n\n",
     "Prints the text as it is generated; then, on stderr, the KV-cache bytes used\n"
     "against an fp16 cache and the prompt and generation speeds.\n",
 };

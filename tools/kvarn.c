@@ -16,17 +16,42 @@ typedef struct subcommand {
 
 static const subcommand k_commands[] = {
     {"generate", cmd_generate, "stream text from a model with its KV cache in any format"},
-    {"eval", cmd_eval, "quality (KLD, top-1, perplexity), memory and speed of each cache format"},
+    {"eval", cmd_eval, "quality (KLD, top-1, perplexity), memory and speed per cache format"},
     {"passkey", cmd_passkey, "passkey retrieval accuracy per format beside the fp16 cache's own"},
     {"inspect", cmd_inspect, "bytes per token, multiple of fp16, tokens that fit in a budget"},
 };
+
+/* The list of accepted format names ("a, b (alias c), ..."), wrapped at
+ * its ", " separators into lines of at most 80 columns, indented by 2. */
+static void print_wrapped_names(FILE *f, const char *list)
+{
+    const int width = 80, indent = 2;
+    int col = indent;
+    fprintf(f, "%*s", indent, "");
+    for (const char *p = list; *p;) {
+        const char *sep = strstr(p, ", ");
+        int n = sep ? (int)(sep - p) + 1 : (int)strlen(p); /* the item and its comma */
+        if (col > indent && col + 1 + n > width) {
+            fprintf(f, "\n%*s", indent, "");
+            col = indent;
+        } else if (col > indent) {
+            fputc(' ', f);
+            col++;
+        }
+        fprintf(f, "%.*s", n, p);
+        col += n;
+        p += sep ? n + 1 : n;
+    }
+    fputc('\n', f);
+}
 
 static void usage(FILE *f)
 {
     fprintf(f, "usage: kvarn <command> [options]   (kvarn <command> --help for more)\n\ncommands:\n");
     for (size_t i = 0; i < sizeof k_commands / sizeof k_commands[0]; i++)
         fprintf(f, "  %-9s %s\n", k_commands[i].name, k_commands[i].summary);
-    fprintf(f, "\ncache formats (--kv-cache-dtype): %s\n", kvarn_format_accepted_names());
+    fprintf(f, "\ncache formats (--kv-cache-dtype):\n");
+    print_wrapped_names(f, kvarn_format_accepted_names());
 }
 
 /* What main returns after a command's rc: a failed write to stdout (a full

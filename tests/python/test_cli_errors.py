@@ -619,6 +619,17 @@ def test_bench_vs_llamacpp_help():
     assert r.returncode == 2 and r.stdout == "", r.stdout
 
 
+
+def test_help_fits_80_columns(kvarn_bin):
+    # generate's synopsis ran to 87 columns, the top-level format list to
+    # 200: every --help line must fit a terminal of 80.
+    for cmd in ([], ["generate"], ["eval"], ["passkey"], ["inspect"]):
+        r = run([kvarn_bin] + cmd + ["--help"])
+        assert r.returncode == 0, (cmd, r.stderr)
+        wide = [line for line in r.stdout.splitlines() if len(line) > 80]
+        assert wide == [], (cmd, wide)
+
+
 # ---- GGUF tensors the runner refuses: the tensor and what is wrong named --
 # (fresh-user trial: a missing or misshapen blk.N.* tensor said only
 # "malformed or truncated"). A whole small llama (GOOD_KEYS: 2 layers,
