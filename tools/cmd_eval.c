@@ -113,6 +113,9 @@ typedef struct fmt_run {
     eval_stats dst;     /* positions fed one token at a time (decode) */
     double decode_s;
     long decode_n;
+    double nll;         /* -log p(next token) over every scored position, in
+                           position order as the reference's ref_st.nll, so
+                           that identical logits give the identical PPL */
     double eff_bpt;     /* bytes per token its cache held at a window's end */
 } fmt_run;
 
@@ -347,8 +350,9 @@ static void score_format(eval_run *r, fmt_run *fr, const int32_t *win, long pos,
         for (int v = 0; v < V; v++)
             kld += (double)p[v] * (((double)rl[v] - r->ref_lse[i]) - ((double)lg[v] - lse));
         if (kld < 0.0) kld = 0.0;   /* rounding below zero */
-        eval_stats_add(decoding ? &fr->dst : &fr->st, kld, argmax(lg, V) == r->ref_top[i],
-                       lse - (double)lg[win[pos + i + 1]]);
+        const double nll = lse - (double)lg[win[pos + i + 1]];
+        eval_stats_add(decoding ? &fr->dst : &fr->st, kld, argmax(lg, V) == r->ref_top[i], nll);
+        fr->nll += nll;
     }
 }
 
@@ -488,9 +492,10 @@ static void eval_results_get(eval_run *r, const eval_opts *o, eval_results *res)
         w->bpt = kvarn_bytes_per_token_head(&fr->fmt, hp->head_dim) * token_heads;
         w->eff = fr->eff_bpt;
         w->tps = fr->decode_n ? fr->decode_n / fr->decode_s : 0.0;
-        /* perplexity over every scored position, chunked and decoded */
+        /* perplexity over every scored position, chunked and decoded, summed
+         * in the reference's order (fmt_run.nll) */
         w->positions = fr->st.n + fr->dst.n;
-        w->ppl = w->positions ? exp((fr->st.nll + fr->dst.nll) / (double)w->positions) : 0.0;
+        w->ppl = w->positions ? exp(fr->nll / (double)w->positions) : 0.0;
         w->passkey = r->pk_correct[f + 1];
     }
 }
@@ -519,34 +524,50 @@ static const char *passkey_text(int correct, int total, char *buf, size_t len)
     return buf;
 }
 
+/* x with 4 decimals and its sign, "+0.0000" for anything that rounds to
+ * zero (printf would write a tiny negative value as "-0.0000"). */
+static const char *signed4(double x, char *buf, size_t len)
+{
+    snprintf(buf, len, "%+.4f", x);
+    if (buf[0] == '-' && strspn(buf + 1, "0.") == strlen(buf + 1)) buf[0] = '+';
+    return buf;
+}
+
+/* The decode speed's two columns: tokens/s and the ratio to fp16's, or
+ * "skipped" / "-" without decoded tokens. */
+static void speed_text(double tps, double ref_tps, long decode_tokens, char *buf, size_t len)
+{
+    if (decode_tokens == 0) snprintf(buf, len, "%9s %12s", "skipped", "-");
+    else if (tps > 0 && ref_tps > 0) snprintf(buf, len, "%9.1f %11.2fx", tps, tps / ref_tps);
+    else snprintf(buf, len, "%9s %12s", "-", "-");
+}
+
 static void print_table(const eval_results *res)
 {
-    char pk[24];
-    printf("%-17s %9s %9s %7s %9s %9s %9s %9s %7s %9s %7s %9s %8s %7s %9s %7s\n", "format", "B/token",
-           "eff B/tok", "x fp16", "KLD mean", "median", "p99", "max", "top-1", "dec KLD", "dec top1",
-           "PPL", "dPPL", "passkey", "dec tok/s", "x fp16");
-    /* x fp16 (capacity) from the record bytes: what long contexts reach;
-     * eff B/tok adds the fp16 sink and tail at this --ctx. */
-    /* no decoded tokens (--decode-tokens 0): no speed to show, not 0.0 */
-    char ref_speed[48] = "  skipped       -";
-    if (res->ref_tps > 0) snprintf(ref_speed, sizeof ref_speed, "%9.1f %6.2fx", res->ref_tps, 1.0);
-    printf("%-17s %9.0f %9.0f %6.2fx %9s %9s %9s %9s %7s %9s %7s %9.4f %8s %7s %s\n",
+    char pk[24], speed[48], dppl[32];
+    /* cap x fp16 (capacity) from the record bytes: what long contexts
+     * reach; eff B/tok adds the fp16 sink and tail at this --ctx. tok/s x
+     * fp16: decode speed against the reference's. */
+    printf("%-17s %9s %9s %10s %9s %9s %9s %9s %7s %9s %8s %9s %8s %7s %9s %12s\n", "format", "B/token",
+           "eff B/tok", "cap x fp16", "KLD mean", "median", "p99", "max", "top-1", "dec KLD",
+           "dec top1", "PPL", "dPPL", "passkey", "dec tok/s", "tok/s x fp16");
+    speed_text(res->ref_tps, res->ref_tps, res->decode_tokens, speed, sizeof speed);
+    printf("%-17s %9.0f %9.0f %9.2fx %9s %9s %9s %9s %7s %9s %8s %9.4f %8s %7s %s\n",
            "fp16 (reference)", res->ref_bpt, res->ref_eff, 1.0, "-", "-", "-", "-", "-", "-", "-",
            res->ref_ppl, "-", passkey_text(res->ref_passkey, res->passkey_trials, pk, sizeof pk),
-           ref_speed);
+           speed);
     for (int f = 0; f < res->n; f++) {
         const eval_row *w = &res->rows[f];
-        char speed[48] = "        -       -", dk[16] = "-", dt[16] = "-";
-        if (res->decode_tokens == 0) snprintf(speed, sizeof speed, "  skipped       -");
-        if (w->tps > 0 && res->ref_tps > 0)
-            snprintf(speed, sizeof speed, "%9.1f %6.2fx", w->tps, w->tps / res->ref_tps);
+        char dk[16] = "-", dt[16] = "-";
+        speed_text(w->tps, res->ref_tps, res->decode_tokens, speed, sizeof speed);
         if (w->ds.n) {
             snprintf(dk, sizeof dk, "%.5f", w->ds.kld_mean);
             snprintf(dt, sizeof dt, "%.2f%%", 100.0 * w->ds.top1);
         }
-        printf("%-17s %9.0f %9.0f %6.2fx %9.5f %9.5f %9.5f %9.4f %6.2f%% %9s %7s %9.4f %+8.4f %7s %s\n",
+        printf("%-17s %9.0f %9.0f %9.2fx %9.5f %9.5f %9.5f %9.4f %6.2f%% %9s %8s %9.4f %8s %7s %s\n",
                w->name, w->bpt, w->eff, res->ref_bpt / w->bpt, w->s.kld_mean, w->s.kld_median,
-               w->s.kld_p99, w->s.kld_max, 100.0 * w->s.top1, dk, dt, w->ppl, w->ppl - res->ref_ppl,
+               w->s.kld_p99, w->s.kld_max, 100.0 * w->s.top1, dk, dt, w->ppl,
+               signed4(w->ppl - res->ref_ppl, dppl, sizeof dppl),
                passkey_text(w->passkey, res->passkey_trials, pk, sizeof pk), speed);
     }
 }

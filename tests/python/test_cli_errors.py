@@ -1,5 +1,7 @@
 """Bad inputs to the kvarn command: each a clear message on stderr and a
 non-zero exit, nothing else broken (issue: the kvarn command, tests)."""
+import json
+import re
 import subprocess
 
 import pytest
@@ -618,6 +620,39 @@ def test_bench_vs_llamacpp_help():
     r = run(["bash", script, "-Z"], timeout=60)
     assert r.returncode == 2 and r.stdout == "", r.stdout
 
+
+# ---- eval's table: distinct headings, no negative zero -------------------
+
+def test_eval_table_headings_and_zero_delta(kvarn_bin, model_path, tmp_path):
+    # Two columns were both headed "x fp16" (capacity, decode speed), and
+    # the fp16 row's dPPL read -0.0000 (on this text, --chunk 16
+    # --decode-tokens 20, on the machine of the fix): its perplexity summed
+    # the chunk-fed and decoded NLLs apart, the reference's in one sum. The
+    # same logits summed in the same order give the same perplexity.
+    text = short_text(tmp_path)
+    args = [kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "64",
+            "--chunk", "16", "--decode-tokens", "20", "--kv-cache-dtype", "fp16,int8"]
+    r = run(args)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    header = lines[1]
+    assert "cap x fp16" in header and "tok/s x fp16" in header, header
+    assert len(re.findall(r"(?<![a-z/]) x fp16", header)) == 0, header  # no bare "x fp16"
+    assert lines[2].startswith("fp16 (reference)"), lines
+    rows = {line.split()[0]: line for line in lines[3:] if line.strip()}
+    assert set(rows) == {"fp16", "int8"}, rows
+    # each ratio ends under the end of its heading
+    for heading in ("cap x fp16", "tok/s x fp16"):
+        end = header.index(heading) + len(heading)
+        for row in [lines[2]] + list(rows.values()):
+            assert row[end - 1] == "x" and (len(row) == end or row[end] == " "), (heading, row)
+    # ... PPL, dPPL, passkey, dec tok/s, tok/s x fp16
+    dppl = {name: row.split()[-4] for name, row in rows.items()}
+    assert dppl["fp16"] == "+0.0000", rows["fp16"]
+    assert re.fullmatch(r"[+-]\d+\.\d{4}", dppl["int8"]), rows["int8"]
+    rep = json.loads(run(args + ["--json"]).stdout)
+    fp16 = [f for f in rep["formats"] if f["format"] == "fp16"][0]
+    assert fp16["ppl_delta"] == 0.0 and fp16["ppl"] == rep["reference"]["ppl"], fp16
 
 
 def test_help_fits_80_columns(kvarn_bin):
