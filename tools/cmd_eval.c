@@ -23,6 +23,7 @@
 
 #include "cli.h"
 #include "cli_options.h"
+#include "eval_coverage.h"
 #include "eval_stats.h"
 #include "passkey.h"
 
@@ -90,7 +91,9 @@ static const cli_command k_command = {
     "over the chunk-fed positions (mean, median, p99, max) and top-1 agreement,\n"
     "the same KLD mean and top-1 over the decoded positions ('dec': what a chat\n"
     "user gets, tokens arriving one at a time), perplexity over all positions and\n"
-    "its delta, and decode speed as tokens/s and as a ratio to fp16.\n"
+    "its delta, and decode speed as tokens/s and as a ratio to fp16. Warns on stderr\n"
+    "when a column's positions never attend to K/V held in the format (fp16 sink\n"
+    "and tail only: such a column reads about 0; docs/eval.md).\n"
     "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
     "0/50/100%, N keys per depth, as retrieved/tried beside the fp16 cache's own.\n"
     "--sink-tokens S keeps the first S tokens of KVarN caches in fp16 (default: one\n"
@@ -634,6 +637,20 @@ static int print_json(const eval_results *res)
 
 /* ---- the command -------------------------------------------------------- */
 
+/* Before the run: warn on stderr about the columns that would measure no
+ * quantized K/V with these options (eval_coverage.h), from each format's
+ * session cache. */
+static void eval_warn_coverage(const eval_run *r, const eval_opts *o)
+{
+    kvarn_cache_info infos[CLI_MAX_FORMATS];
+    int n = 0;
+    for (int f = 0; f < r->nf; f++)
+        if (kvarn_cache_get_info(kvarn_llama_session_cache(r->runs[f].sess), &infos[n]) == KVARN_OK)
+            n++;
+    const eval_layout l = {r->ctx, r->chunk, r->decode_tokens, o->chunk, o->decode_tokens};
+    eval_coverage_warn(&l, infos, n);
+}
+
 /* Set up, run every window and the passkey trials. 0, or the exit code. */
 static int eval_execute(eval_run *r, const eval_opts *o, const kvarn_format *fmts, int nf)
 {
@@ -641,6 +658,7 @@ static int eval_execute(eval_run *r, const eval_opts *o, const kvarn_format *fmt
     if (rc == 0) rc = eval_fit(r, o);
     if (rc != 0) return rc;
     if (eval_init(r, o, fmts, nf)) return 1;
+    eval_warn_coverage(r, o);
     if (!o->json) print_header(r, o);
     long done = 0;
     for (long w = 0; w < r->windows; w++)

@@ -621,6 +621,91 @@ def test_bench_vs_llamacpp_help():
     assert r.returncode == 2 and r.stdout == "", r.stdout
 
 
+# ---- eval columns that measure no quantized K/V (fresh-user trial: --ctx
+# 512 with the default 320 decoded tokens printed the chunk-fed KLD columns
+# of the KVarN formats as 0, silently) --------------------------------------
+# tools/eval_coverage.h: a chunk attends to its own K/V exactly and to the
+# history before its start as the cache holds it; a KVarN cache (tile G,
+# sink S) holds floor(n / G) * G - S of n committed tokens quantized, a
+# per-token cache all n. A column warns when none of its scored positions
+# sees a quantized token.
+
+def eval_warnings(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("kvarn eval: warning:")]
+
+
+def test_eval_warns_chunk_fed_positions_in_fp16(kvarn_bin, model_path, austen_path):
+    # --ctx 512, 320 decoded: chunk-fed tokens [0, 192) in chunks starting at
+    # 0 and 128. kvarn_k4v2_g128 (G = S = 128) quantizes its first tile
+    # [128, 256) at the commit after token 255: the history of the chunk at
+    # 128 is the sink alone. int8 holds those 128 tokens in int8: measured.
+    # The decoded positions (up to 510) see tiles [128, 384): measured.
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", austen_path, "--ctx", "512",
+             "--kv-cache-dtype", "kvarn_k4v2_g128,int8"])
+    assert r.returncode == 0, r.stderr
+    warns = eval_warnings(r.stderr)
+    assert len(warns) == 1, r.stderr
+    w = warns[0]
+    assert "chunk-fed columns" in w and "of kvarn_k4v2_g128 measure no quantized K/V" in w, w
+    assert "int8" not in w and "starts at token 128" in w, w
+    # A chunk must start at c >= 256 (the first quantized tile's end) with a
+    # scored chunk-fed position at or after it: ctx - 320 >= 257, i.e. ctx
+    # >= 577; or at ctx 512, decode at most 512 - 257 = 255; or a sink below
+    # the 128 tokens the chunk at 128 sees (S <= 127). No chunk size helps
+    # (positions below 192 never start a chunk at >= 256).
+    assert ("To measure them: --ctx 577 or more, or --decode-tokens 255 or less, "
+            "or --sink-tokens 127 or less.") in w, w
+    assert "--chunk" not in w.split("To measure them")[1], w
+    # what it proposes is enough: 255 decoded tokens, no warning
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", austen_path, "--ctx", "512",
+             "--decode-tokens", "255", "--kv-cache-dtype", "kvarn_k4v2_g128"])
+    assert r.returncode == 0, r.stderr
+    assert eval_warnings(r.stderr) == [], r.stderr
+
+
+def test_eval_warns_decoded_positions_in_fp16(kvarn_bin, model_path, austen_path):
+    # --ctx 200: the last decoded position (198) sees tokens [0, 128) as the
+    # sink and [128, 199) as the fp16 tail: nothing quantized for G = 128, S
+    # = 128 (it needs ctx - 2 >= 256: --ctx 258), while the g64 preset
+    # (S = 64) has tile [64, 128) quantized from token 128 on. The chunk-fed
+    # positions [0, 100) are one chunk: both formats warn there.
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", austen_path, "--ctx", "200",
+             "--decode-tokens", "100", "--kv-cache-dtype", "kvarn_k4v2_g128,kvarn_k4v2_g64"])
+    assert r.returncode == 0, r.stderr
+    warns = eval_warnings(r.stderr)
+    assert len(warns) == 2, r.stderr
+    chunk, dec = warns
+    assert "chunk-fed columns" in chunk and "of kvarn_k4v2_g128, kvarn_k4v2_g64" in chunk, chunk
+    assert "starts at token 0 (one chunk" in chunk, chunk
+    assert "decoded columns" in dec and "of kvarn_k4v2_g128 measure no quantized" in dec, dec
+    assert "To measure them: --ctx 258 or more, or --sink-tokens 127 or less." in dec, dec
+
+
+def test_eval_warns_one_chunk_and_no_decoded_position(kvarn_bin, model_path, tmp_path):
+    # --ctx 32 (--chunk 128 lowered to 32), 8 decoded: the chunk-fed
+    # positions [0, 24) are one chunk, which attends to nothing stored.
+    # int8 needs a chunk start >= 1 with a scored position after it: --chunk
+    # 23 or less (the chunk at 23 holds position 23), or --ctx 128 + 1 + 8.
+    text = short_text(tmp_path)
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
+             "--decode-tokens", "8", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0, r.stderr
+    warns = eval_warnings(r.stderr)
+    assert len(warns) == 1 and "of int8 measure no quantized K/V" in warns[0], r.stderr
+    assert "To measure them: --ctx 137 or more, or --chunk 23 or less." in warns[0], warns[0]
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
+             "--decode-tokens", "8", "--chunk", "23", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0 and eval_warnings(r.stderr) == [], r.stderr
+    # one decoded token: no decoded position is scored (its next token is
+    # past the window): the dec columns read '-', and it says so
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32",
+             "--decode-tokens", "1", "--chunk", "8", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0, r.stderr
+    warns = eval_warnings(r.stderr)
+    assert len(warns) == 1 and "--decode-tokens 1 scores no decoded position" in warns[0], r.stderr
+    assert "use --decode-tokens 2 or more" in warns[0]
+
+
 # ---- eval's table: distinct headings, no negative zero -------------------
 
 def test_eval_table_headings_and_zero_delta(kvarn_bin, model_path, tmp_path):
