@@ -667,7 +667,8 @@ AI void kv_kfinish128(attn_rows *r, int i, int t0, const float *stok, const floa
     for (int k = 0; k < 8; k++) mx = _mm512_max_ps(mx, sc[k]);
     float mt = _mm512_reduce_max_ps(mx), m_old = r->m[i];
     float m_new = mt > m_old ? mt : m_old;
-    float corr = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+    /* an unchanged max (most tiles of a decode) skips the call: expf(0) = 1 */
+    float corr = m_old == -INFINITY ? 0.0f : m_new == m_old ? 1.0f : expf(m_old - m_new);
     const __m512 vm = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps(), z = _mm512_setzero_ps();
     for (int k = 0; k < 8; k++) {
