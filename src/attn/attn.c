@@ -515,7 +515,12 @@ static void item_task(void *ctx, int task, int worker)
     const size_t tile_bytes = g->is_kvarn ? run->L.record_bytes : (size_t)G * kv->token_record_bytes;
     const int step = g->span_tiles;
     attn_prefetch pf;
-    pf.lines = (int)((tile_bytes + 63) / 64);
+    /* KVarN records of a caller's arena off the 64-byte lines are listed
+     * from their first line (attn_prefetch_base); the per-token formats'
+     * blocks are listed as they are. */
+    const int line_aligned =
+        !g->is_kvarn || (((uintptr_t)kv->blocks | kv->block_stride | kv->record_stride) & 63) == 0;
+    pf.lines = attn_prefetch_lines(tile_bytes, line_aligned);
     r.pf = &pf;
     for (int tile = it->tile0; tile < it->tile1;) {
         int end = tile + step < it->tile1 ? tile + step : it->tile1;
@@ -524,7 +529,8 @@ static void item_task(void *ctx, int task, int worker)
         pf.n = pf.tile = pf.line = 0;
         for (int nx = end; nx < end + step && nx < it->tile1 && kv->blocks; nx++) {
             if (tile_is_page(kv, sv, nx)) continue;
-            pf.base[pf.n++] = kvarn_paged_record(kv, sv->block_table[nx], it->kvh);
+            pf.base[pf.n++] = attn_prefetch_base(kvarn_paged_record(kv, sv->block_table[nx], it->kvh),
+                                                 line_aligned);
         }
         int t0 = tile * G, nt = sv->seq_len - t0 < G ? sv->seq_len - t0 : G;
         int32_t id = sv->block_table[tile];

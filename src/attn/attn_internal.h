@@ -44,16 +44,39 @@ typedef struct attn_prefetch {
     int tile, line;                         /* cursor */
 } attn_prefetch;
 
-/* Issue up to k prefetches from the cursor. */
-static inline void attn_prefetch_step(attn_prefetch *p, int k)
-{
-    while (k-- > 0 && p->tile < p->n) {
-        __builtin_prefetch(p->base[p->tile] + (size_t)p->line * 64, 0, 3);
-        if (++p->line == p->lines) {
-            p->line = 0;
-            p->tile++;
-        }
+/* Issue up to k prefetches from the cursor: attn_prefetch_step into every
+ * cache level (prefetcht0), attn_prefetch_step_l2 into L2 and below
+ * (prefetcht1; the AVX-512 KVarN int16 loops, kernel_avx512.c). */
+#define ATTN_PREFETCH_STEP_FN(NAME, LOCALITY)                                      \
+    static inline void NAME(attn_prefetch *p, int k)                               \
+    {                                                                              \
+        while (k-- > 0 && p->tile < p->n) {                                        \
+            __builtin_prefetch(p->base[p->tile] + (size_t)p->line * 64, 0, LOCALITY); \
+            if (++p->line == p->lines) {                                           \
+                p->line = 0;                                                       \
+                p->tile++;                                                         \
+            }                                                                      \
+        }                                                                          \
     }
+ATTN_PREFETCH_STEP_FN(attn_prefetch_step, 3)
+ATTN_PREFETCH_STEP_FN(attn_prefetch_step_l2, 2)
+#undef ATTN_PREFETCH_STEP_FN
+
+/* Lines to list per record of `bytes` bytes (> 0), and the address to list
+ * for a record at rec. Records on 64-byte lines (line_aligned != 0: the
+ * arena and both strides multiples of 64, as kvarn_cache's are) are listed
+ * as they are; else every record is listed from the start of the line
+ * holding its first byte, one line more, so that the line holding its last
+ * bytes is fetched too (KVarN: V b_t, which the kernel reads first thing).
+ * The listed address is formed as an integer: it may lie before the arena,
+ * and a prefetch never faults. */
+static inline int attn_prefetch_lines(size_t bytes, int line_aligned)
+{
+    return (int)((bytes + 63) / 64) + (line_aligned ? 0 : 1);
+}
+static inline const uint8_t *attn_prefetch_base(const uint8_t *rec, int line_aligned)
+{
+    return line_aligned ? rec : (const uint8_t *)((uintptr_t)rec & ~(uintptr_t)63);
 }
 
 /* Lines still to issue. */

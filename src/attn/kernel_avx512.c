@@ -667,7 +667,8 @@ AI void kv_kfinish128(attn_rows *r, int i, int t0, const float *stok, const floa
     for (int k = 0; k < 8; k++) mx = _mm512_max_ps(mx, sc[k]);
     float mt = _mm512_reduce_max_ps(mx), m_old = r->m[i];
     float m_new = mt > m_old ? mt : m_old;
-    float corr = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+    /* an unchanged max (most tiles of a decode) skips the call: expf(0) = 1 */
+    float corr = m_old == -INFINITY ? 0.0f : m_new == m_old ? 1.0f : expf(m_old - m_new);
     const __m512 vm = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps(), z = _mm512_setzero_ps();
     for (int k = 0; k < 8; k++) {
@@ -786,8 +787,10 @@ AI void kv_round_query(attn_rows *r, int i)
  * nibbles 2 and 3 shifted down. Int32 sums: |qi| <= 32767, codes <= 240,
  * D / 2 pairs: D 32767 240 < 2^31 - 1 for D <= 256 (the caller's check).
  * The sums, times sq (and 1/16 for j = 1), go to s in kv_kdots4_128's
- * order for kv_kfinish128. */
-AI void kv_kdots4_128_i16(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, int pf_shift)
+ * order for kv_kfinish128. pf_l2: the prefetches into L2
+ * (attn_prefetch_step_l2), else into L1. */
+AI void kv_kdots4_128_i16(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, int pf_shift,
+                          int pf_l2)
 {
     const int D = r->D, gs = r->gs;
     const __m512i m0 = _mm512_set1_epi32(0x000f000f), m1 = _mm512_set1_epi32(0x00f000f0);
@@ -797,7 +800,12 @@ AI void kv_kdots4_128_i16(attn_rows *r, const uint8_t *kc, int r0, int RB, int h
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
     for (int d = 0; d < D; d += 2) {
-        if ((d & ((1 << pf_shift) - 1)) == 0) attn_prefetch_step(r->pf, 1);
+        if ((d & ((1 << pf_shift) - 1)) == 0) {
+            if (pf_l2)
+                attn_prefetch_step_l2(r->pf, 1);
+            else
+                attn_prefetch_step(r->pf, 1);
+        }
         const __m512i w0 = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64));
         const __m512i w1 = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64 + 64));
         const __m512i x = h == 0 ? _mm512_mask_blend_epi16(0xaaaaaaaau, w0, _mm512_slli_epi32(w1, 16))
@@ -867,7 +875,7 @@ AI void kv_vsum2_i16(attn_rows *r, const uint8_t *vc, size_t vrow, int G, const 
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
     for (int t = 0; t < G; t += 2) {
-        attn_prefetch_step(r->pf, 2);
+        attn_prefetch_step_l2(r->pf, 2);
         const uint8_t *row = vc + (size_t)t * vrow + d0 / 4;
         const __m128i a = _mm_loadu_si128((const __m128i *)(const void *)row);
         const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(row + vrow));
@@ -964,7 +972,12 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     }
     /* One prefetch every 2^pf_shift channels of the first row block's
      * score loop: half the next tiles' lines spread over the G/32 x D
-     * steps; kv_vsum issues the rest, one per token. */
+     * steps; kv_vsum issues the rest, one per token. Where both loops run
+     * in int16 (kint and vint: the k4v2 g128 presets) the prefetches go to
+     * L2 (prefetcht1, attn_prefetch_step_l2): the Llama-3-8B call at 8k
+     * took 3-5% less time than with prefetcht0 on AMD Zen 4, while the fp32
+     * loops of k4v4 g128 and k4v2 g64 took 4-10% more (docs/attention.md,
+     * "Prefetch into L2"). */
     const int k128 = kb == 4 && G == 128; /* kv_kdots4_128's case */
     /* int16 query (kv_kdots4_128_i16): every row's max |qa_d| at least
      * 2^-100 (so 32767 / max is finite; all-zero and tiny query rows keep
@@ -980,7 +993,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     for (int h = 0; k128 && h < 2; h++)
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 6, r0);
-#define K4CALL(N) (kint ? kv_kdots4_128_i16(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30) \
+#define K4CALL(N) (kint ? kv_kdots4_128_i16(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30, vint) \
                        : kv_kdots4_128(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30))
             ATTN_RB_SWITCH6(rb, K4CALL)
 #undef K4CALL
@@ -1013,7 +1026,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
 #undef VICALL
                 r0 += rb;
             }
-        attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
+        attn_prefetch_step_l2(r->pf, attn_prefetch_left(r->pf)); /* any left over */
         return;
     }
     /* 64 channels per pass (up to 6 rows, 24 accumulators) where D allows,

@@ -956,6 +956,48 @@ static void test_kernel_table(void **state)
     assert_null(out.token_tile);
 }
 
+/* The prefetch listing of a record (attn_internal.h, attn_prefetch_base /
+ * attn_prefetch_lines): for every start offset inside a 64-byte line and
+ * record sizes of the KVarN presets (k4v2 g128 at D 64 and 128, k4v4 g64
+ * at D 128) and odd ones, the listed lines cover every byte of the record
+ * and at most one line more. (Before, records off the line were listed
+ * from their first byte with ceil(bytes / 64) lines: the line holding
+ * their last bytes went unfetched for most offsets.) */
+static void test_prefetch_lines(void **state)
+{
+    (void)state;
+    size_t sizes[8] = {1, 63, 64, 65, 100, 0, 0, 0};
+    const char *names[3] = {"kvarn_k4v2_g128", "kvarn_k4v2_g128", "kvarn_k4v4_g64"};
+    const int dims[3] = {64, 128, 128};
+    for (int i = 0; i < 3; i++) {
+        kvarn_format fmt;
+        kvarn_record_layout L;
+        assert_int_equal(kvarn_format_parse(names[i], &fmt), KVARN_OK);
+        assert_int_equal(kvarn_record_layout_get(&fmt, dims[i], &L), KVARN_OK);
+        sizes[5 + i] = L.record_bytes;
+    }
+    static uint8_t arena[2 * 65536] __attribute__((aligned(64)));
+    for (int si = 0; si < 8; si++)
+        for (int off = 0; off < 64; off++) {
+            const size_t bytes = sizes[si];
+            const uint8_t *rec = arena + 64 + off;
+            const int aligned = off == 0;
+            const uint8_t *base = attn_prefetch_base(rec, aligned);
+            const int lines = attn_prefetch_lines(bytes, aligned);
+            /* a prefetch of address a fetches line a / 64: the listed
+             * addresses base + 64 k, k < lines, fetch lines first..last */
+            const uintptr_t b = (uintptr_t)base, r0 = (uintptr_t)rec;
+            const uintptr_t first = b / 64, last = (b + (uintptr_t)(lines - 1) * 64) / 64;
+            assert_true(first <= r0 / 64);
+            assert_true(last >= (r0 + bytes - 1) / 64);
+            /* and at most one line more than the record touches (the
+             * count is the same for every record of the view), none more
+             * when it starts on a line */
+            const uintptr_t touched = (r0 + bytes - 1) / 64 - r0 / 64 + 1;
+            assert_true(last - first + 1 <= touched + (aligned ? 0 : 1));
+        }
+}
+
 int main(void)
 {
     /* The highest level this CPU runs under any outer KVARN_SIMD cap. */
@@ -972,7 +1014,7 @@ int main(void)
         cmocka_unit_test(test_odd_head_dim), cmocka_unit_test(test_empty),
         cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_extreme_query),
         cmocka_unit_test(test_bad_inputs),
-        cmocka_unit_test(test_kernel_table),
+        cmocka_unit_test(test_kernel_table), cmocka_unit_test(test_prefetch_lines),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
