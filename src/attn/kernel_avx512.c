@@ -511,7 +511,7 @@ TOKEN_TILE(fp16, KVARN_KIND_FP16)
 TOKEN_TILE(bf16, KVARN_KIND_BF16)
 TOKEN_TILE(fp8_e4m3, KVARN_KIND_FP8_E4M3)
 TOKEN_TILE(fp8_e5m2, KVARN_KIND_FP8_E5M2)
-TOKEN_TILE(int8, KVARN_KIND_INT8)
+/* int8: attn_avx512_token_int8 at the end of the file (integer dot products) */
 TOKEN_TILE(int4, KVARN_KIND_INT4)
 
 #endif /* !KVARN_AVX512_VNNI */
@@ -1074,3 +1074,347 @@ void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const ui
     default: attn_ref_kvarn_tile(r, L, rec, t0, nt); break;
     }
 }
+
+#ifdef I8_EXP_NOPF
+#define I8_PF(p, k) ((void)0)
+#else
+#define I8_PF(p, k) attn_prefetch_step(p, k)
+#endif
+/* ------------------------------------- int8 per-token: int16 dot products
+ *
+ * The int8 per-token kernel multiplies in int16 (dot_i16: vpmaddwd +
+ * vpaddd, or one vpdpwssd in the VNNI build) instead of converting every
+ * code to fp32 (docs/attention.md "int8: integer dot products"):
+ *   K: per span and row the query q' (softmax scale folded) is rounded,
+ *     q'_d ~ sq qi_d, sq = max_d |q'_d| / I8_QMAX (i8_round_query); the codes
+ *     (0..255, zero-extended to words) of 4 tokens x 32 channels meet the
+ *     query words of those channels, int32 lanes summed across at the end
+ *     (i8_red4 / i8_red16). The codes are centred at 128 in the integer
+ *     sum (exact): sum_d qi_d (c_d - 128) = acc_t - 128 sum_d qi_d, so
+ *       s_t = scale_t sq (acc_t - 128 sum qi) + (zero_t + 128 scale_t) sum_d q'_d
+ *     and the rounding of the query errs by sum_d e_d (c_d - 128), |c - 128|
+ *     <= 128 (half what uncentred codes would give).
+ *   V: the weights w_t = p_t scale_t of each row are rounded per span,
+ *     w_t ~ sw wi_t, sw = max_t w_t / I8_QMAX (i8_round_weights); the codes
+ *     of tokens t and t + 1 are interleaved into (c_t, c_t+1) word pairs
+ *     per channel and meet the broadcast pair (wi_t, wi_t+1); again
+ *     centred: acc_d += sw (sum_t wi_t c_td - 128 sum_t wi_t)
+ *                       + sum_t p_t (zero_t + 128 scale_t).
+ * Int32 sums: |qi|, |wi| <= 32767 and codes <= 255 give |sum| <= 255 x
+ * 32767 x n for n products, < 2^31 - 1 for n <= 257: K needs D <= 256 and
+ * V spans of nt <= 256 tokens (i8_ok); the centred sums are smaller still.
+ * Exact either way, so the two builds give the same bits. */
+
+/* The largest int16 query / weight magnitude: 127 x 256 + 127, so that a
+ * value also splits into two signed bytes (v + 128) >> 8 and the rest,
+ * should a VNNI vpdpbusd path take them; 0.4% below 32767, i.e. a step
+ * 1.004 times as large. */
+#define I8_QMAX 32639.0f
+
+/* a, b, c, d: int32 [16] of tokens 0..3 -> lane 4L + j holds part L
+ * (lanes 4L..4L+3 of the input) of token j's sum. */
+AI __m512i i8_red4(__m512i a, __m512i b, __m512i c, __m512i d)
+{
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+}
+
+/* Two i8_red4 results (tokens 0..3 and 4..7) -> 128-bit lane 0: half 1 of
+ * tokens 0..3, 1: half 2 of them, 2 and 3: the same for tokens 4..7. */
+AI __m512i i8_red8(__m512i x, __m512i y)
+{
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xdd));
+}
+
+/* Two i8_red8 results (tokens 0..7, 8..15) -> the 16 sums in token order. */
+AI __m512i i8_red16(__m512i x, __m512i y)
+{
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xdd));
+}
+
+/* Row i's query for the int8 kernel: qi_d = rne(q'_d / sq), sq = max_d
+ * |q'_d| / I8_QMAX; qi int16 [D] at the start of the row's qa scratch,
+ * then (float index D / 2) sq and (D / 2 + 1, int32) sum_d qi_d. A row whose max |q'_d| is below 2^-100 (or 0) gets qi = 0,
+ * sq = 0 (its scores keep only the (zero + 128 scale) sum q' term, off by
+ * at most 128 scale sum_d |q'_d| < 2^-85 scale D); else I8_QMAX / max is a
+ * normal float and |q'_d I8_QMAX / max| <= I8_QMAX (1 + 2^-23) rounds into
+ * int16. */
+AI void i8_round_query(attn_rows *r, int i)
+{
+    const int D = r->D;
+    const float *q = r->q + (size_t)i * D;
+    float *qa = r->qa + (size_t)i * D;
+    int16_t *qi = (int16_t *)(void *)qa;
+    __m512 mx = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
+    const float qmax = _mm512_reduce_max_ps(mx);
+    const int ok = qmax >= 0x1p-100f;
+    const __m512 inv = _mm512_set1_ps(ok ? I8_QMAX / qmax : 0.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int d = 0; d < D; d += 16) {
+        const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv));
+        sum = _mm512_add_epi32(sum, x);
+        _mm256_storeu_si256((__m256i *)(void *)(qi + d), _mm512_cvtsepi32_epi16(x));
+    }
+    qa[D / 2] = ok ? qmax / I8_QMAX : 0.0f;
+    const int32_t s = _mm512_reduce_add_epi32(sum);
+    memcpy(qa + D / 2 + 1, &s, 4);
+}
+
+/* Row i's weights (fp32 s[i][0..nv), zero past the visible positions) to
+ * int16 in place, wi_t = rne(w_t / sw), sw = max_t w_t / I8_QMAX: wi at the first bytes of the row (zero up to nv rounded
+ * up to 16), sw returned, sum_t wi_t in *wsum. Weights are >= 0 (p_t >= 0,
+ * scale_t > 0). A row whose largest w_t is below 2^-100 (or 0: nothing
+ * visible in the span) gets wi = 0, sw = 0: it drops at most 255 nt
+ * 2^-100 from acc, against l >= 1. */
+AI float i8_round_weights(attn_rows *r, int i, int nv, int32_t *wsum)
+{
+    float *w = r->s + (size_t)i * r->gs;
+    int16_t *wi = (int16_t *)(void *)w;
+    __m512 mx = _mm512_setzero_ps();
+    for (int t = 0; t < nv; t += 16) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(lanes(nv - t), w + t));
+    const float wmax = _mm512_reduce_max_ps(mx);
+    const int ok = wmax >= 0x1p-100f; /* also false for NaN */
+    const __m512 inv = _mm512_set1_ps(ok ? I8_QMAX / wmax : 0.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int t = 0; t < nv; t += 16) {
+        const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(nv - t), w + t), inv));
+        sum = _mm512_add_epi32(sum, x);
+        _mm256_storeu_si256((__m256i *)(void *)(wi + t), _mm512_cvtsepi32_epi16(x));
+    }
+    *wsum = _mm512_reduce_add_epi32(sum);
+    return ok ? wmax / I8_QMAX : 0.0f;
+}
+
+/* int32 q . code of the 4 tokens k[0..3] (their K codes) for rows
+ * [r0, r0 + RB), as i8_red4 of each row. 32 channels per step: each
+ * token's codes zero-extended to words once, one dot_i16 per row and token
+ * with the row's query words. */
+AI void i8_kdots4(const attn_rows *r, const uint8_t *const *k, int r0, int RB, int pf,
+                  __m512i *out)
+{
+    const int D = r->D;
+    __m512i acc[4][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int d = 0; d < D; d += 32) {
+        I8_PF(r->pf, pf);
+        __m512i c[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+            c[j] = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(k[j] + d)));
+#pragma GCC unroll 4
+        for (int i = 0; i < RB; i++) {
+            const __m512i q = _mm512_loadu_si512((const void *)((const int16_t *)(const void *)(r->qa + (size_t)(r0 + i) * D) + d));
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[i][j] = dot_i16(acc[i][j], c[j], q);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; i++) out[i] = i8_red4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+}
+
+/* Scores of rows [r0, r0 + RB) (RB <= 4) over the span's nt tokens:
+ * s[i][t] = scale_t sq_i (acc_t - 128 sum qi) + zc_t qsum_i, zc_t = zero_t
+ * + 128 scale_t. 16 tokens per step (a token past nt repeats the last
+ * one; its score is not stored). */
+AI void i8_kblock(attn_rows *r, const uint8_t *const *tok, size_t koff, int nt, int r0, int RB,
+                  const float *ks, const float *zc)
+{
+    const int D = r->D;
+    /* half the next span's prefetches, spread over every 32-channel step;
+     * i8_vsum issues the rest */
+    const int steps = (nt + 3) / 4 * (D / 32);
+    const int per = steps > 0 ? (attn_prefetch_left(r->pf) / 2 + steps - 1) / steps : 0;
+    for (int t = 0; t < nt; t += 16) {
+        __m512i h[2][4];
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; half++) {
+            __m512i g[2][4];
+#pragma GCC unroll 2
+            for (int b = 0; b < 2; b++) {
+                const int tb = t + 8 * half + 4 * b;
+                const uint8_t *k[4];
+                for (int j = 0; j < 4; j++) k[j] = tok[tb + j < nt ? tb + j : nt - 1] + koff;
+                if (tb < nt) {
+                    i8_kdots4(r, k, r0, RB, per, g[b]);
+                } else {
+#pragma GCC unroll 4
+                    for (int i = 0; i < RB; i++) g[b][i] = _mm512_setzero_si512();
+                }
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < RB; i++) h[half][i] = i8_red8(g[0][i], g[1][i]);
+        }
+        const __mmask16 in = lanes(nt - t);
+        const __m512 kst = _mm512_maskz_loadu_ps(in, ks + t), zct = _mm512_maskz_loadu_ps(in, zc + t);
+#pragma GCC unroll 4
+        for (int i = 0; i < RB; i++) {
+            const float *qa = r->qa + (size_t)(r0 + i) * D;
+            int32_t qs;
+            memcpy(&qs, qa + D / 2 + 1, 4);
+            const __m512i sum = _mm512_sub_epi32(i8_red16(h[0][i], h[1][i]), _mm512_set1_epi32(128 * qs));
+            const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(qa[D / 2]));
+            const __m512 s = _mm512_fmadd_ps(kst, a, _mm512_mul_ps(zct, _mm512_set1_ps(r->qsum[r0 + i])));
+            _mm512_mask_storeu_ps(r->s + (size_t)(r0 + i) * r->gs + t, in, s);
+        }
+    }
+}
+
+/* acc[i][d0..d0+32 NH) += sw_i (sum_t wi_t c_td - 128 wsum_i) + pz_i for
+ * rows [r0, r0 + RB) (sw_i, wsum_i at float index D / 2 + 2, + 3 of the
+ * row's qa scratch, pz_i in rc), NH halves of 32 channels (1 or 2). Per token pair
+ * and half: the 32 code bytes of t and t + 1 interleaved
+ * (vpunpck{l,h}bw) and zero-extended to words (vpmovzxbw), so 32-bit lane
+ * m of vector e holds channel ch(e, m) of both tokens: e = 0: m < 8: m,
+ * else 8 + m; e = 1: m < 8: 8 + m, else 16 + m (the 128-bit lane shuffles
+ * at the end restore the order). */
+AI void i8_vsum(attn_rows *r, const uint8_t *const *tok, size_t voff, int nt, int r0, int RB,
+                int d0, int NH)
+{
+    const int D = r->D, gs = r->gs;
+    __m512i acc[5][4];
+#pragma GCC unroll 5
+    for (int i = 0; i < RB; i++)
+#pragma GCC unroll 4
+        for (int e = 0; e < 4; e++) acc[i][e] = _mm512_setzero_si512();
+    for (int t = 0; t < nt; t += 2) {
+        I8_PF(r->pf, 2);
+        const uint8_t *a = tok[t] + voff + d0, *b = tok[t + 1 < nt ? t + 1 : t] + voff + d0;
+        __m512i c[4];
+#pragma GCC unroll 2
+        for (int hh = 0; hh < NH; hh++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(const void *)(a + 32 * hh));
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(const void *)(b + 32 * hh));
+            c[2 * hh] = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(x, y));
+            c[2 * hh + 1] = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(x, y));
+        }
+#pragma GCC unroll 5
+        for (int i = 0; i < RB; i++) {
+            int32_t wp;
+            memcpy(&wp, (const int16_t *)(const void *)(r->s + (size_t)(r0 + i) * gs) + t, 4);
+            const __m512i w = _mm512_set1_epi32(wp);
+#pragma GCC unroll 4
+            for (int e = 0; e < 2 * NH; e++) acc[i][e] = dot_i16(acc[i][e], c[e], w);
+        }
+    }
+#pragma GCC unroll 5
+    for (int i = 0; i < RB; i++) {
+        const float *qa = r->qa + (size_t)(r0 + i) * D;
+        int32_t ws;
+        memcpy(&ws, qa + D / 2 + 3, 4);
+        const __m512i c128 = _mm512_set1_epi32(128 * ws);
+        const __m512 vs = _mm512_set1_ps(qa[D / 2 + 2]), vb = _mm512_set1_ps(r->rc[r0 + i]);
+        float *o = r->acc + (size_t)(r0 + i) * D + d0;
+#pragma GCC unroll 2
+        for (int hh = 0; hh < NH; hh++) {
+            const __m512i lo = acc[i][2 * hh], hi = acc[i][2 * hh + 1];
+            const __m512i u[2] = {_mm512_shuffle_i32x4(lo, hi, 0x44), _mm512_shuffle_i32x4(lo, hi, 0xee)};
+#pragma GCC unroll 2
+            for (int k = 0; k < 2; k++) {
+                const __m512 x = _mm512_cvtepi32_ps(_mm512_sub_epi32(u[k], c128));
+                float *ok = o + 32 * hh + 16 * k;
+                _mm512_storeu_ps(ok, _mm512_add_ps(_mm512_loadu_ps(ok), _mm512_fmadd_ps(x, vs, vb)));
+            }
+        }
+    }
+}
+
+/* Whether the integer path takes this call: head_dim <= 256 (K sums) and
+ * spans of at most 256 tokens (V sums); D % 32 == 0 holds at this level. */
+AI int i8_ok(const attn_rows *r, int nt)
+{
+    return r->D <= 256 && nt <= 256;
+}
+
+AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *recs,
+                        int t0, int nt)
+{
+    const int gs = r->gs, D = r->D;
+    float *ks = r->meta, *zc = ks + gs, *vs = zc + gs, *vz = vs + gs;
+    /* the fp16 scale and zero-point of every token (k_b follows k_a, v_b
+     * follows v_a), as raw words, then converted 16 tokens at a time */
+    uint32_t *kw = (uint32_t *)(void *)zc, *vw = (uint32_t *)(void *)vz;
+    for (int t = 0; t < nt; t++) {
+        memcpy(&kw[t], recs[t] + L->k_a_off, 4);
+        memcpy(&vw[t], recs[t] + L->v_a_off, 4);
+    }
+    for (int t = nt; t < gs; t++) kw[t] = vw[t] = 0u;
+    const __m512 c128 = _mm512_set1_ps(128.0f);
+    for (int t = 0; t < gs; t += 16) {
+        const __mmask16 in = lanes(gs - t);
+        const __m512i k32 = _mm512_maskz_loadu_epi32(in, kw + t), v32 = _mm512_maskz_loadu_epi32(in, vw + t);
+        const __m512 ka = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(k32));
+        const __m512 kb = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(k32, 16)));
+        const __m512 va = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v32));
+        const __m512 vb = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v32, 16)));
+        _mm512_mask_storeu_ps(ks + t, in, ka);
+        _mm512_mask_storeu_ps(zc + t, in, _mm512_fmadd_ps(ka, c128, kb));
+        _mm512_mask_storeu_ps(vs + t, in, va);
+        _mm512_mask_storeu_ps(vz + t, in, _mm512_fmadd_ps(va, c128, vb));
+    }
+    for (int i = 0; i < r->n; i++) i8_round_query(r, i);
+    for (int r0 = 0; r0 < r->n;) {
+        const int rb = block_rows(r->n, 4, r0);
+        switch (rb) {
+        case 4: i8_kblock(r, recs, L->k_codes_off, nt, r0, 4, ks, zc); break;
+        case 3: i8_kblock(r, recs, L->k_codes_off, nt, r0, 3, ks, zc); break;
+        case 2: i8_kblock(r, recs, L->k_codes_off, nt, r0, 2, ks, zc); break;
+        default: i8_kblock(r, recs, L->k_codes_off, nt, r0, 1, ks, zc); break;
+        }
+        r0 += rb;
+    }
+    for (int i = 0; i < r->n; i++) softmax_row_avx512(r, i, t0, nt);
+    /* weights p_t scale_t rounded to int16; the (zero + 128 scale) sum is
+     * one constant per row (p is 0 past nt, and so are the scales) */
+    const int nv = (nt + 7) & ~7;
+    for (int i = 0; i < r->n; i++) {
+        float *qa = r->qa + (size_t)i * D; /* sw at D / 2 + 2, wsum at D / 2 + 3 */
+        int32_t ws;
+        r->rc[i] = fold_weights(r->s + (size_t)i * gs, vs, vz, nv);
+        qa[D / 2 + 2] = i8_round_weights(r, i, nv, &ws);
+        memcpy(qa + D / 2 + 3, &ws, 4);
+    }
+    const int NH = D % 64 == 0 ? 2 : 1;
+    for (int d0 = 0; d0 < D; d0 += 32 * NH)
+        for (int r0 = 0; r0 < r->n;) {
+            const int rb = block_rows(r->n, 5, r0);
+#define I8VCALL(N) (NH == 2 ? i8_vsum(r, recs, L->v_codes_off, nt, r0, N, d0, 2) \
+                            : i8_vsum(r, recs, L->v_codes_off, nt, r0, N, d0, 1))
+            switch (rb) {
+            case 5: I8VCALL(5); break;
+            case 4: I8VCALL(4); break;
+            case 3: I8VCALL(3); break;
+            case 2: I8VCALL(2); break;
+            default: I8VCALL(1); break;
+            }
+#undef I8VCALL
+            r0 += rb;
+        }
+    I8_PF(r->pf, attn_prefetch_left(r->pf)); /* any left over */
+}
+
+#ifdef KVARN_AVX512_VNNI
+void attn_avx512vnni_token_int8(attn_rows *r, const kvarn_record_layout *L,
+                                const uint8_t *const *rec, int t0, int nt)
+{
+    if (!i8_ok(r, nt)) {
+        attn_avx512_token_int8(r, L, rec, t0, nt); /* the fp32 path */
+        return;
+    }
+    token_int8_body(r, L, rec, t0, nt);
+}
+#else
+void attn_avx512_token_int8(attn_rows *r, const kvarn_record_layout *L,
+                            const uint8_t *const *rec, int t0, int nt)
+{
+    if (!i8_ok(r, nt)) {
+        token_tile_body(r, KVARN_KIND_INT8, L, rec, t0, nt);
+        return;
+    }
+    token_int8_body(r, L, rec, t0, nt);
+}
+#endif
