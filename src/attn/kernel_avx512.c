@@ -1075,11 +1075,6 @@ void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const ui
     }
 }
 
-#ifdef I8_EXP_NOPF
-#define I8_PF(p, k) ((void)0)
-#else
-#define I8_PF(p, k) attn_prefetch_step(p, k)
-#endif
 /* ------------------------------------- int8 per-token: int16 dot products
  *
  * The int8 per-token kernel multiplies in int16 (dot_i16: vpmaddwd +
@@ -1110,6 +1105,65 @@ void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const ui
  * should a VNNI vpdpbusd path take them; 0.4% below 32767, i.e. a step
  * 1.004 times as large. */
 #define I8_QMAX 32639.0f
+
+/* The VNNI build's K dots where D % 64 == 0 (i8v_kdots16): the codes of 16
+ * tokens transposed so that each 32-bit lane is one token (4 channels of
+ * it), and vpdpbusd (u8 codes x s8) against the broadcast digit bytes of
+ * the query (i8_round_query: qi = 256 hi + lo): no widening to words and
+ * no sum across lanes. sum_d qi_d c_d = 256 sum hi c + sum lo c, exact in
+ * int32, so the scores are the vpmaddwd build's bits. */
+#ifdef KVARN_AVX512_VNNI
+#define I8_VNNI_K(D) ((D) % 64 == 0)
+#else
+#define I8_VNNI_K(D) 0
+#endif
+
+/* The driver's prefetch list (attn_prefetch) walked with its cursor in
+ * locals: the next line and the end of the current tile, the tile index
+ * (attn_prefetch_step keeps its cursor in memory, stores the compiler
+ * cannot drop). The lines go to L2 (prefetcht1), not L1: with prefetcht0
+ * the int8 record stream stopped at ~8.5 GB/s even with no arithmetic at
+ * all (a kernel that only touched the lines: SmolLM2 8k 390 us, fp16 10
+ * GB/s), with prefetcht1 12.8 GB/s (262 us); the L1 miss buffers, not
+ * DRAM, were the limit (docs/attention.md "int8: integer dot products"). */
+typedef struct i8_pf {
+    const attn_prefetch *p;
+    const uint8_t *cur, *end;
+    int tile;
+} i8_pf;
+
+AI void i8_pf_init(i8_pf *f, const attn_prefetch *p)
+{
+    f->p = p;
+    f->tile = p->tile;
+    f->cur = f->end = NULL;
+    if (p->tile < p->n) {
+        f->cur = p->base[p->tile] + (size_t)p->line * 64;
+        f->end = p->base[p->tile] + (size_t)p->lines * 64;
+    }
+}
+
+/* Issue up to k prefetches. */
+AI void i8_pf_step(i8_pf *f, int k)
+{
+    for (; k > 0; k--) {
+        if (f->cur == f->end) {
+            if (f->tile + 1 >= f->p->n) return;
+            f->tile++;
+            f->cur = f->p->base[f->tile];
+            f->end = f->cur + (size_t)f->p->lines * 64;
+        }
+        __builtin_prefetch(f->cur, 0, 2); /* prefetcht1: into L2 */
+        f->cur += 64;
+    }
+}
+
+/* Lines still to issue. */
+AI int i8_pf_left(const i8_pf *f)
+{
+    if (f->cur == f->end && f->tile + 1 >= f->p->n) return 0;
+    return (int)((f->end - f->cur) / 64) + (f->p->n - f->tile - 1) * f->p->lines;
+}
 
 /* a, b, c, d: int32 [16] of tokens 0..3 -> lane 4L + j holds part L
  * (lanes 4L..4L+3 of the input) of token j's sum. */
@@ -1155,7 +1209,16 @@ AI void i8_round_query(attn_rows *r, int i)
     for (int d = 0; d < D; d += 16) {
         const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv));
         sum = _mm512_add_epi32(sum, x);
-        _mm256_storeu_si256((__m256i *)(void *)(qi + d), _mm512_cvtsepi32_epi16(x));
+        if (I8_VNNI_K(D)) {
+            /* qi = 256 hi + lo, hi = (qi + 128) >> 8 in [-127, 127], lo
+             * in [-128, 127]: hi at bytes [0, D) of the row, lo at [D, 2D) */
+            const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(128)), 8);
+            const __m512i l = _mm512_sub_epi32(x, _mm512_slli_epi32(h, 8));
+            _mm_storeu_si128((__m128i *)(void *)((int8_t *)qa + d), _mm512_cvtepi32_epi8(h));
+            _mm_storeu_si128((__m128i *)(void *)((int8_t *)qa + D + d), _mm512_cvtepi32_epi8(l));
+        } else {
+            _mm256_storeu_si256((__m256i *)(void *)(qi + d), _mm512_cvtsepi32_epi16(x));
+        }
     }
     qa[D / 2] = ok ? qmax / I8_QMAX : 0.0f;
     const int32_t s = _mm512_reduce_add_epi32(sum);
@@ -1191,7 +1254,7 @@ AI float i8_round_weights(attn_rows *r, int i, int nv, int32_t *wsum)
  * [r0, r0 + RB), as i8_red4 of each row. 32 channels per step: each
  * token's codes zero-extended to words once, one dot_i16 per row and token
  * with the row's query words. */
-AI void i8_kdots4(const attn_rows *r, const uint8_t *const *k, int r0, int RB, int pf,
+AI void i8_kdots4(const attn_rows *r, i8_pf *f, const uint8_t *const *k, int r0, int RB, int pf,
                   __m512i *out)
 {
     const int D = r->D;
@@ -1201,7 +1264,7 @@ AI void i8_kdots4(const attn_rows *r, const uint8_t *const *k, int r0, int RB, i
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
     for (int d = 0; d < D; d += 32) {
-        I8_PF(r->pf, pf);
+        i8_pf_step(f, pf);
         __m512i c[4];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
@@ -1217,19 +1280,92 @@ AI void i8_kdots4(const attn_rows *r, const uint8_t *const *k, int r0, int RB, i
     for (int i = 0; i < RB; i++) out[i] = i8_red4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
 }
 
+#ifdef KVARN_AVX512_VNNI
+
+/* x[0..15]: 16 rows of 16 dwords -> x[k] = dword k of every row, row j in
+ * lane j (unpack 32 / 64-bit inside 128-bit lanes, then a 4 x 4 transpose
+ * of 128-bit blocks). */
+AI void i8_transpose16(__m512i *x)
+{
+    __m512i t[16], u[16];
+#pragma GCC unroll 8
+    for (int j = 0; j < 16; j += 2) {
+        t[j] = _mm512_unpacklo_epi32(x[j], x[j + 1]);
+        t[j + 1] = _mm512_unpackhi_epi32(x[j], x[j + 1]);
+    }
+    /* u[4Q + m]: 128-bit lane L = dword 4L + m of rows 4Q..4Q+3 */
+#pragma GCC unroll 4
+    for (int Q = 0; Q < 4; Q++) {
+        u[4 * Q + 0] = _mm512_unpacklo_epi64(t[4 * Q], t[4 * Q + 2]);
+        u[4 * Q + 1] = _mm512_unpackhi_epi64(t[4 * Q], t[4 * Q + 2]);
+        u[4 * Q + 2] = _mm512_unpacklo_epi64(t[4 * Q + 1], t[4 * Q + 3]);
+        u[4 * Q + 3] = _mm512_unpackhi_epi64(t[4 * Q + 1], t[4 * Q + 3]);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; m++) {
+        const __m512i a = u[m], b = u[4 + m], c = u[8 + m], d = u[12 + m];
+        const __m512i x0 = _mm512_shuffle_i32x4(a, b, 0x44), x1 = _mm512_shuffle_i32x4(c, d, 0x44);
+        const __m512i x2 = _mm512_shuffle_i32x4(a, b, 0xee), x3 = _mm512_shuffle_i32x4(c, d, 0xee);
+        x[m] = _mm512_shuffle_i32x4(x0, x1, 0x88);      /* dword m */
+        x[4 + m] = _mm512_shuffle_i32x4(x0, x1, 0xdd);  /* dword 4 + m */
+        x[8 + m] = _mm512_shuffle_i32x4(x2, x3, 0x88);
+        x[12 + m] = _mm512_shuffle_i32x4(x2, x3, 0xdd);
+    }
+}
+
+/* int32 q . code of the 16 tokens k[0..15] for rows [r0, r0 + RB), lane j
+ * = token j. */
+AI void i8v_kdots16(const attn_rows *r, i8_pf *f, const uint8_t *const *k, int r0, int RB, int pf,
+                    __m512i *out)
+{
+    const int D = r->D;
+    __m512i hi[4], lo[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; i++) hi[i] = lo[i] = _mm512_setzero_si512();
+    const int pf4 = (pf + 3) / 4; /* spread over the step: a burst stalls */
+    for (int d = 0; d < D; d += 64) {
+        __m512i x[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) x[j] = _mm512_loadu_si512((const void *)(k[j] + d));
+        i8_transpose16(x);
+#pragma GCC unroll 16
+        for (int kk = 0; kk < 16; kk++) {
+            if ((kk & 3) == 0) i8_pf_step(f, pf4);
+#pragma GCC unroll 4
+            for (int i = 0; i < RB; i++) {
+                const uint8_t *dg = (const uint8_t *)(const void *)(r->qa + (size_t)(r0 + i) * D);
+                hi[i] = _mm512_dpbusd_epi32(hi[i], x[kk], _mm512_set1_epi32((int)load_u32(dg + d + 4 * kk)));
+                lo[i] = _mm512_dpbusd_epi32(lo[i], x[kk], _mm512_set1_epi32((int)load_u32(dg + D + d + 4 * kk)));
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; i++) out[i] = _mm512_add_epi32(_mm512_slli_epi32(hi[i], 8), lo[i]);
+}
+#endif
+
 /* Scores of rows [r0, r0 + RB) (RB <= 4) over the span's nt tokens:
  * s[i][t] = scale_t sq_i (acc_t - 128 sum qi) + zc_t qsum_i, zc_t = zero_t
  * + 128 scale_t. 16 tokens per step (a token past nt repeats the last
  * one; its score is not stored). */
-AI void i8_kblock(attn_rows *r, const uint8_t *const *tok, size_t koff, int nt, int r0, int RB,
-                  const float *ks, const float *zc)
+AI void i8_kblock(attn_rows *r, i8_pf *f, const uint8_t *const *tok, size_t koff, int nt, int r0,
+                  int RB, const float *ks, const float *zc)
 {
     const int D = r->D;
     /* half the next span's prefetches, spread over every 32-channel step;
      * i8_vsum issues the rest */
-    const int steps = (nt + 3) / 4 * (D / 32);
-    const int per = steps > 0 ? (attn_prefetch_left(r->pf) / 2 + steps - 1) / steps : 0;
+    const int steps = I8_VNNI_K(D) ? (nt + 15) / 16 * (D / 64) : (nt + 3) / 4 * (D / 32);
+    const int per = steps > 0 ? (i8_pf_left(f) / 2 + steps - 1) / steps : 0;
     for (int t = 0; t < nt; t += 16) {
+        __m512i sums[4];
+#ifdef KVARN_AVX512_VNNI
+        if (I8_VNNI_K(D)) {
+            const uint8_t *k[16];
+            for (int j = 0; j < 16; j++) k[j] = tok[t + j < nt ? t + j : nt - 1] + koff;
+            i8v_kdots16(r, f, k, r0, RB, per, sums);
+        } else
+#endif
+        {
         __m512i h[2][4];
 #pragma GCC unroll 2
         for (int half = 0; half < 2; half++) {
@@ -1240,7 +1376,7 @@ AI void i8_kblock(attn_rows *r, const uint8_t *const *tok, size_t koff, int nt, 
                 const uint8_t *k[4];
                 for (int j = 0; j < 4; j++) k[j] = tok[tb + j < nt ? tb + j : nt - 1] + koff;
                 if (tb < nt) {
-                    i8_kdots4(r, k, r0, RB, per, g[b]);
+                    i8_kdots4(r, f, k, r0, RB, per, g[b]);
                 } else {
 #pragma GCC unroll 4
                     for (int i = 0; i < RB; i++) g[b][i] = _mm512_setzero_si512();
@@ -1249,6 +1385,9 @@ AI void i8_kblock(attn_rows *r, const uint8_t *const *tok, size_t koff, int nt, 
 #pragma GCC unroll 4
             for (int i = 0; i < RB; i++) h[half][i] = i8_red8(g[0][i], g[1][i]);
         }
+#pragma GCC unroll 4
+        for (int i = 0; i < RB; i++) sums[i] = i8_red16(h[0][i], h[1][i]);
+        }
         const __mmask16 in = lanes(nt - t);
         const __m512 kst = _mm512_maskz_loadu_ps(in, ks + t), zct = _mm512_maskz_loadu_ps(in, zc + t);
 #pragma GCC unroll 4
@@ -1256,7 +1395,7 @@ AI void i8_kblock(attn_rows *r, const uint8_t *const *tok, size_t koff, int nt, 
             const float *qa = r->qa + (size_t)(r0 + i) * D;
             int32_t qs;
             memcpy(&qs, qa + D / 2 + 1, 4);
-            const __m512i sum = _mm512_sub_epi32(i8_red16(h[0][i], h[1][i]), _mm512_set1_epi32(128 * qs));
+            const __m512i sum = _mm512_sub_epi32(sums[i], _mm512_set1_epi32(128 * qs));
             const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(qa[D / 2]));
             const __m512 s = _mm512_fmadd_ps(kst, a, _mm512_mul_ps(zct, _mm512_set1_ps(r->qsum[r0 + i])));
             _mm512_mask_storeu_ps(r->s + (size_t)(r0 + i) * r->gs + t, in, s);
@@ -1272,8 +1411,8 @@ AI void i8_kblock(attn_rows *r, const uint8_t *const *tok, size_t koff, int nt, 
  * m of vector e holds channel ch(e, m) of both tokens: e = 0: m < 8: m,
  * else 8 + m; e = 1: m < 8: 8 + m, else 16 + m (the 128-bit lane shuffles
  * at the end restore the order). */
-AI void i8_vsum(attn_rows *r, const uint8_t *const *tok, size_t voff, int nt, int r0, int RB,
-                int d0, int NH)
+AI void i8_vsum(attn_rows *r, i8_pf *f, const uint8_t *const *tok, size_t voff, int nt, int r0,
+                int RB, int d0, int NH)
 {
     const int D = r->D, gs = r->gs;
     __m512i acc[5][4];
@@ -1282,7 +1421,7 @@ AI void i8_vsum(attn_rows *r, const uint8_t *const *tok, size_t voff, int nt, in
 #pragma GCC unroll 4
         for (int e = 0; e < 4; e++) acc[i][e] = _mm512_setzero_si512();
     for (int t = 0; t < nt; t += 2) {
-        I8_PF(r->pf, 2);
+        i8_pf_step(f, 2);
         const uint8_t *a = tok[t] + voff + d0, *b = tok[t + 1 < nt ? t + 1 : t] + voff + d0;
         __m512i c[4];
 #pragma GCC unroll 2
@@ -1357,13 +1496,15 @@ AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         _mm512_mask_storeu_ps(vz + t, in, _mm512_fmadd_ps(va, c128, vb));
     }
     for (int i = 0; i < r->n; i++) i8_round_query(r, i);
+    i8_pf pf;
+    i8_pf_init(&pf, r->pf);
     for (int r0 = 0; r0 < r->n;) {
         const int rb = block_rows(r->n, 4, r0);
         switch (rb) {
-        case 4: i8_kblock(r, recs, L->k_codes_off, nt, r0, 4, ks, zc); break;
-        case 3: i8_kblock(r, recs, L->k_codes_off, nt, r0, 3, ks, zc); break;
-        case 2: i8_kblock(r, recs, L->k_codes_off, nt, r0, 2, ks, zc); break;
-        default: i8_kblock(r, recs, L->k_codes_off, nt, r0, 1, ks, zc); break;
+        case 4: i8_kblock(r, &pf, recs, L->k_codes_off, nt, r0, 4, ks, zc); break;
+        case 3: i8_kblock(r, &pf, recs, L->k_codes_off, nt, r0, 3, ks, zc); break;
+        case 2: i8_kblock(r, &pf, recs, L->k_codes_off, nt, r0, 2, ks, zc); break;
+        default: i8_kblock(r, &pf, recs, L->k_codes_off, nt, r0, 1, ks, zc); break;
         }
         r0 += rb;
     }
@@ -1382,8 +1523,8 @@ AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     for (int d0 = 0; d0 < D; d0 += 32 * NH)
         for (int r0 = 0; r0 < r->n;) {
             const int rb = block_rows(r->n, 5, r0);
-#define I8VCALL(N) (NH == 2 ? i8_vsum(r, recs, L->v_codes_off, nt, r0, N, d0, 2) \
-                            : i8_vsum(r, recs, L->v_codes_off, nt, r0, N, d0, 1))
+#define I8VCALL(N) (NH == 2 ? i8_vsum(r, &pf, recs, L->v_codes_off, nt, r0, N, d0, 2) \
+                            : i8_vsum(r, &pf, recs, L->v_codes_off, nt, r0, N, d0, 1))
             switch (rb) {
             case 5: I8VCALL(5); break;
             case 4: I8VCALL(4); break;
@@ -1394,7 +1535,9 @@ AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
 #undef I8VCALL
             r0 += rb;
         }
-    I8_PF(r->pf, attn_prefetch_left(r->pf)); /* any left over */
+    i8_pf_step(&pf, i8_pf_left(&pf)); /* any left over */
+    r->pf->tile = r->pf->n; /* all issued */
+    r->pf->line = 0;
 }
 
 #ifdef KVARN_AVX512_VNNI

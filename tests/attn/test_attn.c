@@ -404,6 +404,37 @@ static void test_int8_paths(void **state)
                 c.seqs[2].seq_len = 2 * c.G + 7;
                 run_case(&c, 1400 + di * 5 + bi);
             }
+    /* the VNNI build (K by vpdpbusd on transposed codes where D % 64 == 0,
+     * else as the other build) and the vpmaddwd build: the same exact
+     * int32 sums, the same bits (test_simd_threads checks D = 128) */
+    for (int di = 0; di < 4; di++) {
+        attn_case c;
+        memset(&c, 0, sizeof c);
+        c.fmt = "int8";
+        c.D = dims[di];
+        c.Hk = 2;
+        c.group = 3;
+        c.G = 16;
+        c.causal = 1;
+        c.level = LV_AVX512;
+        c.n_seqs = 2;
+        c.seqs[0].seq_len = 301;
+        c.seqs[1].seq_len = 45;
+        paged_fixture f;
+        assert_int_equal(pf_build(&f, c.fmt, c.D, c.Hk, c.G, 0, c.seqs, c.n_seqs, 1450 + di), 0);
+        int32_t qsl[3] = {0, 1, 2};
+        const size_t nq = (size_t)2 * c.Hk * c.group * c.D;
+        float *q = malloc(nq * sizeof(float)), *a = malloc(nq * sizeof(float)), *b = malloc(nq * sizeof(float));
+        test_rng rng;
+        test_rng_seed(&rng, 1460 + di);
+        for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
+        assert_int_equal(run_attn(&f, &c, qsl, q, a, NULL), KVARN_OK);
+        c.no_vnni = 1;
+        assert_int_equal(run_attn(&f, &c, qsl, q, b, NULL), KVARN_OK);
+        assert_memory_equal(a, b, nq * sizeof(float));
+        free(q); free(a); free(b);
+        pf_free(&f);
+    }
 }
 
 /* Sink tiles 0 and 1, fp16 tail of 0, 1 or 2 full tiles plus a partial one. */
