@@ -27,10 +27,12 @@
  * The online-softmax step masks positions with 16-bit lane masks.
  * 4-bit K and 2-bit V of 128-token KVarN tiles are multiplied in int16
  * (vpmaddwd; one vpdpwssd in the VNNI build, kernel_avx512_vnni.c) against
- * a query / weights rounded to int16 per row and tile: the only place the
- * SIMD kernels' arithmetic differs from the reference by more than the
- * order of fp32 sums; docs/attention.md "Integer (int16) dot products"
- * bounds the error.
+ * a query / weights rounded to int16 per row and tile, and so are the int8
+ * per-token codes (token_int8_body, at the end; vpdpbusd on transposed K
+ * codes in the VNNI build): the only places the SIMD kernels' arithmetic
+ * differs from the reference by more than the order of fp32 sums;
+ * docs/attention.md "Integer (int16) dot products" and "int8: integer dot
+ * products" bound the error.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -1101,9 +1103,9 @@ void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const ui
  * Exact either way, so the two builds give the same bits. */
 
 /* The largest int16 query / weight magnitude: 127 x 256 + 127, so that a
- * value also splits into two signed bytes (v + 128) >> 8 and the rest,
- * should a VNNI vpdpbusd path take them; 0.4% below 32767, i.e. a step
- * 1.004 times as large. */
+ * value also splits into two signed bytes, (v + 128) >> 8 and the rest,
+ * for vpdpbusd (i8v_kdots16); 0.4% below 32767, i.e. a step 1.004 times
+ * as large. */
 #define I8_QMAX 32639.0f
 
 /* The VNNI build's K dots where D % 64 == 0 (i8v_kdots16): the codes of 16
