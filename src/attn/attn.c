@@ -203,6 +203,9 @@ static void pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim
     if (out->kvarn_tile == attn_avx512_kvarn_tile && !(o->testing && o->testing->no_vnni) &&
         kvarn__cpu_avx512_vnni())
         out->kvarn_tile = attn_avx512vnni_kvarn_tile;
+    if (out->token_tile == attn_avx512_token_int8 && !(o->testing && o->testing->no_vnni) &&
+        kvarn__cpu_avx512_vnni())
+        out->token_tile = attn_avx512vnni_token_int8;
 }
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)

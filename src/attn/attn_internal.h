@@ -226,6 +226,11 @@ ATTN_DECLARE_KERNELS(avx512)
  * attn_avx512_kvarn_tile; only on CPUs with VNNI (kvarn__cpu_avx512_vnni). */
 void attn_avx512vnni_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                                 int t0, int nt);
+/* The AVX-512 int8 per-token kernel built with AVX512-VNNI (the same file;
+ * its int16 dot products are vpdpwssd): same contract and the same bits as
+ * attn_avx512_token_int8; only on CPUs with VNNI. */
+void attn_avx512vnni_token_int8(attn_rows *r, const kvarn_record_layout *L,
+                                const uint8_t *const *rec, int t0, int nt);
 
 /* Scalar online-softmax step shared by the reference kernels: mask s[r][t]
  * to the row's visible positions, update m and l, rescale acc, and turn s

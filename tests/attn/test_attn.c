@@ -374,6 +374,69 @@ static void test_gqa(void **state)
             }
 }
 
+/* The int8 AVX-512 kernel's integer path and its fp32 fallback: head_dim
+ * 64, 96 (32 channels per V pass), 256 (the largest the int32 K sums
+ * allow) and 320 (fp32 path); blocks of 16 (spans of 8 blocks), 256 (one
+ * block, the longest span the int32 V sums allow) and 512 tokens (fp32
+ * path); odd lengths (the last token pair and 4-token group partial);
+ * every level, and the AVX-512 level's vpmaddwd build. */
+static void test_int8_paths(void **state)
+{
+    (void)state;
+    const int dims[] = {64, 96, 256, 320}, blocks[] = {16, 256, 512};
+    for (int di = 0; di < 4; di++)
+        for (int bi = 0; bi < 3; bi++)
+            for (int pass = 0; pass <= LV_COUNT; pass++) {
+                attn_case c;
+                memset(&c, 0, sizeof c);
+                c.fmt = "int8";
+                c.D = dims[di];
+                c.Hk = 2;
+                c.group = 3;
+                c.G = blocks[bi];
+                c.causal = 1;
+                c.level = pass == LV_COUNT ? LV_AVX512 : pass;
+                c.force_scalar = c.level == LV_SCALAR;
+                c.no_vnni = pass == LV_COUNT;
+                c.n_seqs = 3;
+                c.seqs[0].seq_len = 1;
+                c.seqs[1].seq_len = 301;
+                c.seqs[2].seq_len = 2 * c.G + 7;
+                run_case(&c, 1400 + di * 5 + bi);
+            }
+    /* the VNNI build (K by vpdpbusd on transposed codes where D % 64 == 0,
+     * else as the other build) and the vpmaddwd build: the same exact
+     * int32 sums, the same bits (test_simd_threads checks D = 128) */
+    for (int di = 0; di < 4; di++) {
+        attn_case c;
+        memset(&c, 0, sizeof c);
+        c.fmt = "int8";
+        c.D = dims[di];
+        c.Hk = 2;
+        c.group = 3;
+        c.G = 16;
+        c.causal = 1;
+        c.level = LV_AVX512;
+        c.n_seqs = 2;
+        c.seqs[0].seq_len = 301;
+        c.seqs[1].seq_len = 45;
+        paged_fixture f;
+        assert_int_equal(pf_build(&f, c.fmt, c.D, c.Hk, c.G, 0, c.seqs, c.n_seqs, 1450 + di), 0);
+        int32_t qsl[3] = {0, 1, 2};
+        const size_t nq = (size_t)2 * c.Hk * c.group * c.D;
+        float *q = malloc(nq * sizeof(float)), *a = malloc(nq * sizeof(float)), *b = malloc(nq * sizeof(float));
+        test_rng rng;
+        test_rng_seed(&rng, 1460 + di);
+        for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
+        assert_int_equal(run_attn(&f, &c, qsl, q, a, NULL), KVARN_OK);
+        c.no_vnni = 1;
+        assert_int_equal(run_attn(&f, &c, qsl, q, b, NULL), KVARN_OK);
+        assert_memory_equal(a, b, nq * sizeof(float));
+        free(q); free(a); free(b);
+        pf_free(&f);
+    }
+}
+
 /* Sink tiles 0 and 1, fp16 tail of 0, 1 or 2 full tiles plus a partial one. */
 static void test_sink_and_tail(void **state)
 {
@@ -458,8 +521,8 @@ static void test_sliding_window(void **state)
 {
     (void)state;
     const int windows[] = {1, 7, 64, 100, 1000};
-    const char *fmts[] = {"kvarn_k4v2_g64", "int4"};
-    for (int fi = 0; fi < 2; fi++)
+    const char *fmts[] = {"kvarn_k4v2_g64", "int4", "int8"};
+    for (int fi = 0; fi < 3; fi++)
         for (int wi = 0; wi < 5; wi++)
             for (int multi = 0; multi < 2; multi++) {
                 attn_case c;
@@ -491,8 +554,8 @@ static void test_sliding_window(void **state)
 static void test_multi_query(void **state)
 {
     (void)state;
-    const char *fmts[] = {"kvarn_k4v2_g64", "fp8_e4m3", "fp16"};
-    for (int fi = 0; fi < 3; fi++)
+    const char *fmts[] = {"kvarn_k4v2_g64", "fp8_e4m3", "fp16", "int8"};
+    for (int fi = 0; fi < 4; fi++)
         for (int causal = 0; causal < 2; causal++)
             for (int lv = 0; lv < LV_COUNT; lv++) {
                 attn_case c;
@@ -705,11 +768,11 @@ static void test_simd_threads(void **state)
 static void test_extreme_query(void **state)
 {
     (void)state;
-    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v2_g32", "kvarn_k8v2_g64"};
-    const double mags[] = {1e30, 1e-30};
-    for (int fi = 0; fi < 4; fi++)
+    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v2_g32", "kvarn_k8v2_g64", "int8"};
+    const double mags[] = {1e30, 1e-30, 0.0};
+    for (int fi = 0; fi < 5; fi++)
         for (int D = 64; D <= 128; D += 64)
-            for (int mi = 0; mi < 2; mi++) {
+            for (int mi = 0; mi < 3; mi++) {
                 attn_case c;
                 memset(&c, 0, sizeof c);
                 c.fmt = fmts[fi];
@@ -722,7 +785,7 @@ static void test_extreme_query(void **state)
                 paged_fixture f;
                 kvarn_format fmt;
                 assert_int_equal(kvarn_format_parse(c.fmt, &fmt), KVARN_OK);
-                c.G = fmt.tile_tokens;
+                c.G = fmt.kind == KVARN_KIND_KVARN ? fmt.tile_tokens : 16;
                 assert_int_equal(pf_build(&f, c.fmt, D, c.Hk, c.G, c.sink, c.seqs, 1, 1500 + fi), 0);
                 int32_t qsl[2] = {0, 1};
                 const size_t nq = (size_t)c.Hk * c.group * D;
@@ -1008,6 +1071,7 @@ int main(void)
                "those cases run capped at %s\n", top, top);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_format), cmocka_unit_test(test_gqa),
+        cmocka_unit_test(test_int8_paths),
         cmocka_unit_test(test_sink_and_tail), cmocka_unit_test(test_sink_tokens),
         cmocka_unit_test(test_sliding_window),
         cmocka_unit_test(test_multi_query), cmocka_unit_test(test_long_chunk),

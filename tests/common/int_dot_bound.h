@@ -8,6 +8,7 @@
 #define KVARN_TEST_INT_DOT_BOUND_H
 
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -24,10 +25,122 @@ static inline double idb_half(const uint8_t *p, int i)
     return kvarn_fp16_to_fp32(x);
 }
 
+/* The int8 per-token kernel (AVX-512, docs/attention.md "int8: integer
+ * dot products"), for the row with query q (original basis, before the
+ * softmax scale), positions [lo, hi] of sequence view v, KV head h.
+ *
+ * K: the kernel rounds q'_d = scale q_d to sq qi_d, sq = max_d |q'_d| /
+ * 32639, and computes s_t = scale_t (sum_d sq qi_d (c_td - 128) + 128
+ * sum_d q'_d) + zero_t sum_d q'_d, whose exact value differs from the
+ * reference's scale_t sum_d q'_d c_td + zero_t sum_d q'_d by
+ *     ds_t = -scale_t sum_d e_d (c_td - 128),  e_d = q'_d - sq qi_d.
+ * e_d is known from the data (round to nearest of q'_d / sq, in double)
+ * up to the kernel's fp32 (q'_d, 32639 / max and the product each one
+ * rounding: under 2^-7 steps, eps); a channel within eps of a rounding
+ * boundary may round either way: |e_d| <= sq (1/2 + eps), the others are
+ * known within sq eps:
+ *     |ds_t| <= |scale_t| (|sum_d e_d (c_td - 128)| + sum_d cw_d |c_td - 128|)
+ * with cw_d = sq eps or sq (1/2 + eps), e_d = 0 for the latter. The
+ * softmax turns max_t |ds_t| = delta into ||p' - p||_1 <= e^(2 delta) - 1,
+ * at most (e^(2 delta) - 1) max_t ||v'_t||_inf on the output.
+ * V: per span of at most S tokens (the kernel's call: S = 128 tokens of
+ * whole blocks, or one block of G >= 128) the weights w_t = p_t scale_t
+ * are rounded to sw wi_t, sw = max_t w_t / 32639, |w_t - sw wi_t| <= sw
+ * (1/2 + 2^-8); centred codes: channel d of acc moves by at most
+ * sw (1/2 + 2^-8) sum_t |c_td - 128| over the span's visible tokens.
+ * Divided by the final l: sw / l <= max_t (pi_t) max_t (scale_t) / 32639
+ * (pi = the normalized weights), and the spans' largest pi_t sum to at
+ * most 1, so output channel d moves by at most
+ *     (1/2 + 2^-8) / 32639 max_t scale_t max over windows W of S
+ *         consecutive visible positions of sum_{t in W} |c_td - 128|.
+ * The int32 sums are exact; the fp32 rest is the 1e-4 / 1e-5 the tests
+ * add. */
+/* delta = max_t |ds_t| over positions [lo, hi] (the K half above); also
+ * the most the kernel's log-sum-exp of the row can move (every score by at
+ * most delta). 0 where the kernel keeps fp32 (D > 256). */
+static inline double attn_int8_k_delta(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                       const float *q, double scale, int lo, int hi)
+{
+    const int D = kv->head_dim, G = kv->block_size;
+    if (D > 256 || hi < lo) return 0.0;
+    kvarn_record_layout L;
+    if (kvarn_record_layout_get(&kv->fmt, D, &L) != KVARN_OK) return INFINITY;
+    const double qmaxi = 32639.0, eps = 0x1p-7;
+    double qp[1024], e[1024], cw[1024], qmax = 0.0;
+    for (int d = 0; d < D; d++) {
+        qp[d] = (double)q[d] * scale;
+        qmax = fmax(qmax, fabs(qp[d]));
+    }
+    const double sq = qmax >= 0x1p-100 ? qmax / qmaxi : 0.0;
+    for (int d = 0; d < D; d++) {
+        if (sq == 0.0) { /* the kernel's qi = 0: e_d = q'_d, up to fp32 */
+            e[d] = qp[d];
+            cw[d] = fabs(qp[d]) * 0x1p-20;
+            continue;
+        }
+        const double x = qp[d] / sq, fr = x - floor(x);
+        if (fabs(fr - 0.5) <= eps) {
+            e[d] = 0.0;
+            cw[d] = sq * (0.5 + eps);
+        } else {
+            e[d] = qp[d] - sq * nearbyint(x);
+            cw[d] = sq * eps;
+        }
+    }
+    double delta = 0.0;
+    for (int t = lo; t <= hi; t++) {
+        const uint8_t *rec = kvarn_paged_token_record(kv, v->block_table[t / G], h, t % G);
+        const double ks = fabs(idb_half(rec + L.k_a_off, 0));
+        double sgn = 0.0, wc = 0.0;
+        for (int d = 0; d < D; d++) {
+            const double c = (double)rec[L.k_codes_off + (size_t)d] - 128.0;
+            sgn += e[d] * c;
+            wc += cw[d] * fabs(c);
+        }
+        delta = fmax(delta, ks * (fabs(sgn) + wc));
+    }
+    return delta;
+}
+
+static inline double attn_int8_dot_bound(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                         const float *q, double scale, int lo, int hi, double vmax)
+{
+    const int D = kv->head_dim, G = kv->block_size;
+    if (D > 256 || hi < lo) return 0.0; /* the kernel's fp32 path */
+    kvarn_record_layout L;
+    if (kvarn_record_layout_get(&kv->fmt, D, &L) != KVARN_OK) return INFINITY;
+    const double qmaxi = 32639.0;
+    const double delta = attn_int8_k_delta(kv, v, h, q, scale, lo, hi);
+    const int S = G >= 128 ? G : 128 / G * G;
+    double ev = 0.0, smax = 0.0;
+    double *wsum = calloc((size_t)D, sizeof(double)); /* window sums per channel */
+    if (wsum == NULL) return INFINITY;
+    for (int t = lo; t <= hi; t++) {
+        const uint8_t *rec = kvarn_paged_token_record(kv, v->block_table[t / G], h, t % G);
+        smax = fmax(smax, fabs(idb_half(rec + L.v_a_off, 0)));
+    }
+    /* V: windows of S consecutive visible positions (a span holds at most
+     * S; fewer visible ones only shrink the sums), sliding; the largest
+     * scale of all visible positions stands for each window's */
+    for (int t = lo; t <= hi; t++) {
+        const uint8_t *rec = kvarn_paged_token_record(kv, v->block_table[t / G], h, t % G);
+        for (int d = 0; d < D; d++) wsum[d] += fabs((double)rec[L.v_codes_off + (size_t)d] - 128.0);
+        if (t - S >= lo) {
+            const int u = t - S;
+            const uint8_t *old = kvarn_paged_token_record(kv, v->block_table[u / G], h, u % G);
+            for (int d = 0; d < D; d++) wsum[d] -= fabs((double)old[L.v_codes_off + (size_t)d] - 128.0);
+        }
+        for (int d = 0; d < D; d++) ev = fmax(ev, (0.5 + 0x1p-8) / qmaxi * smax * wsum[d]);
+    }
+    free(wsum);
+    return (exp(2.0 * delta) - 1.0) * vmax + ev;
+}
+
 static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
                                         const float *q, double scale, int lo, int hi, double vmax)
 {
     const kvarn_format *fmt = &kv->fmt;
+    if (fmt->kind == KVARN_KIND_INT8) return attn_int8_dot_bound(kv, v, h, q, scale, lo, hi, vmax);
     if (fmt->kind != KVARN_KIND_KVARN || kv->block_size != 128 ||
         (fmt->key_bits != 4 && fmt->value_bits != 2) || hi < lo)
         return 0.0;

@@ -479,14 +479,16 @@ static void test_kernels_match_exact_chunk(void **state)
         const double tol = 1e-5;
         /* The AVX-512 KVarN kernel multiplies 4-bit K / 2-bit V codes of
          * 128-token tiles in int16 (docs/attention.md "Integer (int16) dot
-         * products"): more than fp32 summation order apart from the exact
-         * path. tests/attn (test_attn, test_attn_cache) hold that path to
+         * products"), the AVX-512 int8 kernel all its codes ("int8:
+         * integer dot products"): more than fp32 summation order apart
+         * from the exact path. tests/attn (test_attn, test_attn_cache) hold that path to
          * its derived bound; here those formats run capped at AVX2, whose
          * kernels read the same records in fp32. */
         const char *simd = getenv("KVARN_SIMD");
         char *saved_simd = simd ? strdup(simd) : NULL;
-        const int int16_path = fmt.kind == KVARN_KIND_KVARN && fmt.tile_tokens == 128 &&
-                               (fmt.key_bits == 4 || fmt.value_bits == 2);
+        const int int16_path = (fmt.kind == KVARN_KIND_KVARN && fmt.tile_tokens == 128 &&
+                                (fmt.key_bits == 4 || fmt.value_bits == 2)) ||
+                               fmt.kind == KVARN_KIND_INT8;
         if (int16_path && !(simd && (strcmp(simd, "scalar") == 0 || strcmp(simd, "avx2") == 0)))
             assert_int_equal(setenv("KVARN_SIMD", "avx2", 1), 0);
         kvarn_llama_session_opts oa_opts = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
