@@ -198,14 +198,12 @@ static void pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim
 {
     const int top = force_scalar_of(o) ? KVARN_CPU_SCALAR : (int)kvarn__cpu_level();
     (void)attn_select_kernels(kind, head_dim, top, out); /* kind checked by make_geom */
-    /* The AVX-512 KVarN kernel's VNNI build where the CPU has VNNI (same
-     * results; the testing knob no_vnni keeps the vpmaddwd build). */
-    if (out->kvarn_tile == attn_avx512_kvarn_tile && !(o->testing && o->testing->no_vnni) &&
-        kvarn__cpu_avx512_vnni())
-        out->kvarn_tile = attn_avx512vnni_kvarn_tile;
-    if (out->token_tile == attn_avx512_token_int8 && !(o->testing && o->testing->no_vnni) &&
-        kvarn__cpu_avx512_vnni())
-        out->token_tile = attn_avx512vnni_token_int8;
+    /* The VNNI builds of the AVX-512 KVarN and int8 kernels where the CPU
+     * has VNNI (same results; the testing knob no_vnni keeps the vpmaddwd
+     * builds). */
+    const int vnni = !(o->testing && o->testing->no_vnni) && kvarn__cpu_avx512_vnni();
+    if (vnni && out->kvarn_tile == attn_avx512_kvarn_tile) out->kvarn_tile = attn_avx512vnni_kvarn_tile;
+    if (vnni && out->token_tile == attn_avx512_token_int8) out->token_tile = attn_avx512vnni_token_int8;
 }
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
