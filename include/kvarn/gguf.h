@@ -24,7 +24,10 @@
  * Opening validates the whole header up front, so that later accessors can
  * trust it: every length and offset is inside the file, element counts do
  * not overflow, no key or tensor name appears twice, every tensor's type is
- * one of the supported types below and its data lies inside the file. Any
+ * one of the supported types below and its data lies inside the file and
+ * shares no byte with another tensor's (adjacent tensors and padding
+ * between them are fine; an overlap means a type, shape or offset that
+ * does not match the data, e.g. a tensor retyped in the header). Any
  * violation is KVARN_ERR_BAD_FILE (malformed, truncated, hostile) or
  * KVARN_ERR_UNSUPPORTED (well-formed but outside what this reader serves:
  * another version, another tensor type, nested arrays), with a one-line
@@ -143,8 +146,8 @@ typedef struct kvarn_gguf kvarn_gguf;
  * any length / count / offset past the end or overflowing, bad alignment,
  * n_dims of 0 or > 4, a zero or overflowing dimension, a row length that is
  * not a multiple of the block size, a tensor name longer than 64 bytes,
- * duplicate keys or tensor names; tensors overlapping each other are
- * allowed, as in ggml),
+ * duplicate keys or tensor names, two tensors whose data ranges overlap:
+ * "tensors 'A' (data bytes [a0, a1)) and 'B' ([b0, b1)) overlap: ..."),
  * KVARN_ERR_UNSUPPORTED (version other than 2 or 3, a tensor type not in
  * kvarn_ggml_type, nested arrays), KVARN_ERR_NOMEM. */
 kvarn_status kvarn_gguf_open(const char *path, kvarn_gguf **out,

@@ -481,6 +481,80 @@ static kvarn_status parse_tensor_info(cursor *c, kvarn_gguf *g, uint64_t i)
     return KVARN_OK;
 }
 
+/* Sort tensor indices ix[0..n) by data offset, ties by index: a heap sort
+ * (qsort has no context pointer in C11, and the library keeps no global
+ * state). */
+static int offset_before(const kvarn_gguf_tensor *ts, uint64_t a, uint64_t b)
+{
+    return ts[a].offset < ts[b].offset || (ts[a].offset == ts[b].offset && a < b);
+}
+
+static void sift_down(const kvarn_gguf_tensor *ts, uint64_t *ix, uint64_t root, uint64_t n)
+{
+    for (;;) {
+        uint64_t child = 2 * root + 1;
+        if (child >= n) return;
+        if (child + 1 < n && offset_before(ts, ix[child], ix[child + 1])) child++;
+        if (!offset_before(ts, ix[root], ix[child])) return;
+        uint64_t tmp = ix[root];
+        ix[root] = ix[child];
+        ix[child] = tmp;
+        root = child;
+    }
+}
+
+static void sort_by_offset(const kvarn_gguf_tensor *ts, uint64_t *ix, uint64_t n)
+{
+    for (uint64_t i = n / 2; i-- > 0;) sift_down(ts, ix, i, n);
+    for (uint64_t end = n; end-- > 1;) {
+        uint64_t tmp = ix[0];
+        ix[0] = ix[end];
+        ix[end] = tmp;
+        sift_down(ts, ix, 0, end);
+    }
+}
+
+/* No two tensors may share a byte of data: a tensor whose type or shape
+ * in the header does not match its data (a retyped tensor, a corrupt
+ * header) reads the next tensors' bytes as its own. Adjacent tensors and
+ * padding between them are fine. Tensors are checked in offset order, so
+ * the message names the first overlapping pair from the data section's
+ * start. */
+static kvarn_status check_overlaps(cursor *c, kvarn_gguf *g)
+{
+    const uint64_t n = g->n_tensors;
+    if (n < 2) return KVARN_OK;
+    const kvarn_gguf_tensor *ts = g->tensors;
+    /* Most files list their tensors in data order: check that without
+     * allocating, and sort only when it is not so. */
+    uint64_t i = 1;
+    while (i < n && ts[i - 1].offset < ts[i].offset &&
+           ts[i].offset - ts[i - 1].offset >= ts[i - 1].n_bytes)
+        i++;
+    if (i == n) return KVARN_OK;
+    uint64_t *ix = kvarn__malloc(&g->alloc, (size_t)n, sizeof *ix);
+    if (!ix)
+        return fail(c, KVARN_ERR_NOMEM, "out of memory for the offsets of %llu tensors",
+                    (unsigned long long)n);
+    for (uint64_t k = 0; k < n; k++) ix[k] = k;
+    sort_by_offset(ts, ix, n);
+    kvarn_status st = KVARN_OK;
+    for (uint64_t k = 1; k < n && st == KVARN_OK; k++) {
+        const kvarn_gguf_tensor *a = &ts[ix[k - 1]], *b = &ts[ix[k]];
+        /* a->offset <= b->offset; both ranges lie inside the data section */
+        if (b->offset - a->offset < a->n_bytes)
+            st = fail(c, KVARN_ERR_BAD_FILE,
+                      "tensors '%s' (data bytes [%llu, %llu)) and '%s' ([%llu, %llu)) overlap: "
+                      "a tensor's type, shape or offset in the header does not match the "
+                      "data (a retyped or corrupt tensor info)",
+                      a->name, (unsigned long long)a->offset,
+                      (unsigned long long)(a->offset + a->n_bytes), b->name,
+                      (unsigned long long)b->offset, (unsigned long long)(b->offset + b->n_bytes));
+    }
+    kvarn__free(&g->alloc, ix);
+    return st;
+}
+
 static kvarn_status parse_tensors(cursor *c, kvarn_gguf *g)
 {
     kvarn_status st;
@@ -530,7 +604,7 @@ static kvarn_status parse_tensors(cursor *c, kvarn_gguf *g)
                         (unsigned long long)t->n_bytes, (unsigned long long)data_size);
         t->data = c->base + g->data_offset + t->offset;
     }
-    return KVARN_OK;
+    return check_overlaps(c, g);
 }
 
 static kvarn_status parse(cursor *c, kvarn_gguf *g)

@@ -468,6 +468,130 @@ static void test_hostile_tensors(void **state)
     gw_free(&w);
 }
 
+/* Tensors "a", "b", "c" of 32 elements each, of types[i] at offsets[i] in
+ * the data section (alignment align; general.alignment written unless it
+ * is 32), then data_len bytes of data. */
+static void write_three(gw *w, const uint32_t types[3], const uint64_t offsets[3], uint32_t align,
+                        size_t data_len)
+{
+    static const char *const names[3] = {"a", "b", "c"};
+    gw_header(w, 3, 3, align != 32 ? 1 : 0);
+    if (align != 32) { gw_key(w, "general.alignment", 4); gw_u32(w, align); }
+    for (int i = 0; i < 3; i++) {
+        gw_str(w, names[i]);
+        gw_u32(w, 1);
+        gw_u64(w, 32);
+        gw_u32(w, types[i]);
+        gw_u64(w, offsets[i]);
+    }
+    gw_pad(w, align);
+    for (size_t i = 0; i < data_len; i++) gw_u8(w, (uint8_t)(i * 7));
+}
+
+static void expect_three(const uint32_t types[3], const uint64_t offsets[3], uint32_t align,
+                         size_t data_len, kvarn_status want, const char *substr)
+{
+    gw w = {0};
+    write_three(&w, types, offsets, align, data_len);
+    if (want != KVARN_OK) {
+        expect_fail(&w, w.len, want, substr);
+    } else {
+        uint8_t *copy;
+        kvarn_gguf *g = NULL;
+        char err[256] = "";
+        kvarn_status st = open_copy(w.buf, w.len, &copy, &g, err, sizeof err);
+        if (st != KVARN_OK) print_error("expected a valid file, got %d: '%s'\n", (int)st, err);
+        assert_int_equal(st, KVARN_OK);
+        assert_int_equal(kvarn_gguf_tensor_count(g), 3);
+        kvarn_gguf_close(g);
+        free(copy);
+    }
+    gw_free(&w);
+}
+
+/* An allocator that refuses its allocation number fail_at (0-based) and
+ * counts what is still held. */
+typedef struct refusing {
+    int n, fail_at;
+    long live;
+} refusing;
+
+static void *refusing_alloc(void *opaque, size_t bytes)
+{
+    refusing *r = opaque;
+    if (r->n++ == r->fail_at) return NULL;
+    void *p = malloc(bytes);
+    if (p) r->live++;
+    return p;
+}
+
+static void refusing_free(void *opaque, void *p)
+{
+    refusing *r = opaque;
+    if (p) r->live--;
+    free(p);
+}
+
+/* Tensor data ranges must not overlap (fresh-user trial: ffn_down retyped
+ * Q4_1 -> F32 in the header, so that its data ran over the next tensors
+ * while staying inside the data section, opened fine and failed in the
+ * forward pass with "non-finite input"). Adjacent tensors, alignment
+ * padding between them and data out of file order stay valid. Q8_0 of 32
+ * elements is 34 bytes, F32 128. */
+static void test_overlapping_tensors(void **state)
+{
+    (void)state;
+    const uint32_t q8[3] = {8, 8, 8}, a_f32[3] = {0, 8, 8}, b_f32[3] = {8, 0, 8};
+    /* padded to 32: [0, 34), [64, 98), [128, 162) */
+    expect_three(q8, (const uint64_t[3]){0, 64, 128}, 32, 162, KVARN_OK, NULL);
+    /* adjacent, alignment 1: [0, 34), [34, 68), [68, 102) */
+    expect_three(q8, (const uint64_t[3]){0, 34, 68}, 1, 102, KVARN_OK, NULL);
+    /* out of file order: c first, then b, then a */
+    expect_three(q8, (const uint64_t[3]){128, 64, 0}, 32, 162, KVARN_OK, NULL);
+    /* a retyped to F32: [0, 128) runs over b and c, inside the data section */
+    expect_three(a_f32, (const uint64_t[3]){0, 64, 128}, 32, 162, KVARN_ERR_BAD_FILE,
+                 "tensors 'a' (data bytes [0, 128)) and 'b' ([64, 98)) overlap");
+    /* the same, one byte: F32 a at [0, 128) and b at 96 (alignment 32) */
+    expect_three(a_f32, (const uint64_t[3]){0, 96, 160}, 32, 194, KVARN_ERR_BAD_FILE,
+                 "tensors 'a' (data bytes [0, 128)) and 'b' ([96, 130)) overlap");
+    /* one offset twice */
+    expect_three(q8, (const uint64_t[3]){0, 64, 64}, 32, 162, KVARN_ERR_BAD_FILE,
+                 "tensors 'b' (data bytes [64, 98)) and 'c' ([64, 98)) overlap");
+    /* out of file order and overlapping: b (F32) at [0, 128), c at 64 */
+    expect_three(b_f32, (const uint64_t[3]){192, 0, 64}, 32, 226, KVARN_ERR_BAD_FILE,
+                 "tensors 'b' (data bytes [0, 128)) and 'c' ([64, 98)) overlap");
+    /* Out of file order the check sorts the tensors by offset: a refused
+     * allocation anywhere in the open is KVARN_ERR_NOMEM, named, nothing
+     * held; the first open that gets all its memory succeeds. */
+    {
+        gw w = {0};
+        write_three(&w, q8, (const uint64_t[3]){128, 64, 0}, 32, 162);
+        int opened = 0;
+        for (int k = 0; k < 64 && !opened; k++) {
+            refusing r = {0, k, 0};
+            const kvarn_allocator a = {refusing_alloc, refusing_free, &r};
+            kvarn_gguf *g = (kvarn_gguf *)1;
+            char err[256] = "";
+            kvarn_status st = kvarn_gguf_open_memory_ex(w.buf, w.len, &a, &g, err, sizeof err);
+            if (st == KVARN_OK) {
+                opened = 1;
+                assert_true(k >= 3); /* the handle, two tables, the offsets */
+                kvarn_gguf_close(g);
+            } else {
+                assert_int_equal(st, KVARN_ERR_NOMEM);
+                assert_null(g);
+                assert_non_null(strstr(err, "out of memory"));
+            }
+            assert_int_equal(r.live, 0);
+        }
+        assert_true(opened);
+        gw_free(&w);
+    }
+    /* ... and the message says what that means */
+    expect_three(a_f32, (const uint64_t[3]){0, 64, 128}, 32, 162, KVARN_ERR_BAD_FILE,
+                 "a tensor's type, shape or offset in the header does not match the data");
+}
+
 static void test_hostile_metadata(void **state)
 {
     (void)state;
@@ -729,6 +853,7 @@ int main(void)
         cmocka_unit_test(test_open_path),
         cmocka_unit_test(test_truncated_everywhere),
         cmocka_unit_test(test_hostile_tensors),
+        cmocka_unit_test(test_overlapping_tensors),
         cmocka_unit_test(test_hostile_metadata),
         cmocka_unit_test(test_dequantize_api),
         cmocka_unit_test(test_real_model),

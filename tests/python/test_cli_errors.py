@@ -841,3 +841,38 @@ def test_gguf_tensor_types(kvarn_bin, tmp_path):
     assert r.returncode == 1, r.stderr
     assert "tensor 'blk.1.attn_v.weight': type 26 (I32) is not supported" in r.stderr, r.stderr
     assert "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1" in r.stderr, r.stderr
+
+
+# ---- a tensor retyped in the header (fresh-user trial): blk.0.ffn_down
+# Q4_1 -> F32 makes its data 6.4x longer, running over the tensors after it
+# while staying inside the data section. `kvarn inspect` accepted the file
+# and `kvarn generate` failed in the forward pass ("forward: non-finite
+# input"); the GGUF reader now refuses it at open, naming both tensors.
+
+def retype_tensor(model_path, name, new_type):
+    """The model's bytes with tensor `name`'s type field set to new_type."""
+    data = bytearray(open(model_path, "rb").read())
+    key = len(name).to_bytes(8, "little") + name.encode()
+    at = data.find(key)
+    assert at > 0 and data.find(key, at + 1) < 0
+    p = at + len(key)
+    n_dims = int.from_bytes(data[p:p + 4], "little")
+    p += 4 + 8 * n_dims
+    assert int.from_bytes(data[p:p + 4], "little") == 3  # Q4_1
+    data[p:p + 4] = new_type.to_bytes(4, "little")
+    return bytes(data)
+
+
+def test_retyped_tensor_overlapping_the_next_is_refused(kvarn_bin, model_path, tmp_path):
+    bad = tmp_path / "retyped.gguf"
+    bad.write_bytes(retype_tensor(model_path, "blk.0.ffn_down.weight", 0))  # F32
+    expected = ("tensors 'blk.0.ffn_down.weight' (data bytes [30083328, 33622272)) and "
+                "'blk.0.ffn_gate.weight' ([30636288, 31189248)) overlap")
+    for cmd in (["inspect"], ["generate", "-p", "hi", "-n", "1"]):
+        r = run([kvarn_bin, cmd[0], "-m", str(bad)] + cmd[1:], timeout=120)
+        assert r.returncode == 1, (cmd, r.stderr)
+        assert expected in r.stderr, (cmd, r.stderr)
+        assert "non-finite" not in r.stderr and r.stdout == "", (cmd, r.stdout, r.stderr)
+    # the file as published (its tensors back to back, no gaps) still loads
+    r = run([kvarn_bin, "inspect", "-m", model_path, "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0, r.stderr
