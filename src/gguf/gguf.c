@@ -445,17 +445,28 @@ static kvarn_status parse_tensor_info(cursor *c, kvarn_gguf *g, uint64_t i)
         return fail(c, KVARN_ERR_BAD_FILE,
                     "tensor '%s' at byte %zu: n_dims %u is outside 1..%d", t->name, at,
                     t->n_dims, KVARN_GGUF_MAX_DIMS);
-    uint64_t n = 1;
+    /* All dimensions first, so that a message can show the whole shape. */
+    const size_t dims_at = c->pos;
     for (uint32_t d = 0; d < KVARN_GGUF_MAX_DIMS; d++) {
         t->ne[d] = 1;
-        if (d >= t->n_dims) continue;
-        at = c->pos;
-        if ((st = rd_u64(c, &t->ne[d], "tensor dimension"))) return st;
-        if (t->ne[d] == 0 || t->ne[d] > (uint64_t)INT64_MAX / n)
+        if (d < t->n_dims && (st = rd_u64(c, &t->ne[d], "tensor dimension"))) return st;
+    }
+    char shape[128];
+    size_t sl = 0;
+    for (uint32_t d = 0; d < t->n_dims && sl < sizeof shape; d++)
+        sl += (size_t)snprintf(shape + sl, sizeof shape - sl, "%s%llu", d ? ", " : "",
+                               (unsigned long long)t->ne[d]);
+    uint64_t n = 1;
+    for (uint32_t d = 0; d < t->n_dims; d++) {
+        if (t->ne[d] == 0)
             return fail(c, KVARN_ERR_BAD_FILE,
-                        "tensor '%s' at byte %zu: dimension %u of %llu is zero or makes the "
-                        "element count overflow", t->name, at, d,
-                        (unsigned long long)t->ne[d]);
+                        "tensor '%s' at byte %zu: dimension %u is zero (shape [%s])", t->name,
+                        dims_at, d, shape);
+        if (t->ne[d] > (uint64_t)INT64_MAX / n)
+            return fail(c, KVARN_ERR_BAD_FILE,
+                        "tensor '%s' at byte %zu: shape [%s] has more than 2^63 - 1 elements "
+                        "(the element count overflows at dimension %u)", t->name, dims_at, shape,
+                        d);
         n *= t->ne[d];
     }
     t->n_elements = n;

@@ -433,9 +433,20 @@ static void test_hostile_tensors(void **state)
     o = one_default(); o.offset = 8; one_expect(&o, KVARN_ERR_BAD_FILE, "alignment");
     o = one_default(); o.ne1 = 2; one_expect(&o, KVARN_ERR_BAD_FILE, "past the end");
     o = one_default(); o.ne0 = 16; one_expect(&o, KVARN_ERR_BAD_FILE, "multiple of the Q8_0 block");
-    o = one_default(); o.ne1 = 0; one_expect(&o, KVARN_ERR_BAD_FILE, "zero");
+    o = one_default(); o.ne1 = 0;
+    one_expect(&o, KVARN_ERR_BAD_FILE, "tensor 'w' at byte 82: dimension 1 is zero (shape [32, 0])");
+    o = one_default(); o.ne0 = 0;
+    one_expect(&o, KVARN_ERR_BAD_FILE, "dimension 0 is zero (shape [0, 1])");
+    /* (it said "dimension 0 of 9223372036854775808 is zero or makes the
+     * element count overflow") */
     o = one_default(); o.ne0 = 1ull << 40; o.ne1 = 1ull << 40;
-    one_expect(&o, KVARN_ERR_BAD_FILE, "overflow");
+    one_expect(&o, KVARN_ERR_BAD_FILE,
+               "shape [1099511627776, 1099511627776] has more than 2^63 - 1 elements (the "
+               "element count overflows at dimension 1)");
+    o = one_default(); o.ne0 = 1ull << 63;
+    one_expect(&o, KVARN_ERR_BAD_FILE,
+               "tensor 'w' at byte 82: shape [9223372036854775808, 1] has more than 2^63 - 1 "
+               "elements (the element count overflows at dimension 0)");
     o = one_default(); o.ne0 = UINT64_MAX - 31; one_expect(&o, KVARN_ERR_BAD_FILE, "overflow");
     o = one_default(); o.n_dims = 0; one_expect(&o, KVARN_ERR_BAD_FILE, "n_dims 0");
     o = one_default(); o.n_dims = 5; one_expect(&o, KVARN_ERR_BAD_FILE, "n_dims 5");
