@@ -288,9 +288,10 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--scalar")) scalar = 1;
         else {
             const int help = !strcmp(a, "-h") || !strcmp(a, "--help");
-            fprintf(help ? stdout : stderr, "usage: %s [--quick] [--contexts L] [--shapes smol,llama] "
-                            "[--batches L] [--threads L] [--formats L] [--min-time S] "
-                            "[--max-mb MB] [--working-set MB] [--block-size G] [--scalar]\n", argv[0]);
+            fprintf(help ? stdout : stderr,
+                    "usage: bench_attn [--quick] [--contexts L] [--shapes smol,llama] "
+                    "[--batches L] [--threads L] [--formats L] [--min-time S] "
+                    "[--max-mb MB] [--working-set MB] [--block-size G] [--scalar]\n");
             return help ? 0 : 2;
         }
     }

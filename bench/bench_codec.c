@@ -186,12 +186,12 @@ static void teardown(bench_ctx *c)
     free(c->src16); free(c->dst16); free(c->ws);
 }
 
-static void usage(const char *argv0, FILE *to)
+/* The usage, naming the program as its messages do ("bench_codec: ..."). */
+static void usage(FILE *to)
 {
     fprintf(to,
-            "usage: %s [--quick] [--runs N] [--min-ms MS] [--formats NAME[,NAME...]|all] [--dim D]\n"
-            "  encode/decode throughput of each cache format vs memcpy, single thread\n",
-            argv0);
+            "usage: bench_codec [--quick] [--runs N] [--min-ms MS] [--formats NAME[,NAME...]|all] [--dim D]\n"
+            "  encode/decode throughput of each cache format vs memcpy, single thread\n");
 }
 
 int main(int argc, char **argv)
@@ -206,11 +206,11 @@ int main(int argc, char **argv)
             cfg.only_format = argv[++i];
         else if (strcmp(argv[i], "--dim") == 0 && i + 1 < argc) cfg.only_dim = atoi(argv[++i]);
         else if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) {
-            usage(argv[0], stdout);
+            usage(stdout);
             return 0;
-        } else { usage(argv[0], stderr); return 2; }
+        } else { usage(stderr); return 2; }
     }
-    if (cfg.runs < 1 || cfg.runs > 101 || cfg.min_s <= 0) { usage(argv[0], stderr); return 2; }
+    if (cfg.runs < 1 || cfg.runs > 101 || cfg.min_s <= 0) { usage(stderr); return 2; }
 
     /* The kvarn command's own list parser: an unknown name or an empty item
      * is an error, any name the library accepts runs. */

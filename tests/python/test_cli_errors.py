@@ -595,11 +595,21 @@ def test_help_columns_and_synopsis(kvarn_bin):
 # without its value was dropped; bench_attn / bench_codec --help exited 2)
 
 def test_bench_help_and_missing_values(kvarn_bin):
-    for name in ("bench_attn", "bench_codec", "bench_decode", "bench_matmul"):
+    # each usage line names the program as its messages do, by its own name
+    # (bench_attn and bench_codec printed argv[0], e.g. "usage:
+    # /home/.../build/bench_attn", the others their name)
+    for name in ("bench_attn", "bench_capacity", "bench_codec", "bench_decode", "bench_matmul"):
         for flag in ("--help", "-h"):
             r = run([bench_bin(name), flag], timeout=60)
             assert r.returncode == 0, (name, flag, r.stderr)
-            assert r.stdout.startswith("usage: ") and name in r.stdout.splitlines()[0], (name, r.stdout)
+            assert r.stdout.startswith(f"usage: {name} ["), (name, r.stdout)
+    # and so does the usage printed after a usage error
+    for name, argv in (("bench_attn", ["--bogus"]), ("bench_codec", ["--bogus"]),
+                       ("bench_decode", ["--bogus"]), ("bench_matmul", ["--bogus"])):
+        r = run([bench_bin(name)] + argv, timeout=60)
+        assert r.returncode == 2, (name, r.stderr)
+        usage = [line for line in r.stderr.splitlines() if line.startswith("usage: ")]
+        assert usage and usage[0].startswith(f"usage: {name} ["), (name, r.stderr)
     # an option given without its value is a usage error, before any work
     for argv in ([bench_bin("bench_decode"), "--ctx"],
                  [bench_bin("bench_decode"), "-m", "absent.gguf", "--repeat"],
