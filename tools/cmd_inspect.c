@@ -173,10 +173,11 @@ static void inspect_print(const inspect_opts *o, const inspect_report *r)
         printf("KVarN: sink tokens %s, tail pages of %ld tokens (whole tiles where T >= G)\n", sk,
                o->tail_tokens > 0 ? o->tail_tokens : 0);
     }
-    printf("%-18s %4s %12s %9s %12s %8s %8s %8s %8s\n", "format", "G", "bytes/token", "x fp16",
-           "tokens fit", "x fp16", "2k seqs", "8k seqs", "32k seqs");
-    printf("%-18s %4s %12s %9s %12s %8s %8s %8s %8s\n", "", "", "(records)", "(records)",
-           "", "(tokens)", "", "", "");
+    /* cap x fp16: fp16's record bytes per token over the format's (what
+     * long contexts reach; eval's column of the same name); fit x fp16: the
+     * tokens fit over fp16's in the same budget, every byte counted. */
+    printf("%-18s %4s %12s %11s %12s %11s %8s %8s %9s\n", "format", "G", "bytes/token",
+           "cap x fp16", "tokens fit", "fit x fp16", "2k seqs", "8k seqs", "32k seqs");
     int refused = 0;
     for (int i = 0; i < r->n; i++) {
         const inspect_row *w = &r->rows[i];
@@ -187,7 +188,7 @@ static void inspect_print(const inspect_opts *o, const inspect_report *r)
         if (cc->fits && r->have_fp16 && r->fp16.fits && r->fp16.tokens > 0)
             snprintf(ratio, sizeof ratio, "%.2fx", (double)cc->tokens / (double)r->fp16.tokens);
         refused |= !cc->fits;
-        printf("%-18s %4d %12s %8.2fx %12s %8s %8d %8d %8d\n", w->fmt.name, cc->block_size,
+        printf("%-18s %4d %12s %10.2fx %12s %11s %8d %8d %9d\n", w->fmt.name, cc->block_size,
                cli_fmt_bytes(w->token_bytes, b2, sizeof b2), r->fp16_token_bytes / w->token_bytes,
                tokens, ratio, cc->seqs[0], cc->seqs[1], cc->seqs[2]);
     }

@@ -219,9 +219,11 @@ def inspect_rows(kvarn_bin, dtypes):
     r = run([kvarn_bin, "inspect", "--layers", "2", "--kv-heads", "2", "--head-dim", "64",
              "--kv-cache-dtype", dtypes])
     assert r.returncode == 0, r.stderr
-    # a shape line and two header lines, then one row per format until the notes
+    # a shape line and the heading line, then one row per format until the notes
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("format "), r.stdout
     rows = []
-    for line in r.stdout.splitlines()[3:]:
+    for line in lines[2:]:
         if line.startswith("tokens fit:"):
             break
         rows.append(line)

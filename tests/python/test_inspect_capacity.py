@@ -5,7 +5,10 @@ library. The fill of a created cache to the printed count is
 tests/cache/test_cache_capacity.c; this checks that the tool prints the
 library's numbers for a real model shape. No model needed: the shape is
 SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64)."""
+import re
 import subprocess
+
+from conftest import REPO
 
 L, HK, D = 30, 3, 64
 GIB = 1 << 30
@@ -21,7 +24,9 @@ def inspect(kvarn_bin, *args):
                         "--head-dim", str(D)] + list(args), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = {}
-    for line in r.stdout.splitlines()[3:]:
+    lines = r.stdout.splitlines()
+    first = [i for i, line in enumerate(lines) if line.startswith("format ")][0] + 1
+    for line in lines[first:]:
         if line.startswith("tokens fit:"):
             break
         f = line.split()
@@ -132,3 +137,62 @@ def test_small_tail_pages_and_short_sink(kvarn_bin):
     same, _ = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128",
                       "--tail-page-tokens", "128")
     assert base["kvarn_k4v2_g128"][5:] == same["kvarn_k4v2_g128"][5:]
+
+
+# ---- the headings (fresh-user trial: two columns headed "x fp16", told
+# apart only by a second heading line, "(records)" and "(tokens)") ---------
+
+HEADINGS = ["format", "G", "bytes/token", "cap x fp16", "tokens fit", "fit x fp16", "2k seqs",
+            "8k seqs", "32k seqs"]
+
+
+def table_lines(out):
+    lines = out.splitlines()
+    at = [i for i, line in enumerate(lines) if line.startswith("format ")]
+    assert len(at) == 1, out
+    end = [i for i, line in enumerate(lines) if line.startswith("tokens fit:")][0]
+    return lines[at[0]], lines[at[0] + 1:end]
+
+
+def test_headings_are_distinct_and_one_line(kvarn_bin):
+    _, out = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "fp16,int8,kvarn_k4v2_g128")
+    header, rows = table_lines(out)
+    assert re.split(r"\s{2,}", header.strip()) == HEADINGS, header
+    assert len(re.findall(r"(?<![a-z]) x fp16", header)) == 0, header  # no bare "x fp16"
+    # the row after the headings is the first format's: no second heading line
+    assert [r.split()[0] for r in rows] == ["fp16", "int8", "kvarn_k4v2_g128"], out
+    # each ratio ends under the end of its heading
+    for heading in ("cap x fp16", "fit x fp16"):
+        end = header.index(heading) + len(heading)
+        for row in rows:
+            assert row[end - 1] == "x" and row[end] == " ", (heading, row)
+
+
+def markdown(header, rows):
+    """The table as README shows it: the command's columns, one cell each."""
+    cells = [HEADINGS]
+    for row in rows:
+        f = row.split()
+        cells.append([f[0], f[1], f[2] + " " + f[3]] + f[4:])
+        assert len(cells[-1]) == len(HEADINGS), row
+    md = ["| " + " | ".join(c) + " |" for c in cells]
+    md.insert(1, "|" + "---|" * len(HEADINGS))
+    return md
+
+
+def test_readme_copy_is_the_output(kvarn_bin, model_path):
+    # README "Capacity" shows this command's table; it must be what the
+    # command prints (regenerated, not edited by hand)
+    cmd = "build/kvarn inspect -m models/SmolLM2-135M-Instruct.Q4_1.gguf --budget 1GiB"
+    readme = (REPO / "README.md").read_text().splitlines()
+    at = readme.index("    " + cmd)
+    table = []
+    for line in readme[at + 1:]:
+        if table and not line.startswith("|"):
+            break
+        if line.startswith("|"):
+            table.append(line)
+    r = subprocess.run([kvarn_bin, "inspect", "-m", model_path, "--budget", "1GiB"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert table == markdown(*table_lines(r.stdout)), (table, r.stdout)
