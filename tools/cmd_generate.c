@@ -290,11 +290,34 @@ static void gen_free(gen_state *g)
 
 /* ---- reporting ---------------------------------------------------------- */
 
+/* The token count from which on a cache of fmt (default sink and tail, as
+ * generate's session) holds at most the bytes of an fp16 cache of the same
+ * tokens (cli_kv_bytes_used of both), searched up to 64 tiles: one more
+ * than the last count below that where it holds more. -1 when a size
+ * cannot be computed. */
+static long fp16_break_even(const kvarn_format *fmt, const kvarn_llama_hparams *hp)
+{
+    kvarn_format fp16;
+    kvarn_format_parse("fp16", &fp16);
+    const long limit = 64L * (fmt->tile_tokens > 0 ? fmt->tile_tokens : 16);
+    long last = 0;
+    for (long n = 1; n <= limit; n++) {
+        double q = cli_kv_bytes_used(fmt, hp, n), b = cli_kv_bytes_used(&fp16, hp, n);
+        if (q < 0 || b < 0) return -1;
+        if (q > b) last = n;
+    }
+    return last + 1;
+}
+
 /* On stderr: the bytes the session's cache holds for its tokens, as a
  * multiple of what an fp16 cache would hold for them (cli_kv_bytes_used),
  * e.g. "KV cache for 9 tokens: 191.2 KiB, 0.53x the size of an fp16 cache
- * (360.0 KiB)"; and the prompt and generation speeds. */
-static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llama_hparams *hp)
+ * (360.0 KiB)"; for KVarN what its fp16 sink and tail do to that: when the
+ * cache is larger than fp16's, that it is and below how many tokens
+ * (fp16_break_even), else that short texts gain little; and the prompt and
+ * generation speeds. info: the session cache's geometry (sink tokens). */
+static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llama_hparams *hp,
+                   const kvarn_cache_info *info)
 {
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
@@ -303,11 +326,18 @@ static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llam
     fprintf(stderr, "[%s] KV cache for %ld tokens: %s, %.2fx the size of an fp16 cache (%s)",
             fmt->name, s->n_tokens, cli_fmt_bytes(used, b1, sizeof b1),
             base > 0 ? used / base : 0.0, cli_fmt_bytes(base, b2, sizeof b2));
-    if (fmt->per_tile)
-        fprintf(stderr, "; the first %d-token tile (sink) and the last partial tile stay fp16, so "
-                "short texts gain little; on long contexts %s holds %.2fx as many tokens as fp16 "
-                "in the same memory", fmt->tile_tokens, fmt->name,
-                4.0 * hp->head_dim / kvarn_bytes_per_token_head(fmt, hp->head_dim));
+    if (fmt->per_tile) {
+        const long below = used > base ? fp16_break_even(fmt, hp) : -1;
+        if (below > 0)
+            fprintf(stderr, ": larger than an fp16 cache for so few tokens: the fp16 sink (%d "
+                    "tokens) and staging tail (up to a %d-token tile) dominate below %ld tokens",
+                    info->sink_tokens, fmt->tile_tokens, below);
+        else
+            fprintf(stderr, "; the first %d-token tile (sink) and the last partial tile stay "
+                    "fp16, so short texts gain little", fmt->tile_tokens);
+        fprintf(stderr, "; on long contexts %s holds %.2fx as many tokens as fp16 in the same "
+                "memory", fmt->name, 4.0 * hp->head_dim / kvarn_bytes_per_token_head(fmt, hp->head_dim));
+    }
     fprintf(stderr, "\n[%s] prompt %.1f tok/s, generation %.1f tok/s\n", fmt->name,
             s->prompt_s > 0 ? s->prompt_n / s->prompt_s : 0.0, s->gen_s > 0 ? s->gen_n / s->gen_s : 0.0);
 }
@@ -326,7 +356,10 @@ int cmd_generate(int argc, char **argv)
     if (gen_init(&g, &m, &o, &fmt) == 0 && (o.prompt ? run_prompt(&g, &o) : run_chat(&g, &o)) == 0) {
         g.stats.n_tokens = kvarn_llama_session_pos(g.sess);
         g.stats.kv_bytes = cli_session_kv_bytes(g.sess);
-        if (g.stats.n_tokens > 0) report(&g.stats, &fmt, m.hp);
+        kvarn_cache_info info;
+        if (kvarn_cache_get_info(kvarn_llama_session_cache(g.sess), &info) != KVARN_OK)
+            memset(&info, 0, sizeof info);
+        if (g.stats.n_tokens > 0) report(&g.stats, &fmt, m.hp, &info);
         else /* --chat on an empty stdin: no speeds of nothing */
             fprintf(stderr, "[%s] nothing to generate: no message on standard input "
                     "(--chat reads one per line)\n", fmt.name);

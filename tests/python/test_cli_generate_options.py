@@ -108,3 +108,44 @@ def test_memory_line_states_which_way_the_ratio_goes(kvarn_bin, model_path):
         assert lo - 0.005 <= ratio <= hi + 0.005, (ratio, lo, hi, m[0])
         assert (ratio > 1) == above_one, m[0]
         assert "%" not in m[0]
+
+
+KV_LINE = (r"^\[{fmt}\] KV cache for (\d+) tokens: ([\d.]+) (B|KiB|MiB|GiB), "
+           r"([\d.]+)x the size of an fp16 cache \(([\d.]+) (B|KiB|MiB|GiB)\)(.*)$")
+
+
+def test_memory_line_says_when_the_cache_is_larger_than_fp16(kvarn_bin, model_path, austen_path):
+    # A 6-token prompt in kvarn_k4v2_g128 holds a whole 128-token fp16 sink
+    # page: 8.00x an fp16 cache of those tokens, which the line called
+    # "short texts gain little". It now says the cache is larger, and below
+    # how many tokens that holds.
+    fmt = "kvarn_k4v2_g128"
+    r = generate(kvarn_bin, "-m", model_path, "-p", "The capital of France is", "-n", "4",
+                 "--temp", "0", "--kv-cache-dtype", fmt)
+    assert r.returncode == 0, r.stderr
+    m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
+    assert m and float(m[4]) > 1, r.stderr
+    tail = re.fullmatch(r": larger than an fp16 cache for so few tokens: the fp16 sink \(128 "
+                        r"tokens\) and staging tail \(up to a 128-token tile\) dominate below "
+                        r"(\d+) tokens; on long contexts kvarn_k4v2_g128 holds 4\.49x as many "
+                        r"tokens as fp16 in the same memory", m[7])
+    assert tail, m[0]
+    assert "gain little" not in m[0]
+    # the sink and one tail tile, 256 fp16 tokens, cost what an fp16 cache
+    # of 256 tokens does: the break-even lies beyond
+    below = int(tail[1])
+    assert 256 < below <= 1024, below
+    # a prompt of more than that many tokens: smaller than fp16, said so
+    text = open(austen_path, encoding="utf-8").read()[:8 * below]
+    r = generate(kvarn_bin, "-m", model_path, "-p", text, "-n", "1", "--temp", "0",
+                 "--kv-cache-dtype", fmt)
+    assert r.returncode == 0, r.stderr
+    m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
+    assert m and int(m[1]) >= below and float(m[4]) < 1, r.stderr
+    assert "larger" not in m[0] and m[7].startswith("; the first 128-token tile (sink)"), m[0]
+    # a per-token format is never larger: no such clause
+    r = generate(kvarn_bin, "-m", model_path, "-p", "The capital of France is", "-n", "4",
+                 "--temp", "0", "--kv-cache-dtype", "int8")
+    assert r.returncode == 0, r.stderr
+    m = re.search(KV_LINE.format(fmt="int8"), r.stderr, re.M)
+    assert m and float(m[4]) < 1 and m[7] == "", r.stderr
