@@ -93,7 +93,8 @@ static const cli_command k_command = {
     "user gets, tokens arriving one at a time), perplexity over all positions and\n"
     "its delta, and decode speed as tokens/s and as a ratio to fp16. Warns on stderr\n"
     "when a column's positions never attend to K/V held in the format (fp16 sink\n"
-    "and tail only: such a column reads about 0; docs/eval.md).\n"
+    "and tail only: such a column reads about 0; docs/eval.md). --json: the same\n"
+    "report as JSON, a column with nothing measured as null, the warnings in lists.\n"
     "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
     "0/50/100%, N keys per depth, as retrieved/tried beside the fp16 cache's own.\n"
     "--sink-tokens S keeps the first S tokens of KVarN caches in fp16 (default: one\n"
@@ -108,6 +109,10 @@ static const cli_command k_command = {
 };
 
 /* ---- running ------------------------------------------------------------ */
+
+/* The warnings eval prints before the run: about the columns that measure
+ * no quantized K/V (eval_coverage.h). */
+#define EVAL_MAX_WARNINGS EVAL_COVERAGE_MAX
 
 typedef struct fmt_run {
     kvarn_format fmt;
@@ -130,6 +135,7 @@ typedef struct eval_run {
     int32_t *ids;
     size_t n_ids;
     long ctx, chunk, windows, decode_tokens, dump_layers;
+    long asked_chunk, asked_decode_tokens; /* --chunk, --decode-tokens as given */
     kvarn_llama_session *ref;   /* the fp16 reference */
     eval_stats ref_st;
     double ref_decode_s, ref_eff_bpt;
@@ -140,6 +146,9 @@ typedef struct eval_run {
     double *ref_lse;                    /* [chunk] */
     int *ref_top;                       /* [chunk] */
     int pk_correct[CLI_MAX_FORMATS + 1], pk_total; /* row 0: the reference */
+    eval_warning warnings[EVAL_MAX_WARNINGS];      /* printed on stderr before the
+                                                      run; formats: bit f = runs[f] */
+    int n_warnings;
 } eval_run;
 
 /* Log-sum-exp of a row of logits. */
@@ -449,6 +458,7 @@ typedef struct eval_row {
     double bpt, eff;          /* record bytes per token; what its cache held per token */
     eval_summary s, ds;       /* chunk-fed and decoded positions */
     double ppl, tps;          /* over every scored position; decode tokens/s */
+    long decode_n;            /* forward calls timed for tps (0: none, tps 0) */
     size_t positions;         /* scored positions, chunk-fed and decoded */
     int passkey;              /* keys retrieved (of passkey_trials) */
 } eval_row;
@@ -458,9 +468,12 @@ typedef struct eval_results {
     size_t tokens;
     long ctx, chunk, windows, decode_tokens, sink_tokens; /* sink_tokens: -1 default */
     double ref_bpt, ref_eff, ref_ppl, ref_tps; /* the fp16 reference */
+    long ref_decode_n;                         /* forward calls timed for ref_tps */
     int ref_passkey, passkey_trials;
     eval_row rows[CLI_MAX_FORMATS];
     int n;
+    const eval_warning *warnings;              /* [n_warnings], the run's */
+    int n_warnings;
 } eval_results;
 
 /* The run's accumulators summarized (sorts their KLDs). */
@@ -483,6 +496,9 @@ static void eval_results_get(eval_run *r, const eval_opts *o, eval_results *res)
     res->ref_eff = r->ref_eff_bpt;
     res->ref_ppl = eval_stats_ppl(&r->ref_st);
     res->ref_tps = r->ref_decode_n ? r->ref_decode_n / r->ref_decode_s : 0.0;
+    res->ref_decode_n = r->ref_decode_n;
+    res->warnings = r->warnings;
+    res->n_warnings = r->n_warnings;
     res->ref_passkey = r->pk_correct[0];
     res->passkey_trials = r->pk_total;
     res->n = r->nf;
@@ -495,6 +511,7 @@ static void eval_results_get(eval_run *r, const eval_opts *o, eval_results *res)
         w->bpt = kvarn_bytes_per_token_head(&fr->fmt, hp->head_dim) * token_heads;
         w->eff = fr->eff_bpt;
         w->tps = fr->decode_n ? fr->decode_n / fr->decode_s : 0.0;
+        w->decode_n = fr->decode_n;
         /* perplexity over every scored position, chunked and decoded, summed
          * in the reference's order (fmt_run.nll) */
         w->positions = fr->st.n + fr->dst.n;
@@ -576,27 +593,56 @@ static void print_table(const eval_results *res)
 }
 
 /* JSON members of the --json report; each returns 1 when added, 0 when an
- * allocation failed (o may be NULL: then nothing is added). */
+ * allocation failed (o may be NULL: then nothing is added). jopt adds null
+ * instead of v when nothing was measured (have = 0). */
 static int jnum(cJSON *o, const char *key, double v) { return cJSON_AddNumberToObject(o, key, v) != NULL; }
 static int jstr(cJSON *o, const char *key, const char *v) { return cJSON_AddStringToObject(o, key, v) != NULL; }
-
-/* One format's object of the "formats" array; NULL when out of memory. */
-static cJSON *json_row(const eval_results *res, const eval_row *w)
+static int jopt(cJSON *o, const char *key, double v, int have)
 {
+    return have ? jnum(o, key, v) : cJSON_AddNullToObject(o, key) != NULL;
+}
+
+/* Array key of the texts of the warnings whose formats include bit f, or
+ * of every warning for f < 0. 1 when added, 0 out of memory. */
+static int jwarnings(cJSON *o, const char *key, const eval_results *res, int f)
+{
+    cJSON *a = cJSON_AddArrayToObject(o, key);
+    if (a == NULL) return 0;
+    for (int i = 0; i < res->n_warnings; i++) {
+        if (f >= 0 && !(res->warnings[i].formats >> f & 1)) continue;
+        cJSON *t = cJSON_CreateString(res->warnings[i].text);
+        if (t == NULL || !cJSON_AddItemToArray(a, t)) {
+            cJSON_Delete(t);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Format f's object of the "formats" array; NULL when out of memory. A
+ * column with no position (or no decoded token) behind it is null. */
+static cJSON *json_row(const eval_results *res, int f)
+{
+    const eval_row *w = &res->rows[f];
+    const int chunked = w->s.n > 0, decoded = w->ds.n > 0, timed = w->decode_n > 0;
     cJSON *o = cJSON_CreateObject();
     int ok = jstr(o, "format", w->name) & jnum(o, "bytes_per_token", w->bpt) &
              jnum(o, "effective_bytes_per_token", w->eff) &
              jnum(o, "capacity_x_fp16", res->ref_bpt / w->bpt) &
-             jnum(o, "effective_x_fp16", res->ref_eff / w->eff) & jnum(o, "kld_mean", w->s.kld_mean) &
-             jnum(o, "kld_median", w->s.kld_median) & jnum(o, "kld_p99", w->s.kld_p99) &
-             jnum(o, "kld_max", w->s.kld_max) & jnum(o, "top1", w->s.top1) & jnum(o, "ppl", w->ppl) &
-             jnum(o, "ppl_delta", w->ppl - res->ref_ppl) & jnum(o, "decode_tok_s", w->tps) &
-             jnum(o, "decode_x_fp16", res->ref_tps > 0 ? w->tps / res->ref_tps : 0.0) &
+             jnum(o, "effective_x_fp16", res->ref_eff / w->eff) &
+             jopt(o, "kld_mean", w->s.kld_mean, chunked) &
+             jopt(o, "kld_median", w->s.kld_median, chunked) &
+             jopt(o, "kld_p99", w->s.kld_p99, chunked) & jopt(o, "kld_max", w->s.kld_max, chunked) &
+             jopt(o, "top1", w->s.top1, chunked) & jnum(o, "ppl", w->ppl) &
+             jnum(o, "ppl_delta", w->ppl - res->ref_ppl) & jopt(o, "decode_tok_s", w->tps, timed) &
+             jopt(o, "decode_x_fp16", res->ref_tps > 0 ? w->tps / res->ref_tps : 0.0,
+                  timed && res->ref_tps > 0) &
              jnum(o, "positions", (double)w->positions) & jnum(o, "chunk_positions", (double)w->s.n) &
              jnum(o, "decode_positions", (double)w->ds.n) &
-             jnum(o, "decode_kld_mean", w->ds.kld_mean) & jnum(o, "decode_kld_p99", w->ds.kld_p99) &
-             jnum(o, "decode_top1", w->ds.top1) & jnum(o, "passkey", w->passkey) &
-             jnum(o, "passkey_trials", res->passkey_trials);
+             jopt(o, "decode_kld_mean", w->ds.kld_mean, decoded) &
+             jopt(o, "decode_kld_p99", w->ds.kld_p99, decoded) &
+             jopt(o, "decode_top1", w->ds.top1, decoded) & jnum(o, "passkey", w->passkey) &
+             jnum(o, "passkey_trials", res->passkey_trials) & jwarnings(o, "warnings", res, f);
     if (!ok) {
         cJSON_Delete(o);
         return NULL;
@@ -614,14 +660,16 @@ static int print_json(const eval_results *res)
              jnum(root, "tokens", (double)res->tokens) & jnum(root, "ctx", (double)res->ctx) &
              jnum(root, "chunk", (double)res->chunk) & jnum(root, "windows", (double)res->windows) &
              jnum(root, "decode_tokens", (double)res->decode_tokens) &
-             jnum(root, "sink_tokens", (double)res->sink_tokens) & jstr(ref, "format", "fp16") &
-             jnum(ref, "ppl", res->ref_ppl) & jnum(ref, "decode_tok_s", res->ref_tps) &
+             jnum(root, "sink_tokens", (double)res->sink_tokens) &
+             jwarnings(root, "warnings", res, -1) & jstr(ref, "format", "fp16") &
+             jnum(ref, "ppl", res->ref_ppl) &
+             jopt(ref, "decode_tok_s", res->ref_tps, res->ref_decode_n > 0) &
              jnum(ref, "passkey", res->ref_passkey) & jnum(ref, "passkey_trials", res->passkey_trials);
     if (ref && !cJSON_AddItemToObject(root, "reference", ref)) { cJSON_Delete(ref); ok = 0; }
     cJSON *formats = cJSON_AddArrayToObject(root, "formats");
     ok = ok && ref && formats;
     for (int f = 0; f < res->n && ok; f++) {
-        cJSON *o = json_row(res, &res->rows[f]);
+        cJSON *o = json_row(res, f);
         if (!o || !cJSON_AddItemToArray(formats, o)) { cJSON_Delete(o); ok = 0; }
     }
     char *text = ok ? cJSON_Print(root) : NULL;
@@ -639,16 +687,26 @@ static int print_json(const eval_results *res)
 
 /* Before the run: warn on stderr about the columns that would measure no
  * quantized K/V with these options (eval_coverage.h), from each format's
- * session cache. */
-static void eval_warn_coverage(const eval_run *r, const eval_opts *o)
+ * session cache; the warnings are kept in r for the JSON report. */
+static void eval_warn_coverage(eval_run *r)
 {
     kvarn_cache_info infos[CLI_MAX_FORMATS];
+    int which[CLI_MAX_FORMATS]; /* infos[i] is runs[which[i]]'s */
     int n = 0;
     for (int f = 0; f < r->nf; f++)
         if (kvarn_cache_get_info(kvarn_llama_session_cache(r->runs[f].sess), &infos[n]) == KVARN_OK)
-            n++;
-    const eval_layout l = {r->ctx, r->chunk, r->decode_tokens, o->chunk, o->decode_tokens};
-    eval_coverage_warn(&l, infos, n);
+            which[n++] = f;
+    const eval_layout l = {r->ctx, r->chunk, r->decode_tokens, r->asked_chunk, r->asked_decode_tokens};
+    eval_warning w[EVAL_COVERAGE_MAX];
+    const int nw = eval_coverage_check(&l, infos, n, w);
+    for (int i = 0; i < nw && r->n_warnings < EVAL_MAX_WARNINGS; i++) {
+        eval_warning *to = &r->warnings[r->n_warnings++];
+        memcpy(to->text, w[i].text, sizeof to->text);
+        to->formats = 0;
+        for (int k = 0; k < n; k++)
+            if (w[i].formats >> k & 1) to->formats |= 1ull << which[k];
+        fprintf(stderr, "kvarn eval: warning: %s\n", to->text);
+    }
 }
 
 /* Set up, run every window and the passkey trials. 0, or the exit code. */
@@ -658,7 +716,9 @@ static int eval_execute(eval_run *r, const eval_opts *o, const kvarn_format *fmt
     if (rc == 0) rc = eval_fit(r, o);
     if (rc != 0) return rc;
     if (eval_init(r, o, fmts, nf)) return 1;
-    eval_warn_coverage(r, o);
+    r->asked_chunk = o->chunk;
+    r->asked_decode_tokens = o->decode_tokens;
+    eval_warn_coverage(r);
     if (!o->json) print_header(r, o);
     long done = 0;
     for (long w = 0; w < r->windows; w++)

@@ -1,8 +1,20 @@
 /* eval_coverage.c -- see eval_coverage.h. */
 #include "eval_coverage.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+
+/* Append to w->text, printf-style (cut at its size). */
+static void put(eval_warning *w, const char *fmt, ...)
+{
+    size_t at = strlen(w->text);
+    if (at + 1 >= sizeof w->text) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->text + at, sizeof w->text - at, fmt, ap);
+    va_end(ap);
+}
 
 long eval_quantized_tokens(const kvarn_cache_info *info, long n)
 {
@@ -55,17 +67,19 @@ static long sink_fix(long cur, const kvarn_cache_info *info, long base)
     return cur == 0x7fffffffL || s < cur ? s : cur;
 }
 
-static void print_fixes(long ctx_min, long decode_max, long chunk_max, long sink_max)
+static void put_fixes(eval_warning *w, long ctx_min, long decode_max, long chunk_max, long sink_max)
 {
-    fprintf(stderr, " To measure them: --ctx %ld or more", ctx_min);
-    if (decode_max >= 1) fprintf(stderr, ", or --decode-tokens %ld or less", decode_max);
-    if (chunk_max >= 1) fprintf(stderr, ", or --chunk %ld or less", chunk_max);
-    if (sink_max >= 0) fprintf(stderr, ", or --sink-tokens %ld or less", sink_max);
-    fprintf(stderr, ".\n");
+    put(w, " To measure them: --ctx %ld or more", ctx_min);
+    if (decode_max >= 1) put(w, ", or --decode-tokens %ld or less", decode_max);
+    if (chunk_max >= 1) put(w, ", or --chunk %ld or less", chunk_max);
+    if (sink_max >= 0) put(w, ", or --sink-tokens %ld or less", sink_max);
+    put(w, ".");
 }
 
-/* The chunk-fed columns. */
-static int warn_chunk_fed(const eval_layout *l, const kvarn_cache_info *infos, int nf)
+/* The chunk-fed columns: 1 and *w filled when some format's measure
+ * nothing quantized, else 0. */
+static int warn_chunk_fed(const eval_layout *l, const kvarn_cache_info *infos, int nf,
+                          eval_warning *w)
 {
     const long end = chunk_measured_end(l->ctx, l->decode_tokens);
     const long c_last = last_chunk_start(end, l->chunk);
@@ -76,6 +90,7 @@ static int warn_chunk_fed(const eval_layout *l, const kvarn_cache_info *infos, i
         const kvarn_cache_info *in = &infos[f];
         if (in->format.kind == KVARN_KIND_FP16 || eval_quantized_tokens(in, c_last) > 0) continue;
         add_name(names, sizeof names, in->format.name);
+        w->formats |= 1ull << f;
         any_kvarn |= in->format.per_tile;
         /* the first chunk start past the first quantized token, with the
          * chunk a longer window would use (the one asked for) */
@@ -97,22 +112,22 @@ static int warn_chunk_fed(const eval_layout *l, const kvarn_cache_info *infos, i
         sink_max = sink_fix(sink_max, in, in->format.per_tile ? c_last / G * G : 0);
     }
     if (names[0] == '\0') return 0;
-    fprintf(stderr,
-            "kvarn eval: warning: the chunk-fed columns (KLD mean, median, p99, max, top-1) of %s "
-            "measure no quantized K/V, so they read about 0: the last chunk with a scored "
-            "position starts at token %ld%s, and no token before it is held in the format (a "
-            "chunk attends to its own K/V exactly%s).",
-            names, c_last, c_last == 0 ? " (one chunk: --ctx minus --decode-tokens is at most "
-                                         "--chunk)" : "",
-            any_kvarn ? "; KVarN keeps the sink tokens and the tail tile, until its last token "
-                        "arrives, in fp16" : "");
-    print_fixes(ctx_min, decode_max, chunk_max, sink_max == 0x7fffffffL ? -1 : sink_max);
+    put(w, "the chunk-fed columns (KLD mean, median, p99, max, top-1) of %s "
+           "measure no quantized K/V, so they read about 0: the last chunk with a scored "
+           "position starts at token %ld%s, and no token before it is held in the format (a "
+           "chunk attends to its own K/V exactly%s).",
+           names, c_last, c_last == 0 ? " (one chunk: --ctx minus --decode-tokens is at most "
+                                        "--chunk)" : "",
+           any_kvarn ? "; KVarN keeps the sink tokens and the tail tile, until its last token "
+                       "arrives, in fp16" : "");
+    put_fixes(w, ctx_min, decode_max, chunk_max, sink_max == 0x7fffffffL ? -1 : sink_max);
     return 1;
 }
 
 /* The decoded columns: KVarN formats whose decoded positions see only the
  * sink and the tail (per-token formats hold each decoded token encoded). */
-static int warn_decoded(const eval_layout *l, const kvarn_cache_info *infos, int nf)
+static int warn_decoded(const eval_layout *l, const kvarn_cache_info *infos, int nf,
+                        eval_warning *w)
 {
     if (l->decode_tokens < 2) return 0;
     const long last = l->ctx - 2; /* the last decoded position scored */
@@ -122,28 +137,33 @@ static int warn_decoded(const eval_layout *l, const kvarn_cache_info *infos, int
         const kvarn_cache_info *in = &infos[f];
         if (!in->format.per_tile || eval_quantized_tokens(in, last) > 0) continue;
         add_name(names, sizeof names, in->format.name);
+        w->formats |= 1ull << f;
         /* position p sees tiles below floor(p / G) * G; p = ctx - 2 */
         if (first_quantized_end(in) + 2 > ctx_min) ctx_min = first_quantized_end(in) + 2;
         sink_max = sink_fix(sink_max, in, last / in->block_size * in->block_size);
     }
     if (names[0] == '\0') return 0;
-    fprintf(stderr,
-            "kvarn eval: warning: the decoded columns (dec KLD, dec top1) of %s measure no "
-            "quantized K/V, so they read about 0: up to the window's last token every token is "
-            "held in fp16 (the sink tokens, and the tail tile until its last token arrives).",
-            names);
-    print_fixes(ctx_min, 0, 0, sink_max == 0x7fffffffL ? -1 : sink_max);
+    put(w, "the decoded columns (dec KLD, dec top1) of %s measure no "
+           "quantized K/V, so they read about 0: up to the window's last token every token is "
+           "held in fp16 (the sink tokens, and the tail tile until its last token arrives).",
+           names);
+    put_fixes(w, ctx_min, 0, 0, sink_max == 0x7fffffffL ? -1 : sink_max);
     return 1;
 }
 
-int eval_coverage_warn(const eval_layout *l, const kvarn_cache_info *infos, int nf)
+int eval_coverage_check(const eval_layout *l, const kvarn_cache_info *infos, int nf,
+                        eval_warning out[EVAL_COVERAGE_MAX])
 {
-    int n = warn_chunk_fed(l, infos, nf) + warn_decoded(l, infos, nf);
+    if (nf > 64) nf = 64; /* formats are bits of a uint64_t */
+    memset(out, 0, EVAL_COVERAGE_MAX * sizeof *out);
+    int n = 0;
+    n += warn_chunk_fed(l, infos, nf, &out[n]);
+    n += warn_decoded(l, infos, nf, &out[n]);
     if (l->decode_tokens == 1) {
-        fprintf(stderr,
-                "kvarn eval: warning: --decode-tokens 1 scores no decoded position (the window's "
-                "last token has no next token to predict), so the dec KLD and dec top1 columns "
-                "read '-': use --decode-tokens 2 or more (0 skips decoding).\n");
+        put(&out[n], "--decode-tokens 1 scores no decoded position (the window's last token has "
+                     "no next token to predict), so the dec KLD and dec top1 columns read '-': "
+                     "use --decode-tokens 2 or more (0 skips decoding).");
+        out[n].formats = nf == 64 ? ~0ull : (1ull << nf) - 1; /* every format's */
         n++;
     }
     return n;

@@ -54,7 +54,9 @@ def test_eval_json_with_hostile_paths(kvarn_bin, hostile_paths):
     # are not JSON); the positions scored are ctx - 1 per window.
     for row in rep["formats"]:
         for k, v in row.items():
-            if k != "format":
+            if k == "warnings":
+                assert all(isinstance(x, str) for x in v), v
+            elif k != "format":
                 assert isinstance(v, (int, float)) and math.isfinite(v), (k, v)
         assert row["positions"] == 23
         assert row["kld_mean"] >= 0 and 0 <= row["top1"] <= 1
@@ -86,3 +88,83 @@ def test_eval_sink_tokens(kvarn_bin, model_path, austen_path):
         assert d[k] == a[k], k
     assert b["kld_mean"] != a["kld_mean"] and b["kld_mean"] != z["kld_mean"]
     assert z["effective_bytes_per_token"] < b["effective_bytes_per_token"] < a["effective_bytes_per_token"]
+
+
+# ---- columns that measured nothing, and eval's warnings, in the JSON ----
+# (fresh-user trial: with no decoded position scored the report said
+# decode_kld_mean 0 and decode_top1 0, a perfect KLD and no agreement at
+# all; with --decode-tokens 0, decode_tok_s 0; and the "measure no quantized
+# K/V" warnings were on stderr only.)
+
+DECODE_SCORES = ("decode_kld_mean", "decode_kld_p99", "decode_top1")
+
+
+def eval_json(kvarn_bin, model, text, *args):
+    r = subprocess.run([kvarn_bin, "eval", "-m", model, "-f", text, "--ctx", "32", "--chunk", "8",
+                        "--kv-cache-dtype", "int8,kvarn_k4v2_g64", "--json", *args],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    warned = [line[len("kvarn eval: warning: "):] for line in r.stderr.splitlines()
+              if line.startswith("kvarn eval: warning: ")]
+    return json.loads(r.stdout), warned
+
+
+@pytest.fixture(scope="module")
+def short_text(tmp_path_factory):
+    text = tmp_path_factory.mktemp("nulls") / "text.txt"
+    text.write_text("It is a truth universally acknowledged. " * 8)
+    return str(text)
+
+
+def test_eval_json_nothing_decoded_is_null(kvarn_bin, model_path, short_text):
+    rep, warned = eval_json(kvarn_bin, model_path, short_text, "--decode-tokens", "0")
+    assert rep["reference"]["decode_tok_s"] is None, rep["reference"]
+    for row in rep["formats"]:
+        assert row["decode_positions"] == 0, row
+        for k in DECODE_SCORES + ("decode_tok_s", "decode_x_fp16"):
+            assert row[k] is None, (k, row)
+        # what was measured stays a number
+        assert row["chunk_positions"] == 31 and row["kld_mean"] >= 0 and 0 <= row["top1"] <= 1
+    # the chunk-fed columns of this short window measure nothing quantized:
+    # warned on stderr and in the report, the same words
+    assert warned and rep["warnings"] == warned, (rep["warnings"], warned)
+
+
+def test_eval_json_one_decoded_token_scores_nothing(kvarn_bin, model_path, short_text):
+    # one decoded token: timed, but the window's last token predicts nothing
+    rep, warned = eval_json(kvarn_bin, model_path, short_text, "--decode-tokens", "1")
+    assert rep["reference"]["decode_tok_s"] > 0
+    for row in rep["formats"]:
+        assert row["decode_positions"] == 0, row
+        for k in DECODE_SCORES:
+            assert row[k] is None, (k, row)
+        assert row["decode_tok_s"] > 0 and row["decode_x_fp16"] > 0, row
+    assert rep["warnings"] == warned, (rep["warnings"], warned)
+    one = [w for w in warned if w.startswith("--decode-tokens 1 scores no decoded position")]
+    assert len(one) == 1, warned
+    # each format's own list: the warnings that name it, and the one about
+    # --decode-tokens 1, which concerns every format
+    for row in rep["formats"]:
+        assert one[0] in row["warnings"], row
+        for w in row["warnings"]:
+            assert w in rep["warnings"]
+        for w in rep["warnings"]:
+            if "measure no quantized K/V" in w:
+                assert (w in row["warnings"]) == (row["format"] in w.split(" measure ")[0]), (w, row)
+
+
+def test_eval_json_warnings_empty_when_all_measured(kvarn_bin, model_path, austen_path):
+    # 256 tokens, chunks of 32, 16 decoded: int8 and kvarn_k4v2_g64 (G = 64,
+    # S = 64) see quantized history in both parts: no warning
+    r = subprocess.run([kvarn_bin, "eval", "-m", model_path, "-f", austen_path, "--ctx", "256",
+                        "--chunk", "32", "--decode-tokens", "16",
+                        "--kv-cache-dtype", "int8,kvarn_k4v2_g64", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["warnings"] == [] and all(row["warnings"] == [] for row in rep["formats"]), rep
+    for row in rep["formats"]:
+        assert row["decode_positions"] == 15
+        for k in DECODE_SCORES + ("decode_tok_s", "decode_x_fp16"):
+            assert isinstance(row[k], (int, float)) and not isinstance(row[k], bool), (k, row)
