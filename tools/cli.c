@@ -99,6 +99,36 @@ int cli_check_tail_tokens(const char *cmd, long tail_tokens, const kvarn_format 
     return 0;
 }
 
+int cli_kvarn_only_warnings(long sink_tokens, long tail_tokens, const kvarn_format *fmts, int n,
+                            char out[2][CLI_WARNING_LEN])
+{
+    char names[CLI_WARNING_LEN / 2] = "";
+    size_t at = 0;
+    for (int i = 0; i < n; i++) {
+        if (fmts[i].kind == KVARN_KIND_KVARN) return 0; /* the options are used */
+        if (at < sizeof names)
+            at += (size_t)snprintf(names + at, sizeof names - at, "%s%s", at ? ", " : "",
+                                   fmts[i].name);
+    }
+    int k = 0;
+    if (sink_tokens >= 0)
+        snprintf(out[k++], CLI_WARNING_LEN, "--sink-tokens %ld does nothing for %s: only KVarN "
+                 "formats (kvarn_*) keep an fp16 sink", sink_tokens, names);
+    if (tail_tokens > 0)
+        snprintf(out[k++], CLI_WARNING_LEN, "--tail-page-tokens %ld does nothing for %s: only "
+                 "KVarN formats (kvarn_*) hold their tail in fp16 pages", tail_tokens, names);
+    return k;
+}
+
+int cli_warn_kvarn_only(const char *cmd, long sink_tokens, long tail_tokens,
+                        const kvarn_format *fmts, int n)
+{
+    char w[2][CLI_WARNING_LEN];
+    const int k = cli_kvarn_only_warnings(sink_tokens, tail_tokens, fmts, n, w);
+    for (int i = 0; i < k; i++) fprintf(stderr, "kvarn %s: warning: %s\n", cmd, w[i]);
+    return k;
+}
+
 const char *cli_fmt_bytes(double bytes, char *buf, size_t len)
 {
     static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};

@@ -45,6 +45,24 @@ int cli_parse_formats(const char *cmd, const char *list, kvarn_format *out, int 
  * returns -1 (a usage error: exit 2). */
 int cli_check_tail_tokens(const char *cmd, long tail_tokens, const kvarn_format *fmts, int n);
 
+/* Bytes of one warning text of cli_kvarn_only_warnings. */
+#define CLI_WARNING_LEN 512
+
+/* The options that only KVarN caches use, given with no KVarN format among
+ * fmts[0..n): --sink-tokens S (S >= 0; S < 0: not given) and
+ * --tail-page-tokens T (T > 0; 0: not given). Per-token formats ignore
+ * both (kvarn_cache_opts), so each given one is a warning: its text into
+ * out[i] ("--sink-tokens 16 does nothing for int8: only KVarN formats
+ * (kvarn_*) keep an fp16 sink"; no prefix, no newline). Returns the number
+ * of warnings, 0 to 2. */
+int cli_kvarn_only_warnings(long sink_tokens, long tail_tokens, const kvarn_format *fmts, int n,
+                            char out[2][CLI_WARNING_LEN]);
+
+/* cli_kvarn_only_warnings printed on stderr, "kvarn CMD: warning: TEXT"
+ * a line. Returns their number. */
+int cli_warn_kvarn_only(const char *cmd, long sink_tokens, long tail_tokens,
+                        const kvarn_format *fmts, int n);
+
 /* Human-readable bytes ("12.3 MiB") into buf. */
 const char *cli_fmt_bytes(double bytes, char *buf, size_t len);
 

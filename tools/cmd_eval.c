@@ -110,9 +110,10 @@ static const cli_command k_command = {
 
 /* ---- running ------------------------------------------------------------ */
 
-/* The warnings eval prints before the run: about the columns that measure
- * no quantized K/V (eval_coverage.h). */
-#define EVAL_MAX_WARNINGS EVAL_COVERAGE_MAX
+/* The warnings eval prints before the run: KVarN-only options with no
+ * KVarN format (cli_kvarn_only_warnings, up to 2) and the columns that
+ * measure no quantized K/V (eval_coverage.h). */
+#define EVAL_MAX_WARNINGS (2 + EVAL_COVERAGE_MAX)
 
 typedef struct fmt_run {
     kvarn_format fmt;
@@ -709,9 +710,24 @@ static void eval_warn_coverage(eval_run *r)
     }
 }
 
+/* --sink-tokens / --tail-page-tokens with no KVarN format: warned on
+ * stderr and kept in r for the JSON report (about no format's columns). */
+static void eval_warn_options(eval_run *r, const eval_opts *o, const kvarn_format *fmts, int nf)
+{
+    char w[2][CLI_WARNING_LEN];
+    const int k = cli_kvarn_only_warnings(o->sink_tokens, o->tail_tokens, fmts, nf, w);
+    for (int i = 0; i < k && r->n_warnings < EVAL_MAX_WARNINGS; i++) {
+        eval_warning *to = &r->warnings[r->n_warnings++];
+        snprintf(to->text, sizeof to->text, "%s", w[i]);
+        to->formats = 0;
+        fprintf(stderr, "kvarn eval: warning: %s\n", to->text);
+    }
+}
+
 /* Set up, run every window and the passkey trials. 0, or the exit code. */
 static int eval_execute(eval_run *r, const eval_opts *o, const kvarn_format *fmts, int nf)
 {
+    eval_warn_options(r, o, fmts, nf);
     int rc = eval_load(r, o);
     if (rc == 0) rc = eval_fit(r, o);
     if (rc != 0) return rc;

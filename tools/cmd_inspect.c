@@ -211,6 +211,7 @@ int cmd_inspect(int argc, char **argv)
     kvarn_format fmts[CLI_MAX_FORMATS];
     int n = cli_parse_formats("inspect", o.dtypes, fmts, CLI_MAX_FORMATS);
     if (n < 0 || cli_check_tail_tokens("inspect", o.tail_tokens, fmts, n)) return 2;
+    cli_warn_kvarn_only("inspect", o.sink_tokens, o.tail_tokens, fmts, n);
     inspect_report *r = malloc(sizeof *r);
     if (r == NULL) {
         cli_error("inspect", "out of memory");

@@ -92,6 +92,7 @@ int cmd_passkey(int argc, char **argv)
     kvarn_format fmts[CLI_MAX_FORMATS];
     int nf = cli_parse_formats("passkey", o.dtypes, fmts, CLI_MAX_FORMATS);
     if (nf < 0) return 2;
+    cli_warn_kvarn_only("passkey", o.sink_tokens, 0, fmts, nf);
     cli_model m;
     if (cli_model_open("passkey", o.model_path, &m)) return 1;
     passkey_opts po = {o.lengths.v, o.lengths.n, o.depths.v, o.depths.n, (int)o.trials, o.chunk,

@@ -888,3 +888,53 @@ def test_retyped_tensor_overlapping_the_next_is_refused(kvarn_bin, model_path, t
     # the file as published (its tensors back to back, no gaps) still loads
     r = run([kvarn_bin, "inspect", "-m", model_path, "--kv-cache-dtype", "int8"])
     assert r.returncode == 0, r.stderr
+
+
+
+# ---- KVarN-only options with no KVarN format (fresh-user trial:
+# --sink-tokens was taken silently by int8, where it does nothing: the
+# cache ignores sink_tokens for per-token formats, and so does inspect) ---
+
+def sink_warnings(stderr, cmd):
+    return [line for line in stderr.splitlines() if line.startswith(f"kvarn {cmd}: warning: --")]
+
+
+def test_kvarn_only_options_warn_without_a_kvarn_format(kvarn_bin, model_path, tmp_path):
+    shape = ["--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--budget", "1GiB"]
+    plain = run([kvarn_bin, "inspect", "--kv-cache-dtype", "int8,fp8"] + shape)
+    assert plain.returncode == 0 and plain.stderr == "", plain.stderr
+    r = run([kvarn_bin, "inspect", "--kv-cache-dtype", "int8,fp8", "--sink-tokens", "16"] + shape)
+    assert r.returncode == 0, r.stderr
+    assert sink_warnings(r.stderr, "inspect") == [
+        "kvarn inspect: warning: --sink-tokens 16 does nothing for int8, fp8_e4m3: only KVarN "
+        "formats (kvarn_*) keep an fp16 sink"], r.stderr
+    # the numbers are those without it
+    table = [line for line in r.stdout.splitlines() if not line.startswith("KVarN:")]
+    assert table == plain.stdout.splitlines(), (r.stdout, plain.stdout)
+    r = run([kvarn_bin, "inspect", "--kv-cache-dtype", "int8", "--tail-page-tokens", "16"] + shape)
+    assert r.returncode == 0, r.stderr
+    assert sink_warnings(r.stderr, "inspect") == [
+        "kvarn inspect: warning: --tail-page-tokens 16 does nothing for int8: only KVarN "
+        "formats (kvarn_*) hold their tail in fp16 pages"], r.stderr
+    # with a KVarN format in the list the option does something: no warning
+    # (nor for the default sink, or tail pages of 0)
+    for extra in (["--kv-cache-dtype", "int8,kvarn_k4v2_g128", "--sink-tokens", "16"],
+                  ["--kv-cache-dtype", "all", "--sink-tokens", "0", "--tail-page-tokens", "16"],
+                  ["--kv-cache-dtype", "int8", "--tail-page-tokens", "0"]):
+        r = run([kvarn_bin, "inspect"] + extra + shape)
+        assert r.returncode == 0 and r.stderr == "", (extra, r.stderr)
+    # passkey and eval say the same, eval's JSON report too
+    r = run([kvarn_bin, "passkey", "-m", model_path, "--kv-cache-dtype", "int8", "--lengths", "64",
+             "--depths", "0", "--sink-tokens", "4"])
+    assert r.returncode == 0, r.stderr
+    assert sink_warnings(r.stderr, "passkey") == [
+        "kvarn passkey: warning: --sink-tokens 4 does nothing for int8: only KVarN formats "
+        "(kvarn_*) keep an fp16 sink"], r.stderr
+    text = short_text(tmp_path)
+    r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32", "--chunk", "8",
+             "--decode-tokens", "4", "--kv-cache-dtype", "int8", "--sink-tokens", "4", "--json"])
+    assert r.returncode == 0, r.stderr
+    w = sink_warnings(r.stderr, "eval")
+    assert w == ["kvarn eval: warning: --sink-tokens 4 does nothing for int8: only KVarN formats "
+                 "(kvarn_*) keep an fp16 sink"], r.stderr
+    assert w[0][len("kvarn eval: warning: "):] in json.loads(r.stdout)["warnings"]
