@@ -442,6 +442,7 @@ static attn_rows rows_of(const attn_run *run, int worker, int n)
     r.q = q;
     r.acc = f; f += round_f(R * g->D);
     r.qa = f; f += round_f(R * g->D);
+    r.qa_ready = 0;
     r.s = f; f += round_f(R * (size_t)r.gs);
     float *qsum = f; f += round_f(R);
     r.qsum = qsum;

@@ -105,6 +105,8 @@ typedef struct attn_rows {
     float *m;           /* [n] running max score (-inf before any token) */
     float *l;           /* [n] running sum of exp(score - m) */
     float *qa;          /* scratch [n][D] (query with a_d folded in) */
+    int qa_ready;       /* the AVX-512 int8 kernel's rounded query is in qa
+                           (set by that kernel; 0 from rows_of, per item) */
     float *s;           /* scratch [n][gs] scores, then weights */
     float *rc;          /* scratch [n] a per-row constant */
     float *meta;        /* scratch: 3D + 4gs floats of tile metadata */

@@ -1121,6 +1121,16 @@ void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const ui
  * as large. */
 #define I8_QMAX 32639.0f
 
+/* A row's slots in its qa scratch (float index) after the rounded query
+ * (i8_round_query: 2D bytes of digits or D int16): sq, sum_d qi_d (int32),
+ * then per span sw, sum_t wi_t (int32) and the largest visible score;
+ * D >= 32 at this level, so all lie below D. */
+#define I8_SQ(D) ((D) / 2)
+#define I8_QS(D) ((D) / 2 + 1)
+#define I8_SW(D) ((D) / 2 + 2)
+#define I8_WS(D) ((D) / 2 + 3)
+#define I8_MX(D) ((D) / 2 + 4)
+
 /* The VNNI build's K dots where D % 64 == 0 (i8v_kdots16): the codes of 16
  * tokens transposed so that each 32-bit lane is one token (4 channels of
  * it), and vpdpbusd (u8 codes x s8) against the broadcast digit bytes of
@@ -1140,12 +1150,26 @@ void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const ui
  * the int8 record stream stopped at ~8.5 GB/s even with no arithmetic at
  * all (a kernel that only touched the lines: SmolLM2 8k 390 us, fp16 10
  * GB/s), with prefetcht1 12.8 GB/s (262 us); the L1 miss buffers, not
- * DRAM, were the limit (docs/attention.md "int8: integer dot products"). */
+ * DRAM, were the limit (docs/attention.md "int8: integer dot products").
+ * Each listed tile is fetched from the line holding its first byte to the
+ * line holding its last, so a block off the 64-byte lines (a malloc'ed
+ * arena, 16 bytes past a line, as bench_attn's) is fetched whole: listed
+ * as it is, a block of G (2D + 8) bytes (a multiple of 64 for G = 16)
+ * left its last line, the last token's V scale and zero-point, to a
+ * demand miss at the start of the next span (docs/attention.md "What
+ * bounds each kernel"). */
 typedef struct i8_pf {
     const attn_prefetch *p;
     const uint8_t *cur, *end;
     int tile;
 } i8_pf;
+
+/* The start of the 64-byte line holding p (formed as an integer: the line
+ * may start before the arena; a prefetch never faults). */
+AI const uint8_t *i8_pf_line(const uint8_t *p)
+{
+    return (const uint8_t *)((uintptr_t)p & ~(uintptr_t)63);
+}
 
 AI void i8_pf_init(i8_pf *f, const attn_prefetch *p)
 {
@@ -1153,8 +1177,8 @@ AI void i8_pf_init(i8_pf *f, const attn_prefetch *p)
     f->tile = p->tile;
     f->cur = f->end = NULL;
     if (p->tile < p->n) {
-        f->cur = p->base[p->tile] + (size_t)p->line * 64;
-        f->end = p->base[p->tile] + (size_t)p->lines * 64;
+        f->cur = i8_pf_line(p->base[p->tile] + (size_t)p->line * 64);
+        f->end = i8_pf_line(p->base[p->tile] + (size_t)p->lines * 64 + 63);
     }
 }
 
@@ -1165,8 +1189,8 @@ AI void i8_pf_step(i8_pf *f, int k)
         if (f->cur == f->end) {
             if (f->tile + 1 >= f->p->n) return;
             f->tile++;
-            f->cur = f->p->base[f->tile];
-            f->end = f->cur + (size_t)f->p->lines * 64;
+            f->cur = i8_pf_line(f->p->base[f->tile]);
+            f->end = i8_pf_line(f->p->base[f->tile] + (size_t)f->p->lines * 64 + 63);
         }
         __builtin_prefetch(f->cur, 0, 2); /* prefetcht1: into L2 */
         f->cur += 64;
@@ -1204,7 +1228,8 @@ AI __m512i i8_red16(__m512i x, __m512i y)
 
 /* Row i's query for the int8 kernel: qi_d = rne(q'_d / sq), sq = max_d
  * |q'_d| / I8_QMAX; qi int16 [D] at the start of the row's qa scratch,
- * then (float index D / 2) sq and (D / 2 + 1, int32) sum_d qi_d. A row whose max |q'_d| is below 2^-100 (or 0) gets qi = 0,
+ * then sq (float index I8_SQ) and sum_d qi_d (I8_QS, int32). A row whose
+ * max |q'_d| is below 2^-100 (or 0) gets qi = 0,
  * sq = 0 (its scores keep only the (zero + 128 scale) sum q' term, off by
  * at most 128 scale sum_d |q'_d| < 2^-85 scale D); else I8_QMAX / max is a
  * normal float and |q'_d I8_QMAX / max| <= I8_QMAX (1 + 2^-23) rounds into
@@ -1235,24 +1260,23 @@ AI void i8_round_query(attn_rows *r, int i)
             _mm256_storeu_si256((__m256i *)(void *)(qi + d), _mm512_cvtsepi32_epi16(x));
         }
     }
-    qa[D / 2] = ok ? qmax / I8_QMAX : 0.0f;
+    qa[I8_SQ(D)] = ok ? qmax / I8_QMAX : 0.0f;
     const int32_t s = _mm512_reduce_add_epi32(sum);
-    memcpy(qa + D / 2 + 1, &s, 4);
+    memcpy(qa + I8_QS(D), &s, 4);
 }
 
-/* Row i's weights (fp32 s[i][0..nv), zero past the visible positions) to
- * int16 in place, wi_t = rne(w_t / sw), sw = max_t w_t / I8_QMAX: wi at the first bytes of the row (zero up to nv rounded
- * up to 16), sw returned, sum_t wi_t in *wsum. Weights are >= 0 (p_t >= 0,
- * scale_t > 0). A row whose largest w_t is below 2^-100 (or 0: nothing
- * visible in the span) gets wi = 0, sw = 0: it drops at most 255 nt
- * 2^-100 from acc, against l >= 1. */
-AI float i8_round_weights(attn_rows *r, int i, int nv, int32_t *wsum)
+/* Row i's weights (fp32 s[i][0..nv), zero past the visible positions;
+ * wmax their largest, from i8_softmax_fold) to int16 in place, wi_t =
+ * rne(w_t / sw), sw = wmax / I8_QMAX: wi at the first bytes of the row
+ * (zero up to nv rounded up to 16), sw and sum_t wi_t at I8_SW and I8_WS
+ * of the row's qa scratch. Weights are >= 0 (p_t >= 0, scale_t > 0). A
+ * row whose largest w_t is below 2^-100 (or 0: nothing visible in the
+ * span) gets wi = 0, sw = 0: it drops at most 255 nt 2^-100 from acc,
+ * against l >= 1. */
+AI void i8_round_weights(attn_rows *r, int i, int nv, float wmax)
 {
-    float *w = r->s + (size_t)i * r->gs;
+    float *w = r->s + (size_t)i * r->gs, *qa = r->qa + (size_t)i * r->D;
     int16_t *wi = (int16_t *)(void *)w;
-    __m512 mx = _mm512_setzero_ps();
-    for (int t = 0; t < nv; t += 16) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(lanes(nv - t), w + t));
-    const float wmax = _mm512_reduce_max_ps(mx);
     const int ok = wmax >= 0x1p-100f; /* also false for NaN */
     const __m512 inv = _mm512_set1_ps(ok ? I8_QMAX / wmax : 0.0f);
     __m512i sum = _mm512_setzero_si512();
@@ -1261,8 +1285,9 @@ AI float i8_round_weights(attn_rows *r, int i, int nv, int32_t *wsum)
         sum = _mm512_add_epi32(sum, x);
         _mm256_storeu_si256((__m256i *)(void *)(wi + t), _mm512_cvtsepi32_epi16(x));
     }
-    *wsum = _mm512_reduce_add_epi32(sum);
-    return ok ? wmax / I8_QMAX : 0.0f;
+    const int32_t ws = _mm512_reduce_add_epi32(sum);
+    qa[I8_SW(r->D)] = ok ? wmax / I8_QMAX : 0.0f;
+    memcpy(qa + I8_WS(r->D), &ws, 4);
 }
 
 /* int32 q . code of the 4 tokens k[0..3] (their K codes) for rows
@@ -1359,19 +1384,70 @@ AI void i8v_kdots16(const attn_rows *r, i8_pf *f, const uint8_t *const *k, int r
 }
 #endif
 
+/* The raw fp16 (scale, zero) words of K and V of tokens [t, min(t + 16,
+ * nt)) into kw[t..], vw[t..] (k_b follows k_a, v_b follows v_a). */
+AI void i8_meta_words(const uint8_t *const *tok, const kvarn_record_layout *L, int t, int nt,
+                      uint32_t *kw, uint32_t *vw)
+{
+    const int e = t + 16 < nt ? t + 16 : nt;
+    for (int j = t; j < e; j++) {
+        memcpy(&kw[j], tok[j] + L->k_a_off, 4);
+        memcpy(&vw[j], tok[j] + L->v_a_off, 4);
+    }
+}
+
 /* Scores of rows [r0, r0 + RB) (RB <= 4) over the span's nt tokens:
  * s[i][t] = scale_t sq_i (acc_t - 128 sum qi) + zc_t qsum_i, zc_t = zero_t
- * + 128 scale_t. 16 tokens per step (a token past nt repeats the last
- * one; its score is not stored). */
-AI void i8_kblock(attn_rows *r, i8_pf *f, const uint8_t *const *tok, size_t koff, int nt, int r0,
-                  int RB, const float *ks, const float *zc)
+ * + 128 scale_t, and the largest score of each row's visible positions
+ * (I8_MX of its qa scratch, -inf where none). 16 tokens per step (a token
+ * past nt repeats the last one; its score is not stored). The first row
+ * block (first != 0) also converts the tokens' scales and zero-points:
+ * their raw words, read one step ahead (i8_meta_words, into the zc and vz
+ * arrays), become ks = scale_K, zc, vs = scale_V and vz = zero_V + 128
+ * scale_V, zero past nt (up to nt rounded up to 8); later blocks read ks
+ * and zc back. */
+AI void i8_kblock(attn_rows *r, i8_pf *f, const uint8_t *const *tok, const kvarn_record_layout *L,
+                  int t0, int nt, int r0, int RB, float *meta, int first)
 {
-    const int D = r->D;
+    const int D = r->D, gs = r->gs, nv = (nt + 7) & ~7;
+    const size_t koff = L->k_codes_off;
+    float *ks = meta, *zc = ks + gs, *vs = zc + gs, *vz = vs + gs;
+    uint32_t *kw = (uint32_t *)(void *)zc, *vw = (uint32_t *)(void *)vz;
     /* half the next span's prefetches, spread over every 32-channel step;
      * i8_vsum issues the rest */
     const int steps = I8_VNNI_K(D) ? (nt + 15) / 16 * (D / 64) : (nt + 3) / 4 * (D / 32);
     const int per = steps > 0 ? (i8_pf_left(f) / 2 + steps - 1) / steps : 0;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 mx[4];
+    __m512i va[4], vb[4]; /* visible: va < t0 + t + lane < vb, as offsets from t0 */
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; i++) {
+        mx[i] = _mm512_set1_ps(-INFINITY);
+        va[i] = _mm512_set1_epi32(r->lo[r0 + i] - t0 - 1);
+        vb[i] = _mm512_set1_epi32(r->hi[r0 + i] - t0 + 1);
+    }
+    if (first) i8_meta_words(tok, L, 0, nt, kw, vw);
     for (int t = 0; t < nt; t += 16) {
+        const __mmask16 in = lanes(nt - t);
+        __m512 kst, zct;
+        if (first) {
+            const __m512i k32 = _mm512_maskz_loadu_epi32(in, kw + t), v32 = _mm512_maskz_loadu_epi32(in, vw + t);
+            i8_meta_words(tok, L, t + 16, nt, kw, vw); /* the next step's */
+            const __m512 c128 = _mm512_set1_ps(128.0f);
+            const __m512 kb = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(k32, 16)));
+            const __m512 sa = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v32));
+            const __m512 sb = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v32, 16)));
+            const __mmask16 keep = lanes(nv - t);
+            kst = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(k32));
+            zct = _mm512_fmadd_ps(kst, c128, kb);
+            _mm512_mask_storeu_ps(ks + t, keep, kst);
+            _mm512_mask_storeu_ps(zc + t, keep, zct);
+            _mm512_mask_storeu_ps(vs + t, keep, sa);
+            _mm512_mask_storeu_ps(vz + t, keep, _mm512_fmadd_ps(sa, c128, sb));
+        } else {
+            kst = _mm512_maskz_loadu_ps(in, ks + t);
+            zct = _mm512_maskz_loadu_ps(in, zc + t);
+        }
         __m512i sums[4];
 #ifdef KVARN_AVX512_VNNI
         if (I8_VNNI_K(D)) {
@@ -1403,23 +1479,76 @@ AI void i8_kblock(attn_rows *r, i8_pf *f, const uint8_t *const *tok, size_t koff
 #pragma GCC unroll 4
         for (int i = 0; i < RB; i++) sums[i] = i8_red16(h[0][i], h[1][i]);
         }
-        const __mmask16 in = lanes(nt - t);
-        const __m512 kst = _mm512_maskz_loadu_ps(in, ks + t), zct = _mm512_maskz_loadu_ps(in, zc + t);
+        const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(t));
 #pragma GCC unroll 4
         for (int i = 0; i < RB; i++) {
             const float *qa = r->qa + (size_t)(r0 + i) * D;
             int32_t qs;
-            memcpy(&qs, qa + D / 2 + 1, 4);
+            memcpy(&qs, qa + I8_QS(D), 4);
             const __m512i sum = _mm512_sub_epi32(sums[i], _mm512_set1_epi32(128 * qs));
-            const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(qa[D / 2]));
+            const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(qa[I8_SQ(D)]));
             const __m512 s = _mm512_fmadd_ps(kst, a, _mm512_mul_ps(zct, _mm512_set1_ps(r->qsum[r0 + i])));
-            _mm512_mask_storeu_ps(r->s + (size_t)(r0 + i) * r->gs + t, in, s);
+            _mm512_mask_storeu_ps(r->s + (size_t)(r0 + i) * gs + t, in, s);
+            const __mmask16 ok = in & _mm512_cmpgt_epi32_mask(idx, va[i]) & _mm512_cmpgt_epi32_mask(vb[i], idx);
+            mx[i] = _mm512_mask_max_ps(mx[i], ok, mx[i], s);
         }
     }
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; i++) r->qa[(size_t)(r0 + i) * D + I8_MX(D)] = _mm512_reduce_max_ps(mx[i]);
+}
+
+/* Row i's online-softmax step over the span and its V weights, in one
+ * pass over the scores (the operations of softmax_row_avx512, then
+ * fold_weights, then the max of i8_round_weights, in their order, so the
+ * same bits): p_t = exp(s_t - m_new) on the visible positions (0
+ * elsewhere), l and acc rescaled, rc[i] = sum_t p_t vz_t, w_t = p_t vs_t
+ * in place of s, and max_t w_t returned. The running max comes from
+ * i8_kblock (I8_MX). The rescale's expf is skipped when the max did not
+ * move (expf(0) = 1). */
+AI float i8_softmax_fold(attn_rows *r, int i, int t0, int nt, const float *vs, const float *vz)
+{
+    const int D = r->D, gs = r->gs, nv = (nt + 7) & ~7;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    float *s = r->s + (size_t)i * gs;
+    int a = r->lo[i] - t0, b = r->hi[i] - t0 + 1;
+    if (a < 0) a = 0;
+    if (b > nt) b = nt;
+    if (a >= b) {
+        for (int t = 0; t < nv; t += 16) _mm512_mask_storeu_ps(s + t, lanes(nv - t), _mm512_setzero_ps());
+        r->rc[i] = 0.0f;
+        return 0.0f;
+    }
+    const __m512i vai = _mm512_set1_epi32(a - 1), vbi = _mm512_set1_epi32(b);
+    const float mt = r->qa[(size_t)i * D + I8_MX(D)], m_old = r->m[i];
+    const float m_new = mt > m_old ? mt : m_old;
+    const float corr = m_old == -INFINITY ? 0.0f : m_new == m_old ? 1.0f : expf(m_old - m_new);
+    const __m512 vm = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps(), z = _mm512_setzero_ps(), wmx = _mm512_setzero_ps();
+    for (int t = 0; t < nv; t += 16) {
+        const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(t));
+        const __mmask16 ok = _mm512_cmpgt_epi32_mask(idx, vai) & _mm512_cmpgt_epi32_mask(vbi, idx);
+        const __mmask16 in = lanes(nv - t);
+        const __m512 p = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, s + t), vm)));
+        sum = _mm512_add_ps(sum, p);
+        z = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(in, vz + t), z);
+        const __m512 w = _mm512_mul_ps(p, _mm512_maskz_loadu_ps(in, vs + t));
+        _mm512_mask_storeu_ps(s + t, in, w);
+        wmx = _mm512_max_ps(wmx, w);
+    }
+    r->m[i] = m_new;
+    r->l[i] = r->l[i] * corr + _mm512_reduce_add_ps(sum);
+    r->rc[i] = _mm512_reduce_add_ps(z);
+    if (corr != 1.0f) {
+        float *acc = r->acc + (size_t)i * D;
+        const __m512 vc = _mm512_set1_ps(corr);
+        for (int d = 0; d < D; d += 16)
+            _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), vc));
+    }
+    return _mm512_reduce_max_ps(wmx);
 }
 
 /* acc[i][d0..d0+32 NH) += sw_i (sum_t wi_t c_td - 128 wsum_i) + pz_i for
- * rows [r0, r0 + RB) (sw_i, wsum_i at float index D / 2 + 2, + 3 of the
+ * rows [r0, r0 + RB) (sw_i, wsum_i at I8_SW, I8_WS of the
  * row's qa scratch, pz_i in rc), NH halves of 32 channels (1 or 2). Per token pair
  * and half: the 32 code bytes of t and t + 1 interleaved
  * (vpunpck{l,h}bw) and zero-extended to words (vpmovzxbw), so 32-bit lane
@@ -1459,9 +1588,9 @@ AI void i8_vsum(attn_rows *r, i8_pf *f, const uint8_t *const *tok, size_t voff, 
     for (int i = 0; i < RB; i++) {
         const float *qa = r->qa + (size_t)(r0 + i) * D;
         int32_t ws;
-        memcpy(&ws, qa + D / 2 + 3, 4);
+        memcpy(&ws, qa + I8_WS(D), 4);
         const __m512i c128 = _mm512_set1_epi32(128 * ws);
-        const __m512 vs = _mm512_set1_ps(qa[D / 2 + 2]), vb = _mm512_set1_ps(r->rc[r0 + i]);
+        const __m512 vs = _mm512_set1_ps(qa[I8_SW(D)]), vb = _mm512_set1_ps(r->rc[r0 + i]);
         float *o = r->acc + (size_t)(r0 + i) * D + d0;
 #pragma GCC unroll 2
         for (int hh = 0; hh < NH; hh++) {
@@ -1488,52 +1617,29 @@ AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
                         int t0, int nt)
 {
     const int gs = r->gs, D = r->D;
-    float *ks = r->meta, *zc = ks + gs, *vs = zc + gs, *vz = vs + gs;
-    /* the fp16 scale and zero-point of every token (k_b follows k_a, v_b
-     * follows v_a), as raw words, then converted 16 tokens at a time */
-    uint32_t *kw = (uint32_t *)(void *)zc, *vw = (uint32_t *)(void *)vz;
-    for (int t = 0; t < nt; t++) {
-        memcpy(&kw[t], recs[t] + L->k_a_off, 4);
-        memcpy(&vw[t], recs[t] + L->v_a_off, 4);
+    float *vs = r->meta + 2 * gs, *vz = vs + gs;
+    /* the query does not change over the item's spans: rounded once */
+    if (!r->qa_ready) {
+        for (int i = 0; i < r->n; i++) i8_round_query(r, i);
+        r->qa_ready = 1;
     }
-    for (int t = nt; t < gs; t++) kw[t] = vw[t] = 0u;
-    const __m512 c128 = _mm512_set1_ps(128.0f);
-    for (int t = 0; t < gs; t += 16) {
-        const __mmask16 in = lanes(gs - t);
-        const __m512i k32 = _mm512_maskz_loadu_epi32(in, kw + t), v32 = _mm512_maskz_loadu_epi32(in, vw + t);
-        const __m512 ka = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(k32));
-        const __m512 kb = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(k32, 16)));
-        const __m512 va = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v32));
-        const __m512 vb = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v32, 16)));
-        _mm512_mask_storeu_ps(ks + t, in, ka);
-        _mm512_mask_storeu_ps(zc + t, in, _mm512_fmadd_ps(ka, c128, kb));
-        _mm512_mask_storeu_ps(vs + t, in, va);
-        _mm512_mask_storeu_ps(vz + t, in, _mm512_fmadd_ps(va, c128, vb));
-    }
-    for (int i = 0; i < r->n; i++) i8_round_query(r, i);
     i8_pf pf;
     i8_pf_init(&pf, r->pf);
     for (int r0 = 0; r0 < r->n;) {
-        const int rb = block_rows(r->n, 4, r0);
+        const int rb = block_rows(r->n, 4, r0), first = r0 == 0;
         switch (rb) {
-        case 4: i8_kblock(r, &pf, recs, L->k_codes_off, nt, r0, 4, ks, zc); break;
-        case 3: i8_kblock(r, &pf, recs, L->k_codes_off, nt, r0, 3, ks, zc); break;
-        case 2: i8_kblock(r, &pf, recs, L->k_codes_off, nt, r0, 2, ks, zc); break;
-        default: i8_kblock(r, &pf, recs, L->k_codes_off, nt, r0, 1, ks, zc); break;
+        case 4: i8_kblock(r, &pf, recs, L, t0, nt, r0, 4, r->meta, first); break;
+        case 3: i8_kblock(r, &pf, recs, L, t0, nt, r0, 3, r->meta, first); break;
+        case 2: i8_kblock(r, &pf, recs, L, t0, nt, r0, 2, r->meta, first); break;
+        default: i8_kblock(r, &pf, recs, L, t0, nt, r0, 1, r->meta, first); break;
         }
         r0 += rb;
     }
-    for (int i = 0; i < r->n; i++) softmax_row_avx512(r, i, t0, nt);
-    /* weights p_t scale_t rounded to int16; the (zero + 128 scale) sum is
-     * one constant per row (p is 0 past nt, and so are the scales) */
+    /* softmax and the weights p_t scale_t, rounded to int16; the (zero +
+     * 128 scale) sum is one constant per row (p is 0 past nt, and so are
+     * the scales) */
     const int nv = (nt + 7) & ~7;
-    for (int i = 0; i < r->n; i++) {
-        float *qa = r->qa + (size_t)i * D; /* sw at D / 2 + 2, wsum at D / 2 + 3 */
-        int32_t ws;
-        r->rc[i] = fold_weights(r->s + (size_t)i * gs, vs, vz, nv);
-        qa[D / 2 + 2] = i8_round_weights(r, i, nv, &ws);
-        memcpy(qa + D / 2 + 3, &ws, 4);
-    }
+    for (int i = 0; i < r->n; i++) i8_round_weights(r, i, nv, i8_softmax_fold(r, i, t0, nt, vs, vz));
     const int NH = D % 64 == 0 ? 2 : 1;
     for (int d0 = 0; d0 < D; d0 += 32 * NH)
         for (int r0 = 0; r0 < r->n;) {
@@ -1550,7 +1656,7 @@ AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
 #undef I8VCALL
             r0 += rb;
         }
-    i8_pf_step(&pf, i8_pf_left(&pf)); /* any left over */
+    while (i8_pf_left(&pf) > 0) i8_pf_step(&pf, i8_pf_left(&pf)); /* any left over */
     r->pf->tile = r->pf->n; /* all issued */
     r->pf->line = 0;
 }
@@ -1570,6 +1676,7 @@ void attn_avx512_token_int8(attn_rows *r, const kvarn_record_layout *L,
                             const uint8_t *const *rec, int t0, int nt)
 {
     if (!i8_ok(r, nt)) {
+        r->qa_ready = 0; /* (the fp32 path may use qa) */
         token_tile_body(r, KVARN_KIND_INT8, L, rec, t0, nt);
         return;
     }
