@@ -114,6 +114,19 @@ typedef struct attn_rows {
     attn_prefetch *pf;   /* the next tiles to prefetch while this one runs */
 } attn_rows;
 
+/* Row i's visible positions within a span of nt tokens starting at
+ * position t0, as span offsets [*a, *b) (lo[i] .. hi[i] clipped to the
+ * span). Returns 0 when none is visible (then *a >= *b). */
+static inline int attn_row_visible(const attn_rows *r, int i, int t0, int nt, int *a, int *b)
+{
+    int lo = r->lo[i] - t0, hi = r->hi[i] - t0 + 1;
+    if (lo < 0) lo = 0;
+    if (hi > nt) hi = nt;
+    *a = lo;
+    *b = hi;
+    return lo < hi;
+}
+
 /* ---- tile kernels ----
  * t0: position of the tile's first token; nt: tokens present in the tile
  * (1..G; G for committed KVarN records). */

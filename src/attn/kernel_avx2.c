@@ -158,10 +158,8 @@ static void softmax_update_avx2(attn_rows *r, int t0, int nt)
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
     for (int i = 0; i < r->n; i++) {
         float *s = r->s + (size_t)i * gs;
-        int a = r->lo[i] - t0, b = r->hi[i] - t0 + 1;
-        if (a < 0) a = 0;
-        if (b > nt) b = nt;
-        if (a >= b) {
+        int a, b;
+        if (!attn_row_visible(r, i, t0, nt, &a, &b)) {
             for (int t = 0; t < nt; t += 8) _mm256_storeu_ps(s + t, _mm256_setzero_ps());
             continue;
         }

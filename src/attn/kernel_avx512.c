@@ -221,10 +221,8 @@ static void softmax_row_avx512(attn_rows *r, int i, int t0, int nt)
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     {
         float *s = r->s + (size_t)i * gs;
-        int a = r->lo[i] - t0, b = r->hi[i] - t0 + 1;
-        if (a < 0) a = 0;
-        if (b > nt) b = nt;
-        if (a >= b) {
+        int a, b;
+        if (!attn_row_visible(r, i, t0, nt, &a, &b)) {
             for (int t = 0; t < nv; t += 16) _mm512_mask_storeu_ps(s + t, lanes(nv - t), _mm512_setzero_ps());
             return;
         }
@@ -1510,10 +1508,8 @@ AI float i8_softmax_fold(attn_rows *r, int i, int t0, int nt, const float *vs, c
     const int D = r->D, gs = r->gs, nv = (nt + 7) & ~7;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     float *s = r->s + (size_t)i * gs;
-    int a = r->lo[i] - t0, b = r->hi[i] - t0 + 1;
-    if (a < 0) a = 0;
-    if (b > nt) b = nt;
-    if (a >= b) {
+    int a, b;
+    if (!attn_row_visible(r, i, t0, nt, &a, &b)) {
         for (int t = 0; t < nv; t += 16) _mm512_mask_storeu_ps(s + t, lanes(nv - t), _mm512_setzero_ps());
         r->rc[i] = 0.0f;
         return 0.0f;

@@ -21,10 +21,8 @@ void attn_softmax_update_ref(attn_rows *r, int t0, int nt)
     const int D = r->D, G = r->gs;
     for (int i = 0; i < r->n; i++) {
         float *s = r->s + (size_t)i * G;
-        int a = r->lo[i] - t0, b = r->hi[i] - t0 + 1; /* visible [a, b) */
-        if (a < 0) a = 0;
-        if (b > nt) b = nt;
-        if (a >= b) {
+        int a, b; /* visible [a, b) */
+        if (!attn_row_visible(r, i, t0, nt, &a, &b)) {
             for (int t = 0; t < nt; t++) s[t] = 0.0f;
             continue;
         }
