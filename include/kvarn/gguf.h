@@ -12,7 +12,10 @@
  *            type u32, offset u64 }
  *   padding  to a multiple of the alignment (general.alignment, default 32)
  *   data     tensor data; each tensor at data start + its offset, which is
- *            a multiple of the alignment.
+ *            a multiple of the alignment. Packed, as ggml requires: in
+ *            offset order the first tensor at offset 0 and each next one
+ *            where the previous one ends rounded up to the alignment; after
+ *            the last one at most that padding (gguf-py writes it).
  * A GGUF string is a u64 byte length and that many bytes (UTF-8, not
  * NUL-terminated). An array is an element type u32, a count u64 and the
  * elements.
@@ -24,10 +27,13 @@
  * Opening validates the whole header up front, so that later accessors can
  * trust it: every length and offset is inside the file, element counts do
  * not overflow, no key or tensor name appears twice, every tensor's type is
- * one of the supported types below and its data lies inside the file and
- * shares no byte with another tensor's (adjacent tensors and padding
- * between them are fine; an overlap means a type, shape or offset that
- * does not match the data, e.g. a tensor retyped in the header). Any
+ * one of the supported types below and its data lies inside the file, and
+ * the data section is packed (above): no byte shared by two tensors (an
+ * overlap: a type, shape or offset that does not match the data, e.g. a
+ * tensor retyped in the header to a larger type) and no byte unaccounted
+ * for between or after them beyond the alignment padding (a gap: e.g. a
+ * tensor retyped to a smaller type). Tensor infos may be listed in any
+ * order; the layout is checked in offset order. Any
  * violation is KVARN_ERR_BAD_FILE (malformed, truncated, hostile) or
  * KVARN_ERR_UNSUPPORTED (well-formed but outside what this reader serves:
  * another version, another tensor type, nested arrays), with a one-line
@@ -147,7 +153,10 @@ typedef struct kvarn_gguf kvarn_gguf;
  * n_dims of 0 or > 4, a zero or overflowing dimension, a row length that is
  * not a multiple of the block size, a tensor name longer than 64 bytes,
  * duplicate keys or tensor names, two tensors whose data ranges overlap:
- * "tensors 'A' (data bytes [a0, a1)) and 'B' ([b0, b1)) overlap: ..."),
+ * "tensors 'A' (data bytes [a0, a1)) and 'B' ([b0, b1)) overlap: ...", or
+ * leave bytes between them: "... leave N bytes unaccounted for: ...", a
+ * first tensor not at offset 0, more than the alignment padding after the
+ * last one),
  * KVARN_ERR_UNSUPPORTED (version other than 2 or 3, a tensor type not in
  * kvarn_ggml_type, nested arrays), KVARN_ERR_NOMEM. */
 kvarn_status kvarn_gguf_open(const char *path, kvarn_gguf **out,

@@ -525,43 +525,83 @@ static void sort_by_offset(const kvarn_gguf_tensor *ts, uint64_t *ix, uint64_t n
     }
 }
 
-/* No two tensors may share a byte of data: a tensor whose type or shape
- * in the header does not match its data (a retyped tensor, a corrupt
- * header) reads the next tensors' bytes as its own. Adjacent tensors and
- * padding between them are fine. Tensors are checked in offset order, so
- * the message names the first overlapping pair from the data section's
- * start. */
-static kvarn_status check_overlaps(cursor *c, kvarn_gguf *g)
+static uint64_t align_up(uint64_t x, uint64_t a) { return x + (a - x % a) % a; }
+
+/* The data section is packed, as ggml's and llama.cpp's readers require:
+ * in offset order the first tensor starts at 0 and each next one exactly
+ * where the previous one ends, rounded up to the alignment; after the last
+ * one at most that padding. A tensor whose type or shape in the header
+ * does not match its data breaks this: retyped to a larger type it reads
+ * the next tensors' bytes as its own (an overlap), to a smaller one it
+ * leaves bytes unaccounted for and reads the wrong values (a gap). Both
+ * would load and compute garbage. Tensor infos may be listed in any
+ * order: they are checked in offset order (sorted when not listed so), so
+ * the message names the first bad pair from the data section's start. */
+static kvarn_status check_layout(cursor *c, kvarn_gguf *g, uint64_t data_size)
 {
-    const uint64_t n = g->n_tensors;
-    if (n < 2) return KVARN_OK;
+    const uint64_t n = g->n_tensors; /* >= 1; every range inside the data section */
+    const uint64_t al = g->alignment;
     const kvarn_gguf_tensor *ts = g->tensors;
-    /* Most files list their tensors in data order: check that without
-     * allocating, and sort only when it is not so. */
+    /* Most files list their tensors in data order: walk them as listed
+     * without allocating, and sort only when it is not so. */
+    uint64_t *ix = NULL;
     uint64_t i = 1;
-    while (i < n && ts[i - 1].offset < ts[i].offset &&
-           ts[i].offset - ts[i - 1].offset >= ts[i - 1].n_bytes)
-        i++;
-    if (i == n) return KVARN_OK;
-    uint64_t *ix = kvarn__malloc(&g->alloc, (size_t)n, sizeof *ix);
-    if (!ix)
-        return fail(c, KVARN_ERR_NOMEM, "out of memory for the offsets of %llu tensors",
-                    (unsigned long long)n);
-    for (uint64_t k = 0; k < n; k++) ix[k] = k;
-    sort_by_offset(ts, ix, n);
+    while (i < n && ts[i - 1].offset < ts[i].offset) i++;
+    if (i < n) {
+        ix = kvarn__malloc(&g->alloc, (size_t)n, sizeof *ix);
+        if (!ix)
+            return fail(c, KVARN_ERR_NOMEM, "out of memory for the offsets of %llu tensors",
+                        (unsigned long long)n);
+        for (uint64_t k = 0; k < n; k++) ix[k] = k;
+        sort_by_offset(ts, ix, n);
+    }
+#define AT(k) (&ts[ix ? ix[k] : (k)])
     kvarn_status st = KVARN_OK;
+    const kvarn_gguf_tensor *first = AT(0);
+    if (first->offset != 0)
+        st = fail(c, KVARN_ERR_BAD_FILE,
+                  "tensor '%s' (data bytes [%llu, %llu)) is the first in the data section "
+                  "but starts at %llu, not 0: %llu bytes unaccounted for; a tensor's "
+                  "offset in the header does not match the data (a corrupt tensor info)",
+                  first->name, (unsigned long long)first->offset,
+                  (unsigned long long)(first->offset + first->n_bytes),
+                  (unsigned long long)first->offset, (unsigned long long)first->offset);
     for (uint64_t k = 1; k < n && st == KVARN_OK; k++) {
-        const kvarn_gguf_tensor *a = &ts[ix[k - 1]], *b = &ts[ix[k]];
-        /* a->offset <= b->offset; both ranges lie inside the data section */
+        const kvarn_gguf_tensor *a = AT(k - 1), *b = AT(k);
+        /* a->offset <= b->offset */
+        const uint64_t a_end = a->offset + a->n_bytes, next = align_up(a_end, al);
         if (b->offset - a->offset < a->n_bytes)
             st = fail(c, KVARN_ERR_BAD_FILE,
                       "tensors '%s' (data bytes [%llu, %llu)) and '%s' ([%llu, %llu)) overlap: "
                       "a tensor's type, shape or offset in the header does not match the "
                       "data (a retyped or corrupt tensor info)",
-                      a->name, (unsigned long long)a->offset,
-                      (unsigned long long)(a->offset + a->n_bytes), b->name,
-                      (unsigned long long)b->offset, (unsigned long long)(b->offset + b->n_bytes));
+                      a->name, (unsigned long long)a->offset, (unsigned long long)a_end,
+                      b->name, (unsigned long long)b->offset,
+                      (unsigned long long)(b->offset + b->n_bytes));
+        else if (b->offset != next) /* b->offset > next: both are aligned */
+            st = fail(c, KVARN_ERR_BAD_FILE,
+                      "tensors '%s' (data bytes [%llu, %llu)) and '%s' ([%llu, %llu)) leave "
+                      "%llu bytes unaccounted for: a type or shape in the header does not "
+                      "match the data (retyped to a smaller type?)",
+                      a->name, (unsigned long long)a->offset, (unsigned long long)a_end,
+                      b->name, (unsigned long long)b->offset,
+                      (unsigned long long)(b->offset + b->n_bytes),
+                      (unsigned long long)(b->offset - next));
     }
+    if (st == KVARN_OK) {
+        const kvarn_gguf_tensor *last = AT(n - 1);
+        const uint64_t end = last->offset + last->n_bytes, padded = align_up(end, al);
+        if (data_size > padded)
+            st = fail(c, KVARN_ERR_BAD_FILE,
+                      "the data section (%llu bytes) goes on %llu bytes past its last tensor "
+                      "'%s' (data bytes [%llu, %llu)), more than the %llu bytes of padding to "
+                      "the alignment %u: a type or shape in the header does not match the "
+                      "data (retyped to a smaller type?), or trailing bytes",
+                      (unsigned long long)data_size, (unsigned long long)(data_size - end),
+                      last->name, (unsigned long long)last->offset, (unsigned long long)end,
+                      (unsigned long long)(padded - end), g->alignment);
+    }
+#undef AT
     kvarn__free(&g->alloc, ix);
     return st;
 }
@@ -615,7 +655,7 @@ static kvarn_status parse_tensors(cursor *c, kvarn_gguf *g)
                         (unsigned long long)t->n_bytes, (unsigned long long)data_size);
         t->data = c->base + g->data_offset + t->offset;
     }
-    return check_overlaps(c, g);
+    return check_layout(c, g, data_size);
 }
 
 static kvarn_status parse(cursor *c, kvarn_gguf *g)

@@ -34,7 +34,7 @@ static void expect_fail(const gw *w, size_t n, kvarn_status want, const char *su
 {
     uint8_t *copy;
     kvarn_gguf *g = (kvarn_gguf *)1;
-    char err[256];
+    char err[512];
     kvarn_status st = open_copy(w->buf, n, &copy, &g, err, sizeof err);
     if (st != want || (substr && !strstr(err, substr)))
         print_error("expected status %d with '%s', got %d: '%s'\n", (int)want,
@@ -603,6 +603,64 @@ static void test_overlapping_tensors(void **state)
                  "a tensor's type, shape or offset in the header does not match the data");
 }
 
+/* The data section must be packed as ggml requires (tester: a tensor
+ * retyped in the header to a SMALLER type -- blk.0.ffn_down Q4_1 -> Q4_0,
+ * attn_norm F32 -> F16, token_embd Q8_0 -> Q4_0 -- left a gap, opened, and
+ * generated garbage or failed late with "non-finite input"): in offset
+ * order the first tensor at 0, each next one where the previous one ends
+ * rounded up to the alignment, at most that padding after the last. Q8_0
+ * of 32 elements is 34 bytes, Q4_0 18, F16 64, F32 128. */
+static void test_packed_layout(void **state)
+{
+    (void)state;
+    const uint32_t q8[3] = {8, 8, 8}, a_q4[3] = {2, 8, 8}, a_f16[3] = {1, 8, 8},
+                   c_q4[3] = {8, 8, 2};
+    /* packed, the last tensor padded to the alignment (as gguf-py writes) */
+    expect_three(q8, (const uint64_t[3]){0, 64, 128}, 32, 192, KVARN_OK, NULL);
+    /* ... out of file order but packed */
+    expect_three(q8, (const uint64_t[3]){64, 128, 0}, 32, 192, KVARN_OK, NULL);
+    /* Q8_0 a retyped Q4_0, alignment 1: 'a' ends at 18, 'b' at 34 */
+    expect_three(a_q4, (const uint64_t[3]){0, 34, 68}, 1, 102, KVARN_ERR_BAD_FILE,
+                 "tensors 'a' (data bytes [0, 18)) and 'b' ([34, 68)) leave 16 bytes "
+                 "unaccounted for: a type or shape in the header does not match the data "
+                 "(retyped to a smaller type?)");
+    /* the same at alignment 32: 'a' ends at 18, padded to 32, 'b' at 64 */
+    expect_three(a_q4, (const uint64_t[3]){0, 64, 128}, 32, 162, KVARN_ERR_BAD_FILE,
+                 "tensors 'a' (data bytes [0, 18)) and 'b' ([64, 98)) leave 32 bytes "
+                 "unaccounted for");
+    /* F32 a retyped F16: [0, 64), the next at 128 */
+    expect_three(a_f16, (const uint64_t[3]){0, 128, 192}, 32, 226, KVARN_ERR_BAD_FILE,
+                 "tensors 'a' (data bytes [0, 64)) and 'b' ([128, 162)) leave 64 bytes "
+                 "unaccounted for");
+    /* padding beyond the alignment between two tensors */
+    expect_three(q8, (const uint64_t[3]){0, 96, 160}, 32, 194, KVARN_ERR_BAD_FILE,
+                 "tensors 'a' (data bytes [0, 34)) and 'b' ([96, 130)) leave 32 bytes "
+                 "unaccounted for");
+    /* ... out of file order: c [0, 34), b [64, 98), a [160, 194) */
+    expect_three(q8, (const uint64_t[3]){160, 64, 0}, 32, 194, KVARN_ERR_BAD_FILE,
+                 "tensors 'b' (data bytes [64, 98)) and 'a' ([160, 194)) leave 32 bytes "
+                 "unaccounted for");
+    /* the first tensor not at 0 */
+    expect_three(q8, (const uint64_t[3]){32, 96, 160}, 32, 194, KVARN_ERR_BAD_FILE,
+                 "tensor 'a' (data bytes [32, 66)) is the first in the data section but "
+                 "starts at 32, not 0: 32 bytes unaccounted for");
+    expect_three(q8, (const uint64_t[3]){160, 32, 96}, 32, 194, KVARN_ERR_BAD_FILE,
+                 "tensor 'b' (data bytes [32, 66)) is the first in the data section but "
+                 "starts at 32, not 0");
+    /* the last tensor retyped smaller: Q8_0 c as Q4_0 ends at 146, the data
+     * section at 162, 2 bytes more than the padding to 160 */
+    expect_three(c_q4, (const uint64_t[3]){0, 64, 128}, 32, 162, KVARN_ERR_BAD_FILE,
+                 "the data section (162 bytes) goes on 16 bytes past its last tensor 'c' "
+                 "(data bytes [128, 146)), more than the 14 bytes of padding to the "
+                 "alignment 32: a type or shape in the header does not match the "
+                 "data (retyped to a smaller type?), or trailing bytes");
+    /* trailing bytes past the padding */
+    expect_three(q8, (const uint64_t[3]){0, 64, 128}, 32, 193, KVARN_ERR_BAD_FILE,
+                 "the data section (193 bytes) goes on 31 bytes past its last tensor 'c'");
+    expect_three(q8, (const uint64_t[3]){0, 34, 68}, 1, 103, KVARN_ERR_BAD_FILE,
+                 "more than the 0 bytes of padding to the alignment 1");
+}
+
 static void test_hostile_metadata(void **state)
 {
     (void)state;
@@ -865,6 +923,7 @@ int main(void)
         cmocka_unit_test(test_truncated_everywhere),
         cmocka_unit_test(test_hostile_tensors),
         cmocka_unit_test(test_overlapping_tensors),
+        cmocka_unit_test(test_packed_layout),
         cmocka_unit_test(test_hostile_metadata),
         cmocka_unit_test(test_dequantize_api),
         cmocka_unit_test(test_real_model),

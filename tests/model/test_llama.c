@@ -1442,21 +1442,29 @@ static void test_bad_files(void **state)
         free(bb.p);
     }
     {
-        /* attn_k of layer 0 one row short: its tensor info's ne[1] (after
-         * the name, n_dims u32 and ne[0] u64) patched; Q4_1 rows are whole
-         * blocks, so the file stays valid */
+        /* attn_k of layer 0 misshapen: its tensor info's ne[0], ne[1]
+         * (after the name and n_dims u32) patched to [2 E, NKV HD / 2], as
+         * many Q4_1 blocks, so the file stays valid (packed). One row
+         * short would leave a gap after it, refused by the reader at open. */
         buf bb = write_gguf("llama", 0, &k_meta);
         const char *name = "blk.0.attn_k.weight";
         size_t len = strlen(name), at = 0;
         for (size_t i = 8; i + len + 20 <= bb.n && !at; i++) {
             uint64_t n8;
             memcpy(&n8, bb.p + i - 8, 8);
-            if (n8 == len && memcmp(bb.p + i, name, len) == 0) at = i + len + 4 + 8;
+            if (n8 == len && memcmp(bb.p + i, name, len) == 0) at = i + len + 4;
         }
         assert_true(at > 0);
-        uint64_t rows = NKV * HD - 1;
-        memcpy(bb.p + at, &rows, 8);
+        uint64_t ne[2] = {E, NKV * HD - 1};
+        memcpy(bb.p + at, ne, 16);
         kvarn_gguf *gg = NULL;
+        char oerr[256];
+        assert_int_equal(kvarn_gguf_open_memory(bb.p, bb.n, &gg, oerr, sizeof oerr),
+                         KVARN_ERR_BAD_FILE);
+        assert_non_null(strstr(oerr, "bytes unaccounted for"));
+        ne[0] = 2 * E;
+        ne[1] = NKV * HD / 2;
+        memcpy(bb.p + at, ne, 16);
         assert_int_equal(kvarn_gguf_open_memory(bb.p, bb.n, &gg, NULL, 0), KVARN_OK);
         kvarn_llama_hparams hp;
         assert_int_equal(kvarn_llama_read_hparams(gg, &hp, NULL, 0), KVARN_OK);
@@ -1466,7 +1474,7 @@ static void test_bad_files(void **state)
         snprintf(want, sizeof want,
                  "GGUF tensor blk.0.attn_k.weight has shape [%d, %d]: expected [%d, %d] "
                  "(embedding_length %d, head_count_kv %d x head_dim %d)",
-                 E, NKV * HD - 1, E, NKV * HD, E, NKV, HD);
+                 2 * E, NKV * HD / 2, E, NKV * HD, E, NKV, HD);
         assert_string_equal(err, want);
         assert_int_equal(kvarn_llama_check_tensors(gg, &hp, NULL, 0), KVARN_ERR_BAD_FILE);
         assert_int_equal(kvarn_llama_check_tensors(gg, &hp, err, 8), KVARN_ERR_BAD_FILE);

@@ -861,8 +861,9 @@ def test_gguf_tensor_types(kvarn_bin, tmp_path):
 # and `kvarn generate` failed in the forward pass ("forward: non-finite
 # input"); the GGUF reader now refuses it at open, naming both tensors.
 
-def retype_tensor(model_path, name, new_type):
-    """The model's bytes with tensor `name`'s type field set to new_type."""
+def retype_tensor(model_path, name, new_type, old_type=3):
+    """The model's bytes with tensor `name`'s type field (old_type, Q4_1 by
+    default) set to new_type."""
     data = bytearray(open(model_path, "rb").read())
     key = len(name).to_bytes(8, "little") + name.encode()
     at = data.find(key)
@@ -870,7 +871,7 @@ def retype_tensor(model_path, name, new_type):
     p = at + len(key)
     n_dims = int.from_bytes(data[p:p + 4], "little")
     p += 4 + 8 * n_dims
-    assert int.from_bytes(data[p:p + 4], "little") == 3  # Q4_1
+    assert int.from_bytes(data[p:p + 4], "little") == old_type
     data[p:p + 4] = new_type.to_bytes(4, "little")
     return bytes(data)
 
@@ -889,6 +890,68 @@ def test_retyped_tensor_overlapping_the_next_is_refused(kvarn_bin, model_path, t
     r = run([kvarn_bin, "inspect", "-m", model_path, "--kv-cache-dtype", "int8"])
     assert r.returncode == 0, r.stderr
 
+
+
+# ---- a tensor retyped in the header to a SMALLER type (tester): its data
+# ends early, leaving a gap before the next tensor. It opened, `kvarn
+# inspect` accepted it, and `kvarn generate` failed late ("forward:
+# non-finite (NaN or Inf) input") or generated garbage. The reader now
+# requires the packed layout ggml requires and names both tensors.
+
+SHRINK_CASES = [
+    # (tensor, old type, new type, expected message)
+    ("blk.0.ffn_down.weight", 3, 2,  # Q4_1 -> Q4_0
+     "tensors 'blk.0.ffn_down.weight' (data bytes [30083328, 30580992)) and "
+     "'blk.0.ffn_gate.weight' ([30636288, 31189248)) leave 55296 bytes unaccounted for: "
+     "a type or shape in the header does not match the data (retyped to a smaller type?)"),
+    ("blk.0.attn_norm.weight", 0, 1,  # F32 -> F16
+     "tensors 'blk.0.attn_norm.weight' (data bytes [30081024, 30082176)) and "
+     "'blk.0.ffn_down.weight' ([30083328, 30636288)) leave 1152 bytes unaccounted for"),
+    ("token_embd.weight", 8, 2,  # Q8_0 -> Q4_0
+     "tensors 'token_embd.weight' (data bytes [0, 15925248)) and "
+     "'blk.0.attn_norm.weight' ([30081024, 30083328)) leave 14155776 bytes unaccounted for"),
+]
+
+
+@pytest.mark.parametrize("case", SHRINK_CASES, ids=lambda c: c[0])
+def test_retyped_tensor_to_a_smaller_type_is_refused(kvarn_bin, model_path, tmp_path, case):
+    name, old_type, new_type, expected = case
+    bad = tmp_path / "retyped.gguf"
+    bad.write_bytes(retype_tensor(model_path, name, new_type, old_type))
+    for cmd in (["inspect"], ["generate", "-p", "hi", "-n", "1"]):
+        r = run([kvarn_bin, cmd[0], "-m", str(bad)] + cmd[1:], timeout=120)
+        assert r.returncode == 1, (cmd, r.stderr)
+        assert expected in r.stderr, (cmd, r.stderr)
+        assert "non-finite" not in r.stderr and r.stdout == "", (cmd, r.stdout, r.stderr)
+
+
+def test_gguf_tensors_out_of_data_order_still_load(kvarn_bin, tmp_path):
+    # gguf-py lists the infos in data order; the same file with the data
+    # laid out in reverse (each info's offset patched, infos kept in place)
+    # is still packed and opens: the layout is checked in offset order
+    import gguf
+    path = tmp_path / "good.gguf"
+    write_llama_model(path, llama_tensors())
+    rd = gguf.GGUFReader(str(path))
+    data = bytearray(path.read_bytes())
+    ts = list(rd.tensors)
+    base = min(t.data_offset for t in ts)
+    assert all(t.n_bytes % 32 == 0 for t in ts)  # no padding between them
+    blobs = {t.name: bytes(data[t.data_offset:t.data_offset + t.n_bytes]) for t in ts}
+    off = 0
+    for t in reversed(ts):
+        data[base + off:base + off + t.n_bytes] = blobs[t.name]
+        pos = t.field.offset + sum(p.nbytes for p in t.field.parts[:-1])
+        assert int.from_bytes(data[pos:pos + 8], "little") == t.data_offset - base
+        data[pos:pos + 8] = off.to_bytes(8, "little")
+        off += t.n_bytes
+    path.write_bytes(bytes(data))
+    del rd
+    moved = gguf.GGUFReader(str(path))
+    assert [t.name for t in moved.tensors] == [t.name for t in ts]
+    assert moved.tensors[0].data_offset > moved.tensors[-1].data_offset
+    r = run([kvarn_bin, "generate", "-m", str(path), "-p", "hi"], timeout=60)
+    assert r.returncode == 1 and "cannot build the tokenizer" in r.stderr, r.stderr
 
 
 # ---- KVarN-only options with no KVarN format (fresh-user trial:
