@@ -37,7 +37,11 @@
  * violation is KVARN_ERR_BAD_FILE (malformed, truncated, hostile) or
  * KVARN_ERR_UNSUPPORTED (well-formed but outside what this reader serves:
  * another version, another tensor type, nested arrays), with a one-line
- * message naming the problem and its byte offset written to err. Nothing is
+ * message naming the problem and its byte offset written to err. A key or
+ * tensor name from the file appears in it between single quotes with any
+ * byte outside printable ASCII escaped (\n, \r, \t, \xNN; ' and \ as \'
+ * and \\), its first 64 bytes and "..." when longer, so that the message
+ * stays one line of printable ASCII whatever the file holds. Nothing is
  * printed, nothing aborts; a handle is either fully valid or not returned.
  *
  * A handle is immutable after open: any number of threads may read it at

@@ -79,21 +79,50 @@ static kvarn_status fail(cursor *c, kvarn_status st, const char *fmt, ...)
     return st;
 }
 
-/* Printable rendering of a file string for messages: at most 48 bytes,
- * anything outside printable ASCII shown as '?'. */
-static const char *printable(kvarn_gguf_str s, char buf[64])
+/* A name from the file (a key, a tensor name) quoted for a one-line
+ * message: between single quotes, its first NAME_SHOWN bytes, "..." after
+ * the closing quote when there are more; a quote or backslash escaped with
+ * a backslash, newline, carriage return and tab as \n \r \t, any other
+ * byte outside printable ASCII as \xNN, so that a name can neither split
+ * the line nor send terminal escapes. */
+#define NAME_SHOWN 64
+#define QUOTED_LEN (2 + 4 * NAME_SHOWN + 3 + 1)
+
+static const char *quoted(const char *p, uint64_t len, char buf[QUOTED_LEN])
 {
-    size_t n = s.len < 48 ? (size_t)s.len : 48;
+    static const char hex[] = "0123456789abcdef";
+    size_t n = len < NAME_SHOWN ? (size_t)len : NAME_SHOWN, o = 0;
+    buf[o++] = '\'';
     for (size_t i = 0; i < n; i++) {
-        unsigned char ch = (unsigned char)s.ptr[i];
-        buf[i] = (ch >= 0x20 && ch < 0x7f && ch != '\'') ? (char)ch : '?';
+        unsigned char ch = (unsigned char)p[i];
+        if (ch == '\'' || ch == '\\') {
+            buf[o++] = '\\';
+            buf[o++] = (char)ch;
+        } else if (ch == '\n' || ch == '\r' || ch == '\t') {
+            buf[o++] = '\\';
+            buf[o++] = ch == '\n' ? 'n' : ch == '\r' ? 'r' : 't';
+        } else if (ch < 0x20 || ch >= 0x7f) {
+            buf[o++] = '\\';
+            buf[o++] = 'x';
+            buf[o++] = hex[ch >> 4];
+            buf[o++] = hex[ch & 15];
+        } else {
+            buf[o++] = (char)ch;
+        }
     }
-    if (s.len > 48) {
-        memcpy(buf + n, "...", 3);
-        n += 3;
+    buf[o++] = '\'';
+    if (len > NAME_SHOWN) {
+        memcpy(buf + o, "...", 3);
+        o += 3;
     }
-    buf[n] = '\0';
+    buf[o] = '\0';
     return buf;
+}
+
+/* A tensor name (NUL-terminated copy) quoted as above. */
+static const char *qname(const char *name, char buf[QUOTED_LEN])
+{
+    return quoted(name, strlen(name), buf);
 }
 
 static size_t left(const cursor *c) { return c->size - c->pos; }
@@ -183,7 +212,7 @@ static kvarn_status check_bools(cursor *c, const uint8_t *p, uint64_t n, const c
     for (uint64_t i = 0; i < n; i++)
         if (p[i] > 1)
             return fail(c, KVARN_ERR_BAD_FILE,
-                        "key '%s': bool value %u at byte %zu is neither 0 nor 1", key,
+                        "key %s: bool value %u at byte %zu is neither 0 nor 1", key,
                         (unsigned)p[i], (size_t)(p + i - c->base));
     return KVARN_OK;
 }
@@ -195,7 +224,7 @@ static kvarn_status parse_value(cursor *c, gguf_kv *kv, const char *key)
     kvarn_status st = rd_u32(c, &t, "metadata value type");
     if (st) return st;
     if (t >= KVARN_GGUF_TYPE_COUNT)
-        return fail(c, KVARN_ERR_BAD_FILE, "key '%s': unknown value type %u at byte %zu",
+        return fail(c, KVARN_ERR_BAD_FILE, "key %s: unknown value type %u at byte %zu",
                     key, t, at);
     kv->type = (kvarn_gguf_type)t;
     if (t == KVARN_GGUF_STRING) return rd_str(c, &kv->str, "metadata string value");
@@ -214,10 +243,10 @@ static kvarn_status parse_value(cursor *c, gguf_kv *kv, const char *key)
     if ((st = rd_u32(c, &et, "array element type"))) return st;
     if (et == KVARN_GGUF_ARRAY)
         return fail(c, KVARN_ERR_UNSUPPORTED,
-                    "key '%s': arrays of arrays (byte %zu) are not supported", key, at);
+                    "key %s: arrays of arrays (byte %zu) are not supported", key, at);
     if (et >= KVARN_GGUF_TYPE_COUNT)
         return fail(c, KVARN_ERR_BAD_FILE,
-                    "key '%s': unknown array element type %u at byte %zu", key, et, at);
+                    "key %s: unknown array element type %u at byte %zu", key, et, at);
     at = c->pos;
     if ((st = rd_u64(c, &n, "array length"))) return st;
     kv->arr.type = (kvarn_gguf_type)et;
@@ -226,7 +255,7 @@ static kvarn_status parse_value(cursor *c, gguf_kv *kv, const char *key)
         size_t sz = scalar_size(et);
         if (n > left(c) / sz)
             return fail(c, KVARN_ERR_BAD_FILE,
-                        "key '%s': array of %llu %s at byte %zu runs past the end of the "
+                        "key %s: array of %llu %s at byte %zu runs past the end of the "
                         "file (%zu bytes left)", key, (unsigned long long)n,
                         kvarn_gguf_type_name((kvarn_gguf_type)et), at, left(c));
         kv->arr.data = c->base + c->pos;
@@ -237,13 +266,13 @@ static kvarn_status parse_value(cursor *c, gguf_kv *kv, const char *key)
     /* A string takes at least its 8-byte length: bound n before allocating. */
     if (n > left(c) / 8)
         return fail(c, KVARN_ERR_BAD_FILE,
-                    "key '%s': array of %llu strings at byte %zu runs past the end of "
+                    "key %s: array of %llu strings at byte %zu runs past the end of "
                     "the file (%zu bytes left)", key, (unsigned long long)n, at, left(c));
     kv->arr.data = NULL;
     if (n > 0) {
         kv->strs = kvarn__malloc(c->alloc, (size_t)n, sizeof *kv->strs);
         if (!kv->strs)
-            return fail(c, KVARN_ERR_NOMEM, "key '%s': out of memory for %llu strings", key,
+            return fail(c, KVARN_ERR_NOMEM, "key %s: out of memory for %llu strings", key,
                         (unsigned long long)n);
         for (uint64_t i = 0; i < n; i++)
             if ((st = rd_str(c, &kv->strs[i], "array string element"))) return st;
@@ -344,9 +373,9 @@ static kvarn_status sort_unique(cursor *c, sorted_key *keys, uint64_t n, const c
     qsort(keys, (size_t)n, sizeof *keys, cmp_sorted);
     for (uint64_t i = 1; i < n; i++)
         if (cmp_sorted(&keys[i - 1], &keys[i]) == 0) {
-            char buf[64];
-            kvarn_gguf_str s = {keys[i].ptr, keys[i].len};
-            return fail(c, KVARN_ERR_BAD_FILE, "duplicate %s '%s'", what, printable(s, buf));
+            char buf[QUOTED_LEN];
+            return fail(c, KVARN_ERR_BAD_FILE, "duplicate %s %s", what,
+                        quoted(keys[i].ptr, keys[i].len, buf));
         }
     return KVARN_OK;
 }
@@ -396,14 +425,14 @@ static kvarn_status parse_metadata(cursor *c, kvarn_gguf *g)
     for (uint64_t i = 0; i < g->n_kv; i++) {
         gguf_kv *kv = &g->kv[i];
         size_t at = c->pos;
-        char buf[64];
+        char buf[QUOTED_LEN];
         if ((st = rd_str(c, &kv->key, "metadata key"))) return st;
         if (kv->key.len == 0 || kv->key.len > GGUF_MAX_KEY ||
             memchr(kv->key.ptr, 0, (size_t)kv->key.len))
             return fail(c, KVARN_ERR_BAD_FILE,
                         "metadata key %llu at byte %zu is empty, longer than %u bytes or "
                         "contains a NUL byte", (unsigned long long)i, at, GGUF_MAX_KEY);
-        if ((st = parse_value(c, kv, printable(kv->key, buf)))) return st;
+        if ((st = parse_value(c, kv, quoted(kv->key.ptr, kv->key.len, buf)))) return st;
         g->kv_sorted[i] = (sorted_key){kv->key.ptr, kv->key.len, i};
     }
     return sort_unique(c, g->kv_sorted, g->n_kv, "metadata key");
@@ -427,23 +456,24 @@ static kvarn_status parse_tensor_info(cursor *c, kvarn_gguf *g, uint64_t i)
     kvarn_gguf_tensor *t = &g->tensors[i];
     kvarn_gguf_str name;
     size_t at = c->pos;
-    char buf[64];
+    char qn[QUOTED_LEN];
     kvarn_status st = rd_str(c, &name, "tensor name");
     if (st) return st;
     if (name.len == 0 || name.len > KVARN_GGUF_MAX_NAME ||
         memchr(name.ptr, 0, (size_t)name.len))
         return fail(c, KVARN_ERR_BAD_FILE,
-                    "tensor %llu at byte %zu: name '%s' is empty, longer than %d bytes or "
-                    "contains a NUL byte", (unsigned long long)i, at, printable(name, buf),
-                    KVARN_GGUF_MAX_NAME);
+                    "tensor %llu at byte %zu: name %s is empty, longer than %d bytes or "
+                    "contains a NUL byte", (unsigned long long)i, at,
+                    quoted(name.ptr, name.len, qn), KVARN_GGUF_MAX_NAME);
     memcpy(t->name, name.ptr, (size_t)name.len);
     t->name[name.len] = '\0';
+    qname(t->name, qn);
 
     at = c->pos;
     if ((st = rd_u32(c, &t->n_dims, "tensor n_dims"))) return st;
     if (t->n_dims == 0 || t->n_dims > KVARN_GGUF_MAX_DIMS)
         return fail(c, KVARN_ERR_BAD_FILE,
-                    "tensor '%s' at byte %zu: n_dims %u is outside 1..%d", t->name, at,
+                    "tensor %s at byte %zu: n_dims %u is outside 1..%d", qn, at,
                     t->n_dims, KVARN_GGUF_MAX_DIMS);
     /* All dimensions first, so that a message can show the whole shape. */
     const size_t dims_at = c->pos;
@@ -460,12 +490,12 @@ static kvarn_status parse_tensor_info(cursor *c, kvarn_gguf *g, uint64_t i)
     for (uint32_t d = 0; d < t->n_dims; d++) {
         if (t->ne[d] == 0)
             return fail(c, KVARN_ERR_BAD_FILE,
-                        "tensor '%s' at byte %zu: dimension %u is zero (shape [%s])", t->name,
+                        "tensor %s at byte %zu: dimension %u is zero (shape [%s])", qn,
                         dims_at, d, shape);
         if (t->ne[d] > (uint64_t)INT64_MAX / n)
             return fail(c, KVARN_ERR_BAD_FILE,
-                        "tensor '%s' at byte %zu: shape [%s] has more than 2^63 - 1 elements "
-                        "(the element count overflows at dimension %u)", t->name, dims_at, shape,
+                        "tensor %s at byte %zu: shape [%s] has more than 2^63 - 1 elements "
+                        "(the element count overflows at dimension %u)", qn, dims_at, shape,
                         d);
         n *= t->ne[d];
     }
@@ -478,16 +508,16 @@ static kvarn_status parse_tensor_info(cursor *c, kvarn_gguf *g, uint64_t i)
     uint32_t bs = kvarn_ggml_block_size(t->type);
     if (bs == 0)
         return fail(c, KVARN_ERR_UNSUPPORTED,
-                    "tensor '%s': type %u (%s) is not supported (supported: F32, F16, "
-                    "BF16, Q8_0, Q4_0, Q4_1)", t->name, type, other_type_name(type));
+                    "tensor %s: type %u (%s) is not supported (supported: F32, F16, "
+                    "BF16, Q8_0, Q4_0, Q4_1)", qn, type, other_type_name(type));
     if (t->ne[0] % bs != 0)
         return fail(c, KVARN_ERR_BAD_FILE,
-                    "tensor '%s': row length %llu is not a multiple of the %s block "
-                    "size %u", t->name, (unsigned long long)t->ne[0],
+                    "tensor %s: row length %llu is not a multiple of the %s block "
+                    "size %u", qn, (unsigned long long)t->ne[0],
                     kvarn_ggml_type_name(t->type), bs);
     t->n_bytes = kvarn_ggml_row_bytes(t->type, n);
     if (t->n_bytes == 0)
-        return fail(c, KVARN_ERR_BAD_FILE, "tensor '%s': byte size overflows", t->name);
+        return fail(c, KVARN_ERR_BAD_FILE, "tensor %s: byte size overflows", qn);
     if ((st = rd_u64(c, &t->offset, "tensor offset"))) return st;
     return KVARN_OK;
 }
@@ -557,13 +587,14 @@ static kvarn_status check_layout(cursor *c, kvarn_gguf *g, uint64_t data_size)
     }
 #define AT(k) (&ts[ix ? ix[k] : (k)])
     kvarn_status st = KVARN_OK;
+    char qa[QUOTED_LEN], qb[QUOTED_LEN];
     const kvarn_gguf_tensor *first = AT(0);
     if (first->offset != 0)
         st = fail(c, KVARN_ERR_BAD_FILE,
-                  "tensor '%s' (data bytes [%llu, %llu)) is the first in the data section "
+                  "tensor %s (data bytes [%llu, %llu)) is the first in the data section "
                   "but starts at %llu, not 0: %llu bytes unaccounted for; a tensor's "
                   "offset in the header does not match the data (a corrupt tensor info)",
-                  first->name, (unsigned long long)first->offset,
+                  qname(first->name, qa), (unsigned long long)first->offset,
                   (unsigned long long)(first->offset + first->n_bytes),
                   (unsigned long long)first->offset, (unsigned long long)first->offset);
     for (uint64_t k = 1; k < n && st == KVARN_OK; k++) {
@@ -572,19 +603,21 @@ static kvarn_status check_layout(cursor *c, kvarn_gguf *g, uint64_t data_size)
         const uint64_t a_end = a->offset + a->n_bytes, next = align_up(a_end, al);
         if (b->offset - a->offset < a->n_bytes)
             st = fail(c, KVARN_ERR_BAD_FILE,
-                      "tensors '%s' (data bytes [%llu, %llu)) and '%s' ([%llu, %llu)) overlap: "
+                      "tensors %s (data bytes [%llu, %llu)) and %s ([%llu, %llu)) overlap: "
                       "a tensor's type, shape or offset in the header does not match the "
                       "data (a retyped or corrupt tensor info)",
-                      a->name, (unsigned long long)a->offset, (unsigned long long)a_end,
-                      b->name, (unsigned long long)b->offset,
+                      qname(a->name, qa), (unsigned long long)a->offset,
+                      (unsigned long long)a_end, qname(b->name, qb),
+                      (unsigned long long)b->offset,
                       (unsigned long long)(b->offset + b->n_bytes));
         else if (b->offset != next) /* b->offset > next: both are aligned */
             st = fail(c, KVARN_ERR_BAD_FILE,
-                      "tensors '%s' (data bytes [%llu, %llu)) and '%s' ([%llu, %llu)) leave "
+                      "tensors %s (data bytes [%llu, %llu)) and %s ([%llu, %llu)) leave "
                       "%llu bytes unaccounted for: a type or shape in the header does not "
                       "match the data (retyped to a smaller type?)",
-                      a->name, (unsigned long long)a->offset, (unsigned long long)a_end,
-                      b->name, (unsigned long long)b->offset,
+                      qname(a->name, qa), (unsigned long long)a->offset,
+                      (unsigned long long)a_end, qname(b->name, qb),
+                      (unsigned long long)b->offset,
                       (unsigned long long)(b->offset + b->n_bytes),
                       (unsigned long long)(b->offset - next));
     }
@@ -594,11 +627,12 @@ static kvarn_status check_layout(cursor *c, kvarn_gguf *g, uint64_t data_size)
         if (data_size > padded)
             st = fail(c, KVARN_ERR_BAD_FILE,
                       "the data section (%llu bytes) goes on %llu bytes past its last tensor "
-                      "'%s' (data bytes [%llu, %llu)), more than the %llu bytes of padding to "
+                      "%s (data bytes [%llu, %llu)), more than the %llu bytes of padding to "
                       "the alignment %u: a type or shape in the header does not match the "
                       "data (retyped to a smaller type?), or trailing bytes",
                       (unsigned long long)data_size, (unsigned long long)(data_size - end),
-                      last->name, (unsigned long long)last->offset, (unsigned long long)end,
+                      qname(last->name, qa), (unsigned long long)last->offset,
+                      (unsigned long long)end,
                       (unsigned long long)(padded - end), g->alignment);
     }
 #undef AT
@@ -644,14 +678,15 @@ static kvarn_status parse_tensors(cursor *c, kvarn_gguf *g)
     uint64_t data_size = c->size - g->data_offset;
     for (uint64_t i = 0; i < g->n_tensors; i++) {
         kvarn_gguf_tensor *t = &g->tensors[i];
+        char qn[QUOTED_LEN];
         if (t->offset % a != 0)
             return fail(c, KVARN_ERR_BAD_FILE,
-                        "tensor '%s': offset %llu is not a multiple of the alignment %u",
-                        t->name, (unsigned long long)t->offset, g->alignment);
+                        "tensor %s: offset %llu is not a multiple of the alignment %u",
+                        qname(t->name, qn), (unsigned long long)t->offset, g->alignment);
         if (t->offset > data_size || t->n_bytes > data_size - t->offset)
             return fail(c, KVARN_ERR_BAD_FILE,
-                        "tensor '%s': data [%llu, +%llu) runs past the end of the data "
-                        "section (%llu bytes)", t->name, (unsigned long long)t->offset,
+                        "tensor %s: data [%llu, +%llu) runs past the end of the data "
+                        "section (%llu bytes)", qname(t->name, qn), (unsigned long long)t->offset,
                         (unsigned long long)t->n_bytes, (unsigned long long)data_size);
         t->data = c->base + g->data_offset + t->offset;
     }

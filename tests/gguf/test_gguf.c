@@ -43,6 +43,12 @@ static void expect_fail(const gw *w, size_t n, kvarn_status want, const char *su
     assert_null(g);
     assert_true(strlen(err) > 0);
     if (substr) assert_non_null(strstr(err, substr));
+    /* One line of printable ASCII, whatever the names in the file. */
+    for (const char *p = err; *p; p++) {
+        if ((unsigned char)*p < 0x20 || (unsigned char)*p > 0x7e)
+            print_error("byte 0x%02x at %d in '%s'\n", (unsigned char)*p, (int)(p - err), err);
+        assert_true((unsigned char)*p >= 0x20 && (unsigned char)*p <= 0x7e);
+    }
     free(copy);
 }
 
@@ -661,6 +667,75 @@ static void test_packed_layout(void **state)
                  "more than the 0 bytes of padding to the alignment 1");
 }
 
+/* Names from the file are quoted with non-printable bytes escaped (tester:
+ * a tensor name with "\n" split the one-line error, one with ESC sent
+ * terminal escapes): ' and \ escaped, \n \r \t, other bytes \xNN; at
+ * most 64 bytes of a name shown, "..." after it when cut. */
+static void test_names_escaped(void **state)
+{
+    (void)state;
+    gw w = {0};
+    /* a tensor name: n_dims 5 */
+    one_tensor o = one_default();
+    o.name = "w\n\x1b[2J'\\\xff\t\r";
+    o.name_len = strlen(o.name);
+    o.n_dims = 5;
+    one_expect(&o, KVARN_ERR_BAD_FILE, "tensor 'w\\n\\x1b[2J\\'\\\\\\xff\\t\\r' at byte");
+    /* a name with a NUL byte, refused for it, shown escaped */
+    gw_header(&w, 3, 1, 0);
+    gw_strn(&w, "a\0b", 3);
+    gw_u32(&w, 1); gw_u64(&w, 32); gw_u32(&w, 8); gw_u64(&w, 0);
+    gw_pad(&w, 32);
+    for (int i = 0; i < 34; i++) gw_u8(&w, 0);
+    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, "name 'a\\x00b' is empty");
+    gw_free(&w);
+    /* duplicate tensor names */
+    uint8_t data[68] = {0};
+    gw_tensor t2[2] = {{"x\ny", 1, {32, 1, 1, 1}, 8, data, 34},
+                       {"x\ny", 1, {32, 1, 1, 1}, 8, data, 34}};
+    gw_header(&w, 3, 2, 0);
+    gw_tensors(&w, t2, 2, 32);
+    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, "duplicate tensor name 'x\\ny'");
+    gw_free(&w);
+    /* the data checks: 'p' declared F32 (128 bytes), written as 34 */
+    gw_tensor t3[2] = {{"p\x1b[31m", 1, {32, 1, 1, 1}, 0, data, 34},
+                       {"q\n", 1, {32, 1, 1, 1}, 8, data, 34}};
+    gw_header(&w, 3, 2, 0);
+    gw_tensors(&w, t3, 2, 32);
+    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, "tensor 'p\\x1b[31m': data [0, +128) runs past");
+    gw_free(&w);
+    /* ... and declared Q4_0 (18 bytes): a gap */
+    t3[0].type = 2;
+    gw_header(&w, 3, 2, 0);
+    gw_tensors(&w, t3, 2, 32);
+    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE,
+                "tensors 'p\\x1b[31m' (data bytes [0, 18)) and 'q\\n' ([64, 98)) leave 32 bytes");
+    gw_free(&w);
+    /* a key: a bad bool */
+    gw_header(&w, 3, 0, 1);
+    gw_key(&w, "k\x1b]0;title\a", 7);
+    gw_u8(&w, 2);
+    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, "key 'k\\x1b]0;title\\x07': bool value 2");
+    gw_free(&w);
+    /* a duplicate key */
+    gw_header(&w, 3, 0, 2);
+    gw_key(&w, "d\r", 4); gw_u32(&w, 1);
+    gw_key(&w, "d\r", 4); gw_u32(&w, 2);
+    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, "duplicate metadata key 'd\\r'");
+    gw_free(&w);
+    /* a long key: its first 64 bytes, then "..." */
+    char key[101];
+    memset(key, 'k', 100);
+    key[100] = '\0';
+    gw_header(&w, 3, 0, 1);
+    gw_key(&w, key, 7);
+    gw_u8(&w, 3);
+    char want[128];
+    snprintf(want, sizeof want, "key '%.64s'...: bool value 3", key);
+    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, want);
+    gw_free(&w);
+}
+
 static void test_hostile_metadata(void **state)
 {
     (void)state;
@@ -924,6 +999,7 @@ int main(void)
         cmocka_unit_test(test_hostile_tensors),
         cmocka_unit_test(test_overlapping_tensors),
         cmocka_unit_test(test_packed_layout),
+        cmocka_unit_test(test_names_escaped),
         cmocka_unit_test(test_hostile_metadata),
         cmocka_unit_test(test_dequantize_api),
         cmocka_unit_test(test_real_model),

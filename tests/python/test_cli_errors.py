@@ -954,6 +954,37 @@ def test_gguf_tensors_out_of_data_order_still_load(kvarn_bin, tmp_path):
     assert r.returncode == 1 and "cannot build the tokenizer" in r.stderr, r.stderr
 
 
+# ---- names from the file are quoted with non-printable bytes escaped
+# (tester: a tensor name with "\n" split the one-line error, one with ESC
+# sent terminal escapes). blk.0.ffn_gate.weight renamed (same length) and
+# moved 32 bytes back, so that it overlaps ffn_down.
+
+@pytest.mark.parametrize("new_name, shown", [
+    (b"blk.0.ffn\ngate.weight", r"'blk.0.ffn\ngate.weight'"),
+    (b"blk.0.ffn\x1b[31m.weight", r"'blk.0.ffn\x1b[31m.weight'"),
+], ids=["newline", "esc"])
+def test_tensor_names_in_messages_are_escaped(kvarn_bin, model_path, tmp_path, new_name, shown):
+    name = b"blk.0.ffn_gate.weight"
+    assert len(new_name) == len(name)
+    data = bytearray(open(model_path, "rb").read())
+    key = len(name).to_bytes(8, "little") + name
+    at = data.find(key)
+    assert at > 0 and data.find(key, at + 1) < 0
+    data[at + 8:at + 8 + len(name)] = new_name
+    p = at + len(key)
+    n_dims = int.from_bytes(data[p:p + 4], "little")
+    p += 4 + 8 * n_dims + 4
+    off = int.from_bytes(data[p:p + 8], "little")
+    data[p:p + 8] = (off - 32).to_bytes(8, "little")
+    bad = tmp_path / "named.gguf"
+    bad.write_bytes(bytes(data))
+    r = run([kvarn_bin, "inspect", "-m", str(bad)], timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert len(r.stderr.splitlines()) == 1, r.stderr
+    assert "\x1b" not in r.stderr
+    assert "and " + shown + " ([30636256, 31189216)) overlap" in r.stderr, r.stderr
+
+
 # ---- KVarN-only options with no KVarN format (fresh-user trial:
 # --sink-tokens was taken silently by int8, where it does nothing: the
 # cache ignores sink_tokens for per-token formats, and so does inspect) ---
