@@ -131,7 +131,7 @@ static kvarn_status need(cursor *c, uint64_t n, const char *what)
 {
     if (n > left(c))
         return fail(c, KVARN_ERR_BAD_FILE,
-                    "truncated file: %s at byte %zu needs %llu bytes, only %zu left",
+                    "the file ends early: %s at byte %zu needs %llu bytes, only %zu left",
                     what, c->pos, (unsigned long long)n, left(c));
     return KVARN_OK;
 }
@@ -384,7 +384,8 @@ static kvarn_status sort_unique(cursor *c, sorted_key *keys, uint64_t n, const c
 /* Parsing                                                                  */
 /* ------------------------------------------------------------------------ */
 
-/* Names of ggml tensor types this reader does not serve, for messages. */
+/* Names of ggml tensor types this reader does not serve, for messages;
+ * NULL for a number that is no ggml type (or one ggml has removed). */
 static const char *other_type_name(uint32_t t)
 {
     switch (t) {
@@ -401,8 +402,20 @@ static const char *other_type_name(uint32_t t)
     case 25: return "I16";
     case 26: return "I32";
     case 27: return "I64";
+    case 16: return "IQ2_XXS";
+    case 17: return "IQ2_XS";
+    case 18: return "IQ3_XXS";
+    case 19: return "IQ1_S";
+    case 20: return "IQ4_NL";
+    case 21: return "IQ3_S";
+    case 22: return "IQ2_S";
+    case 23: return "IQ4_XS";
     case 28: return "F64";
-    default: return "?";
+    case 29: return "IQ1_M";
+    case 34: return "TQ1_0";
+    case 35: return "TQ2_0";
+    case 39: return "MXFP4";
+    default: return NULL;
     }
 }
 
@@ -441,13 +454,23 @@ static kvarn_status parse_metadata(cursor *c, kvarn_gguf *g)
 static kvarn_status parse_alignment(cursor *c, kvarn_gguf *g)
 {
     g->alignment = GGUF_DEFAULT_ALIGNMENT;
-    if (kvarn_gguf_find_key(g, "general.alignment") < 0) return KVARN_OK;
-    uint32_t a;
-    if (kvarn_gguf_get_u32(g, "general.alignment", &a) != KVARN_OK || a == 0 ||
-        (a & (a - 1)) != 0)
-        return fail(c, KVARN_ERR_BAD_FILE,
-                    "general.alignment must be a power of two that fits uint32");
-    g->alignment = a;
+    int64_t k = kvarn_gguf_find_key(g, "general.alignment");
+    if (k < 0) return KVARN_OK;
+    const gguf_kv *kv = &g->kv[k];
+    int_val v;
+    const char *must = "must be a power of two that fits uint32";
+    if (kv->type == KVARN_GGUF_STRING || kv->type == KVARN_GGUF_ARRAY ||
+        !read_int(kv->type, kv->val, &v))
+        return fail(c, KVARN_ERR_BAD_FILE, "general.alignment is a%s %s, not an integer: %s",
+                    kv->type == KVARN_GGUF_ARRAY ? "n" : "", kvarn_gguf_type_name(kv->type),
+                    must);
+    if (v.neg)
+        return fail(c, KVARN_ERR_BAD_FILE, "general.alignment = %lld: %s", (long long)v.s,
+                    must);
+    if (v.u == 0 || v.u > UINT32_MAX || (v.u & (v.u - 1)) != 0)
+        return fail(c, KVARN_ERR_BAD_FILE, "general.alignment = %llu: %s",
+                    (unsigned long long)v.u, must);
+    g->alignment = (uint32_t)v.u;
     return KVARN_OK;
 }
 
@@ -506,18 +529,27 @@ static kvarn_status parse_tensor_info(cursor *c, kvarn_gguf *g, uint64_t i)
     if ((st = rd_u32(c, &type, "tensor type"))) return st;
     t->type = (kvarn_ggml_type)type;
     uint32_t bs = kvarn_ggml_block_size(t->type);
-    if (bs == 0)
+    if (bs == 0) {
+        const char *other = other_type_name(type);
+        if (!other)
+            return fail(c, KVARN_ERR_UNSUPPORTED,
+                        "tensor %s: unknown type %u (supported: F32, F16, BF16, Q8_0, Q4_0, "
+                        "Q4_1)", qn, type);
         return fail(c, KVARN_ERR_UNSUPPORTED,
                     "tensor %s: type %u (%s) is not supported (supported: F32, F16, "
-                    "BF16, Q8_0, Q4_0, Q4_1)", qn, type, other_type_name(type));
+                    "BF16, Q8_0, Q4_0, Q4_1)", qn, type, other);
+    }
     if (t->ne[0] % bs != 0)
         return fail(c, KVARN_ERR_BAD_FILE,
                     "tensor %s: row length %llu is not a multiple of the %s block "
                     "size %u", qn, (unsigned long long)t->ne[0],
                     kvarn_ggml_type_name(t->type), bs);
     t->n_bytes = kvarn_ggml_row_bytes(t->type, n);
-    if (t->n_bytes == 0)
-        return fail(c, KVARN_ERR_BAD_FILE, "tensor %s: byte size overflows", qn);
+    if (t->n_bytes == 0) /* n is a multiple of the block size: an overflow */
+        return fail(c, KVARN_ERR_BAD_FILE,
+                    "tensor %s at byte %zu: shape [%s] of %s takes more than 2^64 - 1 bytes "
+                    "(the byte size overflows)", qn, dims_at, shape,
+                    kvarn_ggml_type_name(t->type));
     if ((st = rd_u64(c, &t->offset, "tensor offset"))) return st;
     return KVARN_OK;
 }
@@ -672,8 +704,8 @@ static kvarn_status parse_tensors(cursor *c, kvarn_gguf *g)
     }
     if (pad > left(c))
         return fail(c, KVARN_ERR_BAD_FILE,
-                    "truncated file: the data section would start at byte %llu, past the "
-                    "end (%zu bytes)", (unsigned long long)(c->pos + pad), c->size);
+                    "the file ends early: the data section would start at byte %llu, past "
+                    "the end (%zu bytes)", (unsigned long long)(c->pos + pad), c->size);
     g->data_offset = c->pos + pad;
     uint64_t data_size = c->size - g->data_offset;
     for (uint64_t i = 0; i < g->n_tensors; i++) {
@@ -697,7 +729,7 @@ static kvarn_status parse(cursor *c, kvarn_gguf *g)
 {
     kvarn_status st;
     if (c->size < 4)
-        return fail(c, KVARN_ERR_BAD_FILE, "truncated file: %zu bytes, no GGUF magic",
+        return fail(c, KVARN_ERR_BAD_FILE, "the file is %zu bytes, too short for the GGUF magic",
                     c->size);
     if (memcmp(c->base, "GGUF", 4) != 0)
         return fail(c, KVARN_ERR_BAD_FILE,

@@ -369,10 +369,15 @@ static void test_truncated_everywhere(void **state)
             print_error("truncated to %zu of %zu bytes: status %d '%s'\n", n, w.len, (int)st, err);
         assert_int_equal(st, KVARN_ERR_BAD_FILE);
         assert_null(g);
-        int named = strstr(err, "truncated") || strstr(err, "past the end") ||
+        int named = strstr(err, "the file ends early") || strstr(err, "past the end") ||
+                    strstr(err, "too short for the GGUF magic") ||
                     strstr(err, "more than the file can hold") || strstr(err, "empty");
         if (!named) print_error("truncated to %zu: message '%s'\n", n, err);
         assert_true(named);
+        /* kvarn_strerror(KVARN_ERR_BAD_FILE) is "malformed or truncated
+         * file", which the kvarn command prints before the message: not
+         * "...file: truncated file: ..." */
+        assert_null(strstr(err, "truncated file"));
         free(copy);
     }
     gw_free(&w);
@@ -416,6 +421,16 @@ static void one_expect(const one_tensor *o, kvarn_status want, const char *subst
     gw_free(&w);
 }
 
+/* The same file cut to its first n bytes. */
+static void one_expect_n(const one_tensor *o, size_t n, kvarn_status want, const char *substr)
+{
+    gw w = {0};
+    one_write(&w, o);
+    assert_true(n < w.len);
+    expect_fail(&w, n, want, substr);
+    gw_free(&w);
+}
+
 static void test_hostile_tensors(void **state)
 {
     (void)state;
@@ -433,7 +448,14 @@ static void test_hostile_tensors(void **state)
     o = one_default(); o.version = 1; one_expect(&o, KVARN_ERR_UNSUPPORTED, "version 1");
     o = one_default(); o.version = 4; one_expect(&o, KVARN_ERR_UNSUPPORTED, "version 4");
     o = one_default(); o.type = 12; one_expect(&o, KVARN_ERR_UNSUPPORTED, "Q4_K");
-    o = one_default(); o.type = 1000; one_expect(&o, KVARN_ERR_UNSUPPORTED, "type 1000");
+    /* (it said "type 1000 (?) is not supported") */
+    o = one_default(); o.type = 1000;
+    one_expect(&o, KVARN_ERR_UNSUPPORTED,
+               "tensor 'w': unknown type 1000 (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)");
+    o = one_default(); o.type = 999; one_expect(&o, KVARN_ERR_UNSUPPORTED, "unknown type 999 (");
+    o = one_default(); o.type = 4; one_expect(&o, KVARN_ERR_UNSUPPORTED, "unknown type 4 (");
+    o = one_default(); o.type = 20;
+    one_expect(&o, KVARN_ERR_UNSUPPORTED, "tensor 'w': type 20 (IQ4_NL) is not supported");
     o = one_default(); o.offset = 32; one_expect(&o, KVARN_ERR_BAD_FILE, "past the end");
     o = one_default(); o.offset = UINT64_MAX - 31; one_expect(&o, KVARN_ERR_BAD_FILE, "past the end");
     o = one_default(); o.offset = 8; one_expect(&o, KVARN_ERR_BAD_FILE, "alignment");
@@ -454,6 +476,14 @@ static void test_hostile_tensors(void **state)
                "tensor 'w' at byte 82: shape [9223372036854775808, 1] has more than 2^63 - 1 "
                "elements (the element count overflows at dimension 0)");
     o = one_default(); o.ne0 = UINT64_MAX - 31; one_expect(&o, KVARN_ERR_BAD_FILE, "overflow");
+    /* an F32 tensor of 2^62 elements: 2^64 bytes (it said only "tensor 'w':
+     * byte size overflows") */
+    o = one_default(); o.type = 0; o.ne0 = 1ull << 62;
+    one_expect(&o, KVARN_ERR_BAD_FILE,
+               "tensor 'w' at byte 82: shape [4611686018427387904, 1] of F32 takes more than "
+               "2^64 - 1 bytes (the byte size overflows)");
+    o = one_default(); o.type = 0; o.ne0 = 1ull << 61; o.ne1 = 2;
+    one_expect(&o, KVARN_ERR_BAD_FILE, "shape [2305843009213693952, 2] of F32 takes more than");
     o = one_default(); o.n_dims = 0; one_expect(&o, KVARN_ERR_BAD_FILE, "n_dims 0");
     o = one_default(); o.n_dims = 5; one_expect(&o, KVARN_ERR_BAD_FILE, "n_dims 5");
     o = one_default(); o.n_dims = 0xFFFFFFFFu; one_expect(&o, KVARN_ERR_BAD_FILE, "n_dims");
@@ -467,6 +497,14 @@ static void test_hostile_tensors(void **state)
     o = one_default(); o.n_tensors = 2; one_expect(&o, KVARN_ERR_BAD_FILE, NULL);
     o = one_default(); o.n_kv = UINT64_MAX; one_expect(&o, KVARN_ERR_BAD_FILE, "metadata pairs");
     o = one_default(); o.n_kv = 2; one_expect(&o, KVARN_ERR_BAD_FILE, NULL);
+
+    /* Cut short: the first bytes of the header, a tensor info. */
+    o = one_default();
+    one_expect_n(&o, 3, KVARN_ERR_BAD_FILE, "the file is 3 bytes, too short for the GGUF magic");
+    one_expect_n(&o, 10, KVARN_ERR_BAD_FILE,
+                 "the file ends early: tensor count at byte 8 needs 8 bytes, only 2 left");
+    one_expect_n(&o, 104, KVARN_ERR_BAD_FILE,
+                 "the file ends early: tensor offset at byte 102 needs 8 bytes, only 2 left");
 
     /* Bad magic. */
     gw w = {0};
@@ -835,19 +873,36 @@ static void test_hostile_metadata(void **state)
     expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, "duplicate metadata key 'x.b'");
     gw_free(&w);
 
-    /* Bad general.alignment: zero, not a power of two, wrong type. */
+    /* Bad general.alignment: zero, not a power of two, wrong type; the
+     * value found is named (it said only "must be a power of two"). */
     static const uint32_t bad_align[] = {0, 3, 48};
     for (size_t i = 0; i < 3; i++) {
+        char want[96];
+        snprintf(want, sizeof want,
+                 "general.alignment = %u: must be a power of two that fits uint32",
+                 bad_align[i]);
         gw_header(&w, 3, 0, 1);
         gw_key(&w, "general.alignment", 4);
         gw_u32(&w, bad_align[i]);
-        expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, "general.alignment");
+        expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, want);
         gw_free(&w);
     }
     gw_header(&w, 3, 0, 1);
+    gw_key(&w, "general.alignment", 10);
+    gw_u64(&w, 1ull << 32);
+    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, "general.alignment = 4294967296: must be");
+    gw_free(&w);
+    gw_header(&w, 3, 0, 1);
+    gw_key(&w, "general.alignment", 5);
+    gw_u32(&w, (uint32_t)-32);
+    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, "general.alignment = -32: must be");
+    gw_free(&w);
+    gw_header(&w, 3, 0, 1);
     gw_key(&w, "general.alignment", 8);
     gw_str(&w, "32");
-    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE, "general.alignment");
+    expect_fail(&w, w.len, KVARN_ERR_BAD_FILE,
+                "general.alignment is a string, not an integer: must be a power of two "
+                "that fits uint32");
     gw_free(&w);
 
     /* Metadata-only file (no tensors) is valid, even without padding. */

@@ -43,6 +43,13 @@ def test_truncated_gguf(kvarn_bin, model_path, tmp_path):
     r = run([kvarn_bin, "generate", "-m", str(bad), "-p", "hi"])
     assert r.returncode == 1
     assert "malformed or truncated" in r.stderr or "truncated" in r.stderr
+    # cut in the header: said "malformed or truncated file: truncated file: ..."
+    bad.write_bytes(data[:20])
+    r = run([kvarn_bin, "inspect", "-m", str(bad)])
+    assert r.returncode == 1
+    assert ("malformed or truncated file: the file ends early: metadata count at byte 16 "
+            "needs 8 bytes, only 4 left") in r.stderr, r.stderr
+    assert "truncated file: truncated" not in r.stderr, r.stderr
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"NOTAGGUF" * 100)
     r = run([kvarn_bin, "inspect", "-m", str(junk)])
