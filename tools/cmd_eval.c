@@ -96,7 +96,8 @@ static const cli_command k_command = {
     "and tail only: such a column reads about 0; docs/eval.md). --json: the same\n"
     "report as JSON, a column with nothing measured as null, the warnings in lists.\n"
     "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
-    "0/50/100%, N keys per depth, as retrieved/tried beside the fp16 cache's own.\n"
+    "0/50/100%, N keys per depth, as retrieved/tried beside the fp16 cache's own;\n"
+    "--ctx must hold its prompt's intro, key and question (64 tokens for SmolLM2).\n"
     "--sink-tokens S keeps the first S tokens of KVarN caches in fp16 (default: one\n"
     "tile); when S is not a multiple of the tile the rest of that tile is quantized\n"
     "(docs/paged-cache.md \"The sink\"); S = 0: no sink.\n"
@@ -267,6 +268,18 @@ static int eval_fit(eval_run *r, const eval_opts *o)
         return 2;
     }
     r->dump_layers = o->dump_layers == 0 ? hp->n_layers : o->dump_layers;
+    if (o->passkey_trials > 0) {
+        /* the passkey prompt is --ctx tokens long: it needs room for its
+         * fixed part, checked before the run rather than after it */
+        const long min = passkey_min_length(&r->m);
+        if (min < 0) return 1;
+        if (r->ctx < min) {
+            cli_error("eval", "--passkey needs --ctx %ld or more (the passkey prompt is --ctx tokens; "
+                      "its intro, key and question take %ld)%s", min, min,
+                      r->ctx < o->ctx ? ": the text is too short" : "");
+            return 2;
+        }
+    }
     return 0;
 }
 

@@ -938,3 +938,23 @@ def test_kvarn_only_options_warn_without_a_kvarn_format(kvarn_bin, model_path, t
     assert w == ["kvarn eval: warning: --sink-tokens 4 does nothing for int8: only KVarN formats "
                  "(kvarn_*) keep an fp16 sink"], r.stderr
     assert w[0][len("kvarn eval: warning: "):] in json.loads(r.stdout)["warnings"]
+
+
+def test_eval_passkey_needs_room_for_its_prompt(kvarn_bin, model_path, austen_path):
+    """--passkey runs at length --ctx; a --ctx below the passkey prompt's
+    fixed part (intro, key, question: 64 tokens with this tokenizer) is a
+    usage error before the run, naming the smallest --ctx that works --
+    not a "block pool exhausted" after the whole eval."""
+    base = [kvarn_bin, "eval", "-m", model_path, "-f", austen_path, "--decode-tokens", "0",
+            "--kv-cache-dtype", "int8", "--passkey", "1", "--json"]
+    for ctx in ("8", "40", "63"):
+        r = run(base + ["--ctx", ctx])
+        assert r.returncode == 2, (ctx, r.stderr)
+        lines = [l for l in r.stderr.splitlines() if l.startswith("kvarn ")]
+        assert lines == ["kvarn eval: --passkey needs --ctx 64 or more (the passkey prompt is --ctx "
+                         "tokens; its intro, key and question take 64)"], r.stderr
+        assert r.stdout == "" and "kvarn eval: " not in r.stderr.replace(lines[0], "")
+    r = run(base + ["--ctx", "64"])
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["reference"]["passkey_trials"] == 3
