@@ -610,7 +610,20 @@ static void print_table(const eval_results *res)
  * allocation failed (o may be NULL: then nothing is added). jopt adds null
  * instead of v when nothing was measured (have = 0). */
 static int jnum(cJSON *o, const char *key, double v) { return cJSON_AddNumberToObject(o, key, v) != NULL; }
-static int jstr(cJSON *o, const char *key, const char *v) { return cJSON_AddStringToObject(o, key, v) != NULL; }
+/* A string as valid UTF-8 (cli_utf8_valid: invalid bytes as U+FFFD). */
+static cJSON *jstring(const char *v)
+{
+    char *u = cli_utf8_valid(v);
+    cJSON *t = u ? cJSON_CreateString(u) : NULL;
+    free(u);
+    return t;
+}
+static int jstr(cJSON *o, const char *key, const char *v)
+{
+    cJSON *t = jstring(v);
+    if (t == NULL || !cJSON_AddItemToObject(o, key, t)) { cJSON_Delete(t); return 0; }
+    return 1;
+}
 static int jopt(cJSON *o, const char *key, double v, int have)
 {
     return have ? jnum(o, key, v) : cJSON_AddNullToObject(o, key) != NULL;
@@ -624,7 +637,7 @@ static int jwarnings(cJSON *o, const char *key, const eval_results *res, int f)
     if (a == NULL) return 0;
     for (int i = 0; i < res->n_warnings; i++) {
         if (f >= 0 && !(res->warnings[i].formats >> f & 1)) continue;
-        cJSON *t = cJSON_CreateString(res->warnings[i].text);
+        cJSON *t = jstring(res->warnings[i].text);
         if (t == NULL || !cJSON_AddItemToArray(a, t)) {
             cJSON_Delete(t);
             return 0;
@@ -666,7 +679,7 @@ static cJSON *json_row(const eval_results *res, int f)
 
 /* The report as one JSON object on stdout. cJSON escapes whatever bytes the
  * paths hold (quotes, backslashes, control characters) and writes NaN/Inf
- * as null. 0, or -1 when out of memory (printed). */
+ * as null; bytes that are not UTF-8 are U+FFFD (jstring). 0, or -1 when out of memory (printed). */
 static int print_json(const eval_results *res)
 {
     cJSON *root = cJSON_CreateObject(), *ref = cJSON_CreateObject();

@@ -168,3 +168,32 @@ def test_eval_json_warnings_empty_when_all_measured(kvarn_bin, model_path, auste
         assert row["decode_positions"] == 15
         for k in DECODE_SCORES + ("decode_tok_s", "decode_x_fp16"):
             assert isinstance(row[k], (int, float)) and not isinstance(row[k], bool), (k, row)
+
+
+# Bytes that are not UTF-8, each to become U+FFFD per maximal subpart (as
+# Python's decode("utf-8", "replace")): a lone 0xFF, a stray continuation
+# byte, an overlong '/', a surrogate, a code point above U+10FFFF, a 3-byte
+# sequence cut short, and a 4-byte lead at the end of the name.
+NOT_UTF8 = [b"x\xffy", b"c\x80", b"o\xc0\xaf", b"s\xed\xa0\x80", b"b\xf4\x90\x80\x80",
+            b"t\xe2\x82.", b"\xf0\x9f"]
+
+
+def test_eval_json_paths_not_utf8(kvarn_bin, model_path, tmp_path):
+    """A path is bytes; the report stays valid UTF-8 JSON, the invalid bytes
+    as U+FFFD (README: "valid JSON whatever the paths hold")."""
+    d = os.fsencode(tmp_path) + b"/" + b"".join(NOT_UTF8[:3])
+    os.mkdir(d)
+    model = d + b"/m" + b"".join(NOT_UTF8[3:]) + b".gguf"
+    os.symlink(os.path.abspath(model_path), model)
+    text = d + b"/t" + b"".join(NOT_UTF8) + b".txt"
+    with open(text, "w", encoding="utf-8") as f:
+        f.write("It is a truth universally acknowledged, that a single man in possession "
+                "of a good fortune, must be in want of a wife. " * 3)
+    r = subprocess.run([kvarn_bin, "eval", "-m", model, "-f", text, "--ctx", "24", "--chunk", "8",
+                        "--decode-tokens", "2", "--kv-cache-dtype", "int8", "--json"],
+                       capture_output=True, timeout=600)
+    assert r.returncode == 0, r.stderr.decode("utf-8", "replace")
+    rep = json.loads(r.stdout.decode("utf-8"))  # strict UTF-8, or this raises
+    assert rep["model"] == model.decode("utf-8", "replace")
+    assert rep["text"] == text.decode("utf-8", "replace")
+    assert rep["model"].count("\ufffd") == 13
