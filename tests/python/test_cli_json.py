@@ -56,6 +56,8 @@ def test_eval_json_with_hostile_paths(kvarn_bin, hostile_paths):
         for k, v in row.items():
             if k == "warnings":
                 assert all(isinstance(x, str) for x in v), v
+            elif k in ("passkey", "passkey_trials"):
+                assert v is None, (k, v)  # no --passkey: nothing measured
             elif k != "format":
                 assert isinstance(v, (int, float)) and math.isfinite(v), (k, v)
         assert row["positions"] == 23
@@ -197,3 +199,33 @@ def test_eval_json_paths_not_utf8(kvarn_bin, model_path, tmp_path):
     assert rep["model"] == model.decode("utf-8", "replace")
     assert rep["text"] == text.decode("utf-8", "replace")
     assert rep["model"].count("\ufffd") == 13
+
+
+def test_eval_json_options_used_and_lowered(kvarn_bin, model_path, short_text):
+    """No --passkey: passkey and passkey_trials are null (nothing measured),
+    not 0. Each format reports the sink and tail page tokens its cache uses
+    (the default sink is one tile: G), the top level --sink-tokens (-1: not
+    given) and --tail-page-tokens as given. Options lowered to fit the text
+    are warnings, on stderr and in the report, like every other."""
+    r = subprocess.run([kvarn_bin, "eval", "-m", model_path, "-f", short_text, "--ctx", "500",
+                        "--windows", "3", "--decode-tokens", "100", "--tail-page-tokens", "16",
+                        "--kv-cache-dtype", "int8,kvarn_k4v2_g64,kvarn_k4v2_g128", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    warned = [line[len("kvarn eval: warning: "):] for line in r.stderr.splitlines()
+              if line.startswith("kvarn eval: warning: ")]
+    assert rep["warnings"] == warned
+    n, ctx = rep["tokens"], rep["ctx"]
+    assert ctx == n < 500
+    assert f"the text holds {n} tokens: --ctx lowered to {n}" in warned
+    assert f"the text holds {n} tokens: --windows lowered to 1 (windows of {n})" in warned
+    assert any(w.startswith(f"--decode-tokens 100 lowered to {n - 1} (--ctx - 1)") for w in warned)
+    assert not [l for l in r.stderr.splitlines() if "lowered" in l and "warning: " not in l]
+    assert rep["sink_tokens"] == -1 and rep["tail_page_tokens"] == 16
+    for row in [rep["reference"]] + rep["formats"]:
+        assert row["passkey"] is None and row["passkey_trials"] is None, row
+    by = {f["format"]: f for f in rep["formats"]}
+    assert (by["int8"]["sink_tokens"], by["int8"]["tail_page_tokens"]) == (0, 0)
+    assert (by["kvarn_k4v2_g64"]["sink_tokens"], by["kvarn_k4v2_g64"]["tail_page_tokens"]) == (64, 16)
+    assert (by["kvarn_k4v2_g128"]["sink_tokens"], by["kvarn_k4v2_g128"]["tail_page_tokens"]) == (128, 16)
