@@ -474,7 +474,7 @@ static int eval_passkey(eval_run *r, const eval_opts *o)
     kvarn_format fmts[CLI_MAX_FORMATS];
     for (int f = 0; f < r->nf; f++) fmts[f] = r->runs[f].fmt;
     passkey_opts po = {len, 1, depth, 3, (int)o->passkey_trials, r->chunk, 1, (int)o->threads, 0,
-                       (int)o->sink_tokens};
+                       (int)o->sink_tokens, "kvarn eval passkey"};
     if (passkey_run(&r->m, fmts, r->nf, &po, r->pk_correct)) return -1;
     r->pk_total = 3 * (int)o->passkey_trials;
     return 0;

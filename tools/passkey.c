@@ -147,7 +147,7 @@ int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_op
                     int ok = 0;
                     if (ask(m, sess[f], prompt, n, o->chunk, key, logits, &ok)) goto out;
                     correct[f * o->n_lengths + li] += ok;
-                    if (!o->quiet) cli_progress("kvarn passkey", ++done, total);
+                    if (!o->quiet) cli_progress(o->progress ? o->progress : "kvarn passkey", ++done, total);
                 }
             }
         }

@@ -20,6 +20,7 @@ typedef struct passkey_opts {
     int quiet;                          /* no progress on stderr */
     int sink_tokens;                    /* KVarN fp16 sink tokens S (0: no
                                            sink); -1: the default sink */
+    const char *progress;               /* progress label; NULL: "kvarn passkey" */
 } passkey_opts;
 
 /* The shortest length passkey_run takes for m's tokenizer: the tokens of

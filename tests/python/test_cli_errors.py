@@ -968,6 +968,8 @@ def test_eval_passkey_needs_room_for_its_prompt(kvarn_bin, model_path, austen_pa
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["reference"]["passkey_trials"] == 3
+    # its progress is named as eval's passkey column, not as `kvarn passkey`
+    assert "kvarn eval passkey: 6/6" in r.stderr and "kvarn passkey" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("opt", ["--layers", "--kv-heads"])

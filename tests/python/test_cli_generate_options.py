@@ -34,7 +34,9 @@ def test_missing_value_and_unknown_option_are_told_apart(kvarn_bin):
                        (["--chat=1"], "--chat=1"), (["-p", "hi", "stray"], "stray")):
         r = generate(kvarn_bin, "-m", "x", *args)
         assert r.returncode == 2, (args, r.stderr)
-        assert r.stderr.startswith(f"kvarn generate: unknown option '{name}'\nusage: kvarn generate"), args
+        what = ("unexpected argument '{}' (not an option or an option's value)" if name == "stray"
+                else "unknown option '{}'").format(name)
+        assert r.stderr.startswith(f"kvarn generate: {what}\nusage: kvarn generate"), args
 
 
 # (option, a value outside its range, the range as the message states it)
