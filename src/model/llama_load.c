@@ -132,11 +132,11 @@ kvarn_status kvarn_llama_read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *
                        "head_count %d", h.n_kv_heads, h.n_heads);
     /* the cache's limits (kvarn/cache.h): every session has a cache */
     if (h.n_layers > KVARN_CACHE_MAX_LAYERS)
-        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+        return hp_fail(err, errlen, KVARN_ERR_TOO_LARGE,
                        "GGUF key llama.block_count = %d: more layers than a cache holds (at most %d)",
                        h.n_layers, KVARN_CACHE_MAX_LAYERS);
     if (h.n_kv_heads > KVARN_CACHE_MAX_KV_HEADS)
-        return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
+        return hp_fail(err, errlen, KVARN_ERR_TOO_LARGE,
                        "GGUF key %s = %d: more KV heads than a cache holds (at most %d)",
                        kvarn_gguf_find_key(g, "llama.attention.head_count_kv") >= 0
                            ? "llama.attention.head_count_kv" : "llama.attention.head_count",
