@@ -451,3 +451,50 @@ int cli_session_create(const char *cmd, const cli_model *m, const kvarn_llama_se
     }
     return 0;
 }
+
+/* The well-formed UTF-8 sequence at s: its length (1..4) in *n, 1; or
+ * the maximal subpart of one (the lead byte and the continuation bytes
+ * that could still follow it, Unicode's "U+FFFD substitution of maximal
+ * subparts") in *n, 0. */
+static int utf8_seq(const unsigned char *s, size_t *n)
+{
+    const unsigned c = s[0];
+    size_t len;
+    unsigned lo = 0x80, hi = 0xBF; /* range of the second byte */
+    *n = 1;
+    if (c < 0x80) return 1;
+    if (c >= 0xC2 && c <= 0xDF) len = 2;
+    else if (c >= 0xE0 && c <= 0xEF) {
+        len = 3;
+        if (c == 0xE0) lo = 0xA0;      /* overlong */
+        else if (c == 0xED) hi = 0x9F; /* surrogates */
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        len = 4;
+        if (c == 0xF0) lo = 0x90;      /* overlong */
+        else if (c == 0xF4) hi = 0x8F; /* above U+10FFFF */
+    } else
+        return 0;
+    if (s[1] < lo || s[1] > hi) return 0;
+    for (*n = 2; *n < len; ++*n)
+        if (s[*n] < 0x80 || s[*n] > 0xBF) return 0; /* NUL ends it here too */
+    return 1;
+}
+
+char *cli_utf8_valid(const char *s)
+{
+    const size_t len = strlen(s);
+    char *out = malloc(3 * len + 1); /* each byte at most U+FFFD's 3 */
+    if (out == NULL) return NULL;
+    size_t o = 0, n;
+    for (const unsigned char *p = (const unsigned char *)s; *p; p += n) {
+        if (utf8_seq(p, &n)) {
+            memcpy(out + o, p, n);
+            o += n;
+        } else {
+            memcpy(out + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+        }
+    }
+    out[o] = '\0';
+    return out;
+}

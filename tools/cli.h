@@ -117,6 +117,14 @@ uint64_t cli_machine_memory(void);
 int cli_read_file(const char *cmd, const char *path, char **data, size_t *len);
 
 /* Monotonic seconds. */
+/* s as valid UTF-8 (malloc'd; NULL when out of memory): what is not a
+ * well-formed UTF-8 sequence (stray continuation or 0xC0/0xC1/0xF5..0xFF
+ * bytes, truncated, overlong or surrogate sequences, code points above
+ * U+10FFFF) becomes U+FFFD, one per maximal subpart (as Python's
+ * decode("utf-8", "replace")). For JSON: paths are bytes, JSON strings
+ * are Unicode. */
+char *cli_utf8_valid(const char *s);
+
 double cli_now(void);
 
 /* Progress on stderr: "\r[label] done/total" at most every 0.2 s when

@@ -164,7 +164,7 @@ int cli_parse_options(const cli_command *cmd, int argc, char **argv, void *opts)
         }
     }
     if (optind < argc) {
-        cli_error(cmd->name, "unknown option '%s'", argv[optind]);
+        cli_error(cmd->name, "unexpected argument '%s' (not an option or an option's value)", argv[optind]);
         cli_print_usage(cmd, stderr);
         return 2;
     }

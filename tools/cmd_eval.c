@@ -15,6 +15,8 @@
  * a table or as JSON.
  */
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,7 +98,8 @@ static const cli_command k_command = {
     "and tail only: such a column reads about 0; docs/eval.md). --json: the same\n"
     "report as JSON, a column with nothing measured as null, the warnings in lists.\n"
     "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
-    "0/50/100%, N keys per depth, as retrieved/tried beside the fp16 cache's own.\n"
+    "0/50/100%, N keys per depth, as retrieved/tried beside the fp16 cache's own;\n"
+    "--ctx must hold its prompt's intro, key and question (64 tokens for SmolLM2).\n"
     "--sink-tokens S keeps the first S tokens of KVarN caches in fp16 (default: one\n"
     "tile); when S is not a multiple of the tile the rest of that tile is quantized\n"
     "(docs/paged-cache.md \"The sink\"); S = 0: no sink.\n"
@@ -111,9 +114,10 @@ static const cli_command k_command = {
 /* ---- running ------------------------------------------------------------ */
 
 /* The warnings eval prints before the run: KVarN-only options with no
- * KVarN format (cli_kvarn_only_warnings, up to 2) and the columns that
- * measure no quantized K/V (eval_coverage.h). */
-#define EVAL_MAX_WARNINGS (2 + EVAL_COVERAGE_MAX)
+ * KVarN format (cli_kvarn_only_warnings, up to 2), the options lowered to
+ * fit the text (--ctx, --windows, --decode-tokens: eval_fit, up to 3) and
+ * the columns that measure no quantized K/V (eval_coverage.h). */
+#define EVAL_MAX_WARNINGS (2 + 3 + EVAL_COVERAGE_MAX)
 
 typedef struct fmt_run {
     kvarn_format fmt;
@@ -233,6 +237,21 @@ static int eval_load(eval_run *r, const eval_opts *o)
     return rc;
 }
 
+/* A warning about the run, no format's columns: printed on stderr and
+ * kept in r for the JSON report. */
+static void eval_warn(eval_run *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void eval_warn(eval_run *r, const char *fmt, ...)
+{
+    if (r->n_warnings >= EVAL_MAX_WARNINGS) return;
+    eval_warning *to = &r->warnings[r->n_warnings++];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(to->text, sizeof to->text, fmt, ap);
+    va_end(ap);
+    to->formats = 0;
+    fprintf(stderr, "kvarn eval: warning: %s\n", to->text);
+}
+
 /* The options fitted to the text and the model: windows of at most the
  * text's tokens, decode and chunk within a window. 0, or 2 (--ctx beyond
  * the model's context, --dump-layers beyond its layers; message printed). */
@@ -245,21 +264,19 @@ static int eval_fit(eval_run *r, const eval_opts *o)
     }
     r->ctx = (size_t)o->ctx > r->n_ids ? (long)r->n_ids : o->ctx;
     if (r->ctx < o->ctx)
-        fprintf(stderr, "kvarn eval: the text holds %zu tokens: --ctx lowered to %ld\n", r->n_ids,
-                r->ctx);
+        eval_warn(r, "the text holds %zu tokens: --ctx lowered to %ld", r->n_ids, r->ctx);
     long max_windows = (long)(r->n_ids / (size_t)r->ctx);
     r->windows = o->windows;
     if (r->windows > max_windows) {
-        fprintf(stderr, "kvarn eval: the text holds %zu tokens: %ld window(s) of %ld\n", r->n_ids,
-                max_windows, r->ctx);
+        eval_warn(r, "the text holds %zu tokens: --windows lowered to %ld (windows of %ld)",
+                  r->n_ids, max_windows, r->ctx);
         r->windows = max_windows;
     }
     r->decode_tokens = o->decode_tokens > r->ctx - 1 ? r->ctx - 1 : o->decode_tokens;
     if (r->decode_tokens < o->decode_tokens)
-        fprintf(stderr,
-                "kvarn eval: --decode-tokens %ld lowered to %ld (--ctx - 1): the chunk-fed "
-                "measurement keeps 1 position per window; raise --ctx or lower --decode-tokens\n",
-                o->decode_tokens, r->decode_tokens);
+        eval_warn(r, "--decode-tokens %ld lowered to %ld (--ctx - 1): the chunk-fed "
+                  "measurement keeps 1 position per window; raise --ctx or lower --decode-tokens",
+                  o->decode_tokens, r->decode_tokens);
     r->chunk = o->chunk > r->ctx ? r->ctx : o->chunk;
     if (o->dump_layers > hp->n_layers) {
         cli_error("eval", "--dump-layers %ld is more than the model's %d layers (1 to %d; default all)",
@@ -267,6 +284,18 @@ static int eval_fit(eval_run *r, const eval_opts *o)
         return 2;
     }
     r->dump_layers = o->dump_layers == 0 ? hp->n_layers : o->dump_layers;
+    if (o->passkey_trials > 0) {
+        /* the passkey prompt is --ctx tokens long: it needs room for its
+         * fixed part, checked before the run rather than after it */
+        const long min = passkey_min_length(&r->m);
+        if (min < 0) return 1;
+        if (r->ctx < min) {
+            cli_error("eval", "--passkey needs --ctx %ld or more (the passkey prompt is --ctx tokens; "
+                      "its intro, key and question take %ld)%s", min, min,
+                      r->ctx < o->ctx ? ": the text is too short" : "");
+            return 2;
+        }
+    }
     return 0;
 }
 
@@ -445,7 +474,7 @@ static int eval_passkey(eval_run *r, const eval_opts *o)
     kvarn_format fmts[CLI_MAX_FORMATS];
     for (int f = 0; f < r->nf; f++) fmts[f] = r->runs[f].fmt;
     passkey_opts po = {len, 1, depth, 3, (int)o->passkey_trials, r->chunk, 1, (int)o->threads, 0,
-                       (int)o->sink_tokens};
+                       (int)o->sink_tokens, "kvarn eval passkey"};
     if (passkey_run(&r->m, fmts, r->nf, &po, r->pk_correct)) return -1;
     r->pk_total = 3 * (int)o->passkey_trials;
     return 0;
@@ -462,12 +491,14 @@ typedef struct eval_row {
     long decode_n;            /* forward calls timed for tps (0: none, tps 0) */
     size_t positions;         /* scored positions, chunk-fed and decoded */
     int passkey;              /* keys retrieved (of passkey_trials) */
+    int sink_tokens, tail_page_tokens; /* what its cache uses (kvarn_cache_info) */
 } eval_row;
 
 typedef struct eval_results {
     const char *model, *text;
     size_t tokens;
-    long ctx, chunk, windows, decode_tokens, sink_tokens; /* sink_tokens: -1 default */
+    long ctx, chunk, windows, decode_tokens;
+    long sink_tokens, tail_page_tokens; /* the options; sink_tokens -1: not given */
     double ref_bpt, ref_eff, ref_ppl, ref_tps; /* the fp16 reference */
     long ref_decode_n;                         /* forward calls timed for ref_tps */
     int ref_passkey, passkey_trials;
@@ -493,6 +524,7 @@ static void eval_results_get(eval_run *r, const eval_opts *o, eval_results *res)
     res->windows = r->windows;
     res->decode_tokens = r->decode_tokens;
     res->sink_tokens = o->sink_tokens;
+    res->tail_page_tokens = o->tail_tokens;
     res->ref_bpt = kvarn_bytes_per_token_head(&fp16, hp->head_dim) * token_heads;
     res->ref_eff = r->ref_eff_bpt;
     res->ref_ppl = eval_stats_ppl(&r->ref_st);
@@ -518,6 +550,11 @@ static void eval_results_get(eval_run *r, const eval_opts *o, eval_results *res)
         w->positions = fr->st.n + fr->dst.n;
         w->ppl = w->positions ? exp(fr->nll / (double)w->positions) : 0.0;
         w->passkey = r->pk_correct[f + 1];
+        kvarn_cache_info ci;
+        if (kvarn_cache_get_info(kvarn_llama_session_cache(fr->sess), &ci) == KVARN_OK) {
+            w->sink_tokens = ci.sink_tokens;
+            w->tail_page_tokens = ci.tail_page_tokens;
+        }
     }
 }
 
@@ -597,7 +634,20 @@ static void print_table(const eval_results *res)
  * allocation failed (o may be NULL: then nothing is added). jopt adds null
  * instead of v when nothing was measured (have = 0). */
 static int jnum(cJSON *o, const char *key, double v) { return cJSON_AddNumberToObject(o, key, v) != NULL; }
-static int jstr(cJSON *o, const char *key, const char *v) { return cJSON_AddStringToObject(o, key, v) != NULL; }
+/* A string as valid UTF-8 (cli_utf8_valid: invalid bytes as U+FFFD). */
+static cJSON *jstring(const char *v)
+{
+    char *u = cli_utf8_valid(v);
+    cJSON *t = u ? cJSON_CreateString(u) : NULL;
+    free(u);
+    return t;
+}
+static int jstr(cJSON *o, const char *key, const char *v)
+{
+    cJSON *t = jstring(v);
+    if (t == NULL || !cJSON_AddItemToObject(o, key, t)) { cJSON_Delete(t); return 0; }
+    return 1;
+}
 static int jopt(cJSON *o, const char *key, double v, int have)
 {
     return have ? jnum(o, key, v) : cJSON_AddNullToObject(o, key) != NULL;
@@ -611,7 +661,7 @@ static int jwarnings(cJSON *o, const char *key, const eval_results *res, int f)
     if (a == NULL) return 0;
     for (int i = 0; i < res->n_warnings; i++) {
         if (f >= 0 && !(res->warnings[i].formats >> f & 1)) continue;
-        cJSON *t = cJSON_CreateString(res->warnings[i].text);
+        cJSON *t = jstring(res->warnings[i].text);
         if (t == NULL || !cJSON_AddItemToArray(a, t)) {
             cJSON_Delete(t);
             return 0;
@@ -642,8 +692,11 @@ static cJSON *json_row(const eval_results *res, int f)
              jnum(o, "decode_positions", (double)w->ds.n) &
              jopt(o, "decode_kld_mean", w->ds.kld_mean, decoded) &
              jopt(o, "decode_kld_p99", w->ds.kld_p99, decoded) &
-             jopt(o, "decode_top1", w->ds.top1, decoded) & jnum(o, "passkey", w->passkey) &
-             jnum(o, "passkey_trials", res->passkey_trials) & jwarnings(o, "warnings", res, f);
+             jopt(o, "decode_top1", w->ds.top1, decoded) & jnum(o, "sink_tokens", w->sink_tokens) &
+             jnum(o, "tail_page_tokens", w->tail_page_tokens) &
+             jopt(o, "passkey", w->passkey, res->passkey_trials > 0) &
+             jopt(o, "passkey_trials", res->passkey_trials, res->passkey_trials > 0) &
+             jwarnings(o, "warnings", res, f);
     if (!ok) {
         cJSON_Delete(o);
         return NULL;
@@ -653,7 +706,7 @@ static cJSON *json_row(const eval_results *res, int f)
 
 /* The report as one JSON object on stdout. cJSON escapes whatever bytes the
  * paths hold (quotes, backslashes, control characters) and writes NaN/Inf
- * as null. 0, or -1 when out of memory (printed). */
+ * as null; bytes that are not UTF-8 are U+FFFD (jstring). 0, or -1 when out of memory (printed). */
 static int print_json(const eval_results *res)
 {
     cJSON *root = cJSON_CreateObject(), *ref = cJSON_CreateObject();
@@ -662,10 +715,12 @@ static int print_json(const eval_results *res)
              jnum(root, "chunk", (double)res->chunk) & jnum(root, "windows", (double)res->windows) &
              jnum(root, "decode_tokens", (double)res->decode_tokens) &
              jnum(root, "sink_tokens", (double)res->sink_tokens) &
+             jnum(root, "tail_page_tokens", (double)res->tail_page_tokens) &
              jwarnings(root, "warnings", res, -1) & jstr(ref, "format", "fp16") &
              jnum(ref, "ppl", res->ref_ppl) &
              jopt(ref, "decode_tok_s", res->ref_tps, res->ref_decode_n > 0) &
-             jnum(ref, "passkey", res->ref_passkey) & jnum(ref, "passkey_trials", res->passkey_trials);
+             jopt(ref, "passkey", res->ref_passkey, res->passkey_trials > 0) &
+             jopt(ref, "passkey_trials", res->passkey_trials, res->passkey_trials > 0);
     if (ref && !cJSON_AddItemToObject(root, "reference", ref)) { cJSON_Delete(ref); ok = 0; }
     cJSON *formats = cJSON_AddArrayToObject(root, "formats");
     ok = ok && ref && formats;

@@ -322,15 +322,24 @@ static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llam
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
     double used = s->kv_bytes, base = cli_kv_bytes_used(&fp16, hp, s->n_tokens);
-    char b1[32], b2[32];
-    fprintf(stderr, "[%s] KV cache for %ld tokens: %s, %.2fx the size of an fp16 cache (%s)",
-            fmt->name, s->n_tokens, cli_fmt_bytes(used, b1, sizeof b1),
-            base > 0 ? used / base : 0.0, cli_fmt_bytes(base, b2, sizeof b2));
+    char b1[32], b2[32], ratio[32];
+    /* the ratio with enough digits to be on the side of 1 the words say
+     * (1.00x for a cache 0.2% larger read as a contradiction) */
+    const double x = base > 0 ? used / base : 0.0;
+    for (int p = 2; p <= 9; p++) {
+        snprintf(ratio, sizeof ratio, "%.*f", p, x);
+        const double shown = strtod(ratio, NULL);
+        if (base <= 0 || used == base || (used > base ? shown > 1.0 : shown < 1.0)) break;
+    }
+    fprintf(stderr, "[%s] KV cache for %ld token%s: %s, %sx the size of an fp16 cache (%s)",
+            fmt->name, s->n_tokens, s->n_tokens == 1 ? "" : "s", cli_fmt_bytes(used, b1, sizeof b1),
+            ratio, cli_fmt_bytes(base, b2, sizeof b2));
     if (fmt->per_tile) {
         const long below = used > base ? fp16_break_even(fmt, hp) : -1;
         if (below > 0)
             fprintf(stderr, ": larger than an fp16 cache for so few tokens: the fp16 sink (%d "
-                    "tokens) and staging tail (up to a %d-token tile) dominate below %ld tokens",
+                    "tokens) and staging tail (up to a %d-token tile) dominate; from %ld tokens "
+                    "on it is never larger",
                     info->sink_tokens, fmt->tile_tokens, below);
         else
             fprintf(stderr, "; the first %d-token tile (sink) and the last partial tile stay "
@@ -338,8 +347,10 @@ static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llam
         fprintf(stderr, "; on long contexts %s holds %.2fx as many tokens as fp16 in the same "
                 "memory", fmt->name, 4.0 * hp->head_dim / kvarn_bytes_per_token_head(fmt, hp->head_dim));
     }
-    fprintf(stderr, "\n[%s] prompt %.1f tok/s, generation %.1f tok/s\n", fmt->name,
-            s->prompt_s > 0 ? s->prompt_n / s->prompt_s : 0.0, s->gen_s > 0 ? s->gen_n / s->gen_s : 0.0);
+    fprintf(stderr, "\n[%s] prompt %.1f tok/s, ", fmt->name,
+            s->prompt_s > 0 ? s->prompt_n / s->prompt_s : 0.0);
+    if (s->gen_n > 0) fprintf(stderr, "generation %.1f tok/s\n", s->gen_s > 0 ? s->gen_n / s->gen_s : 0.0);
+    else fprintf(stderr, "no tokens generated\n");
 }
 
 int cmd_generate(int argc, char **argv)

@@ -33,8 +33,8 @@ static const cli_option k_options[] = {
      "cache formats, NAME[,NAME...] or all (default all)"},
     {"model", 'm', CLI_TEXT, OPT(model_path), 0, 0, 0, "-m MODEL",
      "read the shape from a llama GGUF's metadata (the weights are\nnot loaded)"},
-    {"layers", 0, CLI_INT, OPT(layers), 1, 100000, 0, "--layers L", "the shape without a model: layers,"},
-    {"kv-heads", 0, CLI_INT, OPT(kv_heads), 1, 100000, 0, "--kv-heads H", "KV heads per layer"},
+    {"layers", 0, CLI_INT, OPT(layers), 1, KVARN_CACHE_MAX_LAYERS, 0, "--layers L", "the shape without a model: layers,"},
+    {"kv-heads", 0, CLI_INT, OPT(kv_heads), 1, KVARN_CACHE_MAX_KV_HEADS, 0, "--kv-heads H", "KV heads per layer"},
     {"head-dim", 0, CLI_INT, OPT(head_dim), 1, 100000, 0, "--head-dim D", "and channels per head"},
     {"budget", 0, CLI_BYTES, OPT(budget), 0, 0, 0, "--budget B",
      "memory for the cache, all of it counted (default 16GiB)"},
@@ -167,11 +167,13 @@ static void inspect_print(const inspect_opts *o, const inspect_report *r)
     printf("shape: %ld layers x %ld KV heads x head_dim %ld; budget %s, all memory counted "
            "(records, fp16 sink and tail pages, tables)\n",
            o->layers, o->kv_heads, o->head_dim, cli_fmt_bytes((double)o->budget, b1, sizeof b1));
-    if (o->sink_tokens >= 0 || o->tail_tokens > 0) {
-        char sk[32] = "default";
+    int any_kvarn = 0; /* the line is about KVarN rows only */
+    for (int i = 0; i < r->n; i++) any_kvarn |= r->rows[i].fmt.kind == KVARN_KIND_KVARN;
+    if (any_kvarn && (o->sink_tokens >= 0 || o->tail_tokens > 0)) {
+        char sk[48] = "default (one tile)", tl[48] = "a whole tile";
         if (o->sink_tokens >= 0) snprintf(sk, sizeof sk, "%ld", o->sink_tokens);
-        printf("KVarN: sink tokens %s, tail pages of %ld tokens (whole tiles where T >= G)\n", sk,
-               o->tail_tokens > 0 ? o->tail_tokens : 0);
+        if (o->tail_tokens > 0) snprintf(tl, sizeof tl, "%ld tokens", o->tail_tokens);
+        printf("KVarN: sink tokens %s, tail pages of %s\n", sk, tl);
     }
     /* cap x fp16: fp16's record bytes per token over the format's (what
      * long contexts reach; eval's column of the same name); fit x fp16: the

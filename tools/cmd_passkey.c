@@ -96,7 +96,7 @@ int cmd_passkey(int argc, char **argv)
     cli_model m;
     if (cli_model_open("passkey", o.model_path, &m)) return 1;
     passkey_opts po = {o.lengths.v, o.lengths.n, o.depths.v, o.depths.n, (int)o.trials, o.chunk,
-                       (uint64_t)o.seed, (int)o.threads, 0, (int)o.sink_tokens};
+                       (uint64_t)o.seed, (int)o.threads, 0, (int)o.sink_tokens, NULL};
     int *correct = calloc((size_t)(nf + 1) * (size_t)o.lengths.n, sizeof(int));
     rc = 1;
     if (correct == NULL) cli_error("passkey", "out of memory");

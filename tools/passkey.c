@@ -60,6 +60,25 @@ static int ask(cli_model *m, kvarn_llama_session *s, const int32_t *prompt, size
     return 0;
 }
 
+/* The key sentence for key (five digits). */
+static void key_sentence(const char *key, char *text, size_t len)
+{
+    snprintf(text, len, " The pass key is %s. Remember it. %s is the pass key.", key, key);
+}
+
+long passkey_min_length(cli_model *m)
+{
+    piece intro = {0}, kp = {0}, question = {0};
+    char key_text[128];
+    key_sentence("99999", key_text, sizeof key_text);
+    long n = -1;
+    if (encode_piece(m, k_intro, &intro) == 0 && encode_piece(m, key_text, &kp) == 0 &&
+        encode_piece(m, k_question, &question) == 0)
+        n = (long)(intro.n + kp.n + question.n);
+    free(intro.ids); free(kp.ids); free(question.ids);
+    return n;
+}
+
 int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_opts *o, int *correct)
 {
     long max_len = 0;
@@ -101,13 +120,19 @@ int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_op
                 rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17;
                 char key[8], key_text[128];
                 snprintf(key, sizeof key, "%05u", (unsigned)(10000 + rng % 90000));
-                snprintf(key_text, sizeof key_text, " The pass key is %s. Remember it. %s is the pass key.", key, key);
+                key_sentence(key, key_text, sizeof key_text);
                 piece kp = {0};
                 if (encode_piece(m, key_text, &kp)) goto out;
                 long fixed = (long)(intro.n + kp.n + question.n);
                 long len = o->lengths[li] < max_len ? o->lengths[li] : max_len;
+                if (len < fixed) {
+                    /* no filler fits: the prompt would outgrow the sessions */
+                    cli_error("passkey", "length %ld is below the %ld tokens of the prompt without "
+                              "filler (intro, key, question)", len, fixed);
+                    free(kp.ids);
+                    goto out;
+                }
                 long units = (len - fixed) / (long)filler.n;
-                if (units < 0) units = 0;
                 long before = (units * o->depths[di] + 50) / 100;
                 size_t n = 0;
                 append(prompt, &n, &intro);
@@ -122,7 +147,7 @@ int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_op
                     int ok = 0;
                     if (ask(m, sess[f], prompt, n, o->chunk, key, logits, &ok)) goto out;
                     correct[f * o->n_lengths + li] += ok;
-                    if (!o->quiet) cli_progress("kvarn passkey", ++done, total);
+                    if (!o->quiet) cli_progress(o->progress ? o->progress : "kvarn passkey", ++done, total);
                 }
             }
         }

@@ -20,7 +20,13 @@ typedef struct passkey_opts {
     int quiet;                          /* no progress on stderr */
     int sink_tokens;                    /* KVarN fp16 sink tokens S (0: no
                                            sink); -1: the default sink */
+    const char *progress;               /* progress label; NULL: "kvarn passkey" */
 } passkey_opts;
+
+/* The shortest length passkey_run takes for m's tokenizer: the tokens of
+ * the prompt without filler (intro, key sentence, question). -1 after
+ * printing an error. */
+long passkey_min_length(cli_model *m);
 
 /* Run every (length, depth, trial) for the reference fp16 cache (row 0 of
  * correct) and for each of the nf formats (rows 1..nf).

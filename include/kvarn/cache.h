@@ -118,6 +118,11 @@ typedef struct kvarn_cache kvarn_cache;
  * cache also has at most 2^30 blocks and 2^30 pages. */
 #define KVARN_CACHE_MAX_SEQ_LEN (1 << 30)
 
+/* Most layers (n_layers) and KV heads per layer (n_kv_heads) of a cache:
+ * more is KVARN_ERR_INVALID_ARG from kvarn_cache_create / _plan. */
+#define KVARN_CACHE_MAX_LAYERS 4096
+#define KVARN_CACHE_MAX_KV_HEADS 4096
+
 /* ------------------------------------------------------------------------ */
 /* Creation                                                                 */
 /* ------------------------------------------------------------------------ */
@@ -126,8 +131,9 @@ typedef struct kvarn_cache kvarn_cache;
  * numbers; fields marked "0 = auto" pick a documented default. */
 typedef struct kvarn_cache_opts {
     kvarn_format format;    /* cache format (kvarn_format_parse) */
-    int n_layers;           /* layers, >= 1 */
-    int n_kv_heads;         /* Hk, KV heads per layer, >= 1 */
+    int n_layers;           /* layers, 1 to KVARN_CACHE_MAX_LAYERS */
+    int n_kv_heads;         /* Hk, KV heads per layer, 1 to
+                               KVARN_CACHE_MAX_KV_HEADS */
     int head_dim;           /* D, must pass kvarn_format_check_head_dim */
     int block_size;         /* G in tokens. KVarN: 0 or the format's
                                tile_tokens. Per-token formats: 0 = 16, else

@@ -79,7 +79,8 @@ typedef struct kvarn_llama_session kvarn_llama_session;
  * key missing, a key of the wrong type or out of range, head counts or
  * head_dim inconsistent, token_embd.weight missing or misshapen),
  * KVARN_ERR_UNSUPPORTED (llama.rope.dimension_count other than head_dim:
- * partial RoPE). Source: the llama.* metadata of ggml's docs/gguf.md. */
+ * partial RoPE), KVARN_ERR_TOO_LARGE (more layers or KV heads than a cache
+ * holds: KVARN_CACHE_MAX_LAYERS, _KV_HEADS). Source: the llama.* metadata of ggml's docs/gguf.md. */
 kvarn_status kvarn_llama_read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *out, char *err,
                                       size_t errlen);
 

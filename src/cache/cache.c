@@ -100,7 +100,8 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     memset(info, 0, sizeof *info);
     if (o->n_layers < 1 || o->n_kv_heads < 1 || o->max_seqs < 1 ||
         o->max_seq_len < 0 || o->n_pages < 0 || o->block_size < 0 ||
-        o->n_layers > 4096 || o->n_kv_heads > 4096 || o->max_seqs > 1000000 ||
+        o->n_layers > KVARN_CACHE_MAX_LAYERS || o->n_kv_heads > KVARN_CACHE_MAX_KV_HEADS ||
+        o->max_seqs > 1000000 ||
         o->balance_iters < 0 || o->balance_iters > 64)
         return KVARN_ERR_INVALID_ARG;
     kvarn_status st = kvarn_record_layout_get(&o->format, o->head_dim, layout);

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "codec/checked.h"
+#include "kvarn/cache.h"
 #include "kvarn/gguf.h"
 #include "model/llama_internal.h"
 #include "codec/cpu.h"
@@ -129,6 +130,17 @@ kvarn_status kvarn_llama_read_hparams(const kvarn_gguf *g, kvarn_llama_hparams *
         return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,
                        "GGUF key llama.attention.head_count_kv = %d: must be >= 1 and divide "
                        "head_count %d", h.n_kv_heads, h.n_heads);
+    /* the cache's limits (kvarn/cache.h): every session has a cache */
+    if (h.n_layers > KVARN_CACHE_MAX_LAYERS)
+        return hp_fail(err, errlen, KVARN_ERR_TOO_LARGE,
+                       "GGUF key llama.block_count = %d: more layers than a cache holds (at most %d)",
+                       h.n_layers, KVARN_CACHE_MAX_LAYERS);
+    if (h.n_kv_heads > KVARN_CACHE_MAX_KV_HEADS)
+        return hp_fail(err, errlen, KVARN_ERR_TOO_LARGE,
+                       "GGUF key %s = %d: more KV heads than a cache holds (at most %d)",
+                       kvarn_gguf_find_key(g, "llama.attention.head_count_kv") >= 0
+                           ? "llama.attention.head_count_kv" : "llama.attention.head_count",
+                       h.n_kv_heads, KVARN_CACHE_MAX_KV_HEADS);
     if (h.head_dim < 0) {
         if (h.hidden % h.n_heads)
             return hp_fail(err, errlen, KVARN_ERR_BAD_FILE,

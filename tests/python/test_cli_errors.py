@@ -425,6 +425,16 @@ BAD_METADATA = [
      "GGUF key llama.rope.freq_base = 0: must be a finite number > 0"),
     ("freq_base_string", {"llama.rope.freq_base": ("string", "1e4")},
      "GGUF key llama.rope.freq_base has type string: expected a number"),
+    # beyond the cache's limits (kvarn/cache.h): once an empty table and
+    # "cache format 'int8': invalid argument" per format
+    ("layers_5000", {"llama.block_count": ("uint32", 5000)},
+     "GGUF key llama.block_count = 5000: more layers than a cache holds (at most 4096)"),
+    ("kv_heads_4097", {"llama.attention.head_count": ("uint32", 8194),
+                       "llama.attention.head_count_kv": ("uint32", 4097)},
+     "GGUF key llama.attention.head_count_kv = 4097: more KV heads than a cache holds (at most 4096)"),
+    ("heads_4097_no_kv", {"llama.attention.head_count": ("uint32", 4097),
+                          "llama.attention.head_count_kv": None},
+     "GGUF key llama.attention.head_count = 4097: more KV heads than a cache holds (at most 4096)"),
 ]
 
 
@@ -1039,3 +1049,44 @@ def test_kvarn_only_options_warn_without_a_kvarn_format(kvarn_bin, model_path, t
     assert w == ["kvarn eval: warning: --sink-tokens 4 does nothing for int8: only KVarN formats "
                  "(kvarn_*) keep an fp16 sink"], r.stderr
     assert w[0][len("kvarn eval: warning: "):] in json.loads(r.stdout)["warnings"]
+
+
+def test_eval_passkey_needs_room_for_its_prompt(kvarn_bin, model_path, austen_path):
+    """--passkey runs at length --ctx; a --ctx below the passkey prompt's
+    fixed part (intro, key, question: 64 tokens with this tokenizer) is a
+    usage error before the run, naming the smallest --ctx that works --
+    not a "block pool exhausted" after the whole eval."""
+    base = [kvarn_bin, "eval", "-m", model_path, "-f", austen_path, "--decode-tokens", "0",
+            "--kv-cache-dtype", "int8", "--passkey", "1", "--json"]
+    for ctx in ("8", "40", "63"):
+        r = run(base + ["--ctx", ctx])
+        assert r.returncode == 2, (ctx, r.stderr)
+        lines = [l for l in r.stderr.splitlines() if l.startswith("kvarn ")]
+        assert lines == ["kvarn eval: --passkey needs --ctx 64 or more (the passkey prompt is --ctx "
+                         "tokens; its intro, key and question take 64)"], r.stderr
+        assert r.stdout == "" and "kvarn eval: " not in r.stderr.replace(lines[0], "")
+    r = run(base + ["--ctx", "64"])
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["reference"]["passkey_trials"] == 3
+    # its progress is named as eval's passkey column, not as `kvarn passkey`
+    assert "kvarn eval passkey: 6/6" in r.stderr and "kvarn passkey" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("opt", ["--layers", "--kv-heads"])
+def test_inspect_shape_beyond_the_cache_limits(kvarn_bin, opt):
+    """--layers / --kv-heads take what a cache takes (KVARN_CACHE_MAX_LAYERS,
+    _KV_HEADS: 4096): 4097 is a usage error naming the limit, not an
+    "invalid argument" per format and an empty table."""
+    shape = {"--layers": "1", "--kv-heads": "1"}
+    shape[opt] = "4097"
+    r = run([kvarn_bin, "inspect", "--layers", shape["--layers"], "--kv-heads", shape["--kv-heads"],
+             "--head-dim", "64", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"kvarn inspect: bad value '4097' for {opt} "
+                                "(expected an integer from 1 to 4096)")
+    assert r.stdout == ""
+    shape[opt] = "4096"
+    r = run([kvarn_bin, "inspect", "--layers", shape["--layers"], "--kv-heads", shape["--kv-heads"],
+             "--head-dim", "64", "--kv-cache-dtype", "int8"])
+    assert r.returncode == 0 and "\nint8 " in r.stdout, r.stderr

@@ -34,7 +34,9 @@ def test_missing_value_and_unknown_option_are_told_apart(kvarn_bin):
                        (["--chat=1"], "--chat=1"), (["-p", "hi", "stray"], "stray")):
         r = generate(kvarn_bin, "-m", "x", *args)
         assert r.returncode == 2, (args, r.stderr)
-        assert r.stderr.startswith(f"kvarn generate: unknown option '{name}'\nusage: kvarn generate"), args
+        what = ("unexpected argument '{}' (not an option or an option's value)" if name == "stray"
+                else "unknown option '{}'").format(name)
+        assert r.stderr.startswith(f"kvarn generate: {what}\nusage: kvarn generate"), args
 
 
 # (option, a value outside its range, the range as the message states it)
@@ -110,7 +112,7 @@ def test_memory_line_states_which_way_the_ratio_goes(kvarn_bin, model_path):
         assert "%" not in m[0]
 
 
-KV_LINE = (r"^\[{fmt}\] KV cache for (\d+) tokens: ([\d.]+) (B|KiB|MiB|GiB), "
+KV_LINE = (r"^\[{fmt}\] KV cache for (\d+) tokens?: ([\d.]+) (B|KiB|MiB|GiB), "
            r"([\d.]+)x the size of an fp16 cache \(([\d.]+) (B|KiB|MiB|GiB)\)(.*)$")
 
 
@@ -126,8 +128,8 @@ def test_memory_line_says_when_the_cache_is_larger_than_fp16(kvarn_bin, model_pa
     m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
     assert m and float(m[4]) > 1, r.stderr
     tail = re.fullmatch(r": larger than an fp16 cache for so few tokens: the fp16 sink \(128 "
-                        r"tokens\) and staging tail \(up to a 128-token tile\) dominate below "
-                        r"(\d+) tokens; on long contexts kvarn_k4v2_g128 holds 4\.49x as many "
+                        r"tokens\) and staging tail \(up to a 128-token tile\) dominate; from "
+                        r"(\d+) tokens on it is never larger; on long contexts kvarn_k4v2_g128 holds 4\.49x as many "
                         r"tokens as fp16 in the same memory", m[7])
     assert tail, m[0]
     assert "gain little" not in m[0]
@@ -149,3 +151,26 @@ def test_memory_line_says_when_the_cache_is_larger_than_fp16(kvarn_bin, model_pa
     assert r.returncode == 0, r.stderr
     m = re.search(KV_LINE.format(fmt="int8"), r.stderr, re.M)
     assert m and float(m[4]) < 1 and m[7] == "", r.stderr
+
+
+def test_memory_line_words_and_numbers_agree(kvarn_bin, model_path):
+    """The ratio has the digits to be on the side of 1 the words say
+    (kvarn_k8v8_g128 at 528 tokens read "1.00x ... larger than an fp16
+    cache"); one token is "1 token"; nothing generated says so instead of
+    "generation 0.0 tok/s"."""
+    fmt = "kvarn_k8v8_g128"
+    prompt = "the" + " the" * 526  # 527 tokens, one generated: 528
+    r = generate(kvarn_bin, "-m", model_path, "-p", prompt, "-n", "1", "--temp", "0",
+                 "--kv-cache-dtype", fmt)
+    assert r.returncode == 0, r.stderr
+    m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
+    assert m and m[1] == "528", r.stderr
+    assert m[7].startswith(": larger than an fp16 cache"), m[0]
+    assert float(m[4]) > 1, m[0]
+    below = int(re.search(r"from (\d+) tokens on it is never larger", m[7])[1])
+    assert below > 528, m[0]
+    r = generate(kvarn_bin, "-m", model_path, "-p", "hi", "--ctx", "1", "-n", "3", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert "] KV cache for 1 token: " in r.stderr, r.stderr
+    assert re.search(r"^\[kvarn_k4v2_g128\] prompt [\d.]+ tok/s, no tokens generated$", r.stderr, re.M), r.stderr
+    assert "generation 0.0" not in r.stderr

@@ -56,6 +56,8 @@ def test_eval_json_with_hostile_paths(kvarn_bin, hostile_paths):
         for k, v in row.items():
             if k == "warnings":
                 assert all(isinstance(x, str) for x in v), v
+            elif k in ("passkey", "passkey_trials"):
+                assert v is None, (k, v)  # no --passkey: nothing measured
             elif k != "format":
                 assert isinstance(v, (int, float)) and math.isfinite(v), (k, v)
         assert row["positions"] == 23
@@ -168,3 +170,62 @@ def test_eval_json_warnings_empty_when_all_measured(kvarn_bin, model_path, auste
         assert row["decode_positions"] == 15
         for k in DECODE_SCORES + ("decode_tok_s", "decode_x_fp16"):
             assert isinstance(row[k], (int, float)) and not isinstance(row[k], bool), (k, row)
+
+
+# Bytes that are not UTF-8, each to become U+FFFD per maximal subpart (as
+# Python's decode("utf-8", "replace")): a lone 0xFF, a stray continuation
+# byte, an overlong '/', a surrogate, a code point above U+10FFFF, a 3-byte
+# sequence cut short, and a 4-byte lead at the end of the name.
+NOT_UTF8 = [b"x\xffy", b"c\x80", b"o\xc0\xaf", b"s\xed\xa0\x80", b"b\xf4\x90\x80\x80",
+            b"t\xe2\x82.", b"\xf0\x9f"]
+
+
+def test_eval_json_paths_not_utf8(kvarn_bin, model_path, tmp_path):
+    """A path is bytes; the report stays valid UTF-8 JSON, the invalid bytes
+    as U+FFFD (README: "valid JSON whatever the paths hold")."""
+    d = os.fsencode(tmp_path) + b"/" + b"".join(NOT_UTF8[:3])
+    os.mkdir(d)
+    model = d + b"/m" + b"".join(NOT_UTF8[3:]) + b".gguf"
+    os.symlink(os.path.abspath(model_path), model)
+    text = d + b"/t" + b"".join(NOT_UTF8) + b".txt"
+    with open(text, "w", encoding="utf-8") as f:
+        f.write("It is a truth universally acknowledged, that a single man in possession "
+                "of a good fortune, must be in want of a wife. " * 3)
+    r = subprocess.run([kvarn_bin, "eval", "-m", model, "-f", text, "--ctx", "24", "--chunk", "8",
+                        "--decode-tokens", "2", "--kv-cache-dtype", "int8", "--json"],
+                       capture_output=True, timeout=600)
+    assert r.returncode == 0, r.stderr.decode("utf-8", "replace")
+    rep = json.loads(r.stdout.decode("utf-8"))  # strict UTF-8, or this raises
+    assert rep["model"] == model.decode("utf-8", "replace")
+    assert rep["text"] == text.decode("utf-8", "replace")
+    assert rep["model"].count("\ufffd") == 13
+
+
+def test_eval_json_options_used_and_lowered(kvarn_bin, model_path, short_text):
+    """No --passkey: passkey and passkey_trials are null (nothing measured),
+    not 0. Each format reports the sink and tail page tokens its cache uses
+    (the default sink is one tile: G), the top level --sink-tokens (-1: not
+    given) and --tail-page-tokens as given. Options lowered to fit the text
+    are warnings, on stderr and in the report, like every other."""
+    r = subprocess.run([kvarn_bin, "eval", "-m", model_path, "-f", short_text, "--ctx", "500",
+                        "--windows", "3", "--decode-tokens", "100", "--tail-page-tokens", "16",
+                        "--kv-cache-dtype", "int8,kvarn_k4v2_g64,kvarn_k4v2_g128", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    warned = [line[len("kvarn eval: warning: "):] for line in r.stderr.splitlines()
+              if line.startswith("kvarn eval: warning: ")]
+    assert rep["warnings"] == warned
+    n, ctx = rep["tokens"], rep["ctx"]
+    assert ctx == n < 500
+    assert f"the text holds {n} tokens: --ctx lowered to {n}" in warned
+    assert f"the text holds {n} tokens: --windows lowered to 1 (windows of {n})" in warned
+    assert any(w.startswith(f"--decode-tokens 100 lowered to {n - 1} (--ctx - 1)") for w in warned)
+    assert not [l for l in r.stderr.splitlines() if "lowered" in l and "warning: " not in l]
+    assert rep["sink_tokens"] == -1 and rep["tail_page_tokens"] == 16
+    for row in [rep["reference"]] + rep["formats"]:
+        assert row["passkey"] is None and row["passkey_trials"] is None, row
+    by = {f["format"]: f for f in rep["formats"]}
+    assert (by["int8"]["sink_tokens"], by["int8"]["tail_page_tokens"]) == (0, 0)
+    assert (by["kvarn_k4v2_g64"]["sink_tokens"], by["kvarn_k4v2_g64"]["tail_page_tokens"]) == (64, 16)
+    assert (by["kvarn_k4v2_g128"]["sink_tokens"], by["kvarn_k4v2_g128"]["tail_page_tokens"]) == (128, 16)

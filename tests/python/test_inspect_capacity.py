@@ -196,3 +196,15 @@ def test_readme_copy_is_the_output(kvarn_bin, model_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert table == markdown(*table_lines(r.stdout)), (table, r.stdout)
+
+
+def test_kvarn_settings_line_only_with_a_kvarn_format(kvarn_bin):
+    """The "KVarN: sink tokens ..." line is about KVarN rows: absent when
+    the list has none; the default tail reads "a whole tile", not
+    "0 tokens"."""
+    _, out = inspect(kvarn_bin, "--kv-cache-dtype", "int8,fp16", "--sink-tokens", "16")
+    assert "KVarN:" not in out, out
+    _, out = inspect(kvarn_bin, "--kv-cache-dtype", "int8,kvarn_k4v2_g128", "--sink-tokens", "16")
+    assert "KVarN: sink tokens 16, tail pages of a whole tile\n" in out, out
+    _, out = inspect(kvarn_bin, "--kv-cache-dtype", "kvarn_k4v2_g128", "--tail-page-tokens", "16")
+    assert "KVarN: sink tokens default (one tile), tail pages of 16 tokens\n" in out, out
