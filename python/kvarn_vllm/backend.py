@@ -65,7 +65,38 @@ class _State:
     runner = None
     max_num_seqs = 0
     max_batched_tokens = 0
+    draft_tokens = 0    # speculative tokens a step per sequence (0: none)
     dtype_name = None   # the --kv-cache-dtype, set when the backend is chosen
+    kv_caches: dict = {}   # layer name -> its cache tensor (the commit log reads them)
+
+
+def draft_tokens(vllm_config) -> int:
+    """The most speculative (draft) tokens a step proposes per sequence, 0
+    without speculative decoding: sizes the staging pool (staging.py)."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    if sc is None:
+        return 0
+    k = int(sc.num_speculative_tokens or 0)
+    for entry in sc.num_speculative_tokens_per_batch_size or ():
+        k = max(k, int(entry[2]))
+    return k
+
+
+def step_draft_counts(num_reqs: int, query_start_loc_cpu) -> np.ndarray | None:
+    """int32 [num_reqs]: the draft tokens at the end of each request's
+    queries this step, as the model runner handed them to
+    _calc_spec_decode_metadata (plugin.py stashes them); None where the step
+    has no speculation. The stash is used only when its cumulative token
+    counts are this step's query_start_loc, so a stale one is never read."""
+    r = _State.runner
+    st = getattr(r, "_kvarn_drafts", None) if r is not None else None
+    if st is None:
+        return None
+    nd, cu = st
+    qsl = np.asarray(query_start_loc_cpu)[1:num_reqs + 1]
+    if len(nd) < num_reqs or len(cu) < num_reqs or not np.array_equal(cu[:num_reqs], qsl):
+        return None
+    return np.asarray(nd[:num_reqs], dtype=np.int32)
 
 
 def is_kvarn_dtype(name) -> bool:
@@ -79,6 +110,7 @@ class KvarnMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
+    num_draft: np.ndarray | None = None   # int32 [num_reqs] or None (no speculation)
 
 
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
@@ -92,7 +124,8 @@ class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
                              max_query_len=m.max_query_len,
                              query_start_loc=m.query_start_loc[: m.num_reqs + 1],
                              seq_lens=m.seq_lens[: m.num_reqs],
-                             block_table=m.block_table_tensor[: m.num_reqs])
+                             block_table=m.block_table_tensor[: m.num_reqs],
+                             num_draft=step_draft_counts(m.num_reqs, m.query_start_loc_cpu))
 
 
 class KvarnAttentionBackend(AttentionBackend):
@@ -174,6 +207,7 @@ class KvarnAttentionImpl(AttentionImpl):
         cfg = get_current_vllm_config()
         _State.max_num_seqs = cfg.scheduler_config.max_num_seqs
         _State.max_batched_tokens = cfg.scheduler_config.max_num_batched_tokens
+        _State.draft_tokens = draft_tokens(cfg)
         if cfg.cache_config.block_size != self.G:
             raise ValueError(
                 f"kvarn: --kv-cache-dtype {kv_cache_dtype} stores tiles of {self.G} tokens, "
@@ -208,8 +242,9 @@ class KvarnAttentionImpl(AttentionImpl):
         if name not in _State.layers:
             _State.layers.append(name)
         self.layer_index = _State.layers.index(name)
+        _State.kv_caches[name] = kv_cache
         if _State.staging is None:
-            n = pool_slots(_State.max_num_seqs, self.sink_tiles)
+            n = pool_slots(_State.max_num_seqs, self.sink_tiles, _State.draft_tokens, self.G)
             n_scr = -(-_State.max_batched_tokens // self.G) + 1
             _State.staging = Staging(n, self.G, self.sink_tiles, kv_cache.shape[0], n_scr,
                                      self.sink_partial,
@@ -244,7 +279,8 @@ class KvarnAttentionImpl(AttentionImpl):
         if self.layer_index == 0 or _State.plan_meta is not md:
             _State.plan = _State.staging.plan(md.query_start_loc.cpu().numpy(),
                                               md.seq_lens.cpu().numpy(),
-                                              md.block_table.cpu().numpy(), n)
+                                              md.block_table.cpu().numpy(), n,
+                                              md.num_draft)
             _State.plan_meta = md
         p = _State.plan
         _State.ops.store(self._view(kv_cache, self.pool_tensor), key, value, p.store_slots, n,
@@ -272,6 +308,8 @@ class KvarnAttentionImpl(AttentionImpl):
         out.copy_(res)  # converts to the model's dtype
         if self.layer_index == len(_State.layers) - 1:
             _State.staging.finish(p)
+            if _COMMIT_LOG and _State.staging.serving:
+                _log_commits(p)
         return output
 
     def _attend(self, kv_cache, p, q, res) -> None:
@@ -318,6 +356,30 @@ class KvarnAttentionImpl(AttentionImpl):
             # the record the commit is about to write (paged.h)
             self.sinks[slot] = self.pool_tensor[page, :, :, :self.sink_partial, :]
         _State.ops.commit(self._view(kv_cache, self.pool_tensor), src, dst)
+
+
+# Testing only: KVARN_TEST_COMMIT_LOG=PATH appends, after each step that
+# serves requests (not vLLM's warm-up runs), the records of every tile that
+# became final (committed from accepted tokens, or a provisional tile
+# confirmed): their bytes, layer by layer, to PATH.<pid>.bin and a line
+# "record SHA-256 block offset bytes" to PATH.<pid>, then a line with the
+# staging counters. tests/vllm/test_spec_decode.py compares the records of a
+# speculative run with a plain one.
+_COMMIT_LOG = os.environ.get("KVARN_TEST_COMMIT_LOG", "")
+
+
+def _log_commits(p) -> None:
+    import hashlib
+    import json
+    caches = [_State.kv_caches[n] for n in _State.layers]
+    base = f"{_COMMIT_LOG}.{os.getpid()}"
+    with open(base, "a") as f, open(base + ".bin", "ab") as data:
+        for b in list(p.mark_committed) + list(p.confirmed):
+            raw = b"".join(c[b].cpu().numpy().tobytes() for c in caches)
+            off = data.tell()
+            data.write(raw)
+            f.write(f"record {hashlib.sha256(raw).hexdigest()} {b} {off} {len(raw)}\n")
+        f.write("stats " + json.dumps(_State.staging.stats) + "\n")
 
 
 def _live_blocks() -> set:

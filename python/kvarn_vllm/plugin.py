@@ -23,6 +23,8 @@ run on a GPU (docs/vllm.md "GPU").
 import itertools
 import typing
 
+import numpy as np
+
 from . import SUPPORTED_VLLM
 
 BACKEND_PATH = "kvarn_vllm.backend.KvarnAttentionBackend"
@@ -160,7 +162,7 @@ def staging_bytes(vllm_config) -> int:
     """Bytes of the fp16 staging pool for this model and max_num_seqs (every
     layer): what the worker takes out of the KV budget."""
     from . import _lib
-    from .backend import sink_config
+    from .backend import draft_tokens, sink_config
     from .staging import pool_bytes
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
@@ -168,7 +170,8 @@ def staging_bytes(vllm_config) -> int:
     fmt = _lib.parse_format(name, mc.get_head_size())
     tiles, partial = sink_config(fmt.tile_tokens)
     return pool_bytes(fmt, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
-                      vllm_config.scheduler_config.max_num_seqs, tiles, partial)
+                      vllm_config.scheduler_config.max_num_seqs, tiles, partial,
+                      draft_tokens(vllm_config))
 
 
 def _patch_worker() -> None:
@@ -213,12 +216,78 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str) -> None:
     orig_zero = Runner.__dict__["_zero_block_ids"]
 
     def _zero_block_ids(self, block_ids):
-        from .backend import _State
+        from .backend import _State, is_kvarn_dtype
         _State.runner = self
         if _State.staging is not None:
             _State.staging.reset_blocks(block_ids)
+        if is_kvarn_dtype(self.cache_config.cache_dtype) and not _vllm_zeroes(self.kv_cache_config):
+            # reported only for kvarn's bookkeeping (_patch_scheduler): a
+            # record is never read before its commit, nothing to zero
+            return None
         return orig_zero(self, block_ids)
     Runner._zero_block_ids = _zero_block_ids
+
+    # Speculative decoding: the runner works out each request's draft count
+    # just before it builds the attention metadata; keep it (with the
+    # cumulative token counts, to match it to its step) for the builder.
+    orig_spec = Runner.__dict__.get("_calc_spec_decode_metadata")
+    if orig_spec is None:
+        for base in Runner.__mro__[1:]:
+            orig_spec = base.__dict__.get("_calc_spec_decode_metadata")
+            if orig_spec is not None:
+                break
+    if orig_spec is not None and not getattr(orig_spec, "_kvarn", False):
+        def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens,
+                                       *args, **kwargs):
+            from .backend import _State
+            _State.runner = self
+            self._kvarn_drafts = (np.array(num_draft_tokens, dtype=np.int32),
+                                  np.array(cu_num_scheduled_tokens, dtype=np.int64))
+            return orig_spec(self, num_draft_tokens, cu_num_scheduled_tokens, *args, **kwargs)
+        _calc_spec_decode_metadata._kvarn = True
+        Runner._calc_spec_decode_metadata = _calc_spec_decode_metadata
+
+
+def _vllm_zeroes(kv_cache_config) -> bool:
+    """Whether vLLM itself zeroes newly allocated blocks (Mamba layers or
+    mixed precisions), the property before _patch_scheduler."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    prop = KVCacheConfig.__dict__["needs_kv_cache_zeroing"]
+    return getattr(prop.fget, "_orig", prop.fget)(kv_cache_config)
+
+
+def _patch_scheduler() -> None:
+    """vLLM 0.32 reports the blocks it hands out (new_block_ids_to_zero, then
+    the runner's _zero_block_ids) only where its KVCacheConfig
+    needs_kv_cache_zeroing; for a kvarn cache the plug-in needs them always:
+    a block freed by one request and handed to another must lose its
+    staging slot and committed state (Staging.reset_blocks), or the new
+    request's tokens would be taken for a record already written. The
+    scheduler marks its kvarn KVCacheConfig, and the property answers True
+    for it; blocks found in the prefix cache are not new and keep their
+    records."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    prop = KVCacheConfig.__dict__["needs_kv_cache_zeroing"]
+    if not getattr(prop.fget, "_kvarn", False):
+        orig_get = prop.fget
+
+        def needs_kv_cache_zeroing(self) -> bool:
+            return orig_get(self) or bool(getattr(self, "_kvarn_reset_blocks", False))
+        needs_kv_cache_zeroing._kvarn = True
+        needs_kv_cache_zeroing._orig = orig_get
+        KVCacheConfig.needs_kv_cache_zeroing = property(needs_kv_cache_zeroing)
+    orig_init = Scheduler.__dict__["__init__"]
+    if getattr(orig_init, "_kvarn", False):
+        return
+
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
+        from .backend import is_kvarn_dtype
+        if is_kvarn_dtype(vllm_config.cache_config.cache_dtype):
+            kv_cache_config._kvarn_reset_blocks = True
+        orig_init(self, vllm_config, kv_cache_config, *args, **kwargs)
+    __init__._kvarn = True
+    Scheduler.__init__ = __init__
 
 
 def _register_backend() -> None:
@@ -236,4 +305,5 @@ def register() -> None:
     _patch_cli()
     _patch_platform()
     _patch_worker()
+    _patch_scheduler()
     _done = True

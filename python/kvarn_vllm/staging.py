@@ -7,7 +7,10 @@ fp16 tile per (layer, slot).
 
 Sizing (docs/vllm.md "Capacity"): a running sequence holds at most
 sink_tiles + 1 slots (its sink tiles and its partial tail tile), so the pool
-has max_num_seqs * (sink_tiles + 1) slots, taken out of vLLM's KV budget.
+has max_num_seqs * (sink_tiles + 1) slots, taken out of vLLM's KV budget;
+with speculative decoding of k draft tokens a step, k // G + 1 more per
+sequence (the tiles the drafts reach, held until their tokens are accepted:
+see "Speculative decoding" in docs/vllm.md).
 Full non-sink tiles of a prefill chunk never take a slot: they are staged
 in a per-step scratch and committed at once. Sink slots of blocks that only
 vLLM's prefix cache still holds are reclaimed when the pool runs short (the
@@ -18,17 +21,30 @@ import numpy as np
 from . import _lib
 
 
-def pool_slots(max_num_seqs: int, sink_tiles: int) -> int:
-    return max_num_seqs * (sink_tiles + 1)
+def draft_tiles(draft_tokens: int, tile: int) -> int:
+    """Extra slots per sequence under speculative decoding with draft_tokens
+    (k) drafts a step: the uncommitted tiles of a sequence are those holding
+    positions [L0, L0 + k + 1) for its first unaccepted position L0 (a step
+    writes at most k + 1 tokens, and a rejection moves L0 back no further
+    than one past the previous step's L0), at most k // G + 2 tiles against 1
+    without drafts."""
+    return 0 if draft_tokens <= 0 else draft_tokens // tile + 1
+
+
+def pool_slots(max_num_seqs: int, sink_tiles: int, draft_tokens: int = 0,
+               tile: int = 128) -> int:
+    return max_num_seqs * (sink_tiles + 1 + draft_tiles(draft_tokens, tile))
 
 
 def pool_bytes(fmt, n_layers: int, n_kv_heads: int, head_dim: int,
-               max_num_seqs: int, sink_tiles: int, sink_partial: int = 0) -> int:
+               max_num_seqs: int, sink_tiles: int, sink_partial: int = 0,
+               draft_tokens: int = 0) -> int:
     """Bytes of the fp16 staging pool: slots x one fp16 page (layers x Hk x
     (K, V) x G x D x 2 bytes), plus the sink slots (layers x Hk x (K, V) x r
-    x D x 2 each), page and slot as kvarn_cache_plan sizes them."""
+    x D x 2 each), page and slot as kvarn_cache_plan sizes them;
+    draft_tokens: the speculative tokens a step (0: no speculation)."""
     page, slot = _lib.fp16_bytes(fmt, n_layers, n_kv_heads, head_dim, sink_tiles, sink_partial)
-    return (pool_slots(max_num_seqs, sink_tiles) * page
+    return (pool_slots(max_num_seqs, sink_tiles, draft_tokens, fmt.tile_tokens) * page
             + sink_slot_count(max_num_seqs, sink_partial) * slot)
 
 
@@ -57,8 +73,10 @@ class StepPlan:
                                      # [q0, q1) at offsets off0.. of tile t; where
                                      # "pool"/"scratch"/"record", page its id
         self.commit_pool = []        # (page, block) pairs to commit (slots and scratch)
+        self.confirmed = []          # provisional blocks whose tokens are now all accepted
         self.free_after = []         # slots released after the last layer
         self.mark_committed = []     # blocks whose tile is a record after the step
+        self.mark_provisional = []   # blocks encoded from draft tokens (not committed)
         self.sink_copies = []        # (page, sink slot): copy the page's first r
                                      # rows into the slot before its commit
 
@@ -74,6 +92,17 @@ class Staging:
         self.block_of = np.full(n_slots, -1, dtype=np.int64)
         self.is_sink = np.zeros(n_slots, dtype=bool)
         self.committed = np.zeros(n_blocks, dtype=bool)
+        # encoded into its block from tokens not yet accepted (speculative
+        # drafts): the fp16 slot stays the tile's copy until a step starts
+        # with every token of the tile accepted
+        self.provisional = np.zeros(n_blocks, dtype=bool)
+        # speculative bookkeeping, counted for tests and logs: tiles encoded
+        # from drafts, provisional tiles written again (a draft in them was
+        # rejected), provisional tiles committed once accepted
+        self.stats = {"provisional": 0, "refilled": 0, "confirmed": 0}
+        # False until vLLM hands out its first blocks: the steps before are
+        # its warm-up runs on dummy inputs (their blocks are reset then)
+        self.serving = False
         self.free = list(range(n_slots - 1, -1, -1))
         # sink shorter than a tile: the first r tokens of tile sink_tiles,
         # kept in fp16 slots keyed by that tile's block once it is a record
@@ -86,6 +115,7 @@ class Staging:
 
     # -- vLLM hands blocks out again: forget what they held ------------------
     def reset_blocks(self, block_ids) -> None:
+        self.serving = True
         for b in block_ids:
             s = self.slot_of[b]
             if s >= 0:
@@ -94,6 +124,7 @@ class Staging:
             if s >= 0:
                 self._release_sink(int(s))
             self.committed[b] = False
+            self.provisional[b] = False
 
     def _release(self, s: int) -> None:
         b = self.block_of[s]
@@ -119,6 +150,12 @@ class Staging:
         self.sslot_of[block] = s
         self.sblock_of[s] = block
         return s
+
+    def _sink_of(self, block: int, protect) -> int:
+        """The block's sink slot: the one it has (a tile filled again after
+        a rejection) or a new one."""
+        s = int(self.sslot_of[block])
+        return s if s >= 0 else self._take_sink(block, protect)
 
     def _take(self, block: int, sink: bool, protect) -> int:
         if not self.free:
@@ -151,8 +188,37 @@ class Staging:
                 self._release_sink(s)
 
     # -- one step ------------------------------------------------------------
+    def _confirm(self, query_start_loc, seq_lens, block_table, p: StepPlan) -> None:
+        """Provisional tiles whose tokens are all accepted now (the step
+        starts at or past the tile's end) become committed: their record,
+        encoded when the tile last filled, is final, and a non-sink tile's
+        slot goes back to the pool."""
+        G = self.G
+        for i in range(len(seq_lens)):
+            L0 = int(seq_lens[i]) - int(query_start_loc[i + 1] - query_start_loc[i])
+            n_full = max(0, L0) // G
+            if n_full == 0:
+                continue
+            blocks = block_table[i, :n_full]
+            for t in np.nonzero(self.provisional[blocks])[0]:
+                b = int(blocks[t])
+                self.provisional[b] = False
+                self.committed[b] = True
+                self.stats["confirmed"] += 1
+                p.confirmed.append(b)
+                s = int(self.slot_of[b])
+                if s >= 0 and not self.is_sink[s]:
+                    self._release(s)
+
     def plan(self, query_start_loc: np.ndarray, seq_lens: np.ndarray,
-             block_table: np.ndarray, n_tokens: int) -> StepPlan:
+             block_table: np.ndarray, n_tokens: int, n_draft=None) -> StepPlan:
+        """n_draft: int [n_seqs], the speculative (not yet accepted) tokens
+        at the end of each sequence's queries this step (None: none). A tile
+        filled with any of them is encoded into its block for this step's
+        later queries but not committed (provisional): it keeps its fp16
+        slot, a rejection rewrites its slots, and it is encoded again when it
+        fills again; it commits once a step starts with all its tokens
+        accepted (_confirm)."""
         G, S = self.G, self.sink_tiles
         n_seqs = len(seq_lens)
         p = StepPlan()
@@ -162,6 +228,7 @@ class Staging:
         p.has_sink = np.ones(n_seqs, dtype=bool)
         p.sink_slot = np.full(n_seqs, -1, dtype=np.int32)
         r = self.sink_partial
+        self._confirm(query_start_loc, seq_lens, block_table, p)
         protect = set()
         for i in range(n_seqs):
             n = int(seq_lens[i])
@@ -170,6 +237,9 @@ class Staging:
             q0, q1 = int(query_start_loc[i]), int(query_start_loc[i + 1])
             L = int(seq_lens[i])
             L0 = L - (q1 - q0)
+            # positions from `known` on are drafts: a tile reaching them is
+            # not committed this step
+            known = L - (0 if n_draft is None else int(n_draft[i]))
             row = block_table[i]
             # the chunk's tokens, tile by tile
             pos = L0
@@ -185,7 +255,7 @@ class Staging:
                     s = int(self.slot_of[b])
                     p.groups.append((i, t, j0, j1, pos - t * G,
                                      "pool" if s >= 0 else "record", s if s >= 0 else b))
-                elif end == (t + 1) * G and t >= S and self.slot_of[b] < 0:
+                elif end == (t + 1) * G and end <= known and t >= S and self.slot_of[b] < 0:
                     # a whole non-sink tile within this chunk: scratch, commit
                     k = self.n_slots + p.n_scratch
                     p.n_scratch += 1
@@ -195,7 +265,7 @@ class Staging:
                             "scratch tiles sized from max_num_batched_tokens")
                     p.store_slots[j0:j1] = k * G + offs
                     if r > 0 and t == S:
-                        p.sink_copies.append((k, self._take_sink(b, protect)))
+                        p.sink_copies.append((k, self._sink_of(b, protect)))
                     p.commit_pool.append((k, b))
                     p.mark_committed.append(b)
                     p.groups.append((i, t, j0, j1, pos - t * G, "scratch", k))
@@ -203,14 +273,19 @@ class Staging:
                     s = int(self.slot_of[b])
                     if s < 0:
                         s = self._take(b, t < S, protect)
+                    if self.provisional[b]:
+                        self.stats["refilled"] += 1
                     p.store_slots[j0:j1] = s * G + offs
                     if end == (t + 1) * G:
                         if r > 0 and t == S:
-                            p.sink_copies.append((s, self._take_sink(b, protect)))
+                            p.sink_copies.append((s, self._sink_of(b, protect)))
                         p.commit_pool.append((s, b))
-                        p.mark_committed.append(b)
-                        if t >= S:
-                            p.free_after.append(s)
+                        if end <= known:
+                            p.mark_committed.append(b)
+                            if t >= S:
+                                p.free_after.append(s)
+                        else:
+                            p.mark_provisional.append(b)
                     p.groups.append((i, t, j0, j1, pos - t * G, "pool", s))
                 pos = end
             # full tiles below the last one touched: records, sink tiles in
@@ -270,5 +345,9 @@ class Staging:
     def finish(self, p: StepPlan) -> None:
         for b in p.mark_committed:
             self.committed[b] = True
+            self.provisional[b] = False
+        for b in p.mark_provisional:
+            self.provisional[b] = True
+        self.stats["provisional"] += len(p.mark_provisional)
         for s in p.free_after:
             self._release(s)

@@ -5,6 +5,9 @@ state and the plug-in's per-process staging pool apart).
     python run_llm.py '{"kv_cache_dtype": "kvarn_k4v2_g128", "prompts": [...], ...}'
 
 Keys: model, kv_cache_dtype, block_size (128), kv_space_gib (1),
+speculative_config (null: none; vLLM's dict, e.g. {"method": "ngram", ...}),
+ignore_eos (false), stats (false: true adds vLLM's speculative-decoding
+counters and the generation time),
 max_num_seqs (8), max_num_batched_tokens (null: vLLM's), prefix_caching
 (false), warm_prompts (run first, e.g. to fill the prefix cache),
 load_format, prompts (text) or prompt_ids (token-id lists), max_tokens (16),
@@ -33,19 +36,27 @@ def main() -> None:
               max_logprobs=cfg.get("max_logprobs", 20))
     if cfg.get("load_format"):
         kw["load_format"] = cfg["load_format"]
+    if cfg.get("speculative_config"):
+        kw["speculative_config"] = cfg["speculative_config"]
+    if cfg.get("stats"):
+        kw["disable_log_stats"] = False
     if cfg.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
         kw["enable_chunked_prefill"] = True
     llm = LLM(**kw)
     sp = SamplingParams(temperature=0, max_tokens=cfg.get("max_tokens", 16),
-                        logprobs=cfg.get("logprobs"), prompt_logprobs=cfg.get("prompt_logprobs"))
+                        logprobs=cfg.get("logprobs"), prompt_logprobs=cfg.get("prompt_logprobs"),
+                        ignore_eos=cfg.get("ignore_eos", False))
     if "prompt_ids" in cfg:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cfg["prompt_ids"]]
     else:
         prompts = cfg["prompts"]
     for w in cfg.get("warm_prompts", []):
         llm.generate([w], sp, use_tqdm=False)
+    import time
+    t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
+    gen_s = time.perf_counter() - t0
 
     def lp(seq):
         if seq is None:
@@ -61,6 +72,12 @@ def main() -> None:
     cc = llm.llm_engine.vllm_config.cache_config
     res["kv_blocks"] = cc.num_gpu_blocks
     res["kv_tokens"] = None if cc.num_gpu_blocks is None else cc.num_gpu_blocks * cc.block_size
+    if cfg.get("stats"):
+        res["gen_seconds"] = gen_s
+        res["metrics"] = {}
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:spec_decode") and hasattr(m, "value"):
+                res["metrics"][m.name] = m.value
     print("RESULT " + json.dumps(res), flush=True)
     # Stop the engine, then leave without the interpreter's teardown: vLLM's
     # CPU build can abort there ("terminate called without an active

@@ -7,15 +7,16 @@ import numpy as np
 import pytest
 
 from kvarn_vllm._lib import KvarnError, parse_format
-from kvarn_vllm.staging import Staging, pool_bytes, pool_slots
+from kvarn_vllm.staging import Staging, draft_tiles, pool_bytes, pool_slots
 
 G = 128
 
 
-def step(st, q_lens, seq_lens, table):
+def step(st, q_lens, seq_lens, table, drafts=None):
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     p = st.plan(qsl, np.array(seq_lens, dtype=np.int32),
-                np.array(table, dtype=np.int32), int(qsl[-1]))
+                np.array(table, dtype=np.int32), int(qsl[-1]),
+                None if drafts is None else np.array(drafts, dtype=np.int32))
     return p
 
 
@@ -150,3 +151,122 @@ def test_sink_slot_lost_reads_records():
     p = step(st, [1], [301], [[5, 6, 7]])
     assert not p.has_sink[0] and not p.g_sink.any()
     assert list(p.tables[0, :2]) == [5, 6]  # records, not the sink page
+
+
+# -- speculative decoding: commit on acceptance ------------------------------
+
+def test_pool_grows_by_the_tiles_drafts_reach():
+    assert draft_tiles(0, G) == 0
+    assert draft_tiles(1, G) == 1 and draft_tiles(5, G) == 1 and draft_tiles(127, G) == 1
+    assert draft_tiles(128, G) == 2 and draft_tiles(300, G) == 3
+    assert pool_slots(8, 1, 5, G) == 8 * 3 and pool_slots(8, 0, 0, G) == 8
+    fmt = parse_format("kvarn_k4v2_g128", 64)
+    assert pool_bytes(fmt, 30, 3, 64, 8, 1, 0, 5) == 24 * 30 * 3 * 2 * G * 64 * 2
+
+
+def _decoding_at(st, L, table):
+    """Prefill L tokens (one chunk), no drafts."""
+    st.finish(step(st, [L], [L], [table]))
+
+
+def test_tile_filled_by_drafts_is_provisional_until_accepted():
+    st = Staging(n_slots=3, tile=G, sink_tiles=1, n_blocks=8, n_scratch=2)
+    table = [1, 2, 3, 0]
+    _decoding_at(st, 252, table)
+    s1 = int(st.slot_of[2])
+    # verify step: the last sampled token + 5 drafts at positions 252..257;
+    # tile 1 fills at 255 with drafts (known = 253): encoded, not committed
+    p = step(st, [6], [258], [table], drafts=[5])
+    assert (s1, 2) in p.commit_pool and 2 not in p.mark_committed
+    assert p.mark_provisional == [2] and s1 not in p.free_after
+    # the drafts in tile 2 read tile 1 from the record, as a plain run would
+    j = [g[1] for g in p.groups].index(2)
+    assert p.g_committed[j] == 2 and p.g_tables[j, 1] == 2
+    st.finish(p)
+    assert st.provisional[2] and not st.committed[2] and st.slot_of[2] == s1
+    # one draft accepted: the step starts at 254, so tile 1's last two
+    # positions are written again and the tile is encoded again
+    p = step(st, [6], [260], [table], drafts=[5])
+    assert p.confirmed == [] and st.stats["refilled"] == 1
+    assert list(p.store_slots[:2]) == [s1 * G + 126, s1 * G + 127]
+    assert (s1, 2) in p.commit_pool and p.mark_provisional == [2]
+    st.finish(p)
+    # all accepted: the next step starts at 260, past tile 1's end, so it is
+    # committed (no new encode: its slot did not change since) and its slot
+    # goes back to the pool
+    p = step(st, [1], [261], [table], drafts=[0])
+    assert p.confirmed == [2] and st.committed[2] and not st.provisional[2]
+    assert st.slot_of[2] == -1 and s1 in st.free
+    assert all(b != 2 for _, b in p.commit_pool)
+    assert p.g_tables[0, 1] == 2 and p.g_committed[0] == 2
+    st.finish(p)
+    assert st.stats == {"provisional": 2, "refilled": 1, "confirmed": 1}
+
+
+def test_tile_filled_by_known_tokens_commits_at_once():
+    """Drafts start past the tile's end: the tile is committed in the step
+    (its tokens are the accepted ones), as without speculation."""
+    st = Staging(n_slots=3, tile=G, sink_tiles=1, n_blocks=8, n_scratch=2)
+    table = [1, 2, 3, 0]
+    _decoding_at(st, 255, table)
+    s1 = int(st.slot_of[2])
+    p = step(st, [6], [261], [table], drafts=[5])     # known = 256
+    assert 2 in p.mark_committed and p.mark_provisional == [] and s1 in p.free_after
+
+
+def test_whole_tile_of_drafts_takes_a_slot_not_scratch():
+    """A whole non-sink tile inside the step is staged in a scratch page and
+    committed at once only when its tokens are known; with drafts in it, it
+    takes a slot (it must outlive the step) and is provisional."""
+    st = Staging(n_slots=4, tile=G, sink_tiles=1, n_blocks=8, n_scratch=2)
+    table = [1, 2, 3, 0]
+    _decoding_at(st, 128, table)
+    p = step(st, [200], [328], [table], drafts=[150])  # known = 178
+    assert p.n_scratch == 0 and st.slot_of[2] >= 0
+    assert p.mark_provisional == [2] and 2 not in p.mark_committed
+
+
+def test_sink_tile_filled_by_drafts_keeps_its_slot_and_sink_copy():
+    st = Staging(n_slots=3, tile=G, sink_tiles=0, n_blocks=8, n_scratch=2,
+                 sink_partial=16, n_sink_slots=1)
+    table = [1, 2, 0]
+    _decoding_at(st, 125, table)
+    p = step(st, [6], [131], [table], drafts=[5])     # tile 0 fills with drafts
+    ss = int(st.sslot_of[1])
+    assert p.sink_copies == [(int(st.slot_of[1]), ss)] and p.mark_provisional == [1]
+    st.finish(p)
+    p = step(st, [6], [132], [table], drafts=[5])     # rejected from 126 on
+    assert p.sink_copies == [(int(st.slot_of[1]), ss)]  # the same sink slot
+    assert st.sfree == []
+
+
+@pytest.mark.parametrize("k", [1, 5, 127, 128, 200])
+def test_random_acceptance_never_commits_a_rejected_token(k):
+    """One sequence decoding with k drafts a step and a random number of
+    them accepted, in a pool sized by pool_slots(1, 1, k): the pool never
+    runs out, every committed tile was committed when all its positions were
+    accepted (start of a step at or past its end, or filled by known tokens),
+    and a tile is provisional only while a draft in it is unverified."""
+    rng = np.random.default_rng(k)
+    n_blocks = 64
+    st = Staging(n_slots=pool_slots(1, 1, k, G), tile=G, sink_tiles=1, n_blocks=n_blocks,
+                 n_scratch=2)
+    st.live_blocks = lambda: set(range(n_blocks))
+    table = np.arange(1, n_blocks, dtype=np.int32)[None, :]
+    L0 = 100
+    st.finish(step(st, [L0], [L0], table))
+    while L0 + k + 1 < (n_blocks - 2) * G:
+        q = 1 + k
+        p = step(st, [q], [L0 + q], table, drafts=[k])
+        known = L0 + 1
+        for b in p.confirmed:
+            t = int(np.nonzero(table[0] == b)[0][0])
+            assert (t + 1) * G <= L0
+        for b in p.mark_committed:
+            t = int(np.nonzero(table[0] == b)[0][0])
+            assert (t + 1) * G <= known
+        st.finish(p)
+        L0 = known + int(rng.integers(0, k + 1))     # accepted drafts
+    assert st.stats["confirmed"] > 0 and st.stats["provisional"] > 0
+    if k < G:
+        assert st.stats["refilled"] > 0

@@ -1,0 +1,162 @@
+"""Speculative decoding through the kvarn cache (docs/vllm.md "Speculative
+decoding"): vLLM's n-gram proposer drafts k tokens a step, the verification
+step sends 1 + k causal queries per sequence through the same attention path
+as a prefill chunk, and a tile is committed only from accepted tokens.
+
+The prompts are token ids cut from a repeated Austen passage (so n-gram
+proposals hit) and from plain text (so they miss), at lengths that make the
+drafts cross the tile boundaries at 128 and 256 tokens. Checked: greedy tokens
+with speculation equal those without, for every preset; the committed
+records (KVARN_TEST_COMMIT_LOG: the SHA-256 of each final record over all
+layers) are the same bytes in both runs, so no rejected draft reached a
+record; and the run did hit the cases that matter (tiles encoded from
+drafts, some of them written again after a rejection, some confirmed)."""
+import collections
+import glob
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, run_llm
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}
+G = 128
+
+
+def _tokenize(text):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-hf",
+                                           "tokenizer.json"))
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def prompt_ids(tile=G):
+    """Eight prompts: a repeated passage ending 10 tokens before tile 1 and
+    before tile 2 (n-gram drafts cross the boundary, mostly accepted), and
+    six cuts of plain prose (drafts from its common word pairs, mostly
+    rejected) of 100-125 tokens, so that decoding crosses tiles 1 and 2."""
+    austen = open(os.path.join(ROOT, "data", "austen", "emma.txt"), encoding="utf-8").read()
+    passage = _tokenize(austen[20000:20600])
+    rep = passage * 20
+    out = [rep[:tile - 10], rep[:2 * tile - 10]]
+    for j in range(6):
+        plain = _tokenize(austen[40000 + 7000 * j:46000 + 7000 * j])
+        out.append(plain[:tile - 28 + 5 * j])
+    return out
+
+
+def _run(fmt, spec, log=None, max_tokens=176, block=G, prefix_caching=True):
+    cfg = {"kv_cache_dtype": fmt, "block_size": block, "prompt_ids": prompt_ids(block),
+           "max_tokens": max_tokens, "ignore_eos": True, "prefix_caching": prefix_caching,
+           "max_num_seqs": 8, "stats": True}
+    if spec:
+        cfg["speculative_config"] = NGRAM
+    if log:
+        cfg["env"] = {"KVARN_TEST_COMMIT_LOG": log}
+    res, _ = run_llm(cfg)
+    return res
+
+
+def _read_log(prefix):
+    """(records: [bytes of one final tile, all layers], stats) of a run."""
+    records, stats = [], None
+    files = [f for f in glob.glob(prefix + ".*") if not f.endswith(".bin")]
+    assert files, f"no commit log written at {prefix}.*"
+    for f in files:
+        data = open(f + ".bin", "rb").read()
+        for line in open(f):
+            kind, rest = line.split(" ", 1)
+            if kind == "record":
+                _, _, off, n = rest.split()
+                records.append(data[int(off):int(off) + int(n)])
+            else:
+                stats = json.loads(rest)
+    return records, stats
+
+
+def _decoded_keys(fmt_name, head_dim, n_kv_heads, raw):
+    """Decoded keys of one tile's records over every layer and KV head:
+    fp32 [G, layers * Hk * D], a row per token (rotated basis)."""
+    import ctypes
+    import numpy as np
+    from kvarn_vllm import _lib
+    L = _lib.lib()
+    L.kvarn_decode.restype = ctypes.c_int
+    L.kvarn_decode.argtypes = [ctypes.POINTER(_lib.Format), ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    fmt = _lib.parse_format(fmt_name, head_dim)
+    rb = _lib.record_bytes(fmt, head_dim)
+    n = len(raw) // rb
+    assert n * rb == len(raw) and n % n_kv_heads == 0
+    buf = ctypes.create_string_buffer(raw, len(raw))
+    out = np.zeros((n, fmt.tile_tokens, head_dim), dtype=np.float32)
+    for i in range(n):
+        _lib.check(L.kvarn_decode(ctypes.byref(fmt), head_dim, ctypes.addressof(buf) + i * rb,
+                                  rb, out[i].ctypes.data, None, 1), "decode")
+    return out.transpose(1, 0, 2).reshape(fmt.tile_tokens, -1)
+
+
+@pytest.fixture(scope="module")
+def k4v2_pair(tmp_path_factory, hf_model):
+    d = tmp_path_factory.mktemp("spec")
+    plain = _run("kvarn_k4v2_g128", False, str(d / "plain"))
+    spec = _run("kvarn_k4v2_g128", True, str(d / "spec"))
+    return plain, spec, _read_log(str(d / "plain")), _read_log(str(d / "spec"))
+
+
+def test_spec_decode_runs_and_equals_plain_decode(k4v2_pair):
+    plain, spec, _, _ = k4v2_pair
+    for a, b in zip(plain["outputs"], spec["outputs"]):
+        assert a["token_ids"] == b["token_ids"]
+    m = spec["metrics"]
+    assert m.get("vllm:spec_decode_num_draft_tokens", 0) > 0
+    assert 0 < m.get("vllm:spec_decode_num_accepted_tokens", 0) < \
+        m["vllm:spec_decode_num_draft_tokens"]
+
+
+def test_rejected_drafts_never_reach_a_committed_record(k4v2_pair):
+    """Every final record of the speculative run holds, token by token, the
+    keys of the plain run's record for the same tile. Not byte for byte: a
+    verification step computes K/V in a batch of 1 + k rows where plain
+    decoding has one, and the model's fp32 arithmetic then differs in the
+    last bits, which moves a rounding now and then (tiles filled within a
+    prefill are the same bytes). So rows are compared: a row of the right
+    token is within the codec's step of the plain run's row, while a
+    rejected draft is another token, as far from it as two neighbouring
+    tokens of the same tile are from each other."""
+    import numpy as np
+    _, _, (rec_plain, st_plain), (rec_spec, st_spec) = k4v2_pair
+    # the speculative run met every case: tiles encoded from drafts, some
+    # written again after a rejection, the others confirmed once accepted
+    assert st_spec["provisional"] > 0 and st_spec["refilled"] > 0 and st_spec["confirmed"] > 0
+    assert st_plain == {"provisional": 0, "refilled": 0, "confirmed": 0}
+    assert len(rec_plain) >= len(prompt_ids())
+    # a request that ends right after drafts filled a tile leaves it
+    # provisional for good: at most one such tile per request
+    assert len(rec_plain) - len(prompt_ids()) <= len(rec_spec) <= len(rec_plain)
+    plain = [_decoded_keys("kvarn_k4v2_g128", 64, 3, r) for r in rec_plain]
+    worst, gap = 0.0, []
+    for r in rec_spec:
+        k = _decoded_keys("kvarn_k4v2_g128", 64, 3, r)
+        # the plain tile it is (the nearest)
+        dist = [np.linalg.norm(k - p) for p in plain]
+        p = plain[int(np.argmin(dist))]
+        norm = np.linalg.norm(p, axis=1)
+        worst = max(worst, float((np.linalg.norm(k - p, axis=1) / norm).max()))
+        gap.append(float(np.median(np.linalg.norm(p[1:] - p[:-1], axis=1) / norm[1:])))
+    print(f"spec vs plain records: worst row {worst:.4f} of its norm; neighbouring tokens "
+          f"{min(gap):.3f}-{max(gap):.3f} (median per tile); "
+          f"{sum(a == b for a in rec_spec for b in rec_plain)} of {len(rec_spec)} tiles identical")
+    assert worst < 0.25 * min(gap)
+
+
+@pytest.mark.parametrize("fmt", ["kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k4v4_g64"])
+def test_spec_decode_equals_plain_decode_every_preset(fmt, hf_model):
+    block = int(fmt.rsplit("_g", 1)[1])
+    plain = _run(fmt, False, max_tokens=32, block=block)
+    spec = _run(fmt, True, max_tokens=32, block=block)
+    for a, b in zip(plain["outputs"], spec["outputs"]):
+        assert a["token_ids"] == b["token_ids"]
+    assert spec["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0) > 0
