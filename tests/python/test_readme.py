@@ -59,7 +59,8 @@ def test_readme_is_short_and_keeps_the_serve_marker():
     assert "<!-- serve-support -->" in lines
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/cli.md"])
+@pytest.mark.parametrize("page", ["README.md"] + sorted(
+    "docs/" + p.name for p in DOCS.glob("*.md") if "    build/kvarn " in p.read_text()))
 def test_kvarn_lines_use_real_commands_and_options(kvarn_bin, page):
     top = help_text(kvarn_bin)
     commands = re.findall(r"^  (\w+)\s{2,}", top.split("cache formats")[0], re.M)
