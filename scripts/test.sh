@@ -14,7 +14,7 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs"
 
-# The configuration matrix (README "Tests"): the Release tests again with the
+# The configuration matrix (docs/testing.md): the Release tests again with the
 # SIMD kernels capped (KVARN_SIMD, read by the library), the attention worker
 # count of the tests (KVARN_TEST_THREADS, read by the tests only), OpenBLAS's
 # thread count, and OpenBLAS's GEMM kernels forced to other CPUs' (generic

@@ -50,8 +50,8 @@ static const cli_option k_options[] = {
 
 static const cli_command k_command = {
     "inspect", k_options, sizeof k_options / sizeof k_options[0],
-    "usage: kvarn inspect --kv-cache-dtype NAME[,NAME...|all]\n"
-    "                     (-m MODEL | --layers L --kv-heads H --head-dim D)\n"
+    "usage: kvarn inspect (-m MODEL | --layers L --kv-heads H --head-dim D)\n"
+    "                     [--kv-cache-dtype NAME[,NAME...]|all]\n"
     "                     [--budget 16GiB] [--max-seqs 64] [--sink-tokens S]\n"
     "                     [--tail-page-tokens T]\n\n",
     "Prints, for each format: the block size G, the record bytes per token (all\n"

@@ -4,7 +4,7 @@
  * which head_dim it serves, its record layout, and its encode/decode entry
  * points. The attention tile kernels of each kind are the same row's second
  * half, kept in the attention stage (src/attn/kernel_table.c) because the
- * codec sits below attention in the build (README "What is here").
+ * codec sits below attention in the build (docs/README.md "Code map").
  *
  * Adding a format kind = one row here (format_kinds.c), one row in
  * src/attn/kernel_table.c, its codec and kernel functions, and its CUDA
