@@ -5,6 +5,7 @@ requests, in one run (docs/vllm.md "Benchmark"; README "Serve with vLLM").
     .venv-vllm/bin/python bench/vllm_throughput.py [--requests 32]
         [--prompt-tokens 2048] [--gen 128] [--kv-bytes 536870912]
         [--max-num-seqs 32] [--dtypes bfloat16,kvarn_k4v2_g128,fp8_e5m2]
+        [--speculative K]
 
 Prompts are distinct Austen passages (data/austen/all.txt) cut to
 --prompt-tokens tokens. Each cache format runs in a fresh process with the
@@ -12,7 +13,11 @@ engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the scheduler
 can be watched: peak running requests and preemptions are counted by
 wrapping Scheduler.schedule and Scheduler._preempt_request. Prints per
 format: KV tokens vLLM reports, requests/s, output tokens/s, peak running,
-preemptions, and the ratios to the first format.
+preemptions, and the ratios to the first format. --speculative K runs each
+format twice, without and with vLLM's n-gram speculation (K draft tokens a
+step, prompt_lookup 2-4), and adds the mean accepted length (tokens a
+verification step produces per request: 1 + accepted drafts / steps with
+drafts, from vLLM's spec_decode counters) and the speed-up of speculation.
 """
 import argparse
 import json
@@ -43,7 +48,12 @@ def one(cfg: dict) -> dict:
         return orig_preempt(self, *a, **k)
     Scheduler.schedule, Scheduler._preempt_request = schedule, preempt
 
-    llm = LLM(model=MODEL, dtype=cfg["model_dtype"], enforce_eager=True, seed=0,
+    extra = {}
+    if cfg.get("spec"):
+        extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": cfg["spec"],
+                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        extra["disable_log_stats"] = False
+    llm = LLM(model=MODEL, dtype=cfg["model_dtype"], enforce_eager=True, seed=0, **extra,
               kv_cache_dtype=cfg["dtype"], block_size=128,
               kv_cache_memory_bytes=cfg["kv_bytes"], max_num_seqs=cfg["max_num_seqs"],
               max_model_len=cfg["prompt_tokens"] + cfg["gen"] + 128)
@@ -59,7 +69,13 @@ def one(cfg: dict) -> dict:
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     cc = llm.llm_engine.vllm_config.cache_config
-    return dict(dtype=cfg["dtype"], kv_tokens=cc.num_gpu_blocks * cc.block_size, seconds=dt,
+    if cfg.get("spec"):
+        m = {x.name: x.value for x in llm.get_metrics()
+             if x.name.startswith("vllm:spec_decode") and hasattr(x, "value")}
+        steps = m.get("vllm:spec_decode_num_drafts", 0)
+        stats["accept_len"] = 1 + m.get("vllm:spec_decode_num_accepted_tokens", 0) / max(1, steps)
+    return dict(dtype=cfg["dtype"], spec=cfg.get("spec", 0),
+                kv_tokens=cc.num_gpu_blocks * cc.block_size, seconds=dt,
                 req_s=len(outs) / dt, out_tok_s=n_out / dt, **stats)
 
 
@@ -72,15 +88,20 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--model-dtype", default="bfloat16")
     ap.add_argument("--dtypes", default="bfloat16,kvarn_k4v2_g128,fp8_e5m2")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="also run each format with n-gram speculation of K tokens")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         print("RESULT " + json.dumps(one(json.loads(a.one))), flush=True)
         return
     rows = []
-    for d in a.dtypes.split(","):
+    runs = [(d, k) for d in a.dtypes.split(",")
+            for k in ((0, a.speculative) if a.speculative else (0,))]
+    for d, k in runs:
         cfg = dict(dtype=d, requests=a.requests, prompt_tokens=a.prompt_tokens, gen=a.gen,
-                   kv_bytes=a.kv_bytes, max_num_seqs=a.max_num_seqs, model_dtype=a.model_dtype)
+                   kv_bytes=a.kv_bytes, max_num_seqs=a.max_num_seqs, model_dtype=a.model_dtype,
+                   spec=k)
         p = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
                            capture_output=True, text=True)
         res = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
@@ -91,13 +112,21 @@ def main() -> None:
     print(f"{a.requests} requests x {a.prompt_tokens} prompt + {a.gen} generated tokens, "
           f"KV budget {a.kv_bytes / 2**20:.0f} MiB, max_num_seqs {a.max_num_seqs}, "
           f"model {a.model_dtype}, {os.cpu_count()} CPUs")
+    spec = " ".join(f"{h:>8}" for h in ("spec K", "accept", "x nospec")) if a.speculative else ""
     print(f"{'cache':18} {'KV tokens':>10} {'req/s':>8} {'out tok/s':>10} {'peak run':>9} "
-          f"{'preempt':>8} {'x req/s':>8} {'x run':>6}")
+          f"{'preempt':>8} {'x req/s':>8} {'x run':>6} {spec}")
+    base = {r["dtype"]: r for r in rows if r["spec"] == 0}
     for r in rows:
         b = rows[0]
-        print(f"{r['dtype']:18} {r['kv_tokens']:>10} {r['req_s']:>8.3f} {r['out_tok_s']:>10.1f} "
-              f"{r['peak_running']:>9} {r['preemptions']:>8} {r['req_s'] / b['req_s']:>8.2f} "
-              f"{r['peak_running'] / max(1, b['peak_running']):>6.2f}")
+        line = (f"{r['dtype']:18} {r['kv_tokens']:>10} {r['req_s']:>8.3f} {r['out_tok_s']:>10.1f} "
+                f"{r['peak_running']:>9} {r['preemptions']:>8} {r['req_s'] / b['req_s']:>8.2f} "
+                f"{r['peak_running'] / max(1, b['peak_running']):>6.2f}")
+        if a.speculative:
+            nos = base.get(r["dtype"])
+            acc = f"{r['accept_len']:.2f}" if r["spec"] else "-"
+            x = f"{r['out_tok_s'] / nos['out_tok_s']:.2f}" if r["spec"] and nos else "-"
+            line += f" {r['spec']:>8} {acc:>8} {x:>8}"
+        print(line)
 
 
 if __name__ == "__main__":

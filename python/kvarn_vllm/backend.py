@@ -82,6 +82,23 @@ def draft_tokens(vllm_config) -> int:
     return k
 
 
+SPEC_METHODS = ("ngram",)   # proposers that run no model of their own
+
+
+def check_speculative(vllm_config) -> None:
+    """Refuse a speculative method whose proposer runs a model (draft model,
+    EAGLE, MTP, ...): its layers would attend through this backend in passes
+    of their own, which the per-step staging plan does not follow. Raises
+    NotImplementedError naming what works instead."""
+    sc = getattr(vllm_config, "speculative_config", None)
+    if sc is None or sc.method in SPEC_METHODS:
+        return
+    raise NotImplementedError(
+        f"kvarn backend: speculative decoding with method '{sc.method}' is not supported "
+        f"with a kvarn KV cache (its proposer's layers attend in passes the staging plan "
+        f"does not follow); use method 'ngram', or vLLM's own --kv-cache-dtype")
+
+
 def step_draft_counts(num_reqs: int, query_start_loc_cpu) -> np.ndarray | None:
     """int32 [num_reqs]: the draft tokens at the end of each request's
     queries this step, as the model runner handed them to
@@ -208,6 +225,7 @@ class KvarnAttentionImpl(AttentionImpl):
         _State.max_num_seqs = cfg.scheduler_config.max_num_seqs
         _State.max_batched_tokens = cfg.scheduler_config.max_num_batched_tokens
         _State.draft_tokens = draft_tokens(cfg)
+        check_speculative(cfg)
         if cfg.cache_config.block_size != self.G:
             raise ValueError(
                 f"kvarn: --kv-cache-dtype {kv_cache_dtype} stores tiles of {self.G} tokens, "

@@ -160,3 +160,15 @@ def test_spec_decode_equals_plain_decode_every_preset(fmt, hf_model):
     for a, b in zip(plain["outputs"], spec["outputs"]):
         assert a["token_ids"] == b["token_ids"]
     assert spec["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0) > 0
+
+
+def test_model_based_proposer_is_refused_at_start(hf_model):
+    """A draft model's layers would attend through the backend in passes of
+    their own: refused with a message naming what works."""
+    res, err = run_llm({"kv_cache_dtype": "kvarn_k4v2_g128", "prompts": ["Hi"], "max_tokens": 1,
+                        "speculative_config": {"method": "draft_model", "model": hf_model,
+                                               "num_speculative_tokens": 3}},
+                       expect_ok=False)
+    assert res is None
+    assert "method 'draft_model' is not supported" in err and "use method 'ngram'" in err, \
+        err[-3000:]
