@@ -134,8 +134,9 @@ def test_rejected_drafts_never_reach_a_committed_record(k4v2_pair):
     assert st_plain == {"provisional": 0, "refilled": 0, "confirmed": 0}
     assert len(rec_plain) >= len(prompt_ids())
     # a request that ends right after drafts filled a tile leaves it
-    # provisional for good: at most one such tile per request
-    assert len(rec_plain) - len(prompt_ids()) <= len(rec_spec) <= len(rec_plain)
+    # provisional for good, and drafts accepted past max_tokens may complete
+    # one more: at most one tile per request either way
+    assert abs(len(rec_spec) - len(rec_plain)) <= len(prompt_ids())
     plain = [_decoded_keys("kvarn_k4v2_g128", 64, 3, r) for r in rec_plain]
     worst, gap = 0.0, []
     for r in rec_spec:
