@@ -10,9 +10,12 @@ ignore_eos (false), stats (false: true adds vLLM's speculative-decoding
 counters and the generation time),
 max_num_seqs (8), max_num_batched_tokens (null: vLLM's), prefix_caching
 (false), warm_prompts (run first, e.g. to fill the prefix cache),
-load_format, prompts (text) or prompt_ids (token-id lists), max_tokens (16),
-logprobs (null), prompt_logprobs (null), max_logprobs (20), dtype (the
-model's, "float32"), env (variables set before vLLM is imported).
+kv_cache_memory_bytes (null; when set, the KV budget per worker in bytes
+instead of kv_space_gib), load_format, prompts (text) or prompt_ids
+(token-id lists), max_tokens (16), logprobs (null), prompt_logprobs (null),
+max_logprobs (20), dtype (the model's, "float32"), tensor_parallel_size (1),
+pipeline_parallel_size (1), distributed_executor_backend (null: vLLM's),
+enforce_eager (true), compilation_config (null: vLLM's), env (variables set before vLLM is imported).
 Prints {"kv_tokens": N, "outputs": [{"text", "token_ids", "logprobs",
 "prompt_logprobs"}...]}; logprobs as [{token_id: logprob}] per position.
 """
@@ -23,17 +26,25 @@ import sys
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.get("kv_space_gib", 1))
+    if cfg.get("kv_cache_memory_bytes") is None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.get("kv_space_gib", 1))
+    else:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the bytes
     os.environ.update(cfg.get("env", {}))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    kw = dict(model=cfg["model"], dtype=cfg.get("dtype", "float32"), enforce_eager=True, seed=0,
+    kw = dict(model=cfg["model"], dtype=cfg.get("dtype", "float32"), seed=0,
+              enforce_eager=cfg.get("enforce_eager", True),
               kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"),
               block_size=cfg.get("block_size", 128),
               max_num_seqs=cfg.get("max_num_seqs", 8),
               max_model_len=cfg.get("max_model_len", 2048),
               enable_prefix_caching=cfg.get("prefix_caching", False),
               max_logprobs=cfg.get("max_logprobs", 20))
+    for k in ("kv_cache_memory_bytes", "tensor_parallel_size", "pipeline_parallel_size",
+              "distributed_executor_backend", "compilation_config"):
+        if cfg.get(k) is not None:
+            kw[k] = cfg[k]
     if cfg.get("load_format"):
         kw["load_format"] = cfg["load_format"]
     if cfg.get("speculative_config"):

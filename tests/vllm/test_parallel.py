@@ -1,0 +1,253 @@
+"""Tensor and pipeline parallelism on vLLM's CPU build (docs/vllm.md "Tensor
+and pipeline parallelism"): each rank holds the records of its own KV heads
+(TP) and of its own layers (PP), and its own fp16 staging pool sized for
+them, taken out of its own KV budget.
+
+Configurations (each engine in a fresh process, conftest.run_llm):
+  SmolLM2-135M (3 KV heads, 30 layers): TP=1 with vLLM's cache and with
+  kvarn, TP=3 (one KV head per rank), PP=2 (15 layers per stage);
+  a random-weight Llama made here (8 query / 4 KV heads, 4 layers): kvarn
+  at TP=1 and TP=2 (two KV heads per rank), capacity only (see rand).
+
+What is checked, per parallel run against TP=1 of the same format:
+  - vLLM's block count is the per-rank arithmetic: (budget - pool) //
+    (layers x Hk x record bytes) with this rank's Hk / TP heads and this
+    stage's layers, and every rank logs that pool;
+  - the teacher-forced log-probs of one 640-token text: the KLD D between
+    kvarn at TP=1 and kvarn at TP/PP is at most kvarn's own KLD K1 to
+    vLLM's cache at TP=1 (why: see _kld_checks), and kvarn at TP/PP is as
+    far from vLLM's cache as kvarn at TP=1 (|K_par - K1| <= K1, the rule
+    test_llama uses for two paths of one format);
+  - greedy outputs equal TP=1's up to a near-tie: where they first differ,
+    TP=1's margin p(a) - p(b) is <= sqrt(2 D_max) (Pinsker, as
+    test_serve._follows).
+
+vLLM 0.32's CPU build needs two things here (docs/vllm.md): one CPU list per
+local rank in VLLM_CPU_OMP_THREADS_BIND when there are fewer NUMA nodes than
+ranks (its automatic binding asserts one node per rank), and for PP a
+torch.compile mode (here Dynamo with the eager backend): with
+enforce_eager its CPU worker skips the warm-up run that allocates the
+buffer the later stages receive activations into, and the first step fails
+in gpu_model_runner.sync_and_gather_intermediate_tensors
+(`assert self.intermediate_tensors is not None`), with vLLM's own cache as
+with kvarn.
+"""
+import math
+import os
+import shutil
+
+import pytest
+
+from conftest import ROOT, run_llm
+
+KV = "kvarn_k4v2_g128"
+G = 128
+RECORD = 7296            # kvarn_k4v2_g128 record bytes at D = 64 (spec worked sizes)
+BUDGET = 256 * 2**20     # KV budget per worker (kv_cache_memory_bytes)
+SEQS = 8                 # max_num_seqs: the pool holds SEQS x (sink + tail) tiles
+TEXT_TOKENS = 640        # teacher-forced text: 5 tiles
+FROM = 2 * G             # positions compared: from tile 2 on, where queries read records
+AUSTEN = os.path.join(ROOT, "data", "austen", "persuasion.txt")
+SHORT = ["The capital of France is", "Once upon a time, in a small village,",
+         "def fibonacci(n):"]
+# Dynamo with the eager backend: vLLM's CPU worker then runs its warm-up
+# (which PP needs, module docstring) without an Inductor compile
+PP_COMPILE = dict(enforce_eager=False, compilation_config={"mode": 2, "backend": "eager"})
+
+
+def _bind(world: int) -> dict:
+    """VLLM_CPU_OMP_THREADS_BIND: one CPU per rank, round robin over the
+    CPUs this process may use (ranks share CPUs where there are fewer)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[i % len(cpus)])
+                                                  for i in range(world))}
+
+
+def _text_ids(model):
+    from transformers import AutoTokenizer
+    with open(AUSTEN, encoding="utf-8") as f:
+        text = f.read()[:4000]
+    ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"][:TEXT_TOKENS]
+    assert len(ids) == TEXT_TOKENS
+    return ids
+
+
+def _runs(model, configs):
+    """One engine per configuration: the 640-token text teacher-forced
+    (prompt_logprobs) and the short prompts greedy, 24 tokens."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = [_text_ids(model)] + [tok(s)["input_ids"] for s in SHORT]
+    base = dict(model=model, prompt_ids=prompts, max_tokens=24, logprobs=20,
+                max_logprobs=100, kv_cache_memory_bytes=BUDGET, max_num_seqs=SEQS)
+    out = {}
+    for name, cfg in configs.items():
+        # vLLM's cache as the reference gives its top 20; kvarn its top 100,
+        # so that the reference's top 20 are (nearly always) among them
+        lp = 20 if cfg["kv_cache_dtype"] == "auto" else 100
+        res, log = run_llm(dict(base, prompt_logprobs=lp, **cfg))
+        res["log"] = log
+        out[name] = res
+    return out
+
+
+def _smollm_configs():
+    return {"ref": dict(kv_cache_dtype="auto"),
+            "kv1": dict(kv_cache_dtype=KV),
+            "tp3": dict(kv_cache_dtype=KV, tensor_parallel_size=3, env=_bind(3)),
+            "pp2": dict(kv_cache_dtype=KV, pipeline_parallel_size=2, env=_bind(2),
+                        **PP_COMPILE)}
+
+
+@pytest.fixture(scope="module")
+def smollm(hf_model):
+    return _runs(hf_model, _smollm_configs())
+
+
+# the random model: 8 query heads, 4 KV heads of 64, 4 layers, SmolLM2's
+# vocabulary and tokenizer; weights of std 0.2 (transformers' default 0.02
+# gives next-token distributions near uniform over 49152 tokens, whose top
+# 20 hold 0.2% of the mass; at 0.2 they hold ~75%, as a trained model's do,
+# so the top-20 KLD below measures something)
+RAND = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+            intermediate_size=1024, num_hidden_layers=4, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def random_model(hf_model, tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    d = tmp_path_factory.mktemp("rand_llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=2, rope_theta=100000.0, **RAND)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(d)
+    for f in os.listdir(hf_model):
+        if f.startswith("tokenizer"):
+            shutil.copy(os.path.join(hf_model, f), d / f)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def rand(random_model):
+    # capacity only: at std 0.2 its attention is so sharp that k4v2 moves the
+    # next-token distributions far (vLLM cache vs kvarn TP=1: the reference's
+    # top 20 are not among kvarn's top 100 past tile 2), so the KLD checks
+    # below say nothing on it; a random model fit for them is left to do
+    return _runs(random_model, {
+        "kv1": dict(kv_cache_dtype=KV),
+        "tp2": dict(kv_cache_dtype=KV, tensor_parallel_size=2, env=_bind(2))})
+
+
+# ----------------------------------------------------------------- capacity
+def _pool(layers, hk, d=64):
+    """fp16 staging pool of one rank: SEQS x (1 sink + 1 tail) tiles of
+    layers x Hk x (K, V) x G x D x 2 bytes (docs/vllm.md "Capacity")."""
+    return SEQS * 2 * layers * hk * 2 * G * d * 2
+
+
+def _check_capacity(res, layers, hk, world):
+    pool = _pool(layers, hk)
+    blocks = (BUDGET - pool) // (layers * hk * RECORD)
+    assert res["kv_blocks"] == blocks, (res["kv_blocks"], blocks)
+    # every rank took its own pool out of its own budget
+    line = f"kvarn: fp16 staging pool {pool / 2**20:.1f} MiB"
+    logged = [ln for ln in res["log"].splitlines() if "kvarn: fp16 staging pool" in ln]
+    assert len(logged) == world and all(line in ln for ln in logged), logged
+    print(f"{world} ranks x ({layers} layers, {hk} KV heads): pool {pool / 2**20:.1f} MiB "
+          f"per rank, {blocks} blocks = {blocks * G} KV tokens")
+
+
+def test_capacity_per_rank_smollm(smollm):
+    """TP=1: 30 layers x 3 heads; TP=3: 30 x 1 per rank; PP=2: 15 x 3 per
+    stage. If the pool or the pages were sized with the whole model's heads
+    or layers, the block count would differ (e.g. TP=3 would keep 336
+    blocks, not 1154)."""
+    _check_capacity(smollm["kv1"], 30, 3, 1)
+    _check_capacity(smollm["tp3"], 30, 1, 3)
+    _check_capacity(smollm["pp2"], 15, 3, 2)
+
+
+def test_capacity_per_rank_random_tp2(rand):
+    _check_capacity(rand["kv1"], 4, 4, 1)
+    _check_capacity(rand["tp2"], 4, 2, 2)
+
+
+# ---------------------------------------------------------------- accuracy
+def _kl_positions(P, Q):
+    """Per-position KL(P || Q) over the text's positions FROM.., P's top 20
+    and the rest folded into one bucket (a lower bound of the full KL, data
+    processing); positions where Q lacks one of P's top 20 are skipped."""
+    kls = []
+    # prompt_logprobs[j] is the distribution at position j - 1
+    for p, q in zip(P[FROM + 1:], Q[FROM + 1:]):
+        top = sorted(p.items(), key=lambda kv_: -kv_[1])[:20]
+        if any(t not in q for t, _ in top):
+            continue
+        pm = [math.exp(v) for _, v in top]
+        qm = [math.exp(q[t]) for t, _ in top]
+        pr, qr = max(1e-12, 1 - sum(pm)), max(1e-12, 1 - sum(qm))
+        kl = sum(a * math.log(a / b) for a, b in zip(pm, qm)) + pr * math.log(pr / qr)
+        kls.append(max(0.0, kl))
+    assert len(kls) >= (TEXT_TOKENS - FROM) * 3 // 4, len(kls)
+    return kls
+
+
+def _first_divergence(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _kld_checks(runs, par):
+    """D = KLD(kvarn TP=1 || kvarn parallel), K1 = KLD(vLLM TP=1 || kvarn
+    TP=1), K_par = KLD(vLLM TP=1 || kvarn parallel), means over the text.
+
+    Bound D <= K1: a parallel run computes every head's K/V with the same
+    weights, its sums in another order (fp32, relative changes ~1e-6), so
+    the records hold the same codes except where a value sits within that
+    change of a rounding boundary: a fraction f ~ 2 |dx| / step of the codes
+    move by one step, an error of one step where the TP=1 cache had one of
+    at most half a step. To second order KL grows with the squared error,
+    so D / K1 ~ (f n step^2) / (n step^2 / 12) = 12 f, below 1 unless one
+    code in twelve moves; a rank reading another rank's heads, another
+    stage's layers or another rank's staging slots gives errors of the size
+    of the values themselves, far above K1."""
+    ref, kv1, p = (runs[k]["outputs"] for k in ("ref", "kv1", par))
+    D = _kl_positions(kv1[0]["prompt_logprobs"], p[0]["prompt_logprobs"])
+    K1 = _kl_positions(ref[0]["prompt_logprobs"], kv1[0]["prompt_logprobs"])
+    Kp = _kl_positions(ref[0]["prompt_logprobs"], p[0]["prompt_logprobs"])
+    d, k1, kp = (sum(x) / len(x) for x in (D, K1, Kp))
+    print(f"{par}: KLD mean over positions {FROM}..{TEXT_TOKENS - 1}: kvarn TP=1 vs {par} "
+          f"{d:.3g} (max {max(D):.3g}), vLLM cache vs kvarn TP=1 {k1:.4g}, "
+          f"vLLM cache vs kvarn {par} {kp:.4g}")
+    assert k1 > 0
+    assert d <= k1
+    assert abs(kp - k1) <= k1
+    # greedy: equal up to a near-tie of TP=1 (Pinsker, test_serve._follows),
+    # k the largest per-position D of the text
+    bound = math.sqrt(2 * max(D))
+    same = 0
+    for a, b in zip(kv1, p):
+        i = _first_divergence(a["token_ids"], b["token_ids"])
+        if i == len(a["token_ids"]):
+            same += 1
+            continue
+        lp = a["logprobs"][i]
+        x, y = str(a["token_ids"][i]), str(b["token_ids"][i])
+        py = math.exp(lp[y]) if y in lp else min(math.exp(v) for v in lp.values())
+        margin = math.exp(lp[x]) - py
+        print(f"{par}: first divergence at token {i}: TP=1 margin {margin:.2e}, "
+              f"bound {bound:.2e}")
+        assert margin <= bound, (i, margin, bound)
+    print(f"{par}: {same} of {len(kv1)} greedy outputs equal to TP=1's over 24 tokens")
+
+
+def test_tp3_smollm_matches_tp1(smollm):
+    _kld_checks(smollm, "tp3")
+
+
+def test_pp2_smollm_matches_tp1(smollm):
+    _kld_checks(smollm, "pp2")
+
