@@ -326,7 +326,7 @@ class KvarnAttentionImpl(AttentionImpl):
         out.copy_(res)  # converts to the model's dtype
         if self.layer_index == len(_State.layers) - 1:
             _State.staging.finish(p)
-            if _COMMIT_LOG and _State.staging.serving:
+            if _COMMIT_LOG and os.path.exists(_COMMIT_LOG + ".go"):
                 _log_commits(p)
         return output
 
@@ -376,8 +376,9 @@ class KvarnAttentionImpl(AttentionImpl):
         _State.ops.commit(self._view(kv_cache, self.pool_tensor), src, dst)
 
 
-# Testing only: KVARN_TEST_COMMIT_LOG=PATH appends, after each step that
-# serves requests (not vLLM's warm-up runs), the records of every tile that
+# Testing only: KVARN_TEST_COMMIT_LOG=PATH appends, after each step once
+# PATH.go exists (tests/vllm/run_llm.py makes it when the engine is up, so
+# vLLM's warm-up runs on dummy inputs are left out), the records of every tile that
 # became final (committed from accepted tokens, or a provisional tile
 # confirmed): their bytes, layer by layer, to PATH.<pid>.bin and a line
 # "record SHA-256 block offset bytes" to PATH.<pid>, then a line with the

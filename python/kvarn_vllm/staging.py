@@ -100,9 +100,6 @@ class Staging:
         # from drafts, provisional tiles written again (a draft in them was
         # rejected), provisional tiles committed once accepted
         self.stats = {"provisional": 0, "refilled": 0, "confirmed": 0}
-        # False until vLLM hands out its first blocks: the steps before are
-        # its warm-up runs on dummy inputs (their blocks are reset then)
-        self.serving = False
         self.free = list(range(n_slots - 1, -1, -1))
         # sink shorter than a tile: the first r tokens of tile sink_tiles,
         # kept in fp16 slots keyed by that tile's block once it is a record
@@ -115,7 +112,6 @@ class Staging:
 
     # -- vLLM hands blocks out again: forget what they held ------------------
     def reset_blocks(self, block_ids) -> None:
-        self.serving = True
         for b in block_ids:
             s = self.slot_of[b]
             if s >= 0:

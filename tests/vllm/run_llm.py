@@ -55,6 +55,9 @@ def main() -> None:
         kw["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
         kw["enable_chunked_prefill"] = True
     llm = LLM(**kw)
+    if os.environ.get("KVARN_TEST_COMMIT_LOG"):
+        # the engine is up: the plug-in's commit log starts (backend.py)
+        open(os.environ["KVARN_TEST_COMMIT_LOG"] + ".go", "w").close()
     sp = SamplingParams(temperature=0, max_tokens=cfg.get("max_tokens", 16),
                         logprobs=cfg.get("logprobs"), prompt_logprobs=cfg.get("prompt_logprobs"),
                         ignore_eos=cfg.get("ignore_eos", False))

@@ -60,20 +60,24 @@ def _run(fmt, spec, log=None, max_tokens=176, block=G, prefix_caching=True):
 
 
 def _read_log(prefix):
-    """(records: [bytes of one final tile, all layers], stats) of a run."""
-    records, stats = [], None
-    files = [f for f in glob.glob(prefix + ".*") if not f.endswith(".bin")]
+    """(records: [bytes of one final tile, all layers], stats) of a run: the
+    last record logged for each block. The prompts' tiles fit in the budget
+    at once, so no block is handed out twice; a block logged more than once
+    is one vLLM's dummy steps (seen after start-up under async scheduling)
+    committed before the request that got it, whose record comes last."""
+    records, stats = {}, None
+    files = [f for f in glob.glob(prefix + ".*") if not f.endswith((".bin", ".go"))]
     assert files, f"no commit log written at {prefix}.*"
     for f in files:
         data = open(f + ".bin", "rb").read()
         for line in open(f):
             kind, rest = line.split(" ", 1)
             if kind == "record":
-                _, _, off, n = rest.split()
-                records.append(data[int(off):int(off) + int(n)])
+                _, block, off, n = rest.split()
+                records[int(block)] = data[int(off):int(off) + int(n)]
             else:
                 stats = json.loads(rest)
-    return records, stats
+    return list(records.values()), stats
 
 
 def _decoded_keys(fmt_name, head_dim, n_kv_heads, raw):
