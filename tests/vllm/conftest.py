@@ -3,6 +3,7 @@ python (scripts/setup.sh --vllm makes .venv-vllm; scripts/test.sh runs
 them): vLLM, the plug-in and the converted model must be there, and a
 missing piece fails the tests (it is not a skip)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,3 +39,22 @@ def hf_model():
     assert os.path.exists(os.path.join(HF_MODEL, "config.json")), \
         f"{HF_MODEL} missing: run scripts/setup.sh --vllm"
     return HF_MODEL
+
+
+def folded_kld(P, Q, start: int) -> list:
+    """KLD of Q to P at every position from start on, over P's top 20 tokens
+    with the rest of the mass folded into one bucket (a lower bound);
+    P, Q: prompt_logprobs lists ([{token_id: logprob}] per position, entry j
+    the distribution at position j - 1). Positions where Q lacks one of P's
+    top 20 are skipped."""
+    kls = []
+    for p, q in zip(P[start:], Q[start:]):
+        top = sorted(p.items(), key=lambda kv_: -kv_[1])[:20]
+        if any(t not in q for t, _ in top):
+            continue
+        pm = [math.exp(v) for _, v in top]
+        qm = [math.exp(q[t]) for t, _ in top]
+        pr, qr = max(1e-12, 1 - sum(pm)), max(1e-12, 1 - sum(qm))
+        kl = sum(a * math.log(a / b) for a, b in zip(pm, qm)) + pr * math.log(pr / qr)
+        kls.append(max(0.0, kl))
+    return kls

@@ -38,7 +38,7 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, run_llm
+from conftest import folded_kld, ROOT, run_llm
 
 KV = "kvarn_k4v2_g128"
 G = 128
@@ -178,17 +178,7 @@ def _kl_positions(P, Q):
     """Per-position KL(P || Q) over the text's positions FROM.., P's top 20
     and the rest folded into one bucket (a lower bound of the full KL, data
     processing); positions where Q lacks one of P's top 20 are skipped."""
-    kls = []
-    # prompt_logprobs[j] is the distribution at position j - 1
-    for p, q in zip(P[FROM + 1:], Q[FROM + 1:]):
-        top = sorted(p.items(), key=lambda kv_: -kv_[1])[:20]
-        if any(t not in q for t, _ in top):
-            continue
-        pm = [math.exp(v) for _, v in top]
-        qm = [math.exp(q[t]) for t, _ in top]
-        pr, qr = max(1e-12, 1 - sum(pm)), max(1e-12, 1 - sum(qm))
-        kl = sum(a * math.log(a / b) for a, b in zip(pm, qm)) + pr * math.log(pr / qr)
-        kls.append(max(0.0, kl))
+    kls = folded_kld(P, Q, FROM + 1)
     assert len(kls) >= (TEXT_TOKENS - FROM) * 3 // 4, len(kls)
     return kls
 

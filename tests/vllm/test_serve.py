@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import GGUF_MODEL, KVARN_CLI, ROOT, run_llm
+from conftest import folded_kld, GGUF_MODEL, KVARN_CLI, ROOT, run_llm
 
 KV = "kvarn_k4v2_g128"
 G = 128
@@ -185,17 +185,7 @@ def test_kld_matches_kvarn_eval_decode(hf_model, eval_c):
     kv, _ = run_llm(dict(cfg, kv_cache_dtype=KV, prompt_logprobs=100))
     P = ref["outputs"][0]["prompt_logprobs"]
     Q = kv["outputs"][0]["prompt_logprobs"]
-    kls = []
-    # prompt_logprobs[j] is the distribution at position j - 1
-    for p, q in zip(P[640 - DECODED + 1:], Q[640 - DECODED + 1:]):
-        top = sorted(p.items(), key=lambda kv_: -kv_[1])[:20]
-        if any(t not in q for t, _ in top):
-            continue
-        pm = [math.exp(v) for _, v in top]
-        qm = [math.exp(q[t]) for t, _ in top]
-        pr, qr = max(1e-12, 1 - sum(pm)), max(1e-12, 1 - sum(qm))
-        kl = sum(a * math.log(a / b) for a, b in zip(pm, qm)) + pr * math.log(pr / qr)
-        kls.append(max(0.0, kl))
+    kls = folded_kld(P, Q, 640 - DECODED + 1)
     assert len(kls) >= DECODED * 3 // 4
     k_v = sum(kls) / len(kls)
     print(f"decode-mode KLD mean over {len(kls)} positions: vLLM plug-in {k_v:.5f} "
