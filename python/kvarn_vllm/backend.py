@@ -189,7 +189,9 @@ class KvarnAttentionBackend(AttentionBackend):
         from dataclasses import replace
         name = _State.dtype_name
         fmt = _lib.parse_format(name, spec.head_size)
-        if spec.block_size != fmt.tile_tokens:
+        # block_size 1: vLLM asking for the bytes of one token (sliding-window
+        # specs, page alignment), not a block the cache will have
+        if spec.block_size != fmt.tile_tokens and spec.block_size != 1:
             raise ValueError(
                 f"kvarn: --kv-cache-dtype {name} stores tiles of {fmt.tile_tokens} tokens, "
                 f"so it needs --block-size {fmt.tile_tokens} (got {spec.block_size})")
