@@ -327,7 +327,8 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str) -> None:
         from .backend import _State, is_kvarn_dtype
         _State.runner = self
         if _State.staging is not None:
-            _State.staging.reset_blocks(block_ids)
+            from .backend import kernel_block_ids
+            _State.staging.reset_blocks(kernel_block_ids(self, block_ids))
         if is_kvarn_dtype(self.cache_config.cache_dtype) and not _vllm_zeroes(self.kv_cache_config):
             # reported only for kvarn's bookkeeping (_patch_scheduler): a
             # record is never read before its commit, nothing to zero

@@ -19,8 +19,10 @@ the codec's error away, and the next-token distribution is nearly flat):
   - lm_head x HEAD_GAIN (logits of std ~ 3: a peaked next-token distribution);
   - embed_tokens x EMBED_GAIN (std 1: the residual stream a few times one
     layer's attention output, as in a trained model, rather than dominated
-    by it; Gemma-2 ties the two matrices and scales the embedding by
-    sqrt(hidden) itself: there the head's gain);
+    by it). Gemma-2 ties the two matrices (a large embedding would make every
+    token predict itself) and scales the embedding by sqrt(hidden) itself,
+    with a norm after each attention: there the embedding keeps its std and
+    the head's gain goes on the final norm (scale 1 + weight = HEAD_GAIN);
   - Qwen2: q/k/v biases N(0, BIAS_STD^2) (real Qwen2 checkpoints have k/v
     bias entries of a few units, which are most of the key's magnitude);
     Qwen3: q/k norm weights log-normal around 1 (real ones are not all 1).
@@ -103,10 +105,12 @@ def _scale_weights(model, family: str, gen) -> None:
                 p[: nq + nk].mul_(QK_GAIN)
             elif name == "lm_head.weight":
                 p.mul_(HEAD_GAIN)
-            elif name.endswith("embed_tokens.weight"):
-                # tied (Gemma-2, as vLLM loads it): the one matrix is also
-                # the head, so it gets the head's gain instead
-                p.mul_(HEAD_GAIN if model.config.tie_word_embeddings else EMBED_GAIN)
+            elif name.endswith("embed_tokens.weight") and not model.config.tie_word_embeddings:
+                p.mul_(EMBED_GAIN)
+            elif name == "model.norm.weight" and model.config.tie_word_embeddings:
+                # Gemma-2 (tied, as vLLM loads it): the head's gain on the
+                # final norm, whose scale is 1 + weight
+                p.fill_(HEAD_GAIN - 1)
             elif family == "qwen2" and name.endswith(("q_proj.bias", "k_proj.bias",
                                                       "v_proj.bias")):
                 p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
