@@ -199,3 +199,33 @@ def test_family_refused_at_start(fam, needles, models):
     line = next((x for x in out.splitlines() if x.startswith("STARTUP_ERROR ")), "")
     for n in needles:
         assert n in line, out[-3000:]
+
+
+def _engine_config(model, monkeypatch, policy=None):
+    from vllm.engine.arg_utils import EngineArgs
+    if policy is None:
+        monkeypatch.delenv("KVARN_SLIDING_WINDOW", raising=False)
+    else:
+        monkeypatch.setenv("KVARN_SLIDING_WINDOW", policy)
+    return EngineArgs(model=model, kv_cache_dtype=KV, block_size=G,
+                      max_model_len=2048).create_engine_config()
+
+
+@pytest.mark.parametrize("fam,policy,skip", [
+    ("mistral", None, ["sliding_window"]),
+    ("mistral", "vllm", ["sliding_window"]),
+    ("mistral", "quantize", []),
+    ("gemma2_nocap", None, ["sliding_window"]),
+    ("llama3", None, []),
+])
+def test_sliding_window_setting_sets_skip_layers(fam, policy, skip, models, monkeypatch):
+    """KVARN_SLIDING_WINDOW in the config vLLM builds: sliding-window models
+    get vLLM 0.32's kv_cache_dtype_skip_layers entry 'sliding_window' unless
+    the setting is 'quantize'; models without a window get none."""
+    cfg = _engine_config(models[fam], monkeypatch, policy)
+    assert cfg.cache_config.kv_cache_dtype_skip_layers == skip
+
+
+def test_bad_sliding_window_setting_is_a_clear_error(models, monkeypatch):
+    with pytest.raises(ValueError, match="KVARN_SLIDING_WINDOW must be 'vllm'.*'quantize'"):
+        _engine_config(models["mistral"], monkeypatch, "fp16")
