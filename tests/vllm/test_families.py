@@ -95,7 +95,8 @@ def _check_served(model, ref, kv, quantize_sliding=False):
     print(f"{os.path.basename(model)}: KLD over {len(k_v)} positions: vLLM kvarn vs fp32 "
           f"{k_v.mean():.5f} (max {k_v.max():.5f}); codec on the same K/V (emulated) "
           f"{k_e.mean():.5f} (max {k_e.max():.5f}); vLLM fp32 vs transformers fp32 "
-          f"{k_ref.mean():.2e}")
+          f"{k_ref.mean():.2e}; KV tokens vLLM reports: fp32 cache {ref['kv_tokens']}, "
+          f"kvarn {kv['kv_tokens']}")
     # the emulator runs the model vLLM runs: far closer than the codec's effect
     assert k_ref.mean() < k_e.mean() / 10
     assert k_e.mean() / 2 <= k_v.mean() <= 2 * k_e.mean()
