@@ -25,8 +25,12 @@
  * from the library's one capacity computation (docs/paged-cache.md
  * "Capacity"), so the table does not depend on the machine.
  *
+ * --staging int8 holds every staged KVarN token (sink, tail, sink slots)
+ * as an int8 token record instead of fp16 (cache.h staging).
+ *
  *   bench_capacity [--formats LIST] [--seqs 1,16,64,256] [--lens 2048,8192]
  *                  [--shapes smol,llama] [--sinks 128,32,16,0] [--tails 128,16]
+ *                  [--staging fp16|int8]
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -42,6 +46,8 @@ static const shape SHAPES[] = {
     {"smol", 30, 3, 64},    /* SmolLM2-135M */
     {"llama", 32, 8, 128},  /* Llama-3-8B */
 };
+
+static int g_staging = KVARN_STAGING_FP16; /* --staging */
 
 /* Tail pages of n sequences whose tails are spread evenly over a tile of G
  * tokens, in pages of T tokens: ceil(n * sum_r ceil(r / T) / G) over r in
@@ -76,6 +82,7 @@ static uint64_t bytes_for(const shape *s, const kvarn_format *f, int S, int T, i
         o.tail_page_tokens = T < G ? T : 0;
         if (mean && T < G) o.n_tail_pages = mean_pool(n, G, T);
         if (mean) o.n_pages = n * sink + (T < G ? 0 : mean_pool(n, G, G));
+        o.staging = g_staging;
     }
     o.budget_bytes = 0; /* sizing: per-block and per-page bytes, the pages */
     kvarn_cache_capacity cap;
@@ -126,6 +133,7 @@ int main(int argc, char **argv)
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             printf("usage: bench_capacity [--formats LIST] [--seqs 1,16,64,256] [--lens 2048,8192]\n"
                    "                      [--shapes smol,llama] [--sinks 128,32,16,0] [--tails 128,16]\n"
+                   "                      [--staging fp16|int8]\n"
                    "KV-cache capacity as a multiple of fp16, all memory counted (exact byte counts)\n");
             return 0;
         }
@@ -136,7 +144,12 @@ int main(int argc, char **argv)
         else if (strcmp(argv[i], "--shapes") == 0) shapes_s = argv[i + 1];
         else if (strcmp(argv[i], "--sinks") == 0) sinks_s = argv[i + 1];
         else if (strcmp(argv[i], "--tails") == 0) tails_s = argv[i + 1];
-        else {
+        else if (strcmp(argv[i], "--staging") == 0) {
+            if (kvarn_cache_staging_parse(argv[i + 1], &g_staging) != KVARN_OK) {
+                fprintf(stderr, "bench_capacity: --staging %s: expected fp16 or int8\n", argv[i + 1]);
+                return 2;
+            }
+        } else {
             fprintf(stderr, "bench_capacity: unknown option '%s'\n", argv[i]);
             return 2;
         }
@@ -162,7 +175,8 @@ int main(int argc, char **argv)
     }
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
-    printf("effective capacity, all memory counted: fp16 bytes / format bytes for n sequences of len tokens\n");
+    printf("effective capacity, all memory counted: fp16 bytes / format bytes for n sequences of len tokens"
+           " (KVarN staging: %s)\n", kvarn_cache_staging_name(g_staging));
     printf("%-6s %5s %6s %-18s %4s %4s %14s %9s %9s %10s %14s %9s\n", "shape", "n", "len",
            "format", "S", "T", "total bytes", "x fp16", "records", "fp16 part", "bytes (mean)",
            "x (mean)");

@@ -328,6 +328,7 @@ double cli_session_kv_bytes(kvarn_llama_session *s)
 
 kvarn_status cli_capacity_get(const kvarn_format *f, int layers, int kv_heads, int head_dim,
                               uint64_t budget, int max_seqs, int sink_tokens, int tail_tokens,
+                              int staging,
                               const int *lens, int n_lens, cli_capacity *out)
 {
     memset(out, 0, sizeof *out);
@@ -341,6 +342,7 @@ kvarn_status cli_capacity_get(const kvarn_format *f, int layers, int kv_heads, i
         }
         /* T >= G: whole tail pages, the default */
         if (tail_tokens > 0 && tail_tokens < f->tile_tokens) o.tail_page_tokens = tail_tokens;
+        o.staging = staging;
     }
     kvarn_cache_opts fit;
     kvarn_cache_capacity cap;
@@ -391,6 +393,17 @@ void cli_session_set_sink(kvarn_llama_session_opts *so, long sink_tokens)
     if (sink_tokens < 0) return;
     so->sink_tokens = (int)sink_tokens; /* S > 0 replaces the sink tiles */
     if (sink_tokens == 0) so->sink_tiles = 0;
+}
+
+int cli_parse_staging(const char *cmd, const char *name, int *staging)
+{
+    *staging = KVARN_STAGING_FP16;
+    if (name == NULL) return 0;
+    if (kvarn_cache_staging_parse(name, staging) != KVARN_OK) {
+        cli_error(cmd, "--kvarn-staging %s: unknown staging format; expected fp16 or int8", name);
+        return 2;
+    }
+    return 0;
 }
 
 int cli_session_create(const char *cmd, const cli_model *m, const kvarn_llama_session_opts *so,

@@ -98,6 +98,10 @@ void cli_model_close(cli_model *m);
  * S < 0 leaves the default sink (one tile). */
 void cli_session_set_sink(kvarn_llama_session_opts *so, long sink_tokens);
 
+/* --kvarn-staging NAME (NULL: not given, fp16) into *staging
+ * (kvarn_cache_opts.staging). 0, or 2 with the usage error printed. */
+int cli_parse_staging(const char *cmd, const char *name, int *staging);
+
 /* Create a session of m with so, saying clearly what did not fit when it
  * cannot be made: plans it first (kvarn_llama_session_plan) and refuses,
  * without allocating, a context beyond the library's limits or one whose
@@ -164,6 +168,7 @@ typedef struct cli_capacity {
 } cli_capacity;
 kvarn_status cli_capacity_get(const kvarn_format *f, int layers, int kv_heads, int head_dim,
                               uint64_t budget, int max_seqs, int sink_tokens, int tail_tokens,
+                              int staging,
                               const int *lens, int n_lens, cli_capacity *out);
 
 #endif

@@ -37,6 +37,8 @@ typedef struct eval_opts {
     long dump_layers; /* 0: all */
     long sink_tokens; /* KVarN fp16 sink tokens S (0: no sink); -1: the default */
     long tail_tokens; /* KVarN tokens per fp16 tail page; 0: whole tiles */
+    const char *staging_name; /* --kvarn-staging; NULL: fp16 */
+    int staging;              /* kvarn_staging parsed from it */
     int json;
 } eval_opts;
 
@@ -65,6 +67,8 @@ static const cli_option k_options[] = {
      "KVarN: first S tokens kept in fp16 (default one tile)"},
     {"tail-page-tokens", 0, CLI_INT, OPT(tail_tokens), 0, 1024, 0, "--tail-page-tokens T",
      "KVarN: fp16 tail pages of T tokens (T divides G;\ndefault 0: a whole tile)"},
+    {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
+     "KVarN: staged tokens (sink, tail) as fp16 (default) or int8\nrecords"},
     {"json", 0, CLI_FLAG, OPT(json), 0, 0, 0, "--json", "the report as JSON on stdout"},
     {"dump-kv", 0, CLI_TEXT, OPT(dump_path), 0, 0, 0, "--dump-kv FILE",
      "write the reference's fp32 K/V of the first window"},
@@ -79,7 +83,7 @@ static const cli_command k_command = {
     "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
     "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 320]\n"
     "                  [--threads 1] [--passkey N] [--json]\n"
-    "                  [--sink-tokens S] [--tail-page-tokens T]\n"
+    "                  [--sink-tokens S] [--tail-page-tokens T] [--kvarn-staging F]\n"
     "                  [--dump-kv FILE [--dump-layers N]]\n\n",
     "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
     "tokens (every chunk after the first attends to the cached history, as chunked\n"
@@ -315,6 +319,7 @@ static int eval_init(eval_run *r, const eval_opts *o, const kvarn_format *fmts, 
     so.keep_kv_f32 = 0;
     cli_session_set_sink(&so, o->sink_tokens); /* the formats' sessions only */
     so.tail_page_tokens = (int)o->tail_tokens;
+    so.staging = o->staging;
     r->runs = calloc((size_t)nf, sizeof *r->runs);
     if (r->runs == NULL) { cli_error("eval", "out of memory"); return -1; }
     r->nf = nf;
@@ -815,6 +820,7 @@ int cmd_eval(int argc, char **argv)
     kvarn_format fmts[CLI_MAX_FORMATS];
     int nf = cli_parse_formats("eval", o.dtypes, fmts, CLI_MAX_FORMATS);
     if (nf < 0 || cli_check_tail_tokens("eval", o.tail_tokens, fmts, nf)) return 2;
+    if (cli_parse_staging("eval", o.staging_name, &o.staging)) return 2;
     eval_run *r = calloc(1, sizeof *r);
     eval_results *res = malloc(sizeof *res);
     rc = 1;

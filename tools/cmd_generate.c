@@ -23,6 +23,8 @@ typedef struct gen_opts {
     int chat;
     long n_gen, threads, seed, ctx; /* ctx 0: the model's context length */
     double temp, top_p;
+    const char *staging_name; /* --kvarn-staging; NULL: fp16 */
+    int staging;              /* kvarn_staging parsed from it */
 } gen_opts;
 
 static const gen_opts k_defaults = {
@@ -51,6 +53,8 @@ static const cli_option k_options[] = {
      "(alias --max-tokens; default: the model's context length);\n"
      "the KV cache is sized for it at start"},
     {"max-tokens", 0, CLI_INT, OPT(ctx), 1, 0x7fffffffL, 0, NULL, NULL},
+    {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
+     "KVarN: staged tokens (sink, tail) as fp16 (default) or int8\nrecords"},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT
@@ -60,15 +64,16 @@ static const cli_command k_command = {
     "usage: kvarn generate -m MODEL [--kv-cache-dtype NAME]\n"
     "                      (-p PROMPT | --chat [-p PROMPT])\n"
     "                      [-n 128] [--temp 0.7] [--top-p 0.9] [--seed 1]\n"
-    "                      [--threads 1] [--ctx N]\n\n",
+    "                      [--threads 1] [--ctx N] [--kvarn-staging F]\n\n",
     "Prints the text as it is generated; then, on stderr, the KV-cache bytes used\n"
     "against an fp16 cache and the prompt and generation speeds.\n",
 };
 
 /* What parse_options cannot check alone: the required options and exactly
  * one cache format. 0, or 2 with the message printed. */
-static int check_options(const gen_opts *o, kvarn_format *fmt)
+static int check_options(gen_opts *o, kvarn_format *fmt)
 {
+    if (cli_parse_staging("generate", o->staging_name, &o->staging)) return 2;
     if (o->model_path == NULL) { cli_error("generate", "need -m MODEL (see kvarn generate --help)"); return 2; }
     if (o->prompt == NULL && !o->chat) { cli_error("generate", "need -p PROMPT or --chat"); return 2; }
     /* The same list parser as every other command, then exactly one format. */
@@ -271,6 +276,7 @@ static int gen_init(gen_state *g, cli_model *m, const gen_opts *o, const kvarn_f
     so.max_tokens = g->max_tokens;
     so.max_chunk = g->max_chunk;
     so.attn_threads = (int)o->threads;
+    so.staging = o->staging;
     if (cli_session_create("generate", m, &so, "lower --ctx", &g->sess)) return -1;
     if (g->max_tokens > m->hp->context_length)
         fprintf(stderr, "[note: --ctx %d is beyond the model's trained context of %d tokens]\n",

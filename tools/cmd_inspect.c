@@ -22,6 +22,8 @@ typedef struct inspect_opts {
     long max_seqs;
     long sink_tokens;                /* KVarN fp16 sink tokens S; -1: the default */
     long tail_tokens;                /* KVarN tokens per fp16 tail page; 0: whole tiles */
+    const char *staging_name;        /* --kvarn-staging; NULL: fp16 */
+    int staging;                     /* kvarn_staging parsed from it */
 } inspect_opts;
 
 static const inspect_opts k_defaults = {.dtypes = "all", .budget = 16ull << 30, .max_seqs = 64,
@@ -44,6 +46,8 @@ static const cli_option k_options[] = {
      "KVarN: the first S tokens kept in fp16 (default one tile;\n0: no sink)"},
     {"tail-page-tokens", 0, CLI_INT, OPT(tail_tokens), 0, 1024, 0, "--tail-page-tokens T",
      "KVarN: fp16 tail pages of T tokens taken on demand\n(T divides G; default 0: a whole tile per page)"},
+    {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
+     "KVarN: staged tokens (sink, tail) as fp16 (default) or int8\nrecords"},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT
@@ -53,7 +57,7 @@ static const cli_command k_command = {
     "usage: kvarn inspect (-m MODEL | --layers L --kv-heads H --head-dim D)\n"
     "                     [--kv-cache-dtype NAME[,NAME...]|all]\n"
     "                     [--budget 16GiB] [--max-seqs 64] [--sink-tokens S]\n"
-    "                     [--tail-page-tokens T]\n\n",
+    "                     [--tail-page-tokens T] [--kvarn-staging fp16|int8]\n\n",
     "Prints, for each format: the block size G, the record bytes per token (all\n"
     "layers and KV heads, K and V, metadata and padding counted) and the multiple\n"
     "against fp16 they give long contexts; then what a paged cache in the budget\n"
@@ -131,7 +135,8 @@ static int inspect_format(const inspect_opts *o, const kvarn_format *f, inspect_
     kvarn_status st = kvarn_format_check_head_dim(f, (int)o->head_dim);
     if (st == KVARN_OK)
         st = cli_capacity_get(f, (int)o->layers, (int)o->kv_heads, (int)o->head_dim, o->budget,
-                              (int)o->max_seqs, (int)o->sink_tokens, (int)o->tail_tokens, k_lens,
+                              (int)o->max_seqs, (int)o->sink_tokens, (int)o->tail_tokens,
+                              o->staging, k_lens,
                               N_LENS, &row->cap);
     if (st != KVARN_OK) {
         cli_error("inspect", "%s", kvarn_format_explain(st, f->name, (int)o->head_dim, msg, sizeof msg));
@@ -150,7 +155,7 @@ static int inspect_run(const inspect_opts *o, const kvarn_format *fmts, int n, i
     kvarn_format_parse("fp16", &fp16);
     r->fp16_token_bytes = kvarn_bytes_per_token_head(&fp16, (int)o->head_dim) * o->layers * o->kv_heads;
     r->have_fp16 = cli_capacity_get(&fp16, (int)o->layers, (int)o->kv_heads, (int)o->head_dim,
-                                    o->budget, (int)o->max_seqs, -1, 0, k_lens, N_LENS,
+                                    o->budget, (int)o->max_seqs, -1, 0, 0, k_lens, N_LENS,
                                     &r->fp16) == KVARN_OK;
     int rc = 0;
     r->n = n;
@@ -213,6 +218,7 @@ int cmd_inspect(int argc, char **argv)
     kvarn_format fmts[CLI_MAX_FORMATS];
     int n = cli_parse_formats("inspect", o.dtypes, fmts, CLI_MAX_FORMATS);
     if (n < 0 || cli_check_tail_tokens("inspect", o.tail_tokens, fmts, n)) return 2;
+    if (cli_parse_staging("inspect", o.staging_name, &o.staging)) return 2;
     cli_warn_kvarn_only("inspect", o.sink_tokens, o.tail_tokens, fmts, n);
     inspect_report *r = malloc(sizeof *r);
     if (r == NULL) {

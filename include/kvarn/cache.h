@@ -205,6 +205,19 @@ typedef struct kvarn_cache_opts {
                                difference, and a reserve then fails with
                                KVARN_ERR_OUT_OF_BLOCKS when they run out.
                                Must be 0 when T is 0 or G. */
+    int staging;            /* KVarN: how staged tokens are held
+                               (kvarn_staging, paged.h): KVARN_STAGING_FP16
+                               (0, default) rotated fp16 rows;
+                               KVARN_STAGING_INT8 per-token int8 records
+                               (the int8 format's codec on the rotated
+                               vectors, 2D + 8 bytes per token-head against
+                               4D), for every staged token: the sink tiles,
+                               the tail (whole or small pages), the sink
+                               slots. Commit decodes the staged tile to fp32
+                               and encodes it as usual; attention reads the
+                               staged tokens with the int8 token kernels.
+                               Another value: KVARN_ERR_INVALID_ARG.
+                               Per-token formats: must be 0. */
 } kvarn_cache_opts;
 
 /* The defaults: format kvarn_k4v2_g128, block_size 0 (auto), sink_tiles 1
@@ -212,9 +225,19 @@ typedef struct kvarn_cache_opts {
  * max_seqs 64, max_seq_len 0 (auto), n_pages 0 (auto), balance_iters 8,
  * tail_page_tokens 0 (whole tail pages: the CUDA kernels read only those,
  * and with the auto pool small pages cost the same bytes; see
- * docs/paged-cache.md "Small tail pages"), n_tail_pages 0;
+ * docs/paged-cache.md "Small tail pages"), n_tail_pages 0, staging
+ * KVARN_STAGING_FP16;
  * n_layers, n_kv_heads, head_dim, budget_bytes are 0 and must be set. */
 kvarn_cache_opts kvarn_cache_default_opts(void);
+
+/* The staging format named `name` (kvarn_cache_opts.staging): "fp16" ->
+ * KVARN_STAGING_FP16, "int8" -> KVARN_STAGING_INT8, into *out.
+ * Errors: KVARN_ERR_INVALID_ARG (NULL, another name; *out unchanged). */
+kvarn_status kvarn_cache_staging_parse(const char *name, int *out);
+
+/* The name of a staging format ("fp16", "int8"), or NULL for another
+ * value. */
+const char *kvarn_cache_staging_name(int staging);
 
 /* Create a cache: checks opts, splits budget_bytes into n_pages fp16 pages
  * (page bytes = n_layers * Hk * kvarn_paged_fp16_tile_bytes(G, D), paged.h),
@@ -269,6 +292,12 @@ typedef struct kvarn_cache_info {
                                    (n_layers * Hk * 2 * T * D * 2); 0 unless
                                    0 < T < G; n_tail_pages of them are in
                                    arena_bytes */
+    int staging;                /* kvarn_staging of the pages, small tail
+                                   pages and sink slots (their bytes above
+                                   are in that format: 4D per token-head
+                                   for fp16, 2D + 8 for int8) */
+    size_t staging_record_bytes;/* KVARN_STAGING_INT8: bytes of one staged
+                                   token record (2D + 8); 0 for fp16 */
 } kvarn_cache_info;
 
 kvarn_status kvarn_cache_get_info(const kvarn_cache *c, kvarn_cache_info *out);

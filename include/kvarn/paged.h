@@ -114,6 +114,18 @@ extern "C" {
 
 /* The helpers are plain inline arithmetic, callable from C, C++ and CUDA
  * device code alike. */
+/* How a KVarN cache holds the tokens it stages (the sink tiles, the tail
+ * not yet committed, the sink slots): fp16 rows (the layout above), or
+ * per-token int8 records (include/kvarn/record.h, the int8 format's own
+ * codec: asymmetric, fp16 scale and zero-point per token-head and K/V),
+ * token-major: token t of a page / small page / slot, KV head h, is the
+ * record at  + t * staging_record_bytes  from the head's start. Staged
+ * values are the rotated ones, as for fp16. */
+typedef enum kvarn_staging {
+    KVARN_STAGING_FP16 = 0,
+    KVARN_STAGING_INT8 = 1
+} kvarn_staging;
+
 #if defined(__CUDACC__)
 #define KVARN_PAGED_FN static inline __host__ __device__
 #else
@@ -157,6 +169,14 @@ typedef struct kvarn_paged_kv {
     size_t tail_page_head_stride; /* bytes between KV heads inside a small
                                    page (>= kvarn_paged_fp16_tile_bytes(T, D)) */
     int n_tail_pages;           /* small pages in the arena: ids [0, n_tail_pages) */
+    /* Staging below fp16 (KVarN; "Staging formats" at the top). Zero
+     * (memset) = fp16, today's layout. */
+    int staging;                /* kvarn_staging: format of every staged
+                                   token (whole pages, small tail pages, sink
+                                   slots) */
+    size_t staging_record_bytes;/* KVARN_STAGING_INT8: bytes of one staged
+                                   token record (>= kvarn_record_bytes of
+                                   int8 at D); else not read */
 } kvarn_paged_kv;
 
 /* One sequence, as attention reads it. */
@@ -176,13 +196,23 @@ KVARN_PAGED_FN size_t kvarn_paged_fp16_tile_bytes(int block_size, int head_dim)
     return (size_t)2 * (size_t)block_size * (size_t)head_dim * sizeof(uint16_t);
 }
 
+/* Bytes of one KV head's staged tokens (K and V) for `tokens` tokens in the
+ * view's staging format: kvarn_paged_fp16_tile_bytes for fp16, tokens *
+ * staging_record_bytes for int8. */
+KVARN_PAGED_FN size_t kvarn_paged_staging_bytes(const kvarn_paged_kv *kv, int tokens)
+{
+    if (kv->staging == KVARN_STAGING_INT8) return (size_t)tokens * kv->staging_record_bytes;
+    return kvarn_paged_fp16_tile_bytes(tokens, kv->head_dim);
+}
+
 /* Set page_head_stride and page_stride to the packed page layout
- * [page][Hk][K, V][G][D] from kv->block_size, head_dim and n_kv_heads (the
- * layout kvarn_cache uses). For G <= 1024, D <= 1024, Hk <= 65535 the
- * products stay below 2^38. */
+ * [page][Hk][K, V][G][D] (fp16) or [page][Hk][G] int8 token records from
+ * kv->block_size, head_dim, n_kv_heads and staging (the layout kvarn_cache
+ * uses). For G <= 1024, D <= 1024, Hk <= 65535 the products stay below
+ * 2^38. */
 KVARN_PAGED_FN void kvarn_paged_pack_pages(kvarn_paged_kv *kv)
 {
-    kv->page_head_stride = kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim);
+    kv->page_head_stride = kvarn_paged_staging_bytes(kv, kv->block_size);
     kv->page_stride = (size_t)kv->n_kv_heads * kv->page_head_stride;
 }
 
@@ -227,7 +257,7 @@ KVARN_PAGED_FN uint16_t *kvarn_paged_page_v(const kvarn_paged_kv *kv, int32_t pa
  * (the layout kvarn_cache uses). */
 KVARN_PAGED_FN void kvarn_paged_pack_sinks(kvarn_paged_kv *kv)
 {
-    kv->sink_head_stride = kvarn_paged_fp16_tile_bytes(kv->sink_partial, kv->head_dim);
+    kv->sink_head_stride = kvarn_paged_staging_bytes(kv, kv->sink_partial);
     kv->sink_stride = (size_t)kv->n_kv_heads * kv->sink_head_stride;
 }
 
@@ -293,7 +323,7 @@ KVARN_PAGED_FN int kvarn_paged_tile_in_tail_pages(const kvarn_paged_kv *kv, int 
  * n_kv_heads (the layout kvarn_cache uses). */
 KVARN_PAGED_FN void kvarn_paged_pack_tail_pages(kvarn_paged_kv *kv)
 {
-    kv->tail_page_head_stride = kvarn_paged_fp16_tile_bytes(kv->tail_page_tokens, kv->head_dim);
+    kv->tail_page_head_stride = kvarn_paged_staging_bytes(kv, kv->tail_page_tokens);
     kv->tail_page_stride = (size_t)kv->n_kv_heads * kv->tail_page_head_stride;
 }
 
@@ -311,6 +341,26 @@ KVARN_PAGED_FN uint16_t *kvarn_paged_tail_v(const kvarn_paged_kv *kv, int32_t pa
 {
     return kvarn_paged_tail_k(kv, page, head) +
            (size_t)kv->tail_page_tokens * (size_t)kv->head_dim;
+}
+
+/* KVARN_STAGING_INT8: the staged token record of token `t` of page
+ * `page` / small tail page `page` / sink slot `slot`, KV head `head`. */
+KVARN_PAGED_FN uint8_t *kvarn_paged_page_rec(const kvarn_paged_kv *kv, int32_t page, int head,
+                                             int t)
+{
+    return (uint8_t *)kvarn_paged_page_k(kv, page, head) + (size_t)t * kv->staging_record_bytes;
+}
+
+KVARN_PAGED_FN uint8_t *kvarn_paged_tail_rec(const kvarn_paged_kv *kv, int32_t page, int head,
+                                             int t)
+{
+    return (uint8_t *)kvarn_paged_tail_k(kv, page, head) + (size_t)t * kv->staging_record_bytes;
+}
+
+KVARN_PAGED_FN uint8_t *kvarn_paged_sink_rec(const kvarn_paged_kv *kv, int32_t slot, int head,
+                                             int t)
+{
+    return (uint8_t *)kvarn_paged_sink_k(kv, slot, head) + (size_t)t * kv->staging_record_bytes;
 }
 
 /* Slot of the token at `offset` (in [0, G)) of the tile stored at id (a

@@ -245,7 +245,7 @@ static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout
         uint64_t heads;
         if (kv->n_tail_pages < 0 ||
             kv->tail_page_head_stride <
-                kvarn_paged_fp16_tile_bytes(kv->tail_page_tokens, kv->head_dim) ||
+                kvarn_paged_staging_bytes(kv, kv->tail_page_tokens) ||
             kv->tail_page_head_stride % 2 != 0 || kv->tail_page_stride % 2 != 0 ||
             ((uintptr_t)kv->fp16_tail_pages % 2) != 0 ||
             kvarn__mul_u64(hk, kv->tail_page_head_stride, &heads) ||
@@ -255,7 +255,7 @@ static kvarn_status check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout
     if (kv->sink_partial > 0 && kv->fp16_sinks != NULL) {
         uint64_t heads;
         if (kv->n_sink_slots < 0 ||
-            kv->sink_head_stride < kvarn_paged_fp16_tile_bytes(kv->sink_partial, kv->head_dim) ||
+            kv->sink_head_stride < kvarn_paged_staging_bytes(kv, kv->sink_partial) ||
             kv->sink_head_stride % 2 != 0 || kv->sink_stride % 2 != 0 ||
             ((uintptr_t)kv->fp16_sinks % 2) != 0 ||
             kvarn__mul_u64(hk, kv->sink_head_stride, &heads) || kv->sink_stride < heads)
@@ -326,6 +326,10 @@ typedef struct attn_run {
     kvarn_record_layout L;
     const attn_kernels *kern;  /* &kern_set */
     attn_kernels kern_set;
+    /* KVARN_STAGING_INT8 (paged.h): the int8 token kernels and record
+     * layout that read the staged tokens */
+    attn_kernels stage_set;
+    kvarn_record_layout L8;
     float *thread_scratch;
     attn_item *items;
     int n_items;
@@ -485,6 +489,18 @@ static float *lse_at(const attn_run *run, int s, int qi, int head)
     return run->lse ? run->lse + (size_t)(q_start(run, s) + qi) * run->g.Hq + head : NULL;
 }
 
+/* Staged int8 token records (paged.h "Staging"), pointers in r->tok[0, nt)
+ * for positions [t0, t0 + nt): one int8 token-kernel call, as for a block
+ * of the int8 format. The AVX-512 int8 kernel keeps its rounded query in
+ * r->qa across calls (qa_ready), where the KVarN kernels keep theirs: the
+ * flag is cleared on both sides of the call. */
+static void staged_tile(const attn_run *run, attn_rows *r, int t0, int nt)
+{
+    r->qa_ready = 0;
+    run->stage_set.token_tile(r, &run->L8, r->tok, t0, nt);
+    r->qa_ready = 0;
+}
+
 static void item_task(void *ctx, int task, int worker)
 {
     const attn_run *run = ctx;
@@ -536,7 +552,21 @@ static void item_task(void *ctx, int task, int worker)
         }
         int t0 = tile * G, nt = sv->seq_len - t0 < G ? sv->seq_len - t0 : G;
         int32_t id = sv->block_table[tile];
-        if (kvarn_paged_tile_in_tail_pages(kv, sv->committed_tiles, tile)) {
+        const int staged8 = kv->staging == KVARN_STAGING_INT8;
+        if (staged8 && kvarn_paged_tile_in_tail_pages(kv, sv->committed_tiles, tile)) {
+            /* int8 records in small tail pages: pointers in token order */
+            const int T = kv->tail_page_tokens;
+            const int64_t a = kvarn_paged_tail_start(kv, sv->committed_tiles);
+            for (int j = 0; j < nt; j++) {
+                const int64_t off = t0 + j - a;
+                r.tok[j] = kvarn_paged_tail_rec(kv, sv->tail_pages[off / T], it->kvh,
+                                                (int)(off % T));
+            }
+            staged_tile(run, &r, t0, nt);
+        } else if (staged8 && tile_is_page(kv, sv, tile)) {
+            for (int j = 0; j < nt; j++) r.tok[j] = kvarn_paged_page_rec(kv, id, it->kvh, j);
+            staged_tile(run, &r, t0, nt);
+        } else if (kvarn_paged_tile_in_tail_pages(kv, sv->committed_tiles, tile)) {
             /* A tail tile in small pages (paged.h): its nt rows gathered
              * into the worker's scratch in token order, then the same
              * kernel call as for a whole page holding those rows, so the
@@ -569,8 +599,14 @@ static void item_task(void *ctx, int task, int worker)
                  * fp16 slot, the rest from the record with the rows'
                  * first visible position raised past the sink (the masking
                  * a sliding window starting inside a tile uses). */
-                run->kern->fp16_tile(&r, kvarn_paged_sink_k(kv, sv->sink_slot, it->kvh),
-                                     kvarn_paged_sink_v(kv, sv->sink_slot, it->kvh), t0, ns);
+                if (staged8) {
+                    for (int j = 0; j < ns; j++)
+                        r.tok[j] = kvarn_paged_sink_rec(kv, sv->sink_slot, it->kvh, j);
+                    staged_tile(run, &r, t0, ns);
+                } else {
+                    run->kern->fp16_tile(&r, kvarn_paged_sink_k(kv, sv->sink_slot, it->kvh),
+                                         kvarn_paged_sink_v(kv, sv->sink_slot, it->kvh), t0, ns);
+                }
                 for (int row = 0; row < n; row++)
                     if (lo[row] < t0 + ns) lo[row] = t0 + ns;
             }
@@ -701,6 +737,14 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
     run.partials = f;
     pick_kernels(&run.o, kv->fmt.kind, kv->head_dim, &run.kern_set);
     run.kern = &run.kern_set;
+    if (kv->staging == KVARN_STAGING_INT8) {
+        /* check_kv accepted the view: KVarN, an int8 record per token */
+        kvarn_format i8;
+        st = kvarn_format_parse("int8", &i8);
+        if (st == KVARN_OK) st = kvarn_record_layout_get(&i8, kv->head_dim, &run.L8);
+        if (st != KVARN_OK) return st;
+        pick_kernels(&run.o, KVARN_KIND_INT8, kv->head_dim, &run.stage_set);
+    }
 
     if (!plan(&run, n_seqs, n_threads)) return KVARN_ERR_BUFFER_TOO_SMALL;
 

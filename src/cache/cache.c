@@ -30,6 +30,26 @@ kvarn_cache_opts kvarn_cache_default_opts(void)
     return o;
 }
 
+kvarn_status kvarn_cache_staging_parse(const char *name, int *out)
+{
+    if (name == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    for (int v = KVARN_STAGING_FP16; v <= KVARN_STAGING_INT8; v++)
+        if (strcmp(name, kvarn_cache_staging_name(v)) == 0) {
+            *out = v;
+            return KVARN_OK;
+        }
+    return KVARN_ERR_INVALID_ARG;
+}
+
+const char *kvarn_cache_staging_name(int staging)
+{
+    switch (staging) {
+    case KVARN_STAGING_FP16: return "fp16";
+    case KVARN_STAGING_INT8: return "int8";
+    default: return NULL;
+    }
+}
+
 /* Zeroed arena aligned to 64 bytes. calloc, not aligned_alloc + memset: a
  * large calloc maps fresh zero pages lazily, so creating a cache does not
  * touch its whole budget. *mem receives the pointer to free. */
@@ -133,6 +153,18 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
         if (o->n_pages != 0) return KVARN_ERR_INVALID_ARG;
         sink = 0;
     }
+    /* staged tokens: fp16 rows or int8 token records (paged.h); per-token
+     * formats stage nothing */
+    if (o->staging != KVARN_STAGING_FP16 && o->staging != KVARN_STAGING_INT8)
+        return KVARN_ERR_INVALID_ARG;
+    if (!is_kvarn && o->staging != KVARN_STAGING_FP16) return KVARN_ERR_INVALID_ARG;
+    uint64_t stage_rec = 0; /* int8: bytes of one staged token record */
+    if (o->staging == KVARN_STAGING_INT8) {
+        kvarn_format i8;
+        if (kvarn_format_parse("int8", &i8) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
+        stage_rec = kvarn_record_bytes(&i8, o->head_dim);
+        if (stage_rec == 0) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    }
     /* Token positions and ids are int32: a sequence longer than this, or
      * more pages than ids, cannot be held (not clamped: the caller asked
      * for it). */
@@ -154,9 +186,12 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     uint64_t block_stride, block_bytes, page_bytes = 0, tail_page_bytes = 0;
     bad |= kvarn__mul_u64(H, record_stride, &block_stride);
     bad |= kvarn__mul_u64(L, block_stride, &block_bytes);
-    /* K and V, G x D fp16 each, per layer and KV head */
-    if (is_kvarn) bad |= kvarn__mul3_u64(L * H, (uint64_t)G * D, 2 * sizeof(uint16_t), &page_bytes);
-    if (small) bad |= kvarn__mul3_u64(L * H, (uint64_t)T * D, 2 * sizeof(uint16_t), &tail_page_bytes);
+    /* bytes of one staged token-head: K and V, D fp16 each, or one int8
+     * token record (paged.h "Staging") */
+    const uint64_t stage_tok = stage_rec ? stage_rec : 2 * D * sizeof(uint16_t);
+    /* G staged tokens per layer and KV head */
+    if (is_kvarn) bad |= kvarn__mul3_u64(L * H, (uint64_t)G, stage_tok, &page_bytes);
+    if (small) bad |= kvarn__mul3_u64(L * H, (uint64_t)T, stage_tok, &tail_page_bytes);
 
     uint64_t n_pages = (uint64_t)o->n_pages, n_tail = (uint64_t)o->n_tail_pages;
     const uint64_t S = (uint64_t)o->max_seqs, reserve = kvarn__ceil_div_u64(S, 8);
@@ -180,7 +215,7 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     /* the sink slots: K and V, r x D fp16 each, per layer and KV head, one
      * slot per sequence */
     if (part > 0) {
-        bad |= kvarn__mul3_u64(L * H, (uint64_t)part * D, 2 * sizeof(uint16_t), &sink_bytes);
+        bad |= kvarn__mul3_u64(L * H, (uint64_t)part, stage_tok, &sink_bytes);
         bad |= kvarn__mul_u64((uint64_t)o->max_seqs, sink_bytes, &sink_total);
     }
     bad |= kvarn__add_u64(page_total, sink_total, &fixed_total);
@@ -245,6 +280,8 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     info->tail_page_tokens = T;
     info->n_tail_pages = (int)n_tail;
     info->tail_page_bytes = tb;
+    info->staging = o->staging;
+    info->staging_record_bytes = (size_t)stage_rec;
     return KVARN_OK;
 }
 
@@ -521,8 +558,12 @@ kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
     c->codec_opts.balance_iters = opts->balance_iters;
     c->codec_opts.prerotated = 1;
     c->max_tiles = (info.max_seq_len + info.block_size - 1) / info.block_size;
-    c->page_stride = (size_t)info.n_kv_heads *
-                     kvarn_paged_fp16_tile_bytes(info.block_size, info.head_dim);
+    if (info.staging == KVARN_STAGING_INT8 &&
+        kvarn_format_parse("int8", &c->stage_fmt) != KVARN_OK) {
+        kvarn__free(&alloc, c);
+        return KVARN_ERR_INVALID_ARG; /* plan() parsed it already */
+    }
+    c->page_stride = (size_t)info.page_bytes / (size_t)info.n_layers;
 
     /* plan() proved both arenas fit size_t; the products below are the
      * ones it checked (block_bytes = n_layers * block_stride, page_bytes =

@@ -72,6 +72,7 @@ struct kvarn_cache {
     uint16_t *tail_pages;         /* [layer][small page][kv_head][K,V][T][D] */
     void *tail_pages_mem;
     kvarn_id_pool tail_pool;
+    kvarn_format stage_fmt;       /* int8 when info.staging is INT8 */
     kvarn_seq *seqs;              /* [max_seqs] */
     int n_live;
     /* scratch for commit and read (a cache is single-threaded) */
@@ -98,6 +99,8 @@ static inline kvarn_paged_kv kvarn__layer_view(const kvarn_cache *c, int layer)
     v.token_record_bytes = c->info.token_record_bytes;
     v.n_blocks = c->info.n_blocks;
     v.n_fp16_pages = c->info.n_pages;
+    v.staging = c->info.staging;
+    v.staging_record_bytes = c->info.staging_record_bytes;
     kvarn_paged_pack_pages(&v);
     v.blocks = c->blocks + (size_t)layer * (size_t)c->info.n_blocks * c->info.block_stride;
     v.fp16_pages = c->pages ? (uint16_t *)((uint8_t *)c->pages + (size_t)layer *
@@ -165,6 +168,32 @@ static inline uint16_t *kvarn__row_kv(const kvarn_cache *c, const struct kvarn_s
         return kvarn__tail_kv(c, layer, s->tp[p / c->tail_T], head, kv) +
                (size_t)(p % c->tail_T) * (size_t)D;
     return kvarn__page_kv(c, layer, s->pg[t], head, kv) + (size_t)(p % G) * (size_t)D;
+}
+
+/* KVARN_STAGING_INT8: the staged int8 token record of token p of a KVarN
+ * sequence (K and V, paged.h), as kvarn__row_kv finds fp16 rows. */
+static inline uint8_t *kvarn__row_rec(const kvarn_cache *c, const struct kvarn_seq *s,
+                                      int layer, int p, int head)
+{
+    const kvarn_paged_kv v = kvarn__layer_view(c, layer);
+    const int G = c->info.block_size, t = p / G;
+    if (c->small_tail && t >= c->info.sink_tiles)
+        return kvarn_paged_tail_rec(&v, s->tp[p / c->tail_T], head, p % c->tail_T);
+    return kvarn_paged_page_rec(&v, s->pg[t], head, p % G);
+}
+
+/* KVARN_STAGING_INT8: token t of a sequence's sink slot, as a record. */
+static inline uint8_t *kvarn__sink_rec(const kvarn_cache *c, int layer, int slot, int head, int t)
+{
+    const kvarn_paged_kv v = kvarn__layer_view(c, layer);
+    return kvarn_paged_sink_rec(&v, slot, head, t);
+}
+
+/* Bytes of one KV head's staged tokens, `tokens` of them (paged.h). */
+static inline size_t kvarn__staging_bytes(const kvarn_cache *c, int tokens)
+{
+    const kvarn_paged_kv v = kvarn__layer_view(c, 0);
+    return kvarn_paged_staging_bytes(&v, tokens);
 }
 
 /* The live sequence with this id, or NULL. */

@@ -25,13 +25,24 @@ kvarn_status kvarn__paged_check_arenas(const kvarn_paged_kv *kv, const kvarn_rec
     }
     if (kvarn__mul_size(hk, kv->record_stride, &heads)) return KVARN_ERR_INVALID_ARG;
     if (kv->record_stride < need || kv->block_stride < heads) return too_small;
-    if (!op->per_tile) return KVARN_OK;
+    if (!op->per_tile) return kv->staging == KVARN_STAGING_FP16 ? KVARN_OK : KVARN_ERR_INVALID_ARG;
+    /* staged tokens: fp16 rows, or int8 token records of at least the
+     * int8 record's bytes (paged.h "Staging") */
+    if (kv->staging != KVARN_STAGING_FP16 && kv->staging != KVARN_STAGING_INT8)
+        return KVARN_ERR_INVALID_ARG;
+    if (kv->staging == KVARN_STAGING_INT8) {
+        kvarn_format i8;
+        if (kvarn_format_parse("int8", &i8) != KVARN_OK ||
+            kv->staging_record_bytes < kvarn_record_bytes(&i8, kv->head_dim) ||
+            kv->staging_record_bytes > ((size_t)1 << 20))
+            return too_small;
+    }
     if (kv->fp16_pages == NULL)
         return (flags & KVARN_PAGED_NEED_PAGES) ? KVARN_ERR_INVALID_ARG : KVARN_OK;
     if (((uintptr_t)kv->fp16_pages % 2) != 0 || kv->page_head_stride % 2 != 0 ||
         kv->page_stride % 2 != 0 || kvarn__mul_size(hk, kv->page_head_stride, &heads))
         return KVARN_ERR_INVALID_ARG;
-    if (kv->page_head_stride < kvarn_paged_fp16_tile_bytes(kv->block_size, kv->head_dim) ||
+    if (kv->page_head_stride < kvarn_paged_staging_bytes(kv, kv->block_size) ||
         kv->page_stride < heads)
         return too_small;
     return KVARN_OK;

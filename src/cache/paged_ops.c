@@ -99,6 +99,8 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
     /* a slot is id * G + offset into a whole fp16 page: a view whose tail
      * lives in small pages has no slot numbering for them */
     if (kvarn_paged_small_tail(kv)) return KVARN_ERR_INVALID_ARG;
+    /* caller-owned arenas stage fp16 only (the vLLM plug-in's pool) */
+    if (kv->staging != KVARN_STAGING_FP16) return KVARN_ERR_INVALID_ARG;
     if (n_tokens == 0) return KVARN_OK;
     st = check_store(kv, k, v, slot_mapping, n_tokens);
     if (st != KVARN_OK) return st;
@@ -148,7 +150,8 @@ kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pag
         return KVARN_ERR_INVALID_ARG;
     kvarn_status st = kvarn_paged_check(kv);
     if (st != KVARN_OK) return st;
-    if (kv->fmt.kind != KVARN_KIND_KVARN) return KVARN_ERR_INVALID_ARG;
+    if (kv->fmt.kind != KVARN_KIND_KVARN || kv->staging != KVARN_STAGING_FP16)
+        return KVARN_ERR_INVALID_ARG;
     /* opts' range as kvarn.h gives it, checked here too so that it is
      * refused even when every entry is skipped */
     if (opts != NULL && (opts->balance_iters < 0 || opts->balance_iters > 64))

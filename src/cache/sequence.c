@@ -128,7 +128,7 @@ kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child)
         for (int l = 0; l < c->info.n_layers; l++)
             memcpy(kvarn__sink_kv(c, l, id, 0, 0), kvarn__sink_kv(c, l, parent, 0, 0),
                    (size_t)c->info.n_kv_heads *
-                       kvarn_paged_fp16_tile_bytes(c->info.sink_partial, c->info.head_dim));
+                       kvarn__staging_bytes(c, c->info.sink_partial));
     s->live = 1;
     c->n_live++;
     *child = id;
@@ -201,7 +201,7 @@ static void copy_tail_page(kvarn_cache *c, int32_t dst, int32_t src)
     for (int l = 0; l < c->info.n_layers; l++)
         memcpy(kvarn__tail_kv(c, l, dst, 0, 0), kvarn__tail_kv(c, l, src, 0, 0),
                (size_t)c->info.n_kv_heads *
-                   kvarn_paged_fp16_tile_bytes(c->tail_T, c->info.head_dim));
+                   kvarn__staging_bytes(c, c->tail_T));
 }
 
 static void copy_block(kvarn_cache *c, int32_t dst, int32_t src)

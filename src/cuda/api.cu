@@ -156,6 +156,8 @@ kvarn_status kvarn_cuda_check_kv(const kvarn_paged_kv *kv)
      * only as well; the CUDA kernels read whole tail pages. */
     if (kv->tail_page_tokens != 0 && kv->tail_page_tokens != kv->block_size)
         return KVARN_ERR_UNSUPPORTED;
+    /* Staging below fp16 (paged.h, int8 token records): CPU kernels only. */
+    if (kv->staging != KVARN_STAGING_FP16) return KVARN_ERR_UNSUPPORTED;
     if (kv->blocks == NULL || kv->n_blocks < 1 ||
         (kvarn && (kv->fp16_pages == NULL || kv->n_fp16_pages < 1)))
         return KVARN_ERR_INVALID_ARG;

@@ -227,7 +227,7 @@ static const llama_kv_ops paged_ops = {
  * a budget beyond 64 bits), errors of kvarn_cache_plan. No allocation. */
 static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format *fmt,
                                    int sink_tiles, int sink_tokens, int tail_tokens,
-                                   int balance_iters, kvarn_cache_opts *out,
+                                   int staging, int balance_iters, kvarn_cache_opts *out,
                                    kvarn_cache_info *info)
 {
     if (sh->max_tokens > KVARN_CACHE_MAX_SEQ_LEN) return KVARN_ERR_TOO_LARGE;
@@ -258,6 +258,7 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
             if (tail > (1 << 30) / (fmt->tile_tokens / tail_tokens)) return KVARN_ERR_TOO_LARGE;
             o.n_tail_pages = tail * (fmt->tile_tokens / tail_tokens);
         }
+        o.staging = staging;
     }
     /* Budget 0: the plan gives the geometry only (G, sink tiles, block and
      * page bytes); per-token formats take the cache's default block size. */
@@ -290,7 +291,7 @@ static kvarn_status store_geometry(const llama_kv_shape *sh, const kvarn_format 
 {
     if (o->cache) return kvarn_cache_get_info(o->cache, ci);
     return cache_settings(sh, fmt, o->sink_tiles, o->sink_tokens, o->tail_page_tokens,
-                          o->balance_iters, co, ci);
+                          o->staging, o->balance_iters, co, ci);
 }
 
 /* Bytes of every buffer llama_kv_paged_create allocates besides the cache

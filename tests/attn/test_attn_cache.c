@@ -21,8 +21,9 @@
 #include "kvarn/cache.h"
 #include "kvarn/paged.h"
 
-/* sink_tokens: opts.sink_tokens (0: the default whole sink tile). */
-static void check_format_s(const char *name, int sink_tokens)
+/* sink_tokens: opts.sink_tokens (0: the default whole sink tile);
+ * staging: opts.staging; T: opts.tail_page_tokens. */
+static void check_format_st(const char *name, int sink_tokens, int staging, int T)
 {
     const int D = 64, Hk = 2, group = 3, Hq = Hk * group, L = 2;
     kvarn_cache_opts co = kvarn_cache_default_opts();
@@ -34,6 +35,8 @@ static void check_format_s(const char *name, int sink_tokens)
     co.n_pages = co.format.kind == KVARN_KIND_KVARN ? 16 : 0;
     co.budget_bytes = 8u << 20;
     co.sink_tokens = sink_tokens;
+    co.staging = staging;
+    co.tail_page_tokens = T;
     kvarn_cache *c = NULL;
     assert_int_equal(kvarn_cache_create(&co, &c), KVARN_OK);
 
@@ -132,7 +135,7 @@ static void check_format_s(const char *name, int sink_tokens)
     kvarn_paged_kv own = kv;
     own.record_stride = kv.record_stride + 64;
     own.block_stride = (size_t)Hk * own.record_stride + 128;
-    own.page_head_stride = kvarn_paged_fp16_tile_bytes(kv.block_size, D) + 32;
+    own.page_head_stride = kvarn_paged_staging_bytes(&kv, kv.block_size) + 32;
     own.page_stride = (size_t)Hk * own.page_head_stride + 64;
     uint8_t *blocks = malloc((size_t)kv.n_blocks * own.block_stride);
     uint16_t *pages = malloc((size_t)kv.n_fp16_pages * own.page_stride + 2);
@@ -146,11 +149,11 @@ static void check_format_s(const char *name, int sink_tokens)
     for (int id = 0; kv.fp16_pages && id < kv.n_fp16_pages; id++)
         for (int h = 0; h < Hk; h++)
             memcpy(kvarn_paged_page_k(&own, id, h), kvarn_paged_page_k(&kv, id, h),
-                   kvarn_paged_fp16_tile_bytes(kv.block_size, D));
+                   kvarn_paged_staging_bytes(&kv, kv.block_size));
     uint16_t *sinks = NULL;
     if (kv.sink_partial > 0) {
         /* sink slots [n_slots][Hk][K+V r x D + 16 bytes], 32 more after each */
-        const size_t sb = kvarn_paged_fp16_tile_bytes(kv.sink_partial, D);
+        const size_t sb = kvarn_paged_staging_bytes(&kv, kv.sink_partial);
         own.sink_head_stride = sb + 16;
         own.sink_stride = (size_t)Hk * own.sink_head_stride + 32;
         sinks = malloc((size_t)kv.n_sink_slots * own.sink_stride);
@@ -171,9 +174,30 @@ static void check_format_s(const char *name, int sink_tokens)
     kvarn_cache_destroy(c);
 }
 
+static void check_format_s(const char *name, int sink_tokens)
+{
+    check_format_st(name, sink_tokens, KVARN_STAGING_FP16, 0);
+}
+
 static void check_format(const char *name)
 {
     check_format_s(name, 0);
+}
+
+/* Staged tokens as int8 records (cache.h staging): the int8 token kernels
+ * read the sink tiles, the tail (whole pages and small pages of 16) and
+ * the sink slots, against kvarn_cache_read's decoded values with the int8
+ * kernel's derived bound (tests/common/int_dot_bound.h), and the same
+ * bytes in padded caller-owned arenas give the same outputs. */
+static void test_cache_staging_int8(void **state)
+{
+    (void)state;
+    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128"};
+    for (int f = 0; f < 3; f++) {
+        check_format_st(fmts[f], 0, KVARN_STAGING_INT8, 0);   /* whole sink tile */
+        check_format_st(fmts[f], 16, KVARN_STAGING_INT8, 0);  /* 16-token sink slot */
+        check_format_st(fmts[f], 69, KVARN_STAGING_INT8, 16); /* tile + 5, small pages */
+    }
 }
 
 static void test_cache_kvarn(void **state)
@@ -421,6 +445,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cache_kvarn),
+        cmocka_unit_test(test_cache_staging_int8),
         cmocka_unit_test(test_cache_sink_tokens),
         cmocka_unit_test(test_cache_per_token),
         cmocka_unit_test(test_small_tail_pages),

@@ -75,6 +75,9 @@ static uint64_t budget_for(kvarn_cache_opts o, int nb, uint64_t extra)
     return pi.arena_bytes + (uint64_t)nb * pi.block_bytes + extra;
 }
 
+/* opts.staging of the KVarN cases (test_fill_to_the_count_int8 sets it) */
+static int g_staging = KVARN_STAGING_FP16;
+
 /* sink_tokens > 0: opts.sink_tokens (S tokens of sink, replacing sink);
  * T > 0: opts.tail_page_tokens with n_tail small pages (0 = auto). */
 static void check_case_t(const char *fmt, int G, int sink, int sink_tokens, int T, int n_tail,
@@ -93,6 +96,7 @@ static void check_case_t(const char *fmt, int G, int sink, int sink_tokens, int 
     o.n_pages = kv ? n_pages : 0;
     o.tail_page_tokens = T;
     o.n_tail_pages = n_tail;
+    o.staging = kv ? g_staging : KVARN_STAGING_FP16;
     o.max_seqs = max_seqs;
     o.max_seq_len = max_seq_len;
     o.budget_bytes = budget_for(o, nb, 17);
@@ -166,6 +170,19 @@ static void check_case(const char *fmt, int G, int sink, int nb, int n_pages, in
                        int max_seq_len, int n_seqs, int seq_len)
 {
     check_case_s(fmt, G, sink, 0, nb, n_pages, max_seqs, max_seq_len, n_seqs, seq_len);
+}
+
+static void test_fill_to_the_count(void **state);
+
+/* The same fills with every staged KVarN token an int8 record (cache.h
+ * staging): smaller pages, tail pages and sink slots (2D + 8 bytes per
+ * token-head against 4D), the same page rule; every count and the
+ * allocator's byte total are checked as for fp16 staging. */
+static void test_fill_to_the_count_int8(void **state)
+{
+    g_staging = KVARN_STAGING_INT8;
+    test_fill_to_the_count(state);
+    g_staging = KVARN_STAGING_FP16;
 }
 
 static void test_fill_to_the_count(void **state)
@@ -260,6 +277,74 @@ static void test_tail_pages_plan(void **state)
     bad.tail_page_tokens = 16;
     bad.n_tail_pages = -1;
     assert_int_equal(kvarn_cache_plan(&bad, &it), KVARN_ERR_INVALID_ARG);
+}
+
+/* staging int8: page, small tail page and sink slot bytes are those of
+ * int8 token records (2D + 8 bytes per token-head: record.h) where fp16
+ * takes 4D; counts and blocks' bytes unchanged; bad values refused with
+ * KVARN_ERR_INVALID_ARG and nothing made; the names parse both ways. */
+static void test_staging_plan(void **state)
+{
+    (void)state;
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    o.n_layers = 30;
+    o.n_kv_heads = 3;
+    o.head_dim = 64;
+    o.budget_bytes = 1ull << 30;
+    o.sink_tokens = 128 + 16;
+    o.tail_page_tokens = 16;
+    kvarn_cache_opts q = o;
+    q.staging = KVARN_STAGING_INT8;
+    kvarn_cache_info f, i;
+    assert_int_equal(kvarn_cache_plan(&o, &f), KVARN_OK);
+    assert_int_equal(kvarn_cache_plan(&q, &i), KVARN_OK);
+    assert_int_equal(f.staging, KVARN_STAGING_FP16);
+    assert_int_equal(f.staging_record_bytes, 0);
+    assert_int_equal(i.staging, KVARN_STAGING_INT8);
+    assert_int_equal(i.staging_record_bytes, 2 * 64 + 8);
+    assert_int_equal(i.page_bytes, (size_t)30 * 3 * 128 * (2 * 64 + 8));
+    assert_int_equal(i.tail_page_bytes, (size_t)30 * 3 * 16 * (2 * 64 + 8));
+    assert_int_equal(i.sink_bytes, (size_t)30 * 3 * 16 * (2 * 64 + 8));
+    assert_int_equal(f.page_bytes, (size_t)30 * 3 * 128 * 4 * 64);
+    assert_int_equal(i.n_pages, f.n_pages);
+    assert_int_equal(i.n_tail_pages, f.n_tail_pages);
+    assert_int_equal(i.block_bytes, f.block_bytes);
+    assert_true(i.n_blocks > f.n_blocks); /* the bytes saved buy blocks */
+    const uint64_t fixed_f = f.arena_bytes - (uint64_t)f.n_blocks * f.block_bytes;
+    const uint64_t fixed_i = i.arena_bytes - (uint64_t)i.n_blocks * i.block_bytes;
+    assert_int_equal(fixed_f * 136, fixed_i * 256); /* 4D : 2D + 8 at D = 64 */
+
+    const int bad_v[] = {-1, 2, 3, 1000};
+    for (int k = 0; k < 4; k++) {
+        kvarn_cache_opts b = o;
+        b.staging = bad_v[k];
+        assert_int_equal(kvarn_cache_plan(&b, &i), KVARN_ERR_INVALID_ARG);
+        kvarn_cache *c = NULL;
+        assert_int_equal(kvarn_cache_create(&b, &c), KVARN_ERR_INVALID_ARG);
+        assert_null(c);
+    }
+    kvarn_cache_opts pt = o; /* per-token formats stage nothing */
+    assert_int_equal(kvarn_format_parse("int8", &pt.format), KVARN_OK);
+    pt.sink_tokens = 0;
+    pt.tail_page_tokens = 0;
+    pt.staging = KVARN_STAGING_INT8;
+    assert_int_equal(kvarn_cache_plan(&pt, &i), KVARN_ERR_INVALID_ARG);
+
+    int v = -7;
+    assert_int_equal(kvarn_cache_staging_parse("int8", &v), KVARN_OK);
+    assert_int_equal(v, KVARN_STAGING_INT8);
+    assert_int_equal(kvarn_cache_staging_parse("fp16", &v), KVARN_OK);
+    assert_int_equal(v, KVARN_STAGING_FP16);
+    const char *bad_n[] = {"fp8", "INT8", "", "int8 "};
+    for (int k = 0; k < 4; k++) {
+        v = -7;
+        assert_int_equal(kvarn_cache_staging_parse(bad_n[k], &v), KVARN_ERR_INVALID_ARG);
+        assert_int_equal(v, -7);
+    }
+    assert_int_equal(kvarn_cache_staging_parse(NULL, &v), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cache_staging_parse("int8", NULL), KVARN_ERR_INVALID_ARG);
+    assert_string_equal(kvarn_cache_staging_name(KVARN_STAGING_INT8), "int8");
+    assert_null(kvarn_cache_staging_name(2));
 }
 
 /* sink_tokens = k * G is sink_tiles = k, byte for byte (no slots); other
@@ -456,9 +541,11 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fill_to_the_count),
+        cmocka_unit_test(test_fill_to_the_count_int8),
         cmocka_unit_test(test_budget_below_pages),
         cmocka_unit_test(test_sink_tokens_plan),
         cmocka_unit_test(test_tail_pages_plan),
+        cmocka_unit_test(test_staging_plan),
         cmocka_unit_test(test_fit_budget_and_seqs),
         cmocka_unit_test(test_fit_budget_every_offset),
     };

@@ -136,14 +136,113 @@ static inline double attn_int8_dot_bound(const kvarn_paged_kv *kv, const kvarn_s
     return (exp(2.0 * delta) - 1.0) * vmax + ev;
 }
 
+/* The staged int8 token record of position t of view v, KV head h
+ * (KVARN_STAGING_INT8, paged.h "Staging"), or NULL when t is read from a
+ * KVarN record. */
+static inline const uint8_t *idb_staged_rec(const kvarn_paged_kv *kv, const kvarn_seq_view *v,
+                                            int h, int t)
+{
+    const int G = kv->block_size, ti = t / G;
+    if (kvarn_paged_tile_in_tail_pages(kv, v->committed_tiles, ti)) {
+        const int64_t off = t - kvarn_paged_tail_start(kv, v->committed_tiles);
+        return kvarn_paged_tail_rec(kv, v->tail_pages[off / kv->tail_page_tokens], h,
+                                    (int)(off % kv->tail_page_tokens));
+    }
+    if (kvarn_paged_tile_is_page(kv, v->committed_tiles, ti))
+        return kvarn_paged_page_rec(kv, v->block_table[ti], h, t % G);
+    if (t % G < kvarn_paged_tile_sink_tokens(kv, v->committed_tiles, ti))
+        return kvarn_paged_sink_rec(kv, v->sink_slot, h, t % G);
+    return NULL;
+}
+
+/* The int8 token kernel on the staged tokens of a KVarN view
+ * (KVARN_STAGING_INT8): the derivation of attn_int8_dot_bound above, with
+ * the kernel's query q' = H(scale q) / sqrt(D) (rotated in fp32: at most
+ * (log2 D + 3) 2^-24 sum_i |q'_i| / sqrt(D) per channel, added to eps in
+ * steps of sq as the KVarN part below does). *delta: max_t |ds_t| over the
+ * staged visible positions. *ev: sum over channels of the V part, in the
+ * rotated basis; one kernel call reads the staged tokens of one tile (or
+ * of one sink slot), so the window is a tile's staged tokens. */
+static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                   const float *q, double scale, int lo, int hi, double *delta,
+                                   double *ev)
+{
+    *delta = 0.0;
+    *ev = 0.0;
+    const int D = kv->head_dim, G = kv->block_size;
+    if (kv->staging != KVARN_STAGING_INT8 || D > 256 || hi < lo) return;
+    kvarn_format i8;
+    kvarn_record_layout L;
+    if (kvarn_format_parse("int8", &i8) != KVARN_OK ||
+        kvarn_record_layout_get(&i8, D, &L) != KVARN_OK) {
+        *delta = INFINITY;
+        return;
+    }
+    const double qmaxi = 32639.0, lg = log2((double)D) + 3.0;
+    double qp[1024], e[1024], cw[1024], qmax = 0.0, q1 = 0.0;
+    for (int d = 0; d < D; d++) qp[d] = (double)q[d] * scale;
+    pf_hadamard_d(qp, D);
+    for (int d = 0; d < D; d++) {
+        qmax = fmax(qmax, fabs(qp[d]));
+        q1 += fabs(qp[d]);
+    }
+    const double sq = qmax >= 0x1p-100 ? qmax / qmaxi : 0.0;
+    for (int d = 0; d < D; d++) {
+        if (sq == 0.0) {
+            e[d] = qp[d];
+            cw[d] = fabs(qp[d]) * 0x1p-20 + q1 * 0x1p-20;
+            continue;
+        }
+        const double eps = lg * 0x1p-24 * q1 / sqrt((double)D) / sq + 0x1p-7;
+        const double x = qp[d] / sq, fr = x - floor(x);
+        if (fabs(fr - 0.5) <= eps) {
+            e[d] = 0.0;
+            cw[d] = sq * (0.5 + eps);
+        } else {
+            e[d] = qp[d] - sq * nearbyint(x);
+            cw[d] = sq * eps;
+        }
+    }
+    double smax = 0.0, evd[1024], wsum[1024];
+    for (int d = 0; d < D; d++) evd[d] = 0.0;
+    for (int t = lo; t <= hi; t++) {
+        const uint8_t *rec = idb_staged_rec(kv, v, h, t);
+        if (rec == NULL) continue;
+        const double ks = fabs(idb_half(rec + L.k_a_off, 0));
+        double sgn = 0.0, wc = 0.0;
+        for (int d = 0; d < D; d++) {
+            const double c = (double)rec[L.k_codes_off + (size_t)d] - 128.0;
+            sgn += e[d] * c;
+            wc += cw[d] * fabs(c);
+        }
+        *delta = fmax(*delta, ks * (fabs(sgn) + wc));
+        smax = fmax(smax, fabs(idb_half(rec + L.v_a_off, 0)));
+    }
+    for (int ti = lo / G; ti <= hi / G; ti++) {
+        for (int d = 0; d < D; d++) wsum[d] = 0.0;
+        for (int t = ti * G > lo ? ti * G : lo; t <= hi && t < (ti + 1) * G; t++) {
+            const uint8_t *rec = idb_staged_rec(kv, v, h, t);
+            if (rec == NULL) continue;
+            for (int d = 0; d < D; d++) wsum[d] += fabs((double)rec[L.v_codes_off + (size_t)d] - 128.0);
+        }
+        for (int d = 0; d < D; d++) evd[d] = fmax(evd[d], (0.5 + 0x1p-8) / qmaxi * smax * wsum[d]);
+    }
+    for (int d = 0; d < D; d++) *ev += evd[d];
+}
+
 static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
                                         const float *q, double scale, int lo, int hi, double vmax)
 {
     const kvarn_format *fmt = &kv->fmt;
     if (fmt->kind == KVARN_KIND_INT8) return attn_int8_dot_bound(kv, v, h, q, scale, lo, hi, vmax);
+    /* staged int8 tokens (their scores move by at most sdelta, like the
+     * records' by delta: the softmax sees max of the two) */
+    double sdelta = 0.0, sev = 0.0;
+    if (fmt->kind == KVARN_KIND_KVARN)
+        idb_staged_int8(kv, v, h, q, scale, lo, hi, &sdelta, &sev);
     if (fmt->kind != KVARN_KIND_KVARN || kv->block_size != 128 ||
         (fmt->key_bits != 4 && fmt->value_bits != 2) || hi < lo)
-        return 0.0;
+        return (exp(2.0 * sdelta) - 1.0) * vmax + sev / sqrt((double)kv->head_dim);
     const int D = kv->head_dim, G = kv->block_size;
     kvarn_record_layout L;
     if (kvarn_record_layout_get(fmt, D, &L) != KVARN_OK) return INFINITY;
@@ -154,7 +253,7 @@ static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_se
     }
     pf_hadamard_d(qr, D);
     const double step = 0.5 + 1.0 / 256;
-    double delta = 0.0;
+    double delta = sdelta;
     for (int ti = lo / G; ti <= hi / G; ti++) {
         if (kvarn_paged_tile_is_page(kv, v->committed_tiles, ti)) continue;
         const uint8_t *rec = kvarn_paged_record(kv, v->block_table[ti], h);
@@ -210,7 +309,7 @@ static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_se
                 ev[d] = fmax(ev[d], 3.0 * G * step / 32767.0 * fabs(idb_half(rec + L.v_schan_off, d)) * amax);
         }
     }
-    double esum = 0.0;
+    double esum = sev;
     for (int d = 0; d < D; d++) esum += ev[d];
     return (exp(2.0 * delta) - 1.0) * vmax + esum / sqrt((double)D);
 }
