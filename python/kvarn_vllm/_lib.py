@@ -51,7 +51,9 @@ class PagedKV(ctypes.Structure):
                 # small tail pages (paged.h): unused here, left 0
                 ("tail_page_tokens", ctypes.c_int), ("fp16_tail_pages", ctypes.c_void_p),
                 ("tail_page_stride", ctypes.c_size_t),
-                ("tail_page_head_stride", ctypes.c_size_t), ("n_tail_pages", ctypes.c_int)]
+                ("tail_page_head_stride", ctypes.c_size_t), ("n_tail_pages", ctypes.c_int),
+                # staging below fp16 (paged.h): the plug-in stages fp16, left 0
+                ("staging", ctypes.c_int), ("staging_record_bytes", ctypes.c_size_t)]
 
 
 class SeqView(ctypes.Structure):
@@ -73,7 +75,8 @@ class CacheOpts(ctypes.Structure):
                 ("max_seqs", ctypes.c_int), ("max_seq_len", ctypes.c_int),
                 ("n_pages", ctypes.c_int), ("balance_iters", ctypes.c_int),
                 ("allocator", ctypes.c_void_p), ("sink_tokens", ctypes.c_int),
-                ("tail_page_tokens", ctypes.c_int), ("n_tail_pages", ctypes.c_int)]
+                ("tail_page_tokens", ctypes.c_int), ("n_tail_pages", ctypes.c_int),
+                ("staging", ctypes.c_int)]
 
 
 class CacheInfo(ctypes.Structure):
@@ -88,7 +91,8 @@ class CacheInfo(ctypes.Structure):
                 ("arena_bytes", ctypes.c_uint64), ("capacity_tokens", ctypes.c_uint64),
                 ("sink_tokens", ctypes.c_int), ("sink_partial", ctypes.c_int),
                 ("sink_bytes", ctypes.c_size_t), ("tail_page_tokens", ctypes.c_int),
-                ("n_tail_pages", ctypes.c_int), ("tail_page_bytes", ctypes.c_size_t)]
+                ("n_tail_pages", ctypes.c_int), ("tail_page_bytes", ctypes.c_size_t),
+                ("staging", ctypes.c_int), ("staging_record_bytes", ctypes.c_size_t)]
 
 
 class CudaAttnShape(ctypes.Structure):

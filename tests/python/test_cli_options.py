@@ -23,12 +23,13 @@ BASE = {
 # (command, the options --help lists in its first column, in table order)
 HELP_COLUMNS = [
     ("eval", ["--kv-cache-dtype", "--ctx", "--chunk", "--windows", "--decode-tokens", "--threads",
-              "--passkey", "--sink-tokens", "--tail-page-tokens", "--json", "--dump-kv",
+              "--passkey", "--sink-tokens", "--tail-page-tokens", "--kvarn-staging", "--json",
+              "--dump-kv",
               "--dump-layers"]),
     ("passkey", ["--kv-cache-dtype", "--lengths", "--depths", "--trials", "--chunk", "--seed",
                  "--threads", "--sink-tokens"]),
     ("inspect", ["--kv-cache-dtype", "-m", "--layers", "--kv-heads", "--head-dim", "--budget",
-                 "--max-seqs", "--sink-tokens", "--tail-page-tokens"]),
+                 "--max-seqs", "--sink-tokens", "--tail-page-tokens", "--kvarn-staging"]),
 ]
 
 
@@ -49,6 +50,22 @@ def test_help_lists_the_table(kvarn_bin, cmd, columns):
     assert first == columns
     # -h is --help, and it wins over options after it
     assert kvarn(kvarn_bin, cmd, *BASE[cmd], "-h", "--ctx", "0").stdout == r.stdout
+
+
+@pytest.mark.parametrize("cmd", ["eval", "inspect"])
+def test_kvarn_staging_names(kvarn_bin, cmd):
+    """--kvarn-staging takes fp16 or int8 (cache.h staging); another name
+    is a usage error naming both, before any model or text is read."""
+    for bad in ("fp8", "INT8", ""):
+        r = kvarn(kvarn_bin, cmd, *BASE[cmd], "--kvarn-staging", bad)
+        assert r.returncode == 2, (bad, r.stderr)
+        assert r.stderr == (f"kvarn {cmd}: --kvarn-staging {bad}: unknown staging format; "
+                            "expected fp16 or int8\n")
+    if cmd == "inspect":
+        for good in ("fp16", "int8"):
+            r = kvarn(kvarn_bin, cmd, *BASE[cmd], "--kv-cache-dtype", "kvarn_k4v2_g128",
+                      "--budget", "64MiB", "--kvarn-staging", good)
+            assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize("cmd", sorted(BASE))
