@@ -32,7 +32,8 @@ KIND_KVARN = 6
 class Format(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("name", ctypes.c_char * 32),
                 ("tile_tokens", ctypes.c_int), ("key_bits", ctypes.c_int),
-                ("value_bits", ctypes.c_int), ("per_tile", ctypes.c_int)]
+                ("value_bits", ctypes.c_int), ("per_tile", ctypes.c_int),
+                ("centred", ctypes.c_int)]
 
 
 class PagedKV(ctypes.Structure):
