@@ -74,7 +74,8 @@ class CacheOpts(ctypes.Structure):
                 ("max_seqs", ctypes.c_int), ("max_seq_len", ctypes.c_int),
                 ("n_pages", ctypes.c_int), ("balance_iters", ctypes.c_int),
                 ("allocator", ctypes.c_void_p), ("sink_tokens", ctypes.c_int),
-                ("tail_page_tokens", ctypes.c_int), ("n_tail_pages", ctypes.c_int)]
+                ("tail_page_tokens", ctypes.c_int), ("n_tail_pages", ctypes.c_int),
+                ("rtn_range", ctypes.c_int)]
 
 
 class CacheInfo(ctypes.Structure):

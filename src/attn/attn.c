@@ -15,6 +15,7 @@
 #include "cache/paged_check.h"
 #include "codec/checked.h"
 #include "codec/cpu.h"
+#include "codec/fp_convert.h"
 #include "codec/hadamard.h"
 
 /* Query rows (query tokens x GQA heads) one work item carries at most. */
@@ -439,10 +440,11 @@ static void add_value_means(attn_rows *r, const kvarn_record_layout *L, const ui
 {
     const int D = r->D;
     float *mu = r->meta;
-    for (int d = 0; d < D; d++) {
+    const uint8_t *m16 = rec + L->v_mu_off;
+    for (int d = 0; d < D; d++) { /* the inline conversion: vectorized */
         uint16_t h;
-        memcpy(&h, rec + L->v_mu_off + 2 * (size_t)d, 2);
-        mu[d] = kvarn_fp16_to_fp32(h);
+        memcpy(&h, m16 + 2 * (size_t)d, 2);
+        mu[d] = kvarn__fp16_to_f32(h);
     }
     for (int i = 0; i < r->n; i++) {
         const float p = r->psum[i];
