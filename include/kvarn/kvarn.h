@@ -171,7 +171,11 @@ uint64_t kvarn_capacity_tokens(const kvarn_format *fmt, int head_dim,
                                reconstruction error found by a search over
                                clipped ranges, then least-squares refits
                                (docs/kvarn-codec.md "Error-minimizing
-                               range"); about 3x the encode time */
+                               range"), for K's rows and V's; about 3x
+                               the encode time */
+#define KVARN_RTN_MSE_V 2   /* KVARN_RTN_MSE for V's rows only, K min/max
+                               (clipping a key row clips its outliers,
+                               which the softmax weighs most) */
 
 /* Codec settings. Pass NULL for the defaults. */
 typedef struct kvarn_codec_opts {
@@ -179,8 +183,9 @@ typedef struct kvarn_codec_opts {
                              (spec step 2); default 8, range [0, 64] */
     int prerotated;       /* encode: input already multiplied by H/sqrt(D)
                              (the paged cache's fp16 tail); default 0 */
-    int rtn_range;        /* KVarN: KVARN_RTN_MINMAX (default) or
-                             KVARN_RTN_MSE; ignored by per-token formats */
+    int rtn_range;        /* KVarN: KVARN_RTN_MINMAX (default),
+                             KVARN_RTN_MSE or KVARN_RTN_MSE_V; ignored by
+                             per-token formats */
 } kvarn_codec_opts;
 
 #define KVARN_CODEC_OPTS_DEFAULT { 8, 0, KVARN_RTN_MINMAX }

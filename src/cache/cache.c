@@ -103,7 +103,7 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
         o->n_layers > KVARN_CACHE_MAX_LAYERS || o->n_kv_heads > KVARN_CACHE_MAX_KV_HEADS ||
         o->max_seqs > 1000000 ||
         o->balance_iters < 0 || o->balance_iters > 64 ||
-        (o->rtn_range != KVARN_RTN_MINMAX && o->rtn_range != KVARN_RTN_MSE))
+        (o->rtn_range < KVARN_RTN_MINMAX || o->rtn_range > KVARN_RTN_MSE_V))
         return KVARN_ERR_INVALID_ARG;
     kvarn_status st = kvarn_record_layout_get(&o->format, o->head_dim, layout);
     if (st != KVARN_OK) return st;

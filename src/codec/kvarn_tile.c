@@ -557,7 +557,8 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
     const int D = L->head_dim, G = L->tile_tokens;
     const int iters = opts ? opts->balance_iters : 8;
     const int prerotated = opts ? opts->prerotated != 0 : 0;
-    const int rtn = opts ? opts->rtn_range : KVARN_RTN_MINMAX;
+    const int rtn_v = opts && opts->rtn_range != KVARN_RTN_MINMAX ? KVARN_RTN_MSE : KVARN_RTN_MINMAX;
+    const int rtn = opts && opts->rtn_range == KVARN_RTN_MSE ? KVARN_RTN_MSE : KVARN_RTN_MINMAX;
     const int centred = L->v_mu_bytes != 0;
     tile_ws ws;
     if (ws_layout(D, G, workspace, &ws) == 0) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
@@ -581,7 +582,7 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
             return KVARN_ERR_NONFINITE;
         if (centred && (st = centre_values(ws.x, ws.tmp, G, D, rec + L->v_mu_off)) != KVARN_OK)
             return st;
-        st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rtn, rec + L->v_codes_off,
+        st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rtn_v, rec + L->v_codes_off,
                            rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
         if (st != KVARN_OK) return st;
         memcpy(record, rec, L->record_bytes);
@@ -600,7 +601,7 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
     st = load_rotated(v, G, D, prerotated, ws.x);
     if (st != KVARN_OK) return st;
     if (centred && (st = centre_values(ws.x, NULL, G, D, rec + L->v_mu_off)) != KVARN_OK) return st;
-    st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rtn, rec + L->v_codes_off,
+    st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rtn_v, rec + L->v_codes_off,
                        rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
     if (st != KVARN_OK) return st;
 

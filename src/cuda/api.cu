@@ -197,7 +197,7 @@ kvarn_status kvarn_cuda_commit(const kvarn_paged_kv *kv,
     kvarn_codec_opts o = KVARN_CODEC_OPTS_DEFAULT;
     if (opts != NULL) o = *opts;
     if (o.balance_iters < 0 || o.balance_iters > 64 ||
-        (o.rtn_range != KVARN_RTN_MINMAX && o.rtn_range != KVARN_RTN_MSE))
+        (o.rtn_range < KVARN_RTN_MINMAX || o.rtn_range > KVARN_RTN_MSE_V))
         return KVARN_ERR_INVALID_ARG;
     /* the device commit runs the spec's min/max range only */
     if (o.rtn_range != KVARN_RTN_MINMAX) return KVARN_ERR_UNSUPPORTED;

@@ -56,7 +56,7 @@ static kvarn_status session_plan(const kvarn_llama *model,
     if (o->max_chunk > o->max_tokens) o->max_chunk = o->max_tokens;
     if (o->max_tokens < 1 || o->max_chunk < 1 || o->sink_tiles < -1 || o->sink_tokens < 0 ||
         o->tail_page_tokens < 0 ||
-        (o->rtn_range != KVARN_RTN_MINMAX && o->rtn_range != KVARN_RTN_MSE) ||
+        (o->rtn_range < KVARN_RTN_MINMAX || o->rtn_range > KVARN_RTN_MSE_V) ||
         o->balance_iters < -1 || o->balance_iters > 64 || (o->exact != 0 && o->exact != 1) ||
         o->attn_threads < 0 || o->attn_threads > 256 ||
         (o->exact_chunk != 0 && o->exact_chunk != 1) ||

@@ -1044,6 +1044,22 @@ static void test_simd_centred_mse(void **state)
                                          modes[mi].rtn, rep, levels[lv], kvarn_strerror(got),
                                          kvarn_strerror(want), got == want ? " (records differ)" : "");
                         }
+                        if (want == KVARN_OK && modes[mi].rtn == KVARN_RTN_MSE) {
+                            /* KVARN_RTN_MSE_V: V as MSE, K as min/max */
+                            kvarn_codec_opts ov = o, ok = o;
+                            ov.rtn_range = KVARN_RTN_MSE_V;
+                            ok.rtn_range = KVARN_RTN_MINMAX;
+                            assert_int_equal(kvarn_encode(&b.fmt, D, k, v, b.rec2, b.L.record_bytes,
+                                                          b.ws, b.ws_bytes, &ov), KVARN_OK);
+                            assert_memory_equal(b.rec + b.L.v_codes_off, b.rec2 + b.L.v_codes_off,
+                                                b.L.record_bytes - b.L.v_codes_off);
+                            uint8_t *kmin = malloc(b.L.record_bytes);
+                            assert_non_null(kmin);
+                            assert_int_equal(kvarn_encode(&b.fmt, D, k, v, kmin, b.L.record_bytes,
+                                                          b.ws, b.ws_bytes, &ok), KVARN_OK);
+                            assert_memory_equal(kmin, b.rec2, b.L.v_codes_off);
+                            free(kmin);
+                        }
                         if (want != KVARN_OK || !modes[mi].centred) continue;
                         /* decode = spec formula on the fields + mu_d, rotated basis */
                         assert_int_equal(kvarn_decode(&b.fmt, D, b.rec, b.L.record_bytes, kd, vd,
