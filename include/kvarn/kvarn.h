@@ -171,8 +171,9 @@ uint64_t kvarn_capacity_tokens(const kvarn_format *fmt, int head_dim,
                                reconstruction error found by a search over
                                clipped ranges, then least-squares refits
                                (docs/kvarn-codec.md "Error-minimizing
-                               range"), for K's rows and V's; about 3x
-                               the encode time */
+                               range"), for K's rows and V's; plain C,
+                               ~25x the encode time (D 64: 1.0 ms a tile
+                               against 38 us) */
 #define KVARN_RTN_MSE_V 2   /* KVARN_RTN_MSE for V's rows only, K min/max
                                (clipping a key row clips its outliers,
                                which the softmax weighs most) */
