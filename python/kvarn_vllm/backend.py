@@ -189,7 +189,9 @@ class KvarnAttentionBackend(AttentionBackend):
         from dataclasses import replace
         name = _State.dtype_name
         fmt = _lib.parse_format(name, spec.head_size)
-        if spec.block_size != fmt.tile_tokens:
+        # block_size 1: vLLM asking for the bytes of one token (sliding-window
+        # specs, page alignment), not a block the cache will have
+        if spec.block_size != fmt.tile_tokens and spec.block_size != 1:
             raise ValueError(
                 f"kvarn: --kv-cache-dtype {name} stores tiles of {fmt.tile_tokens} tokens, "
                 f"so it needs --block-size {fmt.tile_tokens} (got {spec.block_size})")
@@ -401,21 +403,48 @@ def _log_commits(p) -> None:
         f.write("stats " + json.dumps(_State.staging.stats) + "\n")
 
 
+def _kvarn_attn_group(runner):
+    """The model runner's attention group of the kvarn layers (a hybrid
+    model has others, in vLLM's own cache), or None."""
+    for groups in getattr(runner, "attn_groups", None) or []:
+        for g in groups:
+            if g.backend is KvarnAttentionBackend:
+                return g
+    return None
+
+
+def kernel_block_ids(runner, block_ids) -> list:
+    """vLLM's block ids (the KV-cache manager's) as block ids of the kvarn
+    layers' cache tensor. Where vLLM 0.32 gives the manager blocks of several
+    tiles (its page alignment when layers of vLLM's own cache share the block
+    pool, docs/vllm.md "Sliding-window layers"), each is split into kernel
+    blocks of one tile (get_supported_kernel_block_sizes): manager block b
+    is kernel blocks b * stride + j, j < n, as the attention metadata's block
+    table has them (AttentionGroup.map_to_kernel_block_table)."""
+    g = _kvarn_attn_group(runner)
+    if g is None or g.kernel_block_size is None:
+        return [int(b) for b in block_ids]
+    n = g.kv_cache_spec.block_size // g.kernel_block_size
+    s = g.kernel_block_stride or n
+    return [int(b) * s + j for b in block_ids for j in range(n)]
+
+
 def _live_blocks() -> set:
-    """Block ids held by the requests in vLLM's persistent batch (running,
-    scheduled this step or not)."""
+    """Block ids (the kvarn cache's) held by the requests in vLLM's
+    persistent batch (running, scheduled this step or not)."""
     r = _State.runner
     if r is None:
         return set()
     try:
         ib = r.input_batch
-        bt = ib.block_table[0]
+        g = _kvarn_attn_group(r)
+        bt = ib.block_table[0 if g is None else g.kv_cache_group_id]
         n = ib.num_reqs
         arr = bt.block_table.np[:n]
         cnt = bt.num_blocks_per_row[:n]
-        out = set()
+        out = []
         for i in range(n):
-            out.update(int(x) for x in arr[i, : int(cnt[i])])
-        return out
+            out.extend(int(x) for x in arr[i, : int(cnt[i])])
+        return set(kernel_block_ids(r, out))
     except AttributeError:
         return set()

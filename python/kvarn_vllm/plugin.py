@@ -21,6 +21,7 @@ CPU build cannot import vllm.platforms.cuda); the CUDA path has not been
 run on a GPU (docs/vllm.md "GPU").
 """
 import itertools
+import os
 import typing
 
 import numpy as np
@@ -120,8 +121,110 @@ def _patch_cli() -> None:
 
     def create_engine_config(self, *a, **k):
         _validate_name(self.kv_cache_dtype)
-        return orig_create(self, *a, **k)
+        cfg = orig_create(self, *a, **k)
+        from .backend import is_kvarn_dtype
+        if is_kvarn_dtype(cfg.cache_config.cache_dtype):
+            check_model(cfg)
+        return cfg
     au.EngineArgs.create_engine_config = create_engine_config
+
+
+SLIDING_ENV = "KVARN_SLIDING_WINDOW"
+SLIDING_MARK = "sliding_window"   # vLLM's kv_cache_dtype_skip_layers pattern
+
+
+def sliding_window_policy() -> str:
+    """KVARN_SLIDING_WINDOW: "vllm" (default) keeps sliding-window layers in
+    vLLM's own cache (as upstream KVarN does), "quantize" stores them in the
+    kvarn format like every other layer."""
+    v = os.environ.get(SLIDING_ENV, "vllm")
+    if v not in ("vllm", "quantize"):
+        raise ValueError(
+            f"kvarn: {SLIDING_ENV} must be 'vllm' (default: sliding-window layers keep "
+            f"vLLM's own cache) or 'quantize' (store them as kvarn records too); got {v!r}")
+    return v
+
+
+def check_model(vllm_config) -> None:
+    """Front-end checks, in the process that calls LLM(...) or starts the
+    server, before any engine process starts: what the model needs that the
+    kvarn backend refuses raises here with the reason and what to do (the
+    backend's own checks in the worker stay, but vLLM reports a worker's
+    error only as "Engine core initialization failed"). Also applies
+    KVARN_SLIDING_WINDOW: with "vllm" the sliding-window layers are listed in
+    vLLM's kv_cache_dtype_skip_layers (0.32's per-layer cache dtype), so they
+    get vLLM's own cache and backend."""
+    from . import _lib
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    name = cc.cache_dtype
+    policy = sliding_window_policy()
+    try:
+        _lib.parse_format(name, mc.get_head_size())
+    except ValueError as e:
+        raise ValueError(
+            f"kvarn: {mc.model} has head_dim {mc.get_head_size()}, which {name} cannot "
+            f"store ({e}); serve it with one of vLLM's own cache dtypes (e.g. "
+            f"--kv-cache-dtype auto)") from None
+    hf = mc.hf_text_config
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    if cap:
+        raise ValueError(
+            f"kvarn: {mc.model} soft-caps its attention logits (attn_logit_softcapping="
+            f"{cap}), which the kvarn attention kernels do not do; serve it with one of "
+            f"vLLM's own cache dtypes (e.g. --kv-cache-dtype auto)")
+    if policy == "vllm" and mc.get_sliding_window() is not None \
+            and SLIDING_MARK not in cc.kv_cache_dtype_skip_layers:
+        cc.kv_cache_dtype_skip_layers = sorted(set(cc.kv_cache_dtype_skip_layers)
+                                               | {SLIDING_MARK})
+        cc._kvarn_added_sliding = True
+
+
+def kvarn_layer_names(vllm_config) -> list:
+    """The attention layers that store their cache in the kvarn format (the
+    others were given vLLM's own cache by kv_cache_dtype_skip_layers)."""
+    from vllm.config.vllm import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from .backend import is_kvarn_dtype
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+    return [n for n, l in layers.items() if is_kvarn_dtype(getattr(l, "kv_cache_dtype", None))]
+
+
+def _patch_block_size(Platform) -> None:
+    """Platform.update_block_size_for_backend (run in the worker once the
+    model is built): where the kvarn dtype has layers in vLLM's own cache,
+    vLLM 0.32 aligns the pages of both kinds (_align_heterogeneous_kv_block_size);
+    where KVARN_SLIDING_WINDOW's entry in kv_cache_dtype_skip_layers matched
+    no layer, or matched every layer, there is nothing to align and the entry
+    is taken out again (the alignment would otherwise still run)."""
+    if getattr(Platform.update_block_size_for_backend, "_kvarn", False):
+        return
+    orig = Platform.update_block_size_for_backend.__func__
+
+    def update_block_size_for_backend(cls, vllm_config):
+        from .backend import is_kvarn_dtype
+        cc = vllm_config.cache_config
+        if is_kvarn_dtype(cc.cache_dtype) and getattr(cc, "_kvarn_added_sliding", False):
+            from vllm.config.vllm import get_layers_from_vllm_config
+            from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+            n_all = len(get_layers_from_vllm_config(vllm_config, AttentionLayerBase))
+            n_kv = len(kvarn_layer_names(vllm_config))
+            from vllm.logger import init_logger
+            log = init_logger("vllm.kvarn_vllm")
+            if n_kv == 0:
+                log.warning("kvarn: every attention layer has a sliding window and keeps "
+                            "vLLM's own cache (%s=vllm, the default): nothing is "
+                            "quantized; %s=quantize stores them as kvarn records",
+                            SLIDING_ENV, SLIDING_ENV)
+            else:
+                log.info("kvarn: %d of %d attention layers in %s, %d sliding-window layers "
+                         "in vLLM's own cache (%s=vllm)", n_kv, n_all, cc.cache_dtype,
+                         n_all - n_kv, SLIDING_ENV)
+            if n_kv in (0, n_all) and cc.kv_cache_dtype_skip_layers == [SLIDING_MARK]:
+                cc.kv_cache_dtype_skip_layers = []
+        return orig(cls, vllm_config)
+    update_block_size_for_backend._kvarn = True
+    Platform.update_block_size_for_backend = classmethod(update_block_size_for_backend)
 
 
 def _on_cuda() -> bool:
@@ -135,9 +238,11 @@ def _on_cuda() -> bool:
 def _patch_platform() -> None:
     from vllm.platforms.cpu import CpuPlatform
     _patch_platform_cls(CpuPlatform)
+    _patch_block_size(CpuPlatform)
     if _on_cuda():
         from vllm.platforms.cuda import CudaPlatform
         _patch_platform_cls(CudaPlatform)
+        _patch_block_size(CudaPlatform)
 
 
 def _patch_platform_cls(Platform) -> None:
@@ -169,7 +274,10 @@ def staging_bytes(vllm_config) -> int:
     name = vllm_config.cache_config.cache_dtype
     fmt = _lib.parse_format(name, mc.get_head_size())
     tiles, partial = sink_config(fmt.tile_tokens)
-    return pool_bytes(fmt, mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
+    n_layers = len(kvarn_layer_names(vllm_config))   # layers in vLLM's cache have no pool
+    if n_layers == 0:
+        return 0
+    return pool_bytes(fmt, n_layers, mc.get_num_kv_heads(pc), mc.get_head_size(),
                       vllm_config.scheduler_config.max_num_seqs, tiles, partial,
                       draft_tokens(vllm_config))
 
@@ -219,7 +327,8 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str) -> None:
         from .backend import _State, is_kvarn_dtype
         _State.runner = self
         if _State.staging is not None:
-            _State.staging.reset_blocks(block_ids)
+            from .backend import kernel_block_ids
+            _State.staging.reset_blocks(kernel_block_ids(self, block_ids))
         if is_kvarn_dtype(self.cache_config.cache_dtype) and not _vllm_zeroes(self.kv_cache_config):
             # reported only for kvarn's bookkeeping (_patch_scheduler): a
             # record is never read before its commit, nothing to zero

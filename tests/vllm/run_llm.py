@@ -15,9 +15,15 @@ instead of kv_space_gib), load_format, prompts (text) or prompt_ids
 (token-id lists), max_tokens (16), logprobs (null), prompt_logprobs (null),
 max_logprobs (20), dtype (the model's, "float32"), tensor_parallel_size (1),
 pipeline_parallel_size (1), distributed_executor_backend (null: vLLM's),
-enforce_eager (true), compilation_config (null: vLLM's), env (variables set before vLLM is imported).
+enforce_eager (true), compilation_config (null: vLLM's), env (variables set
+before vLLM is imported), dense_logprobs (N: each position's logprobs as a
+list of the first N token ids' in id order, for logprobs covering the whole
+vocabulary), rounds (after prompts, more generate calls in the same engine,
+each a dict of prompt_ids, logprobs, prompt_logprobs; their outputs in
+"rounds").
 Prints {"kv_tokens": N, "outputs": [{"text", "token_ids", "logprobs",
 "prompt_logprobs"}...]}; logprobs as [{token_id: logprob}] per position.
+If LLM(...) raises, prints STARTUP_ERROR "<type>: <message>" (JSON) first.
 """
 import json
 import os
@@ -54,7 +60,11 @@ def main() -> None:
     if cfg.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
         kw["enable_chunked_prefill"] = True
-    llm = LLM(**kw)
+    try:
+        llm = LLM(**kw)
+    except Exception as e:  # what LLM(...) itself raises, for the tests to read
+        print("STARTUP_ERROR " + json.dumps(f"{type(e).__name__}: {e}"), flush=True)
+        raise
     if os.environ.get("KVARN_TEST_COMMIT_LOG"):
         # the engine is up: the plug-in's commit log starts (backend.py)
         open(os.environ["KVARN_TEST_COMMIT_LOG"] + ".go", "w").close()
@@ -67,22 +77,35 @@ def main() -> None:
         prompts = cfg["prompts"]
     for w in cfg.get("warm_prompts", []):
         llm.generate([w], sp, use_tqdm=False)
-    import time
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    gen_s = time.perf_counter() - t0
+    dense = cfg.get("dense_logprobs", False)
 
     def lp(seq):
         if seq is None:
             return None
+        if dense:  # every token's logprob, in token-id order
+            return [None if d is None else [v.logprob for _, v in sorted(d.items())][:dense]
+                    for d in seq]
         return [None if d is None else {str(t): v.logprob for t, v in d.items()} for d in seq]
 
-    res = {"outputs": [{"text": o.outputs[0].text,
-                        "token_ids": list(o.outputs[0].token_ids),
-                        "prompt_token_ids": list(o.prompt_token_ids),
-                        "logprobs": lp(o.outputs[0].logprobs),
-                        "prompt_logprobs": lp(o.prompt_logprobs),
-                        "num_cached_tokens": o.num_cached_tokens} for o in outs]}
+    def run(prompts, sp):
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return [{"text": o.outputs[0].text,
+                 "token_ids": list(o.outputs[0].token_ids),
+                 "prompt_token_ids": list(o.prompt_token_ids),
+                 "logprobs": lp(o.outputs[0].logprobs),
+                 "prompt_logprobs": lp(o.prompt_logprobs),
+                 "num_cached_tokens": o.num_cached_tokens} for o in outs]
+
+    import time
+    t0 = time.perf_counter()
+    res = {"outputs": run(prompts, sp)}
+    gen_s = time.perf_counter() - t0
+    rounds = []
+    for r in cfg.get("rounds", []):
+        rsp = SamplingParams(temperature=0, max_tokens=cfg.get("max_tokens", 16),
+                             logprobs=r.get("logprobs"), prompt_logprobs=r.get("prompt_logprobs"))
+        rounds.append(run([TokensPrompt(prompt_token_ids=ids) for ids in r["prompt_ids"]], rsp))
+    res["rounds"] = rounds
     cc = llm.llm_engine.vllm_config.cache_config
     res["kv_blocks"] = cc.num_gpu_blocks
     res["kv_tokens"] = None if cc.num_gpu_blocks is None else cc.num_gpu_blocks * cc.block_size

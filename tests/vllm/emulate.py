@@ -1,0 +1,145 @@
+"""What the kvarn cache does to a model's next-token distributions, worked
+out independently of vLLM: transformers runs the model in fp32 with an
+attention function that takes K and V through the C library's own codec
+(kvarn_encode + kvarn_decode, libkvarn.so, one record per 128-token tile and
+KV head) and applies the plug-in's read rule (docs/vllm.md "A step"): a
+query in tile t sees tiles [sink, t) as decoded records, the sink tiles
+and its own tile t exact. Layers that the plug-in leaves in vLLM's own
+cache (sliding-window layers unless KVARN_SLIDING_WINDOW=quantize) are not
+quantized here either.
+
+kl_per_position(model_dir, ids, quantize_sliding) returns, for each prompt
+position, KL(P_exact || P_codec) over the whole vocabulary, and the exact
+log-probabilities (to check that vLLM's fp32 reference computes the same
+model). Not emulated: the plug-in's fp16 rounding of the tiles it keeps
+unquantized (relative error 2^-11, far below the 4-/2-bit codec's).
+"""
+import ctypes
+
+import numpy as np
+import torch
+
+from kvarn_vllm import _lib
+
+FORMAT = "kvarn_k4v2_g128"
+SINK_TILES = 1
+
+
+class _Codec:
+    def __init__(self, name: str, head_dim: int):
+        L = _lib.lib()
+        P, I, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        pf = ctypes.POINTER(_lib.Format)
+        L.kvarn_encode_workspace_bytes.restype = Z
+        L.kvarn_encode_workspace_bytes.argtypes = [pf, I]
+        L.kvarn_encode.restype = I
+        L.kvarn_encode.argtypes = [pf, I, P, P, P, Z, P, Z, P]
+        L.kvarn_decode.restype = I
+        L.kvarn_decode.argtypes = [pf, I, P, Z, P, P, ctypes.c_uint]
+        self.L, self.D = L, head_dim
+        self.fmt = _lib.parse_format(name, head_dim)
+        self.G = self.fmt.tile_tokens
+        self.rb = _lib.record_bytes(self.fmt, head_dim)
+        self.rec = np.zeros(self.rb, dtype=np.uint8)
+        wsb = L.kvarn_encode_workspace_bytes(ctypes.byref(self.fmt), head_dim)
+        self.ws = np.zeros(wsb + 16, dtype=np.uint8)
+        self.wsb = wsb
+
+    def roundtrip(self, k: np.ndarray, v: np.ndarray):
+        """k, v fp32 [G, D] -> the decoded record's K, V."""
+        k = np.ascontiguousarray(k, dtype=np.float32)
+        v = np.ascontiguousarray(v, dtype=np.float32)
+        ko, vo = np.empty_like(k), np.empty_like(v)
+        a = self.ws.ctypes.data
+        ws = a + (-a) % 16
+        _lib.check(self.L.kvarn_encode(ctypes.byref(self.fmt), self.D, k.ctypes.data,
+                                       v.ctypes.data, self.rec.ctypes.data, self.rb, ws,
+                                       self.wsb, None), "kvarn_encode")
+        _lib.check(self.L.kvarn_decode(ctypes.byref(self.fmt), self.D, self.rec.ctypes.data,
+                                       self.rb, ko.ctypes.data, vo.ctypes.data, 0),
+                   "kvarn_decode")
+        return ko, vo
+
+
+_STATE = {"quantized": None, "codec": None}
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+               softcap=None, **kw):
+    """transformers attention function (query [B, Hq, S, D], key/value
+    [B, Hk, S, D], post-RoPE and post-norm) with the codec applied."""
+    assert softcap is None, "soft-capping is refused by the plug-in; not emulated"
+    B, Hq, S, D = query.shape
+    Hk = key.shape[1]
+    if scaling is None:
+        scaling = D ** -0.5
+    rep = Hq // Hk
+    k = key.repeat_interleave(rep, dim=1)
+    v = value.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(query, k.transpose(2, 3)) * scaling
+    quant = _STATE["quantized"](module)
+    if quant:
+        codec = _STATE["codec"]
+        G = codec.G
+        kq, vq = key.clone(), value.clone()
+        for b in range(B):
+            for h in range(Hk):
+                for t in range(SINK_TILES, S // G):
+                    sl = slice(t * G, (t + 1) * G)
+                    ko, vo = codec.roundtrip(key[b, h, sl].numpy(), value[b, h, sl].numpy())
+                    kq[b, h, sl] = torch.from_numpy(ko)
+                    vq[b, h, sl] = torch.from_numpy(vo)
+        kq = kq.repeat_interleave(rep, dim=1)
+        vq = vq.repeat_interleave(rep, dim=1)
+        tile = torch.arange(S) // G
+        use_rec = (tile[None, :] < tile[:, None]) & (tile[None, :] >= SINK_TILES)  # [Sq, Sk]
+        scores_q = torch.matmul(query, kq.transpose(2, 3)) * scaling
+        scores = torch.where(use_rec, scores_q, scores)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        else:
+            scores = scores + attention_mask
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if quant:
+        out = torch.matmul(p * use_rec, vq) + torch.matmul(p * ~use_rec, v)
+    else:
+        out = torch.matmul(p, v)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    AttentionInterface.register("kvarn_emu", _attention)
+    AttentionMaskInterface.register("kvarn_emu", AttentionMaskInterface._global_mapping["eager"])
+
+
+def _is_sliding(config, layer_idx: int) -> bool:
+    lt = getattr(config, "layer_types", None)
+    if lt:
+        return lt[layer_idx] == "sliding_attention" and config.sliding_window is not None
+    return getattr(config, "sliding_window", None) is not None
+
+
+def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool = False):
+    """fp32 log-probabilities [len(ids), vocab] of the model on ids, the
+    cache exact (quantize False) or through the codec as the plug-in would
+    hold it."""
+    from transformers import AutoModelForCausalLM
+    _register()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="kvarn_emu")
+    model.eval()
+    cfg = model.config.get_text_config()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    _STATE["codec"] = _Codec(FORMAT, head_dim)
+    _STATE["quantized"] = lambda m: quantize and (
+        quantize_sliding or not _is_sliding(cfg, m.layer_idx))
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=False)
+    return torch.log_softmax(out.logits[0].float(), dim=-1).numpy()
+
+
+def kl_rows(lp_p: np.ndarray, lp_q: np.ndarray) -> np.ndarray:
+    """KL(P || Q) per row of two log-probability matrices."""
+    return np.sum(np.exp(lp_p) * (lp_p - lp_q), axis=-1)

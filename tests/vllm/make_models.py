@@ -1,0 +1,156 @@
+"""Small random-weight models of the families users serve, built from
+transformers configs (no download): per-layer shapes as in the real
+checkpoints (head_dim, GQA ratio, biases, q/k norms, sliding windows, soft
+caps), few layers and a small vocabulary so that a CPU run takes seconds.
+
+    python make_models.py OUT_DIR [family ...]    # default: every family
+
+Each family is written to OUT_DIR/<family> (save_pretrained, fp32) with
+SmolLM2's tokenizer beside it (models/SmolLM2-135M-Instruct-hf): the
+vocabulary is VOCAB = 2048 ids, all of them ids of that tokenizer, so vLLM
+can detokenize whatever the model emits; the tests feed token ids.
+
+Weights: transformers' own initialisation (normal, std initializer_range =
+0.02, norms at 1), seeded per family, then three changes so that the cache
+format matters as it does in a trained model (with std 0.02 everywhere the
+attention scores have std ~0.4, attention is nearly uniform and averages
+the codec's error away, and the next-token distribution is nearly flat):
+  - q_proj and k_proj weights x QK_GAIN (scores of std ~ 3, peaked attention);
+  - lm_head x HEAD_GAIN (logits of std ~ 3: a peaked next-token distribution);
+  - embed_tokens x EMBED_GAIN (std 1: the residual stream a few times one
+    layer's attention output, as in a trained model, rather than dominated
+    by it). Gemma-2 ties the two matrices (a large embedding would make every
+    token predict itself) and scales the embedding by sqrt(hidden) itself,
+    with a norm after each attention: there the embedding keeps its std and
+    the head's gain goes on the final norm (scale 1 + weight = HEAD_GAIN);
+  - Qwen2: q/k/v biases N(0, BIAS_STD^2) (real Qwen2 checkpoints have k/v
+    bias entries of a few units, which are most of the key's magnitude);
+    Qwen3: q/k norm weights log-normal around 1 (real ones are not all 1).
+Deterministic: the same files for the same transformers/torch versions.
+"""
+import os
+import shutil
+import sys
+
+VOCAB = 2048
+QK_GAIN = 3.0
+HEAD_GAIN = 5.0
+EMBED_GAIN = 50.0
+BIAS_STD = 2.0
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+TOKENIZER_DIR = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-hf")
+
+# family -> (transformers config class name, config kwargs). Shapes per layer
+# as in the named checkpoint; hidden size, layers and vocabulary cut down.
+COMMON = dict(vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=False,
+              initializer_range=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+FAMILIES = {
+    # Llama-3-8B: 32 q heads, 8 KV heads (GQA 4:1), head_dim 128, rope 5e5
+    "llama3": ("LlamaConfig", dict(hidden_size=1024, intermediate_size=2048,
+                                   num_hidden_layers=3, num_attention_heads=8,
+                                   num_key_value_heads=2, head_dim=128, rope_theta=500000.0,
+                                   rms_norm_eps=1e-5)),
+    # Qwen2-7B: head_dim 128, GQA 7:1, q/k/v biases
+    "qwen2": ("Qwen2Config", dict(hidden_size=896, intermediate_size=2048,
+                                  num_hidden_layers=3, num_attention_heads=7,
+                                  num_key_value_heads=1, rope_theta=1000000.0,
+                                  rms_norm_eps=1e-6, use_sliding_window=False)),
+    # Qwen3-8B: head_dim 128 (not hidden / heads), q/k RMS norms, no biases
+    "qwen3": ("Qwen3Config", dict(hidden_size=512, intermediate_size=1536,
+                                  num_hidden_layers=3, num_attention_heads=8,
+                                  num_key_value_heads=2, head_dim=128, rope_theta=1000000.0,
+                                  rms_norm_eps=1e-6, use_sliding_window=False)),
+    # Mistral-7B-v0.1: a sliding window on every layer (4096 there; 256 here,
+    # so that the test prompts are longer than it), head_dim 128, GQA 4:1
+    "mistral": ("MistralConfig", dict(hidden_size=1024, intermediate_size=2048,
+                                      num_hidden_layers=3, num_attention_heads=8,
+                                      num_key_value_heads=2, head_dim=128,
+                                      sliding_window=256, rope_theta=10000.0)),
+    # Gemma-2-2B: head_dim 256, attention logit soft-capping 50, final 30,
+    # local (sliding 4096) and global layers alternating
+    "gemma2": ("Gemma2Config", dict(hidden_size=512, intermediate_size=1024,
+                                    num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=256,
+                                    query_pre_attn_scalar=256, sliding_window=256,
+                                    attn_logit_softcapping=50.0,
+                                    final_logit_softcapping=30.0,
+                                    tie_word_embeddings=True)),
+    # the same without attention soft-capping: the hybrid (local + global)
+    # path; the final logit cap is not attention's and stays
+    "gemma2_nocap": ("Gemma2Config", dict(hidden_size=512, intermediate_size=1024,
+                                          num_hidden_layers=4, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=256,
+                                          query_pre_attn_scalar=256, sliding_window=256,
+                                          attn_logit_softcapping=None,
+                                          final_logit_softcapping=30.0,
+                                          tie_word_embeddings=True)),
+    # Phi-3-mini: head_dim 96 (3072 / 32), fused qkv
+    "phi3": ("Phi3Config", dict(hidden_size=768, intermediate_size=2048,
+                                num_hidden_layers=2, num_attention_heads=8,
+                                num_key_value_heads=8, rope_theta=10000.0,
+                                sliding_window=None)),
+}
+
+
+def _scale_weights(model, family: str, gen) -> None:
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(QK_GAIN)
+            elif name.endswith("qkv_proj.weight"):  # Phi-3: q, k, v stacked
+                c = model.config
+                d = c.hidden_size // c.num_attention_heads
+                nq, nk = c.num_attention_heads * d, c.num_key_value_heads * d
+                p[: nq + nk].mul_(QK_GAIN)
+            elif name == "lm_head.weight":
+                p.mul_(HEAD_GAIN)
+            elif name.endswith("embed_tokens.weight") and not model.config.tie_word_embeddings:
+                p.mul_(EMBED_GAIN)
+            elif name == "model.norm.weight" and model.config.tie_word_embeddings:
+                # Gemma-2 (tied, as vLLM loads it): the head's gain on the
+                # final norm, whose scale is 1 + weight
+                p.fill_(HEAD_GAIN - 1)
+            elif family == "qwen2" and name.endswith(("q_proj.bias", "k_proj.bias",
+                                                      "v_proj.bias")):
+                p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
+            elif family == "qwen3" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_(torch.exp(torch.randn(p.shape, generator=gen) * 0.5))
+
+
+def make(family: str, out_dir: str) -> str:
+    """Write OUT_DIR/<family> unless it is there; returns its path."""
+    import torch
+    import transformers
+    path = os.path.join(out_dir, family)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    cls_name, kw = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**dict(COMMON, **kw))
+    seed = sum(map(ord, family))
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _scale_weights(model, family, torch.Generator().manual_seed(seed + 1))
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in os.listdir(TOKENIZER_DIR):
+        if f.startswith(("tokenizer", "special_tokens")) or f == "chat_template.jinja":
+            shutil.copy(os.path.join(TOKENIZER_DIR, f), os.path.join(tmp, f))
+    os.replace(tmp, path)
+    return path
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    for fam in sys.argv[2:] or list(FAMILIES):
+        if fam not in FAMILIES:
+            sys.exit(f"make_models: unknown family {fam!r} (known: {', '.join(FAMILIES)})")
+        print(make(fam, out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The model families users serve, as small random-weight models
+(make_models.py: per-layer shapes of Llama-3, Qwen2, Qwen3, Mistral,
+Gemma-2, Phi-3): vLLM with kvarn_k4v2_g128 either serves them or refuses at
+start-up, LLM(...) raising with the reason and what to do.
+
+Served: against vLLM's own fp32 cache on the same prompt, the KL divergence
+of the whole next-token distribution (every vocabulary entry: the models
+have 2048) over the prompt positions whose queries read quantized tiles
+must be what the codec does to those K/V. That figure, K_e, is computed
+without vLLM (emulate.py: transformers in fp32, K/V through libkvarn's
+kvarn_encode/kvarn_decode, the plug-in's read rule). The two are one codec
+on the same K/V on two hosts, so vLLM's figure must be within the codec's
+own effect of it, |K_v - K_e| <= K_e (the rule test_llama and test_serve
+use for two paths of one format), and K_v >= K_e / 2 (the factor the other
+way: a run that quantized fewer layers than it should, or none, fails).
+Greedy tokens: where they first differ, the reference's probability margin
+is at most sqrt(2 k) with k = 2 max K_e (Pinsker, test_serve's argument).
+Prefix caching: the same prompt with its first 8 tiles found in vLLM's
+prefix cache gives the same tokens as computed cold, in one engine.
+"""
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import run_llm
+
+sys.path.insert(0, os.path.dirname(__file__))
+import make_models  # noqa: E402
+
+KV = "kvarn_k4v2_g128"
+G = 128
+VOCAB = make_models.VOCAB
+PROMPT_LEN = 3 * G + 16      # 3 full tiles and 16 tokens of a 4th
+READ_FROM = 2 * G            # first position whose query reads a record (sink 1 tile)
+MAX_TOKENS = 16
+
+
+def _ids(seed: int, n: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(3, VOCAB, n)]
+
+
+PROMPT = _ids(1, PROMPT_LEN)
+# prefix caching: LONG twice, and OTHER sharing its first SHARED tokens.
+# vLLM shares whole blocks of its KV-cache manager; where layers of vLLM's
+# own cache share the pool (Gemma-2), vLLM 0.32 makes those blocks 8 tiles
+# (fp32 pages 8x kvarn's at head_dim 256), so 8 tiles are shared.
+SHARED = 8 * G
+LONG = _ids(3, SHARED + 16)
+OTHER = LONG[:SHARED] + _ids(4, 16)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("families"))
+    return {f: make_models.make(f, out) for f in make_models.FAMILIES}
+
+
+def _cfg(model, **kw):
+    base = dict(model=model, prompt_ids=[PROMPT], max_tokens=MAX_TOKENS, logprobs=VOCAB,
+                prompt_logprobs=VOCAB, max_logprobs=VOCAB, dense_logprobs=VOCAB)
+    base.update(kw)
+    return base
+
+
+def _serve(model, env=None):
+    """(reference run, kvarn run): vLLM's fp32 cache, and kvarn with prefix
+    caching on: PROMPT (full logprobs), then LONG cold, then LONG and OTHER
+    (their first SHARED tokens from the prefix cache)."""
+    ref, _ = run_llm(_cfg(model, kv_cache_dtype="auto"))
+    return (ref,) + _serve_kv_only(model, env or {})[1:]
+
+
+def _lp(seq, start):
+    return np.array([row for row in seq[start:]], dtype=np.float64)
+
+
+def _kl(p, q):
+    return np.sum(np.exp(p) * (p - q), axis=-1)
+
+
+def _check_served(model, ref, kv, quantize_sliding=False):
+    import emulate
+    exact = emulate.logprobs(model, PROMPT, quantize=False)
+    codec = emulate.logprobs(model, PROMPT, quantize=True, quantize_sliding=quantize_sliding)
+    # prompt_logprobs[j] is the distribution at position j - 1
+    k_e = emulate.kl_rows(exact, codec)[READ_FROM:PROMPT_LEN - 1]
+    P = _lp(ref["outputs"][0]["prompt_logprobs"], READ_FROM + 1)
+    Q = _lp(kv["outputs"][0]["prompt_logprobs"], READ_FROM + 1)
+    k_v = _kl(P, Q)
+    k_ref = _kl(exact[READ_FROM:PROMPT_LEN - 1], P)
+    print(f"{os.path.basename(model)}: KLD over {len(k_v)} positions: vLLM kvarn vs fp32 "
+          f"{k_v.mean():.5f} (max {k_v.max():.5f}); codec on the same K/V (emulated) "
+          f"{k_e.mean():.5f} (max {k_e.max():.5f}); vLLM fp32 vs transformers fp32 "
+          f"{k_ref.mean():.2e}; KV tokens vLLM reports: fp32 cache {ref['kv_tokens']}, "
+          f"kvarn {kv['kv_tokens']}")
+    # the emulator runs the model vLLM runs: far closer than the codec's effect
+    assert k_ref.mean() < k_e.mean() / 10
+    assert k_e.mean() / 2 <= k_v.mean() <= 2 * k_e.mean()
+    # greedy tokens: equal up to near-ties
+    r, k = ref["outputs"][0], kv["outputs"][0]
+    i = next((j for j, (a, b) in enumerate(zip(r["token_ids"], k["token_ids"])) if a != b),
+             None)
+    bound = math.sqrt(2 * 2 * k_e.max())
+    if i is not None:
+        lp = r["logprobs"][i]
+        margin = math.exp(lp[r["token_ids"][i]]) - math.exp(lp[k["token_ids"][i]])
+        print(f"greedy tokens first differ at {i}: reference margin {margin:.4f} <= {bound:.4f}")
+        assert margin <= bound
+    else:
+        print(f"greedy tokens equal ({len(r['token_ids'])})")
+
+
+def _check_prefix_caching(kv):
+    cold, = kv["rounds"][0]
+    warm, other = kv["rounds"][1]
+    assert cold["num_cached_tokens"] == 0
+    assert warm["num_cached_tokens"] >= SHARED and other["num_cached_tokens"] >= SHARED, \
+        (warm["num_cached_tokens"], other["num_cached_tokens"])
+    assert warm["token_ids"] == cold["token_ids"]
+
+
+SERVED = ["llama3", "qwen2", "qwen3", "gemma2_nocap"]
+
+
+@pytest.fixture(scope="session")
+def served(models):
+    cache = {}
+
+    def get(fam):
+        if fam not in cache:
+            cache[fam] = _serve(models[fam])
+        return cache[fam]
+    return get
+
+
+@pytest.mark.parametrize("fam", SERVED)
+def test_family_follows_fp32_cache(fam, models, served):
+    ref, kv, _ = served(fam)
+    _check_served(models[fam], ref, kv)
+
+
+@pytest.mark.parametrize("fam", SERVED)
+def test_family_prefix_caching_on_equals_off(fam, served):
+    _check_prefix_caching(served(fam)[1])
+
+
+@pytest.fixture(scope="session")
+def mistral(models):
+    m = models["mistral"]
+    ref, kv, log = _serve(m)
+    _, kvq, logq = _serve_kv_only(m, {"KVARN_SLIDING_WINDOW": "quantize"})
+    return ref, kv, log, kvq, logq
+
+
+def _serve_kv_only(model, env):
+    cold = dict(prompt_ids=[LONG], logprobs=None, prompt_logprobs=None)
+    again = dict(prompt_ids=[LONG, OTHER], logprobs=None, prompt_logprobs=None)
+    kv, log = run_llm(_cfg(model, kv_cache_dtype=KV, prefix_caching=True, rounds=[cold, again],
+                           env=env))
+    return None, kv, log
+
+
+def test_sliding_window_layers_keep_vllm_cache_by_default(mistral):
+    """Mistral (a sliding window on every layer): by default no layer is
+    quantized, with a warning saying so; the run is then vLLM's own fp32
+    cache, same kernels, same pages: the same tokens and log-probs."""
+    ref, kv, log, _, _ = mistral
+    assert "nothing is quantized" in log and "KVARN_SLIDING_WINDOW=quantize" in log
+    r, k = ref["outputs"][0], kv["outputs"][0]
+    assert r["token_ids"] == k["token_ids"]
+    d = np.abs(_lp(r["prompt_logprobs"], 1) - _lp(k["prompt_logprobs"], 1)).max()
+    assert d == 0.0, d
+    _check_prefix_caching(kv)
+
+
+def test_sliding_window_quantize(models, mistral):
+    """KVARN_SLIDING_WINDOW=quantize: every layer in the kvarn format, the
+    kernels applying the window; against the emulation with the same
+    window (the prompt is longer than the window, 256 tokens)."""
+    ref, _, _, kvq, _ = mistral
+    _check_served(models["mistral"], ref, kvq, quantize_sliding=True)
+    _check_prefix_caching(kvq)
+
+
+@pytest.mark.parametrize("fam,needles", [
+    ("phi3", ["head_dim 96", "64, 128 or 256", "--kv-cache-dtype auto"]),
+    ("gemma2", ["soft-caps its attention logits", "--kv-cache-dtype auto"]),
+])
+def test_family_refused_at_start(fam, needles, models):
+    """LLM(...) itself raises with the reason and what to do (not only
+    vLLM's "Engine core initialization failed" with the cause in a worker's
+    log)."""
+    res, out = run_llm(dict(model=models[fam], kv_cache_dtype=KV, prompt_ids=[[5, 6, 7]],
+                            max_tokens=1), expect_ok=False)
+    assert res is None
+    line = next((x for x in out.splitlines() if x.startswith("STARTUP_ERROR ")), "")
+    for n in needles:
+        assert n in line, out[-3000:]
+
+
+def _engine_config(model, monkeypatch, policy=None):
+    from vllm.engine.arg_utils import EngineArgs
+    if policy is None:
+        monkeypatch.delenv("KVARN_SLIDING_WINDOW", raising=False)
+    else:
+        monkeypatch.setenv("KVARN_SLIDING_WINDOW", policy)
+    return EngineArgs(model=model, kv_cache_dtype=KV, block_size=G,
+                      max_model_len=2048).create_engine_config()
+
+
+@pytest.mark.parametrize("fam,policy,skip", [
+    ("mistral", None, ["sliding_window"]),
+    ("mistral", "vllm", ["sliding_window"]),
+    ("mistral", "quantize", []),
+    ("gemma2_nocap", None, ["sliding_window"]),
+    ("llama3", None, []),
+])
+def test_sliding_window_setting_sets_skip_layers(fam, policy, skip, models, monkeypatch):
+    """KVARN_SLIDING_WINDOW in the config vLLM builds: sliding-window models
+    get vLLM 0.32's kv_cache_dtype_skip_layers entry 'sliding_window' unless
+    the setting is 'quantize'; models without a window get none."""
+    cfg = _engine_config(models[fam], monkeypatch, policy)
+    assert cfg.cache_config.kv_cache_dtype_skip_layers == skip
+
+
+def test_bad_sliding_window_setting_is_a_clear_error(models, monkeypatch):
+    with pytest.raises(ValueError, match="KVARN_SLIDING_WINDOW must be 'vllm'.*'quantize'"):
+        _engine_config(models["mistral"], monkeypatch, "fp16")
