@@ -69,7 +69,8 @@ enum {
     V_INV_COL, V_INV_ROW,   /* 1 / scale */
     V_SD_COL, V_SD_ROW,     /* std of the columns / rows of the normalized tile */
     V_SD_ROW_U,             /* std of the rows of x * inv_col (no row scale) */
-    V_AUX0, V_AUX1,         /* column shifts and means; one balanced row */
+    V_AUX0, V_AUX1,         /* column shifts and means; one balanced row;
+                               the V means of centring (centre_values) */
     V_A, V_B,               /* fp32 folded a and b of each row */
     V_COUNT
 };
@@ -519,32 +520,54 @@ static void transpose(const float *src, int R, int C, float *dst)
  * attention add back exactly what was taken). V is the [G rows x D cols]
  * matrix X of encode_matrix; at the AVX-512 level it is held as column
  * panels xp and row panels xtp (kvarn_tile_stats.h), else row-major in xp
- * (xtp NULL); both layouts hold the same values, so the sums, hence the
- * bytes, are the same at every level. mu16: fp16 [D] out. Returns
- * KVARN_ERR_NONFINITE if a mean is beyond fp16 (|mu| >= 65520). */
-static kvarn_status centre_values(float *xp, float *xtp, int G, int D, uint8_t *mu16)
+ * (xtp NULL). Every loop runs with the channels innermost over contiguous
+ * memory (the compiler vectorizes across channels; each channel's sum
+ * still runs over t = 0..G-1 in order), and both layouts hold the same
+ * values, so the sums, hence the bytes, are the same at every level.
+ * mu: scratch [D]; mu16: fp16 [D] out. Returns KVARN_ERR_NONFINITE if a
+ * mean is beyond fp16 (|mu| >= 65520). */
+static kvarn_status centre_values(float *xp, float *xtp, int G, int D, float *mu, uint8_t *mu16)
 {
     const float inv_g = 1.0f / (float)G; /* G a power of two: exact */
-    for (int j = 0; j < D; j++) {
-        float *col; /* column j: G values, stride cs */
-        size_t cs;
-        if (xtp) {
-            col = xp + (size_t)(j / 16) * (16 * (size_t)G + 16) + (size_t)(j % 16);
-            cs = 16;
-        } else {
-            col = xp + (size_t)j;
-            cs = (size_t)D;
+    const size_t cps = 16 * (size_t)G + 16, rps = 16 * (size_t)D + 16; /* panel strides */
+    for (int j = 0; j < D; j++) mu[j] = 0.0f;
+    if (xtp) { /* column panel p: channels 16p..16p+15 of token t at 16 t */
+        for (int p = 0; p < D / 16; p++)
+            for (int t = 0; t < G; t++) {
+                const float *r = xp + (size_t)p * cps + 16 * (size_t)t;
+                float *m = mu + 16 * p;
+                for (int l = 0; l < 16; l++) m[l] += r[l];
+            }
+    } else {
+        for (int t = 0; t < G; t++) {
+            const float *r = xp + (size_t)t * (size_t)D;
+            for (int j = 0; j < D; j++) mu[j] += r[j];
         }
-        float sum = 0.0f;
-        for (int t = 0; t < G; t++) sum += col[(size_t)t * cs];
-        const uint16_t h = kvarn_fp32_to_fp16(sum * inv_g);
+    }
+    for (int j = 0; j < D; j++) {
+        const uint16_t h = kvarn_fp32_to_fp16(mu[j] * inv_g);
         if ((h & 0x7c00u) == 0x7c00u) return KVARN_ERR_NONFINITE;
         memcpy(mu16 + 2 * (size_t)j, &h, 2);
-        const float mu = kvarn_fp16_to_fp32(h);
-        for (int t = 0; t < G; t++) col[(size_t)t * cs] -= mu;
-        if (xtp) { /* row panels: element (t, j) at panel t / 16, 16 j + t % 16 */
-            for (int t = 0; t < G; t++)
-                xtp[(size_t)(t / 16) * (16 * (size_t)D + 16) + 16 * (size_t)j + (size_t)(t % 16)] -= mu;
+        mu[j] = kvarn_fp16_to_fp32(h);
+    }
+    if (xtp) {
+        for (int p = 0; p < D / 16; p++)
+            for (int t = 0; t < G; t++) {
+                float *r = xp + (size_t)p * cps + 16 * (size_t)t;
+                const float *m = mu + 16 * p;
+                for (int l = 0; l < 16; l++) r[l] -= m[l];
+            }
+        /* row panel q: tokens 16q..16q+15 of channel j at 16 j */
+        for (int q = 0; q < G / 16; q++)
+            for (int j = 0; j < D; j++) {
+                float *r = xtp + (size_t)q * rps + 16 * (size_t)j;
+                const float m = mu[j];
+                for (int l = 0; l < 16; l++) r[l] -= m;
+            }
+    } else {
+        for (int t = 0; t < G; t++) {
+            float *r = xp + (size_t)t * (size_t)D;
+            for (int j = 0; j < D; j++) r[j] -= mu[j];
         }
     }
     return KVARN_OK;
@@ -580,7 +603,7 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
         if (st != KVARN_OK) return st;
         if (kvarn__tile512_load(v, G, D, prerotated, 0, RAW_ABS_MAX, ROT_ABS_MAX, ws.x, ws.tmp) != 0)
             return KVARN_ERR_NONFINITE;
-        if (centred && (st = centre_values(ws.x, ws.tmp, G, D, rec + L->v_mu_off)) != KVARN_OK)
+        if (centred && (st = centre_values(ws.x, ws.tmp, G, D, ws.vec[V_AUX1], rec + L->v_mu_off)) != KVARN_OK)
             return st;
         st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rtn_v, rec + L->v_codes_off,
                            rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
@@ -600,7 +623,7 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
     /* V: rows = tokens, already the token-major layout. */
     st = load_rotated(v, G, D, prerotated, ws.x);
     if (st != KVARN_OK) return st;
-    if (centred && (st = centre_values(ws.x, NULL, G, D, rec + L->v_mu_off)) != KVARN_OK) return st;
+    if (centred && (st = centre_values(ws.x, NULL, G, D, ws.vec[V_AUX1], rec + L->v_mu_off)) != KVARN_OK) return st;
     st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rtn_v, rec + L->v_codes_off,
                        rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
     if (st != KVARN_OK) return st;

@@ -985,7 +985,8 @@ static void test_simd_adversarial(void **state)
  * AVX-512 path reads the same values from its panels), on the tiles of
  * test_simd_levels_identical and on adversarial tiles; and a centred
  * record decodes to the spec's formula on its fields plus its stored
- * channel means mu_d (record.h). */
+ * channel means mu_d (record.h), themselves the fp16 of the in-order means
+ * of the rotated V. */
 static void test_simd_centred_mse(void **state)
 {
     (void)state;
@@ -1061,6 +1062,19 @@ static void test_simd_centred_mse(void **state)
                             free(kmin);
                         }
                         if (want != KVARN_OK || !modes[mi].centred) continue;
+                        /* mu_d = fp16 of (the fp32 sum over t in order of the rotated
+                         * V[t,d]) / G, as record.h defines it */
+                        memcpy(vd, v, (size_t)G * D * sizeof(float));
+                        if (!o.prerotated) kvarn_hadamard_rows(vd, G, D);
+                        for (int d = 0; d < D; d++) {
+                            float sum = 0.0f;
+                            for (int t = 0; t < G; t++) sum += vd[(size_t)t * D + d];
+                            uint16_t h;
+                            memcpy(&h, b.rec + b.L.v_mu_off + 2 * (size_t)d, 2);
+                            if (h != kvarn_fp32_to_fp16(sum / (float)G))
+                                fail_msg("%s D %d rep %d: mu_%d %a, want %a", name, D, rep, d,
+                                         (double)kvarn_fp16_to_fp32(h), (double)(sum / (float)G));
+                        }
                         /* decode = spec formula on the fields + mu_d, rotated basis */
                         assert_int_equal(kvarn_decode(&b.fmt, D, b.rec, b.L.record_bytes, kd, vd,
                                                       KVARN_DECODE_ROTATED), KVARN_OK);
