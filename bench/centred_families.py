@@ -6,7 +6,9 @@ after the sink through libkvarn's kvarn_encode/kvarn_decode, the plug-in's
 read rule), and the per-tile relative RMS error of V and of K on those
 models' own K/V: RMS(X - X') / RMS(X - per-channel tile mean of X), the
 measure of tests/codec/test_biased_values.c, averaged over every quantized
-tile of every layer and KV head.
+tile of every layer and KV head; "V mean err": the RMS over channels of
+the tile mean of V's error on the same scale (the part of the error the
+tile's tokens share, which attention does not average away).
 
     PYTHONPATH=python:tests/vllm KVARN_LIBRARY=build/libkvarn.so \\
         .venv-vllm/bin/python bench/centred_families.py [--families qwen2,llama3]
@@ -41,6 +43,14 @@ DEFAULT = ",".join(f"{f}/{r}" for f in ("kvarn_k4v2_g128", "kvarn_k4v2_g128c") f
 def _rel(x, y):
     c = x - x.mean(axis=0, keepdims=True)
     return float(np.sqrt(np.mean((x - y) ** 2) / max(np.mean(c * c), 1e-30)))
+
+
+def _rel_mean(x, y):
+    """RMS over channels of the tile mean of the error, over the RMS of the
+    centred x: the part of the error shared by the tile's tokens, which an
+    attention spread over them does not average away."""
+    c = x - x.mean(axis=0, keepdims=True)
+    return float(np.sqrt(np.mean((x - y).mean(axis=0) ** 2) / max(np.mean(c * c), 1e-30)))
 
 
 def _fp16_mean(x):
@@ -78,7 +88,7 @@ class Probe:
 
     def __init__(self, var, parts):
         self.var, self.parts = var, parts
-        self.err_k, self.err_v = [], []
+        self.err_k, self.err_v, self.err_vm = [], [], []
 
     def __call__(self, head_dim):
         self.codec = emulate.Codec(self.var.fmt, head_dim, self.var.rtn)
@@ -93,6 +103,7 @@ class Probe:
         ko, vo = ko + mk, vo + mv
         self.err_k.append(_rel(k, ko))
         self.err_v.append(_rel(v, vo))
+        self.err_vm.append(_rel_mean(v, vo))
         return (ko if "k" in self.parts else k), (vo if "v" in self.parts else v)
 
 
@@ -130,7 +141,7 @@ def main() -> None:
     prompts = _prompts(args)
     G = 128
     read_from = (emulate.SINK_TILES + 1) * G
-    cols = "| model | variant | B/token/head | KL mean | V rel-RMS | K rel-RMS |"
+    cols = "| model | variant | B/token/head | KL mean | V rel-RMS | V mean err | K rel-RMS |"
     if args.split:
         cols += " KL K only | KL V only |"
     print(cols)
@@ -147,12 +158,12 @@ def main() -> None:
                 probe = Probe(var, parts)
                 kls = [emulate.kl_rows(e, emulate.logprobs(model, p, quantize=True, codec=probe))
                        [read_from:] for e, p in zip(exact, prompts)]
-                done[var.key(parts)] = (float(np.mean(np.concatenate(kls))),
-                                        np.mean(probe.err_v), np.mean(probe.err_k))
-            kl, ev, ek = done[var.key("kv")]
+                done[var.key(parts)] = (float(np.mean(np.concatenate(kls))), np.mean(probe.err_v),
+                                        np.mean(probe.err_vm), np.mean(probe.err_k))
+            kl, ev, evm, ek = done[var.key("kv")]
             bpt = (_lib.record_bytes(_lib.parse_format(var.fmt, D), D) / G
                    + 2 * D / G * len(var.centre.replace("v", "" if var.fmt.endswith("c") else "v")))
-            row = f"| {os.path.basename(model)} | {var.spec} | {bpt:.2f} | {kl:.5f} | {ev:.3f} | {ek:.3f} |"
+            row = f"| {os.path.basename(model)} | {var.spec} | {bpt:.2f} | {kl:.5f} | {ev:.3f} | {evm:.4f} | {ek:.3f} |"
             if args.split:
                 row += f" {done[var.key('k')][0]:.5f} | {done[var.key('v')][0]:.5f} |"
             print(row, flush=True)
