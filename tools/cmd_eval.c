@@ -85,7 +85,8 @@ static const cli_command k_command = {
     "usage: kvarn eval -m MODEL -f TEXT [--kv-cache-dtype NAME[,NAME...]|all]\n"
     "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 320]\n"
     "                  [--threads 1] [--passkey N] [--json]\n"
-    "                  [--sink-tokens S] [--tail-page-tokens T] [--rtn-mse|--rtn-mse-values]\n"
+    "                  [--sink-tokens S] [--tail-page-tokens T]\n"
+    "                  [--rtn-mse|--rtn-mse-values]\n"
     "                  [--dump-kv FILE [--dump-layers N]]\n\n",
     "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
     "tokens (every chunk after the first attends to the cached history, as chunked\n"
