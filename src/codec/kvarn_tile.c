@@ -433,29 +433,14 @@ static kvarn_status encode_matrix(const tile_ws *ws, const float *x, const float
     const float qmax = (float)((1 << bits) - 1);
     const size_t row_bytes = kvarn_packed_bytes((size_t)C, bits);
 
-    if (rtn_range == KVARN_RTN_MSE) {
-        /* V_SD_COL: the weights s_col^2; V_AUX1: one row of x */
-        float *w = ws->vec[V_SD_COL], *xr = ws->vec[V_AUX1];
+    const int mse = rtn_range == KVARN_RTN_MSE;
+    /* MSE: V_SD_COL holds the weights s_col^2, V_AUX1 one row of x */
+    float *w = ws->vec[V_SD_COL], *xr = ws->vec[V_AUX1];
+    if (mse)
         for (int j = 0; j < C; j++) w[j] = s_col[j] * s_col[j];
-        for (int i = 0; i < R; i++) {
-            const float sr = s_row[i];
-            const float *row = matrix_row(ws, x, xt, i, C, xr);
-            float lo, scale;
-            for (int j = 0; j < C; j++) y[j] = row[j] / s_col[j] / sr;
-            rtn_row_mse(y, w, C, qmax, codes, &lo, &scale);
-            kvarn_pack_codes(codes, (size_t)C, bits, codes_out + (size_t)i * row_bytes);
-            a[i] = sr * scale;
-            b[i] = sr * lo;
-            if (!(fabsf(a[i]) <= FP16_MAX) || !(fabsf(b[i]) <= FP16_MAX)) return KVARN_ERR_NONFINITE;
-        }
-        store_fp16(a16, a, R);
-        store_fp16(b16, b, R);
-        store_fp16(col16, s_col, C);
-        return KVARN_OK;
-    }
 
 #ifdef KVARN_TILE_HAVE_AVX2
-    if (ws->level >= KVARN_CPU_AVX512) { /* xt is free again: the balanced rows */
+    if (!mse && ws->level >= KVARN_CPU_AVX512) { /* xt is free again: the balanced rows */
         kvarn__tile512_rtn(x, R, C, s_col, s_row, qmax, RTN_SCALE_MIN, bits, ws->tmp, codes_out, row_bytes,
                            a, b);
         for (int i = 0; i < R; i++)
@@ -469,7 +454,13 @@ static kvarn_status encode_matrix(const tile_ws *ws, const float *x, const float
     for (int i = 0; i < R; i++) {
         const float sr = s_row[i];
         float lo, scale;
-        rtn_row(ws, x, i, C, s_col, sr, qmax, y, codes, &lo, &scale);
+        if (mse) {
+            const float *row = matrix_row(ws, x, xt, i, C, xr);
+            for (int j = 0; j < C; j++) y[j] = row[j] / s_col[j] / sr;
+            rtn_row_mse(y, w, C, qmax, codes, &lo, &scale);
+        } else {
+            rtn_row(ws, x, i, C, s_col, sr, qmax, y, codes, &lo, &scale);
+        }
         kvarn_pack_codes(codes, (size_t)C, bits, codes_out + (size_t)i * row_bytes);
         a[i] = sr * scale;
         b[i] = sr * lo;
