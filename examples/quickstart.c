@@ -66,24 +66,21 @@ int main(void)
     for (int i = 0; i < HQ * D; i++) q[i] = 4.0f * next_value(&s);
 
     /* readme: begin */
-    kvarn_cache_opts o = kvarn_cache_default_opts();
-    CHECK(kvarn_format_parse("kvarn_k4v2_g128", &o.format)); /* any --kv-cache-dtype name */
-    o.n_layers = 30; o.n_kv_heads = 3; o.head_dim = 64;  /* SmolLM2-135M */
-    o.max_seqs = 4; o.budget_bytes = 64u << 20;
+    kvarn_cache_opts o = kvarn_cache_default_opts();            /* SmolLM2-135M's shape: */
+    o.n_layers = 30; o.n_kv_heads = 3; o.head_dim = 64; o.max_seqs = 4; o.budget_bytes = 64u << 20;
+    CHECK(kvarn_format_parse("kvarn_k4v2_g128", &o.format));    /* any --kv-cache-dtype name */
     kvarn_cache *c; int seq;
-    CHECK(kvarn_cache_create(&o, &c));
-    CHECK(kvarn_cache_seq_create(c, &seq));
-    CHECK(kvarn_cache_reserve(c, seq, N));                /* N new tokens, then per layer */
-    for (int layer = 0; layer < o.n_layers; layer++)      /* k, v: fp32 [N][Hk][D] */
+    CHECK(kvarn_cache_create(&o, &c)); CHECK(kvarn_cache_seq_create(c, &seq));
+    CHECK(kvarn_cache_reserve(c, seq, N));                      /* N new tokens, then per layer */
+    for (int layer = 0; layer < o.n_layers; layer++)            /* k, v: fp32 [N][Hk][D] */
         CHECK(kvarn_cache_write(c, seq, layer, 0, N, k, v));
-    CHECK(kvarn_cache_commit(c, seq, N));                 /* full tiles -> 4/2-bit records */
-    kvarn_paged_kv kv; kvarn_seq_view view;               /* decode attention, layer 0 */
-    CHECK(kvarn_cache_layer_view(c, 0, &kv));
-    CHECK(kvarn_cache_seq_view(c, seq, &view));
+    CHECK(kvarn_cache_commit(c, seq, N));                       /* full tiles -> 4/2-bit records */
+    kvarn_paged_kv kv; kvarn_seq_view view;                     /* decode attention, layer 0 */
+    CHECK(kvarn_cache_layer_view(c, 0, &kv)); CHECK(kvarn_cache_seq_view(c, seq, &view));
     size_t ws_bytes = kvarn_attn_workspace_bytes(&kv, HQ, 1, 1, 1, NULL);
-    void *ws = malloc(ws_bytes);                          /* q, out: fp32 [Hq][D] */
+    void *ws = malloc(ws_bytes);                                /* q, out: fp32 [Hq][D] */
     CHECK(kvarn_attn_decode(&kv, &view, 1, HQ, q, out, NULL, NULL, ws, ws_bytes));
-    int fit;                                              /* 2k-token requests in 1 GiB */
+    int fit;                                                    /* 2k-token requests in 1 GiB */
     CHECK(kvarn_cache_seqs_fit(&o, 1ull << 30, 2048, &fit, NULL));
     /* readme: end */
 

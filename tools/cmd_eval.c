@@ -40,6 +40,8 @@ typedef struct eval_opts {
     const char *staging_name; /* --kvarn-staging; NULL: fp16 */
     int staging;              /* kvarn_staging parsed from it */
     int json;
+    int rtn_mse;      /* KVarN: error-minimizing RTN ranges (KVARN_RTN_MSE) */
+    int rtn_mse_v;    /* the same for V only (KVARN_RTN_MSE_V) */
 } eval_opts;
 
 static const eval_opts k_defaults = {
@@ -69,6 +71,10 @@ static const cli_option k_options[] = {
      "KVarN: fp16 tail pages of T tokens (T divides G;\ndefault 0: a whole tile)"},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
      "KVarN: staged tokens (sink, tail) as fp16 (default) or int8\nrecords"},
+    {"rtn-mse", 0, CLI_FLAG, OPT(rtn_mse), 0, 0, 0, "--rtn-mse",
+     "KVarN: error-minimizing RTN ranges at commit (same\nrecords; default the spec's min/max)"},
+    {"rtn-mse-values", 0, CLI_FLAG, OPT(rtn_mse_v), 0, 0, 0, "--rtn-mse-values",
+     "KVarN: the same for the values only (keys min/max)"},
     {"json", 0, CLI_FLAG, OPT(json), 0, 0, 0, "--json", "the report as JSON on stdout"},
     {"dump-kv", 0, CLI_TEXT, OPT(dump_path), 0, 0, 0, "--dump-kv FILE",
      "write the reference's fp32 K/V of the first window"},
@@ -84,6 +90,7 @@ static const cli_command k_command = {
     "                  [--ctx 2048] [--chunk 128] [--windows 1] [--decode-tokens 320]\n"
     "                  [--threads 1] [--passkey N] [--json]\n"
     "                  [--sink-tokens S] [--tail-page-tokens T] [--kvarn-staging F]\n"
+    "                  [--rtn-mse|--rtn-mse-values]\n"
     "                  [--dump-kv FILE [--dump-layers N]]\n\n",
     "Feeds windows of --ctx tokens of TEXT through the model in chunks of --chunk\n"
     "tokens (every chunk after the first attends to the cached history, as chunked\n"
@@ -319,6 +326,7 @@ static int eval_init(eval_run *r, const eval_opts *o, const kvarn_format *fmts, 
     so.keep_kv_f32 = 0;
     cli_session_set_sink(&so, o->sink_tokens); /* the formats' sessions only */
     so.tail_page_tokens = (int)o->tail_tokens;
+    so.rtn_range = o->rtn_mse ? KVARN_RTN_MSE : o->rtn_mse_v ? KVARN_RTN_MSE_V : KVARN_RTN_MINMAX;
     so.staging = o->staging;
     r->runs = calloc((size_t)nf, sizeof *r->runs);
     if (r->runs == NULL) { cli_error("eval", "out of memory"); return -1; }

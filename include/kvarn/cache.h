@@ -205,6 +205,11 @@ typedef struct kvarn_cache_opts {
                                difference, and a reserve then fails with
                                KVARN_ERR_OUT_OF_BLOCKS when they run out.
                                Must be 0 when T is 0 or G. */
+    int rtn_range;          /* KVarN: the RTN range of every commit
+                               (kvarn_codec_opts.rtn_range, kvarn.h):
+                               KVARN_RTN_MINMAX (0, default, the spec's) or
+                               KVARN_RTN_MSE (error-minimizing; same record
+                               layout, read by the same kernels) */
     int staging;            /* KVarN: how staged tokens are held
                                (kvarn_staging, paged.h): KVARN_STAGING_FP16
                                (0, default) rotated fp16 rows;
@@ -225,8 +230,8 @@ typedef struct kvarn_cache_opts {
  * max_seqs 64, max_seq_len 0 (auto), n_pages 0 (auto), balance_iters 8,
  * tail_page_tokens 0 (whole tail pages: the CUDA kernels read only those,
  * and with the auto pool small pages cost the same bytes; see
- * docs/paged-cache.md "Small tail pages"), n_tail_pages 0, staging
- * KVARN_STAGING_FP16;
+ * docs/paged-cache.md "Small tail pages"), n_tail_pages 0, rtn_range
+ * KVARN_RTN_MINMAX, staging KVARN_STAGING_FP16;
  * n_layers, n_kv_heads, head_dim, budget_bytes are 0 and must be set. */
 kvarn_cache_opts kvarn_cache_default_opts(void);
 

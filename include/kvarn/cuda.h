@@ -89,7 +89,8 @@ kvarn_status kvarn_cuda_sm_count(int device, int *num_sms);
 /* Whether this build has kernels for fmt at head_dim D (the table above).
  * Host only; works without a GPU. Returns KVARN_OK,
  * KVARN_ERR_UNSUPPORTED_HEAD_DIM (D not in {64, 128, 256} or not served by
- * the format), KVARN_ERR_UNSUPPORTED (valid format, no kernel here) or
+ * the format), KVARN_ERR_UNSUPPORTED (valid format, no kernel here: among
+ * them every mean-centred KVarN format, kvarn_format.centred) or
  * KVARN_ERR_INVALID_ARG (NULL or malformed format). */
 kvarn_status kvarn_cuda_supports(const kvarn_format *fmt, int head_dim);
 
@@ -146,8 +147,9 @@ kvarn_status kvarn_cuda_store(const kvarn_paged_kv *kv, kvarn_cuda_dtype dtype,
  *   opts                   NULL for the defaults; `prerotated` is ignored
  *                          (pages are always rotated).
  * Errors: KVARN_ERR_INVALID_ARG (NULL, num_tiles < 0, per-token format,
- * balance_iters outside [0, 64]), KVARN_ERR_UNSUPPORTED(_HEAD_DIM),
- * KVARN_ERR_NO_DEVICE. */
+ * balance_iters outside [0, 64], rtn_range not a KVARN_RTN_* value),
+ * KVARN_ERR_UNSUPPORTED(_HEAD_DIM) (also for rtn_range KVARN_RTN_MSE: the
+ * device commit runs the spec's min/max range only), KVARN_ERR_NO_DEVICE. */
 kvarn_status kvarn_cuda_commit(const kvarn_paged_kv *kv,
                                const int32_t *src_pages, const int32_t *dst_blocks,
                                int num_tiles, const kvarn_codec_opts *opts,

@@ -91,13 +91,21 @@ typedef struct kvarn_format {
     int value_bits;       /* bits per stored value element */
     int per_tile;         /* 1: a whole tile is encoded at once (KVarN);
                              0: token by token */
+    int centred;          /* KVarN only: 1 = mean-centred values (names
+                             ending in "c", e.g. kvarn_k4v2_g128c): each
+                             record also holds the per-channel mean of its
+                             rotated V tile, fp16 [D] (record.h), removed
+                             before the variance normalization and added
+                             back on decode and in attention; 0 = the
+                             spec's record (every upstream preset) */
 } kvarn_format;
 
 /* Parse a cache format name exactly as a user types it (--kv-cache-dtype):
  * "fp16" (alias "auto"), "bf16", "fp8_e4m3" (alias "fp8"), "fp8_e5m2",
  * "int8", "int4", and "kvarn_k{2,4,8}v{2,4,8}_g{32,64,128}" (upstream
  * presets kvarn_k4v2_g128 (the default KVarN preset), kvarn_k4v2_g64,
- * kvarn_k4v4_g128, kvarn_k4v4_g64).
+ * kvarn_k4v4_g128, kvarn_k4v4_g64), each KVarN name optionally followed by
+ * "c" for its mean-centred variant (kvarn_k4v2_g128c; .centred = 1).
  * Returns KVARN_OK and fills *out, KVARN_ERR_UNKNOWN_FORMAT for any other
  * string (out untouched), KVARN_ERR_INVALID_ARG for NULL. */
 kvarn_status kvarn_format_parse(const char *name, kvarn_format *out);
@@ -156,15 +164,32 @@ uint64_t kvarn_capacity_tokens(const kvarn_format *fmt, int head_dim,
 /* Tile codec                                                               */
 /* ------------------------------------------------------------------------ */
 
+/* The range of each KVarN RTN row (kvarn_codec_opts.rtn_range). Both
+ * write the same record layout, read by the same decoder and kernels. */
+#define KVARN_RTN_MINMAX 0  /* the spec's: lo = min, hi = max of the row */
+#define KVARN_RTN_MSE 1     /* the (lo, scale) of smallest squared
+                               reconstruction error found by a search over
+                               clipped ranges, then least-squares refits
+                               (docs/kvarn-codec.md "Error-minimizing
+                               range"), for K's rows and V's; plain C,
+                               ~25x the encode time (D 64: 1.0 ms a tile
+                               against 38 us) */
+#define KVARN_RTN_MSE_V 2   /* KVARN_RTN_MSE for V's rows only, K min/max
+                               (clipping a key row clips its outliers,
+                               which the softmax weighs most) */
+
 /* Codec settings. Pass NULL for the defaults. */
 typedef struct kvarn_codec_opts {
     int balance_iters;    /* KVarN variance-normalization iterations
                              (spec step 2); default 8, range [0, 64] */
     int prerotated;       /* encode: input already multiplied by H/sqrt(D)
                              (the paged cache's fp16 tail); default 0 */
+    int rtn_range;        /* KVarN: KVARN_RTN_MINMAX (default),
+                             KVARN_RTN_MSE or KVARN_RTN_MSE_V; ignored by
+                             per-token formats */
 } kvarn_codec_opts;
 
-#define KVARN_CODEC_OPTS_DEFAULT { 8, 0 }
+#define KVARN_CODEC_OPTS_DEFAULT { 8, 0, KVARN_RTN_MINMAX }
 
 /* Bytes of scratch memory kvarn_encode needs for this format and D (0 for
  * per-token formats). Allocate once, reuse for every tile. */

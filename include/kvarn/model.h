@@ -291,13 +291,17 @@ typedef struct kvarn_llama_session_opts {
                                  or T >= G: a whole tile per tail page.
                                  Per-token formats: ignored. 0 with a
                                  caller's cache (its pages are the cache's). */
+    int rtn_range;            /* KVarN: the RTN range of the session's own
+                                 cache (cache.h kvarn_cache_opts.rtn_range):
+                                 KVARN_RTN_MINMAX (0, default) or
+                                 KVARN_RTN_MSE. 0 with a caller's cache. */
     int staging;              /* KVarN: how staged tokens are held (cache.h
                                  kvarn_cache_opts.staging, kvarn_staging);
                                  0 (default) fp16. Per-token formats:
                                  ignored. 0 with a caller's cache. */
 } kvarn_llama_session_opts;
 
-#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, NULL, 0, 0, 0 }
+#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, NULL, 0, 0, 0, 0 }
 
 /* What a session would be and take (kvarn_llama_session_plan). */
 typedef struct kvarn_llama_session_info {

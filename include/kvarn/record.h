@@ -14,10 +14,14 @@
  *   V s_chan_d  fp16 [D]   per-channel balance scale              2D
  *   V a_t       fp16 [G]   per-token scale                        2G
  *   V b_t       fp16 [G]   per-token offset                       2G
+ *   V mu_d      fp16 [D]   per-channel mean of the rotated V tile 2D
+ *               (mean-centred formats only, kvarn_format.centred; else
+ *               absent, 0 bytes: the spec's record)
  *   padding to a multiple of 8 bytes; for D >= 256 the record is padded so
  *   that record_bytes / G is a power of two (upstream's page-size rule).
  * Dequantized:  K[d,t] = (code*a_d + b_d) * s_tok_t
- *               V[t,d] = (code*a_t + b_t) * s_chan_d       (rotated basis)
+ *               V[t,d] = (code*a_t + b_t) * s_chan_d (+ mu_d if centred)
+ *                                                         (rotated basis)
  * Codes in a row: code i in byte i/(8/bits) at bit (i mod (8/bits))*bits,
  * low bits first (4-bit: even index = low nibble).
  *
@@ -58,6 +62,7 @@ typedef struct kvarn_record_layout {
     size_t v_schan_off, v_schan_bytes; /* KVarN: s_chan_d [D]; else 0      */
     size_t v_a_off, v_a_bytes;       /* KVarN: a_t [G]; per-token: V scale */
     size_t v_b_off, v_b_bytes;       /* KVarN: b_t [G]; per-token: V zero  */
+    size_t v_mu_off, v_mu_bytes;     /* centred KVarN: mu_d [D]; else 0    */
     size_t payload_bytes;            /* sum of the fields, before padding  */
     size_t record_bytes;             /* with padding                       */
 } kvarn_record_layout;

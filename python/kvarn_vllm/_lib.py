@@ -32,7 +32,8 @@ KIND_KVARN = 6
 class Format(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("name", ctypes.c_char * 32),
                 ("tile_tokens", ctypes.c_int), ("key_bits", ctypes.c_int),
-                ("value_bits", ctypes.c_int), ("per_tile", ctypes.c_int)]
+                ("value_bits", ctypes.c_int), ("per_tile", ctypes.c_int),
+                ("centred", ctypes.c_int)]
 
 
 class PagedKV(ctypes.Structure):
@@ -76,6 +77,7 @@ class CacheOpts(ctypes.Structure):
                 ("n_pages", ctypes.c_int), ("balance_iters", ctypes.c_int),
                 ("allocator", ctypes.c_void_p), ("sink_tokens", ctypes.c_int),
                 ("tail_page_tokens", ctypes.c_int), ("n_tail_pages", ctypes.c_int),
+                ("rtn_range", ctypes.c_int),
                 ("staging", ctypes.c_int)]
 
 

@@ -51,7 +51,11 @@ def _validate_name(name):
     from .backend import is_kvarn_dtype
     if is_kvarn_dtype(name):
         from . import _lib
-        _lib.parse_format(name)  # ValueError with the library's explanation
+        fmt = _lib.parse_format(name)  # ValueError with the library's explanation
+        if fmt.centred:
+            raise ValueError(
+                f"kvarn: {name} (mean-centred values) is a format of the C library and the "
+                f"kvarn command; the vLLM plug-in does not serve it yet: use {name[:-1]}")
     return name
 
 

@@ -15,6 +15,7 @@
 #include "cache/paged_check.h"
 #include "codec/checked.h"
 #include "codec/cpu.h"
+#include "codec/fp_convert.h"
 #include "codec/hadamard.h"
 
 /* Query rows (query tokens x GQA heads) one work item carries at most. */
@@ -67,7 +68,7 @@ static int thread_scratch_floats(int rows, int D, int gs_, uint64_t tail, size_t
     const uint64_t t[6] = {
         3 * round_u64(rd),                                /* q, acc, qa */
         round_u64(rs),                                    /* s */
-        7 * round_u64(R),                  /* qsum, m, l, rc, lo, hi (+1 spare) */
+        7 * round_u64(R),                  /* qsum, m, l, rc, lo, hi, psum */
         round_u64(3 * (uint64_t)D + 4 * gs),              /* tile metadata */
         round_u64(gs * sizeof(void *) / sizeof(float)),   /* token pointers */
         tail,                                  /* gathered tail tile, last */
@@ -432,6 +433,31 @@ static int plan(attn_run *run, int n_seqs, int n_threads)
 }
 
 /* Scratch arrays of one worker. */
+/* The channel means of a mean-centred record (record.h V mu_d): every
+ * token's value is V'[t] + mu, so the tile adds sum_t p_t (V'[t] + mu) =
+ * (what the kernel added) + psum * mu to each row's acc, psum the row's sum
+ * of this tile's weights (0 for a row that sees none of it), in the same
+ * online-softmax scale as acc after the kernel's update. Once per tile,
+ * here rather than in every kernel: D multiply-adds per row against the
+ * kernel's D G. r->meta (the kernel's scratch, free again) holds mu. */
+static void add_value_means(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec)
+{
+    const int D = r->D;
+    float *mu = r->meta;
+    const uint8_t *m16 = rec + L->v_mu_off;
+    for (int d = 0; d < D; d++) { /* the inline conversion: vectorized */
+        uint16_t h;
+        memcpy(&h, m16 + 2 * (size_t)d, 2);
+        mu[d] = kvarn__fp16_to_f32(h);
+    }
+    for (int i = 0; i < r->n; i++) {
+        const float p = r->psum[i];
+        float *acc = r->acc + (size_t)i * D;
+        if (p != 0.0f)
+            for (int d = 0; d < D; d++) acc[d] += p * mu[d];
+    }
+}
+
 static attn_rows rows_of(const attn_run *run, int worker, int n)
 {
     const attn_geom *g = &run->g;
@@ -455,6 +481,7 @@ static attn_rows rows_of(const attn_run *run, int worker, int n)
     r.rc = f; f += round_f(R);
     r.lo = (int32_t *)f; f += round_f(R);
     r.hi = (int32_t *)f; f += round_f(R);
+    r.psum = f; f += round_f(R);
     r.meta = f; f += round_f(3 * (size_t)g->D + 4 * (size_t)g->gs);
     r.tok = (const uint8_t **)f;
     r.pf = NULL; /* set by item_task */
@@ -610,7 +637,10 @@ static void item_task(void *ctx, int task, int worker)
                 for (int row = 0; row < n; row++)
                     if (lo[row] < t0 + ns) lo[row] = t0 + ns;
             }
-            run->kern->kvarn_tile(&r, &run->L, kvarn_paged_record(kv, id, it->kvh), t0, nt);
+            const uint8_t *rec = kvarn_paged_record(kv, id, it->kvh);
+            if (run->L.v_mu_bytes) memset(r.psum, 0, (size_t)n * sizeof(float));
+            run->kern->kvarn_tile(&r, &run->L, rec, t0, nt);
+            if (run->L.v_mu_bytes) add_value_means(&r, &run->L, rec);
             if (ns > 0)
                 for (int qi = 0; qi < it->nq; qi++)
                     for (int j = 0; j < g->group; j++)

@@ -109,6 +109,10 @@ typedef struct attn_rows {
                            (set by that kernel; 0 from rows_of, per item) */
     float *s;           /* scratch [n][gs] scores, then weights */
     float *rc;          /* scratch [n] a per-row constant */
+    float *psum;        /* [n] each row's sum of the last tile's softmax
+                           weights (the tile's term of l), written by every
+                           online-softmax update; the driver reads it after
+                           a mean-centred record (attn.c add_value_means) */
     float *meta;        /* scratch: 3D + 4gs floats of tile metadata */
     const uint8_t **tok; /* scratch [gs] per-token record pointers */
     attn_prefetch *pf;   /* the next tiles to prefetch while this one runs */

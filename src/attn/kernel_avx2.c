@@ -185,7 +185,8 @@ static void softmax_update_avx2(attn_rows *r, int t0, int nt)
             sum = _mm256_add_ps(sum, p);
         }
         r->m[i] = m_new;
-        r->l[i] = r->l[i] * corr + hsum8(sum);
+        r->psum[i] = hsum8(sum);
+        r->l[i] = r->l[i] * corr + r->psum[i];
         if (corr != 1.0f) {
             float *acc = r->acc + (size_t)i * D;
             const __m256 vc = _mm256_set1_ps(corr);

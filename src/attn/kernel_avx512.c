@@ -247,7 +247,8 @@ static void softmax_row_avx512(attn_rows *r, int i, int t0, int nt)
             sum = _mm512_add_ps(sum, p);
         }
         r->m[i] = m_new;
-        r->l[i] = r->l[i] * corr + _mm512_reduce_add_ps(sum);
+        r->psum[i] = _mm512_reduce_add_ps(sum);
+    r->l[i] = r->l[i] * corr + r->psum[i];
         if (corr != 1.0f) {
             float *acc = r->acc + (size_t)i * D;
             const __m512 vc = _mm512_set1_ps(corr);
@@ -678,7 +679,8 @@ AI void kv_kfinish128(attn_rows *r, int i, int t0, const float *stok, const floa
         _mm512_storeu_ps(s + 16 * k, _mm512_mul_ps(p, _mm512_loadu_ps(va + 16 * k)));
     }
     r->m[i] = m_new;
-    r->l[i] = r->l[i] * corr + _mm512_reduce_add_ps(sum);
+    r->psum[i] = _mm512_reduce_add_ps(sum);
+    r->l[i] = r->l[i] * corr + r->psum[i];
     if (corr != 1.0f) {
         float *acc = r->acc + (size_t)i * r->D;
         const __m512 vcorr = _mm512_set1_ps(corr);
@@ -1532,7 +1534,8 @@ AI float i8_softmax_fold(attn_rows *r, int i, int t0, int nt, const float *vs, c
         wmx = _mm512_max_ps(wmx, w);
     }
     r->m[i] = m_new;
-    r->l[i] = r->l[i] * corr + _mm512_reduce_add_ps(sum);
+    r->psum[i] = _mm512_reduce_add_ps(sum);
+    r->l[i] = r->l[i] * corr + r->psum[i];
     r->rc[i] = _mm512_reduce_add_ps(z);
     if (corr != 1.0f) {
         float *acc = r->acc + (size_t)i * D;

@@ -39,6 +39,7 @@ void attn_softmax_update_ref(attn_rows *r, int t0, int nt)
         }
         r->m[i] = m_new;
         r->l[i] = r->l[i] * corr + sum;
+        r->psum[i] = sum;
         if (corr != 1.0f) {
             float *acc = r->acc + (size_t)i * D;
             for (int d = 0; d < D; d++) acc[d] *= corr;

@@ -122,7 +122,8 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
         o->max_seq_len < 0 || o->n_pages < 0 || o->block_size < 0 ||
         o->n_layers > KVARN_CACHE_MAX_LAYERS || o->n_kv_heads > KVARN_CACHE_MAX_KV_HEADS ||
         o->max_seqs > 1000000 ||
-        o->balance_iters < 0 || o->balance_iters > 64)
+        o->balance_iters < 0 || o->balance_iters > 64 ||
+        (o->rtn_range < KVARN_RTN_MINMAX || o->rtn_range > KVARN_RTN_MSE_V))
         return KVARN_ERR_INVALID_ARG;
     kvarn_status st = kvarn_record_layout_get(&o->format, o->head_dim, layout);
     if (st != KVARN_OK) return st;
@@ -557,6 +558,7 @@ kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
     c->is_kvarn = info.format.kind == KVARN_KIND_KVARN;
     c->codec_opts.balance_iters = opts->balance_iters;
     c->codec_opts.prerotated = 1;
+    c->codec_opts.rtn_range = opts->rtn_range;
     c->max_tiles = (info.max_seq_len + info.block_size - 1) / info.block_size;
     if (info.staging == KVARN_STAGING_INT8 &&
         kvarn_format_parse("int8", &c->stage_fmt) != KVARN_OK) {

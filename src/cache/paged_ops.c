@@ -154,7 +154,8 @@ kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pag
         return KVARN_ERR_INVALID_ARG;
     /* opts' range as kvarn.h gives it, checked here too so that it is
      * refused even when every entry is skipped */
-    if (opts != NULL && (opts->balance_iters < 0 || opts->balance_iters > 64))
+    if (opts != NULL && (opts->balance_iters < 0 || opts->balance_iters > 64 ||
+                         (opts->rtn_range < KVARN_RTN_MINMAX || opts->rtn_range > KVARN_RTN_MSE_V)))
         return KVARN_ERR_INVALID_ARG;
     if (n_tiles == 0) return KVARN_OK;
     const size_t need = kvarn_paged_commit_workspace_bytes(kv);

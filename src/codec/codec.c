@@ -37,7 +37,9 @@ kvarn_status kvarn_encode(const kvarn_format *fmt, int head_dim,
         return KVARN_ERR_INVALID_ARG;
     kvarn_codec_opts o = KVARN_CODEC_OPTS_DEFAULT;
     if (opts) o = *opts;
-    if (o.balance_iters < 0 || o.balance_iters > 64) return KVARN_ERR_INVALID_ARG;
+    if (o.balance_iters < 0 || o.balance_iters > 64 ||
+        (o.rtn_range < KVARN_RTN_MINMAX || o.rtn_range > KVARN_RTN_MSE_V))
+        return KVARN_ERR_INVALID_ARG;
 
     kvarn_record_layout L;
     kvarn_status st = kvarn_record_layout_get(fmt, head_dim, &L);

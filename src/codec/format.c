@@ -42,7 +42,8 @@ static const format_row k_rows[] = {
 static const char k_accepted[] =
     "fp16 (alias auto), bf16, fp8_e4m3 (alias fp8), fp8_e5m2, int8, int4, "
     "kvarn_k4v2_g128 (default KVarN preset), kvarn_k4v2_g64, kvarn_k4v4_g128, "
-    "kvarn_k4v4_g64, or kvarn_k{2,4,8}v{2,4,8}_g{32,64,128}";
+    "kvarn_k4v4_g64, or kvarn_k{2,4,8}v{2,4,8}_g{32,64,128}, each KVarN name "
+    "optionally followed by c (mean-centred values, e.g. kvarn_k4v2_g128c)";
 
 const char *kvarn_strerror(kvarn_status status)
 {
@@ -170,6 +171,7 @@ kvarn_status kvarn_record_layout_get(const kvarn_format *fmt, int head_dim,
     const size_t ka = meta_bytes(m->k_a, D, G), kb = meta_bytes(m->k_b, D, G);
     const size_t kst = meta_bytes(m->k_stok, D, G), vsc = meta_bytes(m->v_schan, D, G);
     const size_t va = meta_bytes(m->v_a, D, G), vb = meta_bytes(m->v_b, D, G);
+    const size_t vmu = fmt->centred ? meta_bytes(m->v_mu, D, G) : 0;
     size_t off = 0;
     L.k_codes_off = off; L.k_codes_bytes = D * G * (size_t)fmt->key_bits / 8; off += L.k_codes_bytes;
     L.k_a_off = off; L.k_a_bytes = ka; off += ka;
@@ -179,6 +181,7 @@ kvarn_status kvarn_record_layout_get(const kvarn_format *fmt, int head_dim,
     L.v_schan_off = off; L.v_schan_bytes = vsc; off += vsc;
     L.v_a_off = off; L.v_a_bytes = va; off += va;
     L.v_b_off = off; L.v_b_bytes = vb; off += vb;
+    L.v_mu_off = off; L.v_mu_bytes = vmu; off += vmu;
     L.payload_bytes = off;
     L.record_bytes = op->record_bytes ? op->record_bytes(off, D, G) : off;
     *out = L;

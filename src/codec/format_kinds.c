@@ -15,7 +15,8 @@ static int valid_bits(int b) { return b == 2 || b == 4 || b == 8; }
 static int valid_tile(int g) { return g == 32 || g == 64 || g == 128; }
 
 /* Parse "kvarn_k{kb}v{vb}_g{G}" strictly: single-digit bits, G in
- * {32, 64, 128}, nothing trailing. */
+ * {32, 64, 128}, then nothing, or "c" (the mean-centred variant) and
+ * nothing. */
 static int parse_kvarn(const char *s, kvarn_format *out)
 {
     int kb, vb, g;
@@ -27,19 +28,23 @@ static int parse_kvarn(const char *s, kvarn_format *out)
     if (s[0] < '0' || s[0] > '9' || s[1] != '_' || s[2] != 'g') return 0;
     vb = s[0] - '0';
     s += 3;
-    if (strcmp(s, "32") == 0) g = 32;
-    else if (strcmp(s, "64") == 0) g = 64;
-    else if (strcmp(s, "128") == 0) g = 128;
+    int centred = 0;
+    if (strncmp(s, "32", 2) == 0) g = 32, s += 2;
+    else if (strncmp(s, "64", 2) == 0) g = 64, s += 2;
+    else if (strncmp(s, "128", 3) == 0) g = 128, s += 3;
     else return 0;
+    if (s[0] == 'c') centred = 1, s++;
+    if (s[0] != '\0') return 0;
     if (!valid_bits(kb) || !valid_bits(vb)) return 0;
     kvarn_format f;
     memset(&f, 0, sizeof f);
     f.kind = KVARN_KIND_KVARN;
-    snprintf(f.name, sizeof f.name, "kvarn_k%dv%d_g%d", kb, vb, g);
+    snprintf(f.name, sizeof f.name, "kvarn_k%dv%d_g%d%s", kb, vb, g, centred ? "c" : "");
     f.tile_tokens = g;
     f.key_bits = kb;
     f.value_bits = vb;
     f.per_tile = 1;
+    f.centred = centred;
     *out = f;
     return 1;
 }
@@ -65,11 +70,11 @@ static size_t kvarn_record_bytes_of(size_t payload, size_t D, size_t G)
  * power of two; docs/formats.md). */
 #define TOKEN_DIMS 2, 1024, 2, 0
 #define TOKEN_GEOMETRY(BITS) 0, 1, BITS, BITS, NULL, TOKEN_DIMS
-#define META_NONE {0, 0, 0, 0, 0, 0}
+#define META_NONE {0, 0, 0, 0, 0, 0, 0}
 /* fp8: one fp16 scale per K row and per V row */
-#define META_SCALE {KVARN_META_ONE, 0, 0, 0, KVARN_META_ONE, 0}
+#define META_SCALE {KVARN_META_ONE, 0, 0, 0, KVARN_META_ONE, 0, 0}
 /* int: an fp16 scale and zero-point per K row and per V row */
-#define META_SCALE_ZERO {KVARN_META_ONE, KVARN_META_ONE, 0, 0, KVARN_META_ONE, KVARN_META_ONE}
+#define META_SCALE_ZERO {KVARN_META_ONE, KVARN_META_ONE, 0, 0, KVARN_META_ONE, KVARN_META_ONE, 0}
 
 /* Indexed by kvarn_kind (designated, so a row cannot land on another kind's
  * index); tests/codec/test_format.c walks it. */
@@ -87,10 +92,12 @@ static const kvarn_kind_ops k_kinds[KVARN_KIND_COUNT] = {
     [KVARN_KIND_INT4] = {KVARN_KIND_INT4, "int4", TOKEN_GEOMETRY(4), META_SCALE_ZERO, NULL, NULL,
                          kvarn__int4_encode, kvarn__int4_decode},
     /* K: codes [D][G] channel-major, a_d, b_d per channel, s_tok per token;
-     * V: codes [G][D], s_chan per channel, a_t, b_t per token. */
+     * V: codes [G][D], s_chan per channel, a_t, b_t per token; centred
+     * formats: V's channel means mu_d. */
     [KVARN_KIND_KVARN] = {KVARN_KIND_KVARN, "kvarn", 1, 0, 0, 0, parse_kvarn, 64, 256, 64, 1,
                           {KVARN_META_PER_CHANNEL, KVARN_META_PER_CHANNEL, KVARN_META_PER_TOKEN,
-                           KVARN_META_PER_CHANNEL, KVARN_META_PER_TOKEN, KVARN_META_PER_TOKEN},
+                           KVARN_META_PER_CHANNEL, KVARN_META_PER_TOKEN, KVARN_META_PER_TOKEN,
+                           KVARN_META_PER_CHANNEL},
                           kvarn_record_bytes_of, kvarn__tile_workspace_bytes,
                           kvarn__tile_encode, kvarn__tile_decode,
                           1 /* its range checks on loading reject NaN / Inf */},
@@ -111,5 +118,6 @@ int kvarn__format_valid(const kvarn_format *f)
      * its record). */
     return (op->tile_tokens ? f->tile_tokens == op->tile_tokens : valid_tile(f->tile_tokens)) &&
            (op->key_bits ? f->key_bits == op->key_bits : valid_bits(f->key_bits)) &&
-           (op->value_bits ? f->value_bits == op->value_bits : valid_bits(f->value_bits));
+           (op->value_bits ? f->value_bits == op->value_bits : valid_bits(f->value_bits)) &&
+           (f->centred == 0 || (f->centred == 1 && op->meta.v_mu != KVARN_META_NONE));
 }

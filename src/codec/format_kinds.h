@@ -31,9 +31,12 @@ typedef enum kvarn_meta_count {
     KVARN_META_PER_TOKEN
 } kvarn_meta_count;
 
-/* The metadata fields of a record, in record.h's order. */
+/* The metadata fields of a record, in record.h's order. v_mu is the field
+ * of a mean-centred format (kvarn_format.centred) only; a kind whose v_mu
+ * is KVARN_META_NONE has no centred formats. */
 typedef struct kvarn_kind_meta {
     unsigned char k_a, k_b, k_stok, v_schan, v_a, v_b; /* kvarn_meta_count */
+    unsigned char v_mu;
 } kvarn_kind_meta;
 
 /* Encode one record: k, v fp32 [G][D] token-major (G = 1 for per-token
@@ -79,8 +82,9 @@ typedef struct kvarn_kind_ops {
 /* The row of a kind; NULL for a value outside [0, KVARN_KIND_COUNT). */
 const kvarn_kind_ops *kvarn__kind_ops(kvarn_kind kind);
 
-/* Whether *f is a format its kind's row admits (tile length and bit widths;
- * the name is not read). 0 for NULL or an unknown kind. */
+/* Whether *f is a format its kind's row admits (tile length, bit widths,
+ * centred only where the row has a v_mu field; the name is not read). 0
+ * for NULL or an unknown kind. */
 int kvarn__format_valid(const kvarn_format *f);
 
 #endif

@@ -69,7 +69,8 @@ enum {
     V_INV_COL, V_INV_ROW,   /* 1 / scale */
     V_SD_COL, V_SD_ROW,     /* std of the columns / rows of the normalized tile */
     V_SD_ROW_U,             /* std of the rows of x * inv_col (no row scale) */
-    V_AUX0, V_AUX1,         /* column shifts and means; one balanced row */
+    V_AUX0, V_AUX1,         /* column shifts and means; one balanced row;
+                               the V means of centring (centre_values) */
     V_A, V_B,               /* fp32 folded a and b of each row */
     V_COUNT
 };
@@ -87,7 +88,8 @@ typedef struct tile_ws {
 
 static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
 
-/* Bytes of the largest KVarN record for D and G (8-bit keys and values). */
+/* Bytes of the largest KVarN record for D and G (8-bit keys and values,
+ * mean-centred). */
 static size_t max_record_bytes(int head_dim, int tile_tokens)
 {
     kvarn_format f;
@@ -97,6 +99,7 @@ static size_t max_record_bytes(int head_dim, int tile_tokens)
     f.key_bits = 8;
     f.value_bits = 8;
     f.per_tile = 1;
+    f.centred = 1;
     kvarn_record_layout L;
     return kvarn_record_layout_get(&f, head_dim, &L) == KVARN_OK ? L.record_bytes : 0;
 }
@@ -305,11 +308,122 @@ static void store_fp16(uint8_t *dst, const float *src, int n)
     }
 }
 
+/* ---------------------------------------------------------------------- */
+/* Error-minimizing range (KVARN_RTN_MSE)                                  */
+/* ---------------------------------------------------------------------- */
+
+/* Candidate ranges of the search: the row's [min, max] shrunk towards its
+ * weighted mean by 1 - k / MSE_STEPS_DEN for k = 0 .. MSE_STEPS - 1 (down
+ * to 0.4 of the span: the best uniform 2-bit quantizer of a Gaussian spans
+ * 3.0 sigma, the min/max of 64 Gaussian values about 4.8 sigma), then up to
+ * MSE_REFITS least-squares refits of (scale, lo) on the codes found. */
+#define MSE_STEPS 13
+#define MSE_STEPS_DEN 20.0f
+#define MSE_REFITS 4
+
+/* code of y with range (lo, scale): clamp((y - lo) / scale) to [0, qmax],
+ * then round half to even (the clamp first keeps the RNE trick's operand
+ * in [0, 2^22)). */
+static inline float mse_code(float y, float lo, float scale, float qmax)
+{
+    float q = (y - lo) / scale;
+    q = q > 0.0f ? q : 0.0f; /* a NaN quotient cannot occur: scale >= 1e-10 */
+    q = q < qmax ? q : qmax;
+    return (q + RNE_MAGIC) - RNE_MAGIC;
+}
+
+/* Weighted squared error sum_j w_j (code_j scale + lo - y_j)^2 of one row. */
+static double mse_row_error(const float *y, const float *w, int C, float lo, float scale,
+                            float qmax)
+{
+    double e2 = 0.0;
+    for (int j = 0; j < C; j++) {
+        const float e = mse_code(y[j], lo, scale, qmax) * scale + lo - y[j];
+        e2 += (double)w[j] * (double)e * (double)e;
+    }
+    return e2;
+}
+
+/* RTN of one balanced row y [C] with the (lo, scale) of least weighted
+ * squared reconstruction error sum_j w_j (y'_j - y_j)^2 among the
+ * candidates above, w_j = s_col_j^2 (the error of the stored value x =
+ * y s_col s_row, up to the row's common s_row^2). Writes codes [C],
+ * *lo_out, *scale_out; scale >= RTN_SCALE_MIN. Plain C in a fixed order,
+ * the same copy at every SIMD level, so every level gives the same bytes.
+ * A row whose span is below qmax * RTN_SCALE_MIN gets the spec's min/max
+ * range. The refits only lower the error (the codes are the nearest level
+ * of the new range, the least-squares fit the best range for those codes),
+ * and each candidate is kept only if it lowers the error, so the result is
+ * never worse than min/max on this objective. */
+static void rtn_row_mse(const float *y, const float *w, int C, float qmax, uint8_t *codes,
+                        float *lo_out, float *scale_out)
+{
+    float lo0 = y[0], hi0 = y[0];
+    double sw = 0.0, swy = 0.0;
+    for (int j = 0; j < C; j++) {
+        lo0 = y[j] < lo0 ? y[j] : lo0;
+        hi0 = y[j] > hi0 ? y[j] : hi0;
+        sw += (double)w[j];
+        swy += (double)w[j] * (double)y[j];
+    }
+    float best_lo = lo0, best_scale = (hi0 - lo0) / qmax;
+    if (!(best_scale >= RTN_SCALE_MIN)) best_scale = RTN_SCALE_MIN;
+    if ((hi0 - lo0) / qmax > RTN_SCALE_MIN && sw > 0.0) {
+        float m = (float)(swy / sw);
+        m = m < lo0 ? lo0 : (m > hi0 ? hi0 : m);
+        double best = mse_row_error(y, w, C, best_lo, best_scale, qmax);
+        for (int k = 1; k < MSE_STEPS; k++) {
+            const float r = 1.0f - (float)k / MSE_STEPS_DEN;
+            const float lo = m - r * (m - lo0), hi = m + r * (hi0 - m);
+            const float scale = (hi - lo) / qmax;
+            if (!(scale >= RTN_SCALE_MIN)) break;
+            const double e = mse_row_error(y, w, C, lo, scale, qmax);
+            if (e < best) best = e, best_lo = lo, best_scale = scale;
+        }
+        for (int it = 0; it < MSE_REFITS; it++) {
+            /* weighted least squares of y on the codes: y ~ c * scale + lo */
+            double s1 = 0.0, sc = 0.0, sy = 0.0, scc = 0.0, scy = 0.0;
+            for (int j = 0; j < C; j++) {
+                const double c = (double)mse_code(y[j], best_lo, best_scale, qmax);
+                const double wj = (double)w[j];
+                s1 += wj;
+                sc += wj * c;
+                sy += wj * (double)y[j];
+                scc += wj * c * c;
+                scy += wj * c * (double)y[j];
+            }
+            const double det = s1 * scc - sc * sc;
+            if (!(det > 0.0)) break; /* one code for the whole row */
+            const float scale = (float)((s1 * scy - sc * sy) / det);
+            if (!(scale >= RTN_SCALE_MIN) || !(scale <= FP16_MAX)) break;
+            const float lo = (float)((sy - (double)scale * sc) / s1);
+            const double e = mse_row_error(y, w, C, lo, scale, qmax);
+            if (!(e < best)) break;
+            best = e, best_lo = lo, best_scale = scale;
+        }
+    }
+    for (int j = 0; j < C; j++) codes[j] = (uint8_t)mse_code(y[j], best_lo, best_scale, qmax);
+    *lo_out = best_lo;
+    *scale_out = best_scale;
+}
+
+/* Row i of the matrix into xr [C]: from x [R][C] (row-major), or, at the
+ * AVX-512 level, from its row panels xt (kvarn_tile_stats.h). */
+static const float *matrix_row(const tile_ws *ws, const float *x, const float *xt, int i, int C,
+                               float *xr)
+{
+    if (ws->level < KVARN_CPU_AVX512) return x + (size_t)i * (size_t)C;
+    const float *p = xt + (size_t)(i / 16) * (16 * (size_t)C + 16) + (size_t)(i % 16);
+    for (int j = 0; j < C; j++) xr[j] = p[16 * (size_t)j];
+    return xr;
+}
+
 /* Encode x [R][C] into the staged record: packed codes (R rows of C codes),
- * a [R], b [R], s_col [C] (fp16). Returns KVARN_ERR_NONFINITE if a folded
+ * a [R], b [R], s_col [C] (fp16). rtn_range: KVARN_RTN_MINMAX (spec step 3)
+ * or KVARN_RTN_MSE (rtn_row_mse). Returns KVARN_ERR_NONFINITE if a folded
  * parameter falls outside the fp16 range. */
 static kvarn_status encode_matrix(const tile_ws *ws, const float *x, const float *xt, int R,
-                                  int C, int bits, int iters, uint8_t *codes_out,
+                                  int C, int bits, int iters, int rtn_range, uint8_t *codes_out,
                                   uint8_t *a16, uint8_t *b16, uint8_t *col16)
 {
     balance(ws, x, xt, R, C, iters);
@@ -319,8 +433,14 @@ static kvarn_status encode_matrix(const tile_ws *ws, const float *x, const float
     const float qmax = (float)((1 << bits) - 1);
     const size_t row_bytes = kvarn_packed_bytes((size_t)C, bits);
 
+    const int mse = rtn_range == KVARN_RTN_MSE;
+    /* MSE: V_SD_COL holds the weights s_col^2, V_AUX1 one row of x */
+    float *w = ws->vec[V_SD_COL], *xr = ws->vec[V_AUX1];
+    if (mse)
+        for (int j = 0; j < C; j++) w[j] = s_col[j] * s_col[j];
+
 #ifdef KVARN_TILE_HAVE_AVX2
-    if (ws->level >= KVARN_CPU_AVX512) { /* xt is free again: the balanced rows */
+    if (!mse && ws->level >= KVARN_CPU_AVX512) { /* xt is free again: the balanced rows */
         kvarn__tile512_rtn(x, R, C, s_col, s_row, qmax, RTN_SCALE_MIN, bits, ws->tmp, codes_out, row_bytes,
                            a, b);
         for (int i = 0; i < R; i++)
@@ -334,7 +454,13 @@ static kvarn_status encode_matrix(const tile_ws *ws, const float *x, const float
     for (int i = 0; i < R; i++) {
         const float sr = s_row[i];
         float lo, scale;
-        rtn_row(ws, x, i, C, s_col, sr, qmax, y, codes, &lo, &scale);
+        if (mse) {
+            const float *row = matrix_row(ws, x, xt, i, C, xr);
+            for (int j = 0; j < C; j++) y[j] = row[j] / s_col[j] / sr;
+            rtn_row_mse(y, w, C, qmax, codes, &lo, &scale);
+        } else {
+            rtn_row(ws, x, i, C, s_col, sr, qmax, y, codes, &lo, &scale);
+        }
         kvarn_pack_codes(codes, (size_t)C, bits, codes_out + (size_t)i * row_bytes);
         a[i] = sr * scale;
         b[i] = sr * lo;
@@ -379,6 +505,65 @@ static void transpose(const float *src, int R, int C, float *dst)
                     dst[(size_t)j * (size_t)R + (size_t)i] = src[(size_t)i * (size_t)C + (size_t)j];
 }
 
+/* Mean-centring of a rotated V tile (centred formats, record.h V mu_d):
+ * mu_d = (sum over the G tokens in order of V[t,d]) / G in fp32, rounded
+ * to fp16, and V[t,d] -= mu_d (the fp16 value, so that decode and
+ * attention add back exactly what was taken). V is the [G rows x D cols]
+ * matrix X of encode_matrix; at the AVX-512 level it is held as column
+ * panels xp and row panels xtp (kvarn_tile_stats.h), else row-major in xp
+ * (xtp NULL). Every loop runs with the channels innermost over contiguous
+ * memory (the compiler vectorizes across channels; each channel's sum
+ * still runs over t = 0..G-1 in order), and both layouts hold the same
+ * values, so the sums, hence the bytes, are the same at every level.
+ * mu: scratch [D]; mu16: fp16 [D] out. Returns KVARN_ERR_NONFINITE if a
+ * mean is beyond fp16 (|mu| >= 65520). */
+static kvarn_status centre_values(float *xp, float *xtp, int G, int D, float *mu, uint8_t *mu16)
+{
+    const float inv_g = 1.0f / (float)G; /* G a power of two: exact */
+    const size_t cps = 16 * (size_t)G + 16, rps = 16 * (size_t)D + 16; /* panel strides */
+    for (int j = 0; j < D; j++) mu[j] = 0.0f;
+    if (xtp) { /* column panel p: channels 16p..16p+15 of token t at 16 t */
+        for (int p = 0; p < D / 16; p++)
+            for (int t = 0; t < G; t++) {
+                const float *r = xp + (size_t)p * cps + 16 * (size_t)t;
+                float *m = mu + 16 * p;
+                for (int l = 0; l < 16; l++) m[l] += r[l];
+            }
+    } else {
+        for (int t = 0; t < G; t++) {
+            const float *r = xp + (size_t)t * (size_t)D;
+            for (int j = 0; j < D; j++) mu[j] += r[j];
+        }
+    }
+    for (int j = 0; j < D; j++) {
+        const uint16_t h = kvarn_fp32_to_fp16(mu[j] * inv_g);
+        if ((h & 0x7c00u) == 0x7c00u) return KVARN_ERR_NONFINITE;
+        memcpy(mu16 + 2 * (size_t)j, &h, 2);
+        mu[j] = kvarn_fp16_to_fp32(h);
+    }
+    if (xtp) {
+        for (int p = 0; p < D / 16; p++)
+            for (int t = 0; t < G; t++) {
+                float *r = xp + (size_t)p * cps + 16 * (size_t)t;
+                const float *m = mu + 16 * p;
+                for (int l = 0; l < 16; l++) r[l] -= m[l];
+            }
+        /* row panel q: tokens 16q..16q+15 of channel j at 16 j */
+        for (int q = 0; q < G / 16; q++)
+            for (int j = 0; j < D; j++) {
+                float *r = xtp + (size_t)q * rps + 16 * (size_t)j;
+                const float m = mu[j];
+                for (int l = 0; l < 16; l++) r[l] -= m;
+            }
+    } else {
+        for (int t = 0; t < G; t++) {
+            float *r = xp + (size_t)t * (size_t)D;
+            for (int j = 0; j < D; j++) r[j] -= mu[j];
+        }
+    }
+    return KVARN_OK;
+}
+
 kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
                                 const float *v, void *record, void *workspace,
                                 const kvarn_codec_opts *opts)
@@ -386,6 +571,9 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
     const int D = L->head_dim, G = L->tile_tokens;
     const int iters = opts ? opts->balance_iters : 8;
     const int prerotated = opts ? opts->prerotated != 0 : 0;
+    const int rtn_v = opts && opts->rtn_range != KVARN_RTN_MINMAX ? KVARN_RTN_MSE : KVARN_RTN_MINMAX;
+    const int rtn = opts && opts->rtn_range == KVARN_RTN_MSE ? KVARN_RTN_MSE : KVARN_RTN_MINMAX;
+    const int centred = L->v_mu_bytes != 0;
     tile_ws ws;
     if (ws_layout(D, G, workspace, &ws) == 0) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
     ws.level = kvarn__cpu_level();
@@ -400,13 +588,15 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
     if (ws.level >= KVARN_CPU_AVX512) { /* both layouts of each matrix at once */
         if (kvarn__tile512_load(k, G, D, prerotated, 1, RAW_ABS_MAX, ROT_ABS_MAX, ws.x, ws.tmp) != 0)
             return KVARN_ERR_NONFINITE;
-        kvarn_status st = encode_matrix(&ws, ws.x, ws.tmp, D, G, L->key_bits, iters,
+        kvarn_status st = encode_matrix(&ws, ws.x, ws.tmp, D, G, L->key_bits, iters, rtn,
                                         rec + L->k_codes_off, rec + L->k_a_off, rec + L->k_b_off,
                                         rec + L->k_stok_off);
         if (st != KVARN_OK) return st;
         if (kvarn__tile512_load(v, G, D, prerotated, 0, RAW_ABS_MAX, ROT_ABS_MAX, ws.x, ws.tmp) != 0)
             return KVARN_ERR_NONFINITE;
-        st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rec + L->v_codes_off,
+        if (centred && (st = centre_values(ws.x, ws.tmp, G, D, ws.vec[V_AUX1], rec + L->v_mu_off)) != KVARN_OK)
+            return st;
+        st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rtn_v, rec + L->v_codes_off,
                            rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
         if (st != KVARN_OK) return st;
         memcpy(record, rec, L->record_bytes);
@@ -417,14 +607,15 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
     kvarn_status st = load_rotated(k, G, D, prerotated, ws.tmp);
     if (st != KVARN_OK) return st;
     transpose(ws.tmp, G, D, ws.x);
-    st = encode_matrix(&ws, ws.x, ws.tmp, D, G, L->key_bits, iters, rec + L->k_codes_off,
+    st = encode_matrix(&ws, ws.x, ws.tmp, D, G, L->key_bits, iters, rtn, rec + L->k_codes_off,
                        rec + L->k_a_off, rec + L->k_b_off, rec + L->k_stok_off);
     if (st != KVARN_OK) return st;
 
     /* V: rows = tokens, already the token-major layout. */
     st = load_rotated(v, G, D, prerotated, ws.x);
     if (st != KVARN_OK) return st;
-    st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rec + L->v_codes_off,
+    if (centred && (st = centre_values(ws.x, NULL, G, D, ws.vec[V_AUX1], rec + L->v_mu_off)) != KVARN_OK) return st;
+    st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rtn_v, rec + L->v_codes_off,
                        rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
     if (st != KVARN_OK) return st;
 
@@ -472,7 +663,7 @@ kvarn_status kvarn__tile_decode(const kvarn_record_layout *L, const void *record
         }
         if (!(flags & KVARN_DECODE_ROTATED)) kvarn_hadamard_rows(k_out, G, D);
     }
-    if (v_out != NULL) { /* V[t,d] = (code*a_t + b_t) * s_chan_d */
+    if (v_out != NULL) { /* V[t,d] = (code*a_t + b_t) * s_chan_d (+ mu_d) */
         const int bits = L->value_bits;
         const size_t row_bytes = kvarn_packed_bytes((size_t)D, bits);
         load_fp16(rec + L->v_a_off, G, a);
@@ -482,6 +673,11 @@ kvarn_status kvarn__tile_decode(const kvarn_record_layout *L, const void *record
             kvarn_unpack_codes(rec + L->v_codes_off + (size_t)t * row_bytes, (size_t)D, bits, codes[0]);
             float *out = v_out + (size_t)t * (size_t)D;
             for (int d = 0; d < D; d++) out[d] = ((float)codes[0][d] * a[t] + b[t]) * s[d];
+        }
+        if (L->v_mu_bytes) { /* centred: + mu_d (record.h) */
+            load_fp16(rec + L->v_mu_off, D, s);
+            for (int t = 0; t < G; t++)
+                for (int d = 0; d < D; d++) v_out[(size_t)t * (size_t)D + (size_t)d] += s[d];
         }
         if (!(flags & KVARN_DECODE_ROTATED)) kvarn_hadamard_rows(v_out, G, D);
     }

@@ -50,6 +50,8 @@ bool served_head_dim(int D)
 
 bool served_format(const kvarn_format *f, int D)
 {
+    /* mean-centred KVarN formats have no device kernels yet */
+    if (f->centred) return false;
     if (f->kind == KVARN_KIND_KVARN) {
 #define KC_P(D_, G_, KB_, VB_) \
     if (D == D_ && f->tile_tokens == G_ && f->key_bits == KB_ && f->value_bits == VB_) return true;
@@ -196,7 +198,11 @@ kvarn_status kvarn_cuda_commit(const kvarn_paged_kv *kv,
         return KVARN_ERR_INVALID_ARG;
     kvarn_codec_opts o = KVARN_CODEC_OPTS_DEFAULT;
     if (opts != NULL) o = *opts;
-    if (o.balance_iters < 0 || o.balance_iters > 64) return KVARN_ERR_INVALID_ARG;
+    if (o.balance_iters < 0 || o.balance_iters > 64 ||
+        (o.rtn_range < KVARN_RTN_MINMAX || o.rtn_range > KVARN_RTN_MSE_V))
+        return KVARN_ERR_INVALID_ARG;
+    /* the device commit runs the spec's min/max range only */
+    if (o.rtn_range != KVARN_RTN_MINMAX) return KVARN_ERR_UNSUPPORTED;
     kvarn_status st = kvarn_cuda_check_kv(kv);
     if (st != KVARN_OK) return st;
     if (kv->fmt.kind != KVARN_KIND_KVARN) return KVARN_ERR_INVALID_ARG;

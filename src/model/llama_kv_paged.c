@@ -227,7 +227,8 @@ static const llama_kv_ops paged_ops = {
  * a budget beyond 64 bits), errors of kvarn_cache_plan. No allocation. */
 static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format *fmt,
                                    int sink_tiles, int sink_tokens, int tail_tokens,
-                                   int staging, int balance_iters, kvarn_cache_opts *out,
+                                   int balance_iters, int rtn_range, int staging,
+                                   kvarn_cache_opts *out,
                                    kvarn_cache_info *info)
 {
     if (sh->max_tokens > KVARN_CACHE_MAX_SEQ_LEN) return KVARN_ERR_TOO_LARGE;
@@ -240,6 +241,7 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
     o.allocator = sh->alloc;
     o.max_seq_len = sh->max_tokens;
     if (balance_iters >= 0) o.balance_iters = balance_iters;
+    o.rtn_range = rtn_range;
     if (fmt->per_tile) {
         o.sink_tiles = sink_tiles >= 0 ? sink_tiles : 1;
         /* S tokens replace sink_tiles: floor(S / G) whole sink tiles */
@@ -291,7 +293,7 @@ static kvarn_status store_geometry(const llama_kv_shape *sh, const kvarn_format 
 {
     if (o->cache) return kvarn_cache_get_info(o->cache, ci);
     return cache_settings(sh, fmt, o->sink_tiles, o->sink_tokens, o->tail_page_tokens,
-                          o->staging, o->balance_iters, co, ci);
+                          o->balance_iters, o->rtn_range, o->staging, co, ci);
 }
 
 /* Bytes of every buffer llama_kv_paged_create allocates besides the cache

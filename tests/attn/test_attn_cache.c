@@ -205,6 +205,7 @@ static void test_cache_kvarn(void **state)
     (void)state;
     check_format("kvarn_k4v2_g64");
     check_format("kvarn_k4v4_g128");
+    check_format("kvarn_k4v2_g128c"); /* mean-centred records */
 }
 
 /* Sinks shorter than a tile through the cache: the slot the commit fills

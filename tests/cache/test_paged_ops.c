@@ -107,7 +107,7 @@ static void check_kvarn_store_commit(const char *name, int D, uint64_t seed)
     const size_t wsz = kvarn_paged_commit_workspace_bytes(kv);
     assert_true(wsz >= 2 * (size_t)G * D * sizeof(float));
     void *ws = ws_alloc(wsz);
-    const kvarn_codec_opts opts = {8, 0};
+    const kvarn_codec_opts opts = {8, 0, KVARN_RTN_MINMAX};
     assert_int_equal(kvarn_paged_commit(kv, src, dst, 4, &opts, ws, wsz), KVARN_OK);
 
     /* Oracle. kvarn_paged_store rounds the rotated K/V to fp16 and commit
@@ -460,7 +460,7 @@ static void check_errors(const char *name, int D)
         /* bad codec options (balance_iters outside [0, 64]): refused
          * whether or not any entry is committed (regression: with every
          * entry skipped they were accepted) */
-        const kvarn_codec_opts bo[2] = {{65, 1}, {-1, 1}};
+        const kvarn_codec_opts bo[2] = {{65, 1, KVARN_RTN_MINMAX}, {-1, 1, KVARN_RTN_MINMAX}};
         const int32_t skip[1] = {-1};
         for (int i = 0; i < 2; i++) {
             assert_int_equal(kvarn_paged_commit(kv, ok_src, ok_dst, 1, &bo[i], ws, wsz),

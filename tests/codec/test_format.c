@@ -116,7 +116,7 @@ static void test_sizes(void **state)
         for (int b = 0; b < 3; b++)
             for (int c = 0; c < 3; c++)
                 for (int d = 0; d < 3; d++) {
-                    kvarn_format g = {KVARN_KIND_KVARN, "x", Gs[b], bits[c], bits[d], 1};
+                    kvarn_format g = {KVARN_KIND_KVARN, "x", Gs[b], bits[c], bits[d], 1, 0};
                     kvarn_record_layout L;
                     assert_int_equal(kvarn_record_layout_get(&g, Ds[a], &L), KVARN_OK);
                     assert_int_equal(L.record_bytes, kvarn_formula(Ds[a], Gs[b], bits[c], bits[d]));

@@ -322,7 +322,7 @@ static void bufs_close(codec_bufs *b)
 static kvarn_status encode(codec_bufs *b, int D, const float *k, const float *v,
                            uint8_t *rec, int iters, int prerotated)
 {
-    kvarn_codec_opts o = {iters, prerotated};
+    kvarn_codec_opts o = {iters, prerotated, KVARN_RTN_MINMAX};
     return kvarn_encode(&b->fmt, D, k, v, rec, b->L.record_bytes, b->ws, b->ws_bytes, &o);
 }
 
@@ -585,7 +585,7 @@ static void test_misaligned_workspace(void **state)
             uint8_t *ws = big + pad + mis;
             memset(big, 0xC3, n + 2 * pad + 64);
             memset(b.rec2, 0x5a, b.L.record_bytes);
-            kvarn_codec_opts o = {8, 0};
+            kvarn_codec_opts o = {8, 0, KVARN_RTN_MINMAX};
             assert_int_equal(kvarn_encode(&b.fmt, D, k, v, b.rec2, b.L.record_bytes, ws, n, &o), KVARN_OK);
             assert_memory_equal(b.rec, b.rec2, b.L.record_bytes);
             for (uint8_t *p = big; p < ws; p++) assert_int_equal(*p, 0xC3);
@@ -978,6 +978,126 @@ static void test_simd_adversarial(void **state)
     assert_true(n_ok > 0 && n_rejected > 0);
 }
 
+/* The mean-centred formats (kvarn_k{kb}v{vb}_g{G}c) and the error-minimizing
+ * RTN range (KVARN_RTN_MSE, on spec and centred formats) give the same
+ * status and bytes at every SIMD level this CPU has (the centring sums and
+ * the range search are plain C in a fixed order at every level; the
+ * AVX-512 path reads the same values from its panels), on the tiles of
+ * test_simd_levels_identical and on adversarial tiles; and a centred
+ * record decodes to the spec's formula on its fields plus its stored
+ * channel means mu_d (record.h), themselves the fp16 of the in-order means
+ * of the rotated V. */
+static void test_simd_centred_mse(void **state)
+{
+    (void)state;
+    static float k[MAXN], v[MAXN], kd[MAXN], vd[MAXN];
+    static const char *levels[3] = {"scalar", "avx2", "avx512"};
+    static const int dims[3] = {64, 128, 256}, tiles[3] = {32, 64, 128};
+    static const int bits[3][2] = {{4, 2}, {4, 4}, {2, 8}};
+    static const struct { int centred, rtn; } modes[3] = {
+        {0, KVARN_RTN_MSE}, {1, KVARN_RTN_MINMAX}, {1, KVARN_RTN_MSE}};
+    const char *saved = getenv("KVARN_SIMD");
+    const int top = (int)kvarn__cpu_level();
+    if (top < 1) printf("  NOTE: scalar only here (CPU or KVARN_SIMD): nothing to compare\n");
+    uint64_t s = 0x452821e638d01377ull;
+    int n_ok = 0, n_rejected = 0;
+    for (int di = 0; di < 3; di++)
+        for (int gi = 0; gi < 3; gi++)
+            for (int bi = 0; bi < 3; bi++)
+                for (int mi = 0; mi < 3; mi++) {
+                    const int D = dims[di], G = tiles[gi];
+                    if ((di + gi + bi + mi) % 2 == 1) continue; /* half the grid: ASan runtime */
+                    char name[32];
+                    snprintf(name, sizeof name, "kvarn_k%dv%d_g%d%s", bits[bi][0], bits[bi][1], G,
+                             modes[mi].centred ? "c" : "");
+                    codec_bufs b;
+                    bufs_open(&b, D, G, bits[bi][0], bits[bi][1]);
+                    assert_int_equal(kvarn_format_parse(name, &b.fmt), KVARN_OK);
+                    assert_int_equal(b.fmt.centred, modes[mi].centred);
+                    assert_int_equal(kvarn_record_layout_get(&b.fmt, D, &b.L), KVARN_OK);
+                    free(b.rec);
+                    free(b.rec2);
+                    b.rec = malloc(b.L.record_bytes);
+                    b.rec2 = malloc(b.L.record_bytes);
+                    assert_non_null(b.rec);
+                    assert_non_null(b.rec2);
+                    assert_true(kvarn_encode_workspace_bytes(&b.fmt, D) == b.ws_bytes);
+                    for (int rep = 0; rep < 6; rep++) {
+                        const int pre = rep % 2;
+                        if (rep < 4) xs_tile(&s, rep, D, G, k, v);
+                        else xs_adversarial(&s, D, G, k, v, pre);
+                        if (rep < 4 && modes[mi].centred) /* a bias on the values */
+                            for (int i = 0; i < D * G; i++) v[i] += (float)(i % D % 5) - 2.0f + 7.0f;
+                        kvarn_codec_opts o = {8, rep < 4 ? 0 : pre, modes[mi].rtn};
+                        setenv("KVARN_SIMD", "scalar", 1);
+                        memset(b.rec, 0x5A, b.L.record_bytes);
+                        const kvarn_status want = kvarn_encode(&b.fmt, D, k, v, b.rec, b.L.record_bytes,
+                                                               b.ws, b.ws_bytes, &o);
+                        if (want == KVARN_OK) n_ok++;
+                        else n_rejected++;
+                        for (int lv = 1; lv <= top; lv++) {
+                            setenv("KVARN_SIMD", levels[lv], 1);
+                            memset(b.rec2, 0x5A, b.L.record_bytes);
+                            const kvarn_status got = kvarn_encode(&b.fmt, D, k, v, b.rec2,
+                                                                  b.L.record_bytes, b.ws, b.ws_bytes, &o);
+                            if (got != want || memcmp(b.rec, b.rec2, b.L.record_bytes) != 0)
+                                fail_msg("%s D %d rtn %d rep %d: %s gives %s, scalar %s%s", name, D,
+                                         modes[mi].rtn, rep, levels[lv], kvarn_strerror(got),
+                                         kvarn_strerror(want), got == want ? " (records differ)" : "");
+                        }
+                        if (want == KVARN_OK && modes[mi].rtn == KVARN_RTN_MSE) {
+                            /* KVARN_RTN_MSE_V: V as MSE, K as min/max */
+                            kvarn_codec_opts ov = o, ok = o;
+                            ov.rtn_range = KVARN_RTN_MSE_V;
+                            ok.rtn_range = KVARN_RTN_MINMAX;
+                            assert_int_equal(kvarn_encode(&b.fmt, D, k, v, b.rec2, b.L.record_bytes,
+                                                          b.ws, b.ws_bytes, &ov), KVARN_OK);
+                            assert_memory_equal(b.rec + b.L.v_codes_off, b.rec2 + b.L.v_codes_off,
+                                                b.L.record_bytes - b.L.v_codes_off);
+                            uint8_t *kmin = malloc(b.L.record_bytes);
+                            assert_non_null(kmin);
+                            assert_int_equal(kvarn_encode(&b.fmt, D, k, v, kmin, b.L.record_bytes,
+                                                          b.ws, b.ws_bytes, &ok), KVARN_OK);
+                            assert_memory_equal(kmin, b.rec2, b.L.v_codes_off);
+                            free(kmin);
+                        }
+                        if (want != KVARN_OK || !modes[mi].centred) continue;
+                        /* mu_d = fp16 of (the fp32 sum over t in order of the rotated
+                         * V[t,d]) / G, as record.h defines it */
+                        memcpy(vd, v, (size_t)G * D * sizeof(float));
+                        if (!o.prerotated) kvarn_hadamard_rows(vd, G, D);
+                        for (int d = 0; d < D; d++) {
+                            float sum = 0.0f;
+                            for (int t = 0; t < G; t++) sum += vd[(size_t)t * D + d];
+                            uint16_t h;
+                            memcpy(&h, b.rec + b.L.v_mu_off + 2 * (size_t)d, 2);
+                            if (h != kvarn_fp32_to_fp16(sum / (float)G))
+                                fail_msg("%s D %d rep %d: mu_%d %a, want %a", name, D, rep, d,
+                                         (double)kvarn_fp16_to_fp32(h), (double)(sum / (float)G));
+                        }
+                        /* decode = spec formula on the fields + mu_d, rotated basis */
+                        assert_int_equal(kvarn_decode(&b.fmt, D, b.rec, b.L.record_bytes, kd, vd,
+                                                      KVARN_DECODE_ROTATED), KVARN_OK);
+                        const int vb = b.L.value_bits;
+                        for (int t = 0; t < G; t++)
+                            for (int d = 0; d < D; d++) {
+                                const float a = rec_f16(b.rec + b.L.v_a_off, t);
+                                const float bb = rec_f16(b.rec + b.L.v_b_off, t);
+                                const float sc = rec_f16(b.rec + b.L.v_schan_off, d);
+                                const float mu = rec_f16(b.rec + b.L.v_mu_off, d);
+                                const unsigned c = rec_code(b.rec + b.L.v_codes_off, t, d, D, vb);
+                                const float want_v = ((float)c * a + bb) * sc + mu;
+                                assert_true(vd[(size_t)t * D + d] == want_v);
+                            }
+                    }
+                    bufs_close(&b);
+                }
+    if (saved) setenv("KVARN_SIMD", saved, 1);
+    else unsetenv("KVARN_SIMD");
+    printf("  %d tiles stored, %d rejected, at %d level(s) above scalar\n", n_ok, n_rejected, top);
+    assert_true(n_ok > 0 && n_rejected > 0);
+}
+
 /* G = 64 and 128 (the upstream presets) for every D; G = 32 (also in the
  * format table) once, at D = 256 where the power-of-two padding applies. */
 static void test_grid_d64(void **state) { (void)state; run_grid(64, 64); run_grid(64, 128); }
@@ -1002,6 +1122,7 @@ int main(void)
         cmocka_unit_test(test_large_values),
         cmocka_unit_test(test_bad_buffers),
         cmocka_unit_test(test_simd_levels_identical),
+        cmocka_unit_test(test_simd_centred_mse),
         cmocka_unit_test(test_simd_adversarial),
         cmocka_unit_test(test_misaligned_workspace),
     };

@@ -165,7 +165,7 @@ static void test_record_orientation(void **state)
                     k[t * D + d] = (float)crafted(d, t, kb); /* K row = channel d */
                     v[t * D + d] = (float)crafted(t, d, vb); /* V row = token t */
                 }
-            kvarn_codec_opts o = {0, 1}; /* identity balance, prerotated */
+            kvarn_codec_opts o = {0, 1, KVARN_RTN_MINMAX}; /* identity balance, prerotated */
             assert_int_equal(kvarn_encode(&fmt, D, k, v, rec, L.record_bytes, ws, wsb, &o), KVARN_OK);
             const size_t krow = (size_t)G * (size_t)kb / 8, vrow = (size_t)D * (size_t)vb / 8;
             for (int d = 0; d < D; d++)

@@ -174,14 +174,18 @@ static inline int pf_build_sink(paged_fixture *f, const char *fmt_name, int D, i
         float *kd = f->k_deq[s] = malloc(sizeof(float) * n);
         float *vd = f->v_deq[s] = malloc(sizeof(float) * n);
         /* K with a per-channel offset and spread (like post-RoPE keys with
-         * outlier channels), V plain Gaussian. */
+         * outlier channels), V plain Gaussian; for a mean-centred format
+         * (kvarn_format.centred) V has a per-channel bias of -4.5..4.5 too,
+         * so that the stored means (and attention's correction for them)
+         * are large. */
         for (int t = 0; t < len; t++)
             for (int h = 0; h < Hk; h++)
                 for (int d = 0; d < D; d++) {
                     size_t i = ((size_t)t * Hk + h) * D + d;
                     double chan = 1.0 + 2.0 * (double)((d * 7 + h) % 5 == 0);
                     ko[i] = (float)(chan * test_rng_normal(&rng) + 0.5 * ((d % 3) - 1));
-                    vo[i] = (float)test_rng_normal(&rng);
+                    vo[i] = (float)test_rng_normal(&rng) +
+                            (f->fmt.centred ? 1.5f * (float)((d * 5 + h) % 7 - 3) : 0.0f);
                 }
         int32_t *tab = f->tables[s] = malloc(sizeof(int32_t) * ((size_t)nt + 1));
         for (int i = 0; i < nt; i++) {

@@ -23,8 +23,8 @@ BASE = {
 # (command, the options --help lists in its first column, in table order)
 HELP_COLUMNS = [
     ("eval", ["--kv-cache-dtype", "--ctx", "--chunk", "--windows", "--decode-tokens", "--threads",
-              "--passkey", "--sink-tokens", "--tail-page-tokens", "--kvarn-staging", "--json",
-              "--dump-kv",
+              "--passkey", "--sink-tokens", "--tail-page-tokens", "--kvarn-staging", "--rtn-mse",
+              "--rtn-mse-values", "--json", "--dump-kv",
               "--dump-layers"]),
     ("passkey", ["--kv-cache-dtype", "--lengths", "--depths", "--trials", "--chunk", "--seed",
                  "--threads", "--sink-tokens"]),

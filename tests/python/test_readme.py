@@ -55,7 +55,7 @@ def test_first_screen_has_the_two_commands():
 def test_readme_is_short_and_keeps_the_serve_marker():
     lines = readme_lines()
     # a reader's page, not a record of measurements (those live in docs/)
-    assert len(lines) <= 240, len(lines)
+    assert len(lines) <= 220, len(lines)
     assert "<!-- serve-support -->" in lines
 
 

@@ -34,6 +34,14 @@ def run_llm(cfg: dict, expect_ok: bool = True, timeout: int = 900):
     return res, p.stderr + p.stdout
 
 
+def bind_threads(world: int) -> dict:
+    """VLLM_CPU_OMP_THREADS_BIND: one CPU per rank, round robin over the
+    CPUs this process may use (ranks share CPUs where there are fewer)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[i % len(cpus)])
+                                                  for i in range(world))}
+
+
 @pytest.fixture(scope="session")
 def hf_model():
     assert os.path.exists(os.path.join(HF_MODEL, "config.json")), \

@@ -8,10 +8,12 @@ and its own tile t exact. Layers that the plug-in leaves in vLLM's own
 cache (sliding-window layers unless KVARN_SLIDING_WINDOW=quantize) are not
 quantized here either.
 
-kl_per_position(model_dir, ids, quantize_sliding) returns, for each prompt
-position, KL(P_exact || P_codec) over the whole vocabulary, and the exact
-log-probabilities (to check that vLLM's fp32 reference computes the same
-model). Not emulated: the plug-in's fp16 rounding of the tiles it keeps
+logprobs(model_dir, ids, quantize, ...) returns the fp32 log-probabilities
+of every prompt position, the cache exact or through the codec (by default
+FORMAT with the spec's min/max RTN range, what the plug-in stores; fmt and
+rtn_range pick another format or kvarn_codec_opts.rtn_range, codec any
+tile round trip, for bench/centred_families.py); kl_rows(exact, codec)
+gives KL(P_exact || P_codec) over the whole vocabulary per position. Not emulated: the plug-in's fp16 rounding of the tiles it keeps
 unquantized (relative error 2^-11, far below the 4-/2-bit codec's).
 """
 import ctypes
@@ -23,17 +25,27 @@ from kvarn_vllm import _lib
 
 FORMAT = "kvarn_k4v2_g128"
 SINK_TILES = 1
+RTN_MINMAX, RTN_MSE, RTN_MSE_V = 0, 1, 2   # kvarn.h KVARN_RTN_*
 
 
-class _Codec:
-    def __init__(self, name: str, head_dim: int):
+class CodecOpts(ctypes.Structure):
+    """include/kvarn/kvarn.h: kvarn_codec_opts."""
+    _fields_ = [("balance_iters", ctypes.c_int), ("prerotated", ctypes.c_int),
+                ("rtn_range", ctypes.c_int)]
+
+
+class Codec:
+    """One tile's round trip through libkvarn: format name, head_dim D,
+    rtn_range (RTN_MINMAX, RTN_MSE or RTN_MSE_V); .G tokens a tile."""
+
+    def __init__(self, name: str, head_dim: int, rtn_range: int = RTN_MINMAX):
         L = _lib.lib()
         P, I, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
         pf = ctypes.POINTER(_lib.Format)
         L.kvarn_encode_workspace_bytes.restype = Z
         L.kvarn_encode_workspace_bytes.argtypes = [pf, I]
         L.kvarn_encode.restype = I
-        L.kvarn_encode.argtypes = [pf, I, P, P, P, Z, P, Z, P]
+        L.kvarn_encode.argtypes = [pf, I, P, P, P, Z, P, Z, ctypes.POINTER(CodecOpts)]
         L.kvarn_decode.restype = I
         L.kvarn_decode.argtypes = [pf, I, P, Z, P, P, ctypes.c_uint]
         self.L, self.D = L, head_dim
@@ -44,6 +56,7 @@ class _Codec:
         wsb = L.kvarn_encode_workspace_bytes(ctypes.byref(self.fmt), head_dim)
         self.ws = np.zeros(wsb + 16, dtype=np.uint8)
         self.wsb = wsb
+        self.opts = CodecOpts(8, 0, rtn_range)
 
     def roundtrip(self, k: np.ndarray, v: np.ndarray):
         """k, v fp32 [G, D] -> the decoded record's K, V."""
@@ -54,7 +67,7 @@ class _Codec:
         ws = a + (-a) % 16
         _lib.check(self.L.kvarn_encode(ctypes.byref(self.fmt), self.D, k.ctypes.data,
                                        v.ctypes.data, self.rec.ctypes.data, self.rb, ws,
-                                       self.wsb, None), "kvarn_encode")
+                                       self.wsb, ctypes.byref(self.opts)), "kvarn_encode")
         _lib.check(self.L.kvarn_decode(ctypes.byref(self.fmt), self.D, self.rec.ctypes.data,
                                        self.rb, ko.ctypes.data, vo.ctypes.data, 0),
                    "kvarn_decode")
@@ -121,10 +134,13 @@ def _is_sliding(config, layer_idx: int) -> bool:
     return getattr(config, "sliding_window", None) is not None
 
 
-def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool = False):
+def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool = False,
+             fmt: str = FORMAT, rtn_range: int = RTN_MINMAX, codec=None):
     """fp32 log-probabilities [len(ids), vocab] of the model on ids, the
     cache exact (quantize False) or through the codec as the plug-in would
-    hold it."""
+    hold it: format fmt, kvarn_codec_opts.rtn_range rtn_range, or, when
+    codec is given, codec(head_dim) (an object with .G and .roundtrip(k, v)
+    as Codec's) in place of Codec(fmt, head_dim, rtn_range)."""
     from transformers import AutoModelForCausalLM
     _register()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -132,7 +148,7 @@ def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool =
     model.eval()
     cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    _STATE["codec"] = _Codec(FORMAT, head_dim)
+    _STATE["codec"] = codec(head_dim) if codec else Codec(fmt, head_dim, rtn_range)
     _STATE["quantized"] = lambda m: quantize and (
         quantize_sliding or not _is_sliding(cfg, m.layer_idx))
     with torch.no_grad():

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import run_llm
+from conftest import bind_threads, run_llm
 
 sys.path.insert(0, os.path.dirname(__file__))
 import make_models  # noqa: E402
@@ -230,3 +230,48 @@ def test_sliding_window_setting_sets_skip_layers(fam, policy, skip, models, monk
 def test_bad_sliding_window_setting_is_a_clear_error(models, monkeypatch):
     with pytest.raises(ValueError, match="KVARN_SLIDING_WINDOW must be 'vllm'.*'quantize'"):
         _engine_config(models["mistral"], monkeypatch, "fp16")
+
+
+def _shape(fam: str) -> tuple:
+    """(layers, KV heads, head_dim) of FAMILIES[fam]."""
+    kw = make_models.FAMILIES[fam][1]
+    d = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
+    return kw["num_hidden_layers"], kw["num_key_value_heads"], d
+
+
+def _kv_blocks(fam: str, kv_heads: int) -> int:
+    """The blocks vLLM must report for FAMILIES[fam] with every layer in
+    kvarn_k4v2_g128 and kv_heads KV heads on this rank, at run_llm's budget
+    (VLLM_CPU_KVCACHE_SPACE 1 GiB) and max_num_seqs 8: the budget less the
+    fp16 staging pool (8 sequences x sink + tail tiles of every layer and
+    KV head), in record pages (test_serve.test_capacity_counts_staging's
+    arithmetic; the record size from the library)."""
+    from kvarn_vllm import _lib
+    layers, _, d = _shape(fam)
+    record = _lib.record_bytes(_lib.parse_format(KV, d), d)
+    pool = 8 * 2 * layers * kv_heads * 2 * G * d * 2
+    return (2**30 - pool) // (layers * kv_heads * record)
+
+
+@pytest.mark.parametrize("fam", ["llama3", "qwen2", "qwen3"])
+def test_family_capacity_is_the_arithmetic(fam, served):
+    """KV tokens vLLM reports, kvarn and its fp32 cache: the per-layer
+    arithmetic of each (every layer of these models is in kvarn)."""
+    ref, kv, _ = served(fam)
+    layers, hk, d = _shape(fam)
+    assert ref["kv_tokens"] == 2**30 // (layers * hk * 2 * d * 4 * G) * G
+    assert kv["kv_blocks"] == _kv_blocks(fam, hk)
+
+
+def test_tensor_parallel_2_follows_fp32_cache(models, served):
+    """Llama-3's shape (2 KV heads) at TP=2: each rank stores its own KV
+    head's records in its own budget and pool (blocks: the per-rank
+    arithmetic, one KV head), and the output is held to TP=1's rule: the
+    codec works per tile and KV head, so sharding the heads must not change
+    what it does (KLD to vLLM's fp32 cache within the emulated codec's
+    bound)."""
+    ref, _, _ = served("llama3")
+    tp, _ = run_llm(_cfg(models["llama3"], kv_cache_dtype=KV, tensor_parallel_size=2,
+                         env=bind_threads(2)))
+    assert tp["kv_blocks"] == _kv_blocks("llama3", 1)
+    _check_served(models["llama3"], ref, tp)

@@ -38,7 +38,7 @@ import shutil
 
 import pytest
 
-from conftest import folded_kld, ROOT, run_llm
+from conftest import bind_threads, folded_kld, ROOT, run_llm
 
 KV = "kvarn_k4v2_g128"
 G = 128
@@ -53,14 +53,6 @@ SHORT = ["The capital of France is", "Once upon a time, in a small village,",
 # Dynamo with the eager backend: vLLM's CPU worker then runs its warm-up
 # (which PP needs, module docstring) without an Inductor compile
 PP_COMPILE = dict(enforce_eager=False, compilation_config={"mode": 2, "backend": "eager"})
-
-
-def _bind(world: int) -> dict:
-    """VLLM_CPU_OMP_THREADS_BIND: one CPU per rank, round robin over the
-    CPUs this process may use (ranks share CPUs where there are fewer)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[i % len(cpus)])
-                                                  for i in range(world))}
 
 
 def _text_ids(model):
@@ -94,8 +86,8 @@ def _runs(model, configs):
 def _smollm_configs():
     return {"ref": dict(kv_cache_dtype="auto"),
             "kv1": dict(kv_cache_dtype=KV),
-            "tp3": dict(kv_cache_dtype=KV, tensor_parallel_size=3, env=_bind(3)),
-            "pp2": dict(kv_cache_dtype=KV, pipeline_parallel_size=2, env=_bind(2),
+            "tp3": dict(kv_cache_dtype=KV, tensor_parallel_size=3, env=bind_threads(3)),
+            "pp2": dict(kv_cache_dtype=KV, pipeline_parallel_size=2, env=bind_threads(2),
                         **PP_COMPILE)}
 
 
@@ -136,7 +128,7 @@ def rand(random_model):
     # below say nothing on it; a random model fit for them is left to do
     return _runs(random_model, {
         "kv1": dict(kv_cache_dtype=KV),
-        "tp2": dict(kv_cache_dtype=KV, tensor_parallel_size=2, env=_bind(2))})
+        "tp2": dict(kv_cache_dtype=KV, tensor_parallel_size=2, env=bind_threads(2))})
 
 
 # ----------------------------------------------------------------- capacity
