@@ -7,6 +7,10 @@ requests, in one run (docs/vllm.md "Benchmark"; README "Serve with vLLM").
         [--max-num-seqs 32] [--dtypes bfloat16,kvarn_k4v2_g128,fp8_e5m2]
         [--speculative K]
 
+A --dtypes entry may carry environment settings for its run after colons,
+e.g. kvarn_k4v2_g128:KVARN_STAGING=fp16 or
+kvarn_k4v2_g128:KVARN_SINK_TOKENS=16 (the plug-in's settings, docs/vllm.md).
+
 Prompts are distinct Austen passages (data/austen/all.txt) cut to
 --prompt-tokens tokens. Each cache format runs in a fresh process with the
 engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the scheduler
@@ -32,6 +36,7 @@ MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-hf")
 
 def one(cfg: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.update(cfg.get("env", {}))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -54,7 +59,7 @@ def one(cfg: dict) -> dict:
                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
         extra["disable_log_stats"] = False
     llm = LLM(model=MODEL, dtype=cfg["model_dtype"], enforce_eager=True, seed=0, **extra,
-              kv_cache_dtype=cfg["dtype"], block_size=128,
+              kv_cache_dtype=cfg["dtype"].split(":")[0], block_size=128,
               kv_cache_memory_bytes=cfg["kv_bytes"], max_num_seqs=cfg["max_num_seqs"],
               max_model_len=cfg["prompt_tokens"] + cfg["gen"] + 128)
     from transformers import AutoTokenizer
@@ -99,7 +104,8 @@ def main() -> None:
     runs = [(d, k) for d in a.dtypes.split(",")
             for k in ((0, a.speculative) if a.speculative else (0,))]
     for d, k in runs:
-        cfg = dict(dtype=d, requests=a.requests, prompt_tokens=a.prompt_tokens, gen=a.gen,
+        env = dict(kv.split("=", 1) for kv in d.split(":")[1:])
+        cfg = dict(dtype=d, env=env, requests=a.requests, prompt_tokens=a.prompt_tokens, gen=a.gen,
                    kv_bytes=a.kv_bytes, max_num_seqs=a.max_num_seqs, model_dtype=a.model_dtype,
                    spec=k)
         p = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
@@ -113,12 +119,12 @@ def main() -> None:
           f"KV budget {a.kv_bytes / 2**20:.0f} MiB, max_num_seqs {a.max_num_seqs}, "
           f"model {a.model_dtype}, {os.cpu_count()} CPUs")
     spec = " ".join(f"{h:>8}" for h in ("spec K", "accept", "x nospec")) if a.speculative else ""
-    print(f"{'cache':18} {'KV tokens':>10} {'req/s':>8} {'out tok/s':>10} {'peak run':>9} "
+    print(f"{'cache':40} {'KV tokens':>10} {'req/s':>8} {'out tok/s':>10} {'peak run':>9} "
           f"{'preempt':>8} {'x req/s':>8} {'x run':>6} {spec}")
     base = {r["dtype"]: r for r in rows if r["spec"] == 0}
     for r in rows:
         b = rows[0]
-        line = (f"{r['dtype']:18} {r['kv_tokens']:>10} {r['req_s']:>8.3f} {r['out_tok_s']:>10.1f} "
+        line = (f"{r['dtype']:40} {r['kv_tokens']:>10} {r['req_s']:>8.3f} {r['out_tok_s']:>10.1f} "
                 f"{r['peak_running']:>9} {r['preemptions']:>8} {r['req_s'] / b['req_s']:>8.2f} "
                 f"{r['peak_running'] / max(1, b['peak_running']):>6.2f}")
         if a.speculative:

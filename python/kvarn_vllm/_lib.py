@@ -53,7 +53,7 @@ class PagedKV(ctypes.Structure):
                 ("tail_page_tokens", ctypes.c_int), ("fp16_tail_pages", ctypes.c_void_p),
                 ("tail_page_stride", ctypes.c_size_t),
                 ("tail_page_head_stride", ctypes.c_size_t), ("n_tail_pages", ctypes.c_int),
-                # staging below fp16 (paged.h): the plug-in stages fp16, left 0
+                # staging below fp16 (paged.h): KVARN_STAGING, backend.staging_config
                 ("staging", ctypes.c_int), ("staging_record_bytes", ctypes.c_size_t)]
 
 
@@ -226,20 +226,33 @@ def record_bytes(fmt: Format, head_dim: int) -> int:
     return int(lib().kvarn_record_bytes(ctypes.byref(fmt), head_dim))
 
 
-def fp16_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
-               sink_tiles: int, sink_partial: int = 0) -> tuple:
-    """(page, sink slot) bytes: one fp16 page (one tile of K and V, every
-    layer and KV head) and one sequence's sink slot (r = sink_partial tokens;
-    0 if r = 0), as kvarn_cache_plan works them out for a kvarn_cache of
-    these dimensions: the one computation of the cache's fp16 memory
-    (include/kvarn/cache.h) that the plug-in's staging pool is sized from."""
+STAGING_FP16, STAGING_INT8 = 0, 1          # include/kvarn/paged.h kvarn_staging
+STAGING_NAMES = {"fp16": STAGING_FP16, "int8": STAGING_INT8}
+
+
+def staged_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
+                 sink_tiles: int, sink_partial: int = 0, staging: int = STAGING_FP16) -> tuple:
+    """(page, sink slot, staged token record) bytes: one staging page (one
+    tile of K and V, every layer and KV head), one sequence's sink slot (r =
+    sink_partial tokens; 0 if r = 0), and, for STAGING_INT8, one staged
+    token-head record (0 for fp16), as kvarn_cache_plan works them out for a
+    kvarn_cache of these dimensions: the one computation of the cache's
+    staging memory (include/kvarn/cache.h) that the plug-in's pool is sized
+    from."""
     o = CacheOpts()
     o.format = fmt
     o.n_layers, o.n_kv_heads, o.head_dim = n_layers, n_kv_heads, head_dim
     o.sink_tiles, o.max_seqs, o.n_pages = sink_tiles, 1, sink_tiles + 1
+    o.staging = staging
     if sink_partial > 0:
         o.sink_tokens = sink_tiles * fmt.tile_tokens + sink_partial
     o.budget_bytes = 0  # sizes only, no blocks (kvarn_cache_plan)
     info = CacheInfo()
     check(lib().kvarn_cache_plan(ctypes.byref(o), ctypes.byref(info)), "cache plan")
-    return int(info.page_bytes), int(info.sink_bytes)
+    return int(info.page_bytes), int(info.sink_bytes), int(info.staging_record_bytes)
+
+
+def fp16_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
+               sink_tiles: int, sink_partial: int = 0) -> tuple:
+    """(page, sink slot) bytes of fp16 staging (staged_bytes)."""
+    return staged_bytes(fmt, n_layers, n_kv_heads, head_dim, sink_tiles, sink_partial)[:2]

@@ -2,13 +2,15 @@
 
 Per layer vLLM allocates [num_blocks, Hk, G, record_bytes / G] uint8 (see
 customize_spec): kv_cache[b, h] is one contiguous KVarN tile record
-(../shared/spec/KVARN.md "Record layout"). Beside it, per layer, the fp16
-staging pool [slots + scratch, Hk, 2, G, D] holds sink and tail tiles and
-a step's whole tiles until they are committed (staging.py).
+(../shared/spec/KVARN.md "Record layout"). Beside it the staging pool holds
+sink and tail tiles (slots, per layer) and a step's whole tiles (scratch,
+shared by the layers) until they are committed (staging.py): one tensor
+[layers * slots + scratch, Hk, page] of fp16 rows [2, G, D] or int8 token
+records [G, record] (KVARN_STAGING, staging_config).
 
 A step, for each sequence with q_len new tokens:
   do_kv_cache_update  rotate the new K/V by H/sqrt(D), store fp16 into the
-                      tile's staging slot, or for a whole non-sink tile
+                      tile's staging slot (fp16 or int8), or for a whole non-sink tile
                       inside the chunk a scratch page of the same arena
                       (kvarn_paged_store).
   forward             commit every tile that became full (kvarn_paged_commit
@@ -35,7 +37,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import _lib
 from .ops import make_ops
-from .staging import Staging, pool_slots, sink_slot_count
+from .staging import Staging, pool_size
 
 SINK_TILES = int(os.environ.get("KVARN_SINK_TILES", "1"))
 
@@ -54,6 +56,31 @@ def sink_config(tile: int) -> tuple:
     return n // tile, n % tile
 
 
+# The default staging by device (docs/vllm.md "Staging"): int8 where the
+# kernels read it (CPU; SmolLM2 decode KLD 1.06x of fp16 staging, about
+# half the pool's bytes), fp16 on CUDA (its kernels stage fp16 only).
+STAGING_DEFAULT = {"cpu": "int8", "cuda": "fp16"}
+
+
+def staging_config(device_type: str = "cpu") -> int:
+    """How the pool holds staged tokens: KVARN_STAGING=fp16|int8 (paged.h
+    kvarn_staging; int8: per-token int8 records of the rotated K/V, the
+    int8 format's codec, 2D + 8 bytes per token-head against fp16's 4D);
+    unset: STAGING_DEFAULT for the device ("cuda" or another: "cpu").
+    KVARN_STAGING=int8 with "cuda" raises ValueError (its kernels stage
+    fp16 only), as does an unknown name."""
+    dev = "cuda" if device_type == "cuda" else "cpu"
+    name = os.environ.get("KVARN_STAGING", "") or STAGING_DEFAULT[dev]
+    if name not in _lib.STAGING_NAMES:
+        raise ValueError(f"kvarn: KVARN_STAGING must be one of "
+                         f"{', '.join(_lib.STAGING_NAMES)} (got {name!r})")
+    st = _lib.STAGING_NAMES[name]
+    if st != _lib.STAGING_FP16 and dev == "cuda":
+        raise ValueError(f"kvarn: KVARN_STAGING={name} is served by the CPU kernels only; "
+                         "the CUDA kernels stage fp16 (unset KVARN_STAGING or set fp16)")
+    return st
+
+
 class _State:
     """Process-wide: the layers in order, the staging bookkeeping, the plan
     of the step in flight, the C thread pool and workspaces."""
@@ -68,6 +95,10 @@ class _State:
     draft_tokens = 0    # speculative tokens a step per sequence (0: none)
     dtype_name = None   # the --kv-cache-dtype, set when the backend is chosen
     kv_caches: dict = {}   # layer name -> its cache tensor (the commit log reads them)
+    n_impls = 0         # kvarn attention layers built in this process
+    pool_size = None    # staging.pool_size as the worker budgeted it (plugin.py)
+    pool = None         # the staging tensor of every layer (module docstring)
+    staging_kind = 0    # _lib.STAGING_FP16 / STAGING_INT8
 
 
 def draft_tokens(vllm_config) -> int:
@@ -222,6 +253,7 @@ class KvarnAttentionImpl(AttentionImpl):
         self.sinks = None
         self.layer_index = None
         self.pool_tensor = None
+        _State.n_impls += 1
         from vllm.config import get_current_vllm_config
         cfg = get_current_vllm_config()
         _State.max_num_seqs = cfg.scheduler_config.max_num_seqs
@@ -243,19 +275,33 @@ class KvarnAttentionImpl(AttentionImpl):
             sk = self.sinks
             v.sink_partial = self.sink_partial
             v.fp16_sinks = sk.data_ptr()
-            v.sink_stride = sk.stride(0) * 2
-            v.sink_head_stride = sk.stride(1) * 2
+            v.sink_stride = sk.stride(0) * sk.element_size()
+            v.sink_head_stride = sk.stride(1) * sk.element_size()
             v.n_sink_slots = sk.shape[0]
         v.blocks = kv_cache.data_ptr()
         v.block_stride = kv_cache.stride(0) * kv_cache.element_size()
         v.record_stride = kv_cache.stride(1) * kv_cache.element_size()
         v.token_record_bytes = 0
         v.fp16_pages = pages.data_ptr()
-        v.page_stride = pages.stride(0) * 2
-        v.page_head_stride = pages.stride(1) * 2
+        v.page_stride = pages.stride(0) * pages.element_size()
+        v.page_head_stride = pages.stride(1) * pages.element_size()
         v.n_blocks = kv_cache.shape[0]
         v.n_fp16_pages = pages.shape[0]
+        v.staging = _State.staging_kind
+        v.staging_record_bytes = _State.pool_size["record_bytes"]
         return v
+
+    def _page_shape(self, tokens: int = 0) -> tuple:
+        """One staging page (tokens = G) or sink slot (tokens = r) of one
+        layer: fp16 [Hk, 2, tokens, D] (int16 storage) or int8 token records
+        [Hk, tokens, record_bytes] (uint8)."""
+        t = tokens or self.G
+        if _State.staging_kind == _lib.STAGING_INT8:
+            return (self.num_kv_heads, t, _State.pool_size["record_bytes"])
+        return (self.num_kv_heads, 2, t, self.head_size)
+
+    def _page_dtype(self):
+        return torch.uint8 if _State.staging_kind == _lib.STAGING_INT8 else torch.int16
 
     def _setup(self, layer, kv_cache: torch.Tensor) -> None:
         name = getattr(layer, "layer_name", id(layer))
@@ -264,25 +310,45 @@ class KvarnAttentionImpl(AttentionImpl):
         self.layer_index = _State.layers.index(name)
         _State.kv_caches[name] = kv_cache
         if _State.staging is None:
-            n = pool_slots(_State.max_num_seqs, self.sink_tiles, _State.draft_tokens, self.G)
-            n_scr = -(-_State.max_batched_tokens // self.G) + 1
-            _State.staging = Staging(n, self.G, self.sink_tiles, kv_cache.shape[0], n_scr,
-                                     self.sink_partial,
-                                     sink_slot_count(_State.max_num_seqs, self.sink_partial))
+            _State.staging_kind = staging_config(kv_cache.device.type)
+            ps = _State.pool_size
+            if ps is None or ps.get("staging") != _State.staging_kind:
+                # no budget hook ran (a caller building the layers itself):
+                # the unbounded sizes
+                ps = pool_size(self.fmt, 1, self.num_kv_heads, self.head_size,
+                               _State.max_num_seqs, self.sink_tiles, self.sink_partial,
+                               _State.draft_tokens, _State.staging_kind,
+                               _State.max_batched_tokens)
+                ps["staging"] = _State.staging_kind
+                _State.pool_size = ps
+            _State.staging = Staging(ps["n_slots"], self.G, self.sink_tiles, kv_cache.shape[0],
+                                     ps["n_scratch"], self.sink_partial, ps["n_sink_slots"])
             _State.staging.live_blocks = _live_blocks
             _State.ops = make_ops(kv_cache.device)
+            L = max(1, _State.n_impls)
+            _State.pool = torch.zeros((L * ps["n_slots"] + ps["n_scratch"],) +
+                                      self._page_shape(), dtype=self._page_dtype(),
+                                      device=kv_cache.device)
             from vllm.logger import init_logger
-            init_logger("vllm.kvarn_vllm").info("kvarn: %s kernels on %s, cache %s",
-                                           _State.ops.name, kv_cache.device,
-                                           self.fmt.name.decode())
+            init_logger("vllm.kvarn_vllm").info(
+                "kvarn: %s kernels on %s, cache %s, staging %s: %d slots, %d sink slots, "
+                "%d scratch tiles", _State.ops.name, kv_cache.device, self.fmt.name.decode(),
+                "int8" if _State.staging_kind else "fp16", ps["n_slots"], ps["n_sink_slots"],
+                ps["n_scratch"])
         st = _State.staging
-        self.pool_tensor = torch.zeros((st.n_slots + st.n_scratch, self.num_kv_heads, 2, self.G,
-                                        self.head_size), dtype=torch.int16,
-                                       device=kv_cache.device)
+        n_layers = _State.pool.shape[0] - st.n_scratch
+        if (self.layer_index + 1) * st.n_slots > n_layers:
+            raise _lib.KvarnError(
+                f"kvarn: layer {self.layer_index} has no staging pages (the pool was sized "
+                f"for {n_layers // max(1, st.n_slots)} kvarn layers)")
+        # this layer's slots, then (ids from n_slots on, shifted by
+        # scratch_shift) the shared scratch
+        self.pool_tensor = _State.pool[self.layer_index * st.n_slots:]
+        self.scratch_shift = (n_layers // max(1, st.n_slots) - 1 - self.layer_index) * st.n_slots \
+            if st.n_slots else 0
         if self.sink_partial > 0:
-            self.sinks = torch.zeros((st.n_sink_slots, self.num_kv_heads, 2, self.sink_partial,
-                                      self.head_size), dtype=torch.int16,
-                                     device=kv_cache.device)
+            self.sinks = torch.zeros((st.n_sink_slots,) + self._page_shape(self.sink_partial),
+                                     dtype=self._page_dtype(), device=kv_cache.device)
         _State.ops.check(self._view(kv_cache, self.pool_tensor))
 
     # ------------------------------------------------------------------ store
@@ -303,8 +369,8 @@ class KvarnAttentionImpl(AttentionImpl):
                                               md.num_draft)
             _State.plan_meta = md
         p = _State.plan
-        _State.ops.store(self._view(kv_cache, self.pool_tensor), key, value, p.store_slots, n,
-                         self.num_kv_heads, self.head_size)
+        _State.ops.store(self._view(kv_cache, self.pool_tensor), key, value,
+                         self._ids(p)["store_slots"], n, self.num_kv_heads, self.head_size)
 
     # ------------------------------------------------------------------ attend
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -357,7 +423,8 @@ class KvarnAttentionImpl(AttentionImpl):
                 qsl = np.zeros(len(sel) + 1, dtype=np.int32)
                 qsl[1:] = np.cumsum([b - a for a, b in rows])
                 osel = torch.empty_like(qsel)
-            _State.ops.attend(view, np.ascontiguousarray(p.g_tables[sel]), p.g_len[sel],
+            _State.ops.attend(view, np.ascontiguousarray(self._ids(p)["g_tables"][sel]),
+                              p.g_len[sel],
                               p.g_committed[sel], p.g_sink_slot[sel], qsl, qsel, osel,
                               self.num_heads, self.scale, self.sliding_window)
             if not whole:
@@ -366,16 +433,46 @@ class KvarnAttentionImpl(AttentionImpl):
                     res[a:b] = osel[off:off + b - a]
                     off += b - a
 
+    def _ids(self, p) -> dict:
+        """The plan's page ids as this layer's view numbers them: its slots
+        are pages [0, n_slots), the shared scratch tile k is page n_slots +
+        k + scratch_shift (module docstring; the plan numbers it n_slots + k,
+        the last layer's view). Cached on the plan per shift."""
+        d = self.scratch_shift
+        cache = p.__dict__.setdefault("_ids_by_shift", {})
+        if d in cache:
+            return cache[d]
+        ns = _State.staging.n_slots
+        slots = p.store_slots
+        tables = p.g_tables
+        if d and p.n_scratch:
+            slots = slots.copy()
+            slots[slots >= ns * self.G] += d * self.G
+            tables = tables.copy()
+            j, t = p.g_scratch
+            tables[j, t] += d
+        shift = (lambda page: page + d if page >= ns else page)
+        ids = {"store_slots": slots, "g_tables": tables,
+               "commit_src": np.array([shift(s) for s, _ in p.commit_pool], dtype=np.int32),
+               "sink_copies": [(shift(page), slot) for page, slot in p.sink_copies]}
+        cache[d] = ids
+        return ids
+
     def _commit(self, kv_cache, p) -> None:
         if not p.commit_pool:
             return
-        src = np.array([s for s, _ in p.commit_pool], dtype=np.int32)
+        ids = self._ids(p)
         dst = np.array([b for _, b in p.commit_pool], dtype=np.int32)
-        for page, slot in p.sink_copies:
-            # the sink's first r rows (rotated fp16 K and V), kept beside
-            # the record the commit is about to write (paged.h)
-            self.sinks[slot] = self.pool_tensor[page, :, :, :self.sink_partial, :]
-        _State.ops.commit(self._view(kv_cache, self.pool_tensor), src, dst)
+        r = self.sink_partial
+        for page, slot in ids["sink_copies"]:
+            # the sink's first r staged tokens (rotated K and V: fp16 rows
+            # or int8 records), kept beside the record the commit is about
+            # to write (paged.h)
+            if _State.staging_kind == _lib.STAGING_INT8:
+                self.sinks[slot] = self.pool_tensor[page, :, :r, :]
+            else:
+                self.sinks[slot] = self.pool_tensor[page, :, :, :r, :]
+        _State.ops.commit(self._view(kv_cache, self.pool_tensor), ids["commit_src"], dst)
 
 
 # Testing only: KVARN_TEST_COMMIT_LOG=PATH appends, after each step once

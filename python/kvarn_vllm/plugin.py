@@ -267,36 +267,48 @@ def _patch_platform_cls(Platform) -> None:
     Platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
 
 
-def staging_bytes(vllm_config) -> int:
-    """Bytes of the fp16 staging pool for this model and max_num_seqs (every
-    layer): what the worker takes out of the KV budget."""
+def staging_pool(vllm_config, budget: int = 0, device_type: str = "cpu") -> dict:
+    """The staging pool for this model, max_num_seqs, max_num_batched_tokens
+    and KV budget (bytes; 0: no slots <= blocks bound): staging.pool_size
+    over the kvarn layers (layers in vLLM's cache have no pool), with the
+    staging format of backend.staging_config. bytes is what the worker
+    takes out of the KV budget; {"bytes": 0} without kvarn layers."""
     from . import _lib
-    from .backend import draft_tokens, sink_config
-    from .staging import pool_bytes
+    from .backend import draft_tokens, sink_config, staging_config
+    from .staging import pool_size
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
+    sc = vllm_config.scheduler_config
     name = vllm_config.cache_config.cache_dtype
-    fmt = _lib.parse_format(name, mc.get_head_size())
+    D = mc.get_head_size()
+    fmt = _lib.parse_format(name, D)
     tiles, partial = sink_config(fmt.tile_tokens)
-    n_layers = len(kvarn_layer_names(vllm_config))   # layers in vLLM's cache have no pool
+    n_layers = len(kvarn_layer_names(vllm_config))
     if n_layers == 0:
-        return 0
-    return pool_bytes(fmt, n_layers, mc.get_num_kv_heads(pc), mc.get_head_size(),
-                      vllm_config.scheduler_config.max_num_seqs, tiles, partial,
-                      draft_tokens(vllm_config))
+        return {"bytes": 0}
+    hk = mc.get_num_kv_heads(pc)
+    kind = staging_config(device_type)
+    # one block of every kvarn layer: the most blocks the budget could hold
+    # is budget / (that), so the bound holds for any share of the budget the
+    # other layers take
+    block = n_layers * hk * _lib.record_bytes(fmt, D)
+    ps = pool_size(fmt, n_layers, hk, D, sc.max_num_seqs, tiles, partial,
+                   draft_tokens(vllm_config), kind, sc.max_num_batched_tokens, budget, block)
+    ps["staging"] = kind
+    return ps
 
 
 def _patch_worker() -> None:
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    _patch_worker_cls(CPUWorker, CPUModelRunner, "VLLM_CPU_KVCACHE_SPACE")
+    _patch_worker_cls(CPUWorker, CPUModelRunner, "VLLM_CPU_KVCACHE_SPACE", "cpu")
     if _on_cuda():
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         from vllm.v1.worker.gpu_worker import Worker
-        _patch_worker_cls(Worker, GPUModelRunner, "--gpu-memory-utilization")
+        _patch_worker_cls(Worker, GPUModelRunner, "--gpu-memory-utilization", "cuda")
 
 
-def _patch_worker_cls(Worker, Runner, budget_knob: str) -> None:
+def _patch_worker_cls(Worker, Runner, budget_knob: str, device_type: str) -> None:
     """Worker.determine_available_memory minus the staging pool;
     Runner._zero_block_ids also resets the staging state. Each class's own
     method is wrapped (CPUWorker and the GPU Worker each define theirs)."""
@@ -309,18 +321,27 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str) -> None:
         from .backend import is_kvarn_dtype
         if not is_kvarn_dtype(self.cache_config.cache_dtype):
             return avail
-        pool = staging_bytes(self.vllm_config)
+        from .backend import _State
+        ps = staging_pool(self.vllm_config, avail, device_type)
+        _State.pool_size = ps
+        pool = ps["bytes"]
+        seqs = self.vllm_config.scheduler_config.max_num_seqs
+        kind = "int8" if ps.get("staging") else "fp16"
         if pool >= avail:
             raise ValueError(
-                f"kvarn: the fp16 staging pool for max_num_seqs="
-                f"{self.vllm_config.scheduler_config.max_num_seqs} takes {pool / 2**30:.2f} GiB, "
-                f"more than the {avail / 2**30:.2f} GiB KV budget; lower --max-num-seqs "
-                f"or raise {budget_knob}")
+                f"kvarn: the {kind} staging pool for max_num_seqs={seqs} takes "
+                f"{pool / 2**30:.2f} GiB, more than the {avail / 2**30:.2f} GiB KV budget; "
+                f"lower --max-num-seqs or --max-num-batched-tokens, or raise {budget_knob}")
         from vllm.logger import init_logger
-        init_logger("vllm.kvarn_vllm").info(
-            "kvarn: fp16 staging pool %.1f MiB (max_num_seqs=%d) taken out of the %.1f MiB "
-            "KV budget", pool / 2**20, self.vllm_config.scheduler_config.max_num_seqs,
-            avail / 2**20)
+        log = init_logger("vllm.kvarn_vllm")
+        log.info("kvarn: %s staging pool %.1f MiB (max_num_seqs=%d: %d slots, %d sink slots, "
+                 "%d scratch tiles) taken out of the %.1f MiB KV budget", kind, pool / 2**20,
+                 seqs, ps["n_slots"], ps["n_sink_slots"], ps["n_scratch"], avail / 2**20)
+        if pool * 2 > avail:
+            log.warning("kvarn: the staging pool takes %.0f%% of the KV budget: at most %d "
+                        "sequences of more than one tile can hold their tail at once; lower "
+                        "--max-num-seqs to leave more of it to records", 100 * pool / avail,
+                        ps["n_slots"] // 2)
         return avail - pool
     determine_available_memory._kvarn = True
     Worker.determine_available_memory = determine_available_memory

@@ -1,18 +1,30 @@
-"""The fp16 staging pool beside vLLM's pages: sink and tail tiles, keyed by
+"""The staging pool beside vLLM's pages: sink and tail tiles, keyed by
 vLLM block id, and the per-step plan (which tiles receive tokens where,
 which tiles commit). One Staging per worker process; block ids are shared
 by every layer (vLLM allocates a block in all layers at once), so the
-bookkeeping is done once per step (at the first layer) and the pool has one
-fp16 tile per (layer, slot).
+bookkeeping is done once per step (at the first layer). Staged tokens are
+fp16 rows or int8 token records (KVARN_STAGING, include/kvarn/paged.h
+"Staging").
 
-Sizing (docs/vllm.md "Capacity"): a running sequence holds at most
-sink_tiles + 1 slots (its sink tiles and its partial tail tile), so the pool
-has max_num_seqs * (sink_tiles + 1) slots, taken out of vLLM's KV budget;
-with speculative decoding of k draft tokens a step, k // G + 1 more per
-sequence (the tiles the drafts reach, held until their tokens are accepted:
-see "Speculative decoding" in docs/vllm.md).
+Sizing (docs/vllm.md "Capacity"), all of it taken out of vLLM's KV budget:
+  - slots, one tile of every layer each: a running sequence holds at most
+    sink_tiles + 1 (its sink tiles and its partial tail tile), so
+    max_num_seqs * (sink_tiles + 1); with speculative decoding of k draft
+    tokens a step, k // G + 1 more per sequence (the tiles the drafts reach,
+    held until their tokens are accepted: "Speculative decoding" in
+    docs/vllm.md). And never more than the blocks the budget leaves: a slot
+    belongs to one block of a running sequence (a slot of a block no
+    running sequence holds is reclaimed before the pool is short), so
+    slots <= vLLM's block count, which pool_size makes hold by taking
+    N = ceil(budget / (slot page + block)) slots at most (then the blocks
+    left, (budget - N * slot page) / block, are <= N);
+  - sink slots (a sink shorter than a tile): one per running sequence,
+    max_num_seqs, and at most the same N;
+  - scratch tiles, one tile each, shared by all layers (a layer's whole
+    tiles are stored, committed and attended before the next layer runs):
+    the whole tiles of one step, at most max_num_batched_tokens // G + 1.
 Full non-sink tiles of a prefill chunk never take a slot: they are staged
-in a per-step scratch and committed at once. Sink slots of blocks that only
+in the scratch and committed at once. Sink slots of blocks that only
 vLLM's prefix cache still holds are reclaimed when the pool runs short (the
 tile's record, committed like every full tile, serves them from then on).
 """
@@ -36,22 +48,49 @@ def pool_slots(max_num_seqs: int, sink_tiles: int, draft_tokens: int = 0,
     return max_num_seqs * (sink_tiles + 1 + draft_tiles(draft_tokens, tile))
 
 
-def pool_bytes(fmt, n_layers: int, n_kv_heads: int, head_dim: int,
-               max_num_seqs: int, sink_tiles: int, sink_partial: int = 0,
-               draft_tokens: int = 0) -> int:
-    """Bytes of the fp16 staging pool: slots x one fp16 page (layers x Hk x
-    (K, V) x G x D x 2 bytes), plus the sink slots (layers x Hk x (K, V) x r
-    x D x 2 each), page and slot as kvarn_cache_plan sizes them;
-    draft_tokens: the speculative tokens a step (0: no speculation)."""
-    page, slot = _lib.fp16_bytes(fmt, n_layers, n_kv_heads, head_dim, sink_tiles, sink_partial)
-    return (pool_slots(max_num_seqs, sink_tiles, draft_tokens, fmt.tile_tokens) * page
-            + sink_slot_count(max_num_seqs, sink_partial) * slot)
+def scratch_tiles(max_batched_tokens: int, tile: int) -> int:
+    """Scratch tiles of a step: the whole tiles inside its chunks, at most
+    max_batched_tokens // G (the step's tokens), plus one."""
+    return -(-max_batched_tokens // tile) + 1 if max_batched_tokens > 0 else 0
 
 
 def sink_slot_count(max_num_seqs: int, sink_partial: int) -> int:
     """Sink slots (a sink shorter than a tile, r = sink_partial tokens of
-    tile sink_tiles kept in fp16): one per running sequence, none if r = 0."""
+    tile sink_tiles kept staged): one per running sequence, none if r = 0."""
     return max_num_seqs if sink_partial > 0 else 0
+
+
+def pool_size(fmt, n_layers: int, n_kv_heads: int, head_dim: int, max_num_seqs: int,
+              sink_tiles: int, sink_partial: int = 0, draft_tokens: int = 0,
+              staging: int = 0, max_batched_tokens: int = 0, budget: int = 0,
+              block_bytes: int = 0) -> dict:
+    """The pool's parts (module docstring "Sizing"): n_slots, n_sink_slots,
+    n_scratch, bytes (everything: slots x one page of every layer, sink
+    slots, scratch tiles x one layer's page), page_bytes, sink_bytes,
+    record_bytes (one staged int8 token-head record; 0 for fp16), as
+    kvarn_cache_plan sizes them (_lib.staged_bytes). budget (bytes) and
+    block_bytes (one vLLM block of every layer): the KV budget the pool is
+    taken from, for the slots <= blocks bound; 0: no bound."""
+    page, slot, rec = _lib.staged_bytes(fmt, n_layers, n_kv_heads, head_dim, sink_tiles,
+                                        sink_partial, staging)
+    n_slots = pool_slots(max_num_seqs, sink_tiles, draft_tokens, fmt.tile_tokens)
+    n_sink = sink_slot_count(max_num_seqs, sink_partial)
+    n_scr = scratch_tiles(max_batched_tokens, fmt.tile_tokens)
+    scratch = n_scr * (page // n_layers)
+    if budget > 0 and block_bytes > 0:
+        bound = max(1, -(-max(0, budget - scratch) // (page + block_bytes)))
+        n_slots, n_sink = min(n_slots, bound), min(n_sink, bound)
+    return {"n_slots": n_slots, "n_sink_slots": n_sink, "n_scratch": n_scr,
+            "bytes": n_slots * page + n_sink * slot + scratch,
+            "page_bytes": page, "sink_bytes": slot, "record_bytes": rec}
+
+
+def pool_bytes(fmt, n_layers: int, n_kv_heads: int, head_dim: int,
+               max_num_seqs: int, sink_tiles: int, sink_partial: int = 0,
+               draft_tokens: int = 0, staging: int = 0, max_batched_tokens: int = 0) -> int:
+    """Bytes of the staging pool without the blocks bound (pool_size)."""
+    return pool_size(fmt, n_layers, n_kv_heads, head_dim, max_num_seqs, sink_tiles,
+                     sink_partial, draft_tokens, staging, max_batched_tokens)["bytes"]
 
 
 class StepPlan:
@@ -140,8 +179,8 @@ class Staging:
             self._reclaim(protect)
         if not self.sfree:
             raise _lib.KvarnError(
-                f"kvarn: the {self.n_sink_slots} fp16 sink slots are exhausted; they are "
-                "sized for max_num_seqs sequences")
+                f"kvarn: the {self.n_sink_slots} sink slots are exhausted; they are "
+                "sized for max_num_seqs sequences and the blocks of the KV budget")
         s = self.sfree.pop()
         self.sslot_of[block] = s
         self.sblock_of[s] = block
@@ -158,9 +197,9 @@ class Staging:
             self._reclaim(protect)
         if not self.free:
             raise _lib.KvarnError(
-                f"kvarn: the fp16 staging pool ({self.n_slots} tiles) is exhausted; "
-                "it is sized for max_num_seqs sequences: this cannot happen unless "
-                "more sequences run than max_num_seqs")
+                f"kvarn: the staging pool ({self.n_slots} tiles) is exhausted; "
+                "it is sized for max_num_seqs sequences and the blocks of the KV "
+                "budget: this cannot happen unless more sequences run than max_num_seqs")
         s = self.free.pop()
         self.slot_of[block] = s
         self.block_of[s] = block
@@ -337,6 +376,11 @@ class Staging:
                 else -1
             p.g_qsl[j + 1] = j1
         p.g_qsl[0] = p.groups[0][2] if ng else 0
+        # the (group, column) entries of g_tables that name scratch pages
+        # (the backend moves them to the layer's view of the shared scratch)
+        sc = [(j, g[1]) for j, g in enumerate(p.groups) if g[5] == "scratch"]
+        p.g_scratch = (np.array([j for j, _ in sc], dtype=np.int64),
+                       np.array([t for _, t in sc], dtype=np.int64))
 
     def finish(self, p: StepPlan) -> None:
         for b in p.mark_committed:

@@ -99,14 +99,15 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
     /* a slot is id * G + offset into a whole fp16 page: a view whose tail
      * lives in small pages has no slot numbering for them */
     if (kvarn_paged_small_tail(kv)) return KVARN_ERR_INVALID_ARG;
-    /* caller-owned arenas stage fp16 only (the vLLM plug-in's pool) */
-    if (kv->staging != KVARN_STAGING_FP16) return KVARN_ERR_INVALID_ARG;
     if (n_tokens == 0) return KVARN_OK;
     st = check_store(kv, k, v, slot_mapping, n_tokens);
     if (st != KVARN_OK) return st;
 
     const int G = kv->block_size, H = kv->n_kv_heads, D = kv->head_dim;
-    float vec[MAX_KVARN_D];
+    const int staged8 = kv->fmt.kind == KVARN_KIND_KVARN && kv->staging == KVARN_STAGING_INT8;
+    kvarn_format i8;
+    if (staged8 && kvarn_format_parse("int8", &i8) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
+    float vec[MAX_KVARN_D], vec2[MAX_KVARN_D];
     for (int j = 0; j < n_tokens; j++) {
         if (slot_mapping[j] < 0) continue;
         const int32_t id = (int32_t)(slot_mapping[j] / G);
@@ -114,7 +115,18 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
         const size_t row = (size_t)j * (size_t)H * (size_t)D;
         for (int h = 0; h < H; h++) {
             const float *kx = k + row + (size_t)h * D, *vx = v + row + (size_t)h * D;
-            if (kv->fmt.kind == KVARN_KIND_KVARN) {
+            if (staged8) {
+                /* rotated K and V through the int8 token codec (paged.h
+                 * "Staging"); the rotated values fit fp16 (check_store), so
+                 * its scale and zero-point do */
+                memcpy(vec, kx, (size_t)D * sizeof(float));
+                memcpy(vec2, vx, (size_t)D * sizeof(float));
+                kvarn_hadamard(vec, D);
+                kvarn_hadamard(vec2, D);
+                st = kvarn_encode(&i8, D, vec, vec2, kvarn_paged_page_rec(kv, id, h, off),
+                                  kv->staging_record_bytes, NULL, 0, NULL);
+                if (st != KVARN_OK) return st;
+            } else if (kv->fmt.kind == KVARN_KIND_KVARN) {
                 uint16_t *dk = kvarn_paged_page_k(kv, id, h) + (size_t)off * D;
                 uint16_t *dv = kvarn_paged_page_v(kv, id, h) + (size_t)off * D;
                 for (int which = 0; which < 2; which++) {
@@ -150,7 +162,9 @@ kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pag
         return KVARN_ERR_INVALID_ARG;
     kvarn_status st = kvarn_paged_check(kv);
     if (st != KVARN_OK) return st;
-    if (kv->fmt.kind != KVARN_KIND_KVARN || kv->staging != KVARN_STAGING_FP16)
+    if (kv->fmt.kind != KVARN_KIND_KVARN) return KVARN_ERR_INVALID_ARG;
+    kvarn_format i8;
+    if (kv->staging == KVARN_STAGING_INT8 && kvarn_format_parse("int8", &i8) != KVARN_OK)
         return KVARN_ERR_INVALID_ARG;
     /* opts' range as kvarn.h gives it, checked here too so that it is
      * refused even when every entry is skipped */
@@ -178,11 +192,21 @@ kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pag
     for (int i = 0; i < n_tiles; i++) {
         if (src_pages[i] < 0 || dst_blocks[i] < 0) continue;
         for (int h = 0; h < kv->n_kv_heads; h++) {
-            const uint16_t *pk = kvarn_paged_page_k(kv, src_pages[i], h);
-            const uint16_t *pv = kvarn_paged_page_v(kv, src_pages[i], h);
-            for (size_t e = 0; e < GD; e++) {
-                tk[e] = kvarn__fp16_to_f32(pk[e]);
-                tv[e] = kvarn__fp16_to_f32(pv[e]);
+            if (kv->staging == KVARN_STAGING_INT8) {
+                /* the staged records decoded to the fp32 they stand for */
+                for (int j = 0; j < G; j++) {
+                    st = kvarn_decode(&i8, D, kvarn_paged_page_rec(kv, src_pages[i], h, j),
+                                      kv->staging_record_bytes, tk + (size_t)j * D,
+                                      tv + (size_t)j * D, 0);
+                    if (st != KVARN_OK) return st;
+                }
+            } else {
+                const uint16_t *pk = kvarn_paged_page_k(kv, src_pages[i], h);
+                const uint16_t *pv = kvarn_paged_page_v(kv, src_pages[i], h);
+                for (size_t e = 0; e < GD; e++) {
+                    tk[e] = kvarn__fp16_to_f32(pk[e]);
+                    tv[e] = kvarn__fp16_to_f32(pv[e]);
+                }
             }
             st = kvarn_encode(&kv->fmt, D, tk, tv, kvarn_paged_record(kv, dst_blocks[i], h),
                               kv->record_stride, enc, enc_bytes, &co);

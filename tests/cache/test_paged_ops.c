@@ -578,6 +578,91 @@ static void test_commit_nonfinite_page(void **state)
     pa_free(&a);
 }
 
+/* Staging below fp16 on a caller's arena (the vLLM plug-in's int8 pool):
+ * with staging KVARN_STAGING_INT8 and padded token records, the store
+ * writes kvarn_encode(int8) of each rotated token at kvarn_paged_page_rec
+ * (every other page byte keeps its canary) and the commit writes
+ * kvarn_encode(prerotated = 1) of those records decoded (kvarn_decode):
+ * the same rule as kvarn_cache's own int8 staging (test_cache_staging.c). */
+static void test_int8_staging_store_commit(void **state)
+{
+    (void)state;
+    const int D = 64;
+    pa_arena a;
+    assert_int_equal(pa_make(&a, "kvarn_k4v2_g128", D, HK, 0, 2, 3), 0);
+    kvarn_paged_kv *kv = &a.kv;
+    const int G = kv->block_size;
+    kvarn_format i8;
+    assert_int_equal(kvarn_format_parse("int8", &i8), KVARN_OK);
+    const size_t r8 = kvarn_record_bytes(&i8, D);
+    /* an int8 page: G token records of r8 + 3 bytes per KV head, padded */
+    free(a.pages);
+    kv->staging = KVARN_STAGING_INT8;
+    kv->staging_record_bytes = r8 + 3;
+    kv->page_head_stride = (size_t)G * kv->staging_record_bytes + PA_PHEAD_PAD;
+    kv->page_stride = (size_t)HK * kv->page_head_stride + PA_PAGE_PAD;
+    a.pages_bytes = (size_t)kv->n_fp16_pages * kv->page_stride;
+    a.pages = malloc(a.pages_bytes + 2);
+    assert_non_null(a.pages);
+    pa_fill_canary((uint8_t *)a.pages, a.pages_bytes);
+    kv->fp16_pages = a.pages;
+    assert_int_equal(kvarn_paged_check(kv), KVARN_OK);
+    /* a record shorter than int8's is refused */
+    kvarn_paged_kv bad = *kv;
+    bad.staging_record_bytes = r8 - 1;
+    assert_int_not_equal(kvarn_paged_check(&bad), KVARN_OK);
+
+    /* one tile (page 1), stored in two calls with a padding entry */
+    const size_t row = (size_t)HK * D;
+    test_rng rng;
+    test_rng_seed(&rng, 4242);
+    float *k = malloc(sizeof(float) * (G + 1) * row), *v = malloc(sizeof(float) * (G + 1) * row);
+    fill_kv(&rng, k, v, G + 1, D);
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(G + 1));
+    for (int t = 0; t < G; t++) slots[t] = kvarn_paged_slot(1, G, t);
+    slots[G] = -1;
+    uint8_t *want = pa_snapshot(&a);
+    kvarn_paged_kv ev = pa_view_of(&a, want);
+    float rk[64], rv[64];
+    for (int t = 0; t < G; t++)
+        for (int h = 0; h < HK; h++) {
+            memcpy(rk, k + t * row + (size_t)h * D, sizeof rk);
+            memcpy(rv, v + t * row + (size_t)h * D, sizeof rv);
+            kvarn_hadamard(rk, D);
+            kvarn_hadamard(rv, D);
+            uint8_t rec[512];
+            assert_true(r8 <= sizeof rec);
+            assert_int_equal(kvarn_encode(&i8, D, rk, rv, rec, r8, NULL, 0, NULL), KVARN_OK);
+            memcpy(kvarn_paged_page_rec(&ev, 1, h, t), rec, r8);
+        }
+    assert_int_equal(kvarn_paged_store(kv, k, v, slots, 50), KVARN_OK);
+    assert_int_equal(kvarn_paged_store(kv, k + 50 * row, v + 50 * row, slots + 50, G + 1 - 50),
+                     KVARN_OK);
+    assert_true(pa_equals(&a, want));
+
+    /* commit page 1 -> block 0 */
+    const int32_t src = 1, dst = 0;
+    const size_t wsz = kvarn_paged_commit_workspace_bytes(kv);
+    void *ws = ws_alloc(wsz);
+    assert_int_equal(kvarn_paged_commit(kv, &src, &dst, 1, NULL, ws, wsz), KVARN_OK);
+    const size_t rb = a.L.record_bytes, ew = kvarn_encode_workspace_bytes(&kv->fmt, D);
+    float *tk = malloc(sizeof(float) * (size_t)G * D), *tv = malloc(sizeof(float) * (size_t)G * D);
+    uint8_t *rec = malloc(rb);
+    void *ews = ws_alloc(ew);
+    kvarn_codec_opts co = KVARN_CODEC_OPTS_DEFAULT;
+    co.prerotated = 1;
+    for (int h = 0; h < HK; h++) {
+        for (int t = 0; t < G; t++)
+            assert_int_equal(kvarn_decode(&i8, D, kvarn_paged_page_rec(&ev, 1, h, t), r8,
+                                          tk + (size_t)t * D, tv + (size_t)t * D, 0), KVARN_OK);
+        assert_int_equal(kvarn_encode(&kv->fmt, D, tk, tv, rec, rb, ews, ew, &co), KVARN_OK);
+        memcpy(kvarn_paged_record(&ev, 0, h), rec, rb);
+    }
+    assert_true(pa_equals(&a, want));
+    free(ews); free(rec); free(tk); free(tv); free(ws); free(want); free(slots); free(k); free(v);
+    pa_free(&a);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -587,6 +672,7 @@ int main(void)
         cmocka_unit_test(test_errors_leave_arenas_intact),
         cmocka_unit_test(test_per_token_unstorable_finite),
         cmocka_unit_test(test_commit_nonfinite_page),
+        cmocka_unit_test(test_int8_staging_store_commit),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

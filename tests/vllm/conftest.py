@@ -34,6 +34,24 @@ def run_llm(cfg: dict, expect_ok: bool = True, timeout: int = 900):
     return res, p.stderr + p.stdout
 
 
+VLLM_CPU_BATCHED = 4096   # vLLM 0.32's max_num_batched_tokens for LLM(...) on CPU, per rank
+
+
+def staging_pool_bytes(layers: int, hk: int, d: int, seqs: int = 8, sink_tiles: int = 1,
+                       sink_partial: int = 0, staging: str = "int8",
+                       batched: int = VLLM_CPU_BATCHED, G: int = 128) -> int:
+    """The plug-in's staging pool of one rank, by hand (docs/vllm.md
+    "Capacity"; the default staging on CPU is int8): seqs x (sink tiles +
+    tail) pages of every layer, seqs sink slots of r = sink_partial tokens,
+    and ceil(batched / G) + 1 scratch tiles of ONE layer (shared), at 2D +
+    8 bytes per staged token-head (int8: D codes + fp16 scale and zero-point,
+    for K and V) or 4D (fp16 K and V)."""
+    tok = 2 * d + 8 if staging == "int8" else 4 * d
+    page = layers * hk * G * tok
+    scratch = (-(-batched // G) + 1) * hk * G * tok
+    return seqs * (sink_tiles + 1) * page + seqs * layers * hk * sink_partial * tok + scratch
+
+
 def bind_threads(world: int) -> dict:
     """VLLM_CPU_OMP_THREADS_BIND: one CPU per rank, round robin over the
     CPUs this process may use (ranks share CPUs where there are fewer)."""

@@ -13,8 +13,10 @@ of every prompt position, the cache exact or through the codec (by default
 FORMAT with the spec's min/max RTN range, what the plug-in stores; fmt and
 rtn_range pick another format or kvarn_codec_opts.rtn_range, codec any
 tile round trip, for bench/centred_families.py); kl_rows(exact, codec)
-gives KL(P_exact || P_codec) over the whole vocabulary per position. Not emulated: the plug-in's fp16 rounding of the tiles it keeps
-unquantized (relative error 2^-11, far below the 4-/2-bit codec's).
+gives KL(P_exact || P_codec) over the whole vocabulary per position;
+staging="int8" adds the plug-in's int8 staging (Int8Staging). Not emulated:
+fp16 staging's rounding of the tiles it keeps unquantized (relative error
+2^-11, far below the 4-/2-bit codec's).
 """
 import ctypes
 
@@ -74,7 +76,45 @@ class Codec:
         return ko, vo
 
 
-_STATE = {"quantized": None, "codec": None}
+class Int8Staging:
+    """The plug-in's int8 staging (KVARN_STAGING=int8, its CPU default):
+    each token-head's K and V rotated (kvarn_hadamard, x H / sqrt(D), its
+    own inverse), through the int8 token codec (kvarn_encode/decode of
+    "int8") and rotated back: what attention reads for a staged token, and
+    what a commit encodes."""
+
+    def __init__(self, head_dim: int):
+        L = _lib.lib()
+        P, I, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        L.kvarn_hadamard_rows.restype = None
+        L.kvarn_hadamard_rows.argtypes = [P, I, I]
+        self.L, self.D = L, head_dim
+        self.fmt = _lib.parse_format("int8", head_dim)
+        self.rb = _lib.record_bytes(self.fmt, head_dim)
+        self.rec = np.zeros(self.rb, dtype=np.uint8)
+
+    def _rotate(self, x: np.ndarray) -> None:
+        self.L.kvarn_hadamard_rows(x.ctypes.data, x.shape[0], self.D)
+
+    def roundtrip(self, k: np.ndarray, v: np.ndarray):
+        """k, v fp32 [n, D] -> what int8 staging holds, [n, D] each."""
+        k = np.array(k, dtype=np.float32, order="C")
+        v = np.array(v, dtype=np.float32, order="C")
+        self._rotate(k)
+        self._rotate(v)
+        ko, vo = np.empty_like(k), np.empty_like(v)
+        L, f, D = self.L, ctypes.byref(self.fmt), self.D
+        for t in range(k.shape[0]):
+            _lib.check(L.kvarn_encode(f, D, k[t].ctypes.data, v[t].ctypes.data,
+                                      self.rec.ctypes.data, self.rb, None, 0, None), "int8 encode")
+            _lib.check(L.kvarn_decode(f, D, self.rec.ctypes.data, self.rb, ko[t].ctypes.data,
+                                      vo[t].ctypes.data, 0), "int8 decode")
+        self._rotate(ko)
+        self._rotate(vo)
+        return ko, vo
+
+
+_STATE = {"quantized": None, "codec": None, "staging": None}
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -87,10 +127,18 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if scaling is None:
         scaling = D ** -0.5
     rep = Hq // Hk
+    quant = _STATE["quantized"](module)
+    if quant and _STATE["staging"] is not None:
+        # every token is staged first: the sink and own tile are read from
+        # there, and tiles commit from it
+        key, value = key.clone(), value.clone()
+        for b in range(B):
+            for h in range(Hk):
+                ks, vs = _STATE["staging"].roundtrip(key[b, h].numpy(), value[b, h].numpy())
+                key[b, h], value[b, h] = torch.from_numpy(ks), torch.from_numpy(vs)
     k = key.repeat_interleave(rep, dim=1)
     v = value.repeat_interleave(rep, dim=1)
     scores = torch.matmul(query, k.transpose(2, 3)) * scaling
-    quant = _STATE["quantized"](module)
     if quant:
         codec = _STATE["codec"]
         G = codec.G
@@ -135,12 +183,15 @@ def _is_sliding(config, layer_idx: int) -> bool:
 
 
 def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool = False,
-             fmt: str = FORMAT, rtn_range: int = RTN_MINMAX, codec=None):
+             fmt: str = FORMAT, rtn_range: int = RTN_MINMAX, codec=None,
+             staging: str = "fp16"):
     """fp32 log-probabilities [len(ids), vocab] of the model on ids, the
     cache exact (quantize False) or through the codec as the plug-in would
     hold it: format fmt, kvarn_codec_opts.rtn_range rtn_range, or, when
     codec is given, codec(head_dim) (an object with .G and .roundtrip(k, v)
-    as Codec's) in place of Codec(fmt, head_dim, rtn_range)."""
+    as Codec's) in place of Codec(fmt, head_dim, rtn_range); staging "int8"
+    takes every token through Int8Staging first (KVARN_STAGING=int8), "fp16"
+    keeps staged tokens exact."""
     from transformers import AutoModelForCausalLM
     _register()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -149,6 +200,7 @@ def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool =
     cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     _STATE["codec"] = codec(head_dim) if codec else Codec(fmt, head_dim, rtn_range)
+    _STATE["staging"] = Int8Staging(head_dim) if staging == "int8" else None
     _STATE["quantized"] = lambda m: quantize and (
         quantize_sliding or not _is_sliding(cfg, m.layer_idx))
     with torch.no_grad():

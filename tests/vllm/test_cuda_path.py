@@ -20,7 +20,9 @@ from test_serve import PROMPTS, SHARED
 
 KV = "kvarn_k4v2_g128"
 EMULATOR = os.path.join(os.path.dirname(__file__), "cuda_emulator.py")
-ENV = {"KVARN_ATTN_THREADS": "2"}  # one partitioning of the work in both runs
+# one partitioning of the work in both runs; fp16 staging, the CUDA
+# kernels' (the CPU path's default is int8)
+ENV = {"KVARN_ATTN_THREADS": "2", "KVARN_STAGING": "fp16"}
 
 
 @pytest.fixture(scope="module")

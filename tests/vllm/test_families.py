@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import bind_threads, run_llm
+from conftest import bind_threads, run_llm, staging_pool_bytes, VLLM_CPU_BATCHED
 
 sys.path.insert(0, os.path.dirname(__file__))
 import make_models  # noqa: E402
@@ -85,7 +85,9 @@ def _kl(p, q):
 def _check_served(model, ref, kv, quantize_sliding=False):
     import emulate
     exact = emulate.logprobs(model, PROMPT, quantize=False)
-    codec = emulate.logprobs(model, PROMPT, quantize=True, quantize_sliding=quantize_sliding)
+    # the plug-in's CPU default: int8 staging (backend.STAGING_DEFAULT)
+    codec = emulate.logprobs(model, PROMPT, quantize=True, quantize_sliding=quantize_sliding,
+                             staging="int8")
     # prompt_logprobs[j] is the distribution at position j - 1
     k_e = emulate.kl_rows(exact, codec)[READ_FROM:PROMPT_LEN - 1]
     P = _lp(ref["outputs"][0]["prompt_logprobs"], READ_FROM + 1)
@@ -239,17 +241,18 @@ def _shape(fam: str) -> tuple:
     return kw["num_hidden_layers"], kw["num_key_value_heads"], d
 
 
-def _kv_blocks(fam: str, kv_heads: int) -> int:
+def _kv_blocks(fam: str, kv_heads: int, world: int = 1) -> int:
     """The blocks vLLM must report for FAMILIES[fam] with every layer in
     kvarn_k4v2_g128 and kv_heads KV heads on this rank, at run_llm's budget
     (VLLM_CPU_KVCACHE_SPACE 1 GiB) and max_num_seqs 8: the budget less the
-    fp16 staging pool (8 sequences x sink + tail tiles of every layer and
-    KV head), in record pages (test_serve.test_capacity_counts_staging's
-    arithmetic; the record size from the library)."""
+    int8 staging pool (conftest.staging_pool_bytes: 8 sequences x sink +
+    tail tiles of every layer and KV head, the scratch of vLLM's
+    max_num_batched_tokens), in record pages (the record size from the
+    library)."""
     from kvarn_vllm import _lib
     layers, _, d = _shape(fam)
     record = _lib.record_bytes(_lib.parse_format(KV, d), d)
-    pool = 8 * 2 * layers * kv_heads * 2 * G * d * 2
+    pool = staging_pool_bytes(layers, kv_heads, d, 8, batched=VLLM_CPU_BATCHED * world)
     return (2**30 - pool) // (layers * kv_heads * record)
 
 
@@ -273,5 +276,5 @@ def test_tensor_parallel_2_follows_fp32_cache(models, served):
     ref, _, _ = served("llama3")
     tp, _ = run_llm(_cfg(models["llama3"], kv_cache_dtype=KV, tensor_parallel_size=2,
                          env=bind_threads(2)))
-    assert tp["kv_blocks"] == _kv_blocks("llama3", 1)
+    assert tp["kv_blocks"] == _kv_blocks("llama3", 1, world=2)
     _check_served(models["llama3"], ref, tp)

@@ -1,6 +1,6 @@
 """Tensor and pipeline parallelism on vLLM's CPU build (docs/vllm.md "Tensor
 and pipeline parallelism"): each rank holds the records of its own KV heads
-(TP) and of its own layers (PP), and its own fp16 staging pool sized for
+(TP) and of its own layers (PP), and its own staging pool sized for
 them, taken out of its own KV budget.
 
 Configurations (each engine in a fresh process, conftest.run_llm):
@@ -38,7 +38,8 @@ import shutil
 
 import pytest
 
-from conftest import bind_threads, folded_kld, ROOT, run_llm
+from conftest import (bind_threads, folded_kld, ROOT, run_llm, staging_pool_bytes,
+                      VLLM_CPU_BATCHED)
 
 KV = "kvarn_k4v2_g128"
 G = 128
@@ -132,19 +133,20 @@ def rand(random_model):
 
 
 # ----------------------------------------------------------------- capacity
-def _pool(layers, hk, d=64):
-    """fp16 staging pool of one rank: SEQS x (1 sink + 1 tail) tiles of
-    layers x Hk x (K, V) x G x D x 2 bytes (docs/vllm.md "Capacity")."""
-    return SEQS * 2 * layers * hk * 2 * G * d * 2
+def _pool(layers, hk, world, d=64):
+    """The staging pool of one rank (conftest.staging_pool_bytes: SEQS x
+    (1 sink + 1 tail) int8 tiles of this rank's layers and KV heads, and the
+    scratch for vLLM's max_num_batched_tokens, 4096 per rank)."""
+    return staging_pool_bytes(layers, hk, d, SEQS, batched=VLLM_CPU_BATCHED * world)
 
 
 def _check_capacity(res, layers, hk, world):
-    pool = _pool(layers, hk)
+    pool = _pool(layers, hk, world)
     blocks = (BUDGET - pool) // (layers * hk * RECORD)
     assert res["kv_blocks"] == blocks, (res["kv_blocks"], blocks)
     # every rank took its own pool out of its own budget
-    line = f"kvarn: fp16 staging pool {pool / 2**20:.1f} MiB"
-    logged = [ln for ln in res["log"].splitlines() if "kvarn: fp16 staging pool" in ln]
+    line = f"kvarn: int8 staging pool {pool / 2**20:.1f} MiB"
+    logged = [ln for ln in res["log"].splitlines() if "kvarn: int8 staging pool" in ln]
     assert len(logged) == world and all(line in ln for ln in logged), logged
     print(f"{world} ranks x ({layers} layers, {hk} KV heads): pool {pool / 2**20:.1f} MiB "
           f"per rank, {blocks} blocks = {blocks * G} KV tokens")
@@ -153,8 +155,8 @@ def _check_capacity(res, layers, hk, world):
 def test_capacity_per_rank_smollm(smollm):
     """TP=1: 30 layers x 3 heads; TP=3: 30 x 1 per rank; PP=2: 15 x 3 per
     stage. If the pool or the pages were sized with the whole model's heads
-    or layers, the block count would differ (e.g. TP=3 would keep 336
-    blocks, not 1154)."""
+    or layers, the block count would differ (e.g. TP=3 would keep about a
+    third of its blocks)."""
     _check_capacity(smollm["kv1"], 30, 3, 1)
     _check_capacity(smollm["tp3"], 30, 1, 3)
     _check_capacity(smollm["pp2"], 15, 3, 2)

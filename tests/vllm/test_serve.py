@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import folded_kld, GGUF_MODEL, KVARN_CLI, ROOT, run_llm
+from conftest import folded_kld, GGUF_MODEL, KVARN_CLI, ROOT, run_llm, staging_pool_bytes
 
 KV = "kvarn_k4v2_g128"
 G = 128
@@ -39,6 +39,8 @@ def runs(hf_model):
     out = {}
     out["ref"], _ = run_llm(dict(base, kv_cache_dtype="auto"))
     out["kv"], _ = run_llm(dict(base, kv_cache_dtype=KV))
+    # fp16 staging (KVARN_STAGING=fp16; the default on CPU is int8)
+    out["kv_fp16"], _ = run_llm(dict(base, kv_cache_dtype=KV, env={"KVARN_STAGING": "fp16"}))
     # prefix caching on: the shared prefix is computed by a first request,
     # then the batch (three concurrent requests on the same prefix blocks)
     out["kv_pc"], _ = run_llm(dict(base, kv_cache_dtype=KV, prefix_caching=True,
@@ -63,7 +65,8 @@ def _eval_json(tmp_path_factory, text, *extra):
     f.write_text(text)
     r = subprocess.run([KVARN_CLI, "eval", "-m", GGUF_MODEL, "-f", str(f), "--ctx", "640",
                         "--chunk", "128", "--windows", "1", "--decode-tokens", str(DECODED),
-                        "--kv-cache-dtype", KV, "--json", *extra], capture_output=True,
+                        "--kv-cache-dtype", KV, "--json", "--kvarn-staging", "int8", *extra],
+                       capture_output=True,
                        text=True, cwd=ROOT, timeout=900)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)["formats"][0]
@@ -71,10 +74,11 @@ def _eval_json(tmp_path_factory, text, *extra):
 
 @pytest.fixture(scope="session")
 def eval_c(tmp_path_factory):
-    """kvarn's own host on a 640-token Austen text (`kvarn eval --json`): the
-    first 384 tokens in 128-token chunks (the ladder's chunked column), the
-    last 256 decoded one at a time (its decode column); the text and the
-    figures for kvarn_k4v2_g128."""
+    """kvarn's own host on a 640-token Austen text (`kvarn eval --json
+    --kvarn-staging int8`, the plug-in's default staging on CPU): the first
+    384 tokens in 128-token chunks (the ladder's chunked column), the last
+    256 decoded one at a time (its decode column); the text and the figures
+    for kvarn_k4v2_g128."""
     text = _austen(4000)
     return text, _eval_json(tmp_path_factory, text)
 
@@ -130,12 +134,11 @@ def test_sink16_prefix_caching_on_equals_off(runs):
 
 def test_sink16_capacity(runs):
     """The pool with a 16-token sink: max_num_seqs (8) tail tiles and 8 sink
-    slots of 16 fp16 tokens instead of 8 x (sink + tail) tiles; vLLM's block
-    count is the budget minus that pool in record pages."""
+    slots of 16 staged tokens instead of 8 x (sink + tail) tiles; vLLM's
+    block count is the budget minus that pool in record pages."""
     layers, hk, d, record = 30, 3, 64, 7296
-    tile = layers * hk * 2 * G * d * 2
-    slot = layers * hk * 2 * SINK16 * d * 2
-    blocks = (2**30 - 8 * tile - 8 * slot) // (layers * hk * record)
+    pool = staging_pool_bytes(layers, hk, d, 8, sink_tiles=0, sink_partial=SINK16)
+    blocks = (2**30 - pool) // (layers * hk * record)
     assert runs["kv_s16"]["kv_blocks"] == blocks
     assert runs["kv_s16"]["kv_blocks"] > runs["kv"]["kv_blocks"]
 
@@ -194,22 +197,50 @@ def test_kld_matches_kvarn_eval_decode(hf_model, eval_c):
     assert k_v >= k_c / 4
 
 
-def test_capacity_counts_staging(hf_model):
+def test_capacity_counts_staging(hf_model, runs):
     """At a fixed VLLM_CPU_KVCACHE_SPACE (1 GiB) and max_num_seqs 8, the KV
     tokens vLLM reports with the plug-in are those of the arithmetic (budget
-    minus the fp16 staging pool, in record pages of 128 tokens) and >= 4.2x
-    its bf16 cache's."""
+    minus the staging pool: 8 x (sink + tail) tiles and the shared scratch,
+    int8 by default, fp16 with KVARN_STAGING=fp16; in record pages of 128
+    tokens); int8 staging holds more, and >= 4.3x its bf16 cache's."""
     bf, _ = run_llm(dict(prompts=["Hi"], max_tokens=1, kv_cache_dtype="bfloat16"))
-    kv, _ = run_llm(dict(prompts=["Hi"], max_tokens=1, kv_cache_dtype=KV))
     layers, hk, d = 30, 3, 64
     record = 7296                     # kvarn_k4v2_g128, D = 64 (spec worked sizes)
-    pool = 8 * 2 * layers * hk * 2 * G * d * 2   # max_num_seqs x (sink + tail) fp16 tiles
-    blocks = (2**30 - pool) // (layers * hk * record)
-    assert kv["kv_blocks"] == blocks
+    for run, staging in (("kv", "int8"), ("kv_fp16", "fp16")):
+        pool = staging_pool_bytes(layers, hk, d, 8, staging=staging)
+        assert runs[run]["kv_blocks"] == (2**30 - pool) // (layers * hk * record), staging
+    assert runs["kv"]["kv_blocks"] > runs["kv_fp16"]["kv_blocks"]
     assert bf["kv_tokens"] == 2**30 // (layers * hk * 2 * d * 2 * G) * G
-    ratio = kv["kv_tokens"] / bf["kv_tokens"]
-    print(f"capacity: bf16 {bf['kv_tokens']} tokens, {KV} {kv['kv_tokens']} ({ratio:.2f}x)")
-    assert ratio >= 4.2
+    ratio = runs["kv"]["kv_tokens"] / bf["kv_tokens"]
+    r16 = runs["kv_fp16"]["kv_tokens"] / bf["kv_tokens"]
+    print(f"capacity: bf16 {bf['kv_tokens']} tokens, {KV} {runs['kv']['kv_tokens']} "
+          f"({ratio:.2f}x; fp16 staging {runs['kv_fp16']['kv_tokens']}, {r16:.2f}x)")
+    assert ratio >= 4.3
+
+
+def test_fp16_staging_follows_unquantized_cache(runs, eval_c):
+    """KVARN_STAGING=fp16 serves as well: the same near-tie bound as the
+    default (fp16 staging is the more exact of the two)."""
+    _follows(runs["ref"]["outputs"], runs["kv_fp16"]["outputs"], eval_c[1]["kld_max"])
+
+
+def test_staging_pool_bounded_by_blocks(hf_model):
+    """max_num_seqs 512 in 1 GiB: 1,024 staging tiles would take 1.6 GB;
+    the pool is capped at N = ceil((budget - scratch) / (tile + block))
+    tiles (a slot belongs to one block of a running sequence, and then the
+    blocks left are <= N: staging.py "Sizing"), the engine starts, serves,
+    and warns that the pool takes most of the budget."""
+    kv, log = run_llm(dict(prompts=["Hi", LONG], max_tokens=4, kv_cache_dtype=KV,
+                           max_num_seqs=512))
+    layers, hk, d, record = 30, 3, 64, 7296
+    tile = layers * hk * G * (2 * d + 8)
+    scratch = staging_pool_bytes(layers, hk, d, 0)
+    block = layers * hk * record
+    n = -(-(2**30 - scratch) // (tile + block))
+    assert n < 1024
+    assert kv["kv_blocks"] == (2**30 - n * tile - scratch) // block <= n
+    assert "the staging pool takes" in log
+    assert len(kv["outputs"][1]["token_ids"]) == 4
 
 
 def test_request_reusing_freed_blocks_equals_it_alone(hf_model):
@@ -230,7 +261,7 @@ def test_request_reusing_freed_blocks_equals_it_alone(hf_model):
     (dict(kv_cache_dtype=KV, block_size=64), "needs --block-size 128"),
     (dict(kv_cache_dtype="kvarn_k4v3_g128"), "accepted"),
     (dict(kv_cache_dtype="kvarn_k4v2_g128c"), "does not serve it yet: use kvarn_k4v2_g128"),
-    (dict(kv_cache_dtype=KV, max_num_seqs=512), "staging pool"),
+    (dict(kv_cache_dtype=KV, env={"KVARN_STAGING": "fp8"}), "KVARN_STAGING must be one of"),
 ])
 def test_bad_setups_fail_at_start_with_a_clear_error(cfg, needle):
     res, err = run_llm(dict(cfg, prompts=["Hi"], max_tokens=1), expect_ok=False)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvarn_vllm._lib import KvarnError, parse_format
-from kvarn_vllm.staging import Staging, draft_tiles, pool_bytes, pool_slots
+from kvarn_vllm.staging import Staging, draft_tiles, pool_bytes, pool_size, pool_slots
 
 G = 128
 
@@ -29,6 +29,77 @@ def test_pool_size_is_sequences_times_sink_plus_tail():
     assert pool_bytes(fmt, 30, 3, 64, 8, 0) == 8 * 30 * 3 * 2 * G * 64 * 2
     fmt64 = parse_format("kvarn_k4v2_g64", 128)
     assert pool_bytes(fmt64, 2, 8, 128, 4, 1) == 8 * 2 * 8 * 2 * 64 * 128 * 2
+
+
+def test_int8_pool_and_shared_scratch_bytes():
+    """int8 staging: 2D + 8 bytes per token-head (the int8 record: D codes
+    and an fp16 scale and zero-point, for K and for V) against fp16's 4D;
+    scratch tiles ceil(batched / G) + 1 of ONE layer (shared by the layers);
+    sink slots r tokens of every layer."""
+    fmt = parse_format("kvarn_k4v2_g128", 64)
+    rec = 2 * 64 + 8
+    assert pool_bytes(fmt, 30, 3, 64, 8, 1, staging=1) == 16 * 30 * 3 * G * rec
+    ps = pool_size(fmt, 30, 3, 64, 8, 1, staging=1, max_batched_tokens=4096)
+    assert ps["record_bytes"] == rec and ps["n_scratch"] == 4096 // G + 1
+    assert ps["bytes"] == 16 * 30 * 3 * G * rec + 33 * 3 * G * rec
+    ps = pool_size(fmt, 30, 3, 64, 8, 0, sink_partial=16, staging=1, max_batched_tokens=300)
+    assert (ps["n_slots"], ps["n_sink_slots"], ps["n_scratch"]) == (8, 8, 4)
+    assert ps["bytes"] == 8 * 30 * 3 * G * rec + 8 * 30 * 3 * 16 * rec + 4 * 3 * G * rec
+    fp = pool_size(fmt, 30, 3, 64, 8, 1, max_batched_tokens=4096)
+    assert fp["record_bytes"] == 0 and fp["bytes"] == (16 * 30 + 33) * 3 * 2 * G * 64 * 2
+
+
+def test_slots_bounded_by_the_blocks_the_budget_leaves():
+    """Far more sequences than the budget can give blocks to: the slots are
+    capped at N = ceil((budget - scratch) / (page + block)), and the blocks
+    the rest of the budget holds are <= N, so every live block can have its
+    slot (a slot belongs to one block of a running sequence)."""
+    fmt = parse_format("kvarn_k4v2_g128", 64)
+    layers, hk = 30, 3
+    block = layers * hk * 7296                      # one tile's records, every layer
+    budget = 2**30
+    free = pool_size(fmt, layers, hk, 64, 512, 1, staging=1, max_batched_tokens=4096)
+    ps = pool_size(fmt, layers, hk, 64, 512, 1, staging=1, max_batched_tokens=4096,
+                   budget=budget, block_bytes=block)
+    page = ps["page_bytes"]
+    scratch = 33 * hk * G * 136
+    n = -(-(budget - scratch) // (page + block))
+    assert free["n_slots"] == 1024 and ps["n_slots"] == n < 1024
+    assert ps["bytes"] == n * page + scratch
+    blocks = (budget - ps["bytes"]) // block
+    assert blocks <= ps["n_slots"]
+    # and not far above what is needed: two slots fewer would leave more
+    # blocks than slots
+    assert (budget - (n - 2) * page - scratch) // block > n - 2
+    # a budget the pool does not bind: max_num_seqs x (sink + tail)
+    small = pool_size(fmt, layers, hk, 64, 8, 1, staging=1, max_batched_tokens=4096,
+                      budget=budget, block_bytes=block)
+    assert small["n_slots"] == 16
+
+
+def test_every_live_block_gets_a_slot_under_the_bound():
+    """The bound at work: a pool of as many slots as blocks serves any set
+    of running sequences over those blocks (each tail and sink tile its
+    slot), sequences ending and others taking their blocks."""
+    n_blocks = 6
+    st = Staging(n_slots=n_blocks, tile=G, sink_tiles=1, n_blocks=n_blocks, n_scratch=2)
+    live = set()
+    st.live_blocks = lambda: set(live)
+    # three 1-tile sequences (sink = tail): 3 slots
+    live |= {0, 1, 2}
+    p = step(st, [5, 5, 5], [5, 5, 5], [[0], [1], [2]])
+    st.finish(p)
+    # they end; one 2-tile-plus sequence takes blocks 3, 4, 5 (sink, record, tail)
+    live.clear()
+    live |= {3, 4, 5}
+    p = step(st, [300], [300], [[3, 4, 5]])
+    st.finish(p)
+    # and two short ones on blocks 0, 1 alongside it: 2 + 2 slots live, the
+    # three ended sequences' slots reclaimed
+    live |= {0, 1}
+    p = step(st, [1, 3, 3], [301, 3, 3], [[3, 4, 5], [0, 0, 0], [1, 0, 0]])
+    st.finish(p)
+    assert sum(1 for b in st.block_of if b >= 0) <= n_blocks
 
 
 def test_prefill_crossing_tiles_then_decode():
