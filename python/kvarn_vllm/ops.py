@@ -9,7 +9,7 @@ commit full tiles, attend -- once per device kind, on the same pages:
            device and torch's current stream; fp16/bf16 activations.
 
 Both take the same kvarn_paged_kv view (paged.h) of vLLM's per-layer cache
-tensor and the fp16 staging pool, and the same per-group arrays from the
+tensor and the staging pool, and the same per-group arrays from the
 step's plan (staging.py): one attention entry per (sequence, tile) group of
 queries, its block table row, seq_len, committed tiles and query range.
 """

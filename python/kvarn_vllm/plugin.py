@@ -11,7 +11,7 @@ What it changes, all at load, nothing on disk:
   - CpuPlatform.get_attn_backend_cls returns the kvarn backend for them
     (vLLM's CPU platform otherwise honours only CPU_ATTN); on a CUDA
     platform CudaPlatform.get_attn_backend_cls does the same;
-  - the worker (CPUWorker, or the GPU Worker) takes the fp16 staging pool
+  - the worker (CPUWorker, or the GPU Worker) takes the staging pool
     out of the KV budget, so the capacity vLLM reports is what the cache
     holds;
   - the model runner's _zero_block_ids (CPUModelRunner, GPUModelRunner)
@@ -323,8 +323,10 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str, device_type: str) -> Non
             return avail
         from .backend import _State
         ps = staging_pool(self.vllm_config, avail, device_type)
-        _State.pool_size = ps
         pool = ps["bytes"]
+        if pool == 0:
+            return avail     # no layer in the kvarn format, no pool
+        _State.pool_size = ps
         seqs = self.vllm_config.scheduler_config.max_num_seqs
         kind = "int8" if ps.get("staging") else "fp16"
         if pool >= avail:
