@@ -170,7 +170,7 @@ uint64_t kvarn_capacity_tokens(const kvarn_format *fmt, int head_dim,
 #define KVARN_RTN_MSE 1     /* the (lo, scale) of smallest squared
                                reconstruction error found by a search over
                                clipped ranges, then least-squares refits
-                               (docs/kvarn-codec.md "Error-minimizing
+                               (docs/kvarn-centred.md "Error-minimizing
                                range"), for K's rows and V's; plain C,
                                ~25x the encode time (D 64: 1.0 ms a tile
                                against 38 us) */

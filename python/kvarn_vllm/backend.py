@@ -514,7 +514,7 @@ def kernel_block_ids(runner, block_ids) -> list:
     """vLLM's block ids (the KV-cache manager's) as block ids of the kvarn
     layers' cache tensor. Where vLLM 0.32 gives the manager blocks of several
     tiles (its page alignment when layers of vLLM's own cache share the block
-    pool, docs/vllm.md "Sliding-window layers"), each is split into kernel
+    pool, docs/vllm-models.md "Sliding-window layers"), each is split into kernel
     blocks of one tile (get_supported_kernel_block_sizes): manager block b
     is kernel blocks b * stride + j, j < n, as the attention metadata's block
     table has them (AttentionGroup.map_to_kernel_block_table)."""

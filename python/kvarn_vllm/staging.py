@@ -12,7 +12,7 @@ Sizing (docs/vllm.md "Capacity"), all of it taken out of vLLM's KV budget:
     max_num_seqs * (sink_tiles + 1); with speculative decoding of k draft
     tokens a step, k // G + 1 more per sequence (the tiles the drafts reach,
     held until their tokens are accepted: "Speculative decoding" in
-    docs/vllm.md). And never more than the blocks the budget leaves: a slot
+    docs/vllm-models.md). And never more than the blocks the budget leaves: a slot
     belongs to one block of a running sequence (a slot of a block no
     running sequence holds is reclaimed before the pool is short), so
     slots <= vLLM's block count, which pool_size makes hold by taking

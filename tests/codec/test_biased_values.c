@@ -10,7 +10,7 @@
  *   uniform  V ~ U[5,6] (one offset common to all channels)
  * rel-RMS = RMS of V - V' over RMS of V's per-channel-centred values
  * (centred over the tile's tokens), pooled over NTILES tiles. The table is
- * printed (docs/kvarn-codec.md "Mean-centred values" quotes it).
+ * printed (docs/kvarn-centred.md "Mean-centred values" quotes it).
  *
  * The bound (every centred format, both ranges, every tile and token row
  * t): the codec's step for the centred data. In the rotated basis the

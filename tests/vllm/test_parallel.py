@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism on vLLM's CPU build (docs/vllm.md "Tensor
+"""Tensor and pipeline parallelism on vLLM's CPU build (docs/vllm-models.md "Tensor
 and pipeline parallelism"): each rank holds the records of its own KV heads
 (TP) and of its own layers (PP), and its own staging pool sized for
 them, taken out of its own KV budget.

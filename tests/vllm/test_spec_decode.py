@@ -1,4 +1,4 @@
-"""Speculative decoding through the kvarn cache (docs/vllm.md "Speculative
+"""Speculative decoding through the kvarn cache (docs/vllm-models.md "Speculative
 decoding"): vLLM's n-gram proposer drafts k tokens a step, the verification
 step sends 1 + k causal queries per sequence through the same attention path
 as a prefill chunk, and a tile is committed only from accepted tokens.
