@@ -230,6 +230,11 @@ STAGING_FP16, STAGING_INT8 = 0, 1          # include/kvarn/paged.h kvarn_staging
 STAGING_NAMES = {"fp16": STAGING_FP16, "int8": STAGING_INT8}
 
 
+def staging_name(staging: int) -> str:
+    """"fp16" / "int8" for a kvarn_staging value (STAGING_NAMES inverted)."""
+    return next(n for n, v in STAGING_NAMES.items() if v == staging)
+
+
 def staged_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
                  sink_tiles: int, sink_partial: int = 0, staging: int = STAGING_FP16) -> tuple:
     """(page, sink slot, staged token record) bytes: one staging page (one
@@ -250,9 +255,3 @@ def staged_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
     info = CacheInfo()
     check(lib().kvarn_cache_plan(ctypes.byref(o), ctypes.byref(info)), "cache plan")
     return int(info.page_bytes), int(info.sink_bytes), int(info.staging_record_bytes)
-
-
-def fp16_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
-               sink_tiles: int, sink_partial: int = 0) -> tuple:
-    """(page, sink slot) bytes of fp16 staging (staged_bytes)."""
-    return staged_bytes(fmt, n_layers, n_kv_heads, head_dim, sink_tiles, sink_partial)[:2]

@@ -98,6 +98,7 @@ class _State:
     n_impls = 0         # kvarn attention layers built in this process
     pool_size = None    # staging.pool_size as the worker budgeted it (plugin.py)
     pool = None         # the staging tensor of every layer (module docstring)
+    pool_layers = 0     # the layers it has slots for
     staging_kind = 0    # _lib.STAGING_FP16 / STAGING_INT8
 
 
@@ -312,20 +313,19 @@ class KvarnAttentionImpl(AttentionImpl):
         if _State.staging is None:
             _State.staging_kind = staging_config(kv_cache.device.type)
             ps = _State.pool_size
-            if ps is None or ps.get("staging") != _State.staging_kind:
+            if ps is None or ps["staging"] != _State.staging_kind:
                 # no budget hook ran (a caller building the layers itself):
                 # the unbounded sizes
                 ps = pool_size(self.fmt, 1, self.num_kv_heads, self.head_size,
                                _State.max_num_seqs, self.sink_tiles, self.sink_partial,
                                _State.draft_tokens, _State.staging_kind,
                                _State.max_batched_tokens)
-                ps["staging"] = _State.staging_kind
                 _State.pool_size = ps
             _State.staging = Staging(ps["n_slots"], self.G, self.sink_tiles, kv_cache.shape[0],
                                      ps["n_scratch"], self.sink_partial, ps["n_sink_slots"])
             _State.staging.live_blocks = _live_blocks
             _State.ops = make_ops(kv_cache.device)
-            L = max(1, _State.n_impls)
+            _State.pool_layers = L = max(1, _State.n_impls)
             _State.pool = torch.zeros((L * ps["n_slots"] + ps["n_scratch"],) +
                                       self._page_shape(), dtype=self._page_dtype(),
                                       device=kv_cache.device)
@@ -333,19 +333,17 @@ class KvarnAttentionImpl(AttentionImpl):
             init_logger("vllm.kvarn_vllm").info(
                 "kvarn: %s kernels on %s, cache %s, staging %s: %d slots, %d sink slots, "
                 "%d scratch tiles", _State.ops.name, kv_cache.device, self.fmt.name.decode(),
-                "int8" if _State.staging_kind else "fp16", ps["n_slots"], ps["n_sink_slots"],
+                _lib.staging_name(_State.staging_kind), ps["n_slots"], ps["n_sink_slots"],
                 ps["n_scratch"])
-        st = _State.staging
-        n_layers = _State.pool.shape[0] - st.n_scratch
-        if (self.layer_index + 1) * st.n_slots > n_layers:
+        st, L = _State.staging, _State.pool_layers
+        if self.layer_index >= L:
             raise _lib.KvarnError(
                 f"kvarn: layer {self.layer_index} has no staging pages (the pool was sized "
-                f"for {n_layers // max(1, st.n_slots)} kvarn layers)")
+                f"for {L} kvarn layers)")
         # this layer's slots, then (ids from n_slots on, shifted by
         # scratch_shift) the shared scratch
         self.pool_tensor = _State.pool[self.layer_index * st.n_slots:]
-        self.scratch_shift = (n_layers // max(1, st.n_slots) - 1 - self.layer_index) * st.n_slots \
-            if st.n_slots else 0
+        self.scratch_shift = (L - 1 - self.layer_index) * st.n_slots
         if self.sink_partial > 0:
             self.sinks = torch.zeros((st.n_sink_slots,) + self._page_shape(self.sink_partial),
                                      dtype=self._page_dtype(), device=kv_cache.device)

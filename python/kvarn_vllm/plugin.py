@@ -292,10 +292,8 @@ def staging_pool(vllm_config, budget: int = 0, device_type: str = "cpu") -> dict
     # is budget / (that), so the bound holds for any share of the budget the
     # other layers take
     block = n_layers * hk * _lib.record_bytes(fmt, D)
-    ps = pool_size(fmt, n_layers, hk, D, sc.max_num_seqs, tiles, partial,
-                   draft_tokens(vllm_config), kind, sc.max_num_batched_tokens, budget, block)
-    ps["staging"] = kind
-    return ps
+    return pool_size(fmt, n_layers, hk, D, sc.max_num_seqs, tiles, partial,
+                     draft_tokens(vllm_config), kind, sc.max_num_batched_tokens, budget, block)
 
 
 def _patch_worker() -> None:
@@ -321,6 +319,7 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str, device_type: str) -> Non
         from .backend import is_kvarn_dtype
         if not is_kvarn_dtype(self.cache_config.cache_dtype):
             return avail
+        from . import _lib
         from .backend import _State
         ps = staging_pool(self.vllm_config, avail, device_type)
         pool = ps["bytes"]
@@ -328,7 +327,7 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str, device_type: str) -> Non
             return avail     # no layer in the kvarn format, no pool
         _State.pool_size = ps
         seqs = self.vllm_config.scheduler_config.max_num_seqs
-        kind = "int8" if ps.get("staging") else "fp16"
+        kind = _lib.staging_name(ps["staging"])
         if pool >= avail:
             raise ValueError(
                 f"kvarn: the {kind} staging pool for max_num_seqs={seqs} takes "

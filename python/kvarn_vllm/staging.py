@@ -67,7 +67,7 @@ def pool_size(fmt, n_layers: int, n_kv_heads: int, head_dim: int, max_num_seqs: 
     """The pool's parts (module docstring "Sizing"): n_slots, n_sink_slots,
     n_scratch, bytes (everything: slots x one page of every layer, sink
     slots, scratch tiles x one layer's page), page_bytes, sink_bytes,
-    record_bytes (one staged int8 token-head record; 0 for fp16), as
+    record_bytes (one staged int8 token-head record; 0 for fp16), staging, as
     kvarn_cache_plan sizes them (_lib.staged_bytes). budget (bytes) and
     block_bytes (one vLLM block of every layer): the KV budget the pool is
     taken from, for the slots <= blocks bound; 0: no bound."""
@@ -82,7 +82,7 @@ def pool_size(fmt, n_layers: int, n_kv_heads: int, head_dim: int, max_num_seqs: 
         n_slots, n_sink = min(n_slots, bound), min(n_sink, bound)
     return {"n_slots": n_slots, "n_sink_slots": n_sink, "n_scratch": n_scr,
             "bytes": n_slots * page + n_sink * slot + scratch,
-            "page_bytes": page, "sink_bytes": slot, "record_bytes": rec}
+            "page_bytes": page, "sink_bytes": slot, "record_bytes": rec, "staging": staging}
 
 
 def pool_bytes(fmt, n_layers: int, n_kv_heads: int, head_dim: int,

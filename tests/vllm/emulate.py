@@ -36,20 +36,30 @@ class CodecOpts(ctypes.Structure):
                 ("rtn_range", ctypes.c_int)]
 
 
+def _codec_lib():
+    """libkvarn with the signatures of the codec calls the emulation makes
+    (kvarn_encode / kvarn_decode / kvarn_encode_workspace_bytes, kvarn.h;
+    kvarn_hadamard_rows, src/codec/hadamard.h)."""
+    L = _lib.lib()
+    P, I, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    pf = ctypes.POINTER(_lib.Format)
+    L.kvarn_encode_workspace_bytes.restype = Z
+    L.kvarn_encode_workspace_bytes.argtypes = [pf, I]
+    L.kvarn_encode.restype = I
+    L.kvarn_encode.argtypes = [pf, I, P, P, P, Z, P, Z, ctypes.POINTER(CodecOpts)]
+    L.kvarn_decode.restype = I
+    L.kvarn_decode.argtypes = [pf, I, P, Z, P, P, ctypes.c_uint]
+    L.kvarn_hadamard_rows.restype = None
+    L.kvarn_hadamard_rows.argtypes = [P, I, I]
+    return L
+
+
 class Codec:
     """One tile's round trip through libkvarn: format name, head_dim D,
     rtn_range (RTN_MINMAX, RTN_MSE or RTN_MSE_V); .G tokens a tile."""
 
     def __init__(self, name: str, head_dim: int, rtn_range: int = RTN_MINMAX):
-        L = _lib.lib()
-        P, I, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-        pf = ctypes.POINTER(_lib.Format)
-        L.kvarn_encode_workspace_bytes.restype = Z
-        L.kvarn_encode_workspace_bytes.argtypes = [pf, I]
-        L.kvarn_encode.restype = I
-        L.kvarn_encode.argtypes = [pf, I, P, P, P, Z, P, Z, ctypes.POINTER(CodecOpts)]
-        L.kvarn_decode.restype = I
-        L.kvarn_decode.argtypes = [pf, I, P, Z, P, P, ctypes.c_uint]
+        L = _codec_lib()
         self.L, self.D = L, head_dim
         self.fmt = _lib.parse_format(name, head_dim)
         self.G = self.fmt.tile_tokens
@@ -84,11 +94,7 @@ class Int8Staging:
     what a commit encodes."""
 
     def __init__(self, head_dim: int):
-        L = _lib.lib()
-        P, I, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-        L.kvarn_hadamard_rows.restype = None
-        L.kvarn_hadamard_rows.argtypes = [P, I, I]
-        self.L, self.D = L, head_dim
+        self.L, self.D = _codec_lib(), head_dim
         self.fmt = _lib.parse_format("int8", head_dim)
         self.rb = _lib.record_bytes(self.fmt, head_dim)
         self.rec = np.zeros(self.rb, dtype=np.uint8)
