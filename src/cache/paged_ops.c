@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cache/paged_check.h"
+#include "cache/stage_int8.h"
 #include "codec/checked.h"
 #include "codec/fp_convert.h"
 #include "codec/hadamard.h"
@@ -116,15 +117,11 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
         for (int h = 0; h < H; h++) {
             const float *kx = k + row + (size_t)h * D, *vx = v + row + (size_t)h * D;
             if (staged8) {
-                /* rotated K and V through the int8 token codec (paged.h
-                 * "Staging"); the rotated values fit fp16 (check_store), so
-                 * its scale and zero-point do */
-                memcpy(vec, kx, (size_t)D * sizeof(float));
-                memcpy(vec2, vx, (size_t)D * sizeof(float));
-                kvarn_hadamard(vec, D);
-                kvarn_hadamard(vec2, D);
-                st = kvarn_encode(&i8, D, vec, vec2, kvarn_paged_page_rec(kv, id, h, off),
-                                  kv->staging_record_bytes, NULL, 0, NULL);
+                /* the rotated values fit fp16 (check_store), so the
+                 * int8 scale and zero-point do */
+                st = kvarn__stage_int8(&i8, D, kx, vx, vec, vec2,
+                                       kvarn_paged_page_rec(kv, id, h, off),
+                                       kv->staging_record_bytes);
                 if (st != KVARN_OK) return st;
             } else if (kv->fmt.kind == KVARN_KIND_KVARN) {
                 uint16_t *dk = kvarn_paged_page_k(kv, id, h) + (size_t)off * D;

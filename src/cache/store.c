@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cache/cache_internal.h"
+#include "cache/stage_int8.h"
 #include "codec/fp_convert.h"
 #include "codec/hadamard.h"
 
@@ -92,15 +93,11 @@ kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
             const float *kx = k + (size_t)j * row + (size_t)h * (size_t)D;
             const float *vx = v + (size_t)j * row + (size_t)h * (size_t)D;
             if (c->is_kvarn && c->info.staging == KVARN_STAGING_INT8) {
-                /* rotate K and V (scratch rows of the commit tile, unused
+                /* rotated into scratch rows of the commit tile (unused
                  * between commits), then the int8 token codec */
-                float *kr = c->tile_k, *vr = c->tile_v;
-                memcpy(kr, kx, (size_t)D * sizeof(float));
-                memcpy(vr, vx, (size_t)D * sizeof(float));
-                kvarn_hadamard(kr, D);
-                kvarn_hadamard(vr, D);
-                st = kvarn_encode(&c->stage_fmt, D, kr, vr, kvarn__row_rec(c, s, layer, p, h),
-                                  c->info.staging_record_bytes, NULL, 0, NULL);
+                st = kvarn__stage_int8(&c->stage_fmt, D, kx, vx, c->tile_k, c->tile_v,
+                                       kvarn__row_rec(c, s, layer, p, h),
+                                       c->info.staging_record_bytes);
                 /* the rotated values fit fp16 (check_input), so the int8
                  * scale and zero-point do: cannot fail after the checks */
                 if (st != KVARN_OK) return st;
