@@ -228,6 +228,18 @@ static void test_fill_to_the_count(void **state)
     check_case_t("kvarn_k4v2_g128", 0, 1, 0, 16, 20, 9, 0, 3, 0, 3, 1000);
 }
 
+/* The defaults at SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64)
+ * with a budget of budget_bytes. */
+static kvarn_cache_opts smollm_opts(uint64_t budget_bytes)
+{
+    kvarn_cache_opts o = kvarn_cache_default_opts();
+    o.n_layers = 30;
+    o.n_kv_heads = 3;
+    o.head_dim = 64;
+    o.budget_bytes = budget_bytes;
+    return o;
+}
+
 /* tail_page_tokens: 0 and G are the same cache byte for byte; T < G moves
  * the tail out of the whole pages into (max_seqs + ceil(max_seqs / 8)) * G
  * / T small pages of the same bytes in all; T not dividing G, beyond G, and
@@ -235,11 +247,7 @@ static void test_fill_to_the_count(void **state)
 static void test_tail_pages_plan(void **state)
 {
     (void)state;
-    kvarn_cache_opts o = kvarn_cache_default_opts();
-    o.n_layers = 30;
-    o.n_kv_heads = 3;
-    o.head_dim = 64;
-    o.budget_bytes = 1ull << 30;
+    kvarn_cache_opts o = smollm_opts(1ull << 30);
     kvarn_cache_opts g = o, t = o;
     g.tail_page_tokens = 128;
     kvarn_cache_info i0, ig, it;
@@ -286,11 +294,7 @@ static void test_tail_pages_plan(void **state)
 static void test_staging_plan(void **state)
 {
     (void)state;
-    kvarn_cache_opts o = kvarn_cache_default_opts();
-    o.n_layers = 30;
-    o.n_kv_heads = 3;
-    o.head_dim = 64;
-    o.budget_bytes = 1ull << 30;
+    kvarn_cache_opts o = smollm_opts(1ull << 30);
     o.sink_tokens = 128 + 16;
     o.tail_page_tokens = 16;
     kvarn_cache_opts q = o;
@@ -353,11 +357,7 @@ static void test_staging_plan(void **state)
 static void test_sink_tokens_plan(void **state)
 {
     (void)state;
-    kvarn_cache_opts o = kvarn_cache_default_opts();
-    o.n_layers = 30;
-    o.n_kv_heads = 3;
-    o.head_dim = 64;
-    o.budget_bytes = 1ull << 30;
+    kvarn_cache_opts o = smollm_opts(1ull << 30);
     for (int k = 0; k < 3; k++) {
         kvarn_cache_opts a = o, b = o;
         a.sink_tiles = k;
@@ -399,12 +399,8 @@ static void test_sink_tokens_plan(void **state)
 static void test_budget_below_pages(void **state)
 {
     (void)state;
-    kvarn_cache_opts o = kvarn_cache_default_opts();
+    kvarn_cache_opts o = smollm_opts(256ull << 20);
     o.format = fx_format("kvarn_k4v2_g128");
-    o.n_layers = 30;
-    o.n_kv_heads = 3;
-    o.head_dim = 64;
-    o.budget_bytes = 256ull << 20;
     kvarn_cache_capacity cap;
     kvarn_cache *c = NULL;
     kvarn_status want = kvarn_cache_create(&o, &c);
