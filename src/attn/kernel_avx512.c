@@ -31,7 +31,7 @@
  * per-token codes (token_int8_body, at the end; vpdpbusd on transposed K
  * codes in the VNNI build): the only places the SIMD kernels' arithmetic
  * differs from the reference by more than the order of fp32 sums;
- * docs/attention-simd.md "Integer (int16) dot products" and "int8: integer dot
+ * docs/attention-intdot.md "Integer (int16) dot products" and "int8: integer dot
  * products" bound the error.
  */
 #include <immintrin.h>
@@ -738,7 +738,7 @@ AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
  * per instruction, two channels or two tokens per 32-bit lane) against a
  * query / weights rounded to int16 once per row and tile:
  *   qa_d ~ sq qi_d, sq = max_d |qa_d| / 32767;  w_t ~ sw wi_t, sw = max_t |w_t| / 32767.
- * docs/attention-simd.md "Integer (int16) dot products" gives the error bounds
+ * docs/attention-intdot.md "Integer (int16) dot products" gives the error bounds
  * (score error at most 15 D sq / 2 s_tok_t over a tile's 4-bit K; V error
  * at most 3 G sw / 2 s_chan_d) and the measurements. */
 
@@ -1094,7 +1094,7 @@ void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const ui
  *
  * The int8 per-token kernel multiplies in int16 (dot_i16: vpmaddwd +
  * vpaddd, or one vpdpwssd in the VNNI build) instead of converting every
- * code to fp32 (docs/attention-simd.md "int8: integer dot products"):
+ * code to fp32 (docs/attention-intdot.md "int8: integer dot products"):
  *   K: per span and row the query q' (softmax scale folded) is rounded,
  *     q'_d ~ sq qi_d, sq = max_d |q'_d| / I8_QMAX (i8_round_query); the codes
  *     (0..255, zero-extended to words) of 4 tokens x 32 channels meet the
@@ -1150,7 +1150,7 @@ void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const ui
  * the int8 record stream stopped at ~8.5 GB/s even with no arithmetic at
  * all (a kernel that only touched the lines: SmolLM2 8k 390 us, fp16 10
  * GB/s), with prefetcht1 12.8 GB/s (262 us); the L1 miss buffers, not
- * DRAM, were the limit (docs/attention-simd.md "int8: integer dot products").
+ * DRAM, were the limit (docs/attention-intdot.md "int8: integer dot products").
  * Each listed tile is fetched from the line holding its first byte to the
  * line holding its last, so a block off the 64-byte lines (a malloc'ed
  * arena, 16 bytes past a line, as bench_attn's) is fetched whole: listed

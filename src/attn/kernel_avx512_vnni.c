@@ -7,7 +7,7 @@
  * of attn_avx512_kvarn_tile when kvarn__cpu_avx512_vnni() (codec/cpu.h)
  * says the CPU has VNNI and the call's testing knobs do not turn it off.
  * The tile kernel alone took 19% less time than the vpmaddwd build on
- * AMD Zen 4 (docs/attention-simd.md "Integer (int16) dot products").
+ * AMD Zen 4 (docs/attention-intdot.md "Integer (int16) dot products").
  */
 #define KVARN_AVX512_VNNI 1
 #include "attn/kernel_avx512.c"

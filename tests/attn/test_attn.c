@@ -85,7 +85,7 @@ static double orig_bound(const paged_fixture *f, int s, int h, const double *qo,
 }
 
 /* The extra error of the AVX-512 KVarN kernel's integer dot products
- * (kernel_avx512.c, docs/attention-simd.md "Integer (int16) dot products"),
+ * (kernel_avx512.c, docs/attention-intdot.md "Integer (int16) dot products"),
  * bounded from this case's records and query; 0 where they are not used
  * (levels below AVX-512, formats other than KVarN of 128-token tiles with
  * 4-bit K or 2-bit V).

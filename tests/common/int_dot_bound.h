@@ -25,7 +25,7 @@ static inline double idb_half(const uint8_t *p, int i)
     return kvarn_fp16_to_fp32(x);
 }
 
-/* The int8 per-token kernel (AVX-512, docs/attention-simd.md "int8: integer
+/* The int8 per-token kernel (AVX-512, docs/attention-intdot.md "int8: integer
  * dot products"), for the row with query q (original basis, before the
  * softmax scale), positions [lo, hi] of sequence view v, KV head h.
  *

@@ -478,7 +478,7 @@ static void test_kernels_match_exact_chunk(void **state)
         assert_int_equal(kvarn_format_parse(name, &fmt), KVARN_OK);
         const double tol = 1e-5;
         /* The AVX-512 KVarN kernel multiplies 4-bit K / 2-bit V codes of
-         * 128-token tiles in int16 (docs/attention-simd.md "Integer (int16) dot
+         * 128-token tiles in int16 (docs/attention-intdot.md "Integer (int16) dot
          * products"), the AVX-512 int8 kernel all its codes ("int8:
          * integer dot products"): more than fp32 summation order apart
          * from the exact path. tests/attn (test_attn, test_attn_cache) hold that path to
