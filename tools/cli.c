@@ -192,11 +192,15 @@ int cli_model_open(const char *cmd, const char *path, cli_model *m)
     st = kvarn_llama_load_gguf(m->gguf, &m->llama);
     if (st != KVARN_OK) {
         const char *w = getenv("KVARN_WEIGHTS");
-        cli_error(cmd, "cannot load '%s' as a llama model: %s%s%s%s", path, kvarn_strerror(st),
-                  w && st == KVARN_ERR_INVALID_ARG ? " (or KVARN_WEIGHTS='" : "",
-                  w && st == KVARN_ERR_INVALID_ARG ? w : "",
-                  w && st == KVARN_ERR_INVALID_ARG
-                      ? "' is not a weight precision this build has: docs/model.md)" : "");
+        const char *why = "";
+        if (w && st == KVARN_ERR_INVALID_ARG)
+            why = " (or KVARN_WEIGHTS is not fp32, bf16, int8 or gguf: docs/model.md)";
+        else if (w && st == KVARN_ERR_UNSUPPORTED && !strcmp(w, "bf16"))
+            why = " (KVARN_WEIGHTS=bf16 needs oneDNN and an AVX-512 CPU: docs/model.md)";
+        else if (w && st == KVARN_ERR_UNSUPPORTED && !strcmp(w, "int8"))
+            why = " (KVARN_WEIGHTS=int8 needs oneDNN and a CPU with AVX-512 VNNI or AVX-VNNI:"
+                  " docs/model.md)";
+        cli_error(cmd, "cannot load '%s' as a llama model: %s%s", path, kvarn_strerror(st), why);
         cli_model_close(m);
         return -1;
     }

@@ -182,8 +182,25 @@ static kvarn_status from_dnnl(dnnl_status_t s)
          : s == dnnl_out_of_memory ? KVARN_ERR_NOMEM : KVARN_ERR_UNSUPPORTED;
 }
 
+/* 1 when oneDNN's int8 matmul sums exactly on this CPU: with VNNI
+ * (AVX-512 VNNI or AVX-VNNI, vpdpbusd: u8 x s8 products summed in int32).
+ * Without it oneDNN falls back to vpmaddubsw, whose u8 x s8 pair sums
+ * saturate at int16: codes of +-127 (255 x 127 x 2 = 64770 > 32767) give
+ * errors of ~1% of an output (measured on an AVX2-only EPYC with oneDNN
+ * 2.6: 14.24 for an exact 14.44; oneDNN's developer guide, "Nuances of
+ * int8 Computations", describes the limit). */
+static int dnnl_int8_exact(void)
+{
+    unsigned isa = (unsigned)dnnl_get_effective_cpu_isa();
+    unsigned v512 = (unsigned)dnnl_cpu_isa_avx512_core_vnni;
+    unsigned v256 = (unsigned)dnnl_cpu_isa_avx2_vnni;
+    return (isa & v512) == v512 || (isa & v256) == v256;
+}
+
 kvarn_status llama_weights_engine_create(kvarn_llama *model)
 {
+    if (model->weights == KVARN_LLAMA_WEIGHTS_INT8 && !dnnl_int8_exact())
+        return KVARN_ERR_UNSUPPORTED;
     dnnl_engine_t e = NULL;
     kvarn_status st = from_dnnl(dnnl_engine_create(&e, dnnl_cpu, 0));
     if (st != KVARN_OK) return st;
