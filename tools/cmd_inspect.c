@@ -170,8 +170,9 @@ static void inspect_print(const inspect_opts *o, const inspect_report *r)
 {
     char b1[32], b2[32];
     printf("shape: %ld layers x %ld KV heads x head_dim %ld; budget %s, all memory counted "
-           "(records, fp16 sink and tail pages, tables)\n",
-           o->layers, o->kv_heads, o->head_dim, cli_fmt_bytes((double)o->budget, b1, sizeof b1));
+           "(records, %s sink and tail pages, tables)\n",
+           o->layers, o->kv_heads, o->head_dim, cli_fmt_bytes((double)o->budget, b1, sizeof b1),
+           kvarn_cache_staging_name(o->staging));
     int any_kvarn = 0; /* the line is about KVarN rows only */
     for (int i = 0; i < r->n; i++) any_kvarn |= r->rows[i].fmt.kind == KVARN_KIND_KVARN;
     if (any_kvarn && (o->sink_tokens >= 0 || o->tail_tokens > 0)) {
