@@ -25,12 +25,13 @@
  * from the library's one capacity computation (docs/paged-cache.md
  * "Capacity"), so the table does not depend on the machine.
  *
- * --staging int8 holds every staged KVarN token (sink, tail, sink slots)
- * as an int8 token record instead of fp16 (cache.h staging).
+ * --staging int8 | fp8_e4m3 | int4 holds every staged KVarN token (sink,
+ * tail, sink slots) as a token record of that per-token format instead of
+ * fp16 (cache.h staging; fp8 is fp8_e4m3).
  *
  *   bench_capacity [--formats LIST] [--seqs 1,16,64,256] [--lens 2048,8192]
  *                  [--shapes smol,llama] [--sinks 128,32,16,0] [--tails 128,16]
- *                  [--staging fp16|int8]
+ *                  [--staging fp16|int8|fp8_e4m3|int4]
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -133,7 +134,7 @@ int main(int argc, char **argv)
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             printf("usage: bench_capacity [--formats LIST] [--seqs 1,16,64,256] [--lens 2048,8192]\n"
                    "                      [--shapes smol,llama] [--sinks 128,32,16,0] [--tails 128,16]\n"
-                   "                      [--staging fp16|int8]\n"
+                   "                      [--staging fp16|int8|fp8_e4m3|int4]\n"
                    "KV-cache capacity as a multiple of fp16, all memory counted (exact byte counts)\n");
             return 0;
         }
@@ -146,7 +147,8 @@ int main(int argc, char **argv)
         else if (strcmp(argv[i], "--tails") == 0) tails_s = argv[i + 1];
         else if (strcmp(argv[i], "--staging") == 0) {
             if (kvarn_cache_staging_parse(argv[i + 1], &g_staging) != KVARN_OK) {
-                fprintf(stderr, "bench_capacity: --staging %s: expected fp16 or int8\n", argv[i + 1]);
+                fprintf(stderr, "bench_capacity: --staging %s: expected fp16, int8, fp8_e4m3 "
+                                "(alias fp8) or int4\n", argv[i + 1]);
                 return 2;
             }
         } else {

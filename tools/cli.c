@@ -404,7 +404,9 @@ int cli_parse_staging(const char *cmd, const char *name, int *staging)
     *staging = KVARN_STAGING_FP16;
     if (name == NULL) return 0;
     if (kvarn_cache_staging_parse(name, staging) != KVARN_OK) {
-        cli_error(cmd, "--kvarn-staging %s: unknown staging format; expected fp16 or int8", name);
+        cli_error(cmd, "--kvarn-staging %s: unknown staging format; expected fp16, int8, "
+                       "fp8_e4m3 (alias fp8) or int4",
+                  name);
         return 2;
     }
     return 0;

@@ -98,7 +98,8 @@ void cli_model_close(cli_model *m);
  * S < 0 leaves the default sink (one tile). */
 void cli_session_set_sink(kvarn_llama_session_opts *so, long sink_tokens);
 
-/* --kvarn-staging NAME (NULL: not given, fp16) into *staging
+/* --kvarn-staging NAME (NULL: not given, fp16; kvarn_cache_staging_parse:
+ * fp16, int8, fp8_e4m3 or its alias fp8, int4) into *staging
  * (kvarn_cache_opts.staging). 0, or 2 with the usage error printed. */
 int cli_parse_staging(const char *cmd, const char *name, int *staging);
 

@@ -70,7 +70,7 @@ static const cli_option k_options[] = {
     {"tail-page-tokens", 0, CLI_INT, OPT(tail_tokens), 0, 1024, 0, "--tail-page-tokens T",
      "KVarN: fp16 tail pages of T tokens (T divides G;\ndefault 0: a whole tile)"},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
-     "KVarN: staged tokens (sink, tail) as fp16 (default) or int8\nrecords"},
+     "KVarN: staged tokens (sink, tail) as fp16 (default) or\nrecords of int8, fp8_e4m3 (alias fp8) or int4"},
     {"rtn-mse", 0, CLI_FLAG, OPT(rtn_mse), 0, 0, 0, "--rtn-mse",
      "KVarN: error-minimizing RTN ranges at commit (same\nrecords; default the spec's min/max)"},
     {"rtn-mse-values", 0, CLI_FLAG, OPT(rtn_mse_v), 0, 0, 0, "--rtn-mse-values",

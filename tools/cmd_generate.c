@@ -54,7 +54,7 @@ static const cli_option k_options[] = {
      "the KV cache is sized for it at start"},
     {"max-tokens", 0, CLI_INT, OPT(ctx), 1, 0x7fffffffL, 0, NULL, NULL},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
-     "KVarN: staged tokens (sink, tail) as fp16 (default) or int8\nrecords"},
+     "KVarN: staged tokens (sink, tail) as fp16 (default) or\nrecords of int8, fp8_e4m3 (alias fp8) or int4"},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT

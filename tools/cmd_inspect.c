@@ -47,7 +47,7 @@ static const cli_option k_options[] = {
     {"tail-page-tokens", 0, CLI_INT, OPT(tail_tokens), 0, 1024, 0, "--tail-page-tokens T",
      "KVarN: fp16 tail pages of T tokens taken on demand\n(T divides G; default 0: a whole tile per page)"},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
-     "KVarN: staged tokens (sink, tail) as fp16 (default) or int8\nrecords"},
+     "KVarN: staged tokens (sink, tail) as fp16 (default) or\nrecords of int8, fp8_e4m3 (alias fp8) or int4"},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT
@@ -57,7 +57,7 @@ static const cli_command k_command = {
     "usage: kvarn inspect (-m MODEL | --layers L --kv-heads H --head-dim D)\n"
     "                     [--kv-cache-dtype NAME[,NAME...]|all]\n"
     "                     [--budget 16GiB] [--max-seqs 64] [--sink-tokens S]\n"
-    "                     [--tail-page-tokens T] [--kvarn-staging fp16|int8]\n\n",
+    "                     [--tail-page-tokens T] [--kvarn-staging F]\n\n",
     "Prints, for each format: the block size G, the record bytes per token (all\n"
     "layers and KV heads, K and V, metadata and padding counted) and the multiple\n"
     "against fp16 they give long contexts; then what a paged cache in the budget\n"
@@ -170,8 +170,9 @@ static void inspect_print(const inspect_opts *o, const inspect_report *r)
 {
     char b1[32], b2[32];
     printf("shape: %ld layers x %ld KV heads x head_dim %ld; budget %s, all memory counted "
-           "(records, fp16 sink and tail pages, tables)\n",
-           o->layers, o->kv_heads, o->head_dim, cli_fmt_bytes((double)o->budget, b1, sizeof b1));
+           "(records, %s sink and tail pages, tables)\n",
+           o->layers, o->kv_heads, o->head_dim, cli_fmt_bytes((double)o->budget, b1, sizeof b1),
+           kvarn_cache_staging_name(o->staging));
     int any_kvarn = 0; /* the line is about KVarN rows only */
     for (int i = 0; i < r->n; i++) any_kvarn |= r->rows[i].fmt.kind == KVARN_KIND_KVARN;
     if (any_kvarn && (o->sink_tokens >= 0 || o->tail_tokens > 0)) {

@@ -213,15 +213,17 @@ typedef struct kvarn_cache_opts {
     int staging;            /* KVarN: how staged tokens are held
                                (kvarn_staging, paged.h): KVARN_STAGING_FP16
                                (0, default) rotated fp16 rows;
-                               KVARN_STAGING_INT8 per-token int8 records
-                               (the int8 format's codec on the rotated
-                               vectors, 2D + 8 bytes per token-head against
-                               4D), for every staged token: the sink tiles,
-                               the tail (whole or small pages), the sink
-                               slots. Commit decodes the staged tile to fp32
-                               and encodes it as usual; attention reads the
-                               staged tokens with the int8 token kernels.
-                               Another value: KVARN_ERR_INVALID_ARG.
+                               KVARN_STAGING_INT8, _FP8_E4M3, _INT4 records
+                               of that per-token format (its own codec on
+                               the rotated vectors; bytes per token-head
+                               2D + 8, 2D + 4, D + 8 against 4D), for every
+                               staged token: the sink tiles, the tail
+                               (whole or small pages), the sink slots.
+                               Commit decodes the staged tile to fp32 and
+                               encodes it as usual; attention reads the
+                               staged tokens with that format's token
+                               kernels. Another value:
+                               KVARN_ERR_INVALID_ARG.
                                Per-token formats: must be 0. */
 } kvarn_cache_opts;
 
@@ -236,19 +238,24 @@ typedef struct kvarn_cache_opts {
 kvarn_cache_opts kvarn_cache_default_opts(void);
 
 /* The staging format named `name` (kvarn_cache_opts.staging): "fp16" ->
- * KVARN_STAGING_FP16, "int8" -> KVARN_STAGING_INT8, into *out.
+ * KVARN_STAGING_FP16, "int8" -> KVARN_STAGING_INT8, "fp8_e4m3" ->
+ * KVARN_STAGING_FP8_E4M3, "int4" -> KVARN_STAGING_INT4, into *out; an
+ * alias kvarn_format_parse gives one of those per-token formats names the
+ * same staging ("fp8" -> KVARN_STAGING_FP8_E4M3).
  * Errors: KVARN_ERR_INVALID_ARG (NULL, another name; *out unchanged). */
 kvarn_status kvarn_cache_staging_parse(const char *name, int *out);
 
-/* The name of a staging format ("fp16", "int8"), or NULL for another
- * value. */
+/* The name of a staging format ("fp16", "int8", "fp8_e4m3", "int4"; a
+ * record staging is named after its per-token format), or NULL for a
+ * value that is no kvarn_staging. */
 const char *kvarn_cache_staging_name(int staging);
 
-/* Create a cache: checks opts, splits budget_bytes into n_pages fp16 pages
- * (page bytes = n_layers * Hk * kvarn_paged_fp16_tile_bytes(G, D), paged.h),
- * n_tail_pages small tail pages (tail_page_bytes = n_layers * Hk *
- * kvarn_paged_fp16_tile_bytes(T, D)), the sink slots, and as many blocks as the rest holds (block bytes = n_layers * Hk *
- * record_stride), allocates both arenas (zeroed) and the bookkeeping.
+/* Create a cache: checks opts, splits budget_bytes into n_pages staging
+ * pages (page bytes = n_layers * Hk * kvarn_paged_staging_bytes(G), paged.h:
+ * fp16 rows or G staged token records), n_tail_pages small tail pages
+ * (tail_page_bytes = n_layers * Hk * kvarn_paged_staging_bytes(T)), the
+ * sink slots, and as many blocks as the rest holds (block bytes = n_layers
+ * * Hk * record_stride), allocates both arenas (zeroed) and the bookkeeping.
  * Every size is computed in 64 bits with checked products before anything
  * is allocated.
  * Errors: KVARN_ERR_INVALID_ARG (NULL, bad numbers, a budget too small for
@@ -300,9 +307,12 @@ typedef struct kvarn_cache_info {
     int staging;                /* kvarn_staging of the pages, small tail
                                    pages and sink slots (their bytes above
                                    are in that format: 4D per token-head
-                                   for fp16, 2D + 8 for int8) */
-    size_t staging_record_bytes;/* KVARN_STAGING_INT8: bytes of one staged
-                                   token record (2D + 8); 0 for fp16 */
+                                   for fp16, else staging_record_bytes) */
+    size_t staging_record_bytes;/* staging other than fp16: bytes of one
+                                   staged token record, kvarn_record_bytes
+                                   of its per-token format (int8 2D + 8,
+                                   fp8_e4m3 2D + 4, int4 D + 8); 0 for
+                                   fp16 */
 } kvarn_cache_info;
 
 kvarn_status kvarn_cache_get_info(const kvarn_cache *c, kvarn_cache_info *out);

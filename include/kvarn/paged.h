@@ -114,16 +114,25 @@ extern "C" {
 
 /* The helpers are plain inline arithmetic, callable from C, C++ and CUDA
  * device code alike. */
-/* How a KVarN cache holds the tokens it stages (the sink tiles, the tail
- * not yet committed, the sink slots): fp16 rows (the layout above), or
- * per-token int8 records (include/kvarn/record.h, the int8 format's own
- * codec: asymmetric, fp16 scale and zero-point per token-head and K/V),
- * token-major: token t of a page / small page / slot, KV head h, is the
- * record at  + t * staging_record_bytes  from the head's start. Staged
- * values are the rotated ones, as for fp16. */
+/* Staging. How a KVarN cache holds the tokens it stages (the sink tiles,
+ * the tail not yet committed, the sink slots): fp16 rows (the layout
+ * above), or records of a per-token format (include/kvarn/record.h, that
+ * format's own codec), one record per token and KV head, token-major:
+ * token t of a page / small page / slot, KV head h, is the record at
+ *     + t * staging_record_bytes  from the head's start (kvarn_paged_page_rec,
+ * _tail_rec, _sink_rec). Staged values are the rotated ones, as for fp16.
+ * The record stagings and their per-token formats (bytes per token-head):
+ *   KVARN_STAGING_INT8      int8: asymmetric RTN, fp16 scale and
+ *                           zero-point per token-head and K/V     2D + 8
+ *   KVARN_STAGING_FP8_E4M3  fp8_e4m3: E4M3 codes, fp16 scale per
+ *                           token-head and K/V                    2D + 4
+ *   KVARN_STAGING_INT4      int4: as int8 with 4-bit codes         D + 8
+ * (fp16 rows: 4D). */
 typedef enum kvarn_staging {
     KVARN_STAGING_FP16 = 0,
-    KVARN_STAGING_INT8 = 1
+    KVARN_STAGING_INT8 = 1,
+    KVARN_STAGING_FP8_E4M3 = 2,
+    KVARN_STAGING_INT4 = 3
 } kvarn_staging;
 
 #if defined(__CUDACC__)
@@ -169,14 +178,15 @@ typedef struct kvarn_paged_kv {
     size_t tail_page_head_stride; /* bytes between KV heads inside a small
                                    page (>= kvarn_paged_fp16_tile_bytes(T, D)) */
     int n_tail_pages;           /* small pages in the arena: ids [0, n_tail_pages) */
-    /* Staging below fp16 (KVarN; "Staging formats" at the top). Zero
+    /* Staging below fp16 (KVarN; "Staging" at kvarn_staging). Zero
      * (memset) = fp16, today's layout. */
     int staging;                /* kvarn_staging: format of every staged
                                    token (whole pages, small tail pages, sink
                                    slots) */
-    size_t staging_record_bytes;/* KVARN_STAGING_INT8: bytes of one staged
-                                   token record (>= kvarn_record_bytes of
-                                   int8 at D); else not read */
+    size_t staging_record_bytes;/* staging other than fp16: bytes of one
+                                   staged token record (>= kvarn_record_bytes
+                                   of the staging's per-token format at D);
+                                   else not read */
 } kvarn_paged_kv;
 
 /* One sequence, as attention reads it. */
@@ -198,15 +208,15 @@ KVARN_PAGED_FN size_t kvarn_paged_fp16_tile_bytes(int block_size, int head_dim)
 
 /* Bytes of one KV head's staged tokens (K and V) for `tokens` tokens in the
  * view's staging format: kvarn_paged_fp16_tile_bytes for fp16, tokens *
- * staging_record_bytes for int8. */
+ * staging_record_bytes for a record staging (int8, fp8_e4m3, int4). */
 KVARN_PAGED_FN size_t kvarn_paged_staging_bytes(const kvarn_paged_kv *kv, int tokens)
 {
-    if (kv->staging == KVARN_STAGING_INT8) return (size_t)tokens * kv->staging_record_bytes;
+    if (kv->staging != KVARN_STAGING_FP16) return (size_t)tokens * kv->staging_record_bytes;
     return kvarn_paged_fp16_tile_bytes(tokens, kv->head_dim);
 }
 
 /* Set page_head_stride and page_stride to the packed page layout
- * [page][Hk][K, V][G][D] (fp16) or [page][Hk][G] int8 token records from
+ * [page][Hk][K, V][G][D] (fp16) or [page][Hk][G] staged token records from
  * kv->block_size, head_dim, n_kv_heads and staging (the layout kvarn_cache
  * uses). For G <= 1024, D <= 1024, Hk <= 65535 the products stay below
  * 2^38. */
@@ -343,7 +353,7 @@ KVARN_PAGED_FN uint16_t *kvarn_paged_tail_v(const kvarn_paged_kv *kv, int32_t pa
            (size_t)kv->tail_page_tokens * (size_t)kv->head_dim;
 }
 
-/* KVARN_STAGING_INT8: the staged token record of token `t` of page
+/* Staging as records (not fp16): the staged token record of token `t` of page
  * `page` / small tail page `page` / sink slot `slot`, KV head `head`. */
 KVARN_PAGED_FN uint8_t *kvarn_paged_page_rec(const kvarn_paged_kv *kv, int32_t page, int head,
                                              int t)

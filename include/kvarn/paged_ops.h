@@ -39,10 +39,10 @@ kvarn_status kvarn_paged_check(const kvarn_paged_kv *kv);
  *                 KVarN token waits in fp16 until its tile is committed),
  *                 a block for per-token formats. Negative = padding, skipped.
  * KVarN: each token-head's K and V are rotated by H/sqrt(D) and stored as
- * fp16 (round to nearest even) in the page row, or, with staging
- * KVARN_STAGING_INT8, as one int8 token record of the rotated K and V
- * (kvarn_encode of the int8 format, staging_record_bytes; paged.h
- * "Staging"). Per-token formats: the
+ * fp16 (round to nearest even) in the page row, or, with a record staging
+ * (KVARN_STAGING_INT8, _FP8_E4M3, _INT4), as one token record of the
+ * rotated K and V (kvarn_encode of the staging's per-token format,
+ * staging_record_bytes; paged.h "Staging"). Per-token formats: the
  * token record is encoded in place with kvarn_encode (each token-head is
  * encoded twice: once into scratch by the checks, once in place).
  * Everything is checked before anything is written: on any error nothing
@@ -65,9 +65,9 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
 size_t kvarn_paged_commit_workspace_bytes(const kvarn_paged_kv *kv);
 
 /* Commit full, accepted KVarN tiles: for each i < n_tiles, read page
- * src_pages[i] (every KV head; already rotated; fp16 rows, or with staging
- * KVARN_STAGING_INT8 its G int8 token records decoded to fp32 by
- * kvarn_decode) and encode one record per
+ * src_pages[i] (every KV head; already rotated; fp16 rows, or with a record
+ * staging its G token records decoded to fp32 by kvarn_decode of the
+ * staging's per-token format) and encode one record per
  * KV head into block dst_blocks[i] with kvarn_encode(prerotated = 1). The
  * page is left as it is (the caller frees or keeps it: a sink tile may
  * keep its fp16 copy). A negative entry in either array skips that tile.

@@ -185,6 +185,8 @@ def lib():
         "kvarn_thread_pool_create": (I, [I, ctypes.POINTER(P)]),
         "kvarn_thread_pool_size": (I, [P]),
         "kvarn_cache_plan": (I, [ctypes.POINTER(CacheOpts), ctypes.POINTER(CacheInfo)]),
+        "kvarn_cache_staging_parse": (I, [S, ctypes.POINTER(I)]),
+        "kvarn_cache_staging_name": (S, [I]),
     }
     for name, (res, args) in sig.items():
         f = getattr(L, name)
@@ -226,21 +228,37 @@ def record_bytes(fmt: Format, head_dim: int) -> int:
     return int(lib().kvarn_record_bytes(ctypes.byref(fmt), head_dim))
 
 
-STAGING_FP16, STAGING_INT8 = 0, 1          # include/kvarn/paged.h kvarn_staging
-STAGING_NAMES = {"fp16": STAGING_FP16, "int8": STAGING_INT8}
+# include/kvarn/paged.h kvarn_staging: fp16 rows, or records of the
+# per-token format the staging is named after
+STAGING_FP16, STAGING_INT8, STAGING_FP8_E4M3, STAGING_INT4 = 0, 1, 2, 3
+STAGING_NAMES = {"fp16": STAGING_FP16, "int8": STAGING_INT8, "fp8_e4m3": STAGING_FP8_E4M3,
+                 "int4": STAGING_INT4}
 
 
 def staging_name(staging: int) -> str:
-    """"fp16" / "int8" for a kvarn_staging value (STAGING_NAMES inverted)."""
+    """"fp16" / "int8" / "fp8_e4m3" / "int4" for a kvarn_staging value
+    (STAGING_NAMES inverted)."""
     return next(n for n, v in STAGING_NAMES.items() if v == staging)
+
+
+def parse_staging(name: str) -> int:
+    """The kvarn_staging value of a staging name, by the C library's own
+    parse (kvarn_cache_staging_parse: the names of STAGING_NAMES and the
+    format table's aliases of their per-token formats, "fp8" for
+    fp8_e4m3). Another name raises ValueError listing STAGING_NAMES."""
+    out = ctypes.c_int(-1)
+    if lib().kvarn_cache_staging_parse(name.encode(), ctypes.byref(out)) != 0:
+        raise ValueError(f"kvarn: KVARN_STAGING must be one of {', '.join(STAGING_NAMES)} "
+                         f"(fp8 is fp8_e4m3; got {name!r})")
+    return out.value
 
 
 def staged_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
                  sink_tiles: int, sink_partial: int = 0, staging: int = STAGING_FP16) -> tuple:
     """(page, sink slot, staged token record) bytes: one staging page (one
     tile of K and V, every layer and KV head), one sequence's sink slot (r =
-    sink_partial tokens; 0 if r = 0), and, for STAGING_INT8, one staged
-    token-head record (0 for fp16), as kvarn_cache_plan works them out for a
+    sink_partial tokens; 0 if r = 0), and, for a record staging (int8,
+    fp8_e4m3, int4), one staged token-head record (0 for fp16), as kvarn_cache_plan works them out for a
     kvarn_cache of these dimensions: the one computation of the cache's
     staging memory (include/kvarn/cache.h) that the plug-in's pool is sized
     from."""

@@ -5,12 +5,13 @@ customize_spec): kv_cache[b, h] is one contiguous KVarN tile record
 (../shared/spec/KVARN.md "Record layout"). Beside it the staging pool holds
 sink and tail tiles (slots, per layer) and a step's whole tiles (scratch,
 shared by the layers) until they are committed (staging.py): one tensor
-[layers * slots + scratch, Hk, page] of fp16 rows [2, G, D] or int8 token
-records [G, record] (KVARN_STAGING, staging_config).
+[layers * slots + scratch, Hk, page] of fp16 rows [2, G, D] or token
+records [G, record] of the staging's per-token format (int8, fp8_e4m3,
+int4; KVARN_STAGING, staging_config).
 
 A step, for each sequence with q_len new tokens:
   do_kv_cache_update  rotate the new K/V by H/sqrt(D), store fp16 into the
-                      tile's staging slot (fp16 or int8), or for a whole non-sink tile
+                      tile's staging slot (fp16 or a token record), or for a whole non-sink tile
                       inside the chunk a scratch page of the same arena
                       (kvarn_paged_store).
   forward             commit every tile that became full (kvarn_paged_commit
@@ -57,24 +58,23 @@ def sink_config(tile: int) -> tuple:
 
 
 # The default staging by device (docs/vllm.md "Staging"): int8 where the
-# kernels read it (CPU; SmolLM2 decode KLD 1.06x of fp16 staging, about
+# kernels read it (CPU; SmolLM2 decode KLD 0.97x of fp16 staging with the
+# AVX2 kernels, 1.06x with AVX-512's; fp8_e4m3 1.49x, int4 6.3x; about
 # half the pool's bytes), fp16 on CUDA (its kernels stage fp16 only).
 STAGING_DEFAULT = {"cpu": "int8", "cuda": "fp16"}
 
 
 def staging_config(device_type: str = "cpu") -> int:
-    """How the pool holds staged tokens: KVARN_STAGING=fp16|int8 (paged.h
-    kvarn_staging; int8: per-token int8 records of the rotated K/V, the
-    int8 format's codec, 2D + 8 bytes per token-head against fp16's 4D);
-    unset: STAGING_DEFAULT for the device ("cuda" or another: "cpu").
-    KVARN_STAGING=int8 with "cuda" raises ValueError (its kernels stage
-    fp16 only), as does an unknown name."""
+    """How the pool holds staged tokens: KVARN_STAGING=fp16|int8|fp8_e4m3|
+    int4 (paged.h kvarn_staging; fp8 is fp8_e4m3; a record staging holds
+    per-token records of the rotated K/V in that per-token format's codec:
+    2D + 8, 2D + 4, D + 8 bytes per token-head against fp16's 4D); unset:
+    STAGING_DEFAULT for the device ("cuda" or another: "cpu"). A record
+    staging with "cuda" raises ValueError (its kernels stage fp16 only),
+    as does an unknown name."""
     dev = "cuda" if device_type == "cuda" else "cpu"
     name = os.environ.get("KVARN_STAGING", "") or STAGING_DEFAULT[dev]
-    if name not in _lib.STAGING_NAMES:
-        raise ValueError(f"kvarn: KVARN_STAGING must be one of "
-                         f"{', '.join(_lib.STAGING_NAMES)} (got {name!r})")
-    st = _lib.STAGING_NAMES[name]
+    st = _lib.parse_staging(name)
     if st != _lib.STAGING_FP16 and dev == "cuda":
         raise ValueError(f"kvarn: KVARN_STAGING={name} is served by the CPU kernels only; "
                          "the CUDA kernels stage fp16 (unset KVARN_STAGING or set fp16)")
@@ -99,7 +99,7 @@ class _State:
     pool_size = None    # staging.pool_size as the worker budgeted it (plugin.py)
     pool = None         # the staging tensor of every layer (module docstring)
     pool_layers = 0     # the layers it has slots for
-    staging_kind = 0    # _lib.STAGING_FP16 / STAGING_INT8
+    staging_kind = 0    # _lib.STAGING_FP16 / _INT8 / _FP8_E4M3 / _INT4
 
 
 def draft_tokens(vllm_config) -> int:
@@ -294,15 +294,15 @@ class KvarnAttentionImpl(AttentionImpl):
 
     def _page_shape(self, tokens: int = 0) -> tuple:
         """One staging page (tokens = G) or sink slot (tokens = r) of one
-        layer: fp16 [Hk, 2, tokens, D] (int16 storage) or int8 token records
-        [Hk, tokens, record_bytes] (uint8)."""
+        layer: fp16 [Hk, 2, tokens, D] (int16 storage) or staged token
+        records [Hk, tokens, record_bytes] (uint8; int8, fp8_e4m3 or int4)."""
         t = tokens or self.G
-        if _State.staging_kind == _lib.STAGING_INT8:
+        if _State.staging_kind != _lib.STAGING_FP16:
             return (self.num_kv_heads, t, _State.pool_size["record_bytes"])
         return (self.num_kv_heads, 2, t, self.head_size)
 
     def _page_dtype(self):
-        return torch.uint8 if _State.staging_kind == _lib.STAGING_INT8 else torch.int16
+        return torch.uint8 if _State.staging_kind != _lib.STAGING_FP16 else torch.int16
 
     def _setup(self, layer, kv_cache: torch.Tensor) -> None:
         name = getattr(layer, "layer_name", id(layer))
@@ -464,9 +464,9 @@ class KvarnAttentionImpl(AttentionImpl):
         r = self.sink_partial
         for page, slot in ids["sink_copies"]:
             # the sink's first r staged tokens (rotated K and V: fp16 rows
-            # or int8 records), kept beside the record the commit is about
+            # or token records), kept beside the record the commit is about
             # to write (paged.h)
-            if _State.staging_kind == _lib.STAGING_INT8:
+            if _State.staging_kind != _lib.STAGING_FP16:
                 self.sinks[slot] = self.pool_tensor[page, :, :r, :]
             else:
                 self.sinks[slot] = self.pool_tensor[page, :, :, :r, :]

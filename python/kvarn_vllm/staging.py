@@ -3,8 +3,8 @@ vLLM block id, and the per-step plan (which tiles receive tokens where,
 which tiles commit). One Staging per worker process; block ids are shared
 by every layer (vLLM allocates a block in all layers at once), so the
 bookkeeping is done once per step (at the first layer). Staged tokens are
-fp16 rows or int8 token records (KVARN_STAGING, include/kvarn/paged.h
-"Staging").
+fp16 rows or token records of a per-token format (int8, fp8_e4m3, int4;
+KVARN_STAGING, include/kvarn/paged.h "Staging").
 
 Sizing (docs/vllm.md "Capacity"), all of it taken out of vLLM's KV budget:
   - slots, one tile of every layer each: a running sequence holds at most
@@ -67,7 +67,8 @@ def pool_size(fmt, n_layers: int, n_kv_heads: int, head_dim: int, max_num_seqs: 
     """The pool's parts (module docstring "Sizing"): n_slots, n_sink_slots,
     n_scratch, bytes (everything: slots x one page of every layer, sink
     slots, scratch tiles x one layer's page), page_bytes, sink_bytes,
-    record_bytes (one staged int8 token-head record; 0 for fp16), staging, as
+    record_bytes (one staged token-head record of a record staging; 0 for
+    fp16), staging, as
     kvarn_cache_plan sizes them (_lib.staged_bytes). budget (bytes) and
     block_bytes (one vLLM block of every layer): the KV budget the pool is
     taken from, for the slots <= blocks bound; 0: no bound."""

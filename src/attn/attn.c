@@ -13,6 +13,7 @@
 
 #include "attn/attn_internal.h"
 #include "cache/paged_check.h"
+#include "cache/staging.h"
 #include "codec/checked.h"
 #include "codec/cpu.h"
 #include "codec/fp_convert.h"
@@ -327,10 +328,12 @@ typedef struct attn_run {
     kvarn_record_layout L;
     const attn_kernels *kern;  /* &kern_set */
     attn_kernels kern_set;
-    /* KVARN_STAGING_INT8 (paged.h): the int8 token kernels and record
-     * layout that read the staged tokens */
+    /* Staging as records (paged.h "Staging"): the token kernels and record
+     * layout of the staging's per-token format, which read the staged
+     * tokens */
     attn_kernels stage_set;
-    kvarn_record_layout L8;
+    kvarn_record_layout Ls;
+    int staged;                /* 1: staged tokens are records (stage_set) */
     float *thread_scratch;
     attn_item *items;
     int n_items;
@@ -516,15 +519,16 @@ static float *lse_at(const attn_run *run, int s, int qi, int head)
     return run->lse ? run->lse + (size_t)(q_start(run, s) + qi) * run->g.Hq + head : NULL;
 }
 
-/* Staged int8 token records (paged.h "Staging"), pointers in r->tok[0, nt)
- * for positions [t0, t0 + nt): one int8 token-kernel call, as for a block
- * of the int8 format. The AVX-512 int8 kernel keeps its rounded query in
- * r->qa across calls (qa_ready), where the KVarN kernels keep theirs: the
- * flag is cleared on both sides of the call. */
+/* Staged token records (paged.h "Staging"), pointers in r->tok[0, nt) for
+ * positions [t0, t0 + nt): one token-kernel call of the staging's
+ * per-token format, as for a block of that format. The AVX-512 int8 kernel
+ * keeps its rounded query in r->qa across calls (qa_ready), where the
+ * KVarN kernels keep theirs: the flag is cleared on both sides of the
+ * call. */
 static void staged_tile(const attn_run *run, attn_rows *r, int t0, int nt)
 {
     r->qa_ready = 0;
-    run->stage_set.token_tile(r, &run->L8, r->tok, t0, nt);
+    run->stage_set.token_tile(r, &run->Ls, r->tok, t0, nt);
     r->qa_ready = 0;
 }
 
@@ -579,9 +583,9 @@ static void item_task(void *ctx, int task, int worker)
         }
         int t0 = tile * G, nt = sv->seq_len - t0 < G ? sv->seq_len - t0 : G;
         int32_t id = sv->block_table[tile];
-        const int staged8 = kv->staging == KVARN_STAGING_INT8;
-        if (staged8 && kvarn_paged_tile_in_tail_pages(kv, sv->committed_tiles, tile)) {
-            /* int8 records in small tail pages: pointers in token order */
+        const int staged = run->staged;
+        if (staged && kvarn_paged_tile_in_tail_pages(kv, sv->committed_tiles, tile)) {
+            /* records in small tail pages: pointers in token order */
             const int T = kv->tail_page_tokens;
             const int64_t a = kvarn_paged_tail_start(kv, sv->committed_tiles);
             for (int j = 0; j < nt; j++) {
@@ -590,7 +594,7 @@ static void item_task(void *ctx, int task, int worker)
                                                 (int)(off % T));
             }
             staged_tile(run, &r, t0, nt);
-        } else if (staged8 && tile_is_page(kv, sv, tile)) {
+        } else if (staged && tile_is_page(kv, sv, tile)) {
             for (int j = 0; j < nt; j++) r.tok[j] = kvarn_paged_page_rec(kv, id, it->kvh, j);
             staged_tile(run, &r, t0, nt);
         } else if (kvarn_paged_tile_in_tail_pages(kv, sv->committed_tiles, tile)) {
@@ -626,7 +630,7 @@ static void item_task(void *ctx, int task, int worker)
                  * fp16 slot, the rest from the record with the rows'
                  * first visible position raised past the sink (the masking
                  * a sliding window starting inside a tile uses). */
-                if (staged8) {
+                if (staged) {
                     for (int j = 0; j < ns; j++)
                         r.tok[j] = kvarn_paged_sink_rec(kv, sv->sink_slot, it->kvh, j);
                     staged_tile(run, &r, t0, ns);
@@ -767,13 +771,14 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
     run.partials = f;
     pick_kernels(&run.o, kv->fmt.kind, kv->head_dim, &run.kern_set);
     run.kern = &run.kern_set;
-    if (kv->staging == KVARN_STAGING_INT8) {
-        /* check_kv accepted the view: KVarN, an int8 record per token */
-        kvarn_format i8;
-        st = kvarn_format_parse("int8", &i8);
-        if (st == KVARN_OK) st = kvarn_record_layout_get(&i8, kv->head_dim, &run.L8);
+    kvarn_format sf;
+    if (kvarn__staging_format(kv->staging, &sf) > 0) {
+        /* check_kv accepted the view: KVarN, a record of the staging's
+         * per-token format per staged token */
+        st = kvarn_record_layout_get(&sf, kv->head_dim, &run.Ls);
         if (st != KVARN_OK) return st;
-        pick_kernels(&run.o, KVARN_KIND_INT8, kv->head_dim, &run.stage_set);
+        pick_kernels(&run.o, sf.kind, kv->head_dim, &run.stage_set);
+        run.staged = 1;
     }
 
     if (!plan(&run, n_seqs, n_threads)) return KVARN_ERR_BUFFER_TOO_SMALL;

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cache/cache_internal.h"
+#include "cache/staging.h"
 #include "codec/checked.h"
 
 #define DEFAULT_PER_TOKEN_BLOCK 16   /* vLLM's default block size */
@@ -28,26 +29,6 @@ kvarn_cache_opts kvarn_cache_default_opts(void)
     o.max_seqs = 64;
     o.balance_iters = 8;
     return o;
-}
-
-kvarn_status kvarn_cache_staging_parse(const char *name, int *out)
-{
-    if (name == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
-    for (int v = KVARN_STAGING_FP16; v <= KVARN_STAGING_INT8; v++)
-        if (strcmp(name, kvarn_cache_staging_name(v)) == 0) {
-            *out = v;
-            return KVARN_OK;
-        }
-    return KVARN_ERR_INVALID_ARG;
-}
-
-const char *kvarn_cache_staging_name(int staging)
-{
-    switch (staging) {
-    case KVARN_STAGING_FP16: return "fp16";
-    case KVARN_STAGING_INT8: return "int8";
-    default: return NULL;
-    }
 }
 
 /* Zeroed arena aligned to 64 bytes. calloc, not aligned_alloc + memset: a
@@ -154,16 +135,15 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
         if (o->n_pages != 0) return KVARN_ERR_INVALID_ARG;
         sink = 0;
     }
-    /* staged tokens: fp16 rows or int8 token records (paged.h); per-token
-     * formats stage nothing */
-    if (o->staging != KVARN_STAGING_FP16 && o->staging != KVARN_STAGING_INT8)
-        return KVARN_ERR_INVALID_ARG;
-    if (!is_kvarn && o->staging != KVARN_STAGING_FP16) return KVARN_ERR_INVALID_ARG;
-    uint64_t stage_rec = 0; /* int8: bytes of one staged token record */
-    if (o->staging == KVARN_STAGING_INT8) {
-        kvarn_format i8;
-        if (kvarn_format_parse("int8", &i8) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
-        stage_rec = kvarn_record_bytes(&i8, o->head_dim);
+    /* staged tokens: fp16 rows or records of the staging's per-token
+     * format (paged.h "Staging"); per-token formats stage nothing */
+    kvarn_format sf;
+    const int stage_recs = kvarn__staging_format(o->staging, &sf);
+    if (stage_recs < 0) return KVARN_ERR_INVALID_ARG;
+    if (!is_kvarn && stage_recs) return KVARN_ERR_INVALID_ARG;
+    uint64_t stage_rec = 0; /* bytes of one staged token record */
+    if (stage_recs) {
+        stage_rec = kvarn_record_bytes(&sf, o->head_dim);
         if (stage_rec == 0) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
     }
     /* Token positions and ids are int32: a sequence longer than this, or
@@ -187,8 +167,8 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     uint64_t block_stride, block_bytes, page_bytes = 0, tail_page_bytes = 0;
     bad |= kvarn__mul_u64(H, record_stride, &block_stride);
     bad |= kvarn__mul_u64(L, block_stride, &block_bytes);
-    /* bytes of one staged token-head: K and V, D fp16 each, or one int8
-     * token record (paged.h "Staging") */
+    /* bytes of one staged token-head: K and V, D fp16 each, or one token
+     * record of the staging's format (paged.h "Staging") */
     const uint64_t stage_tok = stage_rec ? stage_rec : 2 * D * sizeof(uint16_t);
     /* G staged tokens per layer and KV head */
     if (is_kvarn) bad |= kvarn__mul3_u64(L * H, (uint64_t)G, stage_tok, &page_bytes);
@@ -560,8 +540,7 @@ kvarn_status kvarn_cache_create(const kvarn_cache_opts *opts, kvarn_cache **out)
     c->codec_opts.prerotated = 1;
     c->codec_opts.rtn_range = opts->rtn_range;
     c->max_tiles = (info.max_seq_len + info.block_size - 1) / info.block_size;
-    if (info.staging == KVARN_STAGING_INT8 &&
-        kvarn_format_parse("int8", &c->stage_fmt) != KVARN_OK) {
+    if (kvarn__staging_format(info.staging, &c->stage_fmt) < 0) {
         kvarn__free(&alloc, c);
         return KVARN_ERR_INVALID_ARG; /* plan() parsed it already */
     }

@@ -72,7 +72,8 @@ struct kvarn_cache {
     uint16_t *tail_pages;         /* [layer][small page][kv_head][K,V][T][D] */
     void *tail_pages_mem;
     kvarn_id_pool tail_pool;
-    kvarn_format stage_fmt;       /* int8 when info.staging is INT8 */
+    kvarn_format stage_fmt;       /* the staging's per-token format when it
+                                     stages records (kvarn__staged_records) */
     kvarn_seq *seqs;              /* [max_seqs] */
     int n_live;
     /* scratch for commit and read (a cache is single-threaded) */
@@ -170,7 +171,14 @@ static inline uint16_t *kvarn__row_kv(const kvarn_cache *c, const struct kvarn_s
     return kvarn__page_kv(c, layer, s->pg[t], head, kv) + (size_t)(p % G) * (size_t)D;
 }
 
-/* KVARN_STAGING_INT8: the staged int8 token record of token p of a KVarN
+/* Whether staged tokens are records of a per-token format (paged.h
+ * "Staging"; c->stage_fmt) rather than fp16 rows. */
+static inline int kvarn__staged_records(const kvarn_cache *c)
+{
+    return c->is_kvarn && c->info.staging != KVARN_STAGING_FP16;
+}
+
+/* Staging as records: the staged token record of token p of a KVarN
  * sequence (K and V, paged.h), as kvarn__row_kv finds fp16 rows. */
 static inline uint8_t *kvarn__row_rec(const kvarn_cache *c, const struct kvarn_seq *s,
                                       int layer, int p, int head)
@@ -182,7 +190,7 @@ static inline uint8_t *kvarn__row_rec(const kvarn_cache *c, const struct kvarn_s
     return kvarn_paged_page_rec(&v, s->pg[t], head, p % G);
 }
 
-/* KVARN_STAGING_INT8: token t of a sequence's sink slot, as a record. */
+/* Staging as records: token t of a sequence's sink slot, as a record. */
 static inline uint8_t *kvarn__sink_rec(const kvarn_cache *c, int layer, int slot, int head, int t)
 {
     const kvarn_paged_kv v = kvarn__layer_view(c, layer);

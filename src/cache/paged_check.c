@@ -6,6 +6,7 @@
 
 #include <stdint.h>
 
+#include "cache/staging.h"
 #include "codec/checked.h"
 #include "codec/format_kinds.h"
 
@@ -26,15 +27,16 @@ kvarn_status kvarn__paged_check_arenas(const kvarn_paged_kv *kv, const kvarn_rec
     if (kvarn__mul_size(hk, kv->record_stride, &heads)) return KVARN_ERR_INVALID_ARG;
     if (kv->record_stride < need || kv->block_stride < heads) return too_small;
     if (!op->per_tile) return kv->staging == KVARN_STAGING_FP16 ? KVARN_OK : KVARN_ERR_INVALID_ARG;
-    /* staged tokens: fp16 rows, or int8 token records of at least the
-     * int8 record's bytes (paged.h "Staging") */
-    if (kv->staging != KVARN_STAGING_FP16 && kv->staging != KVARN_STAGING_INT8)
-        return KVARN_ERR_INVALID_ARG;
-    if (kv->staging == KVARN_STAGING_INT8) {
-        kvarn_format i8;
-        if (kvarn_format_parse("int8", &i8) != KVARN_OK ||
-            kv->staging_record_bytes < kvarn_record_bytes(&i8, kv->head_dim) ||
-            kv->staging_record_bytes > ((size_t)1 << 20))
+    /* staged tokens: fp16 rows, or token records of the staging's
+     * per-token format of at least that format's record bytes (paged.h
+     * "Staging") */
+    kvarn_format sf;
+    const int recs = kvarn__staging_format(kv->staging, &sf);
+    if (recs < 0) return KVARN_ERR_INVALID_ARG;
+    if (recs > 0) {
+        const size_t need_rec = kvarn_record_bytes(&sf, kv->head_dim);
+        if (need_rec == 0) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+        if (kv->staging_record_bytes < need_rec || kv->staging_record_bytes > ((size_t)1 << 20))
             return too_small;
     }
     if (kv->fp16_pages == NULL)

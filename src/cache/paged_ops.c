@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "cache/paged_check.h"
-#include "cache/stage_int8.h"
+#include "cache/staging.h"
 #include "codec/checked.h"
 #include "codec/fp_convert.h"
 #include "codec/hadamard.h"
@@ -105,9 +105,10 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
     if (st != KVARN_OK) return st;
 
     const int G = kv->block_size, H = kv->n_kv_heads, D = kv->head_dim;
-    const int staged8 = kv->fmt.kind == KVARN_KIND_KVARN && kv->staging == KVARN_STAGING_INT8;
-    kvarn_format i8;
-    if (staged8 && kvarn_format_parse("int8", &i8) != KVARN_OK) return KVARN_ERR_INVALID_ARG;
+    /* staging as records: the staging's per-token format (kvarn_paged_check
+     * accepted the value) */
+    kvarn_format sf;
+    const int staged = kv->fmt.kind == KVARN_KIND_KVARN && kvarn__staging_format(kv->staging, &sf) > 0;
     float vec[MAX_KVARN_D], vec2[MAX_KVARN_D];
     for (int j = 0; j < n_tokens; j++) {
         if (slot_mapping[j] < 0) continue;
@@ -116,12 +117,12 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
         const size_t row = (size_t)j * (size_t)H * (size_t)D;
         for (int h = 0; h < H; h++) {
             const float *kx = k + row + (size_t)h * D, *vx = v + row + (size_t)h * D;
-            if (staged8) {
+            if (staged) {
                 /* the rotated values fit fp16 (check_store), so the
-                 * int8 scale and zero-point do */
-                st = kvarn__stage_int8(&i8, D, kx, vx, vec, vec2,
-                                       kvarn_paged_page_rec(kv, id, h, off),
-                                       kv->staging_record_bytes);
+                 * record's scale and zero-point do */
+                st = kvarn__stage_token(&sf, D, kx, vx, vec, vec2,
+                                        kvarn_paged_page_rec(kv, id, h, off),
+                                        kv->staging_record_bytes);
                 if (st != KVARN_OK) return st;
             } else if (kv->fmt.kind == KVARN_KIND_KVARN) {
                 uint16_t *dk = kvarn_paged_page_k(kv, id, h) + (size_t)off * D;
@@ -160,9 +161,8 @@ kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pag
     kvarn_status st = kvarn_paged_check(kv);
     if (st != KVARN_OK) return st;
     if (kv->fmt.kind != KVARN_KIND_KVARN) return KVARN_ERR_INVALID_ARG;
-    kvarn_format i8;
-    if (kv->staging == KVARN_STAGING_INT8 && kvarn_format_parse("int8", &i8) != KVARN_OK)
-        return KVARN_ERR_INVALID_ARG;
+    kvarn_format sf; /* staging as records: its per-token format */
+    const int staged = kvarn__staging_format(kv->staging, &sf) > 0;
     /* opts' range as kvarn.h gives it, checked here too so that it is
      * refused even when every entry is skipped */
     if (opts != NULL && (opts->balance_iters < 0 || opts->balance_iters > 64 ||
@@ -189,10 +189,10 @@ kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pag
     for (int i = 0; i < n_tiles; i++) {
         if (src_pages[i] < 0 || dst_blocks[i] < 0) continue;
         for (int h = 0; h < kv->n_kv_heads; h++) {
-            if (kv->staging == KVARN_STAGING_INT8) {
+            if (staged) {
                 /* the staged records decoded to the fp32 they stand for */
                 for (int j = 0; j < G; j++) {
-                    st = kvarn_decode(&i8, D, kvarn_paged_page_rec(kv, src_pages[i], h, j),
+                    st = kvarn_decode(&sf, D, kvarn_paged_page_rec(kv, src_pages[i], h, j),
                                       kv->staging_record_bytes, tk + (size_t)j * D,
                                       tv + (size_t)j * D, 0);
                     if (st != KVARN_OK) return st;

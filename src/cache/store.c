@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "cache/cache_internal.h"
-#include "cache/stage_int8.h"
+#include "cache/staging.h"
 #include "codec/fp_convert.h"
 #include "codec/hadamard.h"
 
@@ -92,14 +92,15 @@ kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
         for (int h = 0; h < H; h++) {
             const float *kx = k + (size_t)j * row + (size_t)h * (size_t)D;
             const float *vx = v + (size_t)j * row + (size_t)h * (size_t)D;
-            if (c->is_kvarn && c->info.staging == KVARN_STAGING_INT8) {
+            if (kvarn__staged_records(c)) {
                 /* rotated into scratch rows of the commit tile (unused
-                 * between commits), then the int8 token codec */
-                st = kvarn__stage_int8(&c->stage_fmt, D, kx, vx, c->tile_k, c->tile_v,
-                                       kvarn__row_rec(c, s, layer, p, h),
-                                       c->info.staging_record_bytes);
-                /* the rotated values fit fp16 (check_input), so the int8
-                 * scale and zero-point do: cannot fail after the checks */
+                 * between commits), then the staging's token codec */
+                st = kvarn__stage_token(&c->stage_fmt, D, kx, vx, c->tile_k, c->tile_v,
+                                        kvarn__row_rec(c, s, layer, p, h),
+                                        c->info.staging_record_bytes);
+                /* the rotated values fit fp16 (check_input), so the
+                 * record's scale and zero-point do: cannot fail after the
+                 * checks */
                 if (st != KVARN_OK) return st;
             } else if (c->is_kvarn) {
                 for (int kv = 0; kv < 2; kv++) {
@@ -131,14 +132,14 @@ static kvarn_status encode_tile(kvarn_cache *c, const kvarn_seq *s, int t)
     const int G = c->info.block_size, D = c->info.head_dim;
     for (int l = 0; l < c->info.n_layers; l++) {
         for (int h = 0; h < c->info.n_kv_heads; h++) {
-            for (int j = 0; j < G && c->info.staging == KVARN_STAGING_INT8; j++) {
+            for (int j = 0; j < G && kvarn__staged_records(c); j++) {
                 /* the staged record decoded to the fp32 it stands for */
                 kvarn_status st = kvarn_decode(&c->stage_fmt, D, kvarn__row_rec(c, s, l, t * G + j, h),
                                                c->info.staging_record_bytes,
                                                c->tile_k + (size_t)j * D, c->tile_v + (size_t)j * D, 0);
                 if (st != KVARN_OK) return st;
             }
-            for (int j = 0; j < G && c->info.staging == KVARN_STAGING_FP16; j++) {
+            for (int j = 0; j < G && !kvarn__staged_records(c); j++) {
                 const uint16_t *pk = kvarn__row_kv(c, s, l, t * G + j, h, 0);
                 const uint16_t *pv = kvarn__row_kv(c, s, l, t * G + j, h, 1);
                 float *dk = c->tile_k + (size_t)j * D, *dv = c->tile_v + (size_t)j * D;
@@ -163,7 +164,7 @@ static void copy_sink(kvarn_cache *c, const kvarn_seq *s, int seq, int t)
 {
     const int G = c->info.block_size, D = c->info.head_dim;
     const size_t row = (size_t)D * sizeof(uint16_t);
-    if (c->info.staging == KVARN_STAGING_INT8) {
+    if (kvarn__staged_records(c)) {
         for (int l = 0; l < c->info.n_layers; l++)
             for (int h = 0; h < c->info.n_kv_heads; h++)
                 for (int j = 0; j < c->info.sink_partial; j++)
@@ -242,7 +243,7 @@ kvarn_status kvarn_cache_read(kvarn_cache *c, int seq, int layer, int pos,
         if (cnt > pos + n - p) cnt = pos + n - p;
         const int in_page = c->is_kvarn && (t < sink_end || t >= quant_end);
         for (int h = 0; h < H; h++) {
-            if (in_page && c->info.staging == KVARN_STAGING_INT8) {
+            if (in_page && kvarn__staged_records(c)) {
                 for (int j = 0; j < cnt; j++) {
                     const size_t o = (size_t)(p - pos + j) * row + (size_t)h * D;
                     kvarn_status st = kvarn_decode(&c->stage_fmt, D,
@@ -273,8 +274,7 @@ kvarn_status kvarn_cache_read(kvarn_cache *c, int seq, int layer, int pos,
                 for (int j = 0; j < cnt; j++) {
                     size_t o = (size_t)(p - pos + j) * row + (size_t)h * D;
                     size_t src = (size_t)(off0 + j) * D;
-                    if (t == sink_end && off0 + j < slot_end &&
-                        c->info.staging == KVARN_STAGING_INT8) {
+                    if (t == sink_end && off0 + j < slot_end && kvarn__staged_records(c)) {
                         kvarn_status st2 = kvarn_decode(&c->stage_fmt, D,
                                                         kvarn__sink_rec(c, layer, seq, h, off0 + j),
                                                         c->info.staging_record_bytes,

@@ -184,20 +184,25 @@ static void check_format(const char *name)
     check_format_s(name, 0);
 }
 
-/* Staged tokens as int8 records (cache.h staging): the int8 token kernels
+/* Staged tokens as records of each record staging's per-token format
+ * (cache.h staging: int8, fp8_e4m3, int4): that format's token kernels
  * read the sink tiles, the tail (whole pages and small pages of 16) and
- * the sink slots, against kvarn_cache_read's decoded values with the int8
- * kernel's derived bound (tests/common/int_dot_bound.h), and the same
+ * the sink slots, against kvarn_cache_read's decoded values (with the
+ * AVX-512 int8 kernel's derived bound for int8, tests/common/
+ * int_dot_bound.h; the fp8 and int4 kernels compute in fp32), and the same
  * bytes in padded caller-owned arenas give the same outputs. */
-static void test_cache_staging_int8(void **state)
+static void test_cache_staging(void **state)
 {
     (void)state;
     const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128"};
-    for (int f = 0; f < 3; f++) {
-        check_format_st(fmts[f], 0, KVARN_STAGING_INT8, 0);   /* whole sink tile */
-        check_format_st(fmts[f], 16, KVARN_STAGING_INT8, 0);  /* 16-token sink slot */
-        check_format_st(fmts[f], 69, KVARN_STAGING_INT8, 16); /* tile + 5, small pages */
-    }
+    const int stagings[] = {KVARN_STAGING_INT8, KVARN_STAGING_FP8_E4M3, KVARN_STAGING_INT4};
+    for (int si = 0; si < 3; si++)
+        for (int f = 0; f < 3; f++) {
+            const int st = stagings[si];
+            check_format_st(fmts[f], 0, st, 0);   /* whole sink tile */
+            check_format_st(fmts[f], 16, st, 0);  /* 16-token sink slot */
+            check_format_st(fmts[f], 69, st, 16); /* tile + 5, small pages */
+        }
 }
 
 static void test_cache_kvarn(void **state)
@@ -446,7 +451,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cache_kvarn),
-        cmocka_unit_test(test_cache_staging_int8),
+        cmocka_unit_test(test_cache_staging),
         cmocka_unit_test(test_cache_sink_tokens),
         cmocka_unit_test(test_cache_per_token),
         cmocka_unit_test(test_small_tail_pages),

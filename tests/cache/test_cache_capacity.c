@@ -75,7 +75,7 @@ static uint64_t budget_for(kvarn_cache_opts o, int nb, uint64_t extra)
     return pi.arena_bytes + (uint64_t)nb * pi.block_bytes + extra;
 }
 
-/* opts.staging of the KVarN cases (test_fill_to_the_count_int8 sets it) */
+/* opts.staging of the KVarN cases (test_fill_to_the_count_staged sets it) */
 static int g_staging = KVARN_STAGING_FP16;
 
 /* sink_tokens > 0: opts.sink_tokens (S tokens of sink, replacing sink);
@@ -174,14 +174,18 @@ static void check_case(const char *fmt, int G, int sink, int nb, int n_pages, in
 
 static void test_fill_to_the_count(void **state);
 
-/* The same fills with every staged KVarN token an int8 record (cache.h
- * staging): smaller pages, tail pages and sink slots (2D + 8 bytes per
- * token-head against 4D), the same page rule; every count and the
+/* The same fills with every staged KVarN token a record of each record
+ * staging's per-token format (cache.h staging: int8 2D + 8, fp8_e4m3
+ * 2D + 4, int4 D + 8 bytes per token-head against 4D): smaller pages,
+ * tail pages and sink slots, the same page rule; every count and the
  * allocator's byte total are checked as for fp16 staging. */
-static void test_fill_to_the_count_int8(void **state)
+static void test_fill_to_the_count_staged(void **state)
 {
-    g_staging = KVARN_STAGING_INT8;
-    test_fill_to_the_count(state);
+    const int stagings[] = {KVARN_STAGING_INT8, KVARN_STAGING_FP8_E4M3, KVARN_STAGING_INT4};
+    for (int i = 0; i < 3; i++) {
+        g_staging = stagings[i];
+        test_fill_to_the_count(state);
+    }
     g_staging = KVARN_STAGING_FP16;
 }
 
@@ -287,9 +291,10 @@ static void test_tail_pages_plan(void **state)
     assert_int_equal(kvarn_cache_plan(&bad, &it), KVARN_ERR_INVALID_ARG);
 }
 
-/* staging int8: page, small tail page and sink slot bytes are those of
- * int8 token records (2D + 8 bytes per token-head: record.h) where fp16
- * takes 4D; counts and blocks' bytes unchanged; bad values refused with
+/* A record staging: page, small tail page and sink slot bytes are those of
+ * its per-token format's token records (record.h: int8 2D + 8, fp8_e4m3
+ * 2D + 4, int4 D + 8 bytes per token-head) where fp16 takes 4D; counts
+ * and blocks' bytes unchanged; bad values refused with
  * KVARN_ERR_INVALID_ARG and nothing made; the names parse both ways. */
 static void test_staging_plan(void **state)
 {
@@ -297,28 +302,44 @@ static void test_staging_plan(void **state)
     kvarn_cache_opts o = smollm_opts(1ull << 30);
     o.sink_tokens = 128 + 16;
     o.tail_page_tokens = 16;
-    kvarn_cache_opts q = o;
-    q.staging = KVARN_STAGING_INT8;
     kvarn_cache_info f, i;
     assert_int_equal(kvarn_cache_plan(&o, &f), KVARN_OK);
-    assert_int_equal(kvarn_cache_plan(&q, &i), KVARN_OK);
     assert_int_equal(f.staging, KVARN_STAGING_FP16);
     assert_int_equal(f.staging_record_bytes, 0);
-    assert_int_equal(i.staging, KVARN_STAGING_INT8);
-    assert_int_equal(i.staging_record_bytes, 2 * 64 + 8);
-    assert_int_equal(i.page_bytes, (size_t)30 * 3 * 128 * (2 * 64 + 8));
-    assert_int_equal(i.tail_page_bytes, (size_t)30 * 3 * 16 * (2 * 64 + 8));
-    assert_int_equal(i.sink_bytes, (size_t)30 * 3 * 16 * (2 * 64 + 8));
     assert_int_equal(f.page_bytes, (size_t)30 * 3 * 128 * 4 * 64);
-    assert_int_equal(i.n_pages, f.n_pages);
-    assert_int_equal(i.n_tail_pages, f.n_tail_pages);
-    assert_int_equal(i.block_bytes, f.block_bytes);
-    assert_true(i.n_blocks > f.n_blocks); /* the bytes saved buy blocks */
-    const uint64_t fixed_f = f.arena_bytes - (uint64_t)f.n_blocks * f.block_bytes;
-    const uint64_t fixed_i = i.arena_bytes - (uint64_t)i.n_blocks * i.block_bytes;
-    assert_int_equal(fixed_f * 136, fixed_i * 256); /* 4D : 2D + 8 at D = 64 */
+    const struct { int staging; const char *name; size_t rec; } cases[] = {
+        {KVARN_STAGING_INT8, "int8", 2 * 64 + 8},
+        {KVARN_STAGING_FP8_E4M3, "fp8_e4m3", 2 * 64 + 4},
+        {KVARN_STAGING_INT4, "int4", 64 + 8},
+    };
+    int prev_blocks = f.n_blocks;
+    for (int c = 0; c < 3; c++) {
+        kvarn_cache_opts q = o;
+        q.staging = cases[c].staging;
+        assert_int_equal(kvarn_cache_plan(&q, &i), KVARN_OK);
+        const size_t rec = cases[c].rec;
+        assert_int_equal(i.staging, cases[c].staging);
+        assert_int_equal(i.staging_record_bytes, rec);
+        assert_int_equal(i.page_bytes, (size_t)30 * 3 * 128 * rec);
+        assert_int_equal(i.tail_page_bytes, (size_t)30 * 3 * 16 * rec);
+        assert_int_equal(i.sink_bytes, (size_t)30 * 3 * 16 * rec);
+        assert_int_equal(i.n_pages, f.n_pages);
+        assert_int_equal(i.n_tail_pages, f.n_tail_pages);
+        assert_int_equal(i.block_bytes, f.block_bytes);
+        /* the bytes saved buy blocks, the smaller records (in the
+         * table's order) more */
+        assert_true(i.n_blocks > prev_blocks);
+        prev_blocks = i.n_blocks;
+        const uint64_t fixed_f = f.arena_bytes - (uint64_t)f.n_blocks * f.block_bytes;
+        const uint64_t fixed_i = i.arena_bytes - (uint64_t)i.n_blocks * i.block_bytes;
+        assert_int_equal(fixed_f * rec, fixed_i * (4 * 64)); /* 4D : rec at D = 64 */
+        assert_string_equal(kvarn_cache_staging_name(cases[c].staging), cases[c].name);
+        int v = -7;
+        assert_int_equal(kvarn_cache_staging_parse(cases[c].name, &v), KVARN_OK);
+        assert_int_equal(v, cases[c].staging);
+    }
 
-    const int bad_v[] = {-1, 2, 3, 1000};
+    const int bad_v[] = {-1, 4, 5, 1000};
     for (int k = 0; k < 4; k++) {
         kvarn_cache_opts b = o;
         b.staging = bad_v[k];
@@ -331,24 +352,31 @@ static void test_staging_plan(void **state)
     assert_int_equal(kvarn_format_parse("int8", &pt.format), KVARN_OK);
     pt.sink_tokens = 0;
     pt.tail_page_tokens = 0;
-    pt.staging = KVARN_STAGING_INT8;
-    assert_int_equal(kvarn_cache_plan(&pt, &i), KVARN_ERR_INVALID_ARG);
+    for (int st = KVARN_STAGING_INT8; st <= KVARN_STAGING_INT4; st++) {
+        pt.staging = st;
+        assert_int_equal(kvarn_cache_plan(&pt, &i), KVARN_ERR_INVALID_ARG);
+    }
 
     int v = -7;
-    assert_int_equal(kvarn_cache_staging_parse("int8", &v), KVARN_OK);
-    assert_int_equal(v, KVARN_STAGING_INT8);
     assert_int_equal(kvarn_cache_staging_parse("fp16", &v), KVARN_OK);
     assert_int_equal(v, KVARN_STAGING_FP16);
-    const char *bad_n[] = {"fp8", "INT8", "", "int8 "};
-    for (int k = 0; k < 4; k++) {
+    /* the format table's alias of fp8_e4m3 */
+    assert_int_equal(kvarn_cache_staging_parse("fp8", &v), KVARN_OK);
+    assert_int_equal(v, KVARN_STAGING_FP8_E4M3);
+    /* no staging: a per-token format without one, fp16's alias, KVarN,
+     * another spelling */
+    const char *bad_n[] = {"fp8_e5m2", "bf16", "auto", "kvarn_k4v2_g128", "INT8", "", "int8 ",
+                           "fp6"};
+    for (int k = 0; k < 8; k++) {
         v = -7;
         assert_int_equal(kvarn_cache_staging_parse(bad_n[k], &v), KVARN_ERR_INVALID_ARG);
         assert_int_equal(v, -7);
     }
     assert_int_equal(kvarn_cache_staging_parse(NULL, &v), KVARN_ERR_INVALID_ARG);
     assert_int_equal(kvarn_cache_staging_parse("int8", NULL), KVARN_ERR_INVALID_ARG);
-    assert_string_equal(kvarn_cache_staging_name(KVARN_STAGING_INT8), "int8");
-    assert_null(kvarn_cache_staging_name(2));
+    assert_string_equal(kvarn_cache_staging_name(KVARN_STAGING_FP16), "fp16");
+    assert_null(kvarn_cache_staging_name(4));
+    assert_null(kvarn_cache_staging_name(-1));
 }
 
 /* sink_tokens = k * G is sink_tiles = k, byte for byte (no slots); other
@@ -537,7 +565,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fill_to_the_count),
-        cmocka_unit_test(test_fill_to_the_count_int8),
+        cmocka_unit_test(test_fill_to_the_count_staged),
         cmocka_unit_test(test_budget_below_pages),
         cmocka_unit_test(test_sink_tokens_plan),
         cmocka_unit_test(test_tail_pages_plan),

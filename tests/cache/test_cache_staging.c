@@ -1,10 +1,12 @@
-/* test_cache_staging.c -- staged KVarN tokens held as int8 token records
- * (kvarn_cache_opts.staging = KVARN_STAGING_INT8, include/kvarn/paged.h
- * "Staging"): what a staged token reads back as, what commit encodes,
+/* test_cache_staging.c -- staged KVarN tokens held as token records of a
+ * per-token format (kvarn_cache_opts.staging = KVARN_STAGING_INT8,
+ * _FP8_E4M3, _INT4; include/kvarn/paged.h "Staging"), every test run for
+ * each of them: what a staged token reads back as, what commit encodes,
  * rollback and fork within staged tokens, and the sink slot. The oracle is
  * the codec applied by hand: rotate with kvarn_hadamard, kvarn_encode /
- * kvarn_decode of the int8 format, kvarn_encode(prerotated = 1) of the
- * decoded tile. Attention over such caches: tests/attn/test_attn_cache.c.
+ * kvarn_decode of the staging's per-token format, kvarn_encode(prerotated
+ * = 1) of the decoded tile. Attention over such caches:
+ * tests/attn/test_attn_cache.c.
  */
 #include <math.h>
 #include <setjmp.h>
@@ -22,7 +24,21 @@
 
 enum { L = 2, HK = 2, D = 64 };
 
-static kvarn_cache *make(const char *fmt, int sink_tokens, int T)
+/* The record stagings, their per-token formats and record bytes at D
+ * (include/kvarn/record.h: a * D + b per token-head). */
+typedef struct staging_case {
+    int staging;
+    const char *fmt;
+    size_t a, b;
+} staging_case;
+static const staging_case k_cases[] = {
+    {KVARN_STAGING_INT8, "int8", 2, 8},
+    {KVARN_STAGING_FP8_E4M3, "fp8_e4m3", 2, 4},
+    {KVARN_STAGING_INT4, "int4", 1, 8},
+};
+#define N_CASES (int)(sizeof k_cases / sizeof k_cases[0])
+
+static kvarn_cache *make(const staging_case *sc, const char *fmt, int sink_tokens, int T)
 {
     kvarn_cache_opts o = kvarn_cache_default_opts();
     assert_int_equal(kvarn_format_parse(fmt, &o.format), KVARN_OK);
@@ -34,7 +50,7 @@ static kvarn_cache *make(const char *fmt, int sink_tokens, int T)
     o.budget_bytes = 8u << 20;
     o.sink_tokens = sink_tokens;
     o.tail_page_tokens = T;
-    o.staging = KVARN_STAGING_INT8;
+    o.staging = sc->staging;
     kvarn_cache *c = NULL;
     assert_int_equal(kvarn_cache_create(&o, &c), KVARN_OK);
     return c;
@@ -59,54 +75,76 @@ static void write_all(kvarn_cache *c, int seq, int pos, int n, int len, const fl
                          KVARN_OK);
 }
 
-/* The int8 codec applied by hand to one rotated token-head: *kq, *vq. */
-static void by_hand(const float *k, const float *v, float *kq, float *vq)
+/* The staging's codec applied by hand to one rotated token-head: *kq, *vq;
+ * its record is a * D + b bytes (record.h). */
+static void by_hand(const staging_case *sc, const float *k, const float *v, float *kq, float *vq)
 {
-    kvarn_format i8;
-    assert_int_equal(kvarn_format_parse("int8", &i8), KVARN_OK);
+    kvarn_format f;
+    assert_int_equal(kvarn_format_parse(sc->fmt, &f), KVARN_OK);
     float kr[D], vr[D];
     memcpy(kr, k, sizeof kr);
     memcpy(vr, v, sizeof vr);
     kvarn_hadamard(kr, D);
     kvarn_hadamard(vr, D);
     unsigned char rec[4 * D];
-    const size_t rb = kvarn_record_bytes(&i8, D);
-    assert_int_equal(rb, 2 * D + 8);
-    assert_int_equal(kvarn_encode(&i8, D, kr, vr, rec, rb, NULL, 0, NULL), KVARN_OK);
-    assert_int_equal(kvarn_decode(&i8, D, rec, rb, kq, vq, 0), KVARN_OK);
+    const size_t rb = kvarn_record_bytes(&f, D);
+    assert_int_equal(rb, sc->a * D + sc->b);
+    assert_int_equal(kvarn_encode(&f, D, kr, vr, rec, rb, NULL, 0, NULL), KVARN_OK);
+    assert_int_equal(kvarn_decode(&f, D, rec, rb, kq, vq, 0), KVARN_OK);
 }
 
-/* The int8 step bound on one rotated row x against what it reads back as:
- * zero = lo rounded down to fp16 (at most 2^-10 |lo| + 2^-24 below lo),
- * scale = (hi - zero) / 255 rounded up to fp16 (factor <= 1 + 2^-10, the
- * fp32 division and subtraction 2^-23 each), so every element is within
- * scale / 2 of a code, plus the fp32 rounding of the decode's c * s + z
- * and the encode's (x - z) / s: at most 2^-22 (|x| + |z| + 255 s). */
-static void assert_step_bound(const float *x, const float *xq)
+/* The step bound of the staging's codec on one rotated row x against what
+ * it reads back as (src/codec/per_token.c's rules):
+ *   int8 / int4 (qmax = 2^bits - 1 = 255 / 15): zero = lo rounded down to
+ *     fp16 (at most 2^-10 |lo| + 2^-24 below lo), scale = (hi - zero) /
+ *     qmax rounded up to fp16 (factor <= 1 + 2^-10, the fp32 division and
+ *     subtraction 2^-23 each), so every element is within scale / 2 of a
+ *     code, plus the fp32 rounding of the decode's c * s + z and the
+ *     encode's (x - z) / s: at most 2^-22 (|x| + |z| + qmax s).
+ *   fp8_e4m3: scale = max|x| / 448 rounded up to fp16 (factor <= 1 +
+ *     2^-10 and the fp32 division 2^-23, or one fp16 subnormal step 2^-24
+ *     for a tiny max), y = x / s has |y| <= 448; E4M3 with 3 mantissa bits
+ *     rounds y to nearest within 2^-4 |y| (normals) or half its subnormal
+ *     step 2^-9 (|y| < 2^-6): |x - x'| <= 2^-4 |x| + 2^-10 s, plus the
+ *     fp32 rounding of x / s and of fp8(code) * s: 2^-22 (|x| + 448 s). */
+static void assert_step_bound(const staging_case *sc, const float *x, const float *xq)
 {
-    double lo = INFINITY, hi = -INFINITY;
+    double lo = INFINITY, hi = -INFINITY, amax = 0.0;
     for (int d = 0; d < D; d++) {
         lo = fmin(lo, x[d]);
         hi = fmax(hi, x[d]);
+        amax = fmax(amax, fabs(x[d]));
     }
+    if (sc->staging == KVARN_STAGING_FP8_E4M3) {
+        const double s = amax / 448.0 * (1.0 + 0x1p-10) * (1.0 + 0x1p-21) + 0x1p-24;
+        for (int d = 0; d < D; d++) {
+            const double bound =
+                0x1p-4 * fabs(x[d]) + 0x1p-10 * s + 0x1p-22 * (fabs(x[d]) + 448.0 * s);
+            assert_true(fabs((double)xq[d] - (double)x[d]) <= bound);
+        }
+        return;
+    }
+    const double qmax = sc->staging == KVARN_STAGING_INT4 ? 15.0 : 255.0;
     const double z = lo - (0x1p-10 * fabs(lo) + 0x1p-24);
-    const double s = (hi - z) / 255.0 * (1.0 + 0x1p-10) * (1.0 + 0x1p-21);
+    const double s = (hi - z) / qmax * (1.0 + 0x1p-10) * (1.0 + 0x1p-21);
     for (int d = 0; d < D; d++) {
-        const double bound = 0.5 * s + 0x1p-22 * (fabs(x[d]) + fabs(z) + 255.0 * s);
+        const double bound = 0.5 * s + 0x1p-22 * (fabs(x[d]) + fabs(z) + qmax * s);
         assert_true(fabs((double)xq[d] - (double)x[d]) <= bound);
     }
 }
 
-/* A staged token reads back as the int8 codec applied to its rotated
- * vector, bit for bit (KVARN_DECODE_ROTATED) and within the int8 step of
- * the rotated input; unrotated, as the inverse rotation of that. Sink tile
- * and tail, whole and small tail pages. */
+/* A staged token reads back as the staging's codec applied to its rotated
+ * vector, bit for bit (KVARN_DECODE_ROTATED) and within that codec's step
+ * of the rotated input; unrotated, as the inverse rotation of that. Sink
+ * tile and tail, whole and small tail pages. */
 static void test_staged_read_back(void **state)
 {
     (void)state;
     const int Ts[2] = {0, 16};
+    for (int ci = 0; ci < N_CASES; ci++)
     for (int m = 0; m < 2; m++) {
-        kvarn_cache *c = make("kvarn_k4v2_g64", 0, Ts[m]);
+        const staging_case *sc = &k_cases[ci];
+        kvarn_cache *c = make(sc, "kvarn_k4v2_g64", 0, Ts[m]);
         const int len = 64 + 37; /* the sink tile and a partial tail */
         const size_t row = (size_t)HK * D, n = (size_t)L * len * row;
         float *k = malloc(n * sizeof(float)), *v = malloc(n * sizeof(float));
@@ -128,15 +166,15 @@ static void test_staged_read_back(void **state)
                     const size_t o = (size_t)t * row + (size_t)h * D;
                     const size_t in = ((size_t)l * len + t) * row + (size_t)h * D;
                     float kq[D], vq[D], kr[D], vr[D];
-                    by_hand(k + in, v + in, kq, vq);
+                    by_hand(sc, k + in, v + in, kq, vq);
                     assert_memory_equal(rk + o, kq, sizeof kq);
                     assert_memory_equal(rv + o, vq, sizeof vq);
                     memcpy(kr, k + in, sizeof kr);
                     memcpy(vr, v + in, sizeof vr);
                     kvarn_hadamard(kr, D);
                     kvarn_hadamard(vr, D);
-                    assert_step_bound(kr, rk + o);
-                    assert_step_bound(vr, rv + o);
+                    assert_step_bound(sc, kr, rk + o);
+                    assert_step_bound(sc, vr, rv + o);
                 }
             /* unrotated: the same values through the inverse rotation */
             float *uk = malloc((size_t)len * row * sizeof(float));
@@ -166,8 +204,9 @@ static void test_commit_encodes_decoded_tile(void **state)
 {
     (void)state;
     const int Ts[2] = {0, 16};
+    for (int ci = 0; ci < N_CASES; ci++)
     for (int m = 0; m < 2; m++) {
-        kvarn_cache *c = make("kvarn_k4v2_g64", 64 + 5, Ts[m]);
+        kvarn_cache *c = make(&k_cases[ci], "kvarn_k4v2_g64", 64 + 5, Ts[m]);
         const int G = 64, len = 3 * G + 9; /* sink, the partial-sink tile, a tile, a tail */
         const size_t row = (size_t)HK * D, n = (size_t)L * len * row;
         float *k = malloc(n * sizeof(float)), *v = malloc(n * sizeof(float));
@@ -246,8 +285,11 @@ static void test_rollback_and_fork(void **state)
 {
     (void)state;
     const int Ts[2] = {0, 16};
+    for (int ci = 0; ci < N_CASES; ci++)
     for (int m = 0; m < 2; m++) {
-        kvarn_cache *a = make("kvarn_k4v2_g64", 0, Ts[m]), *b = make("kvarn_k4v2_g64", 0, Ts[m]);
+        const staging_case *sc = &k_cases[ci];
+        kvarn_cache *a = make(sc, "kvarn_k4v2_g64", 0, Ts[m]);
+        kvarn_cache *b = make(sc, "kvarn_k4v2_g64", 0, Ts[m]);
         const int len = 64 + 40, extra = 13;
         const size_t row = (size_t)HK * D, n = (size_t)L * (len + extra) * row;
         float *k = malloc(n * sizeof(float)), *v = malloc(n * sizeof(float));

@@ -578,26 +578,26 @@ static void test_commit_nonfinite_page(void **state)
     pa_free(&a);
 }
 
-/* Staging below fp16 on a caller's arena (the vLLM plug-in's int8 pool):
- * with staging KVARN_STAGING_INT8 and padded token records, the store
- * writes kvarn_encode(int8) of each rotated token at kvarn_paged_page_rec
- * (every other page byte keeps its canary) and the commit writes
- * kvarn_encode(prerotated = 1) of those records decoded (kvarn_decode):
- * the same rule as kvarn_cache's own int8 staging (test_cache_staging.c). */
-static void test_int8_staging_store_commit(void **state)
+/* Staging below fp16 on a caller's arena (the vLLM plug-in's pool): with a
+ * record staging (int8, fp8_e4m3, int4: format `fmt`) and padded token
+ * records, the store writes kvarn_encode(fmt) of each rotated token at
+ * kvarn_paged_page_rec (every other page byte keeps its canary) and the
+ * commit writes kvarn_encode(prerotated = 1) of those records decoded
+ * (kvarn_decode of fmt): the same rule as kvarn_cache's own record staging
+ * (test_cache_staging.c). */
+static void check_staging_store_commit(int staging, const char *fmt)
 {
-    (void)state;
     const int D = 64;
     pa_arena a;
     assert_int_equal(pa_make(&a, "kvarn_k4v2_g128", D, HK, 0, 2, 3), 0);
     kvarn_paged_kv *kv = &a.kv;
     const int G = kv->block_size;
-    kvarn_format i8;
-    assert_int_equal(kvarn_format_parse("int8", &i8), KVARN_OK);
+    kvarn_format i8; /* the staging's per-token format */
+    assert_int_equal(kvarn_format_parse(fmt, &i8), KVARN_OK);
     const size_t r8 = kvarn_record_bytes(&i8, D);
-    /* an int8 page: G token records of r8 + 3 bytes per KV head, padded */
+    /* a staging page: G token records of r8 + 3 bytes per KV head, padded */
     free(a.pages);
-    kv->staging = KVARN_STAGING_INT8;
+    kv->staging = staging;
     kv->staging_record_bytes = r8 + 3;
     kv->page_head_stride = (size_t)G * kv->staging_record_bytes + PA_PHEAD_PAD;
     kv->page_stride = (size_t)HK * kv->page_head_stride + PA_PAGE_PAD;
@@ -607,7 +607,7 @@ static void test_int8_staging_store_commit(void **state)
     pa_fill_canary((uint8_t *)a.pages, a.pages_bytes);
     kv->fp16_pages = a.pages;
     assert_int_equal(kvarn_paged_check(kv), KVARN_OK);
-    /* a record shorter than int8's is refused */
+    /* a record shorter than the format's is refused */
     kvarn_paged_kv bad = *kv;
     bad.staging_record_bytes = r8 - 1;
     assert_int_not_equal(kvarn_paged_check(&bad), KVARN_OK);
@@ -663,6 +663,14 @@ static void test_int8_staging_store_commit(void **state)
     pa_free(&a);
 }
 
+static void test_staging_store_commit(void **state)
+{
+    (void)state;
+    check_staging_store_commit(KVARN_STAGING_INT8, "int8");
+    check_staging_store_commit(KVARN_STAGING_FP8_E4M3, "fp8_e4m3");
+    check_staging_store_commit(KVARN_STAGING_INT4, "int4");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -672,7 +680,7 @@ int main(void)
         cmocka_unit_test(test_errors_leave_arenas_intact),
         cmocka_unit_test(test_per_token_unstorable_finite),
         cmocka_unit_test(test_commit_nonfinite_page),
-        cmocka_unit_test(test_int8_staging_store_commit),
+        cmocka_unit_test(test_staging_store_commit),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

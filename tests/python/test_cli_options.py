@@ -54,15 +54,17 @@ def test_help_lists_the_table(kvarn_bin, cmd, columns):
 
 @pytest.mark.parametrize("cmd", ["eval", "inspect"])
 def test_kvarn_staging_names(kvarn_bin, cmd):
-    """--kvarn-staging takes fp16 or int8 (cache.h staging); another name
-    is a usage error naming both, before any model or text is read."""
-    for bad in ("fp8", "INT8", ""):
+    """--kvarn-staging takes fp16, int8, fp8_e4m3 (alias fp8) or int4
+    (cache.h staging); another name -- a per-token format that is no
+    staging, fp16's alias auto, a KVarN format -- is a usage error naming
+    them, before any model or text is read."""
+    for bad in ("fp6", "INT8", "", "fp8_e5m2", "bf16", "auto", "kvarn_k4v2_g128"):
         r = kvarn(kvarn_bin, cmd, *BASE[cmd], "--kvarn-staging", bad)
         assert r.returncode == 2, (bad, r.stderr)
         assert r.stderr == (f"kvarn {cmd}: --kvarn-staging {bad}: unknown staging format; "
-                            "expected fp16 or int8\n")
+                            "expected fp16, int8, fp8_e4m3 (alias fp8) or int4\n")
     if cmd == "inspect":
-        for good in ("fp16", "int8"):
+        for good in ("fp16", "int8", "fp8_e4m3", "fp8", "int4"):
             r = kvarn(kvarn_bin, cmd, *BASE[cmd], "--kv-cache-dtype", "kvarn_k4v2_g128",
                       "--budget", "64MiB", "--kvarn-staging", good)
             assert r.returncode == 0, r.stderr

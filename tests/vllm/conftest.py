@@ -43,10 +43,12 @@ def staging_pool_bytes(layers: int, hk: int, d: int, seqs: int = 8, sink_tiles: 
     """The plug-in's staging pool of one rank, by hand (docs/vllm.md
     "Capacity"; the default staging on CPU is int8): seqs x (sink tiles +
     tail) pages of every layer, seqs sink slots of r = sink_partial tokens,
-    and ceil(batched / G) + 1 scratch tiles of ONE layer (shared), at 2D +
-    8 bytes per staged token-head (int8: D codes + fp16 scale and zero-point,
-    for K and V) or 4D (fp16 K and V)."""
-    tok = 2 * d + 8 if staging == "int8" else 4 * d
+    and ceil(batched / G) + 1 scratch tiles of ONE layer (shared), at the
+    bytes of one staged token-head (include/kvarn/record.h): int8 2D + 8 (D
+    codes + fp16 scale and zero-point, for K and V), fp8_e4m3 2D + 4 (D
+    codes + fp16 scale, for K and V), int4 D + 8 (D/2 bytes of codes + fp16
+    scale and zero-point, for K and V), fp16 4D (fp16 K and V)."""
+    tok = {"int8": 2 * d + 8, "fp8_e4m3": 2 * d + 4, "int4": d + 8, "fp16": 4 * d}[staging]
     page = layers * hk * G * tok
     scratch = (-(-batched // G) + 1) * hk * G * tok
     return seqs * (sink_tiles + 1) * page + seqs * layers * hk * sink_partial * tok + scratch

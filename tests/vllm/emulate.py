@@ -14,7 +14,8 @@ FORMAT with the spec's min/max RTN range, what the plug-in stores; fmt and
 rtn_range pick another format or kvarn_codec_opts.rtn_range, codec any
 tile round trip, for bench/centred_families.py); kl_rows(exact, codec)
 gives KL(P_exact || P_codec) over the whole vocabulary per position;
-staging="int8" adds the plug-in's int8 staging (Int8Staging). Not emulated:
+staging="int8" (or "fp8_e4m3", "int4") adds the plug-in's staging as token
+records of that per-token format (RecordStaging). Not emulated:
 fp16 staging's rounding of the tiles it keeps unquantized (relative error
 2^-11, far below the 4-/2-bit codec's).
 """
@@ -86,16 +87,18 @@ class Codec:
         return ko, vo
 
 
-class Int8Staging:
-    """The plug-in's int8 staging (KVARN_STAGING=int8, its CPU default):
-    each token-head's K and V rotated (kvarn_hadamard, x H / sqrt(D), its
-    own inverse), through the int8 token codec (kvarn_encode/decode of
-    "int8") and rotated back: what attention reads for a staged token, and
+class RecordStaging:
+    """The plug-in's staging as token records of the per-token format
+    `name` (KVARN_STAGING=int8, its CPU default, or fp8_e4m3, int4): each
+    token-head's K and V rotated (kvarn_hadamard, x H / sqrt(D), its own
+    inverse), through that format's token codec (kvarn_encode/decode of
+    `name`) and rotated back: what attention reads for a staged token, and
     what a commit encodes."""
 
-    def __init__(self, head_dim: int):
-        self.L, self.D = _codec_lib(), head_dim
-        self.fmt = _lib.parse_format("int8", head_dim)
+    def __init__(self, name: str, head_dim: int):
+        assert name in _lib.STAGING_NAMES and name != "fp16", name
+        self.L, self.D, self.name = _codec_lib(), head_dim, name
+        self.fmt = _lib.parse_format(name, head_dim)
         self.rb = _lib.record_bytes(self.fmt, head_dim)
         self.rec = np.zeros(self.rb, dtype=np.uint8)
 
@@ -103,7 +106,7 @@ class Int8Staging:
         self.L.kvarn_hadamard_rows(x.ctypes.data, x.shape[0], self.D)
 
     def roundtrip(self, k: np.ndarray, v: np.ndarray):
-        """k, v fp32 [n, D] -> what int8 staging holds, [n, D] each."""
+        """k, v fp32 [n, D] -> what the staging holds, [n, D] each."""
         k = np.array(k, dtype=np.float32, order="C")
         v = np.array(v, dtype=np.float32, order="C")
         self._rotate(k)
@@ -112,9 +115,10 @@ class Int8Staging:
         L, f, D = self.L, ctypes.byref(self.fmt), self.D
         for t in range(k.shape[0]):
             _lib.check(L.kvarn_encode(f, D, k[t].ctypes.data, v[t].ctypes.data,
-                                      self.rec.ctypes.data, self.rb, None, 0, None), "int8 encode")
+                                      self.rec.ctypes.data, self.rb, None, 0, None),
+                       f"{self.name} encode")
             _lib.check(L.kvarn_decode(f, D, self.rec.ctypes.data, self.rb, ko[t].ctypes.data,
-                                      vo[t].ctypes.data, 0), "int8 decode")
+                                      vo[t].ctypes.data, 0), f"{self.name} decode")
         self._rotate(ko)
         self._rotate(vo)
         return ko, vo
@@ -195,9 +199,10 @@ def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool =
     cache exact (quantize False) or through the codec as the plug-in would
     hold it: format fmt, kvarn_codec_opts.rtn_range rtn_range, or, when
     codec is given, codec(head_dim) (an object with .G and .roundtrip(k, v)
-    as Codec's) in place of Codec(fmt, head_dim, rtn_range); staging "int8"
-    takes every token through Int8Staging first (KVARN_STAGING=int8), "fp16"
-    keeps staged tokens exact."""
+    as Codec's) in place of Codec(fmt, head_dim, rtn_range); staging "int8",
+    "fp8_e4m3" or "int4" takes every token through RecordStaging of that
+    format first (KVARN_STAGING=int8, ...), "fp16" keeps staged tokens
+    exact."""
     from transformers import AutoModelForCausalLM
     _register()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -206,7 +211,7 @@ def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool =
     cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     _STATE["codec"] = codec(head_dim) if codec else Codec(fmt, head_dim, rtn_range)
-    _STATE["staging"] = Int8Staging(head_dim) if staging == "int8" else None
+    _STATE["staging"] = RecordStaging(staging, head_dim) if staging != "fp16" else None
     _STATE["quantized"] = lambda m: quantize and (
         quantize_sliding or not _is_sliding(cfg, m.layer_idx))
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """The plug-in's ctypes mirrors of the C structs (python/kvarn_vllm/_lib.py)
 have the C compiler's layout: every field's offset and each struct's size,
 read from a small C program built against include/kvarn. A field added to
-paged.h without its mirror fails here, not as wild memory in a server."""
+paged.h without its mirror fails here, not as wild memory in a server; so
+does a kvarn_staging value or name that differs from its mirror."""
 import ctypes
 import os
 import subprocess
@@ -28,6 +29,9 @@ def c_layout(tmp_path_factory):
         lines.append(f'printf("{cname} size %zu\\n", sizeof({cname}));')
         for f, _ in py._fields_:
             lines.append(f'printf("{cname} {f} %zu\\n", offsetof({cname}, {f}));')
+    for name, v in _lib.STAGING_NAMES.items():
+        c = "KVARN_STAGING_" + name.upper()
+        lines.append(f'printf("staging {name} %d\\n", (int){c});')
     lines += ['return 0;', '}']
     src = d / "layout.c"
     src.write_text("\n".join(lines))
@@ -44,3 +48,12 @@ def test_struct_matches_c(c_layout, cname):
     assert ctypes.sizeof(py) == c_layout[(cname, "size")]
     for f, _ in py._fields_:
         assert getattr(py, f).offset == c_layout[(cname, f)], f
+
+
+def test_staging_values_match_c(c_layout):
+    """_lib.STAGING_NAMES: the enum's values (paged.h kvarn_staging) and the
+    library's names for them (kvarn_cache_staging_name), nothing more."""
+    for name, v in _lib.STAGING_NAMES.items():
+        assert c_layout[("staging", name)] == v, name
+        assert _lib.lib().kvarn_cache_staging_name(v).decode() == name
+    assert _lib.lib().kvarn_cache_staging_name(len(_lib.STAGING_NAMES)) is None

@@ -78,3 +78,35 @@ def test_other_vllm_version_is_refused(monkeypatch):
     monkeypatch.setattr(plugin, "_done", False)
     with pytest.raises(RuntimeError, match=kvarn_vllm.SUPPORTED_VLLM.replace(".", r"\.")):
         plugin.register()
+
+
+@pytest.mark.parametrize("name,want", [("fp16", 0), ("int8", 1), ("fp8_e4m3", 2), ("fp8", 2),
+                                       ("int4", 3)])
+def test_staging_names_on_cpu(monkeypatch, name, want):
+    """KVARN_STAGING takes every staging the library names (paged.h
+    kvarn_staging; fp8 is the format table's alias of fp8_e4m3) on CPU."""
+    from kvarn_vllm import _lib
+    from kvarn_vllm.backend import staging_config
+    monkeypatch.setenv("KVARN_STAGING", name)
+    assert staging_config("cpu") == want
+    assert _lib.staging_name(want) == ("fp8_e4m3" if name == "fp8" else name)
+
+
+def test_staging_defaults_and_refusals(monkeypatch):
+    """Unset: int8 on CPU, fp16 on CUDA. A record staging on CUDA (its
+    kernels stage fp16 only) and an unknown name are refused with a
+    message naming what is accepted."""
+    from kvarn_vllm.backend import staging_config
+    monkeypatch.delenv("KVARN_STAGING", raising=False)
+    assert staging_config("cpu") == 1 and staging_config("cuda") == 0
+    for name in ("int8", "fp8_e4m3", "int4"):
+        monkeypatch.setenv("KVARN_STAGING", name)
+        with pytest.raises(ValueError, match=f"KVARN_STAGING={name} is served by the CPU"):
+            staging_config("cuda")
+    monkeypatch.setenv("KVARN_STAGING", "fp16")
+    assert staging_config("cuda") == 0
+    for bad in ("fp6", "fp8_e5m2", "bf16", "auto", "INT8"):
+        monkeypatch.setenv("KVARN_STAGING", bad)
+        with pytest.raises(ValueError, match="KVARN_STAGING must be one of fp16, int8, "
+                                             "fp8_e4m3, int4"):
+            staging_config("cpu")

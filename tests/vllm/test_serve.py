@@ -218,6 +218,24 @@ def test_capacity_counts_staging(hf_model, runs):
     assert ratio >= 4.3
 
 
+@pytest.mark.parametrize("staging", ["fp8_e4m3", "int4"])
+def test_record_staging_capacity(hf_model, staging):
+    """KVARN_STAGING=fp8_e4m3 / int4 (every staged token a record of that
+    per-token format, 2D + 4 / D + 8 bytes per token-head): the engine
+    starts with the KV blocks of the arithmetic (1 GiB minus the staging
+    pool of 8 sequences, in record pages of 128 tokens), more than int8
+    staging leaves (2D + 8), and serves a prompt of more than two tiles
+    (committed tiles, staged tail) to its last token."""
+    kv, _ = run_llm(dict(prompts=[LONG], max_tokens=8, kv_cache_dtype=KV,
+                         env={"KVARN_STAGING": staging}))
+    layers, hk, d, record = 30, 3, 64, 7296   # kvarn_k4v2_g128, D = 64
+    block = layers * hk * record
+    pool = staging_pool_bytes(layers, hk, d, 8, staging=staging)
+    assert kv["kv_blocks"] == (2**30 - pool) // block
+    assert kv["kv_blocks"] > (2**30 - staging_pool_bytes(layers, hk, d, 8)) // block
+    assert len(kv["outputs"][0]["token_ids"]) == 8
+
+
 def test_fp16_staging_follows_unquantized_cache(runs, eval_c):
     """KVARN_STAGING=fp16 serves as well: the same near-tie bound as the
     default (fp16 staging is the more exact of the two)."""
@@ -261,7 +279,7 @@ def test_request_reusing_freed_blocks_equals_it_alone(hf_model):
     (dict(kv_cache_dtype=KV, block_size=64), "needs --block-size 128"),
     (dict(kv_cache_dtype="kvarn_k4v3_g128"), "accepted"),
     (dict(kv_cache_dtype="kvarn_k4v2_g128c"), "does not serve it yet: use kvarn_k4v2_g128"),
-    (dict(kv_cache_dtype=KV, env={"KVARN_STAGING": "fp8"}), "KVARN_STAGING must be one of"),
+    (dict(kv_cache_dtype=KV, env={"KVARN_STAGING": "fp6"}), "KVARN_STAGING must be one of"),
 ])
 def test_bad_setups_fail_at_start_with_a_clear_error(cfg, needle):
     res, err = run_llm(dict(cfg, prompts=["Hi"], max_tokens=1), expect_ok=False)

@@ -6,7 +6,8 @@ block_table [n, max_blocks]."""
 import numpy as np
 import pytest
 
-from kvarn_vllm._lib import KvarnError, parse_format
+from kvarn_vllm._lib import (KvarnError, STAGING_FP8_E4M3, STAGING_INT4, STAGING_INT8,
+                             parse_format)
 from kvarn_vllm.staging import Staging, draft_tiles, pool_bytes, pool_size, pool_slots
 
 G = 128
@@ -31,18 +32,27 @@ def test_pool_size_is_sequences_times_sink_plus_tail():
     assert pool_bytes(fmt64, 2, 8, 128, 4, 1) == 8 * 2 * 8 * 2 * 64 * 128 * 2
 
 
-def test_int8_pool_and_shared_scratch_bytes():
-    """int8 staging: 2D + 8 bytes per token-head (the int8 record: D codes
-    and an fp16 scale and zero-point, for K and for V) against fp16's 4D;
-    scratch tiles ceil(batched / G) + 1 of ONE layer (shared by the layers);
-    sink slots r tokens of every layer."""
+# bytes of one staged token-head record at D = 64 (include/kvarn/record.h):
+# int8 D codes + fp16 scale and zero-point, for K and for V; fp8_e4m3 D
+# codes + fp16 scale; int4 D/2 bytes of codes + fp16 scale and zero-point
+RECORD_STAGINGS = [(STAGING_INT8, 2 * 64 + 8), (STAGING_FP8_E4M3, 2 * 64 + 4),
+                   (STAGING_INT4, 64 + 8)]
+
+
+@pytest.mark.parametrize("staging,rec", RECORD_STAGINGS)
+def test_record_pool_and_shared_scratch_bytes(staging, rec):
+    """A record staging (int8, fp8_e4m3, int4): its token record's bytes
+    per token-head against fp16's 4D; scratch tiles ceil(batched / G) + 1
+    of ONE layer (shared by the layers); sink slots r tokens of every
+    layer."""
     fmt = parse_format("kvarn_k4v2_g128", 64)
-    rec = 2 * 64 + 8
-    assert pool_bytes(fmt, 30, 3, 64, 8, 1, staging=1) == 16 * 30 * 3 * G * rec
-    ps = pool_size(fmt, 30, 3, 64, 8, 1, staging=1, max_batched_tokens=4096)
+    assert pool_bytes(fmt, 30, 3, 64, 8, 1, staging=staging) == 16 * 30 * 3 * G * rec
+    ps = pool_size(fmt, 30, 3, 64, 8, 1, staging=staging, max_batched_tokens=4096)
     assert ps["record_bytes"] == rec and ps["n_scratch"] == 4096 // G + 1
+    assert ps["staging"] == staging
     assert ps["bytes"] == 16 * 30 * 3 * G * rec + 33 * 3 * G * rec
-    ps = pool_size(fmt, 30, 3, 64, 8, 0, sink_partial=16, staging=1, max_batched_tokens=300)
+    ps = pool_size(fmt, 30, 3, 64, 8, 0, sink_partial=16, staging=staging,
+                   max_batched_tokens=300)
     assert (ps["n_slots"], ps["n_sink_slots"], ps["n_scratch"]) == (8, 8, 4)
     assert ps["bytes"] == 8 * 30 * 3 * G * rec + 8 * 30 * 3 * 16 * rec + 4 * 3 * G * rec
     fp = pool_size(fmt, 30, 3, 64, 8, 1, max_batched_tokens=4096)
