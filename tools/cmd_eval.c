@@ -66,7 +66,7 @@ static const cli_option k_options[] = {
     {"passkey", 0, CLI_INT, OPT(passkey_trials), 0, 1000, 0, "--passkey N",
      "add passkey retrieval, N keys per depth (default 0: none)"},
     {"sink-tokens", 0, CLI_INT, OPT(sink_tokens), 0, 1 << 16, 0, "--sink-tokens S",
-     "KVarN: first S tokens kept in fp16 (default one tile)"},
+     "KVarN: first S tokens staged, not encoded (default one\ntile)"},
     {"tail-page-tokens", 0, CLI_INT, OPT(tail_tokens), 0, 1024, 0, "--tail-page-tokens T",
      "KVarN: fp16 tail pages of T tokens (T divides G;\ndefault 0: a whole tile)"},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
@@ -487,7 +487,7 @@ static int eval_passkey(eval_run *r, const eval_opts *o)
     kvarn_format fmts[CLI_MAX_FORMATS];
     for (int f = 0; f < r->nf; f++) fmts[f] = r->runs[f].fmt;
     passkey_opts po = {len, 1, depth, 3, (int)o->passkey_trials, r->chunk, 1, (int)o->threads, 0,
-                       (int)o->sink_tokens, "kvarn eval passkey"};
+                       (int)o->sink_tokens, "kvarn eval passkey", o->staging};
     if (passkey_run(&r->m, fmts, r->nf, &po, r->pk_correct)) return -1;
     r->pk_total = 3 * (int)o->passkey_trials;
     return 0;

@@ -43,7 +43,7 @@ static const cli_option k_options[] = {
     {"max-seqs", 0, CLI_INT, OPT(max_seqs), 1, 1000000, 0, "--max-seqs N",
      "sequences the cache is made for (default 64)"},
     {"sink-tokens", 0, CLI_INT, OPT(sink_tokens), 0, 1 << 16, 0, "--sink-tokens S",
-     "KVarN: the first S tokens kept in fp16 (default one tile;\n0: no sink)"},
+     "KVarN: first S tokens staged, not encoded (default one\ntile; 0: no sink)"},
     {"tail-page-tokens", 0, CLI_INT, OPT(tail_tokens), 0, 1024, 0, "--tail-page-tokens T",
      "KVarN: fp16 tail pages of T tokens taken on demand\n(T divides G; default 0: a whole tile per page)"},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",

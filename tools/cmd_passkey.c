@@ -17,7 +17,8 @@ typedef struct pk_opts {
     const char *model_path, *dtypes;
     cli_list lengths, depths; /* tokens; percent */
     long trials, chunk, seed, threads;
-    long sink_tokens; /* KVarN fp16 sink tokens S (0: no sink); -1: the default */
+    long sink_tokens; /* KVarN sink tokens S (0: no sink); -1: the default */
+    const char *staging_name; /* --kvarn-staging; NULL: fp16 */
 } pk_opts;
 
 static const pk_opts k_defaults = {
@@ -42,8 +43,10 @@ static const cli_option k_options[] = {
     {"threads", 0, CLI_INT, OPT(threads), 1, 256, 0, "--threads T",
      "attention worker threads (default 1)"},
     {"sink-tokens", 0, CLI_INT, OPT(sink_tokens), 0, 1 << 16, 0, "--sink-tokens S",
-     "KVarN: first S tokens kept in fp16 (default one tile;\n"
-     "0: no sink)"},
+     "KVarN: first S tokens staged, not encoded (default one\n"
+     "tile; 0: no sink)"},
+    {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
+     "KVarN: staged tokens (sink, tail) as fp16 (default) or\nrecords of int8, fp8_e4m3 (alias fp8) or int4"},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT
@@ -53,7 +56,7 @@ static const cli_command k_command = {
     "usage: kvarn passkey -m MODEL [--kv-cache-dtype NAME[,NAME...]|all]\n"
     "                     [--lengths 1024,2048,4096,8192] [--depths 0,25,50,75,100]\n"
     "                     [--trials 1] [--chunk 128] [--seed 1] [--threads 1]\n"
-    "                     [--sink-tokens S]\n\n",
+    "                     [--sink-tokens S] [--kvarn-staging F]\n\n",
     "Hides a random 5-digit key at each depth (percent) of filler text of each\n"
     "length (tokens), feeds the prompt in chunks so the history is read from the\n"
     "cache, and checks the greedy answer. Prints retrieved keys per length for the\n"
@@ -92,11 +95,13 @@ int cmd_passkey(int argc, char **argv)
     kvarn_format fmts[CLI_MAX_FORMATS];
     int nf = cli_parse_formats("passkey", o.dtypes, fmts, CLI_MAX_FORMATS);
     if (nf < 0) return 2;
+    int staging;
+    if (cli_parse_staging("passkey", o.staging_name, &staging)) return 2;
     cli_warn_kvarn_only("passkey", o.sink_tokens, 0, fmts, nf);
     cli_model m;
     if (cli_model_open("passkey", o.model_path, &m)) return 1;
     passkey_opts po = {o.lengths.v, o.lengths.n, o.depths.v, o.depths.n, (int)o.trials, o.chunk,
-                       (uint64_t)o.seed, (int)o.threads, 0, (int)o.sink_tokens, NULL};
+                       (uint64_t)o.seed, (int)o.threads, 0, (int)o.sink_tokens, NULL, staging};
     int *correct = calloc((size_t)(nf + 1) * (size_t)o.lengths.n, sizeof(int));
     rc = 1;
     if (correct == NULL) cli_error("passkey", "out of memory");

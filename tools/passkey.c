@@ -107,6 +107,7 @@ int passkey_run(cli_model *m, const kvarn_format *fmts, int nf, const passkey_op
     so.max_chunk = (int)o->chunk;
     so.attn_threads = o->threads;
     cli_session_set_sink(&so, o->sink_tokens);
+    so.staging = o->staging;
     for (int f = 0; f <= nf; f++) {
         so.format = f == 0 ? NULL /* fp16, the reference */ : &fmts[f - 1];
         if (cli_session_create("passkey", m, &so, "use shorter lengths", &sess[f])) goto out;

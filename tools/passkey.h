@@ -21,6 +21,8 @@ typedef struct passkey_opts {
     int sink_tokens;                    /* KVarN fp16 sink tokens S (0: no
                                            sink); -1: the default sink */
     const char *progress;               /* progress label; NULL: "kvarn passkey" */
+    int staging;                        /* kvarn_staging of the formats' sessions
+                                           (0: KVARN_STAGING_FP16) */
 } passkey_opts;
 
 /* The shortest length passkey_run takes for m's tokenizer: the tokens of

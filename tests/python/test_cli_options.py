@@ -27,7 +27,7 @@ HELP_COLUMNS = [
               "--rtn-mse-values", "--json", "--dump-kv",
               "--dump-layers"]),
     ("passkey", ["--kv-cache-dtype", "--lengths", "--depths", "--trials", "--chunk", "--seed",
-                 "--threads", "--sink-tokens"]),
+                 "--threads", "--sink-tokens", "--kvarn-staging"]),
     ("inspect", ["--kv-cache-dtype", "-m", "--layers", "--kv-heads", "--head-dim", "--budget",
                  "--max-seqs", "--sink-tokens", "--tail-page-tokens", "--kvarn-staging"]),
 ]
@@ -52,7 +52,7 @@ def test_help_lists_the_table(kvarn_bin, cmd, columns):
     assert kvarn(kvarn_bin, cmd, *BASE[cmd], "-h", "--ctx", "0").stdout == r.stdout
 
 
-@pytest.mark.parametrize("cmd", ["eval", "inspect"])
+@pytest.mark.parametrize("cmd", ["eval", "passkey", "inspect"])
 def test_kvarn_staging_names(kvarn_bin, cmd):
     """--kvarn-staging takes fp16, int8, fp8_e4m3 (alias fp8) or int4
     (cache.h staging); another name -- a per-token format that is no
