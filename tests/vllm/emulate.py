@@ -29,6 +29,7 @@ from kvarn_vllm import _lib
 FORMAT = "kvarn_k4v2_g128"
 SINK_TILES = 1
 RTN_MINMAX, RTN_MSE, RTN_MSE_V = 0, 1, 2   # kvarn.h KVARN_RTN_*
+DECODE_ROTATED = 1                          # kvarn.h KVARN_DECODE_ROTATED
 
 
 class CodecOpts(ctypes.Structure):
@@ -71,20 +72,30 @@ class Codec:
         self.wsb = wsb
         self.opts = CodecOpts(8, 0, rtn_range)
 
-    def roundtrip(self, k: np.ndarray, v: np.ndarray):
-        """k, v fp32 [G, D] -> the decoded record's K, V."""
+    def encode(self, k: np.ndarray, v: np.ndarray) -> None:
+        """k, v fp32 [G, D] -> the record, in .rec."""
         k = np.ascontiguousarray(k, dtype=np.float32)
         v = np.ascontiguousarray(v, dtype=np.float32)
-        ko, vo = np.empty_like(k), np.empty_like(v)
         a = self.ws.ctypes.data
         ws = a + (-a) % 16
         _lib.check(self.L.kvarn_encode(ctypes.byref(self.fmt), self.D, k.ctypes.data,
                                        v.ctypes.data, self.rec.ctypes.data, self.rb, ws,
                                        self.wsb, ctypes.byref(self.opts)), "kvarn_encode")
+
+    def decode(self, rotated: bool = False):
+        """.rec -> its K, V fp32 [G, D] (in the rotated basis if rotated:
+        KVARN_DECODE_ROTATED)."""
+        ko = np.empty((self.G, self.D), dtype=np.float32)
+        vo = np.empty_like(ko)
         _lib.check(self.L.kvarn_decode(ctypes.byref(self.fmt), self.D, self.rec.ctypes.data,
-                                       self.rb, ko.ctypes.data, vo.ctypes.data, 0),
-                   "kvarn_decode")
+                                       self.rb, ko.ctypes.data, vo.ctypes.data,
+                                       DECODE_ROTATED if rotated else 0), "kvarn_decode")
         return ko, vo
+
+    def roundtrip(self, k: np.ndarray, v: np.ndarray):
+        """k, v fp32 [G, D] -> the decoded record's K, V."""
+        self.encode(k, v)
+        return self.decode()
 
 
 class RecordStaging:
@@ -137,7 +148,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if scaling is None:
         scaling = D ** -0.5
     rep = Hq // Hk
-    quant = _STATE["quantized"](module)
+    quant = _STATE["quantized"](module) and getattr(_STATE["codec"], "layer_quantized",
+                                                    lambda layer: True)(module.layer_idx)
     if quant and _STATE["staging"] is not None:
         # every token is staged first: the sink and own tile are read from
         # there, and tiles commit from it
@@ -157,6 +169,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             for h in range(Hk):
                 for t in range(SINK_TILES, S // G):
                     sl = slice(t * G, (t + 1) * G)
+                    codec.where = (module.layer_idx, h)   # for codecs that vary by layer/head
                     ko, vo = codec.roundtrip(key[b, h, sl].numpy(), value[b, h, sl].numpy())
                     kq[b, h, sl] = torch.from_numpy(ko)
                     vq[b, h, sl] = torch.from_numpy(vo)
@@ -199,9 +212,11 @@ def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool =
     cache exact (quantize False) or through the codec as the plug-in would
     hold it: format fmt, kvarn_codec_opts.rtn_range rtn_range, or, when
     codec is given, codec(head_dim) (an object with .G and .roundtrip(k, v)
-    as Codec's) in place of Codec(fmt, head_dim, rtn_range); staging "int8",
-    "fp8_e4m3" or "int4" takes every token through RecordStaging of that
-    format first (KVARN_STAGING=int8, ...), "fp16" keeps staged tokens
+    as Codec's; .where is set to (layer, KV head) before each tile's round
+    trip, and a method .layer_quantized(layer) returning False keeps that
+    layer exact) in place of Codec(fmt, head_dim, rtn_range); staging
+    "int8", "fp8_e4m3" or "int4" takes every token through RecordStaging of
+    that format first (KVARN_STAGING=int8, ...), "fp16" keeps staged tokens
     exact."""
     from transformers import AutoModelForCausalLM
     _register()
