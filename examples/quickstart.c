@@ -108,7 +108,8 @@ int main(void)
            "%.0f as held now (fp16 sink and tail tiles counted)\n",
            (long long)stats.tokens, stats.record_bytes_per_token, fp16_token_bytes,
            fp16_token_bytes / stats.record_bytes_per_token, stats.used_bytes_per_token);
-    printf("attention (%s kernels): relative error %.3f against exact fp32 attention\n",
+    printf("attention (%s kernels): relative RMS error %.3f of one head's output against exact\n"
+           "  fp32 attention (random K/V, values at 2 bits; on a model's K/V see kvarn eval's KLD)\n",
            kvarn_attn_kernel_name(NULL), rel);
     printf("requests of 2048 tokens in 1 GiB, all memory counted: %d (fp16: %d)\n", fit, fit_fp16);
 
