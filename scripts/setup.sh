@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # setup.sh -- install what kvarn needs on a fresh Debian 12 machine.
 #   scripts/setup.sh --deps    Debian build/test packages and the Python test packages
-#   scripts/setup.sh --model   also the evaluation model and text (../shared/EVAL.md)
+#   scripts/setup.sh --model   also the evaluation model and text (docs/model-setup.md)
 #   scripts/setup.sh --vllm    also vLLM's CPU build in .venv-vllm, the kvarn_vllm
 #                              plug-in (python/) and the model converted for vLLM
 #                              (needs the model and build/libkvarn.so; docs/vllm.md)

@@ -54,8 +54,8 @@ static const cli_option k_options[] = {
     {"model", 'm', CLI_TEXT, OPT(model_path), 0, 0, 0, NULL, NULL},
     {"file", 'f', CLI_TEXT, OPT(text_path), 0, 0, 0, NULL, NULL},
     {"kv-cache-dtype", 0, CLI_TEXT, OPT(dtypes), 0, 0, 0, "--kv-cache-dtype",
-     "cache formats, NAME[,NAME...] or all (default all: the ladder\n"
-     "of ../shared/EVAL.md)"},
+     "cache formats, NAME[,NAME...] or all (default all: the\n"
+     "ladder of docs/eval.md)"},
     {"ctx", 0, CLI_INT, OPT(ctx), 2, 1 << 20, 0, "--ctx N", "tokens per window (default 2048)"},
     {"chunk", 0, CLI_INT, OPT(chunk), 1, 4096, 0, "--chunk N", "tokens per forward call (default 128)"},
     {"windows", 0, CLI_INT, OPT(windows), 1, 1 << 20, 0, "--windows N", "windows of the text (default 1)"},
@@ -108,7 +108,7 @@ static const cli_command k_command = {
     "when a column's positions never attend to K/V held in the format (fp16 sink\n"
     "and tail only: such a column reads about 0; docs/eval.md). --json: the same\n"
     "report as JSON, a column with nothing measured as null, the warnings in lists.\n"
-    "--passkey N adds passkey retrieval (../shared/EVAL.md) at length --ctx, depths\n"
+    "--passkey N adds passkey retrieval (docs/eval.md) at length --ctx, depths\n"
     "0/50/100%, N keys per depth, as retrieved/tried beside the fp16 cache's own;\n"
     "--ctx must hold its prompt's intro, key and question (64 tokens for SmolLM2).\n"
     "--sink-tokens S keeps the first S tokens of KVarN caches in fp16 (default: one\n"

@@ -227,7 +227,9 @@ int cmd_inspect(int argc, char **argv)
         return 1;
     }
     rc = inspect_run(&o, fmts, n, r);
-    inspect_print(&o, r);
+    int any = 0; /* a table only when some format has a row */
+    for (int i = 0; i < n; i++) any |= r->rows[i].ok;
+    if (any) inspect_print(&o, r);
     free(r);
     return rc;
 }

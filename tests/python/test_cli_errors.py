@@ -70,6 +70,13 @@ def test_unsupported_head_dim(kvarn_bin):
     r = run([kvarn_bin, "inspect", "--layers", "2", "--kv-heads", "2", "--head-dim", "96",
              "--kv-cache-dtype", "kvarn_k4v2_g128"])
     assert r.returncode == 1 and "head_dim 96" in r.stderr
+    assert r.stdout == ""          # no table without a row
+    # a list with a format that can serve it: that row is printed, the exit is still 1
+    r = run([kvarn_bin, "inspect", "--layers", "2", "--kv-heads", "2", "--head-dim", "96",
+             "--kv-cache-dtype", "kvarn_k4v2_g128,int8"])
+    assert r.returncode == 1 and "head_dim 96" in r.stderr
+    rows = [line.split()[0] for line in r.stdout.splitlines()]
+    assert "int8" in rows and "kvarn_k4v2_g128" not in rows
 
 
 def test_prompt_longer_than_context(kvarn_bin, model_path):
