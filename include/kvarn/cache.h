@@ -329,7 +329,7 @@ kvarn_status kvarn_cache_plan(const kvarn_cache_opts *opts, kvarn_cache_info *ou
 
 /* What a cache built from some opts holds: the one capacity computation
  * that kvarn inspect, generate's memory line, the eval ladder and
- * bench_capacity report (docs/paged-cache.md "Capacity").
+ * bench_capacity report (docs/capacity.md "How capacity is computed").
  *
  * The fill it describes: sequences are grown one token at a time, each
  * reserve followed by the write of every layer and a commit of the whole

@@ -1,6 +1,6 @@
 """kvarn inspect's capacity table (issue 11) against the byte arithmetic of
 the record layout (../shared/spec/KVARN.md) and the paged cache's documented
-pools (docs/paged-cache.md "Capacity"), computed here independently of the
+pools (docs/capacity.md "How capacity is computed"), computed here independently of the
 library. The fill of a created cache to the printed count is
 tests/cache/test_cache_capacity.c; this checks that the tool prints the
 library's numbers for a real model shape. No model needed: the shape is
