@@ -99,8 +99,9 @@ int cli_check_tail_tokens(const char *cmd, long tail_tokens, const kvarn_format 
     return 0;
 }
 
-int cli_kvarn_only_warnings(long sink_tokens, long tail_tokens, const kvarn_format *fmts, int n,
-                            char out[2][CLI_WARNING_LEN])
+int cli_kvarn_only_warnings(long sink_tokens, long tail_tokens, const char *staging_name,
+                            const kvarn_format *fmts, int n,
+                            char out[CLI_KVARN_ONLY_MAX][CLI_WARNING_LEN])
 {
     char names[CLI_WARNING_LEN / 2] = "";
     size_t at = 0;
@@ -117,14 +118,17 @@ int cli_kvarn_only_warnings(long sink_tokens, long tail_tokens, const kvarn_form
     if (tail_tokens > 0)
         snprintf(out[k++], CLI_WARNING_LEN, "--tail-page-tokens %ld does nothing for %s: only "
                  "KVarN formats (kvarn_*) hold their tail in fp16 pages", tail_tokens, names);
+    if (staging_name != NULL)
+        snprintf(out[k++], CLI_WARNING_LEN, "--kvarn-staging %s does nothing for %s: only "
+                 "KVarN formats (kvarn_*) stage tokens", staging_name, names);
     return k;
 }
 
 int cli_warn_kvarn_only(const char *cmd, long sink_tokens, long tail_tokens,
-                        const kvarn_format *fmts, int n)
+                        const char *staging_name, const kvarn_format *fmts, int n)
 {
-    char w[2][CLI_WARNING_LEN];
-    const int k = cli_kvarn_only_warnings(sink_tokens, tail_tokens, fmts, n, w);
+    char w[CLI_KVARN_ONLY_MAX][CLI_WARNING_LEN];
+    const int k = cli_kvarn_only_warnings(sink_tokens, tail_tokens, staging_name, fmts, n, w);
     for (int i = 0; i < k; i++) fprintf(stderr, "kvarn %s: warning: %s\n", cmd, w[i]);
     return k;
 }
@@ -193,8 +197,14 @@ int cli_model_open(const char *cmd, const char *path, cli_model *m)
     if (st != KVARN_OK) {
         const char *w = getenv("KVARN_WEIGHTS");
         const char *why = "";
-        if (w && st == KVARN_ERR_INVALID_ARG)
-            why = " (or KVARN_WEIGHTS is not fp32, bf16, int8 or gguf: docs/model.md)";
+        const int known = w && (!strcmp(w, "fp32") || !strcmp(w, "bf16") ||
+                                !strcmp(w, "int8") || !strcmp(w, "gguf") || !*w);
+        if (w && !known && st == KVARN_ERR_INVALID_ARG) {
+            cli_error(cmd, "cannot load '%s': KVARN_WEIGHTS='%s' is not a weight precision; "
+                           "expected fp32, bf16, int8 or gguf (docs/model.md)", path, w);
+            cli_model_close(m);
+            return -1;
+        }
         else if (w && st == KVARN_ERR_UNSUPPORTED && !strcmp(w, "bf16"))
             why = " (KVARN_WEIGHTS=bf16 needs oneDNN and an AVX-512 CPU: docs/model.md)";
         else if (w && st == KVARN_ERR_UNSUPPORTED && !strcmp(w, "int8"))
@@ -305,10 +315,12 @@ static kvarn_cache_opts cli_cache_opts(const kvarn_format *f, int layers, int kv
     return o;
 }
 
-double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens)
+double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens,
+                         int staging)
 {
     if (n_tokens < 0 || n_tokens > KVARN_CACHE_MAX_SEQ_LEN) return -1.0;
     kvarn_cache_opts o = cli_cache_opts(f, hp->n_layers, hp->n_kv_heads, hp->head_dim);
+    o.staging = staging;
     o.max_seqs = 1;
     o.max_seq_len = n_tokens > 0 ? (int)n_tokens : 1;
     o.budget_bytes = 0; /* sizing: per-sequence numbers only */

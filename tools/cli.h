@@ -49,19 +49,22 @@ int cli_check_tail_tokens(const char *cmd, long tail_tokens, const kvarn_format 
 #define CLI_WARNING_LEN 512
 
 /* The options that only KVarN caches use, given with no KVarN format among
- * fmts[0..n): --sink-tokens S (S >= 0; S < 0: not given) and
- * --tail-page-tokens T (T > 0; 0: not given). Per-token formats ignore
- * both (kvarn_cache_opts), so each given one is a warning: its text into
- * out[i] ("--sink-tokens 16 does nothing for int8: only KVarN formats
- * (kvarn_*) keep an fp16 sink"; no prefix, no newline). Returns the number
- * of warnings, 0 to 2. */
-int cli_kvarn_only_warnings(long sink_tokens, long tail_tokens, const kvarn_format *fmts, int n,
-                            char out[2][CLI_WARNING_LEN]);
+ * fmts[0..n): --sink-tokens S (S >= 0; S < 0: not given),
+ * --tail-page-tokens T (T > 0; 0: not given) and --kvarn-staging NAME
+ * (staging_name; NULL: not given). Per-token formats ignore them
+ * (kvarn_cache_opts), so each given one is a warning: its text into out[i]
+ * ("--sink-tokens 16 does nothing for int8: only KVarN formats (kvarn_*)
+ * keep an fp16 sink"; no prefix, no newline). Returns the number of
+ * warnings, 0 to CLI_KVARN_ONLY_MAX. */
+#define CLI_KVARN_ONLY_MAX 3
+int cli_kvarn_only_warnings(long sink_tokens, long tail_tokens, const char *staging_name,
+                            const kvarn_format *fmts, int n,
+                            char out[CLI_KVARN_ONLY_MAX][CLI_WARNING_LEN]);
 
 /* cli_kvarn_only_warnings printed on stderr, "kvarn CMD: warning: TEXT"
  * a line. Returns their number. */
 int cli_warn_kvarn_only(const char *cmd, long sink_tokens, long tail_tokens,
-                        const kvarn_format *fmts, int n);
+                        const char *staging_name, const kvarn_format *fmts, int n);
 
 /* Human-readable bytes ("12.3 MiB") into buf. */
 const char *cli_fmt_bytes(double bytes, char *buf, size_t len);
@@ -141,11 +144,13 @@ void cli_progress_end(void);
 
 /* Bytes of the paged cache's arenas that one sequence of n_tokens would
  * hold in format f for the model (all layers and KV heads, K and V, as a
- * cache keeps it with its default settings, every full tile committed): the
- * library's kvarn_cache_capacity_get seq_arena_bytes, for a cache no session
- * has (generate's fp16 comparison). -1 on a format the model's head_dim
- * does not take or n_tokens out of [0, 2^30]. */
-double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens);
+ * cache keeps it with its default settings but staging, a kvarn_staging
+ * (cache.h), every full tile committed): the library's
+ * kvarn_cache_capacity_get seq_arena_bytes, for a cache no session has
+ * (generate's fp16 comparison). -1 on a format the model's head_dim does
+ * not take or n_tokens out of [0, 2^30]. */
+double cli_kv_bytes_used(const kvarn_format *f, const kvarn_llama_hparams *hp, long n_tokens,
+                         int staging);
 
 /* Bytes the session's cache holds now for its tokens (all layers and KV
  * heads, K and V): blocks and fp16 pages in use times their bytes, and

@@ -125,10 +125,10 @@ static const cli_command k_command = {
 /* ---- running ------------------------------------------------------------ */
 
 /* The warnings eval prints before the run: KVarN-only options with no
- * KVarN format (cli_kvarn_only_warnings, up to 2), the options lowered to
+ * KVarN format (cli_kvarn_only_warnings, up to 3), the options lowered to
  * fit the text (--ctx, --windows, --decode-tokens: eval_fit, up to 3) and
  * the columns that measure no quantized K/V (eval_coverage.h). */
-#define EVAL_MAX_WARNINGS (2 + 3 + EVAL_COVERAGE_MAX)
+#define EVAL_MAX_WARNINGS (CLI_KVARN_ONLY_MAX + 3 + EVAL_COVERAGE_MAX)
 
 typedef struct fmt_run {
     kvarn_format fmt;
@@ -778,12 +778,14 @@ static void eval_warn_coverage(eval_run *r)
     }
 }
 
-/* --sink-tokens / --tail-page-tokens with no KVarN format: warned on
- * stderr and kept in r for the JSON report (about no format's columns). */
+/* --sink-tokens / --tail-page-tokens / --kvarn-staging with no KVarN
+ * format: warned on stderr and kept in r for the JSON report (about no
+ * format's columns). */
 static void eval_warn_options(eval_run *r, const eval_opts *o, const kvarn_format *fmts, int nf)
 {
-    char w[2][CLI_WARNING_LEN];
-    const int k = cli_kvarn_only_warnings(o->sink_tokens, o->tail_tokens, fmts, nf, w);
+    char w[CLI_KVARN_ONLY_MAX][CLI_WARNING_LEN];
+    const int k = cli_kvarn_only_warnings(o->sink_tokens, o->tail_tokens, o->staging_name, fmts,
+                                          nf, w);
     for (int i = 0; i < k && r->n_warnings < EVAL_MAX_WARNINGS; i++) {
         eval_warning *to = &r->warnings[r->n_warnings++];
         snprintf(to->text, sizeof to->text, "%s", w[i]);

@@ -86,6 +86,7 @@ static int check_options(gen_opts *o, kvarn_format *fmt)
         return 2;
     }
     *fmt = fmts[0];
+    cli_warn_kvarn_only("generate", -1, 0, o->staging_name, fmts, 1);
     return 0;
 }
 
@@ -297,18 +298,19 @@ static void gen_free(gen_state *g)
 /* ---- reporting ---------------------------------------------------------- */
 
 /* The token count from which on a cache of fmt (default sink and tail, as
- * generate's session) holds at most the bytes of an fp16 cache of the same
+ * generate's session, staged as staging) holds at most the bytes of an fp16 cache of the same
  * tokens (cli_kv_bytes_used of both), searched up to 64 tiles: one more
  * than the last count below that where it holds more. -1 when a size
  * cannot be computed. */
-static long fp16_break_even(const kvarn_format *fmt, const kvarn_llama_hparams *hp)
+static long fp16_break_even(const kvarn_format *fmt, const kvarn_llama_hparams *hp, int staging)
 {
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
     const long limit = 64L * (fmt->tile_tokens > 0 ? fmt->tile_tokens : 16);
     long last = 0;
     for (long n = 1; n <= limit; n++) {
-        double q = cli_kv_bytes_used(fmt, hp, n), b = cli_kv_bytes_used(&fp16, hp, n);
+        double q = cli_kv_bytes_used(fmt, hp, n, staging);
+        double b = cli_kv_bytes_used(&fp16, hp, n, KVARN_STAGING_FP16);
         if (q < 0 || b < 0) return -1;
         if (q > b) last = n;
     }
@@ -318,7 +320,7 @@ static long fp16_break_even(const kvarn_format *fmt, const kvarn_llama_hparams *
 /* On stderr: the bytes the session's cache holds for its tokens, as a
  * multiple of what an fp16 cache would hold for them (cli_kv_bytes_used),
  * e.g. "KV cache for 9 tokens: 191.2 KiB, 0.53x the size of an fp16 cache
- * (360.0 KiB)"; for KVarN what its fp16 sink and tail do to that: when the
+ * (360.0 KiB)"; for KVarN what its staged sink and tail do to that: when the
  * cache is larger than fp16's, that it is and below how many tokens
  * (fp16_break_even), else that short texts gain little; and the prompt and
  * generation speeds. info: the session cache's geometry (sink tokens). */
@@ -327,7 +329,7 @@ static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llam
 {
     kvarn_format fp16;
     kvarn_format_parse("fp16", &fp16);
-    double used = s->kv_bytes, base = cli_kv_bytes_used(&fp16, hp, s->n_tokens);
+    double used = s->kv_bytes, base = cli_kv_bytes_used(&fp16, hp, s->n_tokens, KVARN_STAGING_FP16);
     char b1[32], b2[32], ratio[32];
     /* the ratio with enough digits to be on the side of 1 the words say
      * (1.00x for a cache 0.2% larger read as a contradiction) */
@@ -341,15 +343,17 @@ static void report(const gen_stats *s, const kvarn_format *fmt, const kvarn_llam
             fmt->name, s->n_tokens, s->n_tokens == 1 ? "" : "s", cli_fmt_bytes(used, b1, sizeof b1),
             ratio, cli_fmt_bytes(base, b2, sizeof b2));
     if (fmt->per_tile) {
-        const long below = used > base ? fp16_break_even(fmt, hp) : -1;
+        const char *st = kvarn_cache_staging_name(info->staging);
+        if (st == NULL) st = "fp16";
+        const long below = used > base ? fp16_break_even(fmt, hp, info->staging) : -1;
         if (below > 0)
-            fprintf(stderr, ": larger than an fp16 cache for so few tokens: the fp16 sink (%d "
-                    "tokens) and staging tail (up to a %d-token tile) dominate; from %ld tokens "
-                    "on it is never larger",
-                    info->sink_tokens, fmt->tile_tokens, below);
+            fprintf(stderr, ": larger than an fp16 cache for so few tokens: the sink (%d "
+                    "tokens) and staging tail (up to a %d-token tile), staged %s, dominate; "
+                    "from %ld tokens on it is never larger",
+                    info->sink_tokens, fmt->tile_tokens, st, below);
         else
-            fprintf(stderr, "; the first %d-token tile (sink) and the last partial tile stay "
-                    "fp16, so short texts gain little", fmt->tile_tokens);
+            fprintf(stderr, "; the sink (%d tokens) and the last partial tile stay staged %s, "
+                    "so short texts gain less", info->sink_tokens, st);
         fprintf(stderr, "; on long contexts %s holds %.2fx as many tokens as fp16 in the same "
                 "memory", fmt->name, 4.0 * hp->head_dim / kvarn_bytes_per_token_head(fmt, hp->head_dim));
     }

@@ -37,7 +37,7 @@ static const cli_option k_options[] = {
      "read the shape from a llama GGUF's metadata (the weights are\nnot loaded)"},
     {"layers", 0, CLI_INT, OPT(layers), 1, KVARN_CACHE_MAX_LAYERS, 0, "--layers L", "the shape without a model: layers,"},
     {"kv-heads", 0, CLI_INT, OPT(kv_heads), 1, KVARN_CACHE_MAX_KV_HEADS, 0, "--kv-heads H", "KV heads per layer"},
-    {"head-dim", 0, CLI_INT, OPT(head_dim), 1, 100000, 0, "--head-dim D", "and channels per head"},
+    {"head-dim", 0, CLI_INT, OPT(head_dim), 1, 1024, 0, "--head-dim D", "and channels per head"},
     {"budget", 0, CLI_BYTES, OPT(budget), 0, 0, 0, "--budget B",
      "memory for the cache, all of it counted (default 16GiB)"},
     {"max-seqs", 0, CLI_INT, OPT(max_seqs), 1, 1000000, 0, "--max-seqs N",
@@ -220,7 +220,7 @@ int cmd_inspect(int argc, char **argv)
     int n = cli_parse_formats("inspect", o.dtypes, fmts, CLI_MAX_FORMATS);
     if (n < 0 || cli_check_tail_tokens("inspect", o.tail_tokens, fmts, n)) return 2;
     if (cli_parse_staging("inspect", o.staging_name, &o.staging)) return 2;
-    cli_warn_kvarn_only("inspect", o.sink_tokens, o.tail_tokens, fmts, n);
+    cli_warn_kvarn_only("inspect", o.sink_tokens, o.tail_tokens, o.staging_name, fmts, n);
     inspect_report *r = malloc(sizeof *r);
     if (r == NULL) {
         cli_error("inspect", "out of memory");

@@ -97,7 +97,7 @@ int cmd_passkey(int argc, char **argv)
     if (nf < 0) return 2;
     int staging;
     if (cli_parse_staging("passkey", o.staging_name, &staging)) return 2;
-    cli_warn_kvarn_only("passkey", o.sink_tokens, 0, fmts, nf);
+    cli_warn_kvarn_only("passkey", o.sink_tokens, 0, o.staging_name, fmts, nf);
     cli_model m;
     if (cli_model_open("passkey", o.model_path, &m)) return 1;
     passkey_opts po = {o.lengths.v, o.lengths.n, o.depths.v, o.depths.n, (int)o.trials, o.chunk,

@@ -1056,6 +1056,20 @@ def test_kvarn_only_options_warn_without_a_kvarn_format(kvarn_bin, model_path, t
     assert w == ["kvarn eval: warning: --sink-tokens 4 does nothing for int8: only KVarN formats "
                  "(kvarn_*) keep an fp16 sink"], r.stderr
     assert w[0][len("kvarn eval: warning: "):] in json.loads(r.stdout)["warnings"]
+    # --kvarn-staging too, in every command that takes it
+    for cmd, extra in (("inspect", shape), ("passkey", ["-m", model_path, "--lengths", "64",
+                                                        "--depths", "0"]),
+                       ("eval", ["-m", model_path, "-f", str(text), "--ctx", "32", "--chunk", "8",
+                                 "--decode-tokens", "4"]),
+                       ("generate", ["-m", model_path, "-p", "Hi", "-n", "1"])):
+        r = run([kvarn_bin, cmd, "--kv-cache-dtype", "int8", "--kvarn-staging", "int4"] + extra)
+        assert r.returncode == 0, (cmd, r.stderr)
+        assert sink_warnings(r.stderr, cmd) == [
+            f"kvarn {cmd}: warning: --kvarn-staging int4 does nothing for int8: only KVarN "
+            "formats (kvarn_*) stage tokens"], (cmd, r.stderr)
+        r = run([kvarn_bin, cmd, "--kv-cache-dtype", "kvarn_k4v2_g128", "--kvarn-staging",
+                 "int4"] + extra)
+        assert r.returncode == 0 and sink_warnings(r.stderr, cmd) == [], (cmd, r.stderr)
 
 
 def test_eval_passkey_needs_room_for_its_prompt(kvarn_bin, model_path, austen_path):

@@ -127,10 +127,11 @@ def test_memory_line_says_when_the_cache_is_larger_than_fp16(kvarn_bin, model_pa
     assert r.returncode == 0, r.stderr
     m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
     assert m and float(m[4]) > 1, r.stderr
-    tail = re.fullmatch(r": larger than an fp16 cache for so few tokens: the fp16 sink \(128 "
-                        r"tokens\) and staging tail \(up to a 128-token tile\) dominate; from "
-                        r"(\d+) tokens on it is never larger; on long contexts kvarn_k4v2_g128 holds 4\.49x as many "
-                        r"tokens as fp16 in the same memory", m[7])
+    tail = re.fullmatch(r": larger than an fp16 cache for so few tokens: the sink \(128 "
+                        r"tokens\) and staging tail \(up to a 128-token tile\), staged fp16, "
+                        r"dominate; from (\d+) tokens on it is never larger; on long contexts "
+                        r"kvarn_k4v2_g128 holds 4\.49x as many tokens as fp16 in the same memory",
+                        m[7])
     assert tail, m[0]
     assert "gain little" not in m[0]
     # the sink and one tail tile, 256 fp16 tokens, cost what an fp16 cache
@@ -144,7 +145,17 @@ def test_memory_line_says_when_the_cache_is_larger_than_fp16(kvarn_bin, model_pa
     assert r.returncode == 0, r.stderr
     m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
     assert m and int(m[1]) >= below and float(m[4]) < 1, r.stderr
-    assert "larger" not in m[0] and m[7].startswith("; the first 128-token tile (sink)"), m[0]
+    assert "larger" not in m[0] and m[7].startswith(
+        "; the sink (128 tokens) and the last partial tile stay staged fp16"), m[0]
+    # staged as int4 (--kvarn-staging): the line names it, and the sink and
+    # tail, about a quarter of fp16's bytes, break even sooner
+    r = generate(kvarn_bin, "-m", model_path, "-p", "The capital of France is", "-n", "4",
+                 "--temp", "0", "--kv-cache-dtype", fmt, "--kvarn-staging", "int4")
+    assert r.returncode == 0, r.stderr
+    m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
+    assert m and float(m[4]) > 1, r.stderr
+    t4 = re.search(r"\), staged int4, dominate; from (\d+) tokens on it is never larger", m[7])
+    assert t4 and int(t4[1]) < below and "fp16 sink" not in m[0], m[0]
     # a per-token format is never larger: no such clause
     r = generate(kvarn_bin, "-m", model_path, "-p", "The capital of France is", "-n", "4",
                  "--temp", "0", "--kv-cache-dtype", "int8")

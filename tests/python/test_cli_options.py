@@ -118,7 +118,7 @@ BAD_VALUES = [
     ("passkey", "--depths", "50%", "a comma-separated list of at most 16 integers from 0 to 100"),
     ("inspect", "--layers", "0", "an integer from 1 to 4096"),
     ("inspect", "--kv-heads", "two", "an integer from 1 to 4096"),
-    ("inspect", "--head-dim", "100001", "an integer from 1 to 100000"),
+    ("inspect", "--head-dim", "1025", "an integer from 1 to 1024"),
     ("inspect", "--max-seqs", "0", "an integer from 1 to 1000000"),
     ("inspect", "--budget", "16 GiB", "a byte size such as 16GiB, 512MiB or 2GB"),
     ("inspect", "--budget", "-1GiB", "a byte size such as 16GiB, 512MiB or 2GB"),
