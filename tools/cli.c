@@ -196,21 +196,20 @@ int cli_model_open(const char *cmd, const char *path, cli_model *m)
     st = kvarn_llama_load_gguf(m->gguf, &m->llama);
     if (st != KVARN_OK) {
         const char *w = getenv("KVARN_WEIGHTS");
-        const char *why = "";
-        const int known = w && (!strcmp(w, "fp32") || !strcmp(w, "bf16") ||
-                                !strcmp(w, "int8") || !strcmp(w, "gguf") || !*w);
-        if (w && !known && st == KVARN_ERR_INVALID_ARG) {
+        kvarn_llama_weights asked;
+        const int named = w && *w;
+        if (named && kvarn_llama_weights_parse(w, &asked) != KVARN_OK)
             cli_error(cmd, "cannot load '%s': KVARN_WEIGHTS='%s' is not a weight precision; "
                            "expected fp32, bf16, int8 or gguf (docs/model.md)", path, w);
-            cli_model_close(m);
-            return -1;
-        }
-        else if (w && st == KVARN_ERR_UNSUPPORTED && !strcmp(w, "bf16"))
-            why = " (KVARN_WEIGHTS=bf16 needs oneDNN and an AVX-512 CPU: docs/model.md)";
-        else if (w && st == KVARN_ERR_UNSUPPORTED && !strcmp(w, "int8"))
-            why = " (KVARN_WEIGHTS=int8 needs oneDNN and a CPU with AVX-512 VNNI or AVX-VNNI:"
-                  " docs/model.md)";
-        cli_error(cmd, "cannot load '%s' as a llama model: %s%s", path, kvarn_strerror(st), why);
+        else
+            cli_error(cmd, "cannot load '%s' as a llama model: %s%s", path, kvarn_strerror(st),
+                      !named || st != KVARN_ERR_UNSUPPORTED ? ""
+                      : asked == KVARN_LLAMA_WEIGHTS_BF16
+                          ? " (KVARN_WEIGHTS=bf16 needs oneDNN and an AVX-512 CPU: docs/model.md)"
+                      : asked == KVARN_LLAMA_WEIGHTS_INT8
+                          ? " (KVARN_WEIGHTS=int8 needs oneDNN and a CPU with AVX-512 VNNI or "
+                            "AVX-VNNI: docs/model.md)"
+                          : "");
         cli_model_close(m);
         return -1;
     }

@@ -111,7 +111,7 @@ static const cli_command k_command = {
     "--passkey N adds passkey retrieval (docs/eval.md) at length --ctx, depths\n"
     "0/50/100%, N keys per depth, as retrieved/tried beside the fp16 cache's own;\n"
     "--ctx must hold its prompt's intro, key and question (64 tokens for SmolLM2).\n"
-    "--sink-tokens S keeps the first S tokens of KVarN caches in fp16 (default: one\n"
+    "--sink-tokens S keeps the first S tokens of KVarN caches staged (default: one\n"
     "tile); when S is not a multiple of the tile the rest of that tile is quantized\n"
     "(docs/paged-cache.md \"The sink\"); S = 0: no sink.\n"
     "--tail-page-tokens T holds the uncommitted tail of KVarN caches in fp16 pages of\n"

@@ -177,6 +177,12 @@ typedef enum kvarn_llama_weights {
                                      at a time, OpenBLAS sgemm. */
 } kvarn_llama_weights;
 
+/* The weight precision named `name`, as KVARN_WEIGHTS takes it: "fp32",
+ * "bf16", "int8" or "gguf" (case-sensitive; AUTO has no name) into *out
+ * (docs/model.md "Weight precision"). KVARN_ERR_INVALID_ARG for any other
+ * name or a NULL argument, *out untouched. */
+kvarn_status kvarn_llama_weights_parse(const char *name, kvarn_llama_weights *out);
+
 /* Load settings. Start from KVARN_LLAMA_LOAD_OPTS_DEFAULT. */
 typedef struct kvarn_llama_load_opts {
     const kvarn_allocator *allocator; /* the model and its weights (copied;

@@ -501,6 +501,17 @@ static int all_matrices_blocked(const kvarn_gguf *g)
     return mats > 0;
 }
 
+kvarn_status kvarn_llama_weights_parse(const char *name, kvarn_llama_weights *out)
+{
+    if (!name || !out) return KVARN_ERR_INVALID_ARG;
+    if (!strcmp(name, "fp32")) *out = KVARN_LLAMA_WEIGHTS_FP32;
+    else if (!strcmp(name, "bf16")) *out = KVARN_LLAMA_WEIGHTS_BF16;
+    else if (!strcmp(name, "int8")) *out = KVARN_LLAMA_WEIGHTS_INT8;
+    else if (!strcmp(name, "gguf")) *out = KVARN_LLAMA_WEIGHTS_GGUF;
+    else return KVARN_ERR_INVALID_ARG;
+    return KVARN_OK;
+}
+
 /* AUTO: KVARN_WEIGHTS when set, else gguf for a file whose matrices are all
  * Q4_0 / Q4_1 / Q8_0 (all_matrices_blocked) on a CPU with the AVX2 or
  * AVX-512 GEMV (the scalar reference runs at ~0.3x fp32's sgemv: only
@@ -517,14 +528,7 @@ static kvarn_status resolve_weights(const kvarn_gguf *g, kvarn_llama_weights ask
     }
     if (asked != KVARN_LLAMA_WEIGHTS_AUTO) return KVARN_ERR_INVALID_ARG;
     const char *env = getenv("KVARN_WEIGHTS");
-    if (env && *env) {
-        if (!strcmp(env, "fp32")) *out = KVARN_LLAMA_WEIGHTS_FP32;
-        else if (!strcmp(env, "bf16")) *out = KVARN_LLAMA_WEIGHTS_BF16;
-        else if (!strcmp(env, "int8")) *out = KVARN_LLAMA_WEIGHTS_INT8;
-        else if (!strcmp(env, "gguf")) *out = KVARN_LLAMA_WEIGHTS_GGUF;
-        else return KVARN_ERR_INVALID_ARG;
-        return KVARN_OK;
-    }
+    if (env && *env) return kvarn_llama_weights_parse(env, out);
     if (all_matrices_blocked(g) && kvarn__cpu_level() >= KVARN_CPU_AVX2) {
         *out = KVARN_LLAMA_WEIGHTS_GGUF;
         return KVARN_OK;

@@ -1662,6 +1662,30 @@ static void test_plan_counts_thread_pools(void **state)
     kvarn_llama_free(gm);
 }
 
+/* kvarn_llama_weights_parse: the four KVARN_WEIGHTS names, nothing else
+ * (case-sensitive, no AUTO name), *out untouched on refusal. */
+static void test_weights_parse(void **state)
+{
+    (void)state;
+    static const struct { const char *name; kvarn_llama_weights w; } ok[] = {
+        {"fp32", KVARN_LLAMA_WEIGHTS_FP32}, {"bf16", KVARN_LLAMA_WEIGHTS_BF16},
+        {"int8", KVARN_LLAMA_WEIGHTS_INT8}, {"gguf", KVARN_LLAMA_WEIGHTS_GGUF}};
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        kvarn_llama_weights w = KVARN_LLAMA_WEIGHTS_AUTO;
+        assert_int_equal(kvarn_llama_weights_parse(ok[i].name, &w), KVARN_OK);
+        assert_int_equal(w, ok[i].w);
+    }
+    static const char *const bad[] = {"", "auto", "INT8", "fp16", "int8 ", "q4_1"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvarn_llama_weights w = KVARN_LLAMA_WEIGHTS_BF16;
+        assert_int_equal(kvarn_llama_weights_parse(bad[i], &w), KVARN_ERR_INVALID_ARG);
+        assert_int_equal(w, KVARN_LLAMA_WEIGHTS_BF16);
+    }
+    kvarn_llama_weights w;
+    assert_int_equal(kvarn_llama_weights_parse(NULL, &w), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_llama_weights_parse("fp32", NULL), KVARN_ERR_INVALID_ARG);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1678,6 +1702,7 @@ int main(void)
         cmocka_unit_test(test_shared_cache),
         cmocka_unit_test(test_weights_option),
         cmocka_unit_test(test_gguf_weights),
+        cmocka_unit_test(test_weights_parse),
         cmocka_unit_test(test_plan_counts_thread_pools),
         cmocka_unit_test(test_nonfinite_rolls_back),
         cmocka_unit_test(test_bad_files),
