@@ -5,13 +5,13 @@
  * For a model shape, n concurrent sequences of len tokens and a format, the
  * bytes a server must give the paged cache to hold them: the smallest cache
  * (kvarn_cache_create's opts with max_seqs = n, max_seq_len = len, sink
- * length S and auto fp16 pages) whose kvarn_cache_capacity_get says it
+ * length S and auto staging pages) whose kvarn_cache_capacity_get says it
  * holds n sequences of len, counted as its total_bytes (quantized records,
- * fp16 sink and tail pages, sink slots, block tables, id pools, scratch).
- * KVarN formats get one row per S of --sinks (tokens kept in fp16: 128 is
+ * staged sink and tail pages, sink slots, block tables, id pools, scratch).
+ * KVarN formats get one row per S of --sinks (tokens staged: 128 is
  * the default whole sink tile, 0 no sink, others a sink shorter than a tile
  * with the rest of that tile quantized, cache.h sink_tokens), and per T of
- * --tails (tokens per fp16 tail page: 128 = G, a whole tile per tail page;
+ * --tails (tokens per tail page: 128 = G, a whole tile per tail page;
  * 16 = small tail pages taken on demand, cache.h tail_page_tokens). The ratio
  * printed is fp16's total over the format's: the factor by which the same
  * memory holds more such requests. Two pools of tail pages: "auto" (the
@@ -25,9 +25,10 @@
  * from the library's one capacity computation (docs/paged-cache.md
  * "Capacity"), so the table does not depend on the machine.
  *
- * --staging int8 | fp8_e4m3 | int4 holds every staged KVarN token (sink,
- * tail, sink slots) as a token record of that per-token format instead of
- * fp16 (cache.h staging; fp8 is fp8_e4m3).
+ * --staging fp16 | int8 | fp8_e4m3 | int4: how every staged KVarN token
+ * (sink, tail, sink slots) is held, fp16 rows or a token record of that
+ * per-token format (cache.h staging; fp8 is fp8_e4m3); default int8, the
+ * cache's default.
  *
  *   bench_capacity [--formats LIST] [--seqs 1,16,64,256] [--lens 2048,8192]
  *                  [--shapes smol,llama] [--sinks 128,32,16,0] [--tails 128,16]
@@ -48,7 +49,7 @@ static const shape SHAPES[] = {
     {"llama", 32, 8, 128},  /* Llama-3-8B */
 };
 
-static int g_staging = KVARN_STAGING_FP16; /* --staging */
+static int g_staging = KVARN_STAGING_INT8; /* --staging (the cache default) */
 
 /* Tail pages of n sequences whose tails are spread evenly over a tile of G
  * tokens, in pages of T tokens: ceil(n * sum_r ceil(r / T) / G) over r in
@@ -179,8 +180,8 @@ int main(int argc, char **argv)
     kvarn_format_parse("fp16", &fp16);
     printf("effective capacity, all memory counted: fp16 bytes / format bytes for n sequences of len tokens"
            " (KVarN staging: %s)\n", kvarn_cache_staging_name(g_staging));
-    printf("%-6s %5s %6s %-18s %4s %4s %14s %9s %9s %10s %14s %9s\n", "shape", "n", "len",
-           "format", "S", "T", "total bytes", "x fp16", "records", "fp16 part", "bytes (mean)",
+    printf("%-6s %5s %6s %-18s %4s %4s %14s %9s %9s %11s %14s %9s\n", "shape", "n", "len",
+           "format", "S", "T", "total bytes", "x fp16", "records", "staged part", "bytes (mean)",
            "x (mean)");
     int rc = 0;
     for (size_t si = 0; si < sizeof SHAPES / sizeof SHAPES[0]; si++) {
@@ -191,7 +192,7 @@ int main(int argc, char **argv)
                 kvarn_cache_capacity base, cap;
                 uint64_t b0 = bytes_for(s, &fp16, -1, 0, 0, seqs[ni], lens[li], &base);
                 if (b0 == 0) { rc = 1; continue; }
-                printf("%-6s %5d %6d %-18s %4s %4s %14llu %8.2fx %8.2fx %9.1f%% %14s %9s\n",
+                printf("%-6s %5d %6d %-18s %4s %4s %14llu %8.2fx %8.2fx %10.1f%% %14s %9s\n",
                        s->name, seqs[ni], lens[li], "fp16", "-", "-", (unsigned long long)b0, 1.0,
                        1.0, 0.0, "-", "-");
                 for (int f = 0; f < nf; f++) {
@@ -214,7 +215,7 @@ int main(int argc, char **argv)
                         /* records only: what long contexts reach */
                         double rec = (double)kvarn_bytes_per_token_head(&fp16, s->head_dim) /
                                      kvarn_bytes_per_token_head(&fmts[f], s->head_dim);
-                        double fp16_part = (double)cap.info.n_pages * (double)cap.info.page_bytes +
+                        double staged_part = (double)cap.info.n_pages * (double)cap.info.page_bytes +
                                            (double)cap.info.n_tail_pages *
                                                (double)cap.info.tail_page_bytes +
                                            (double)cap.info.max_seqs * (double)cap.info.sink_bytes;
@@ -224,18 +225,18 @@ int main(int argc, char **argv)
                         snprintf(bms, sizeof bms, kv ? "%llu" : "-", (unsigned long long)bm);
                         if (kv) snprintf(xm, sizeof xm, "%.2fx", (double)b0 / (double)bm);
                         else snprintf(xm, sizeof xm, "-");
-                        printf("%-6s %5d %6d %-18s %4s %4s %14llu %8.2fx %8.2fx %9.1f%% %14s %9s\n",
+                        printf("%-6s %5d %6d %-18s %4s %4s %14llu %8.2fx %8.2fx %10.1f%% %14s %9s\n",
                                s->name, seqs[ni], lens[li], fmts[f].name, sk, tk,
                                (unsigned long long)b, (double)b0 / (double)b, rec,
-                               100.0 * fp16_part / (double)b, bms, xm);
+                               100.0 * staged_part / (double)b, bms, xm);
                     }
                 }
             }
     }
     printf("x fp16: the same memory holds that many times more such requests; records: the\n"
-           "multiple from record bytes alone; S: sink tokens kept in fp16 (KVarN); T: tokens per\n"
-           "fp16 tail page (G: whole tiles; less: small pages on demand); fp16 part: share of\n"
-           "the total in fp16 pages with the auto pool (whole sink tiles, and the tail: (max_seqs\n"
+           "multiple from record bytes alone; S: sink tokens staged (KVarN); T: tokens per\n"
+           "tail page (G: whole tiles; less: small pages on demand); staged part: share of\n"
+           "the total in staging pages with the auto pool (whole sink tiles, and the tail: (max_seqs\n"
            "+ ceil(max_seqs / 8)) x G tokens, whatever T) and sink slots (max_seqs x (S mod G)\n"
            "tokens); (mean): the tail pool sized for tails spread evenly over the tile instead\n"
            "(n x E[ceil(r / T)] pages + G / T), which fails when more tails are full at once\n");

@@ -105,7 +105,7 @@ int main(void)
     printf("format %s: %zu record bytes per tile and KV head (fp16: %d)\n", fmt->name,
            kvarn_record_bytes(fmt, D), 2 * fmt->tile_tokens * D * 2);
     printf("cache: %lld tokens, %.0f bytes per token in records (fp16 %.0f: %.2fx), "
-           "%.0f as held now (fp16 sink and tail tiles counted)\n",
+           "%.0f as held now (staged sink and tail tiles counted)\n",
            (long long)stats.tokens, stats.record_bytes_per_token, fp16_token_bytes,
            fp16_token_bytes / stats.record_bytes_per_token, stats.used_bytes_per_token);
     printf("attention (%s kernels): relative RMS error %.3f of one head's output against exact\n"

@@ -3,7 +3,7 @@
 # the evaluation model and text (docs/model-setup.md), build, then
 #   1. generate with the default KVarN cache (kvarn_k4v2_g128), continuing
 #      the opening of Pride and Prejudice (~500 tokens, so that tiles past the
-#      fp16 sink tile are committed to 4/2-bit records), and
+#      staged sink tile are committed to 4/2-bit records), and
 #   2. a short eval ladder: every cache format against the fp16 cache on one
 #      1024-token window of Jane Austen, fed in 128-token chunks.
 # For the full ladder: build/kvarn eval -m MODEL -f data/austen/all.txt --kv-cache-dtype all

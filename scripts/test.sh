@@ -49,11 +49,11 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
 
 if ls tests/python/test_*.py >/dev/null 2>&1; then
   echo "== Python tests (real model)" >&2
-  python3 -m pytest -q tests/python
+  python3 -m pytest -q --durations=15 tests/python
 fi
 
 # The vLLM plug-in (python/kvarn_vllm) on vLLM's CPU build, end to end on the
 # converted model: installs .venv-vllm the first time (docs/vllm.md).
 echo "== vLLM plug-in tests (tests/vllm)" >&2
 bash scripts/setup.sh --vllm
-.venv-vllm/bin/python -m pytest -q tests/vllm
+.venv-vllm/bin/python -m pytest -q --durations=25 tests/vllm

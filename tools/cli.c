@@ -114,10 +114,10 @@ int cli_kvarn_only_warnings(long sink_tokens, long tail_tokens, const char *stag
     int k = 0;
     if (sink_tokens >= 0)
         snprintf(out[k++], CLI_WARNING_LEN, "--sink-tokens %ld does nothing for %s: only KVarN "
-                 "formats (kvarn_*) keep an fp16 sink", sink_tokens, names);
+                 "formats (kvarn_*) keep a staged sink", sink_tokens, names);
     if (tail_tokens > 0)
         snprintf(out[k++], CLI_WARNING_LEN, "--tail-page-tokens %ld does nothing for %s: only "
-                 "KVarN formats (kvarn_*) hold their tail in fp16 pages", tail_tokens, names);
+                 "KVarN formats (kvarn_*) hold their tail in pages", tail_tokens, names);
     if (staging_name != NULL)
         snprintf(out[k++], CLI_WARNING_LEN, "--kvarn-staging %s does nothing for %s: only "
                  "KVarN formats (kvarn_*) stage tokens", staging_name, names);
@@ -412,7 +412,7 @@ void cli_session_set_sink(kvarn_llama_session_opts *so, long sink_tokens)
 
 int cli_parse_staging(const char *cmd, const char *name, int *staging)
 {
-    *staging = KVARN_STAGING_FP16;
+    *staging = kvarn_cache_default_opts().staging; /* int8 */
     if (name == NULL) return 0;
     if (kvarn_cache_staging_parse(name, staging) != KVARN_OK) {
         cli_error(cmd, "--kvarn-staging %s: unknown staging format; expected fp16, int8, "

@@ -101,7 +101,12 @@ void cli_model_close(cli_model *m);
  * S < 0 leaves the default sink (one tile). */
 void cli_session_set_sink(kvarn_llama_session_opts *so, long sink_tokens);
 
-/* --kvarn-staging NAME (NULL: not given, fp16; kvarn_cache_staging_parse:
+/* The help line of --kvarn-staging, the same in every command. */
+#define CLI_STAGING_HELP                                                                    \
+    "KVarN: staged tokens (sink, tail) as int8 records\n(default), fp16 (the spec's), "       \
+    "fp8_e4m3 (alias\nfp8) or int4"
+
+/* --kvarn-staging NAME (NULL: not given, int8, the cache default; kvarn_cache_staging_parse:
  * fp16, int8, fp8_e4m3 or its alias fp8, int4) into *staging
  * (kvarn_cache_opts.staging). 0, or 2 with the usage error printed. */
 int cli_parse_staging(const char *cmd, const char *name, int *staging);

@@ -35,9 +35,9 @@ typedef struct eval_opts {
     const char *model_path, *text_path, *dtypes, *dump_path;
     long ctx, chunk, windows, decode_tokens, threads, passkey_trials;
     long dump_layers; /* 0: all */
-    long sink_tokens; /* KVarN fp16 sink tokens S (0: no sink); -1: the default */
-    long tail_tokens; /* KVarN tokens per fp16 tail page; 0: whole tiles */
-    const char *staging_name; /* --kvarn-staging; NULL: fp16 */
+    long sink_tokens; /* KVarN sink tokens S (0: no sink); -1: the default */
+    long tail_tokens; /* KVarN tokens per tail page; 0: whole tiles */
+    const char *staging_name; /* --kvarn-staging; NULL: int8 */
     int staging;              /* kvarn_staging parsed from it */
     int json;
     int rtn_mse;      /* KVarN: error-minimizing RTN ranges (KVARN_RTN_MSE) */
@@ -68,9 +68,9 @@ static const cli_option k_options[] = {
     {"sink-tokens", 0, CLI_INT, OPT(sink_tokens), 0, 1 << 16, 0, "--sink-tokens S",
      "KVarN: first S tokens staged, not encoded (default one\ntile)"},
     {"tail-page-tokens", 0, CLI_INT, OPT(tail_tokens), 0, 1024, 0, "--tail-page-tokens T",
-     "KVarN: fp16 tail pages of T tokens (T divides G;\ndefault 0: a whole tile)"},
+     "KVarN: tail pages of T tokens (T divides G;\ndefault 0: a whole tile)"},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
-     "KVarN: staged tokens (sink, tail) as fp16 (default) or\nrecords of int8, fp8_e4m3 (alias fp8) or int4"},
+     CLI_STAGING_HELP},
     {"rtn-mse", 0, CLI_FLAG, OPT(rtn_mse), 0, 0, 0, "--rtn-mse",
      "KVarN: error-minimizing RTN ranges at commit (same\nrecords; default the spec's min/max)"},
     {"rtn-mse-values", 0, CLI_FLAG, OPT(rtn_mse_v), 0, 0, 0, "--rtn-mse-values",
@@ -98,14 +98,14 @@ static const cli_command k_command = {
     "and once per format; the last --decode-tokens tokens of each window are fed one\n"
     "at a time (decode, after the chunked prefill). Prints per format: bytes per\n"
     "token (all layers, K+V, metadata counted; 'eff' is what the session's paged\n"
-    "cache holds for its --ctx tokens, fp16 sink and tail pages counted), the\n"
+    "cache holds for its --ctx tokens, staged sink and tail pages counted), the\n"
     "capacity multiple against fp16 (from the record bytes: what long contexts\n"
     "reach), KL divergence of the next-token distribution against the reference\n"
     "over the chunk-fed positions (mean, median, p99, max) and top-1 agreement,\n"
     "the same KLD mean and top-1 over the decoded positions ('dec': what a chat\n"
     "user gets, tokens arriving one at a time), perplexity over all positions and\n"
     "its delta, and decode speed as tokens/s and as a ratio to fp16. Warns on stderr\n"
-    "when a column's positions never attend to K/V held in the format (fp16 sink\n"
+    "when a column's positions never attend to K/V held in the format (staged sink\n"
     "and tail only: such a column reads about 0; docs/eval.md). --json: the same\n"
     "report as JSON, a column with nothing measured as null, the warnings in lists.\n"
     "--passkey N adds passkey retrieval (docs/eval.md) at length --ctx, depths\n"
@@ -114,7 +114,7 @@ static const cli_command k_command = {
     "--sink-tokens S keeps the first S tokens of KVarN caches staged (default: one\n"
     "tile); when S is not a multiple of the tile the rest of that tile is quantized\n"
     "(docs/paged-cache.md \"The sink\"); S = 0: no sink.\n"
-    "--tail-page-tokens T holds the uncommitted tail of KVarN caches in fp16 pages of\n"
+    "--tail-page-tokens T holds the uncommitted tail of KVarN caches in pages of\n"
     "T tokens taken on demand instead of a whole tile (same numbers: same records,\n"
     "attention bit for bit; docs/paged-cache.md \"Small tail pages\").\n"
     "--dump-kv FILE writes the reference session's fp32 K (post-RoPE) and V of the\n"
@@ -471,7 +471,7 @@ static int eval_window(eval_run *r, const eval_opts *o, long w, long *done)
     if (w == 0 && o->dump_path &&
         write_kv_dump(o->dump_path, r->ref, r->m.hp, (int)r->dump_layers, (int)r->ctx))
         return -1;
-    /* what each cache holds for the window, fp16 sink and tail counted */
+    /* what each cache holds for the window, staged sink and tail counted */
     r->ref_eff_bpt = cli_session_kv_bytes(r->ref) / (double)r->ctx;
     for (int f = 0; f < r->nf; f++)
         r->runs[f].eff_bpt = cli_session_kv_bytes(r->runs[f].sess) / (double)r->ctx;
@@ -617,7 +617,7 @@ static void print_table(const eval_results *res)
 {
     char pk[24], speed[48], dppl[32];
     /* cap x fp16 (capacity) from the record bytes: what long contexts
-     * reach; eff B/tok adds the fp16 sink and tail at this --ctx. tok/s x
+     * reach; eff B/tok adds the staged sink and tail at this --ctx. tok/s x
      * fp16: decode speed against the reference's. */
     printf("%-17s %9s %9s %10s %9s %9s %9s %9s %7s %9s %8s %9s %8s %7s %9s %12s\n", "format", "B/token",
            "eff B/tok", "cap x fp16", "KLD mean", "median", "p99", "max", "top-1", "dec KLD",

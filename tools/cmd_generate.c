@@ -23,7 +23,7 @@ typedef struct gen_opts {
     int chat;
     long n_gen, threads, seed, ctx; /* ctx 0: the model's context length */
     double temp, top_p;
-    const char *staging_name; /* --kvarn-staging; NULL: fp16 */
+    const char *staging_name; /* --kvarn-staging; NULL: int8 */
     int staging;              /* kvarn_staging parsed from it */
 } gen_opts;
 
@@ -54,7 +54,7 @@ static const cli_option k_options[] = {
      "the KV cache is sized for it at start"},
     {"max-tokens", 0, CLI_INT, OPT(ctx), 1, 0x7fffffffL, 0, NULL, NULL},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
-     "KVarN: staged tokens (sink, tail) as fp16 (default) or\nrecords of int8, fp8_e4m3 (alias fp8) or int4"},
+     CLI_STAGING_HELP},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT

@@ -20,9 +20,9 @@ typedef struct inspect_opts {
     long layers, kv_heads, head_dim; /* 0: not given */
     uint64_t budget;                 /* bytes */
     long max_seqs;
-    long sink_tokens;                /* KVarN fp16 sink tokens S; -1: the default */
-    long tail_tokens;                /* KVarN tokens per fp16 tail page; 0: whole tiles */
-    const char *staging_name;        /* --kvarn-staging; NULL: fp16 */
+    long sink_tokens;                /* KVarN sink tokens S; -1: the default */
+    long tail_tokens;                /* KVarN tokens per tail page; 0: whole tiles */
+    const char *staging_name;        /* --kvarn-staging; NULL: int8 */
     int staging;                     /* kvarn_staging parsed from it */
 } inspect_opts;
 
@@ -45,9 +45,9 @@ static const cli_option k_options[] = {
     {"sink-tokens", 0, CLI_INT, OPT(sink_tokens), 0, 1 << 16, 0, "--sink-tokens S",
      "KVarN: first S tokens staged, not encoded (default one\ntile; 0: no sink)"},
     {"tail-page-tokens", 0, CLI_INT, OPT(tail_tokens), 0, 1024, 0, "--tail-page-tokens T",
-     "KVarN: fp16 tail pages of T tokens taken on demand\n(T divides G; default 0: a whole tile per page)"},
+     "KVarN: tail pages of T tokens taken on demand\n(T divides G; default 0: a whole tile per page)"},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
-     "KVarN: staged tokens (sink, tail) as fp16 (default) or\nrecords of int8, fp8_e4m3 (alias fp8) or int4"},
+     CLI_STAGING_HELP},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT
@@ -61,7 +61,7 @@ static const cli_command k_command = {
     "Prints, for each format: the block size G, the record bytes per token (all\n"
     "layers and KV heads, K and V, metadata and padding counted) and the multiple\n"
     "against fp16 they give long contexts; then what a paged cache in the budget\n"
-    "really holds, every byte counted (records, fp16 sink and tail pages, block\n"
+    "really holds, every byte counted (records, staged sink and tail pages, block\n"
     "tables, pools; kvarn_cache_capacity_get): the tokens a cache for --max-seqs\n"
     "sequences holds, and how many requests of 2k / 8k / 32k tokens fit at once.\n",
 };
@@ -205,7 +205,7 @@ static void inspect_print(const inspect_opts *o, const inspect_report *r)
            "them\n", o->max_seqs);
     if (refused)
         printf("-: the budget does not hold the smallest such cache (one block plus the "
-               "bookkeeping, and for KVarN the fp16 sink and tail pages of %ld sequences): a "
+               "bookkeeping, and for KVarN the staged sink and tail pages of %ld sequences): a "
                "cache created so is refused; raise --budget (or lower --max-seqs for KVarN)\n",
                o->max_seqs);
 }

@@ -18,7 +18,7 @@ typedef struct pk_opts {
     cli_list lengths, depths; /* tokens; percent */
     long trials, chunk, seed, threads;
     long sink_tokens; /* KVarN sink tokens S (0: no sink); -1: the default */
-    const char *staging_name; /* --kvarn-staging; NULL: fp16 */
+    const char *staging_name; /* --kvarn-staging; NULL: int8 */
 } pk_opts;
 
 static const pk_opts k_defaults = {
@@ -46,7 +46,7 @@ static const cli_option k_options[] = {
      "KVarN: first S tokens staged, not encoded (default one\n"
      "tile; 0: no sink)"},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
-     "KVarN: staged tokens (sink, tail) as fp16 (default) or\nrecords of int8, fp8_e4m3 (alias fp8) or int4"},
+     CLI_STAGING_HELP},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT

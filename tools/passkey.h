@@ -18,11 +18,11 @@ typedef struct passkey_opts {
     uint64_t seed;
     int threads;
     int quiet;                          /* no progress on stderr */
-    int sink_tokens;                    /* KVarN fp16 sink tokens S (0: no
+    int sink_tokens;                    /* KVarN sink tokens S (0: no
                                            sink); -1: the default sink */
     const char *progress;               /* progress label; NULL: "kvarn passkey" */
     int staging;                        /* kvarn_staging of the formats' sessions
-                                           (0: KVARN_STAGING_FP16) */
+                                           (KVARN_STAGING_FP16 is 0: set it) */
 } passkey_opts;
 
 /* The shortest length passkey_run takes for m's tokenizer: the tokens of

@@ -211,29 +211,36 @@ typedef struct kvarn_cache_opts {
                                KVARN_RTN_MSE (error-minimizing; same record
                                layout, read by the same kernels) */
     int staging;            /* KVarN: how staged tokens are held
-                               (kvarn_staging, paged.h): KVARN_STAGING_FP16
-                               (0, default) rotated fp16 rows;
-                               KVARN_STAGING_INT8, _FP8_E4M3, _INT4 records
-                               of that per-token format (its own codec on
-                               the rotated vectors; bytes per token-head
-                               2D + 8, 2D + 4, D + 8 against 4D), for every
-                               staged token: the sink tiles, the tail
-                               (whole or small pages), the sink slots.
-                               Commit decodes the staged tile to fp32 and
-                               encodes it as usual; attention reads the
-                               staged tokens with that format's token
-                               kernels. Another value:
-                               KVARN_ERR_INVALID_ARG.
-                               Per-token formats: must be 0. */
+                               (kvarn_staging, paged.h):
+                               KVARN_STAGING_INT8 (the default of
+                               kvarn_cache_default_opts: decode KLD 0.97x
+                               of fp16 staging's for 53% of its bytes,
+                               docs/capacity.md "Staging below fp16"),
+                               _FP8_E4M3, _INT4: records of that per-token
+                               format (its own codec on the rotated
+                               vectors; bytes per token-head 2D + 8,
+                               2D + 4, D + 8); KVARN_STAGING_FP16 (0, the
+                               spec's fp16 tail and sink): rotated fp16
+                               rows, 4D bytes. For every staged token: the
+                               sink tiles, the tail (whole or small pages),
+                               the sink slots. Commit decodes the staged
+                               tile to fp32 and encodes it as usual;
+                               attention reads the staged tokens with that
+                               format's token kernels. The CUDA kernels
+                               read fp16 staging only. Another value:
+                               KVARN_ERR_INVALID_ARG. Per-token formats:
+                               ignored (nothing is staged;
+                               kvarn_cache_info.staging is fp16). */
 } kvarn_cache_opts;
 
 /* The defaults: format kvarn_k4v2_g128, block_size 0 (auto), sink_tiles 1
- * (sink_tokens 0: one whole fp16 sink tile, the spec's default),
+ * (sink_tokens 0: one whole sink tile, the spec's default),
  * max_seqs 64, max_seq_len 0 (auto), n_pages 0 (auto), balance_iters 8,
- * tail_page_tokens 0 (whole tail pages: the CUDA kernels read only those,
- * and with the auto pool small pages cost the same bytes; see
- * docs/paged-cache.md "Small tail pages"), n_tail_pages 0, rtn_range
- * KVARN_RTN_MINMAX, staging KVARN_STAGING_FP16;
+ * tail_page_tokens 0 (whole tail pages: with the auto pool small pages
+ * cost the same bytes; see docs/paged-cache.md "Small tail pages"),
+ * n_tail_pages 0, rtn_range KVARN_RTN_MINMAX, staging KVARN_STAGING_INT8
+ * (staged tokens as int8 records; KVARN_STAGING_FP16 is the spec's fp16
+ * sink and tail, the one the CUDA kernels read);
  * n_layers, n_kv_heads, head_dim, budget_bytes are 0 and must be set. */
 kvarn_cache_opts kvarn_cache_default_opts(void);
 

@@ -303,11 +303,13 @@ typedef struct kvarn_llama_session_opts {
                                  KVARN_RTN_MSE. 0 with a caller's cache. */
     int staging;              /* KVarN: how staged tokens are held (cache.h
                                  kvarn_cache_opts.staging, kvarn_staging);
-                                 0 (default) fp16. Per-token formats:
-                                 ignored. 0 with a caller's cache. */
+                                 -1 (default): the cache's default, int8
+                                 records; KVARN_STAGING_FP16 (0) fp16 rows.
+                                 Per-token formats: ignored. -1 with a
+                                 caller's cache. */
 } kvarn_llama_session_opts;
 
-#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, NULL, 0, 0, 0, 0 }
+#define KVARN_LLAMA_SESSION_OPTS_DEFAULT { NULL, 0, 0, -1, -1, 0, 0, 0, 0, NULL, NULL, 0, 0, 0, -1 }
 
 /* What a session would be and take (kvarn_llama_session_plan). */
 typedef struct kvarn_llama_session_info {

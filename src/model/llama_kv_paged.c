@@ -260,7 +260,7 @@ static kvarn_status cache_settings(const llama_kv_shape *sh, const kvarn_format 
             if (tail > (1 << 30) / (fmt->tile_tokens / tail_tokens)) return KVARN_ERR_TOO_LARGE;
             o.n_tail_pages = tail * (fmt->tile_tokens / tail_tokens);
         }
-        o.staging = staging;
+        if (staging >= 0) o.staging = staging; /* -1: the cache's default */
     }
     /* Budget 0: the plan gives the geometry only (G, sink tiles, block and
      * page bytes); per-token formats take the cache's default block size. */

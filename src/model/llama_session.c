@@ -55,7 +55,8 @@ static kvarn_status session_plan(const kvarn_llama *model,
     if (o->max_chunk == 0) o->max_chunk = DEFAULT_MAX_CHUNK;
     if (o->max_chunk > o->max_tokens) o->max_chunk = o->max_tokens;
     if (o->max_tokens < 1 || o->max_chunk < 1 || o->sink_tiles < -1 || o->sink_tokens < 0 ||
-        o->tail_page_tokens < 0 || kvarn_cache_staging_name(o->staging) == NULL ||
+        o->tail_page_tokens < 0 ||
+        (o->staging != -1 && kvarn_cache_staging_name(o->staging) == NULL) ||
         (o->rtn_range < KVARN_RTN_MINMAX || o->rtn_range > KVARN_RTN_MSE_V) ||
         o->balance_iters < -1 || o->balance_iters > 64 || (o->exact != 0 && o->exact != 1) ||
         o->attn_threads < 0 || o->attn_threads > 256 ||
@@ -66,7 +67,7 @@ static kvarn_status session_plan(const kvarn_llama *model,
         /* A caller's cache decides the format and the KVarN settings. */
         kvarn_cache_info ci;
         if (o->exact || o->format || o->sink_tiles != -1 || o->sink_tokens != 0 ||
-            o->tail_page_tokens != 0 || o->staging != 0 ||
+            o->tail_page_tokens != 0 || o->staging != -1 ||
             o->balance_iters != -1 || o->rtn_range != KVARN_RTN_MINMAX ||
             kvarn_cache_get_info(o->cache, &ci) != KVARN_OK || ci.n_layers != hp->n_layers ||
             ci.n_kv_heads != hp->n_kv_heads || ci.head_dim != hp->head_dim ||

@@ -44,6 +44,9 @@ static inline kvarn_cache_opts fx_opts(const char *name, int L, int Hk, int D,
     o.sink_tiles = kv ? sink : 0;
     o.n_pages = kv ? n_pages : 0;
     o.max_seqs = max_seqs;
+    /* fp16 staging: the page bytes below and the exact tail round trip the
+     * cache tests check (record staging: test_cache_staging.c) */
+    o.staging = KVARN_STAGING_FP16;
     size_t rec = kvarn_record_bytes(&o.format, D);
     uint64_t block = (uint64_t)L * Hk * rec * (kv ? 1 : (uint64_t)g);
     uint64_t page = kv ? (uint64_t)L * Hk * 2 * (uint64_t)g * D * 2 : 0;

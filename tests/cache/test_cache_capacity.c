@@ -233,10 +233,12 @@ static void test_fill_to_the_count(void **state)
 }
 
 /* The defaults at SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64)
- * with a budget of budget_bytes. */
+ * with a budget of budget_bytes, staged in fp16: the page bytes these tests
+ * work out (test_staging_plan checks the default, int8). */
 static kvarn_cache_opts smollm_opts(uint64_t budget_bytes)
 {
     kvarn_cache_opts o = kvarn_cache_default_opts();
+    o.staging = KVARN_STAGING_FP16;
     o.n_layers = 30;
     o.n_kv_heads = 3;
     o.head_dim = 64;
@@ -303,6 +305,13 @@ static void test_staging_plan(void **state)
     o.sink_tokens = 128 + 16;
     o.tail_page_tokens = 16;
     kvarn_cache_info f, i;
+    /* the default stages int8 records */
+    kvarn_cache_opts d = o;
+    d.staging = kvarn_cache_default_opts().staging;
+    assert_int_equal(d.staging, KVARN_STAGING_INT8);
+    assert_int_equal(kvarn_cache_plan(&d, &i), KVARN_OK);
+    assert_int_equal(i.staging, KVARN_STAGING_INT8);
+    assert_int_equal(i.staging_record_bytes, 2 * 64 + 8);
     assert_int_equal(kvarn_cache_plan(&o, &f), KVARN_OK);
     assert_int_equal(f.staging, KVARN_STAGING_FP16);
     assert_int_equal(f.staging_record_bytes, 0);
@@ -348,13 +357,18 @@ static void test_staging_plan(void **state)
         assert_int_equal(kvarn_cache_create(&b, &c), KVARN_ERR_INVALID_ARG);
         assert_null(c);
     }
-    kvarn_cache_opts pt = o; /* per-token formats stage nothing */
+    /* per-token formats stage nothing: any staging is the fp16 plan's */
+    kvarn_cache_opts pt = o;
     assert_int_equal(kvarn_format_parse("int8", &pt.format), KVARN_OK);
     pt.sink_tokens = 0;
     pt.tail_page_tokens = 0;
+    kvarn_cache_info p16;
+    assert_int_equal(kvarn_cache_plan(&pt, &p16), KVARN_OK);
     for (int st = KVARN_STAGING_INT8; st <= KVARN_STAGING_INT4; st++) {
         pt.staging = st;
-        assert_int_equal(kvarn_cache_plan(&pt, &i), KVARN_ERR_INVALID_ARG);
+        assert_int_equal(kvarn_cache_plan(&pt, &i), KVARN_OK);
+        assert_int_equal(i.staging, KVARN_STAGING_FP16);
+        assert_memory_equal(&i, &p16, sizeof i);
     }
 
     int v = -7;

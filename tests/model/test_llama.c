@@ -1587,9 +1587,16 @@ static void test_context_limits(void **state)
     o.format = fmt_of("kvarn_k4v2_g128");
     assert_int_equal(kvarn_format_parse("kvarn_k4v2_g128", &fmt), KVARN_OK);
     assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
+    /* staged by default as int8 token records (2 HD + 8 bytes per
+     * token-head, K and V), fp16 rows (4 HD) when asked */
     const uint64_t pages = 1 + 512 / 128 + 2;
     assert_true(info.kv_bytes == (T / 128 - 1) * NL * NKV * kvarn_record_bytes(&fmt, HD) +
+                                    pages * NL * NKV * 128 * (2 * HD + 8));
+    o.staging = KVARN_STAGING_FP16;
+    assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
+    assert_true(info.kv_bytes == (T / 128 - 1) * NL * NKV * kvarn_record_bytes(&fmt, HD) +
                                     pages * NL * NKV * 2 * 128 * HD * 2);
+    o.staging = -1;
     o.exact = 1;
     assert_int_equal(kvarn_llama_session_plan(f->m, &o, &info), KVARN_OK);
     assert_true(info.kv_bytes == 2 * T * NL * NKV * HD * sizeof(float));

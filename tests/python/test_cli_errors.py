@@ -1025,7 +1025,7 @@ def test_kvarn_only_options_warn_without_a_kvarn_format(kvarn_bin, model_path, t
     assert r.returncode == 0, r.stderr
     assert sink_warnings(r.stderr, "inspect") == [
         "kvarn inspect: warning: --sink-tokens 16 does nothing for int8, fp8_e4m3: only KVarN "
-        "formats (kvarn_*) keep an fp16 sink"], r.stderr
+        "formats (kvarn_*) keep a staged sink"], r.stderr
     # the numbers are those without it
     table = [line for line in r.stdout.splitlines() if not line.startswith("KVarN:")]
     assert table == plain.stdout.splitlines(), (r.stdout, plain.stdout)
@@ -1033,7 +1033,7 @@ def test_kvarn_only_options_warn_without_a_kvarn_format(kvarn_bin, model_path, t
     assert r.returncode == 0, r.stderr
     assert sink_warnings(r.stderr, "inspect") == [
         "kvarn inspect: warning: --tail-page-tokens 16 does nothing for int8: only KVarN "
-        "formats (kvarn_*) hold their tail in fp16 pages"], r.stderr
+        "formats (kvarn_*) hold their tail in pages"], r.stderr
     # with a KVarN format in the list the option does something: no warning
     # (nor for the default sink, or tail pages of 0)
     for extra in (["--kv-cache-dtype", "int8,kvarn_k4v2_g128", "--sink-tokens", "16"],
@@ -1047,14 +1047,14 @@ def test_kvarn_only_options_warn_without_a_kvarn_format(kvarn_bin, model_path, t
     assert r.returncode == 0, r.stderr
     assert sink_warnings(r.stderr, "passkey") == [
         "kvarn passkey: warning: --sink-tokens 4 does nothing for int8: only KVarN formats "
-        "(kvarn_*) keep an fp16 sink"], r.stderr
+        "(kvarn_*) keep a staged sink"], r.stderr
     text = short_text(tmp_path)
     r = run([kvarn_bin, "eval", "-m", model_path, "-f", str(text), "--ctx", "32", "--chunk", "8",
              "--decode-tokens", "4", "--kv-cache-dtype", "int8", "--sink-tokens", "4", "--json"])
     assert r.returncode == 0, r.stderr
     w = sink_warnings(r.stderr, "eval")
     assert w == ["kvarn eval: warning: --sink-tokens 4 does nothing for int8: only KVarN formats "
-                 "(kvarn_*) keep an fp16 sink"], r.stderr
+                 "(kvarn_*) keep a staged sink"], r.stderr
     assert w[0][len("kvarn eval: warning: "):] in json.loads(r.stdout)["warnings"]
     # --kvarn-staging too, in every command that takes it
     for cmd, extra in (("inspect", shape), ("passkey", ["-m", model_path, "--lengths", "64",

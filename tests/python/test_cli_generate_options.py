@@ -90,7 +90,7 @@ def test_memory_line_states_which_way_the_ratio_goes(kvarn_bin, model_path):
     # (800% of it)": 800% of which? Now the ratio is this cache's bytes over
     # an fp16 cache's for the same tokens, said so. int8 takes 12240 of
     # fp16's 23040 bytes a token (both in 16-token blocks): below 1; a short
-    # KVarN text holds whole fp16 sink and tail tiles: above 1.
+    # KVarN text holds whole staged sink and tail tiles: above 1.
     for fmt, above_one in (("int8", False), ("kvarn_k4v2_g128", True)):
         r = generate(kvarn_bin, "-m", model_path, "-p", "The capital of France is", "-n", "4",
                      "--temp", "0", "--kv-cache-dtype", fmt)
@@ -117,45 +117,48 @@ KV_LINE = (r"^\[{fmt}\] KV cache for (\d+) tokens?: ([\d.]+) (B|KiB|MiB|GiB), "
 
 
 def test_memory_line_says_when_the_cache_is_larger_than_fp16(kvarn_bin, model_path, austen_path):
-    # A 6-token prompt in kvarn_k4v2_g128 holds a whole 128-token fp16 sink
-    # page: 8.00x an fp16 cache of those tokens, which the line called
-    # "short texts gain little". It now says the cache is larger, and below
-    # how many tokens that holds.
+    # A 6-token prompt in kvarn_k4v2_g128 holds a whole 128-token sink page:
+    # 8.00x an fp16 cache of those tokens when staged in fp16, which the line
+    # called "short texts gain little". It now says the cache is larger, in
+    # which staging, and below how many tokens that holds.
     fmt = "kvarn_k4v2_g128"
-    r = generate(kvarn_bin, "-m", model_path, "-p", "The capital of France is", "-n", "4",
-                 "--temp", "0", "--kv-cache-dtype", fmt)
-    assert r.returncode == 0, r.stderr
-    m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
-    assert m and float(m[4]) > 1, r.stderr
-    tail = re.fullmatch(r": larger than an fp16 cache for so few tokens: the sink \(128 "
-                        r"tokens\) and staging tail \(up to a 128-token tile\), staged fp16, "
-                        r"dominate; from (\d+) tokens on it is never larger; on long contexts "
-                        r"kvarn_k4v2_g128 holds 4\.49x as many tokens as fp16 in the same memory",
-                        m[7])
-    assert tail, m[0]
-    assert "gain little" not in m[0]
-    # the sink and one tail tile, 256 fp16 tokens, cost what an fp16 cache
-    # of 256 tokens does: the break-even lies beyond
-    below = int(tail[1])
-    assert 256 < below <= 1024, below
+
+    def short(*staging):
+        r = generate(kvarn_bin, "-m", model_path, "-p", "The capital of France is", "-n", "4",
+                     "--temp", "0", "--kv-cache-dtype", fmt, *staging)
+        assert r.returncode == 0, r.stderr
+        m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
+        assert m and float(m[4]) > 1, r.stderr
+        tail = re.fullmatch(r": larger than an fp16 cache for so few tokens: the sink \(128 "
+                            r"tokens\) and staging tail \(up to a 128-token tile\), staged (\w+), "
+                            r"dominate; from (\d+) tokens on it is never larger; on long contexts "
+                            r"kvarn_k4v2_g128 holds 4\.49x as many tokens as fp16 in the same memory",
+                            m[7])
+        assert tail, m[0]
+        assert "gain little" not in m[0]
+        return tail[1], int(tail[2])
+
+    # fp16 staging: the sink and one tail tile, 256 fp16 tokens, cost what
+    # an fp16 cache of 256 tokens does: the break-even lies beyond
+    name, below16 = short("--kvarn-staging", "fp16")
+    assert name == "fp16" and 256 < below16 <= 1024, (name, below16)
+    # the default stages int8 records (136 of fp16's 256 bytes per
+    # token-head at head_dim 64): 256 staged tokens cost 136 fp16 tokens'
+    # bytes, so it breaks even beyond 136 and sooner than fp16 staging
+    name, below8 = short()
+    assert name == "int8" and 136 < below8 < below16, (name, below8, below16)
+    # int4 records (72 bytes), sooner still; the line names the staging
+    name, below4 = short("--kvarn-staging", "int4")
+    assert name == "int4" and below4 < below8, (name, below4, below8)
     # a prompt of more than that many tokens: smaller than fp16, said so
-    text = open(austen_path, encoding="utf-8").read()[:8 * below]
+    text = open(austen_path, encoding="utf-8").read()[:8 * below16]
     r = generate(kvarn_bin, "-m", model_path, "-p", text, "-n", "1", "--temp", "0",
                  "--kv-cache-dtype", fmt)
     assert r.returncode == 0, r.stderr
     m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
-    assert m and int(m[1]) >= below and float(m[4]) < 1, r.stderr
+    assert m and int(m[1]) >= below16 and float(m[4]) < 1, r.stderr
     assert "larger" not in m[0] and m[7].startswith(
-        "; the sink (128 tokens) and the last partial tile stay staged fp16"), m[0]
-    # staged as int4 (--kvarn-staging): the line names it, and the sink and
-    # tail, about a quarter of fp16's bytes, break even sooner
-    r = generate(kvarn_bin, "-m", model_path, "-p", "The capital of France is", "-n", "4",
-                 "--temp", "0", "--kv-cache-dtype", fmt, "--kvarn-staging", "int4")
-    assert r.returncode == 0, r.stderr
-    m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
-    assert m and float(m[4]) > 1, r.stderr
-    t4 = re.search(r"\), staged int4, dominate; from (\d+) tokens on it is never larger", m[7])
-    assert t4 and int(t4[1]) < below and "fp16 sink" not in m[0], m[0]
+        "; the sink (128 tokens) and the last partial tile stay staged int8"), m[0]
     # a per-token format is never larger: no such clause
     r = generate(kvarn_bin, "-m", model_path, "-p", "The capital of France is", "-n", "4",
                  "--temp", "0", "--kv-cache-dtype", "int8")
@@ -167,12 +170,12 @@ def test_memory_line_says_when_the_cache_is_larger_than_fp16(kvarn_bin, model_pa
 def test_memory_line_words_and_numbers_agree(kvarn_bin, model_path):
     """The ratio has the digits to be on the side of 1 the words say
     (kvarn_k8v8_g128 at 528 tokens read "1.00x ... larger than an fp16
-    cache"); one token is "1 token"; nothing generated says so instead of
-    "generation 0.0 tok/s"."""
+    cache", staged in fp16); one token is "1 token"; nothing generated says so
+    instead of "generation 0.0 tok/s"."""
     fmt = "kvarn_k8v8_g128"
     prompt = "the" + " the" * 526  # 527 tokens, one generated: 528
     r = generate(kvarn_bin, "-m", model_path, "-p", prompt, "-n", "1", "--temp", "0",
-                 "--kv-cache-dtype", fmt)
+                 "--kv-cache-dtype", fmt, "--kvarn-staging", "fp16")
     assert r.returncode == 0, r.stderr
     m = re.search(KV_LINE.format(fmt=fmt), r.stderr, re.M)
     assert m and m[1] == "528", r.stderr

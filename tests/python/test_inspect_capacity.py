@@ -17,6 +17,20 @@ GIB = 1 << 30
 # under 20,000 blocks and 64 sequences of <= 1,700 tiles, plus a few tile
 # scratch buffers of 128 x 64 floats: < 0.2 + 1.4 + 0.2 MB.
 BOOKS_MAX = 2 << 20
+# The fixed part of it (src/cache/cache.c kvarn_cache_capacity_get): the
+# cache struct, two tile buffers of 128 x 64 floats (64 KiB), and the
+# encoder's workspace (a k8v8 record of ~17 KiB, two buffers of
+# (128 x 64 + 128) floats, 32 x 128 floats: < 110 KiB): < 256 KiB.
+BOOKS_FIXED = 256 << 10
+
+
+def books_max(k, tiles, ids, per_tile=3):
+    """A bound on the bookkeeping of a cache sized for k sequences of
+    `tiles` tiles with `ids` blocks and pages: the fixed part, 8 bytes per
+    id, per sequence its struct (< 128 bytes), per_tile int32 per tile
+    (block table, block, page; + G / T with small tail pages) and one int
+    per layer."""
+    return BOOKS_FIXED + 8 * ids + k * (128 + 4 * per_tile * tiles + 4 * L)
 
 
 def inspect(kvarn_bin, *args):
@@ -47,20 +61,31 @@ FP16_TOKEN = L * HK * 2 * D * 2
 # codes, 128 x 64 2-bit V codes and the scales: 7296 bytes (KVARN.md), i.e.
 # 5130 bytes per token over all 90 token-heads.
 K4V2_BLOCK = L * HK * 7296
-PAGE = L * HK * 2 * 128 * D * 2     # fp16 K and V of one 128-token tile
+# A staging page holds one 128-token tile of every layer and KV head. By
+# default its tokens are int8 token records (docs/paged-cache.md "Staging
+# below fp16"): per K or V vector D codes, an fp16 scale and an fp16
+# zero-point, 2 (D + 4) bytes per token-head; fp16 staging holds the fp16
+# K and V, 4 D bytes.
+PAGE = L * HK * 128 * 2 * (D + 4)
+PAGE_FP16 = L * HK * 2 * 128 * D * 2
 
 
 def auto_pages(k):
-    """Auto fp16 pages of a KVarN cache for k sequences, sink_tiles 1
+    """Auto staging pages of a KVarN cache for k sequences, sink_tiles 1
     (docs/paged-cache.md): the sink and one tail page each, and one shared
     page per 8 sequences."""
     return 2 * k + -(-k // 8)
 
 
-def kvarn_seqs(budget, blocks_per_seq):
-    """Most k whose auto pages and k x blocks_per_seq blocks fit budget."""
+def kvarn_seqs(budget, blocks_per_seq, page=PAGE, books=False):
+    """Most k whose auto pages and k x blocks_per_seq blocks fit budget
+    (books: with books_max of such a cache counted too)."""
+    def need(k):
+        ids = auto_pages(k) + k * blocks_per_seq
+        extra = books_max(k, blocks_per_seq + 1, ids) if books else 0
+        return auto_pages(k) * page + k * blocks_per_seq * K4V2_BLOCK + extra
     k = 0
-    while auto_pages(k + 1) * PAGE + (k + 1) * blocks_per_seq * K4V2_BLOCK <= budget:
+    while need(k + 1) <= budget:
         k += 1
     return k
 
@@ -73,11 +98,17 @@ def test_seqs_fit_fp16_and_kvarn(kvarn_bin):
     assert int(rows["fp16"][7]) == want, out
     # kvarn_k4v2_g128: a 2k request is 16 tiles: the sink (a page) and 15
     # blocks; a cache for k sequences keeps auto_pages(k) pages.
-    want = one_value(kvarn_seqs(GIB - BOOKS_MAX, 15), kvarn_seqs(GIB, 15))
-    assert int(rows["kvarn_k4v2_g128"][7]) == want, out
+    want2k = one_value(kvarn_seqs(GIB, 15, books=True), kvarn_seqs(GIB, 15))
+    assert int(rows["kvarn_k4v2_g128"][7]) == want2k, out
     # 8k: 64 tiles, 1 sink page + 63 blocks
-    want = one_value(kvarn_seqs(GIB - BOOKS_MAX, 63), kvarn_seqs(GIB, 63))
+    want = one_value(kvarn_seqs(GIB, 63, books=True), kvarn_seqs(GIB, 63))
     assert int(rows["kvarn_k4v2_g128"][8]) == want, out
+    # staged in fp16 (the spec's), each page 4D / (2D + 8) times larger
+    rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128",
+                        "--kvarn-staging", "fp16")
+    want16 = one_value(kvarn_seqs(GIB, 15, PAGE_FP16, books=True),
+                       kvarn_seqs(GIB, 15, PAGE_FP16))
+    assert int(rows["kvarn_k4v2_g128"][7]) == want16 < want2k, out
 
 
 def test_tokens_fit_counts_the_pages(kvarn_bin):
@@ -87,11 +118,13 @@ def test_tokens_fit_counts_the_pages(kvarn_bin):
     # The bookkeeping (BOOKS_MAX) may cost the last block or two, so the
     # count lies between the two bounds; the old answer (209,280 tokens, the
     # pages not counted) lies far above them.
-    rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128")
-    rest = GIB - auto_pages(64) * PAGE
-    lo, hi = (rest - BOOKS_MAX) // K4V2_BLOCK, rest // K4V2_BLOCK
-    tokens = int(rows["kvarn_k4v2_g128"][5])
-    assert tokens % 128 == 0 and lo <= tokens // 128 - 64 <= hi, out
+    for staging, page in (("int8", PAGE), ("fp16", PAGE_FP16)):
+        rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128",
+                            "--kvarn-staging", staging)
+        rest = GIB - auto_pages(64) * page
+        lo, hi = (rest - BOOKS_MAX) // K4V2_BLOCK, rest // K4V2_BLOCK
+        tokens = int(rows["kvarn_k4v2_g128"][5])
+        assert tokens % 128 == 0 and lo <= tokens // 128 - 64 <= hi, out
     # one sequence: auto_pages(1) = 3 pages
     rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--max-seqs", "1",
                         "--kv-cache-dtype", "kvarn_k4v2_g128")
@@ -102,14 +135,15 @@ def test_tokens_fit_counts_the_pages(kvarn_bin):
 
 
 def test_budget_below_the_pages_is_shown(kvarn_bin):
-    # 256 MiB < auto_pages(64) = 136 pages (401 MB): a cache for 64 sequences cannot be
+    # 200 MiB < auto_pages(64) = 136 pages (213 MB): a cache for 64 sequences cannot be
     # created, and the table says so instead of a token count.
-    rows, out = inspect(kvarn_bin, "--budget", "256MiB", "--kv-cache-dtype", "kvarn_k4v2_g128")
+    b = 200 << 20
+    assert auto_pages(64) * PAGE > b
+    rows, out = inspect(kvarn_bin, "--budget", "200MiB", "--kv-cache-dtype", "kvarn_k4v2_g128")
     assert rows["kvarn_k4v2_g128"][5] == "-", out
     assert "lower --max-seqs" in out
     # but requests of 2k still fit in a cache sized for them
-    b = 256 << 20
-    assert int(rows["kvarn_k4v2_g128"][7]) == one_value(kvarn_seqs(b - BOOKS_MAX, 15),
+    assert int(rows["kvarn_k4v2_g128"][7]) == one_value(kvarn_seqs(b, 15, books=True),
                                                         kvarn_seqs(b, 15)), out
 
 
@@ -118,20 +152,24 @@ def test_small_tail_pages_and_short_sink(kvarn_bin):
     # tail pages"): no whole page (the sink is 16 tokens of tile 0, kept in
     # a slot of 16 tokens per sequence, tile 0 a block); the tail in pages
     # of 16 tokens, auto (k + ceil(k / 8)) x 128 / 16 of them for k
-    # sequences, each an eighth of a whole page. A 2k request is 16 blocks.
+    # sequences, each an eighth of a whole page (int8 records, the
+    # default staging). A 2k request is 16 blocks.
     small, slot = PAGE // 8, PAGE // 8
 
-    def seqs(budget):
+    def seqs(budget, books=False):
+        def need(k):
+            n_small = (k + -(-k // 8)) * 8
+            extra = books_max(k, 16, n_small + k * 16, per_tile=3 + 8) if books else 0
+            return n_small * small + k * slot + k * 16 * K4V2_BLOCK + extra
         k = 0
-        while ((k + 1 + -(-(k + 1) // 8)) * 8 * small + (k + 1) * slot +
-               (k + 1) * 16 * K4V2_BLOCK <= budget):
+        while need(k + 1) <= budget:
             k += 1
         return k
 
     rows, out = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128",
                         "--sink-tokens", "16", "--tail-page-tokens", "16")
     assert "tail pages of 16 tokens" in out
-    assert int(rows["kvarn_k4v2_g128"][7]) == one_value(seqs(GIB - BOOKS_MAX), seqs(GIB)), out
+    assert int(rows["kvarn_k4v2_g128"][7]) == one_value(seqs(GIB, books=True), seqs(GIB)), out
     # T = G is the whole-page cache: the default table's numbers
     base, _ = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128")
     same, _ = inspect(kvarn_bin, "--budget", "1GiB", "--kv-cache-dtype", "kvarn_k4v2_g128",
