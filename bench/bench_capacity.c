@@ -216,9 +216,9 @@ int main(int argc, char **argv)
                         double rec = (double)kvarn_bytes_per_token_head(&fp16, s->head_dim) /
                                      kvarn_bytes_per_token_head(&fmts[f], s->head_dim);
                         double staged_part = (double)cap.info.n_pages * (double)cap.info.page_bytes +
-                                           (double)cap.info.n_tail_pages *
-                                               (double)cap.info.tail_page_bytes +
-                                           (double)cap.info.max_seqs * (double)cap.info.sink_bytes;
+                                             (double)cap.info.n_tail_pages *
+                                                 (double)cap.info.tail_page_bytes +
+                                             (double)cap.info.max_seqs * (double)cap.info.sink_bytes;
                         char sk[16], tk[16], bms[24], xm[16];
                         snprintf(sk, sizeof sk, kv ? "%d" : "-", sinks[ki]);
                         snprintf(tk, sizeof tk, kv ? "%d" : "-", T);
