@@ -16,8 +16,9 @@ instead of kv_space_gib), load_format, prompts (text) or prompt_ids
 max_logprobs (20), dtype (the model's, "float32"), tensor_parallel_size (1),
 pipeline_parallel_size (1), distributed_executor_backend (null: vLLM's),
 enforce_eager (true), compilation_config (null: vLLM's), env (variables set
-before vLLM is imported), dense_logprobs (N: each position's logprobs as a
-list of the first N token ids' in id order, for logprobs covering the whole
+before vLLM is imported; VLLM_ENABLE_V1_MULTIPROCESSING is 0 unless set
+there), dense_logprobs (N: each position's logprobs as a list of the
+first N token ids' in id order, for logprobs covering the whole
 vocabulary), rounds (after prompts, more generate calls in the same engine,
 each a dict of prompt_ids, logprobs, prompt_logprobs; their outputs in
 "rounds").
@@ -36,6 +37,14 @@ def main() -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.get("kv_space_gib", 1))
     else:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the bytes
+    # The engine core in this process (vLLM's in-process client) rather than
+    # in a process of its own with the model in a third: each of those
+    # imports torch and vLLM again, ~35 s of a ~55 s run on 2 cores, and the
+    # plug-in's code is the same. Runs over several ranks (TP/PP) still put
+    # their workers in processes of their own; `vllm serve`
+    # (test_openai_server) and {"env": {"VLLM_ENABLE_V1_MULTIPROCESSING":
+    # "1"}} keep vLLM's default layout.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.update(cfg.get("env", {}))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
