@@ -185,6 +185,58 @@ kvarn_status kvarn_attn_multi_lse(const kvarn_paged_kv *kv,
  * 0; AVX2: D % 16 != 0) steps down to the next level that takes it. */
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
 
+/* The arithmetic of one half of an attention kernel (scores q.k, sums
+ * p.v), docs/attention-intdot.md:
+ *   KVARN_ATTN_ARITH_FP32   every code converted to fp32, fp32 products:
+ *                           the scalar reference's (kernel_ref.c) up to the
+ *                           order of the fp32 sums.
+ *   KVARN_ATTN_ARITH_INT16  the query (scores) or the softmax weights
+ *                           (sums) rounded to int16 per row and tile or
+ *                           span, multiplied with the integer codes in
+ *                           int16 (vpmaddwd / vpdpwssd), exact int32 sums:
+ *                           off the reference by the rounding of that
+ *                           operand, bounded in docs/attention-intdot.md.
+ *   KVARN_ATTN_ARITH_INT8   the same int16 query as two int8 digits times
+ *                           the u8 codes (vpdpbusd): the same sums, bit for
+ *                           bit, as INT16.
+ * An integer half may still keep fp32 for a call whose run-time conditions
+ * it does not meet (a query row below 2^-100, a span over 256 tokens);
+ * FP32 means it never rounds. */
+typedef enum kvarn_attn_arith {
+    KVARN_ATTN_ARITH_FP32 = 0,
+    KVARN_ATTN_ARITH_INT16 = 1,
+    KVARN_ATTN_ARITH_INT8 = 2
+} kvarn_attn_arith;
+
+/* Which kernels attention runs for a format on this CPU, and their
+ * arithmetic. */
+typedef struct kvarn_attn_kernel_info {
+    const char *level;              /* as kvarn_attn_kernel_name: "avx512",
+                                       "avx2" or "scalar", stepped down for
+                                       a head_dim the level does not take */
+    kvarn_attn_arith scores;        /* q.k over the format's records */
+    kvarn_attn_arith sums;          /* p.v over them */
+    kvarn_attn_arith staged_scores; /* KVarN: q.k over the staged tokens
+                                       (sink, tail) in the staging's
+                                       per-token format (fp16 staging:
+                                       FP32); per-token formats: = scores */
+    kvarn_attn_arith staged_sums;   /* the same for p.v */
+} kvarn_attn_kernel_info;
+
+/* Fill *out with the kernels and arithmetic a call with these options
+ * (NULL: defaults) would use for format fmt at head_dim (channels) with
+ * staging (a kvarn_staging value, paged.h; read for KVarN formats only) on
+ * this CPU, at the SIMD level KVARN_SIMD caps (as kvarn_attn_kernel_name).
+ * Source: src/attn/kernel_table.c, whose rows the kernels are picked from;
+ * the integer paths' conditions are stated once in
+ * src/attn/attn_internal.h and tested by the kernels themselves.
+ * Errors (*out untouched): KVARN_ERR_INVALID_ARG (NULL fmt or out, staging
+ * outside kvarn_staging), KVARN_ERR_UNSUPPORTED_HEAD_DIM (head_dim the
+ * format does not take, as kvarn_record_layout_get). */
+kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, int staging,
+                                        const kvarn_attn_opts *opts,
+                                        kvarn_attn_kernel_info *out);
+
 #ifdef __cplusplus
 }
 #endif

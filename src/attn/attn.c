@@ -195,15 +195,24 @@ size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
  * kvarn__cpu_level() reports (capped by KVARN_SIMD, codec/cpu.h), read from
  * the kind's row (kernel_table.c): a level whose head_dim multiple (AVX-512
  * 32, AVX2 16) does not divide D runs the next lower one. */
+static int top_level_of(const kvarn_attn_opts *o)
+{
+    return force_scalar_of(o) ? KVARN_CPU_SCALAR : (int)kvarn__cpu_level();
+}
+
+/* The VNNI builds of the AVX-512 KVarN and int8 kernels run where the CPU
+ * has VNNI (same results; the testing knob no_vnni keeps the vpmaddwd
+ * builds). */
+static int vnni_of(const kvarn_attn_opts *o)
+{
+    return !(o->testing && o->testing->no_vnni) && kvarn__cpu_avx512_vnni();
+}
+
 static void pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim,
                          attn_kernels *out)
 {
-    const int top = force_scalar_of(o) ? KVARN_CPU_SCALAR : (int)kvarn__cpu_level();
-    (void)attn_select_kernels(kind, head_dim, top, out); /* kind checked by make_geom */
-    /* The VNNI builds of the AVX-512 KVarN and int8 kernels where the CPU
-     * has VNNI (same results; the testing knob no_vnni keeps the vpmaddwd
-     * builds). */
-    const int vnni = !(o->testing && o->testing->no_vnni) && kvarn__cpu_avx512_vnni();
+    (void)attn_select_kernels(kind, head_dim, top_level_of(o), out); /* kind checked by make_geom */
+    const int vnni = vnni_of(o);
     if (vnni && out->kvarn_tile == attn_avx512_kvarn_tile) out->kvarn_tile = attn_avx512vnni_kvarn_tile;
     if (vnni && out->token_tile == attn_avx512_token_int8) out->token_tile = attn_avx512vnni_token_int8;
 }
@@ -212,6 +221,38 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
 {
     if (opts != NULL && force_scalar_of(opts)) return attn_level_row_of(KVARN_CPU_SCALAR)->name;
     return attn_level_row_of((int)kvarn__cpu_level())->name;
+}
+
+kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, int staging,
+                                        const kvarn_attn_opts *opts,
+                                        kvarn_attn_kernel_info *out)
+{
+    if (fmt == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    kvarn_record_layout L;
+    kvarn_status st = kvarn_record_layout_get(fmt, head_dim, &L);
+    if (st != KVARN_OK) return st;
+    kvarn_format sf;
+    const int staged = fmt->kind == KVARN_KIND_KVARN ? kvarn__staging_format(staging, &sf) : 0;
+    if (staged < 0) return KVARN_ERR_INVALID_ARG;
+    const attn_kind_row *row = attn_kind_row_of(fmt->kind);
+    if (row == NULL) return KVARN_ERR_INVALID_ARG;
+    const kvarn_attn_opts o = opts ? *opts : (kvarn_attn_opts)KVARN_ATTN_OPTS_DEFAULT(1.0f);
+    const int top = top_level_of(&o), vnni = vnni_of(&o);
+    kvarn_attn_kernel_info info;
+    attn_kernels k;
+    info.level = attn_level_row_of(attn_select_kernels_from(row, head_dim, top, &k))->name;
+    attn_select_arith_from(row, fmt, head_dim, top, vnni, &info.scores, &info.sums);
+    info.staged_scores = info.scores;
+    info.staged_sums = info.sums;
+    if (fmt->kind == KVARN_KIND_KVARN) {
+        /* fp16 staging: the fp16 page kernel (fp32 arithmetic) */
+        info.staged_scores = info.staged_sums = KVARN_ATTN_ARITH_FP32;
+        if (staged > 0)
+            attn_select_arith_from(attn_kind_row_of(sf.kind), &sf, head_dim, top, vnni,
+                                   &info.staged_scores, &info.staged_sums);
+    }
+    *out = info;
+    return KVARN_OK;
 }
 
 /* ------------------------------------------------------- validation */

@@ -195,11 +195,44 @@ typedef struct attn_level_row {
  * per-tile kinds. The scalar entry is mandatory; NULL at a higher level
  * means that level has no kernel of its own for the kind and runs the next
  * lower level's. */
+/* The arithmetic of a kind's kernel at one level (kvarn_attn_kernel_info,
+ * attn.h): *scores for q.k, *sums for p.v, for a format of the kind at
+ * head_dim D; vnni: the level's VNNI build runs (AVX-512 only). */
+typedef void (*attn_arith_fn)(const kvarn_format *fmt, int D, int vnni,
+                              kvarn_attn_arith *scores, kvarn_attn_arith *sums);
+
 typedef struct attn_kind_row {
     kvarn_kind kind;                  /* the row's own index */
     attn_token_tile_fn token_tile[ATTN_LEVELS];
     attn_record_tile_fn record_tile[ATTN_LEVELS];
+    attn_arith_fn arith[ATTN_LEVELS]; /* NULL: fp32 products and sums (the
+                                         reference's, in another order) */
 } attn_kind_row;
+
+/* When the AVX-512 kernels multiply in integers (kernel_avx512.c runs its
+ * integer loops exactly under these, kernel_table.c reports them): the one
+ * statement of those conditions.
+ *   KVarN K (kv_kdots4_128_i16): 4-bit codes of 128-token tiles, D <= 256
+ *     (int32 sums of D products stay exact); a call whose query rows are
+ *     all below 2^-100 keeps fp32.
+ *   KVarN V (kv_vsum2_i16): 2-bit codes of 128-token tiles, D % 64 == 0
+ *     (64 channels a pass).
+ *   int8 per-token K and V (token_int8_body): D <= 256 and spans of at most
+ *     256 tokens (exact int32 sums); the VNNI build's K is vpdpbusd on
+ *     int8 digits where D % 64 == 0 (i8v_kdots16). */
+static inline int attn_avx512_kvarn_k_int16(int key_bits, int tile_tokens, int D)
+{
+    return key_bits == 4 && tile_tokens == 128 && D <= 256;
+}
+static inline int attn_avx512_kvarn_v_int16(int value_bits, int tile_tokens, int D)
+{
+    return value_bits == 2 && tile_tokens == 128 && D % 64 == 0;
+}
+static inline int attn_avx512_int8_int16(int D, int span_tokens)
+{
+    return D <= 256 && span_tokens <= 256;
+}
+static inline int attn_avx512_int8_vnni_k(int D) { return D % 64 == 0; }
 
 /* The row of a SIMD level (NULL outside [0, ATTN_LEVELS)) and of a kind
  * (NULL outside [0, KVARN_KIND_COUNT)); kernel_table.c. */
@@ -212,6 +245,12 @@ const attn_kind_row *attn_kind_row_of(kvarn_kind kind);
  * picked (out->name is its name). */
 int attn_select_kernels_from(const attn_kind_row *row, int head_dim, int top,
                              attn_kernels *out);
+/* The arithmetic of the kernel attn_select_kernels_from picks from `row`
+ * for fmt at head_dim D under top (the level its kernel comes from, NULL
+ * arith: fp32); vnni as for attn_arith_fn. */
+void attn_select_arith_from(const attn_kind_row *row, const kvarn_format *fmt, int head_dim,
+                            int top, int vnni, kvarn_attn_arith *scores,
+                            kvarn_attn_arith *sums);
 /* The same for kind's row of the table. Returns -1 (out untouched) for a
  * kind with no row. */
 int attn_select_kernels(kvarn_kind kind, int head_dim, int top, attn_kernels *out);

@@ -984,10 +984,10 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     /* int16 query (kv_kdots4_128_i16): every row's max |qa_d| at least
      * 2^-100 (so 32767 / max is finite; all-zero and tiny query rows keep
      * fp32), D <= 256 (exact int32 sums); the 2^80 cap is checked above */
-    const int kint = k128 && D <= 256 && row_min >= 0x1p-100f;
+    const int kint = attn_avx512_kvarn_k_int16(kb, G, D) && row_min >= 0x1p-100f;
     /* int16 weights (kv_vsum2_i16): 2-bit V of 128-token tiles, 64
      * channels per pass */
-    const int vint = vb == 2 && G == 128 && D % 64 == 0;
+    const int vint = attn_avx512_kvarn_v_int16(vb, G, D);
     for (int i = 0; kint && i < r->n; i++) kv_round_query(r, i);
     const int steps = (k128 ? 2 : G / 32) * D, left = attn_prefetch_left(r->pf);
     int pf_shift = 0;
@@ -1138,7 +1138,7 @@ void attn_avx512_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const ui
  * no sum across lanes. sum_d qi_d c_d = 256 sum hi c + sum lo c, exact in
  * int32, so the scores are the vpmaddwd build's bits. */
 #ifdef KVARN_AVX512_VNNI
-#define I8_VNNI_K(D) ((D) % 64 == 0)
+#define I8_VNNI_K(D) attn_avx512_int8_vnni_k(D)
 #else
 #define I8_VNNI_K(D) 0
 #endif
@@ -1609,7 +1609,7 @@ AI void i8_vsum(attn_rows *r, i8_pf *f, const uint8_t *const *tok, size_t voff, 
  * spans of at most 256 tokens (V sums); D % 32 == 0 holds at this level. */
 AI int i8_ok(const attn_rows *r, int nt)
 {
-    return r->D <= 256 && nt <= 256;
+    return attn_avx512_int8_int16(r->D, nt);
 }
 
 AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *recs,

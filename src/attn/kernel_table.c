@@ -21,22 +21,48 @@ static const attn_level_row k_levels[ATTN_LEVELS] = {
     [KVARN_CPU_AVX512] = {"avx512", 32, attn_avx512_fp16_tile},
 };
 
-#define TOKEN_ROW(KIND, NAME)                                                              \
+/* The AVX-512 kernels' integer arithmetic, by the conditions of
+ * attn_internal.h (the kernels test the same ones). */
+static void avx512_kvarn_arith(const kvarn_format *f, int D, int vnni, kvarn_attn_arith *scores,
+                               kvarn_attn_arith *sums)
+{
+    (void)vnni; /* the VNNI build's int16 products are vpdpwssd: same rounding */
+    *scores = attn_avx512_kvarn_k_int16(f->key_bits, f->tile_tokens, D) ? KVARN_ATTN_ARITH_INT16
+                                                                        : KVARN_ATTN_ARITH_FP32;
+    *sums = attn_avx512_kvarn_v_int16(f->value_bits, f->tile_tokens, D) ? KVARN_ATTN_ARITH_INT16
+                                                                        : KVARN_ATTN_ARITH_FP32;
+}
+
+static void avx512_int8_arith(const kvarn_format *f, int D, int vnni, kvarn_attn_arith *scores,
+                              kvarn_attn_arith *sums)
+{
+    (void)f;
+    /* spans: 128 tokens of whole blocks or one block; the kernel keeps
+     * fp32 for a longer one, so "may round" holds for any */
+    const int in = attn_avx512_int8_int16(D, 1);
+    *scores = !in ? KVARN_ATTN_ARITH_FP32
+                  : vnni && attn_avx512_int8_vnni_k(D) ? KVARN_ATTN_ARITH_INT8 : KVARN_ATTN_ARITH_INT16;
+    *sums = in ? KVARN_ATTN_ARITH_INT16 : KVARN_ATTN_ARITH_FP32;
+}
+
+#define TOKEN_ROW(KIND, NAME, ARITH512)                                                    \
     [KIND] = {KIND,                                                                        \
               {attn_ref_token_##NAME, attn_avx2_token_##NAME, attn_avx512_token_##NAME},   \
-              {NULL, NULL, NULL}}
+              {NULL, NULL, NULL},                                                          \
+              {NULL, NULL, ARITH512}}
 
 /* Indexed by kvarn_kind; tests/attn/test_attn.c walks it. */
 static const attn_kind_row k_kinds[KVARN_KIND_COUNT] = {
-    TOKEN_ROW(KVARN_KIND_FP16, fp16),
-    TOKEN_ROW(KVARN_KIND_BF16, bf16),
-    TOKEN_ROW(KVARN_KIND_FP8_E4M3, fp8_e4m3),
-    TOKEN_ROW(KVARN_KIND_FP8_E5M2, fp8_e5m2),
-    TOKEN_ROW(KVARN_KIND_INT8, int8),
-    TOKEN_ROW(KVARN_KIND_INT4, int4),
+    TOKEN_ROW(KVARN_KIND_FP16, fp16, NULL),
+    TOKEN_ROW(KVARN_KIND_BF16, bf16, NULL),
+    TOKEN_ROW(KVARN_KIND_FP8_E4M3, fp8_e4m3, NULL),
+    TOKEN_ROW(KVARN_KIND_FP8_E5M2, fp8_e5m2, NULL),
+    TOKEN_ROW(KVARN_KIND_INT8, int8, avx512_int8_arith),
+    TOKEN_ROW(KVARN_KIND_INT4, int4, NULL),
     [KVARN_KIND_KVARN] = {KVARN_KIND_KVARN,
                           {NULL, NULL, NULL},
-                          {attn_ref_kvarn_tile, attn_avx2_kvarn_tile, attn_avx512_kvarn_tile}},
+                          {attn_ref_kvarn_tile, attn_avx2_kvarn_tile, attn_avx512_kvarn_tile},
+                          {NULL, NULL, avx512_kvarn_arith}},
 };
 
 const attn_level_row *attn_level_row_of(int level)
@@ -59,6 +85,18 @@ int attn_select_kernels_from(const attn_kind_row *row, int head_dim, int top,
     for (int l = lv; l >= 0 && k.kvarn_tile == NULL; l--) k.kvarn_tile = row->record_tile[l];
     *out = k;
     return lv;
+}
+
+void attn_select_arith_from(const attn_kind_row *row, const kvarn_format *fmt, int head_dim,
+                            int top, int vnni, kvarn_attn_arith *scores,
+                            kvarn_attn_arith *sums)
+{
+    attn_kernels k;
+    int lv = attn_select_kernels_from(row, head_dim, top, &k);
+    /* the level whose kernel runs: the first non-NULL at or below lv */
+    while (lv > 0 && row->token_tile[lv] == NULL && row->record_tile[lv] == NULL) lv--;
+    *scores = *sums = KVARN_ATTN_ARITH_FP32;
+    if (row->arith[lv] != NULL) row->arith[lv](fmt, head_dim, vnni, scores, sums);
 }
 
 int attn_select_kernels(kvarn_kind kind, int head_dim, int top, attn_kernels *out)

@@ -109,12 +109,13 @@ static double orig_bound(const paged_fixture *f, int s, int h, const double *qo,
  *   and the output in the original basis (H / sqrt(D) applied to the
  *   error vector) by at most sum_d e_d / sqrt(D). Nothing else changes:
  *   the int32 sums are exact. */
-/* tests/common/int_dot_bound.h for sequence s, KV head h of the fixture:
- * 0 below the AVX-512 level (this case's cap or the CPU's). */
+/* tests/common/int_dot_bound.h for sequence s, KV head h of the fixture,
+ * at the level KVARN_SIMD caps now (run_attn's set_level): 0 where the
+ * library says the kernels keep fp32. */
 static double int_dot_bound(const paged_fixture *f, int s, int h, const float *q, double scale,
-                            int lo, int hi, const float *vdo, int level)
+                            int lo, int hi, const float *vdo)
 {
-    if (level < LV_AVX512 || g_max_level < LV_AVX512 || hi < lo) return 0.0;
+    if (hi < lo) return 0.0;
     double vmax = 0.0;
     for (int t = lo; t <= hi; t++)
         for (int d = 0; d < f->D; d++) vmax = fmax(vmax, fabs(vdo[((size_t)t * f->Hk + h) * f->D + d]));
@@ -147,7 +148,7 @@ static void deq_original(const paged_fixture *f, int s, float *kdo, float *vdo)
  * query_start_loc qsl (decode: one token per sequence), no window; vdo[s]:
  * sequence s's dequantized V in the original basis (deq_original). */
 static double row_int_bound(const paged_fixture *f, const attn_case *c, const int32_t *qsl,
-                            const float *q, size_t row, float *const *vdo, int level)
+                            const float *q, size_t row, float *const *vdo)
 {
     const int Hq = c->Hk * c->group;
     const int tok = (int)(row / (size_t)Hq), head = (int)(row % (size_t)Hq);
@@ -157,7 +158,7 @@ static double row_int_bound(const paged_fixture *f, const attn_case *c, const in
     const int pos = c->multi ? len - ql + (tok - qsl[s]) : len - 1;
     const int hi = (c->multi && !c->causal) ? len - 1 : pos;
     return int_dot_bound(f, s, head / c->group, q + row * (size_t)c->D,
-                         1.0 / sqrt((double)c->D), 0, hi, vdo[s], level);
+                         1.0 / sqrt((double)c->D), 0, hi, vdo[s]);
 }
 
 static kvarn_status run_attn(const paged_fixture *f, const attn_case *c, const int32_t *qsl,
@@ -243,10 +244,10 @@ static case_result run_case(const attn_case *c, uint64_t seed)
                     for (int d = 0; d < D; d++) assert_true(o[d] == 0.0f);
                     continue;
                 }
-                /* the integer dot products' derived error (0 unless the
-                 * AVX-512 KVarN g128 kernel ran) on top of 1e-4 */
-                const int level = c->force_scalar ? LV_SCALAR : c->level ? c->level : LV_AVX512;
-                const double ib = int_dot_bound(&f, s, head / c->group, qq, scale, lo, hi, vdo, level);
+                /* the integer dot products' derived error (0 where the
+                 * library says this level's kernels keep fp32) on top of
+                 * 1e-4 */
+                const double ib = int_dot_bound(&f, s, head / c->group, qq, scale, lo, hi, vdo);
                 double rel = err / fmax(mx, 1e-6);
                 if (rel > res.max_rel_deq) res.max_rel_deq = rel;
                 if (ib > 0.0 && err / (ib + 1e-4 * fmax(mx, 1e-6)) > res.max_int_use)
@@ -738,7 +739,7 @@ static void test_simd_threads(void **state)
                         }
                         /* 1e-5: fp32 sums in another order; plus the
                          * derived error of the integer dot products */
-                        const double lim = 1e-5 * mx + row_int_bound(&f, &c, qsl, q, row, vdo, lv);
+                        const double lim = 1e-5 * mx + row_int_bound(&f, &c, qsl, q, row, vdo);
                         if (err > lim)
                             print_error("%s %s threads %d split %d row %zu: %g (limit %g)\n", c.fmt,
                                         lv_name[lv], t, c.split, row, err / mx, lim / mx);
@@ -814,7 +815,7 @@ static void test_extreme_query(void **state)
                             mx = fmax(mx, fabs(ref[row * D + d]));
                             err = fmax(err, fabs(out[row * D + d] - ref[row * D + d]));
                         }
-                        const double lim = 1e-5 * mx + row_int_bound(&f, &c, qsl, q, row, vdo, lv);
+                        const double lim = 1e-5 * mx + row_int_bound(&f, &c, qsl, q, row, vdo);
                         if (!(err <= lim))
                             print_error("%s D=%d |q|~%g %s row %zu: %g (limit %g)\n", c.fmt, D, mags[mi],
                                         lv_name[lv], row, err / mx, lim / mx);
@@ -959,6 +960,109 @@ static void test_bad_inputs(void **state)
  * nothing of the other shape; every level row has a name and an fp16 page
  * kernel. The selection: the level capped by head_dim, and an entry NULL at
  * a level taken from the next lower one (on a made-up row). */
+/* A made-up arithmetic entry for test_kernel_table: both halves int16. */
+static void arith_int16(const kvarn_format *f, int D, int vnni, kvarn_attn_arith *scores,
+                        kvarn_attn_arith *sums)
+{
+    (void)f;
+    (void)D;
+    (void)vnni;
+    *scores = *sums = KVARN_ATTN_ARITH_INT16;
+}
+
+/* kvarn_attn_kernel_info_get (attn.h): errors leave *out untouched; the
+ * scalar kernels and the AVX2 ones compute in fp32 (the kernel files'
+ * contract, which test_attn's cases hold to 1e-5 of the reference); the
+ * level follows KVARN_SIMD, the CPU and head_dim as the kernel name does;
+ * a KVarN format's staged halves are what the staging's own per-token
+ * format reports (fp16 staging: fp32), whatever the level. */
+static void test_kernel_info(void **state)
+{
+    (void)state;
+    kvarn_format k42, i8;
+    assert_int_equal(kvarn_format_parse("kvarn_k4v2_g128", &k42), KVARN_OK);
+    assert_int_equal(kvarn_format_parse("int8", &i8), KVARN_OK);
+    kvarn_attn_kernel_info info, pat;
+    memset(&pat, 0x5a, sizeof pat);
+    info = pat;
+    assert_int_equal(kvarn_attn_kernel_info_get(NULL, 64, 0, NULL, &info), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, 0, NULL, NULL), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, 4, NULL, &info), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, -1, NULL, &info), KVARN_ERR_INVALID_ARG);
+    kvarn_record_layout L;
+    const kvarn_status bad_d = kvarn_record_layout_get(&k42, 2000, &L);
+    assert_int_not_equal(bad_d, KVARN_OK);
+    assert_int_equal(kvarn_attn_kernel_info_get(&k42, 2000, 0, NULL, &info), bad_d);
+    assert_memory_equal(&info, &pat, sizeof info);
+    /* staging is read for KVarN formats only */
+    assert_int_equal(kvarn_attn_kernel_info_get(&i8, 64, 4, NULL, &info), KVARN_OK);
+    assert_int_equal(info.staged_scores, info.scores);
+    assert_int_equal(info.staged_sums, info.sums);
+
+    const char *outer = getenv("KVARN_SIMD");
+    char *saved = outer ? strdup(outer) : NULL;
+    kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
+    kvarn_attn_testing scalar_knob = {0, 1, 0};
+    const int dims[] = {64, 128, 256, 512, 48};
+    for (int lv = LV_SCALAR; lv < LV_COUNT; lv++) {
+        set_level(lv);
+        for (int i = 0; i < kvarn_format_count(); i++) {
+            kvarn_format fmt;
+            assert_int_equal(kvarn_format_parse(kvarn_format_name_at(i), &fmt), KVARN_OK);
+            for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++)
+                for (int st = KVARN_STAGING_FP16; st <= KVARN_STAGING_INT4; st++) {
+                    const int D = dims[di];
+                    if (kvarn_record_layout_get(&fmt, D, &L) != KVARN_OK) continue;
+                    assert_int_equal(kvarn_attn_kernel_info_get(&fmt, D, st, NULL, &info), KVARN_OK);
+                    const int top = lv > g_max_level ? g_max_level : lv;
+                    /* at the capped level, or below where D is no multiple
+                     * of the level's head_dim multiple (kernel_table.c) */
+                    int want = top;
+                    while (want > LV_SCALAR && D % attn_level_row_of(want)->head_dim_multiple != 0)
+                        want--;
+                    assert_string_equal(info.level, lv_name[want]);
+                    if (want <= LV_AVX2) {
+                        assert_int_equal(info.scores, KVARN_ATTN_ARITH_FP32);
+                        assert_int_equal(info.sums, KVARN_ATTN_ARITH_FP32);
+                        assert_int_equal(info.staged_scores, KVARN_ATTN_ARITH_FP32);
+                        assert_int_equal(info.staged_sums, KVARN_ATTN_ARITH_FP32);
+                    }
+                    if (fmt.kind == KVARN_KIND_KVARN) {
+                        kvarn_format sf;
+                        kvarn_attn_kernel_info si;
+                        const char *sname[] = {"fp16", "int8", "fp8_e4m3", "int4"};
+                        assert_int_equal(kvarn_format_parse(sname[st], &sf), KVARN_OK);
+                        assert_int_equal(kvarn_attn_kernel_info_get(&sf, D, 0, NULL, &si), KVARN_OK);
+                        /* fp16 staging rows go through the fp16 page kernel */
+                        assert_int_equal(info.staged_scores, st == 0 ? KVARN_ATTN_ARITH_FP32 : si.scores);
+                        assert_int_equal(info.staged_sums, st == 0 ? KVARN_ATTN_ARITH_FP32 : si.sums);
+                    } else {
+                        assert_int_equal(info.staged_scores, info.scores);
+                        assert_int_equal(info.staged_sums, info.sums);
+                    }
+                    /* the force_scalar knob: the reference kernels */
+                    o.testing = &scalar_knob;
+                    assert_int_equal(kvarn_attn_kernel_info_get(&fmt, D, st, &o, &info), KVARN_OK);
+                    assert_string_equal(info.level, "scalar");
+                    assert_int_equal(info.scores | info.sums | info.staged_scores | info.staged_sums,
+                                     KVARN_ATTN_ARITH_FP32);
+                    o.testing = NULL;
+                }
+        }
+    }
+    /* the k4v2 g128 preset at AVX-512 is the integer kernel's case
+     * (docs/attention-intdot.md); where this CPU runs it, both halves say so */
+    set_level(LV_AVX512);
+    if (g_max_level == LV_AVX512) {
+        assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, 0, NULL, &info), KVARN_OK);
+        assert_int_equal(info.scores, KVARN_ATTN_ARITH_INT16);
+        assert_int_equal(info.sums, KVARN_ATTN_ARITH_INT16);
+    }
+    if (saved) setenv("KVARN_SIMD", saved, 1);
+    else unsetenv("KVARN_SIMD");
+    free(saved);
+}
+
 static void test_kernel_table(void **state)
 {
     (void)state;
@@ -1009,13 +1113,25 @@ static void test_kernel_table(void **state)
     assert_ptr_equal(out.token_tile, attn_ref_token_int8);
     /* a made-up kind with no AVX-512 kernel, and one with only the scalar */
     attn_kind_row partial = {KVARN_KIND_INT8, {attn_ref_token_int8, attn_avx2_token_int8, NULL},
-                             {NULL, NULL, NULL}};
+                             {NULL, NULL, NULL}, {NULL, NULL, arith_int16}};
     assert_int_equal(attn_select_kernels_from(&partial, 64, KVARN_CPU_AVX512, &out),
                      KVARN_CPU_AVX512);
     assert_ptr_equal(out.token_tile, attn_avx2_token_int8);
     assert_ptr_equal(out.fp16_tile, attn_avx512_fp16_tile);
+    /* the arithmetic is that of the level whose kernel runs (AVX2's: fp32),
+     * not the AVX-512 entry's, which has no kernel */
+    kvarn_format i8f;
+    assert_int_equal(kvarn_format_parse("int8", &i8f), KVARN_OK);
+    kvarn_attn_arith sc = KVARN_ATTN_ARITH_INT8, su = KVARN_ATTN_ARITH_INT8;
+    attn_select_arith_from(&partial, &i8f, 64, KVARN_CPU_AVX512, 0, &sc, &su);
+    assert_int_equal(sc, KVARN_ATTN_ARITH_FP32);
+    assert_int_equal(su, KVARN_ATTN_ARITH_FP32);
+    partial.token_tile[2] = attn_avx512_token_int8;
+    attn_select_arith_from(&partial, &i8f, 64, KVARN_CPU_AVX512, 0, &sc, &su);
+    assert_int_equal(sc, KVARN_ATTN_ARITH_INT16);
+    assert_int_equal(su, KVARN_ATTN_ARITH_INT16);
     attn_kind_row scalar_only = {KVARN_KIND_KVARN, {NULL, NULL, NULL},
-                                 {attn_ref_kvarn_tile, NULL, NULL}};
+                                 {attn_ref_kvarn_tile, NULL, NULL}, {NULL, NULL, NULL}};
     assert_int_equal(attn_select_kernels_from(&scalar_only, 128, KVARN_CPU_AVX512, &out),
                      KVARN_CPU_AVX512);
     assert_ptr_equal(out.kvarn_tile, attn_ref_kvarn_tile);
@@ -1081,7 +1197,7 @@ int main(void)
         cmocka_unit_test(test_odd_head_dim), cmocka_unit_test(test_empty),
         cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_extreme_query),
         cmocka_unit_test(test_bad_inputs),
-        cmocka_unit_test(test_kernel_table), cmocka_unit_test(test_prefetch_lines),
+        cmocka_unit_test(test_kernel_table), cmocka_unit_test(test_kernel_info), cmocka_unit_test(test_prefetch_lines),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,8 +1,14 @@
 /*
- * int_dot_bound.h -- the derived error bound of the AVX-512 KVarN kernel's
- * integer (int16) dot products, computed from a case's own records and
- * query, for the attention tests (test_attn.c, test_attn_cache.c,
- * test_attn_paged_ops.c).
+ * int_dot_bound.h -- the derived error bound of the attention kernels'
+ * integer (int16) dot products (the AVX-512 KVarN and int8 kernels),
+ * computed from a case's own records and query, for the attention tests
+ * (test_attn.c, test_attn_cache.c, test_attn_lse.c, test_attn_paged_ops.c).
+ * Where a kernel multiplies in integers is read from the library
+ * (kvarn_attn_kernel_info_get, at the SIMD level KVARN_SIMD caps when the
+ * bound is computed), never restated here: a half the library calls fp32
+ * gets no allowance, and an integer half whose derivation is not below
+ * (other code widths or tiles) gets a NaN bound, which fails every
+ * comparison.
  */
 #ifndef KVARN_TEST_INT_DOT_BOUND_H
 #define KVARN_TEST_INT_DOT_BOUND_H
@@ -12,10 +18,19 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/paged.h"
 #include "kvarn/record.h"
 #include "common/paged_fixture.h" /* pf_hadamard_d */
+
+/* The kernels attention runs for kv's format, head_dim and staging at the
+ * level KVARN_SIMD caps now; 0 when the library cannot say (the bound is
+ * then NaN). */
+static inline int idb_info(const kvarn_paged_kv *kv, kvarn_attn_kernel_info *info)
+{
+    return kvarn_attn_kernel_info_get(&kv->fmt, kv->head_dim, kv->staging, NULL, info) == KVARN_OK;
+}
 
 /* fp16 element i of an array at a byte address, as double. */
 static inline double idb_half(const uint8_t *p, int i)
@@ -57,12 +72,15 @@ static inline double idb_half(const uint8_t *p, int i)
  * add. */
 /* delta = max_t |ds_t| over positions [lo, hi] (the K half above); also
  * the most the kernel's log-sum-exp of the row can move (every score by at
- * most delta). 0 where the kernel keeps fp32 (D > 256). */
+ * most delta). 0 where the library says the int8 kernel's scores are fp32
+ * (below AVX-512, D > 256). */
 static inline double attn_int8_k_delta(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
                                        const float *q, double scale, int lo, int hi)
 {
     const int D = kv->head_dim, G = kv->block_size;
-    if (D > 256 || hi < lo) return 0.0;
+    kvarn_attn_kernel_info info;
+    if (!idb_info(kv, &info) || kv->fmt.kind != KVARN_KIND_INT8) return NAN;
+    if (info.scores == KVARN_ATTN_ARITH_FP32 || hi < lo) return 0.0;
     kvarn_record_layout L;
     if (kvarn_record_layout_get(&kv->fmt, D, &L) != KVARN_OK) return INFINITY;
     const double qmaxi = 32639.0, eps = 0x1p-7;
@@ -106,11 +124,14 @@ static inline double attn_int8_dot_bound(const kvarn_paged_kv *kv, const kvarn_s
                                          const float *q, double scale, int lo, int hi, double vmax)
 {
     const int D = kv->head_dim, G = kv->block_size;
-    if (D > 256 || hi < lo) return 0.0; /* the kernel's fp32 path */
+    kvarn_attn_kernel_info info;
+    if (!idb_info(kv, &info)) return NAN;
+    if (hi < lo) return 0.0;
     kvarn_record_layout L;
     if (kvarn_record_layout_get(&kv->fmt, D, &L) != KVARN_OK) return INFINITY;
     const double qmaxi = 32639.0;
     const double delta = attn_int8_k_delta(kv, v, h, q, scale, lo, hi);
+    if (info.sums == KVARN_ATTN_ARITH_FP32) return (exp(2.0 * delta) - 1.0) * vmax;
     const int S = G >= 128 ? G : 128 / G * G;
     double ev = 0.0, smax = 0.0;
     double *wsum = calloc((size_t)D, sizeof(double)); /* window sums per channel */
@@ -170,7 +191,18 @@ static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_vie
     *delta = 0.0;
     *ev = 0.0;
     const int D = kv->head_dim, G = kv->block_size;
-    if (kv->staging != KVARN_STAGING_INT8 || D > 256 || hi < lo) return;
+    kvarn_attn_kernel_info info;
+    if (!idb_info(kv, &info)) {
+        *delta = NAN;
+        return;
+    }
+    if ((info.staged_scores == KVARN_ATTN_ARITH_FP32 && info.staged_sums == KVARN_ATTN_ARITH_FP32) ||
+        hi < lo)
+        return;
+    if (kv->staging != KVARN_STAGING_INT8) { /* an integer staging kernel not derived below */
+        *delta = NAN;
+        return;
+    }
     kvarn_format i8;
     kvarn_record_layout L;
     if (kvarn_format_parse("int8", &i8) != KVARN_OK ||
@@ -228,24 +260,40 @@ static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_vie
         for (int d = 0; d < D; d++) evd[d] = fmax(evd[d], (0.5 + 0x1p-8) / qmaxi * smax * wsum[d]);
     }
     for (int d = 0; d < D; d++) *ev += evd[d];
+    if (info.staged_scores == KVARN_ATTN_ARITH_FP32) *delta = 0.0;
+    if (info.staged_sums == KVARN_ATTN_ARITH_FP32) *ev = 0.0;
 }
 
-static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
-                                        const float *q, double scale, int lo, int hi, double vmax)
+/* The KVarN records' part of the AVX-512 integer dot products (the
+ * derivation at the top of this file): *delta = the most a score moves
+ * (K), *esum = the sum over rotated channels of the most each output
+ * channel moves (V); both 0 where the library says the half keeps fp32,
+ * NaN where it names an integer half this derivation does not cover. */
+static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                     const float *q, double scale, int lo, int hi,
+                                     double *delta_out, double *esum_out)
 {
+    *delta_out = *esum_out = 0.0;
     const kvarn_format *fmt = &kv->fmt;
-    if (fmt->kind == KVARN_KIND_INT8) return attn_int8_dot_bound(kv, v, h, q, scale, lo, hi, vmax);
-    /* staged int8 tokens (their scores move by at most sdelta, like the
-     * records' by delta: the softmax sees max of the two) */
-    double sdelta = 0.0, sev = 0.0;
-    if (fmt->kind == KVARN_KIND_KVARN)
-        idb_staged_int8(kv, v, h, q, scale, lo, hi, &sdelta, &sev);
-    if (fmt->kind != KVARN_KIND_KVARN || kv->block_size != 128 ||
-        (fmt->key_bits != 4 && fmt->value_bits != 2) || hi < lo)
-        return (exp(2.0 * sdelta) - 1.0) * vmax + sev / sqrt((double)kv->head_dim);
+    kvarn_attn_kernel_info info;
+    if (!idb_info(kv, &info)) {
+        *delta_out = NAN;
+        return;
+    }
+    const int kint = info.scores != KVARN_ATTN_ARITH_FP32, vint = info.sums != KVARN_ATTN_ARITH_FP32;
+    if ((!kint && !vint) || hi < lo) return;
+    /* the derivation below: 4-bit K and 2-bit V codes of 128-token tiles */
+    if (fmt->kind != KVARN_KIND_KVARN || (kint && fmt->key_bits != 4) ||
+        (vint && fmt->value_bits != 2) || kv->block_size != 128) {
+        *delta_out = NAN;
+        return;
+    }
     const int D = kv->head_dim, G = kv->block_size;
     kvarn_record_layout L;
-    if (kvarn_record_layout_get(fmt, D, &L) != KVARN_OK) return INFINITY;
+    if (kvarn_record_layout_get(fmt, D, &L) != KVARN_OK) {
+        *delta_out = NAN;
+        return;
+    }
     double qr[1024], ev[1024];
     for (int d = 0; d < D; d++) {
         qr[d] = q[d];
@@ -253,11 +301,11 @@ static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_se
     }
     pf_hadamard_d(qr, D);
     const double step = 0.5 + 1.0 / 256;
-    double delta = sdelta;
+    double delta = 0.0;
     for (int ti = lo / G; ti <= hi / G; ti++) {
         if (kvarn_paged_tile_is_page(kv, v->committed_tiles, ti)) continue;
         const uint8_t *rec = kvarn_paged_record(kv, v->block_table[ti], h);
-        if (fmt->key_bits == 4) {
+        if (kint) {
             /* The rounding error e_d of each channel is known from the
              * data (round to nearest of qa_d / sq, in double) up to the
              * kernel's fp32: its rotated query differs from qr by at most
@@ -302,16 +350,62 @@ static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_se
                 delta = fmax(delta, fabs(idb_half(rec + L.k_stok_off, t)) * (fabs(sgn) + wc));
             }
         }
-        if (fmt->value_bits == 2) {
+        if (vint) {
             double amax = 0.0;
             for (int t = 0; t < G; t++) amax = fmax(amax, fabs(idb_half(rec + L.v_a_off, t)));
             for (int d = 0; d < D; d++)
                 ev[d] = fmax(ev[d], 3.0 * G * step / 32767.0 * fabs(idb_half(rec + L.v_schan_off, d)) * amax);
         }
     }
-    double esum = sev;
+    double esum = 0.0;
     for (int d = 0; d < D; d++) esum += ev[d];
-    return (exp(2.0 * delta) - 1.0) * vmax + esum / sqrt((double)D);
+    *delta_out = delta;
+    *esum_out = esum;
+}
+
+
+/* 1 where the library names an integer half for kv's per-token format (not
+ * int8, not KVarN), which no derivation here covers. */
+static inline int idb_unknown_int(const kvarn_paged_kv *kv)
+{
+    kvarn_attn_kernel_info info;
+    if (!idb_info(kv, &info)) return 1;
+    return kv->fmt.kind != KVARN_KIND_INT8 && kv->fmt.kind != KVARN_KIND_KVARN &&
+           (info.scores != KVARN_ATTN_ARITH_FP32 || info.sums != KVARN_ATTN_ARITH_FP32);
+}
+
+/* The most the integer dot products move any score of the row with query
+ * q over positions [lo, hi] of view v, KV head h (records and staged
+ * tokens): also the most its log-sum-exp moves. 0 where the library says
+ * every half keeps fp32. */
+static inline double attn_int_score_delta(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                          const float *q, double scale, int lo, int hi)
+{
+    if (idb_unknown_int(kv)) return NAN;
+    if (kv->fmt.kind == KVARN_KIND_INT8) return attn_int8_k_delta(kv, v, h, q, scale, lo, hi);
+    if (kv->fmt.kind != KVARN_KIND_KVARN) return 0.0;
+    double sdelta, sev, delta, esum;
+    idb_staged_int8(kv, v, h, q, scale, lo, hi, &sdelta, &sev);
+    idb_kvarn_records(kv, v, h, q, scale, lo, hi, &delta, &esum);
+    return fmax(sdelta, delta) + (isnan(sdelta) || isnan(delta) ? NAN : 0.0);
+}
+
+/* The most the integer dot products move the row's output (any channel,
+ * original basis); vmax: max over visible positions and channels of the
+ * dequantized |v|. 0 where the library says every half keeps fp32. */
+static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                        const float *q, double scale, int lo, int hi, double vmax)
+{
+    if (idb_unknown_int(kv)) return NAN;
+    if (kv->fmt.kind == KVARN_KIND_INT8) return attn_int8_dot_bound(kv, v, h, q, scale, lo, hi, vmax);
+    if (kv->fmt.kind != KVARN_KIND_KVARN) return 0.0;
+    /* staged int8 tokens (their scores move by at most sdelta, like the
+     * records' by delta: the softmax sees the max of the two) */
+    double sdelta, sev, delta, esum;
+    idb_staged_int8(kv, v, h, q, scale, lo, hi, &sdelta, &sev);
+    idb_kvarn_records(kv, v, h, q, scale, lo, hi, &delta, &esum);
+    if (isnan(sdelta) || isnan(delta)) return NAN;
+    return (exp(2.0 * fmax(sdelta, delta)) - 1.0) * vmax + (sev + esum) / sqrt((double)kv->head_dim);
 }
 
 #endif

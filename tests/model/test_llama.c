@@ -477,20 +477,24 @@ static void test_kernels_match_exact_chunk(void **state)
         kvarn_format fmt;
         assert_int_equal(kvarn_format_parse(name, &fmt), KVARN_OK);
         const double tol = 1e-5;
-        /* The AVX-512 KVarN kernel multiplies 4-bit K / 2-bit V codes of
-         * 128-token tiles in int16 (docs/attention-intdot.md "Integer (int16) dot
-         * products"), the AVX-512 int8 kernel all its codes ("int8:
-         * integer dot products"): more than fp32 summation order apart
-         * from the exact path. tests/attn (test_attn, test_attn_cache) hold that path to
-         * its derived bound; here those formats run capped at AVX2, whose
-         * kernels read the same records in fp32. */
+        /* Kernels that multiply in integers (the library says which:
+         * kvarn_attn_kernel_info_get; docs/attention-intdot.md) are more
+         * than fp32 summation order apart from the exact path; tests/attn
+         * (test_attn, test_attn_cache, test_attn_lse) hold them to their
+         * derived bounds. Here such a format runs capped at AVX2, whose
+         * kernels, the library says, read the same records in fp32. */
         const char *simd = getenv("KVARN_SIMD");
         char *saved_simd = simd ? strdup(simd) : NULL;
-        const int int16_path = (fmt.kind == KVARN_KIND_KVARN && fmt.tile_tokens == 128 &&
-                                (fmt.key_bits == 4 || fmt.value_bits == 2)) ||
-                               fmt.kind == KVARN_KIND_INT8;
-        if (int16_path && !(simd && (strcmp(simd, "scalar") == 0 || strcmp(simd, "avx2") == 0)))
+        const int staging = kvarn_cache_default_opts().staging; /* the session's (-1) */
+        kvarn_attn_kernel_info ki;
+        assert_int_equal(kvarn_attn_kernel_info_get(&fmt, HD, staging, NULL, &ki), KVARN_OK);
+        if (ki.scores | ki.sums | ki.staged_scores | ki.staged_sums) {
             assert_int_equal(setenv("KVARN_SIMD", "avx2", 1), 0);
+            assert_int_equal(kvarn_attn_kernel_info_get(&fmt, HD, staging, NULL, &ki), KVARN_OK);
+            print_message("%-16s runs at %s here: the integer kernels are tests/attn's\n", name, ki.level);
+            assert_int_equal(ki.scores | ki.sums | ki.staged_scores | ki.staged_sums,
+                             KVARN_ATTN_ARITH_FP32);
+        }
         kvarn_llama_session_opts oa_opts = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
         oa_opts.attn_threads = test_threads(1);
         oa_opts.sink_tokens = extra < 0 ? 0 : extra == 0 ? 16 : 64 + 5;
