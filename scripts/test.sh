@@ -7,9 +7,55 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
 
+# Stage times: each stage's wall time is printed at the end (also when a
+# stage fails), with a warning for a stage past its share of the 45-minute
+# budget on a 2-core host (docs/testing.md "Where the time goes"). A
+# warning fails nothing: it says where to look before CI's limit is near.
+stage_names=()
+stage_secs=()
+stage_share=()
+stage_name=""
+stage_t0=$SECONDS
+stage() { # stage NAME SHARE_SECONDS: ends the running stage, starts NAME
+  stage_end
+  stage_name=$1
+  stage_cur_share=$2
+  stage_t0=$SECONDS
+  echo "== $1" >&2
+}
+stage_end() {
+  [ -n "$stage_name" ] || return 0
+  stage_names+=("$stage_name")
+  stage_secs+=($((SECONDS - stage_t0)))
+  stage_share+=("$stage_cur_share")
+  stage_name=""
+}
+stage_report() {
+  local rc=$? total=0 i
+  stage_end
+  echo "== stage times (wall; share = the stage's part of 45 min on 2 cores)" >&2
+  for i in "${!stage_names[@]}"; do
+    total=$((total + stage_secs[i]))
+    printf '  %-44s %5d s  (share %4d s)\n' "${stage_names[i]}" "${stage_secs[i]}" \
+      "${stage_share[i]}" >&2
+  done
+  printf '  %-44s %5d s  (budget 2700 s)\n' "total" "$total" >&2
+  for i in "${!stage_names[@]}"; do
+    if [ "${stage_secs[i]}" -gt "${stage_share[i]}" ]; then
+      echo "test.sh: WARNING: '${stage_names[i]}' took ${stage_secs[i]} s, past its share of" \
+           "${stage_share[i]} s (docs/testing.md \"Where the time goes\")" >&2
+    fi
+  done
+  [ "$total" -le 2700 ] ||
+    echo "test.sh: WARNING: the suite took $total s, past its 2700 s budget" >&2
+  return $rc
+}
+trap stage_report EXIT
+
+stage "set-up: Debian and Python packages, model, text" 300
 bash scripts/setup.sh --deps --model
 
-echo "== release build + tests" >&2
+stage "release build + tests" 180
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs"
@@ -28,17 +74,18 @@ if [ "$(uname -m)" = x86_64 ]; then
   grep -qw avx2 /proc/cpuinfo &&
     matrix+=("KVARN_SIMD=scalar KVARN_TEST_THREADS=2 OPENBLAS_NUM_THREADS=2 OPENBLAS_CORETYPE=Haswell")
 fi
+stage "release tests over the configuration matrix" 180
 for cfg in "${matrix[@]}"; do
   echo "== release tests with $cfg" >&2
   env $cfg ctest --test-dir build --output-on-failure -j"$jobs"
 done
 
-echo "== ASan + UBSan build + tests" >&2
+stage "ASan + UBSan build + tests" 360
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKVARN_SANITIZE=ON -DKVARN_CUDA=OFF >/dev/null
 cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j"$jobs"
 
-echo "== ThreadSanitizer build + attention tests (tests/attn: kernels, thread pool, split-K)" >&2
+stage "ThreadSanitizer build + attention tests" 300
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DKVARN_TSAN=ON -DKVARN_CUDA=OFF >/dev/null
 tsan_tests=$(for f in tests/attn/test_*.c; do basename "$f" .c; done)
 # shellcheck disable=SC2086
@@ -48,12 +95,13 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
         -R "^($(echo "$tsan_tests" | paste -sd'|' -))\$"
 
 if ls tests/python/test_*.py >/dev/null 2>&1; then
-  echo "== Python tests (real model)" >&2
+  stage "Python tests (real model)" 600
   python3 -m pytest -q --durations=15 tests/python
 fi
 
 # The vLLM plug-in (python/kvarn_vllm) on vLLM's CPU build, end to end on the
 # converted model: installs .venv-vllm the first time (docs/vllm.md).
-echo "== vLLM plug-in tests (tests/vllm)" >&2
+stage "vLLM set-up (.venv-vllm, converted model)" 300
 bash scripts/setup.sh --vllm
+stage "vLLM plug-in tests (tests/vllm)" 900
 .venv-vllm/bin/python -m pytest -q --durations=25 tests/vllm

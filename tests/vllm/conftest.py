@@ -5,8 +5,10 @@ missing piece fails the tests (it is not a skip)."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -17,21 +19,84 @@ KVARN_CLI = os.path.join(ROOT, "build", "kvarn")
 RUN_LLM = os.path.join(os.path.dirname(__file__), "run_llm.py")
 
 
+class _Launcher:
+    """run_llm.py --serve: one process per test session that has imported
+    torch and vLLM and forks a fresh child per engine (run_llm.py's
+    docstring). KVARN_TEST_FRESH_PROCESS=1 starts every engine as its own
+    `python run_llm.py CFG` instead."""
+
+    def __init__(self):
+        self.proc = None
+        self.dir = tempfile.mkdtemp(prefix="kvarn_run_llm_")
+        self.n = 0
+
+    def run(self, cfg: dict, timeout: int):
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, RUN_LLM, "--serve"], cwd=ROOT,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, bufsize=1)
+            assert self._reply().get("ready"), "run_llm.py --serve did not start"
+        self.n += 1
+        prefix = os.path.join(self.dir, f"run{self.n}")
+        self.proc.stdin.write(json.dumps({"cfg": cfg, "out": prefix, "timeout": timeout}) + "\n")
+        self.proc.stdin.flush()
+        rc = self._reply()["rc"]
+        with open(prefix + ".out", encoding="utf-8", errors="replace") as f:
+            out = f.read()
+        with open(prefix + ".err", encoding="utf-8", errors="replace") as f:
+            err = f.read()
+        os.unlink(prefix + ".out")
+        os.unlink(prefix + ".err")
+        if rc == -9:
+            raise subprocess.TimeoutExpired([RUN_LLM, json.dumps(cfg)], timeout, out, err)
+        return rc, out, err
+
+    def _reply(self) -> dict:
+        """The launcher's next JSON line (anything a library printed to its
+        stdout at import is skipped)."""
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise AssertionError(f"run_llm.py --serve died (rc {self.proc.wait()})")
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_LAUNCHER = None
+
+
 def run_llm(cfg: dict, expect_ok: bool = True, timeout: int = 900):
-    """One engine in a fresh process; returns (result dict or None, its
-    output: stderr then stdout, where vLLM's workers log their errors)."""
+    """One engine in a fresh process (forked by the session's launcher, or
+    started alone with KVARN_TEST_FRESH_PROCESS=1); returns (result dict or
+    None, its output: stderr then stdout, where vLLM's workers log their
+    errors)."""
+    global _LAUNCHER
     cfg = dict(cfg)
     cfg.setdefault("model", HF_MODEL)
-    p = subprocess.run([sys.executable, RUN_LLM, json.dumps(cfg)], capture_output=True,
-                       text=True, timeout=timeout, cwd=ROOT)
+    if os.environ.get("KVARN_TEST_FRESH_PROCESS") == "1":
+        p = subprocess.run([sys.executable, RUN_LLM, json.dumps(cfg)], capture_output=True,
+                           text=True, timeout=timeout, cwd=ROOT)
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    else:
+        if _LAUNCHER is None:
+            _LAUNCHER = _Launcher()
+        rc, out, err = _LAUNCHER.run(cfg, timeout)
     res = None
-    for line in p.stdout.splitlines():
+    for line in out.splitlines():
         if line.startswith("RESULT "):
             res = json.loads(line[7:])
-    if expect_ok and (p.returncode != 0 or res is None):
-        raise AssertionError(f"vLLM run failed (rc {p.returncode}) for {cfg}:\n"
-                             f"{p.stderr[-6000:]}")
-    return res, p.stderr + p.stdout
+    if expect_ok and (rc != 0 or res is None):
+        raise AssertionError(f"vLLM run failed (rc {rc}) for {cfg}:\n{err[-6000:]}")
+    return res, err + out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _LAUNCHER is not None:
+        _LAUNCHER.close()
 
 
 VLLM_CPU_BATCHED = 4096   # vLLM 0.32's max_num_batched_tokens for LLM(...) on CPU, per rank

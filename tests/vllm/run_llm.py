@@ -3,6 +3,17 @@ one JSON line (the tests compare runs; a process per run keeps each engine's
 state and the plug-in's per-process staging pool apart).
 
     python run_llm.py '{"kv_cache_dtype": "kvarn_k4v2_g128", "prompts": [...], ...}'
+    python run_llm.py --serve
+
+--serve (conftest.run_llm starts one per test session): import torch and
+vLLM once, then for each request line on stdin ({"cfg": {...}, "out":
+PREFIX, "timeout": S}) fork a child that runs the configuration exactly as
+the one-shot form does, its stdout and stderr in PREFIX.out / PREFIX.err,
+and answer one line {"rc": N} (-9: killed after S seconds). Each engine
+still gets a process of its own, forked from a parent that has run
+nothing but the imports (no engine, no plug-in, no torch thread pool); the
+~5-10 s of importing torch and vLLM is paid once per session instead of
+once per engine.
 
 Keys: model, kv_cache_dtype, block_size (128), kv_space_gib (1),
 speculative_config (null: none; vLLM's dict, e.g. {"method": "ngram", ...}),
@@ -133,5 +144,64 @@ def main() -> None:
     os._exit(0)
 
 
+def serve() -> None:
+    import signal
+    import time
+    import traceback
+    import torch  # noqa: F401  (imported once, inherited by every child)
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.inputs import TokensPrompt  # noqa: F401
+    assert not any(m.startswith("kvarn_vllm") for m in sys.modules), \
+        "the plug-in must be imported by each child (it reads its settings at import)"
+    base_env = dict(os.environ)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the child: one engine, then _exit
+            rc = 1
+            try:
+                os.setpgid(0, 0)  # its own group: a timeout kills its ranks too
+                out = os.open(req["out"] + ".out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                err = os.open(req["out"] + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(out, 1)
+                os.dup2(err, 2)
+                os.close(out)
+                os.close(err)
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                os.environ.clear()
+                os.environ.update(base_env)
+                sys.argv = [__file__, json.dumps(req["cfg"])]
+                main()  # leaves through os._exit(0)
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        deadline = time.monotonic() + float(req.get("timeout", 900))
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                rc = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                os.waitpid(pid, 0)
+                rc = -9
+                break
+            time.sleep(0.05)
+        print(json.dumps({"rc": rc}), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main()
