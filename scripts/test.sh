@@ -52,7 +52,7 @@ stage_report() {
 }
 trap stage_report EXIT
 
-stage "set-up: Debian and Python packages, model, text" 300
+stage "set-up: Debian and Python packages, model, text" 240
 bash scripts/setup.sh --deps --model
 
 stage "release build + tests" 180
@@ -101,7 +101,7 @@ fi
 
 # The vLLM plug-in (python/kvarn_vllm) on vLLM's CPU build, end to end on the
 # converted model: installs .venv-vllm the first time (docs/vllm.md).
-stage "vLLM set-up (.venv-vllm, converted model)" 300
+stage "vLLM set-up (.venv-vllm, converted model)" 240
 bash scripts/setup.sh --vllm
-stage "vLLM plug-in tests (tests/vllm)" 900
+stage "vLLM plug-in tests (tests/vllm)" 600
 .venv-vllm/bin/python -m pytest -q --durations=25 tests/vllm
