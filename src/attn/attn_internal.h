@@ -189,18 +189,19 @@ typedef struct attn_level_row {
     attn_fp16_tile_fn fp16_tile;
 } attn_level_row;
 
-/* The attention half of a format kind's row (the codec half is
- * src/codec/format_kinds.h): its tile kernel per SIMD level (index
- * kvarn_cpu_level), token_tile for per-token kinds, record_tile for
- * per-tile kinds. The scalar entry is mandatory; NULL at a higher level
- * means that level has no kernel of its own for the kind and runs the next
- * lower level's. */
 /* The arithmetic of a kind's kernel at one level (kvarn_attn_kernel_info,
  * attn.h): *scores for q.k, *sums for p.v, for a format of the kind at
  * head_dim D; vnni: the level's VNNI build runs (AVX-512 only). */
 typedef void (*attn_arith_fn)(const kvarn_format *fmt, int D, int vnni,
                               kvarn_attn_arith *scores, kvarn_attn_arith *sums);
 
+/* The attention half of a format kind's row (the codec half is
+ * src/codec/format_kinds.h): its tile kernel per SIMD level (index
+ * kvarn_cpu_level), token_tile for per-token kinds, record_tile for
+ * per-tile kinds. The scalar entry is mandatory; NULL at a higher level
+ * means that level has no kernel of its own for the kind and runs the next
+ * lower level's; arith likewise per level: the arithmetic of that level's
+ * kernel for a format and head_dim. */
 typedef struct attn_kind_row {
     kvarn_kind kind;                  /* the row's own index */
     attn_token_tile_fn token_tile[ATTN_LEVELS];
