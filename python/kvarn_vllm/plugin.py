@@ -4,7 +4,8 @@ times: every step is idempotent.
 
 What it changes, all at load, nothing on disk:
   - the closed Literal CacheDType (config/cache.py) gains every KVarN name
-    the C library accepts (kvarn_k{2,4,8}v{2,4,8}_g{32,64,128}); the
+    the C library accepts (kvarn_k{2,4,8}v{2,4,8}_g{32,64,128}, and each
+    with the suffix c: mean-centred values, served on CPU); the
     --kv-cache-dtype option takes any kvarn_* string and hands an unknown one
     to the library, whose error lists what is accepted;
   - STR_DTYPE_TO_TORCH_DTYPE maps them to uint8 (pages of record bytes);
@@ -33,8 +34,8 @@ _done = False
 
 
 def kvarn_dtype_names() -> list:
-    return [f"kvarn_k{k}v{v}_g{g}" for k, v, g in
-            itertools.product((4, 2, 8), (2, 4, 8), (128, 64, 32))]
+    return [f"kvarn_k{k}v{v}_g{g}{c}" for c, k, v, g in
+            itertools.product(("", "c"), (4, 2, 8), (2, 4, 8), (128, 64, 32))]
 
 
 def _check_version() -> None:
@@ -51,12 +52,23 @@ def _validate_name(name):
     from .backend import is_kvarn_dtype
     if is_kvarn_dtype(name):
         from . import _lib
-        fmt = _lib.parse_format(name)  # ValueError with the library's explanation
-        if fmt.centred:
-            raise ValueError(
-                f"kvarn: {name} (mean-centred values) is a format of the C library and the "
-                f"kvarn command; the vLLM plug-in does not serve it yet: use {name[:-1]}")
+        _lib.parse_format(name)  # ValueError with the library's explanation
     return name
+
+
+# Model types whose attention adds a bias to q, k and v by construction
+# (transformers' Qwen2 family has no attention_bias setting: bias=True in
+# its q/k/v projections); other configs say so with attention_bias.
+_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
+
+
+def has_value_bias(hf_config) -> bool:
+    """Whether the model's v projection adds a bias (hf_config: the text
+    config transformers reads): attention_bias true, or a model type of
+    _QKV_BIAS_TYPES. A value bias shifts every value of a KV head by the
+    same vector, which the centred formats store apart (docs/kvarn-centred.md)."""
+    return bool(getattr(hf_config, "attention_bias", False)) or \
+        getattr(hf_config, "model_type", "") in _QKV_BIAS_TYPES
 
 
 def _patch_dtype_literal() -> None:
@@ -171,6 +183,18 @@ def check_model(vllm_config) -> None:
             f"store ({e}); serve it with one of vLLM's own cache dtypes (e.g. "
             f"--kv-cache-dtype auto)") from None
     hf = mc.hf_text_config
+    fmt = _lib.parse_format(name, mc.get_head_size())
+    if fmt.centred and vllm_config.device_config.device_type == "cuda":
+        raise ValueError(
+            f"kvarn: {name} (mean-centred values) is served by the CPU kernels only; the "
+            f"CUDA backend does not build it yet: use {name[:-1]}")
+    if fmt.kind == _lib.KIND_KVARN and not fmt.centred and has_value_bias(hf):
+        from vllm.logger import init_logger
+        init_logger("vllm.kvarn_vllm").warning(
+            "kvarn: %s adds a bias to its values, which %s quantizes with the rest; the "
+            "mean-centred %sc stores each tile's value means apart (on a Qwen2-shaped "
+            "model, docs/kvarn-centred.md: KL 18x lower for about 2%% more bytes): "
+            "--kv-cache-dtype %sc", mc.model, name, name, name)
     cap = getattr(hf, "attn_logit_softcapping", None)
     if cap:
         raise ValueError(

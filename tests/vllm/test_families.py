@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import make_models  # noqa: E402
 
 KV = "kvarn_k4v2_g128"
+KVC = "kvarn_k4v2_g128c"     # mean-centred values (docs/kvarn-centred.md)
 G = 128
 VOCAB = make_models.VOCAB
 PROMPT_LEN = 3 * G + 16      # 3 full tiles and 16 tokens of a 4th
@@ -82,12 +83,14 @@ def _kl(p, q):
     return np.sum(np.exp(p) * (p - q), axis=-1)
 
 
-def _check_served(model, ref, kv, quantize_sliding=False):
+def _check_served(model, ref, kv, quantize_sliding=False, fmt=KV):
+    """kv (format fmt) against ref (vLLM's fp32 cache): the module
+    docstring's rules; returns the emulated codec's KL per position."""
     import emulate
     exact = emulate.logprobs(model, PROMPT, quantize=False)
     # the plug-in's CPU default: int8 staging (backend.STAGING_DEFAULT)
     codec = emulate.logprobs(model, PROMPT, quantize=True, quantize_sliding=quantize_sliding,
-                             staging="int8")
+                             staging="int8", fmt=fmt)
     # prompt_logprobs[j] is the distribution at position j - 1
     k_e = emulate.kl_rows(exact, codec)[READ_FROM:PROMPT_LEN - 1]
     P = _lp(ref["outputs"][0]["prompt_logprobs"], READ_FROM + 1)
@@ -114,6 +117,7 @@ def _check_served(model, ref, kv, quantize_sliding=False):
         assert margin <= bound
     else:
         print(f"greedy tokens equal ({len(r['token_ids'])})")
+    return k_e
 
 
 def _check_prefix_caching(kv):
@@ -158,10 +162,10 @@ def mistral(models):
     return ref, kv, log, kvq, logq
 
 
-def _serve_kv_only(model, env):
+def _serve_kv_only(model, env, fmt=KV):
     cold = dict(prompt_ids=[LONG], logprobs=None, prompt_logprobs=None)
     again = dict(prompt_ids=[LONG, OTHER], logprobs=None, prompt_logprobs=None)
-    kv, log = run_llm(_cfg(model, kv_cache_dtype=KV, prefix_caching=True, rounds=[cold, again],
+    kv, log = run_llm(_cfg(model, kv_cache_dtype=fmt, prefix_caching=True, rounds=[cold, again],
                            env=env))
     return None, kv, log
 
@@ -241,7 +245,7 @@ def _shape(fam: str) -> tuple:
     return kw["num_hidden_layers"], kw["num_key_value_heads"], d
 
 
-def _kv_blocks(fam: str, kv_heads: int, world: int = 1) -> int:
+def _kv_blocks(fam: str, kv_heads: int, world: int = 1, fmt: str = KV) -> int:
     """The blocks vLLM must report for FAMILIES[fam] with every layer in
     kvarn_k4v2_g128 and kv_heads KV heads on this rank, at run_llm's budget
     (VLLM_CPU_KVCACHE_SPACE 1 GiB) and max_num_seqs 8: the budget less the
@@ -251,7 +255,7 @@ def _kv_blocks(fam: str, kv_heads: int, world: int = 1) -> int:
     library)."""
     from kvarn_vllm import _lib
     layers, _, d = _shape(fam)
-    record = _lib.record_bytes(_lib.parse_format(KV, d), d)
+    record = _lib.record_bytes(_lib.parse_format(fmt, d), d)
     pool = staging_pool_bytes(layers, kv_heads, d, 8, batched=VLLM_CPU_BATCHED * world)
     return (2**30 - pool) // (layers * kv_heads * record)
 
@@ -278,3 +282,32 @@ def test_tensor_parallel_2_follows_fp32_cache(models, served):
                          env=bind_threads(2)))
     assert tp["kv_blocks"] == _kv_blocks("llama3", 1, world=2)
     _check_served(models["llama3"], ref, tp)
+
+
+def test_centred_values_on_a_model_with_value_biases(models, served):
+    """Qwen2 adds a bias to q, k and v: the plug-in warns at start-up that
+    kvarn_k4v2_g128 quantizes the value bias with the rest and names the
+    mean-centred kvarn_k4v2_g128c (no such warning for Llama-3, which has
+    none, nor for the centred format itself). Served, the centred format
+    follows vLLM's fp32 cache within its own emulated codec's bound (the
+    module docstring's rules, emulated with the same centred format), its
+    prefix caching equals computing cold, its blocks are the arithmetic of
+    its records (2D bytes of channel means more per record), and on this
+    model it is the better format: its emulated KL below the plain
+    format's."""
+    ref, kv, log = served("qwen2")
+    warning = "adds a bias to its values"
+    assert warning in log and f"--kv-cache-dtype {KVC}" in log, log[-3000:]
+    assert warning not in served("llama3")[2]
+    _, kvc, logc = _serve_kv_only(models["qwen2"], {}, fmt=KVC)
+    assert warning not in logc
+    layers, hk, _ = _shape("qwen2")
+    assert kvc["kv_blocks"] == _kv_blocks("qwen2", hk, fmt=KVC) < kv["kv_blocks"]
+    k_c = _check_served(models["qwen2"], ref, kvc, fmt=KVC)
+    _check_prefix_caching(kvc)
+    import emulate
+    exact = emulate.logprobs(models["qwen2"], PROMPT, quantize=False)
+    plain = emulate.logprobs(models["qwen2"], PROMPT, quantize=True, staging="int8")
+    k_p = emulate.kl_rows(exact, plain)[READ_FROM:PROMPT_LEN - 1]
+    print(f"qwen2 emulated KL: {KV} {k_p.mean():.5f}, {KVC} {k_c.mean():.5f}")
+    assert k_c.mean() < k_p.mean()

@@ -27,7 +27,8 @@ def _parser():
     return EngineArgs.add_cli_args(FlexibleArgumentParser())
 
 
-@pytest.mark.parametrize("name", PRESETS + ["kvarn_k8v8_g32", "kvarn_k2v2_g64"])
+@pytest.mark.parametrize("name", PRESETS + ["kvarn_k8v8_g32", "kvarn_k2v2_g64", "kvarn_k4v2_g128c",
+                                            "kvarn_k4v4_g64c"])
 def test_cli_accepts_every_kvarn_name(name):
     args = _parser().parse_args(["--kv-cache-dtype", name])
     assert args.kv_cache_dtype == name
