@@ -111,3 +111,33 @@ def test_staging_defaults_and_refusals(monkeypatch):
         with pytest.raises(ValueError, match="KVARN_STAGING must be one of fp16, int8, "
                                              "fp8_e4m3, int4"):
             staging_config("cpu")
+
+
+def _front_end_config(hf_model, name, device_type="cpu"):
+    """The engine config LLM(...) builds for SmolLM2 with `name`, its device
+    type then set as a CUDA build's would be (the CPU build cannot make a
+    CUDA config itself)."""
+    from vllm.engine.arg_utils import EngineArgs
+    plugin.register()
+    cfg = EngineArgs(model=hf_model, kv_cache_dtype=name, block_size=128).create_engine_config()
+    cfg.device_config.device_type = device_type
+    return cfg
+
+
+def test_centred_format_refused_on_cuda_only(hf_model):
+    """kvarn_*_c is served on CPU; on a CUDA device the front-end check
+    refuses it, naming the plain format (the CUDA backend does not build it)."""
+    plugin.check_model(_front_end_config(hf_model, "kvarn_k4v2_g128c"))
+    with pytest.raises(ValueError, match="CPU kernels only.*use kvarn_k4v2_g128$"):
+        plugin.check_model(_front_end_config(hf_model, "kvarn_k4v2_g128c", "cuda"))
+    plugin.check_model(_front_end_config(hf_model, "kvarn_k4v2_g128", "cuda"))
+
+
+def test_value_bias_detection():
+    """plugin.has_value_bias: an attention_bias setting, or the Qwen2 family
+    (q/k/v biases by construction); none for Llama's and Qwen3's defaults."""
+    import transformers
+    assert plugin.has_value_bias(transformers.Qwen2Config())
+    assert plugin.has_value_bias(transformers.LlamaConfig(attention_bias=True))
+    assert not plugin.has_value_bias(transformers.LlamaConfig())
+    assert not plugin.has_value_bias(transformers.Qwen3Config())
