@@ -31,13 +31,16 @@ stage_end() {
   stage_name=""
 }
 stage_report() {
-  local rc=$? total=0 i
+  local rc=$? total=0 i note last
   stage_end
+  last=$((${#stage_names[@]} - 1))
   echo "== stage times (wall; share = the stage's part of 45 min on 2 cores)" >&2
   for i in "${!stage_names[@]}"; do
     total=$((total + stage_secs[i]))
-    printf '  %-44s %5d s  (share %4d s)\n' "${stage_names[i]}" "${stage_secs[i]}" \
-      "${stage_share[i]}" >&2
+    note=""
+    [ "$rc" -eq 0 ] || [ "$i" -ne "$last" ] || note="  FAILED (exit $rc)"
+    printf '  %-44s %5d s  (share %4d s)%s\n' "${stage_names[i]}" "${stage_secs[i]}" \
+      "${stage_share[i]}" "$note" >&2
   done
   printf '  %-44s %5d s  (budget 2700 s)\n' "total" "$total" >&2
   for i in "${!stage_names[@]}"; do

@@ -200,8 +200,10 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *                           the u8 codes (vpdpbusd): the same sums, bit for
  *                           bit, as INT16.
  * An integer half may still keep fp32 for a call whose run-time conditions
- * it does not meet (a query row below 2^-100, a span over 256 tokens);
- * FP32 means it never rounds. */
+ * it does not meet (KVarN: a tile where any query row's max |q_d a_d| is
+ * below 2^-100, or any reaches 2^80; int8: a span over 256 tokens, so
+ * every span where the cache's block_size exceeds 256); FP32 means it
+ * never rounds. */
 typedef enum kvarn_attn_arith {
     KVARN_ATTN_ARITH_FP32 = 0,
     KVARN_ATTN_ARITH_INT16 = 1,
@@ -231,8 +233,9 @@ typedef struct kvarn_attn_kernel_info {
  * the integer paths' conditions are stated once in
  * src/attn/attn_internal.h and tested by the kernels themselves.
  * Errors (*out untouched): KVARN_ERR_INVALID_ARG (NULL fmt or out, staging
- * outside kvarn_staging), KVARN_ERR_UNSUPPORTED_HEAD_DIM (head_dim the
- * format does not take, as kvarn_record_layout_get). */
+ * outside kvarn_staging, options a call would refuse),
+ * KVARN_ERR_UNSUPPORTED_HEAD_DIM (head_dim the format does not take, as
+ * kvarn_record_layout_get). */
 kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, int staging,
                                         const kvarn_attn_opts *opts,
                                         kvarn_attn_kernel_info *out);

@@ -59,7 +59,11 @@ def _validate_name(name):
 # Model types whose attention adds a bias to q, k and v by construction
 # (transformers' Qwen2 family has no attention_bias setting: bias=True in
 # its q/k/v projections); other configs say so with attention_bias.
-_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
+# check_model passes the text config: Qwen2-VL's and Qwen2.5-VL's are
+# qwen2_vl_text and qwen2_5_vl_text (transformers' Qwen2VLTextConfig), the
+# outer types kept for a caller that passes the whole config.
+_QKV_BIAS_TYPES = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_vl_text", "qwen2_5_vl",
+                   "qwen2_5_vl_text")
 
 
 def has_value_bias(hf_config) -> bool:
@@ -190,11 +194,17 @@ def check_model(vllm_config) -> None:
             f"CUDA backend does not build it yet: use {name[:-1]}")
     if fmt.kind == _lib.KIND_KVARN and not fmt.centred and has_value_bias(hf):
         from vllm.logger import init_logger
-        init_logger("vllm.kvarn_vllm").warning(
-            "kvarn: %s adds a bias to its values, which %s quantizes with the rest; the "
-            "mean-centred %sc stores each tile's value means apart (on a Qwen2-shaped "
-            "model, docs/kvarn-centred.md: KL 18x lower for about 2%% more bytes): "
-            "--kv-cache-dtype %sc", mc.model, name, name, name)
+        if vllm_config.device_config.device_type == "cuda":  # the centred ones are refused there
+            init_logger("vllm.kvarn_vllm").warning(
+                "kvarn: %s adds a bias to its values, which %s quantizes with the rest; the "
+                "mean-centred %sc, which stores each tile's value means apart, is served on "
+                "CPU only (docs/kvarn-centred.md)", mc.model, name, name)
+        else:
+            init_logger("vllm.kvarn_vllm").warning(
+                "kvarn: %s adds a bias to its values, which %s quantizes with the rest; the "
+                "mean-centred %sc stores each tile's value means apart (on a Qwen2-shaped "
+                "model, docs/kvarn-centred.md: KL 18x lower for about 2%% more bytes): "
+                "--kv-cache-dtype %sc", mc.model, name, name, name)
     cap = getattr(hf, "attn_logit_softcapping", None)
     if cap:
         raise ValueError(

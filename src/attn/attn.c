@@ -227,7 +227,8 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
                                         const kvarn_attn_opts *opts,
                                         kvarn_attn_kernel_info *out)
 {
-    if (fmt == NULL || out == NULL) return KVARN_ERR_INVALID_ARG;
+    if (fmt == NULL || out == NULL || (opts != NULL && !opts_valid(opts)))
+        return KVARN_ERR_INVALID_ARG;
     kvarn_record_layout L;
     kvarn_status st = kvarn_record_layout_get(fmt, head_dim, &L);
     if (st != KVARN_OK) return st;

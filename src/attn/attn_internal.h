@@ -214,8 +214,10 @@ typedef struct attn_kind_row {
  * integer loops exactly under these, kernel_table.c reports them): the one
  * statement of those conditions.
  *   KVarN K (kv_kdots4_128_i16): 4-bit codes of 128-token tiles, D <= 256
- *     (int32 sums of D products stay exact); a call whose query rows are
- *     all below 2^-100 keeps fp32.
+ *     (int32 sums of D products stay exact); at run time a tile keeps fp32
+ *     for all its rows where any row's max |q_d a_d| is below 2^-100, and
+ *     runs the AVX2 kernel (both halves fp32) where any |q_d a_d| >= 2^80
+ *     (2- and 4-bit K).
  *   KVarN V (kv_vsum2_i16): 2-bit codes of 128-token tiles, D % 64 == 0
  *     (64 channels a pass).
  *   int8 per-token K and V (token_int8_body): D <= 256 and spans of at most

@@ -32,22 +32,29 @@ class _Launcher:
 
     def run(self, cfg: dict, timeout: int):
         if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None:  # a launcher that died: its pipes
+                self.proc.stdin.close()
+                self.proc.stdout.close()
             self.proc = subprocess.Popen([sys.executable, RUN_LLM, "--serve"], cwd=ROOT,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          text=True, bufsize=1)
             assert self._reply().get("ready"), "run_llm.py --serve did not start"
         self.n += 1
         prefix = os.path.join(self.dir, f"run{self.n}")
-        self.proc.stdin.write(json.dumps({"cfg": cfg, "out": prefix, "timeout": timeout}) + "\n")
+        # the caller's environment now (a test's monkeypatch.setenv reaches
+        # the engine, as it does a one-shot process)
+        self.proc.stdin.write(json.dumps({"cfg": cfg, "out": prefix, "timeout": timeout,
+                                          "env": dict(os.environ)}) + "\n")
         self.proc.stdin.flush()
-        rc = self._reply()["rc"]
+        reply = self._reply()
+        rc = reply["rc"]
         with open(prefix + ".out", encoding="utf-8", errors="replace") as f:
             out = f.read()
         with open(prefix + ".err", encoding="utf-8", errors="replace") as f:
             err = f.read()
         os.unlink(prefix + ".out")
         os.unlink(prefix + ".err")
-        if rc == -9:
+        if reply.get("timed_out"):  # (rc -9 alone may be the OOM killer)
             raise subprocess.TimeoutExpired([RUN_LLM, json.dumps(cfg)], timeout, out, err)
         return rc, out, err
 
@@ -60,10 +67,17 @@ class _Launcher:
         raise AssertionError(f"run_llm.py --serve died (rc {self.proc.wait()})")
 
     def close(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=60)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            if self.proc is not None:
+                self.proc.stdin.close()  # EOF: the launcher leaves
+                try:
+                    self.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.proc.terminate()  # kills its running child first
+                    self.proc.wait(timeout=30)
+                self.proc.stdout.close()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 _LAUNCHER = None

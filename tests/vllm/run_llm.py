@@ -9,7 +9,12 @@ state and the plug-in's per-process staging pool apart).
 vLLM once, then for each request line on stdin ({"cfg": {...}, "out":
 PREFIX, "timeout": S}) fork a child that runs the configuration exactly as
 the one-shot form does, its stdout and stderr in PREFIX.out / PREFIX.err,
-and answer one line {"rc": N} (-9: killed after S seconds). Each engine
+and answer one line {"rc": N, "timed_out": bool} (timed out: killed with
+its process group after S seconds). The child's environment is the
+request's "env" (the caller's os.environ at the call) where given. When
+the launcher stops (stdin closed, SIGINT / SIGTERM, its parent gone) the
+running child's process group is killed first, so an interrupted test
+session leaves no engine or rank behind. Each engine
 still gets a process of its own, forked from a parent that has run
 nothing but the imports (no engine, no plug-in, no torch thread pool); the
 ~5-10 s of importing torch and vLLM is paid once per session instead of
@@ -27,8 +32,10 @@ instead of kv_space_gib), load_format, prompts (text) or prompt_ids
 max_logprobs (20), dtype (the model's, "float32"), tensor_parallel_size (1),
 pipeline_parallel_size (1), distributed_executor_backend (null: vLLM's),
 enforce_eager (true), compilation_config (null: vLLM's), env (variables set
-before vLLM is imported; VLLM_ENABLE_V1_MULTIPROCESSING is 0 unless set
-there), dense_logprobs (N: each position's logprobs as a list of the
+before LLM(...) is built: before vLLM is imported in the one-shot form, but
+after it under --serve, where a variable read at import (the OpenMP
+runtime's OMP_*, vLLM's platform detection) keeps the launcher's value;
+VLLM_ENABLE_V1_MULTIPROCESSING is 0 unless set there), dense_logprobs (N: each position's logprobs as a list of the
 first N token ids' in id order, for logprobs covering the whole
 vocabulary), rounds (after prompts, more generate calls in the same engine,
 each a dict of prompt_ids, logprobs, prompt_logprobs; their outputs in
@@ -148,12 +155,19 @@ def serve() -> None:
     import signal
     import time
     import traceback
+    before = dict(os.environ)
     import torch  # noqa: F401  (imported once, inherited by every child)
     from vllm import LLM, SamplingParams  # noqa: F401
     from vllm.inputs import TokensPrompt  # noqa: F401
     assert not any(m.startswith("kvarn_vllm") for m in sys.modules), \
         "the plug-in must be imported by each child (it reads its settings at import)"
     base_env = dict(os.environ)
+    # what the imports set (vLLM's TORCHINDUCTOR_*, cv2's LD_LIBRARY_PATH...):
+    # a one-shot process sets them too, after its caller's environment
+    by_imports = {k: v for k, v in base_env.items() if before.get(k) != v}
+    parent = os.getppid()
+    # SIGTERM (a CI runner stopping the job) as SIGINT: unwind, kill the child
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -162,6 +176,7 @@ def serve() -> None:
             rc = 1
             try:
                 os.setpgid(0, 0)  # its own group: a timeout kills its ranks too
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 out = os.open(req["out"] + ".out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 err = os.open(req["out"] + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(out, 1)
@@ -170,8 +185,9 @@ def serve() -> None:
                 os.close(err)
                 devnull = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(devnull, 0)
+                os.close(devnull)
                 os.environ.clear()
-                os.environ.update(base_env)
+                os.environ.update(dict(req["env"], **by_imports) if "env" in req else base_env)
                 sys.argv = [__file__, json.dumps(req["cfg"])]
                 main()  # leaves through os._exit(0)
             except SystemExit as e:
@@ -182,22 +198,39 @@ def serve() -> None:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(rc)
+        try:
+            os.setpgid(pid, pid)  # also here: a kill right after fork finds the group
+        except OSError:
+            pass  # the child did it first (or has exec'd / exited)
         deadline = time.monotonic() + float(req.get("timeout", 900))
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                rc = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:
-                try:
+        timed_out = False
+        try:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    rc = os.waitstatus_to_exitcode(status)
+                    break
+                if os.getppid() != parent:  # the test session is gone
+                    raise KeyboardInterrupt
+                if time.monotonic() > deadline:
+                    timed_out = True
                     os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                    os.waitpid(pid, 0)
+                    rc = -9
+                    break
+                time.sleep(0.05)
+        except BaseException:
+            try:
+                os.killpg(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                rc = -9
-                break
-            time.sleep(0.05)
-        print(json.dumps({"rc": rc}), flush=True)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            raise
+        try:  # ranks or helpers the engine left behind in its group
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        print(json.dumps({"rc": rc, "timed_out": timed_out}), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,3 +29,13 @@ def test_each_engine_is_a_fresh_process_and_failures_stay_in_it(hf_model):
     assert conftest._LAUNCHER is launcher
     assert a["outputs"][0]["token_ids"] == b["outputs"][0]["token_ids"]
     assert len(a["outputs"][0]["token_ids"]) == 2
+
+
+def test_the_callers_environment_reaches_the_engine(hf_model, monkeypatch):
+    """An engine sees os.environ as it is at the call (as a one-shot
+    process would), not as it was when the launcher started."""
+    run_llm(dict(kv_cache_dtype="kvarn_k4v2_g128", prompts=["Hi"], max_tokens=1))  # launcher up
+    monkeypatch.setenv("KVARN_STAGING", "fp6")
+    res, err = run_llm(dict(kv_cache_dtype="kvarn_k4v2_g128", prompts=["Hi"], max_tokens=1),
+                       expect_ok=False)
+    assert res is None and "KVARN_STAGING must be one of" in err, err[-2000:]

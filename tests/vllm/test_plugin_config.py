@@ -141,3 +141,7 @@ def test_value_bias_detection():
     assert plugin.has_value_bias(transformers.LlamaConfig(attention_bias=True))
     assert not plugin.has_value_bias(transformers.LlamaConfig())
     assert not plugin.has_value_bias(transformers.Qwen3Config())
+    # what check_model passes: the text config (Qwen2-VL's is qwen2_vl_text)
+    from vllm.transformers_utils.config import get_hf_text_config
+    for cfg in (transformers.Qwen2VLConfig(), transformers.Qwen2_5_VLConfig()):
+        assert plugin.has_value_bias(get_hf_text_config(cfg)), cfg.model_type
