@@ -42,12 +42,13 @@ the model's dtype, the reference, named in the header):
   - KLD: vLLM returns the top-k log-probabilities of a position, not the
     whole distribution. Where the vocabulary has at most EXACT_VOCAB
     entries every entry is asked for and KLD is exact; otherwise KLD is
-    folded: the reference's top FOLD_TOP tokens, the rest of both
-    distributions in one bucket, which can only lower KL (a lower bound of
-    the exact figure), against the format's top FORMAT_TOP (positions where
-    those lack one of the reference's top FOLD_TOP are left out of the KLD
-    columns and counted). Top-1 and PPL are exact either way (vLLM always
-    returns the prompt token's own log-probability).
+    folded: the reference's top FOLD_TOP tokens that the format's top
+    FORMAT_TOP also holds (both probabilities known), the rest of both
+    distributions in one bucket. That is a partition of the vocabulary,
+    and merging outcomes can only lower KL: a lower bound of the exact
+    figure (looser where the format's top lacks some of the reference's;
+    those positions are counted). Top-1 and PPL are exact either way (vLLM
+    always returns the prompt token's own log-probability).
 
 Each format runs in an engine of its own, in a process forked from this one
 (which imports vLLM once and never the plug-in's backend: the plug-in reads
@@ -488,8 +489,8 @@ def score(ref: dict, fmt: dict, ctx: int, decode: int, exact: bool) -> dict:
     columns, else decode columns) KL(reference || format), exact over the
     whole vocabulary or folded (module docstring), top-1 agreement, NLL."""
     import numpy as np
-    cols = {"prompt": dict(kl=[], top1=0, n=0, skipped=0),
-            "decode": dict(kl=[], top1=0, n=0, skipped=0)}
+    cols = {"prompt": dict(kl=[], top1=0, n=0, partial=0),
+            "decode": dict(kl=[], top1=0, n=0, partial=0)}
     nll, npos = 0.0, 0
     for rw, fw in zip(ref["windows"], fmt["windows"]):
         n = len(rw["actual_lp"])
@@ -508,26 +509,26 @@ def score(ref: dict, fmt: dict, ctx: int, decode: int, exact: bool) -> dict:
         else:
             kl, ok = [], []
             for j in range(n):
+                # the reference's top FOLD_TOP tokens that the format's top
+                # FORMAT_TOP holds (both masses known), the rest one bucket:
+                # a partition of the vocabulary, so a lower bound of the
+                # exact KL whatever the format's top lacks (ok: lacks none)
                 q = dict(zip(fw["top_ids"][j].tolist(), fw["top_lps"][j].tolist()))
                 top = rw["top_ids"][j, :FOLD_TOP].tolist()
-                if any(t not in q for t in top):
-                    kl.append(0.0)
-                    ok.append(False)
-                    continue
-                pm = np.exp(rw["top_lps"][j, :FOLD_TOP].astype(np.float64))
-                qm = np.exp(np.array([q[t] for t in top], dtype=np.float64))
+                lps = rw["top_lps"][j, :FOLD_TOP].tolist()
+                both = [(lp_, q[t]) for t, lp_ in zip(top, lps) if t in q]
+                pm = np.exp(np.array([a for a, _ in both], dtype=np.float64))
+                qm = np.exp(np.array([b for _, b in both], dtype=np.float64))
                 pr, qr = max(1e-12, 1 - pm.sum()), max(1e-12, 1 - qm.sum())
                 k = float(np.sum(pm * np.log(pm / qm)) + pr * math.log(pr / qr))
                 kl.append(max(0.0, k))
-                ok.append(True)
+                ok.append(len(both) == len(top))
         for j in range(n):
             c = cols["prompt" if j < ctx - decode else "decode"]
             c["n"] += 1
             c["top1"] += int(agree[j])
-            if ok[j]:
-                c["kl"].append(kl[j])
-            else:
-                c["skipped"] += 1
+            c["kl"].append(kl[j])
+            c["partial"] += int(not ok[j])
     out = dict(ppl=math.exp(nll / npos) if npos else None, positions=npos)
     for name, c in cols.items():
         pre = "" if name == "prompt" else "decode_"
@@ -535,8 +536,7 @@ def score(ref: dict, fmt: dict, ctx: int, decode: int, exact: bool) -> dict:
         out.update({pre + "kld_mean": st["mean"], pre + "kld_median": st["median"],
                     pre + "kld_p99": st["p99"], pre + "kld_max": st["max"],
                     pre + "top1": c["top1"] / c["n"] if c["n"] else None,
-                    pre + "positions": c["n"], pre + "kld_positions": len(c["kl"]),
-                    pre + "kld_skipped": c["skipped"]})
+                    name + "_positions": c["n"], pre + "kld_partial": c["partial"]})
     return out
 
 
@@ -564,9 +564,9 @@ def table(report: dict) -> str:
     r = report
     lines = []
     kld = ("exact (every vocabulary entry)" if r["kld_mode"] == "exact" else
-           f"folded: the reference's top {FOLD_TOP} tokens, the rest one bucket, against the "
-           f"format's top {FORMAT_TOP} (vLLM returns top-k log-probs only; a lower bound of "
-           f"the exact KLD)")
+           f"folded: the reference's top {FOLD_TOP} tokens (those in the format's top "
+           f"{FORMAT_TOP}), the rest one bucket (vLLM returns top-k log-probs only; a lower "
+           f"bound of the exact KLD)")
     lines.append(f"{PROG}: {r['model']} ({r['model_dtype']}, vocabulary {r['vocab']}) | text "
                  f"{r['text']} | {r['windows']} window(s) x "
                  f"{r['ctx']} tokens, prompt positions [0, {r['ctx'] - r['decode']}), the last "
@@ -610,11 +610,11 @@ def table(report: dict) -> str:
             lines.append(f"  {f['label']}: {f['reason']}")
     if any(f.get("capped") for f in r["formats"]):
         lines.append("+: more would fit; --max-num-seqs caps the requests held")
-    skipped = [f for f in r["formats"] if f.get("kld_skipped") or f.get("decode_kld_skipped")]
-    for f in skipped:
-        lines.append(f"{f['label']}: {f['kld_skipped']} prompt and {f['decode_kld_skipped']} "
-                     f"decode positions left out of KLD (the format's top {FORMAT_TOP} lacks one "
-                     f"of the reference's top {FOLD_TOP})")
+    partial = [f for f in r["formats"] if f.get("kld_partial") or f.get("decode_kld_partial")]
+    for f in partial:
+        lines.append(f"{f['label']}: at {f['kld_partial']} prompt and {f['decode_kld_partial']} "
+                     f"decode positions the format's top {FORMAT_TOP} lacks some of the "
+                     f"reference's top {FOLD_TOP} (folded into the bucket there: a looser bound)")
     return "\n".join(lines)
 
 
