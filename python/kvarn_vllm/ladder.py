@@ -286,7 +286,7 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
     out = dict(bytes_per_token=bpt, budget_blocks=nb, block_size=bs,
                max_num_batched_tokens=sc.max_num_batched_tokens,
                kv_tokens=None if bs is None else nb * bs, pool_bytes=pool,
-               max_num_seqs=n, requests_fit=min(f, n) if want else f,
+               max_num_seqs=n, requests_fit=min(f, n),
                capped=bool(want) and f > want, refusal=why)
     # the engine's own budget and max_num_seqs, to check against what the
     # engine then reports
@@ -650,7 +650,7 @@ def plot(report: dict, path: str, plt) -> None:
     if fr:
         ax.plot([p[0] for p in fr], [p[1] for p in fr], color="C3", lw=1, ls="--",
                 label="Pareto front (no format holds more with a lower KLD)")
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="lower left", fontsize=8)
     ax.set_yscale("log")
     ax.set_xlabel(f"capacity: KV tokens x auto's at {report['budget_bytes'] / 2**30:.2f} GiB "
                   "(staging pool counted)")

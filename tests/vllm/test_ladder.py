@@ -232,6 +232,22 @@ def test_qwen2_decode_kld_matches_emulation(families, tmp_path):
     assert rep["kld_mode"] == "exact" and rep["vocab"] == 2048
     assert row["decode_positions"] == FAM_LEN - READ_FROM - 1
     assert row["decode_kld_partial"] == 0
+    # capacity without --max-num-seqs: the largest N whose staging pool
+    # (N sequences, the docs/vllm.md arithmetic) leaves blocks for N
+    # requests of FAM_LEN tokens (4 blocks each, one null block held back),
+    # and N + 1 does not fit
+    layers, hk, d = 3, 1, 128                          # make_models' qwen2
+    block = layers * hk * round(row["bytes_per_token"] * G / (layers * hk))
+    budget = 256 * 2**20
+
+    def fits(n):
+        pool = staging_pool_bytes(layers, hk, d, n, batched=rep["max_num_batched_tokens"])
+        return ((budget - pool) // block - 1) // 4
+    n = row["max_num_seqs"]
+    assert row["requests_fit"] == n and fits(n) >= n and fits(n + 1) < n + 1, (n, fits(n))
+    assert row["kv_tokens"] == (budget - row["pool_bytes"]) // block * G
+    assert row["pool_bytes"] == staging_pool_bytes(layers, hk, d, n,
+                                                   batched=rep["max_num_batched_tokens"])
     prompt = json.loads(ids.read_text())
     exact = emulate.logprobs(models["qwen2"], prompt, quantize=False)
     codec = emulate.logprobs(models["qwen2"], prompt, quantize=True, staging="int8")
