@@ -486,8 +486,19 @@ def _stats(kl: list) -> dict:
 def score(ref: dict, fmt: dict, ctx: int, decode: int, exact: bool) -> dict:
     """A format's windows against the reference's: per position j (the
     distribution after token j, predicting j + 1; j < ctx - decode: prompt
-    columns, else decode columns) KL(reference || format), exact over the
-    whole vocabulary or folded (module docstring), top-1 agreement, NLL."""
+    columns, else decode columns) KL(reference || format) in nats, exact
+    over the whole vocabulary or folded (module docstring), top-1
+    agreement, NLL.
+
+    ref, fmt: {"windows": [...]}, one dict per window, as the engine's
+    process returns them, with n = ctx - 1 positions: top_ids int32 [n, K]
+    and top_lps float32 [n, K] (the K most likely tokens by rank and their
+    log-probabilities; K = the vocabulary in exact mode, and every row
+    then a permutation of it), actual_lp float32 [n] (the next token's
+    log-probability). Folded mode needs K >= FOLD_TOP. Returns kld_mean,
+    kld_median, kld_p99, kld_max, top1 (a fraction), prompt_positions,
+    kld_partial, the same with decode_ for the decode columns (None where
+    a column has no position), ppl over all positions and positions."""
     import numpy as np
     cols = {"prompt": dict(kl=[], top1=0, n=0, partial=0),
             "decode": dict(kl=[], top1=0, n=0, partial=0)}

@@ -273,3 +273,64 @@ def test_model_the_plugin_cannot_serve(families, tmp_path):
         assert needle in row["reason"], row["reason"]
     assert _row(rep, "auto")["status"] == "reference"
     assert "refused on this build" in r.stdout and "head_dim 96" in r.stdout
+
+
+# ---- no engine: the scoring and the format list
+
+
+def _window(lp, k):
+    """A window's record as the engine's process returns it, from full
+    log-probabilities lp [n, V] (float64) and the next tokens: the top k
+    ids and log-probs by rank, and the next token's log-prob."""
+    import numpy as np
+    order = np.argsort(-lp, axis=1)[:, :k]
+    nxt = np.arange(len(lp)) % lp.shape[1]
+    return dict(top_ids=order.astype(np.int32),
+                top_lps=np.take_along_axis(lp, order, 1).astype(np.float32),
+                actual_lp=lp[np.arange(len(lp)), nxt].astype(np.float32))
+
+
+def test_score_exact_and_folded_lower_bound():
+    """score() on random distributions (V = 300, 64 positions, 16 of them
+    decode): with every entry (exact mode) the KLD is sum p (log p - log q)
+    computed here independently; folded over the reference's top 20 against
+    the format's top 100 it is never above the exact figure at any
+    statistic's position set (merging outcomes lowers KL), and positive."""
+    import numpy as np
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    from kvarn_vllm.ladder import score
+    rng = np.random.default_rng(0)
+    n, V, dec = 64, 300, 16
+    zp = rng.normal(0, 3, (n, V))
+    zq = zp + rng.normal(0, 0.3, (n, V))
+    lp = zp - np.log(np.exp(zp).sum(1, keepdims=True))
+    lq = zq - np.log(np.exp(zq).sum(1, keepdims=True))
+    kl = (np.exp(lp) * (lp - lq)).sum(1)
+    ex = score({"windows": [_window(lp, V)]}, {"windows": [_window(lq, V)]}, n + 1, dec, True)
+    assert ex["kld_mean"] == pytest.approx(kl[:n - dec + 1].mean(), rel=1e-4)
+    assert ex["decode_kld_mean"] == pytest.approx(kl[n - dec + 1:].mean(), rel=1e-4)
+    assert ex["prompt_positions"] == n - dec + 1 and ex["decode_positions"] == dec - 1
+    top1 = (lp.argmax(1) == lq.argmax(1))
+    assert ex["top1"] == pytest.approx(top1[:n - dec + 1].mean())
+    fo = score({"windows": [_window(lp, 100)]}, {"windows": [_window(lq, 100)]}, n + 1, dec,
+               False)
+    for key in ("kld_mean", "decode_kld_mean", "kld_median", "kld_max"):
+        assert 0 < fo[key] <= ex[key] * (1 + 1e-5), key
+    assert fo["top1"] == ex["top1"] and fo["ppl"] == pytest.approx(ex["ppl"])
+
+
+def test_all_lists_what_this_build_refuses():
+    """`all`: the reference first; vLLM's fp8 caches and the four presets
+    and the default preset with each other staging run; the mean-centred
+    and per-token kvarn names are refused rows, each with its reason."""
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    from kvarn_vllm import ladder
+    jobs, refused = ladder.expand_formats("all", ladder._vllm_cache_dtypes())
+    labels = [j.label for j in jobs]
+    assert labels[0] == "auto" and not any(j.explicit for j in jobs)
+    for name in ("fp8_e4m3", "fp8_e5m2", "kvarn_k4v2_g64", "kvarn_k4v4_g64",
+                 f"{KV}:KVARN_STAGING=int4"):
+        assert name in labels
+    why = dict(refused)
+    assert "does not serve it yet" in why[f"{KV}c"]
+    assert "per-token format of the kvarn library" in why["int8"]
