@@ -223,6 +223,42 @@ def expand_formats(arg: str, vllm_names: tuple) -> tuple:
     return ref + rest, [r for r in refused if r[0] not in seen]
 
 
+def coverage_warnings(jobs: list, ctx: int, decode: int) -> list:
+    """Columns that would measure nothing quantized (`kvarn eval`'s rule,
+    docs/eval.md "Columns that measure nothing quantized", for the
+    plug-in's read rule): a query in tile t of a KVarN format (tile G, sink
+    S tokens: KVARN_SINK_TOKENS, else KVARN_SINK_TILES x G, default G)
+    reads records only from t > S // G on, so positions j < (S // G + 1) G
+    see the staged sink and their own staged tile alone. One warning per
+    column (prompt: j < ctx - decode; decode: ctx - decode <= j <= ctx - 2)
+    whose positions all lie below that, naming the formats and the --ctx
+    that would measure them. vLLM's own formats quantize every token and
+    get none."""
+    from . import _lib
+    first = {}
+    for j in jobs:
+        if not _lib.is_kvarn_dtype(j.name):
+            continue
+        G = _lib.parse_format(j.name).tile_tokens
+        if "KVARN_SINK_TOKENS" in j.env:
+            S = int(j.env["KVARN_SINK_TOKENS"])
+        else:
+            S = int(j.env.get("KVARN_SINK_TILES", 1)) * G
+        first[j.label] = (S // G + 1) * G
+    out = []
+    for col, last, need in (("prompt", ctx - decode - 1, lambda f: f + decode + 1),
+                            ("decode", ctx - 2, lambda f: f + 2)):
+        if last < 0:
+            continue
+        blind = [lab for lab, f in first.items() if last < f]
+        if blind:
+            out.append(f"the {col} columns of {', '.join(blind)} read no quantized tile "
+                       f"(positions up to {last}; the first that reads one is "
+                       f"{min(first[b] for b in blind)}): their KLD reads about 0 whatever the "
+                       f"format; --ctx {max(need(first[b]) for b in blind)} or more measures them")
+    return out
+
+
 # ---------------------------------------------------------------- the engine's process
 
 
@@ -828,8 +864,12 @@ def _main(args, t_wall: float) -> int:
     if decode > ctx - 1:
         warnings.append(f"--decode {decode} lowered to {ctx - 1} (--ctx - 1)")
         decode = ctx - 1
+    warnings += coverage_warnings(jobs, ctx, decode)
+    for wmsg in warnings:     # before the run, as kvarn eval warns
+        print(f"{PROG}: warning: {wmsg}", file=sys.stderr)
     exact = bool(vocab) and vocab <= EXACT_VOCAB
     top = vocab if exact else FORMAT_TOP
+    n_warned = len(warnings)
     import vllm
     from vllm import LLM, SamplingParams  # noqa: F401  (imported once, inherited by every engine)
     cfg = dict(model=args.model, dtype=args.dtype, ctx=ctx, windows=windows, top=top,
@@ -909,7 +949,7 @@ def _main(args, t_wall: float) -> int:
                 json.dump(report, f, indent=1)
     if plt is not None:
         plot(report, args.plot, plt)
-    for wmsg in warnings:
+    for wmsg in warnings[n_warned:]:
         print(f"{PROG}: warning: {wmsg}", file=sys.stderr)
     print(f"{PROG}: {len(jobs)} engine(s), wall time {report['wall_s']:.0f} s"
           + (f"; vLLM's output of the failed ones kept in {tmp}" if keep_logs else ""),

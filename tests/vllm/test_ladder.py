@@ -232,6 +232,9 @@ def test_qwen2_decode_kld_matches_emulation(families, tmp_path):
     assert rep["kld_mode"] == "exact" and rep["vocab"] == 2048
     assert row["decode_positions"] == FAM_LEN - READ_FROM - 1
     assert row["decode_kld_partial"] == 0
+    # its prompt positions [0, 2G) read no record: said before the run
+    assert [w for w in rep["warnings"] if "prompt columns of kvarn_k4v2_g128" in w], rep
+    assert "prompt columns of kvarn_k4v2_g128" in r.stderr
     # capacity without --max-num-seqs: the largest N whose staging pool
     # (N sequences, the docs/vllm.md arithmetic) leaves blocks for N
     # requests of FAM_LEN tokens (4 blocks each, one null block held back),
@@ -334,3 +337,22 @@ def test_all_lists_what_this_build_refuses():
     why = dict(refused)
     assert "does not serve it yet" in why[f"{KV}c"]
     assert "per-token format of the kvarn library" in why["int8"]
+
+
+def test_coverage_warnings():
+    """The columns that read no quantized tile (the first position reading
+    a record is 2G = 256 with the default one-tile sink, G = 128 with a
+    16-token sink, and vLLM's own formats quantize everything): named with
+    the --ctx that measures them, which then warns no more."""
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    from kvarn_vllm.ladder import Job, coverage_warnings
+    jobs = [Job("auto", "auto", {}, True), Job(KV, KV, {}, True)]
+    assert coverage_warnings(jobs, CTX, DECODED) == []
+    w = coverage_warnings(jobs, FAM_LEN, FAM_LEN - READ_FROM)   # prompt positions [0, 256)
+    assert len(w) == 1 and "prompt columns of kvarn_k4v2_g128" in w[0] and "--ctx 401" in w[0]
+    assert coverage_warnings(jobs, 401, FAM_LEN - READ_FROM) == []
+    s16 = [Job(f"{KV}:KVARN_SINK_TOKENS=16", KV, {"KVARN_SINK_TOKENS": "16"}, True)]
+    assert coverage_warnings(s16, FAM_LEN, FAM_LEN - READ_FROM) == []
+    w = coverage_warnings(jobs, 200, 50)            # every position below 256
+    assert len(w) == 2 and "--ctx 258" in w[1] and "decode columns" in w[1]
+    assert coverage_warnings(jobs, 258, 50)[1:] == []
