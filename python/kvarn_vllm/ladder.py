@@ -469,22 +469,31 @@ def run_job(job: Job, cfg: dict, tmp: str, idx: int, progress: Progress) -> dict
     os.close(w)
     deadline = time.monotonic() + ENGINE_TIMEOUT_S
     buf, timed_out = b"", False
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            timed_out = True
-            break
-        ready, _, _ = select.select([r], [], [], min(left, 1.0))
-        if not ready:
-            continue
-        chunk = os.read(r, 256)
-        if not chunk:
-            break
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            progress.show(idx, job.label, f"window {int(line)}/{len(cfg['windows'])} done")
-    os.close(r)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([r], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(r, 256)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                progress.show(idx, job.label, f"window {int(line)}/{len(cfg['windows'])} done")
+    except BaseException:   # interrupted: the engine (its own process group) goes too
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        raise
+    finally:
+        os.close(r)
     if timed_out:
         try:
             os.killpg(pid, signal.SIGKILL)
@@ -819,6 +828,9 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted (the running engine was stopped)", file=sys.stderr)
+        return 130
 
 
 def _main(args, t_wall: float) -> int:
@@ -886,6 +898,9 @@ def _main(args, t_wall: float) -> int:
             results.append(res)
             if i == 1 and "error" in res:
                 break
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         progress.end()
     ref = results[0]
