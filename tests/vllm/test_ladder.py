@@ -2,7 +2,10 @@
 `kvarn eval` where the protocols meet, vLLM's own capacity arithmetic, and
 the errors it gives before any engine starts. Each ladder run forks one
 engine per format; the runs here are kept to a few engines of a 640-token
-window (SmolLM2) or a 400-token prompt (random-weight Qwen2)."""
+window (SmolLM2) or a 400-token prompt (random-weight Qwen2). The command
+runs with PYTHONPATH=python/ (this checkout's plug-in); the tests that
+call its functions in-process import the installed one (scripts/setup.sh
+installs python/ editable)."""
 import json
 import os
 import subprocess
@@ -177,7 +180,6 @@ def test_plot_or_its_error(hf_model, tmp_path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    sys.path.insert(0, os.path.join(ROOT, "python"))
     from kvarn_vllm.ladder import pareto, plot
     rep = dict(formats=[dict(label=n, status="ok", x_ref=c, decode_kld_mean=k)
                         for n, c, k in (("a", 1.0, 0.01), ("b", 2.0, 0.02), ("c", 1.5, 0.03))],
@@ -276,6 +278,10 @@ def test_model_the_plugin_cannot_serve(families, tmp_path):
         assert needle in row["reason"], row["reason"]
     assert _row(rep, "auto")["status"] == "reference"
     assert "refused on this build" in r.stdout and "head_dim 96" in r.stdout
+    # the ladder keeps vLLM's output of a refused engine and names it
+    assert os.path.dirname(row["log"]) in r.stderr
+    import shutil
+    shutil.rmtree(os.path.dirname(row["log"]), ignore_errors=True)
 
 
 # ---- no engine: the scoring and the format list
@@ -300,7 +306,6 @@ def test_score_exact_and_folded_lower_bound():
     the format's top 100 it is never above the exact figure at any
     statistic's position set (merging outcomes lowers KL), and positive."""
     import numpy as np
-    sys.path.insert(0, os.path.join(ROOT, "python"))
     from kvarn_vllm.ladder import score
     rng = np.random.default_rng(0)
     n, V, dec = 64, 300, 16
@@ -326,7 +331,6 @@ def test_all_lists_what_this_build_refuses():
     """`all`: the reference first; vLLM's fp8 caches and the four presets
     and the default preset with each other staging run; the mean-centred
     and per-token kvarn names are refused rows, each with its reason."""
-    sys.path.insert(0, os.path.join(ROOT, "python"))
     from kvarn_vllm import ladder
     jobs, refused = ladder.expand_formats("all", ladder._vllm_cache_dtypes())
     labels = [j.label for j in jobs]
@@ -344,7 +348,6 @@ def test_coverage_warnings():
     a record is 2G = 256 with the default one-tile sink, G = 128 with a
     16-token sink, and vLLM's own formats quantize everything): named with
     the --ctx that measures them, which then warns no more."""
-    sys.path.insert(0, os.path.join(ROOT, "python"))
     from kvarn_vllm.ladder import Job, coverage_warnings
     jobs = [Job("auto", "auto", {}, True), Job(KV, KV, {}, True)]
     assert coverage_warnings(jobs, CTX, DECODED) == []
