@@ -6,7 +6,8 @@
 #                                        0.32.0 (--no-deps: it pins
 #                                        torch==2.13.0+cpu, which PyPI lacks),
 #                                        vLLM's other requirements, pytest,
-#                                        gguf + accelerate (conversion), and
+#                                        gguf + accelerate (conversion),
+#                                        matplotlib (kvarn-vllm-ladder --plot), and
 #                                        python/ installed editable (the
 #                                        plug-in finds build/libkvarn.so)
 #   models/SmolLM2-135M-Instruct-hf/     the GGUF dequantized to fp32
@@ -52,10 +53,12 @@ PYEOF
   "$PY" -m pip install -q -r "$reqs" 2>&1 | grep -v "dependency resolver\|requires torch\|which is not installed\|but you have torch" >&2 || true
   rm -f "$reqs"
 fi
-if ! "$PY" -c "import gguf, accelerate, pytest" >/dev/null 2>&1; then
-  "$PY" -m pip install -q gguf accelerate pytest
+if ! "$PY" -c "import gguf, accelerate, pytest, matplotlib" >/dev/null 2>&1; then
+  "$PY" -m pip install -q gguf accelerate pytest matplotlib
 fi
-if ! "$PY" -c "import kvarn_vllm" >/dev/null 2>&1; then
+# (again when the console script kvarn-vllm-ladder is missing: an older
+# install of the plug-in predates it)
+if ! "$PY" -c "import kvarn_vllm" >/dev/null 2>&1 || [ ! -x "$VENV/bin/kvarn-vllm-ladder" ]; then
   say "installing the kvarn_vllm plug-in (python/, editable)"
   "$PY" -m pip install -q -e python/ 2>&1 | grep -v "^\s*!!\|wheel_obj\|^\s*$\|\*\*\*\*\*\|Please\|See https\|setuptools" >&2 || true
 fi

@@ -209,6 +209,14 @@ def check(status: int, what: str) -> None:
         raise err
 
 
+def is_kvarn_dtype(name) -> bool:
+    """Whether a --kv-cache-dtype value is the plug-in's (a kvarn_* name,
+    served by the kvarn backend) rather than vLLM's own. Here, not in
+    backend.py, so that a process can check names without importing the
+    backend, which reads its settings (KVARN_SINK_TILES) at import."""
+    return isinstance(name, str) and name.startswith("kvarn_")
+
+
 def parse_format(name: str, head_dim: int = 0) -> Format:
     """The C library's own parse; an unknown name or unserved head_dim raises
     ValueError with the library's explanation (what is accepted)."""

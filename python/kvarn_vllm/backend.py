@@ -148,8 +148,7 @@ def step_draft_counts(num_reqs: int, query_start_loc_cpu) -> np.ndarray | None:
     return np.asarray(nd[:num_reqs], dtype=np.int32)
 
 
-def is_kvarn_dtype(name) -> bool:
-    return isinstance(name, str) and name.startswith("kvarn_")
+is_kvarn_dtype = _lib.is_kvarn_dtype
 
 
 @dataclass

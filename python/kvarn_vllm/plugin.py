@@ -48,10 +48,11 @@ def _check_version() -> None:
 
 
 def _validate_name(name):
-    """argparse type / config check: kvarn_* names go to the C library."""
-    from .backend import is_kvarn_dtype
-    if is_kvarn_dtype(name):
-        from . import _lib
+    """argparse type / config check: kvarn_* names go to the C library.
+    Imports no backend (kvarn_vllm.ladder checks names with it in a process
+    that forks the engines' processes)."""
+    from . import _lib
+    if _lib.is_kvarn_dtype(name):
         _lib.parse_format(name)  # ValueError with the library's explanation
     return name
 

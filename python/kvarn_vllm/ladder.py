@@ -1,0 +1,978 @@
+"""kvarn-vllm-ladder: the quality ladder of KV-cache formats through vLLM,
+for any model it serves (docs/eval.md "Through vLLM").
+
+    python -m kvarn_vllm.ladder --model DIR --text FILE
+        [--kv-cache-dtype all|LIST] [--ctx 2048] [--windows 4] [--decode 256]
+        [--budget 16GiB] [--max-num-seqs N] [--max-num-batched-tokens 4096]
+        [--dtype float32] [--engine-kv 1GiB] [--token-ids FILE]
+        [--json FILE] [--plot FILE.png]
+
+For every format, against vLLM's unquantized cache of the model (`auto`:
+the model's dtype, the reference, named in the header):
+
+  - capacity, as vLLM computes it for a KV budget of --budget bytes: bytes
+    per token (vLLM's page bytes / block tokens, all layers), the KV tokens
+    vLLM reports (its block count x block size, the plug-in's staging pool
+    taken out first, as the plug-in's worker does), that over the
+    reference's, and how many requests of --ctx tokens fit (vLLM's blocks
+    less its null block over the blocks one request holds). The staging pool
+    grows with max_num_seqs, so without --max-num-seqs each format gets the
+    largest max_num_seqs N whose pool still leaves room for N such requests
+    (the server sized for what it holds); with it, that N, and the fit is
+    capped at it. The figures come from vLLM's own get_kv_cache_configs and
+    the plug-in's staging_pool, called in the engine's process for --budget:
+    nothing of that size is allocated (the measuring engine has a KV budget
+    of --engine-kv, 1 GiB by default).
+  - quality, over --windows windows of --ctx tokens of the text (the first
+    windows * ctx tokens, the text tokenized once by the model's tokenizer,
+    as `kvarn eval` does): each window is one prompt, and vLLM's prompt
+    log-probabilities give each position's next-token distribution. The
+    positions [0, ctx - decode) are the "prompt" columns (KLD mean, median,
+    p99, top-1), the last --decode positions ("decode" columns: decode
+    positions - 1 of them are scored, the last token has no next token)
+    are the positions `kvarn eval` decodes one at a time. In vLLM with the
+    plug-in every query reads the earlier tiles as committed records and
+    its own tile as staged (docs/vllm.md "A step"), which is what `kvarn
+    eval`'s decode column measures; vLLM's own caches also attend to the
+    cache as stored. So the decode columns are the protocol of `kvarn eval
+    --decode-tokens D` and comparable with it; the prompt columns are not
+    `kvarn eval`'s chunked ones (there a chunk attends to its own K/V
+    exactly). PPL over every scored position, and its delta to the
+    reference's.
+  - KLD: vLLM returns the top-k log-probabilities of a position, not the
+    whole distribution. Where the vocabulary has at most EXACT_VOCAB
+    entries every entry is asked for and KLD is exact; otherwise KLD is
+    folded: the reference's top FOLD_TOP tokens that the format's top
+    FORMAT_TOP also holds (both probabilities known), the rest of both
+    distributions in one bucket. That is a partition of the vocabulary,
+    and merging outcomes can only lower KL: a lower bound of the exact
+    figure (looser where the format's top lacks some of the reference's;
+    those positions are counted). Top-1 and PPL are exact either way (vLLM
+    always returns the prompt token's own log-probability).
+
+Each format runs in an engine of its own, in a process forked from this one
+(which imports vLLM once and never the plug-in's backend: the plug-in reads
+its settings at import and keeps a staging pool per process). A format may
+carry plug-in settings after colons, e.g. kvarn_k4v2_g128:KVARN_STAGING=fp16
+or kvarn_k4v2_g128:KVARN_SINK_TOKENS=16 (docs/vllm.md "Settings").
+
+Output: a progress line on stderr (formats and windows), the table on
+stdout, --json FILE the same numbers for machines, --plot FILE.png the
+decode KLD (log) against capacity (matplotlib). Exit 0; 2 on a usage error
+(a bad option, model, text or format name: nothing is run); 1 when the
+reference cannot be served, or a format named in --kv-cache-dtype (not
+through `all`) is refused at engine start (its row says why).
+"""
+import argparse
+import json
+import math
+import os
+import pickle
+import select
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import typing
+
+PROG = "kvarn-vllm-ladder"
+REFERENCE = "auto"
+EXACT_VOCAB = 4096     # vocabularies up to this: every entry asked for, exact KLD
+FOLD_TOP = 20          # otherwise: the reference's top 20 folded ...
+FORMAT_TOP = 100       # ... against the format's top 100
+# `all`: vLLM's own unquantized and fp8 caches, the plug-in's presets, the
+# default preset with each other staging, and the kvarn names the plug-in
+# or vLLM may refuse (a row each, saying why)
+ALL_VLLM = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+ALL_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k4v4_g64")
+ALL_STAGINGS = ("fp16", "fp8_e4m3", "int4")   # besides the default (int8 on CPU)
+ALL_KVARN_PER_TOKEN = ("fp16", "bf16", "int8", "int4")   # kvarn eval's names vLLM lacks
+ENGINE_TIMEOUT_S = 3600
+
+
+class UsageError(Exception):
+    """A bad option, model, text or format: reported with exit status 2.
+    .short: the reason alone, without the list of what is accepted (the
+    "refused" rows of `all`)."""
+
+    def __init__(self, msg: str, short: str = ""):
+        super().__init__(msg)
+        self.short = short or msg
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "16GiB", "512MiB", "1GB", "65536" (K/M/G/T with i: powers
+    of 1024, without: of 1000). Raises UsageError on anything else or a
+    size <= 0."""
+    s = text.strip()
+    units = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    i = len(s)
+    while i > 0 and s[i - 1].isalpha():
+        i -= 1
+    num, unit = s[:i], s[i:].lower()
+    try:
+        val = float(num) * units[unit]
+    except (ValueError, KeyError):
+        raise UsageError(f"--budget/--engine-kv: {text!r} is not a size (e.g. 16GiB, 512MiB, "
+                         f"1e9)") from None
+    if val < 1:
+        raise UsageError(f"--budget/--engine-kv: {text!r} must be positive")
+    return int(val)
+
+
+class Job:
+    """One format to measure: label (as given), cache dtype name, plug-in
+    settings (environment), whether it was named explicitly."""
+
+    def __init__(self, label: str, name: str, env: dict, explicit: bool):
+        self.label, self.name, self.env, self.explicit = label, name, env, explicit
+
+
+def _vllm_cache_dtypes() -> tuple:
+    """vLLM's own --kv-cache-dtype names (the CacheDType Literal of this
+    build, before the plug-in extends it)."""
+    import vllm.config.cache as cc
+    return tuple(a for a in typing.get_args(cc.CacheDType) if not str(a).startswith("kvarn_"))
+
+
+def _check_format(label: str, vllm_names: tuple) -> Job:
+    """A --kv-cache-dtype entry NAME[:KVARN_X=V...] checked without an
+    engine: vLLM's names as its CacheDType lists them, kvarn_* by the
+    plug-in's own check (the C library's parse, the plug-in's refusals),
+    the settings by the plug-in's parsers. Raises UsageError saying what is
+    accepted."""
+    from . import _lib
+    from .plugin import _validate_name
+    parts = label.split(":")
+    name, env = parts[0], {}
+    for kv in parts[1:]:
+        if "=" not in kv or not kv.startswith("KVARN_"):
+            raise UsageError(f"{label}: a setting after ':' is KVARN_NAME=VALUE (e.g. "
+                             f"kvarn_k4v2_g128:KVARN_STAGING=fp16), got {kv!r}")
+        k, v = kv.split("=", 1)
+        env[k] = v
+    if _lib.is_kvarn_dtype(name):
+        try:
+            _validate_name(name)
+        except ValueError as e:
+            raise UsageError(f"{e} (through vLLM: the plug-in's kvarn_k{{2,4,8}}v{{2,4,8}}"
+                             f"_g{{32,64,128}} and vLLM's own {', '.join(vllm_names)})",
+                             str(e)) from None
+        if "KVARN_STAGING" in env:
+            try:
+                _lib.parse_staging(env["KVARN_STAGING"])
+            except ValueError as e:
+                raise UsageError(f"{label}: {e}") from None
+        for k in ("KVARN_SINK_TOKENS", "KVARN_SINK_TILES"):
+            if k in env and not (env[k].isdigit()):
+                raise UsageError(f"{label}: {k} must be a whole number >= 0, got {env[k]!r}")
+        return Job(label, name, env, True)
+    if env:
+        raise UsageError(f"{label}: KVARN_* settings apply to the plug-in's kvarn_* formats "
+                         f"only, not to vLLM's {name}")
+    if name in vllm_names:
+        return Job(label, name, env, True)
+    accepted = (f"accepted: vLLM's own {', '.join(vllm_names)} (this build), the plug-in's "
+                f"kvarn_k{{2,4,8}}v{{2,4,8}}_g{{32,64,128}} (e.g. kvarn_k4v2_g128), or all")
+    try:
+        _lib.parse_format(name)
+    except ValueError:
+        raise UsageError(f"unknown --kv-cache-dtype {name!r}; {accepted}") from None
+    why = (f"{name} is a per-token format of the kvarn library (`kvarn eval` measures it); "
+           f"vLLM has no such cache dtype and the plug-in serves the KVarN formats only")
+    raise UsageError(f"{why}; {accepted}", why)
+
+
+def expand_formats(arg: str, vllm_names: tuple) -> tuple:
+    """(jobs, refused): the engines to run, reference first, and the
+    [label, reason] of `all`'s names that this build refuses without an
+    engine. An explicit bad name raises UsageError."""
+    jobs, refused, seen = [], [], set()
+    entries = [e.strip() for e in arg.split(",") if e.strip()]
+    if not entries:
+        raise UsageError("--kv-cache-dtype: empty list")
+    for e in entries:
+        if e == "all":
+            names = [n for n in ALL_VLLM if n in vllm_names]
+            refused += [[n, f"not a cache dtype of this vLLM build ({', '.join(vllm_names)})"]
+                        for n in ALL_VLLM if n not in vllm_names]
+            names += list(ALL_PRESETS)
+            names += [f"{ALL_PRESETS[0]}:KVARN_STAGING={s}" for s in ALL_STAGINGS]
+            for cand in [p + "c" for p in ALL_PRESETS] + list(ALL_KVARN_PER_TOKEN):
+                try:
+                    _check_format(cand, vllm_names)
+                    names.append(cand)
+                except UsageError as err:
+                    refused.append([cand, err.short])
+            for n in names:
+                if n not in seen:
+                    j = _check_format(n, vllm_names)
+                    j.explicit = False
+                    jobs.append(j)
+                    seen.add(n)
+        elif e not in seen:
+            jobs.append(_check_format(e, vllm_names))
+            seen.add(e)
+    ref = [j for j in jobs if j.name == REFERENCE and not j.env]
+    rest = [j for j in jobs if not (j.name == REFERENCE and not j.env)]
+    ref = ref[:1] or [Job(REFERENCE, REFERENCE, {}, False)]
+    return ref + rest, [r for r in refused if r[0] not in seen]
+
+
+def coverage_warnings(jobs: list, ctx: int, decode: int) -> list:
+    """Columns that would measure nothing quantized (`kvarn eval`'s rule,
+    docs/eval.md "Columns that measure nothing quantized", for the
+    plug-in's read rule): a query in tile t of a KVarN format (tile G, sink
+    S tokens: KVARN_SINK_TOKENS, else KVARN_SINK_TILES x G, default G)
+    reads records only from t > S // G on, so positions j < (S // G + 1) G
+    see the staged sink and their own staged tile alone. One warning per
+    column (prompt: j < ctx - decode; decode: ctx - decode <= j <= ctx - 2)
+    whose positions all lie below that, naming the formats and the --ctx
+    that would measure them. vLLM's own formats quantize every token and
+    get none."""
+    from . import _lib
+    first = {}
+    for j in jobs:
+        if not _lib.is_kvarn_dtype(j.name):
+            continue
+        G = _lib.parse_format(j.name).tile_tokens
+        if "KVARN_SINK_TOKENS" in j.env:
+            S = int(j.env["KVARN_SINK_TOKENS"])
+        else:
+            S = int(j.env.get("KVARN_SINK_TILES", 1)) * G
+        first[j.label] = (S // G + 1) * G
+    out = []
+    for col, last, need in (("prompt", ctx - decode - 1, lambda f: f + decode + 1),
+                            ("decode", ctx - 2, lambda f: f + 2)):
+        if last < 0:
+            continue
+        blind = [lab for lab, f in first.items() if last < f]
+        if blind:
+            out.append(f"the {col} columns of {', '.join(blind)} read no quantized tile "
+                       f"(positions up to {last}; the first that reads one is "
+                       f"{min(first[b] for b in blind)}): their KLD reads about 0 whatever the "
+                       f"format; --ctx {max(need(first[b]) for b in blind)} or more measures them")
+    return out
+
+
+# ---------------------------------------------------------------- the engine's process
+
+
+def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
+    """What vLLM computes for a KV budget of job_cfg["budget"] bytes, in
+    the engine's process (called from get_kv_cache_configs, with the
+    model's KV cache specs): bytes per token, block size, and per
+    max_num_seqs n the blocks that vLLM's own get_kv_cache_configs gives
+    for the budget less the plug-in's staging pool for n sequences
+    (plugin.staging_pool, what the plug-in's worker takes out)."""
+    from . import _lib
+    cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
+    kvarn = _lib.is_kvarn_dtype(cc.cache_dtype)
+    layer_specs = list(specs[0].values())
+    bpt = sum(s.page_size_bytes / s.block_size for s in layer_specs)
+
+    def blocks(n: int, budget: int) -> tuple:
+        """(blocks, pool bytes, block size, refusal) at max_num_seqs n."""
+        old = sc.max_num_seqs
+        try:
+            sc.max_num_seqs = n
+            pool = 0
+            if kvarn:
+                from .plugin import staging_pool
+                pool = staging_pool(vllm_config, budget, "cpu")["bytes"]
+            if pool >= budget:
+                return 0, pool, None, (f"the staging pool for max_num_seqs={n} "
+                                       f"({pool} bytes) fills the budget")
+            try:
+                cfgs = orig(vllm_config, specs, [budget - pool] * len(specs))
+            except ValueError as e:    # vLLM: not enough for one max_model_len request
+                return 0, pool, None, str(e).split("\n")[0]
+            nb = min(c.num_blocks for c in cfgs)
+            bs = min(g.kv_cache_spec.block_size for g in cfgs[0].kv_cache_groups)
+            return nb, pool, bs, None
+        finally:
+            sc.max_num_seqs = old
+
+    ctx, budget = job_cfg["ctx"], job_cfg["budget"]
+
+    def fit(n: int) -> tuple:
+        nb, pool, bs, why = blocks(n, budget)
+        if not nb:
+            return 0, nb, pool, bs, why
+        per_req = -(-ctx // bs)
+        return max(0, nb - 1) // per_req, nb, pool, bs, why   # vLLM holds one null block
+
+    want = job_cfg.get("max_num_seqs")
+    if want:
+        n = want
+    else:   # the largest n whose pool leaves room for n requests
+        hi = fit(1)[0]
+        lo, n = 1, 1 if hi >= 1 else 0
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if fit(mid)[0] >= mid:
+                n, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+    f, nb, pool, bs, why = fit(max(n, 1))
+    out = dict(bytes_per_token=bpt, budget_blocks=nb, block_size=bs,
+               max_num_batched_tokens=sc.max_num_batched_tokens,
+               kv_tokens=None if bs is None else nb * bs, pool_bytes=pool,
+               max_num_seqs=n, requests_fit=min(f, n),
+               capped=bool(want) and f > want, refusal=why)
+    # the engine's own budget and max_num_seqs, to check against what the
+    # engine then reports
+    out["engine_blocks_predicted"] = blocks(sc.max_num_seqs, job_cfg["engine_kv"])[0]
+    return out
+
+
+def _measure(job: Job, cfg: dict, wfd: int) -> dict:
+    """In the engine's process: start the engine, read vLLM's capacity
+    figures, run the windows. Returns the result dict (no metrics: the
+    parent scores against the reference)."""
+    import numpy as np
+    import vllm.v1.engine.core as core
+    cap = {}
+    orig = core.get_kv_cache_configs
+
+    def get_kv_cache_configs(vllm_config, specs, avail):
+        try:
+            cap.update(_capacity(orig, vllm_config, specs, cfg))
+        except Exception as e:  # reported in the row, the measurement goes on
+            cap["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        return orig(vllm_config, specs, avail)
+    core.get_kv_cache_configs = get_kv_cache_configs
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from . import _lib
+    K = cfg["top"]
+    kw = dict(model=cfg["model"], dtype=cfg["dtype"], seed=0, enforce_eager=True,
+              kv_cache_dtype=job.name, max_num_seqs=1, max_model_len=cfg["ctx"] + 1,
+              enable_prefix_caching=False, max_logprobs=K,
+              max_num_batched_tokens=cfg["max_num_batched_tokens"],
+              kv_cache_memory_bytes=cfg["engine_kv"])
+    if _lib.is_kvarn_dtype(job.name):
+        kw["block_size"] = _lib.parse_format(job.name).tile_tokens
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    t_start = time.perf_counter() - t0
+    mc = llm.llm_engine.vllm_config.model_config
+    cc = llm.llm_engine.vllm_config.cache_config
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=K, detokenize=False,
+                        flat_logprobs=True)
+    windows = []
+    for w, ids in enumerate(cfg["windows"]):
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+        fl = out.prompt_logprobs
+        n = len(ids) - 1
+        starts, ends = np.asarray(fl.start_indices), np.asarray(fl.end_indices)
+        if len(starts) != n + 1 or not np.all(ends[1:] - starts[1:] == K + 1):
+            raise RuntimeError(f"unexpected prompt_logprobs layout from vLLM (positions "
+                               f"{len(starts)}, expected {n + 1} of {K + 1} entries)")
+        tid = np.asarray(fl.token_ids, dtype=np.int32).reshape(n, K + 1)
+        lp = np.asarray(fl.logprobs, dtype=np.float32).reshape(n, K + 1)
+        if not np.array_equal(tid[:, 0], np.asarray(ids[1:], dtype=np.int32)):
+            raise RuntimeError("vLLM's prompt_logprobs do not start with the prompt tokens")
+        # entry 0 of each position: the prompt's next token; then the top K by rank
+        windows.append(dict(actual_lp=lp[:, 0].copy(), top_ids=tid[:, 1:].copy(),
+                            top_lps=lp[:, 1:].copy()))
+        os.write(wfd, b"%d\n" % (w + 1))
+    res = dict(windows=windows, capacity=cap, start_s=t_start,
+               run_s=time.perf_counter() - t0,
+               engine_blocks=cc.num_gpu_blocks, engine_block_size=cc.block_size,
+               model_dtype=str(mc.dtype).replace("torch.", ""),
+               vocab=mc.get_vocab_size())
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    return res
+
+
+def _engine_child(job: Job, cfg: dict, wfd: int, result_path: str, log_path: str) -> None:
+    """The forked process of one format: vLLM's output to log_path, the
+    result (or the error LLM(...) raised) pickled to result_path, progress
+    (windows done) on wfd. Never returns."""
+    rc = 0
+    try:
+        os.setpgid(0, 0)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        # the engine core in this process (one import of torch and vLLM,
+        # inherited); the KV budget is kv_cache_memory_bytes alone
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        os.environ.update(job.env)
+        try:
+            res = _measure(job, cfg, wfd)
+        except BaseException as e:
+            traceback.print_exc()
+            msg = str(e).strip()
+            res = {"error": f"{type(e).__name__}: {msg}" if msg else type(e).__name__}
+        with open(result_path + ".tmp", "wb") as f:
+            pickle.dump(res, f)
+        os.replace(result_path + ".tmp", result_path)
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+
+
+class Progress:
+    """The progress line on stderr: rewritten in place on a terminal, one
+    line per event otherwise."""
+
+    def __init__(self, n_formats: int, n_windows: int):
+        self.nf, self.nw = n_formats, n_windows
+        self.tty = sys.stderr.isatty()
+        self.open = False
+
+    def show(self, i: int, label: str, what: str) -> None:
+        line = f"{PROG}: [{i}/{self.nf}] {label}: {what}"
+        if self.tty:
+            sys.stderr.write("\r\x1b[K" + line)
+            self.open = True
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.open:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+        self.open = False
+
+
+def run_job(job: Job, cfg: dict, tmp: str, idx: int, progress: Progress) -> dict:
+    """Fork the format's engine process, follow its progress, return its
+    result ({"error": ...} if it failed; "log" names vLLM's output)."""
+    result_path = os.path.join(tmp, f"job{idx}.pkl")
+    log_path = os.path.join(tmp, f"job{idx}.log")
+    r, w = os.pipe()
+    progress.show(idx, job.label, "starting the engine")
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        _engine_child(job, cfg, w, result_path, log_path)
+    os.close(w)
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+    buf, timed_out = b"", False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([r], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(r, 256)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                progress.show(idx, job.label, f"window {int(line)}/{len(cfg['windows'])} done")
+    except BaseException:   # interrupted: the engine (its own process group) goes too
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        raise
+    finally:
+        os.close(r)
+    if timed_out:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _, status = os.waitpid(pid, 0)
+    rc = os.waitstatus_to_exitcode(status)
+    res = None
+    if os.path.exists(result_path):
+        with open(result_path, "rb") as f:
+            res = pickle.load(f)
+    if res is None:
+        why = (f"timed out after {ENGINE_TIMEOUT_S} s" if timed_out
+               else f"the engine's process died (exit status {rc})")
+        res = {"error": why}
+    res["log"] = log_path
+    return res
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def _stats(kl: list) -> dict:
+    """mean, median, p99 (nearest rank), max of per-position KLDs, as
+    tools/eval_stats.c computes them; None where there is none."""
+    if not kl:
+        return dict(mean=None, median=None, p99=None, max=None)
+    s = sorted(kl)
+    n = len(s)
+    med = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+    r = math.ceil(0.99 * n)
+    return dict(mean=sum(s) / n, median=med, p99=s[(r or 1) - 1], max=s[-1])
+
+
+def score(ref: dict, fmt: dict, ctx: int, decode: int, exact: bool) -> dict:
+    """A format's windows against the reference's: per position j (the
+    distribution after token j, predicting j + 1; j < ctx - decode: prompt
+    columns, else decode columns) KL(reference || format) in nats, exact
+    over the whole vocabulary or folded (module docstring), top-1
+    agreement, NLL.
+
+    ref, fmt: {"windows": [...]}, one dict per window, as the engine's
+    process returns them, with n = ctx - 1 positions: top_ids int32 [n, K]
+    and top_lps float32 [n, K] (the K most likely tokens by rank and their
+    log-probabilities; K = the vocabulary in exact mode, and every row
+    then a permutation of it), actual_lp float32 [n] (the next token's
+    log-probability). Folded mode needs K >= FOLD_TOP. Returns kld_mean,
+    kld_median, kld_p99, kld_max, top1 (a fraction), prompt_positions,
+    kld_partial, the same with decode_ for the decode columns (None where
+    a column has no position), ppl over all positions and positions."""
+    import numpy as np
+    cols = {"prompt": dict(kl=[], top1=0, n=0, partial=0),
+            "decode": dict(kl=[], top1=0, n=0, partial=0)}
+    nll, npos = 0.0, 0
+    for rw, fw in zip(ref["windows"], fmt["windows"]):
+        n = len(rw["actual_lp"])
+        nll -= float(np.sum(fw["actual_lp"], dtype=np.float64))
+        npos += n
+        agree = rw["top_ids"][:, 0] == fw["top_ids"][:, 0]
+        if exact:
+            V = rw["top_ids"].shape[1]
+            P = np.empty((n, V))
+            Q = np.empty((n, V))
+            rows = np.arange(n)[:, None]
+            P[rows, rw["top_ids"]] = rw["top_lps"]
+            Q[rows, fw["top_ids"]] = fw["top_lps"]
+            kl = np.maximum(0.0, np.sum(np.exp(P) * (P - Q), axis=1)).tolist()
+            ok = [True] * n
+        else:
+            kl, ok = [], []
+            for j in range(n):
+                # the reference's top FOLD_TOP tokens that the format's top
+                # FORMAT_TOP holds (both masses known), the rest one bucket:
+                # a partition of the vocabulary, so a lower bound of the
+                # exact KL whatever the format's top lacks (ok: lacks none)
+                q = dict(zip(fw["top_ids"][j].tolist(), fw["top_lps"][j].tolist()))
+                top = rw["top_ids"][j, :FOLD_TOP].tolist()
+                lps = rw["top_lps"][j, :FOLD_TOP].tolist()
+                both = [(lp_, q[t]) for t, lp_ in zip(top, lps) if t in q]
+                pm = np.exp(np.array([a for a, _ in both], dtype=np.float64))
+                qm = np.exp(np.array([b for _, b in both], dtype=np.float64))
+                pr, qr = max(1e-12, 1 - pm.sum()), max(1e-12, 1 - qm.sum())
+                k = float(np.sum(pm * np.log(pm / qm)) + pr * math.log(pr / qr))
+                kl.append(max(0.0, k))
+                ok.append(len(both) == len(top))
+        for j in range(n):
+            c = cols["prompt" if j < ctx - decode else "decode"]
+            c["n"] += 1
+            c["top1"] += int(agree[j])
+            c["kl"].append(kl[j])
+            c["partial"] += int(not ok[j])
+    out = dict(ppl=math.exp(nll / npos) if npos else None, positions=npos)
+    for name, c in cols.items():
+        pre = "" if name == "prompt" else "decode_"
+        st = _stats(c["kl"])
+        out.update({pre + "kld_mean": st["mean"], pre + "kld_median": st["median"],
+                    pre + "kld_p99": st["p99"], pre + "kld_max": st["max"],
+                    pre + "top1": c["top1"] / c["n"] if c["n"] else None,
+                    name + "_positions": c["n"], pre + "kld_partial": c["partial"]})
+    return out
+
+
+def ref_ppl(ref: dict) -> float:
+    import numpy as np
+    nll = -sum(float(np.sum(w["actual_lp"], dtype=np.float64)) for w in ref["windows"])
+    n = sum(len(w["actual_lp"]) for w in ref["windows"])
+    return math.exp(nll / n)
+
+
+# ---------------------------------------------------------------- report
+
+
+def _f(v, fmt: str, none: str = "-") -> str:
+    return none if v is None else format(v, fmt)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.2f}%"
+
+
+def table(report: dict) -> str:
+    """The plain table printed on stdout (the header lines, then one row per
+    format; refused formats last, with the reason)."""
+    r = report
+    lines = []
+    kld = ("exact (every vocabulary entry)" if r["kld_mode"] == "exact" else
+           f"folded: the reference's top {FOLD_TOP} tokens (those in the format's top "
+           f"{FORMAT_TOP}), the rest one bucket (vLLM returns top-k log-probs only; a lower "
+           f"bound of the exact KLD)")
+    lines.append(f"{PROG}: {r['model']} ({r['model_dtype']}, vocabulary {r['vocab']}) | text "
+                 f"{r['text']} | {r['windows']} window(s) x "
+                 f"{r['ctx']} tokens, prompt positions [0, {r['ctx'] - r['decode']}), the last "
+                 f"{r['decode']} as decoded | vLLM {r['vllm_version']}")
+    lines.append(f"reference: auto, vLLM's unquantized cache ({r['model_dtype']}); KLD {kld}")
+    mns = (f"max_num_seqs {r['max_num_seqs']}" if r["max_num_seqs"] else
+           f"max_num_seqs per format: the most {r['ctx']}-token requests that fit with the "
+           f"staging pool sized for them")
+    lines.append(f"capacity: vLLM's figures for a KV budget of {r['budget_bytes'] / 2**30:.2f} "
+                 f"GiB (staging pool counted), {mns}, max_num_batched_tokens "
+                 f"{r['max_num_batched_tokens']}; 'fit': requests of {r['ctx']} tokens")
+    hdr = ["format", "B/token", "KV tokens", "x ref", "fit", "KLD mean", "median", "p99",
+           "top-1", "dec KLD", "dec med", "dec p99", "dec top-1", "PPL (delta)", "s"]
+    rows = []
+    for f in r["formats"]:
+        if f["status"] == "refused":
+            continue
+        ref = f["status"] == "reference"
+        rows.append([
+            f["label"] + (" (ref)" if ref else ""),
+            _f(f["bytes_per_token"], ".0f"), _f(f["kv_tokens"], "d"), _f(f["x_ref"], ".2f"),
+            (_f(f["requests_fit"], "d") + ("+" if f.get("capped") else "")),
+            "-" if ref else _f(f["kld_mean"], ".5f"), "-" if ref else _f(f["kld_median"], ".5f"),
+            "-" if ref else _f(f["kld_p99"], ".5f"),
+            "-" if ref else _pct(f["top1"]),
+            "-" if ref else _f(f["decode_kld_mean"], ".5f"),
+            "-" if ref else _f(f["decode_kld_median"], ".5f"),
+            "-" if ref else _f(f["decode_kld_p99"], ".5f"),
+            "-" if ref else _pct(f["decode_top1"]),
+            _f(f["ppl"], ".4f") + ("" if ref else f" ({f['ppl_delta']:+.4f})"),
+            _f(f["seconds"], ".0f")])
+    w = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(hdr)]
+    lines.append("  ".join(h.ljust(w[i]) if i == 0 else h.rjust(w[i]) for i, h in enumerate(hdr)))
+    for x in rows:
+        lines.append("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i])
+                               for i, c in enumerate(x)))
+    refused = [f for f in r["formats"] if f["status"] == "refused"]
+    if refused:
+        lines.append("refused on this build (no numbers):")
+        for f in refused:
+            lines.append(f"  {f['label']}: {f['reason']}")
+    if any(f.get("capped") for f in r["formats"]):
+        lines.append("+: more would fit; --max-num-seqs caps the requests held")
+    partial = [f for f in r["formats"] if f.get("kld_partial") or f.get("decode_kld_partial")]
+    for f in partial:
+        lines.append(f"{f['label']}: at {f['kld_partial']} prompt and {f['decode_kld_partial']} "
+                     f"decode positions the format's top {FORMAT_TOP} lacks some of the "
+                     f"reference's top {FOLD_TOP} (folded into the bucket there: a looser bound)")
+    return "\n".join(lines)
+
+
+def pareto(points: list) -> list:
+    """Indices of the points (capacity, kld) no other point beats: none has
+    capacity >= and KLD <= with one of them strict."""
+    front = []
+    for i, (c, k) in enumerate(points):
+        if not any((c2 >= c and k2 <= k) and (c2 > c or k2 < k)
+                   for j, (c2, k2) in enumerate(points) if j != i):
+            front.append(i)
+    return front
+
+
+def plot(report: dict, path: str, plt) -> None:
+    """PNG: each measured format's decode KLD mean (log) against its
+    capacity (KV tokens x the reference's at --budget), labelled; the Pareto
+    front joined and marked. Formats with no positive KLD (the reference)
+    cannot sit on a log axis and are named in the title instead."""
+    pts, labels = [], []
+    for f in report["formats"]:
+        if f["status"] == "ok" and f["x_ref"] and f["decode_kld_mean"]:
+            pts.append((f["x_ref"], f["decode_kld_mean"]))
+            labels.append(f["label"])
+    fig, ax = plt.subplots(figsize=(9, 6))
+    front = set(pareto(pts))
+    for i, ((c, k), lab) in enumerate(zip(pts, labels)):
+        on = i in front
+        ax.scatter([c], [k], marker="o" if on else "x", s=50 if on else 30,
+                   color="C3" if on else "C0", zorder=3)
+        ax.annotate(lab, (c, k), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    fr = sorted(pts[i] for i in front)
+    if fr:
+        ax.plot([p[0] for p in fr], [p[1] for p in fr], color="C3", lw=1, ls="--",
+                label="Pareto front (no format holds more with a lower KLD)")
+        ax.legend(loc="lower left", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"capacity: KV tokens x auto's at {report['budget_bytes'] / 2**30:.2f} GiB "
+                  "(staging pool counted)")
+    ax.set_ylabel(f"decode KLD mean to auto (last {report['decode']} positions"
+                  + (", folded top-20)" if report["kld_mode"] != "exact" else ")"))
+    ax.set_title(f"{os.path.basename(os.path.normpath(report['model']))}: {report['windows']} x "
+                 f"{report['ctx']} tokens, vLLM {report['vllm_version']} (reference: auto)",
+                 fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- main
+
+
+def _windows(args, tokenizer_dir: str, warnings: list) -> tuple:
+    """(windows of token ids, tokens read, ctx, n windows): the text
+    tokenized once by the model's tokenizer (special tokens as it adds them,
+    as kvarn eval adds BOS where the tokenizer does), windows of ctx tokens
+    from its start; --ctx and --windows lowered to what the text holds, with
+    a warning each (kvarn eval's rule). Only a prefix of a long text is
+    tokenized, one that holds windows * ctx + 64 tokens or more (its last
+    tokens may differ from the whole text's; the windows do not reach them)."""
+    if args.token_ids:
+        with open(args.token_ids, encoding="utf-8") as f:
+            ids = json.load(f)
+        if not isinstance(ids, list) or not all(isinstance(x, int) and x >= 0 for x in ids):
+            raise UsageError(f"--token-ids {args.token_ids}: a JSON list of token ids (ints "
+                             f">= 0) is expected")
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        with open(args.text, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        need = args.ctx * args.windows
+        # tokenize a prefix long enough (the last few tokens of a cut
+        # prefix may differ from the whole text's; a margin is kept)
+        chars, ids = max(4096, need * 8), []
+        while True:
+            ids = tok(text[:chars])["input_ids"]
+            if chars >= len(text) or len(ids) >= need + 64:
+                break
+            chars *= 2
+    n = len(ids)
+    if n < 2:
+        raise UsageError(f"the text holds {n} token(s); at least 2 are needed")
+    ctx = args.ctx
+    if ctx > n:
+        warnings.append(f"the text holds {n} tokens: --ctx lowered to {n}")
+        ctx = n
+    nw = args.windows
+    if nw > n // ctx:
+        warnings.append(f"the text holds {n} tokens: --windows lowered to {n // ctx} "
+                        f"(windows of {ctx})")
+        nw = n // ctx
+    return [ids[w * ctx:(w + 1) * ctx] for w in range(nw)], n, ctx, nw
+
+
+def _model_config(model: str) -> dict:
+    """The model directory's config.json, or UsageError saying what is
+    needed."""
+    if os.path.isfile(model):
+        hint = (" (vLLM's CPU build cannot load this project's GGUF; convert it with "
+                "`python -m kvarn_vllm.convert_gguf FILE.gguf OUT_DIR`, as "
+                "scripts/setup.sh --vllm does for models/SmolLM2-135M-Instruct-hf)"
+                if model.endswith(".gguf") else "")
+        raise UsageError(f"--model {model}: a file; a Hugging Face model directory (with "
+                         f"config.json) is needed{hint}")
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"--model {model}: no config.json there; a Hugging Face model "
+                         f"directory is needed (e.g. models/SmolLM2-135M-Instruct-hf, made by "
+                         f"scripts/setup.sh --vllm)")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=PROG, description="The quality ladder of KV-cache formats through vLLM: capacity "
+        "at a KV budget and KLD/top-1/PPL to the unquantized cache, per format (docs/eval.md).")
+    ap.add_argument("--model", required=True, help="Hugging Face model directory vLLM serves")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="text file; windows of its tokens are measured")
+    src.add_argument("--token-ids", help="JSON list of token ids instead of --text (a model "
+                     "whose tokenizer does not fit the text)")
+    ap.add_argument("--kv-cache-dtype", default="all",
+                    help="all, or a comma list of vLLM's names and kvarn_* names, each "
+                    "optionally with :KVARN_X=V settings (default all)")
+    ap.add_argument("--ctx", type=int, default=2048, help="tokens per window (default 2048)")
+    ap.add_argument("--windows", type=int, default=4, help="windows of the text (default 4)")
+    ap.add_argument("--decode", type=int, default=256,
+                    help="last positions of each window scored as decoded (default 256)")
+    ap.add_argument("--budget", default="16GiB",
+                    help="KV budget the capacity columns are computed for (default 16GiB)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the server's max_num_seqs for the capacity columns (default: per "
+                    "format, the most --ctx requests that fit)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                    help="the server's and the engines' max_num_batched_tokens (default 4096, "
+                    "vLLM 0.32's for LLM(...) on CPU; sizes the plug-in's scratch)")
+    ap.add_argument("--dtype", default="float32",
+                    help="the model's dtype in vLLM (default float32)")
+    ap.add_argument("--engine-kv", default="1GiB",
+                    help="KV budget of each measuring engine (default 1GiB)")
+    ap.add_argument("--json", help="write the report as JSON to this file ('-': stdout, "
+                    "instead of the table)")
+    ap.add_argument("--plot", help="write a PNG of decode KLD (log) vs capacity (matplotlib)")
+    return ap
+
+
+def main(argv=None) -> int:
+    t_wall = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args, t_wall)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted (the running engine was stopped)", file=sys.stderr)
+        return 130
+
+
+def _main(args, t_wall: float) -> int:
+    for opt, v, lo in (("--ctx", args.ctx, 2), ("--windows", args.windows, 1),
+                       ("--decode", args.decode, 0)):
+        if v < lo:
+            raise UsageError(f"{opt} must be >= {lo} (got {v})")
+    if args.max_num_batched_tokens < 1:
+        raise UsageError(f"--max-num-batched-tokens must be >= 1 (got "
+                         f"{args.max_num_batched_tokens})")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise UsageError(f"--max-num-seqs must be >= 1 (got {args.max_num_seqs})")
+    budget, engine_kv = parse_size(args.budget), parse_size(args.engine_kv)
+    hf = _model_config(args.model)
+    if args.text is not None:
+        if not os.path.isfile(args.text):
+            raise UsageError(f"--text {args.text}: no such file")
+        if os.path.getsize(args.text) == 0:
+            raise UsageError(f"--text {args.text}: empty, nothing to measure")
+    elif not os.path.isfile(args.token_ids):
+        raise UsageError(f"--token-ids {args.token_ids}: no such file")
+    plt = None
+    if args.plot:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise UsageError(f"--plot needs matplotlib, which {sys.executable} lacks: "
+                             f"`{sys.executable} -m pip install matplotlib` (scripts/setup.sh "
+                             f"--vllm installs it)") from None
+    vllm_names = _vllm_cache_dtypes()
+    jobs, refused = expand_formats(args.kv_cache_dtype, vllm_names)
+    warnings = []
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # the engines are forked
+    windows, n_tokens, ctx, nw = _windows(args, args.model, warnings)
+    vocab = hf.get("vocab_size") or hf.get("text_config", {}).get("vocab_size")
+    if vocab and max(max(w) for w in windows) >= vocab:
+        raise UsageError(f"the text's token ids reach {max(max(w) for w in windows)}, beyond "
+                         f"the model's vocabulary of {vocab} (a tokenizer that does not fit "
+                         f"the model: give --token-ids)")
+    decode = args.decode
+    if decode > ctx - 1:
+        warnings.append(f"--decode {decode} lowered to {ctx - 1} (--ctx - 1)")
+        decode = ctx - 1
+    warnings += coverage_warnings(jobs, ctx, decode)
+    for wmsg in warnings:     # before the run, as kvarn eval warns
+        print(f"{PROG}: warning: {wmsg}", file=sys.stderr)
+    exact = bool(vocab) and vocab <= EXACT_VOCAB
+    top = vocab if exact else FORMAT_TOP
+    n_warned = len(warnings)
+    import vllm
+    from vllm import LLM, SamplingParams  # noqa: F401  (imported once, inherited by every engine)
+    cfg = dict(model=args.model, dtype=args.dtype, ctx=ctx, windows=windows, top=top,
+               budget=budget, engine_kv=engine_kv, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens)
+    progress = Progress(len(jobs), nw)
+    tmp = tempfile.mkdtemp(prefix="kvarn_ladder_")
+    results, keep_logs = [], False
+    try:
+        for i, job in enumerate(jobs, 1):
+            res = run_job(job, cfg, tmp, i, progress)
+            if "error" in res:
+                keep_logs = True
+            results.append(res)
+            if i == 1 and "error" in res:
+                break
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        progress.end()
+    ref = results[0]
+    if "error" in ref:
+        print(f"{PROG}: error: vLLM cannot serve {args.model} with its own cache (auto): "
+              f"{ref['error']} (vLLM's output: {ref['log']})", file=sys.stderr)
+        return 1
+    report = dict(model=args.model, text=args.text or args.token_ids, text_tokens=n_tokens,
+                  ctx=ctx, windows=nw, decode=decode, budget_bytes=budget,
+                  engine_kv_bytes=engine_kv, max_num_seqs=args.max_num_seqs,
+                  dtype=args.dtype, model_dtype=ref["model_dtype"], vocab=ref["vocab"],
+                  vllm_version=vllm.__version__,
+                  kld_mode="exact" if exact else f"folded_top{FOLD_TOP}_vs_top{FORMAT_TOP}",
+                  warnings=warnings, formats=[])
+    ref_cap = ref["capacity"]
+    report["max_num_batched_tokens"] = ref_cap.get("max_num_batched_tokens")
+    rppl = ref_ppl(ref)
+    status = 0
+    for job, res in zip(jobs, results):
+        row = dict(label=job.label, name=job.name, env=job.env,
+                   status="reference" if res is ref else "ok")
+        if "error" in res:
+            row.update(status="refused", reason=res["error"].split("\n")[0], log=res["log"])
+            if job.explicit:
+                status = 1
+            report["formats"].append(row)
+            continue
+        cap = res["capacity"]
+        if "error" in cap:
+            warnings.append(f"{job.label}: capacity not computed: {cap['error']}")
+        elif cap["engine_blocks_predicted"] != res["engine_blocks"]:
+            warnings.append(f"{job.label}: the capacity computation gives "
+                            f"{cap['engine_blocks_predicted']} blocks for the measuring engine, "
+                            f"which vLLM gave {res['engine_blocks']}: its --budget figures are "
+                            f"not vLLM's")
+        kv = cap.get("kv_tokens")
+        rkv = ref_cap.get("kv_tokens")
+        row.update(bytes_per_token=cap.get("bytes_per_token"), block_size=cap.get("block_size"),
+                   kv_tokens=kv, x_ref=kv / rkv if kv and rkv else None,
+                   pool_bytes=cap.get("pool_bytes"), max_num_seqs=cap.get("max_num_seqs"),
+                   requests_fit=cap.get("requests_fit"), capped=cap.get("capped"),
+                   capacity_refusal=cap.get("refusal"),
+                   engine_seconds_start=res["start_s"], seconds=res["run_s"])
+        if res is ref:
+            row.update(ppl=rppl, positions=sum(len(w["actual_lp"]) for w in ref["windows"]))
+        else:
+            row.update(score(ref, res, ctx, decode, exact))
+            row["ppl_delta"] = row["ppl"] - rppl
+        report["formats"].append(row)
+    for label, why in refused:
+        report["formats"].append(dict(label=label, name=label.split(":")[0], env={},
+                                      status="refused", reason=why))
+    report["wall_s"] = time.perf_counter() - t_wall
+    if args.json == "-":
+        json.dump(report, sys.stdout, indent=1)
+        print()
+    else:
+        print(table(report))
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=1)
+    if plt is not None:
+        plot(report, args.plot, plt)
+    for wmsg in warnings[n_warned:]:
+        print(f"{PROG}: warning: {wmsg}", file=sys.stderr)
+    print(f"{PROG}: {len(jobs)} engine(s), wall time {report['wall_s']:.0f} s"
+          + (f"; vLLM's output of the failed ones kept in {tmp}" if keep_logs else ""),
+          file=sys.stderr)
+    if not keep_logs:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
