@@ -55,10 +55,10 @@ stage_report() {
 }
 trap stage_report EXIT
 
-stage "set-up: Debian and Python packages, model, text" 240
+stage "set-up: Debian and Python packages, model, text" 180
 bash scripts/setup.sh --deps --model
 
-stage "release build + tests" 180
+stage "release build + tests" 150
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs"
@@ -77,18 +77,18 @@ if [ "$(uname -m)" = x86_64 ]; then
   grep -qw avx2 /proc/cpuinfo &&
     matrix+=("KVARN_SIMD=scalar KVARN_TEST_THREADS=2 OPENBLAS_NUM_THREADS=2 OPENBLAS_CORETYPE=Haswell")
 fi
-stage "release tests over the configuration matrix" 180
+stage "release tests over the configuration matrix" 150
 for cfg in "${matrix[@]}"; do
   echo "== release tests with $cfg" >&2
   env $cfg ctest --test-dir build --output-on-failure -j"$jobs"
 done
 
-stage "ASan + UBSan build + tests" 360
+stage "ASan + UBSan build + tests" 300
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKVARN_SANITIZE=ON -DKVARN_CUDA=OFF >/dev/null
 cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j"$jobs"
 
-stage "ThreadSanitizer build + attention tests" 300
+stage "ThreadSanitizer build + attention tests" 240
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DKVARN_TSAN=ON -DKVARN_CUDA=OFF >/dev/null
 tsan_tests=$(for f in tests/attn/test_*.c; do basename "$f" .c; done)
 # shellcheck disable=SC2086
@@ -98,7 +98,7 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
         -R "^($(echo "$tsan_tests" | paste -sd'|' -))\$"
 
 if ls tests/python/test_*.py >/dev/null 2>&1; then
-  stage "Python tests (real model)" 600
+  stage "Python tests (real model)" 480
   python3 -m pytest -q --durations=15 tests/python
 fi
 
@@ -106,5 +106,5 @@ fi
 # converted model: installs .venv-vllm the first time (docs/vllm.md).
 stage "vLLM set-up (.venv-vllm, converted model)" 240
 bash scripts/setup.sh --vllm
-stage "vLLM plug-in tests (tests/vllm)" 600
+stage "vLLM plug-in tests (tests/vllm)" 960
 .venv-vllm/bin/python -m pytest -q --durations=25 tests/vllm
