@@ -6,7 +6,7 @@
  *   bench_attn [--quick] [--contexts 1024,4096,...] [--shapes smol,llama]
  *              [--batches 1,16] [--threads 1,2] [--formats fp16,int8,...|all]
  *              [--min-time SECONDS] [--max-mb MB] [--working-set MB]
- *              [--block-size G] [--scalar]
+ *              [--block-size G] [--queries Q] [--scalar]
  *
  * Shapes: smol = SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64),
  * llama = Llama-3-8B (32 / 8, head_dim 128). One call is one layer; the
@@ -19,6 +19,9 @@
  * encoded tiles is copied into all blocks instead of encoding every tile
  * (the kernels' speed does not depend on the values). Per-token formats use
  * block size 16 (--block-size); KVarN keeps 1 fp16 sink tile and commits every full tile.
+ * --queries Q (default 1) times kvarn_attn_multi instead, Q causal queries
+ * per sequence at its last Q positions: a speculative verification step
+ * of Q - 1 drafts (docs/vllm.md "Benchmark"); us/call is still per layer.
  * Each configuration runs at least --min-time seconds (3 calls at least)
  * and reports its fastest call: with 1 thread timed by the thread's CPU
  * clock, with more threads by the wall clock. */
@@ -239,6 +242,18 @@ static kvarn_paged_kv layer_kv(const bench_cache *c, int l)
     return kv;
 }
 
+/* One layer's call: decode (one query per sequence), or Q causal queries
+ * per sequence through kvarn_attn_multi. */
+static kvarn_status call(const kvarn_paged_kv *kv, const bench_cache *c, int batch, int Hq,
+                         int n_queries, const int32_t *qsl, const float *q, float *out,
+                         const kvarn_attn_opts *o, kvarn_thread_pool *pool, void *ws, size_t wsz)
+{
+    if (n_queries == 1) return kvarn_attn_decode(kv, c->views, batch, Hq, q, out, o, pool, ws, wsz);
+    kvarn_attn_opts m = *o;
+    m.causal = 1;
+    return kvarn_attn_multi(kv, c->views, batch, qsl, Hq, q, out, &m, pool, ws, wsz);
+}
+
 static double memcpy_gbs(void)
 {
     size_t n = (size_t)256 << 20;
@@ -268,7 +283,7 @@ int main(int argc, char **argv)
     int bad_list = 0;
     const char *shapes = "smol,llama", *formats = NULL;
     double min_time = 0.3, max_mb = 3000, ws_mb = 256;
-    int scalar = 0, block_size = 16;
+    int scalar = 0, block_size = 16, n_queries = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *nx = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick")) {
@@ -285,13 +300,14 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--max-mb") && nx) { max_mb = atof(nx); i++; }
         else if (!strcmp(a, "--block-size") && nx) { block_size = atoi(nx); i++; }
         else if (!strcmp(a, "--working-set") && nx) { ws_mb = atof(nx); i++; }
+        else if (!strcmp(a, "--queries") && nx) { n_queries = atoi(nx); i++; }
         else if (!strcmp(a, "--scalar")) scalar = 1;
         else {
             const int help = !strcmp(a, "-h") || !strcmp(a, "--help");
             fprintf(help ? stdout : stderr,
                     "usage: bench_attn [--quick] [--contexts L] [--shapes smol,llama] "
                     "[--batches L] [--threads L] [--formats L] [--min-time S] "
-                    "[--max-mb MB] [--working-set MB] [--block-size G] [--scalar]\n");
+                    "[--max-mb MB] [--working-set MB] [--block-size G] [--queries Q] [--scalar]\n");
             return help ? 0 : 2;
         }
     }
@@ -309,11 +325,16 @@ int main(int argc, char **argv)
                 shapes);
         return 2;
     }
+    if (n_queries < 1 || n_queries > 1024) {
+        fprintf(stderr, "bench_attn: --queries: expected an integer in [1, 1024]\n");
+        return 2;
+    }
     kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
     kvarn_attn_testing knobs = {0, scalar, 0};
     o0.testing = &knobs;
     printf("memcpy bandwidth (1 thread, 256 MiB): %.1f GB/s copied\n", memcpy_gbs());
     printf("kernels: %s\n", kvarn_attn_kernel_name(&o0));
+    if (n_queries > 1) printf("queries: %d causal per sequence (kvarn_attn_multi)\n", n_queries);
     printf("%-6s %5s %6s %3s %-16s %10s %9s %9s\n", "shape", "batch", "ctx", "thr", "format",
            "us/call", "vs fp16", "GB/s");
     /* fp16 first (every ratio's baseline), then the listed formats (default
@@ -357,17 +378,21 @@ int main(int argc, char **argv)
                         free_cache(&c);
                         continue;
                     }
-                    float *q = malloc(sizeof(float) * (size_t)batch * Hq * D);
-                    float *out = malloc(sizeof(float) * (size_t)batch * Hq * D);
-                    for (size_t i = 0; i < (size_t)batch * Hq * D; i++) q[i] = (float)rnd();
+                    const size_t nrow = (size_t)batch * n_queries;
+                    float *q = malloc(sizeof(float) * nrow * Hq * D);
+                    float *out = malloc(sizeof(float) * nrow * Hq * D);
+                    int32_t *qsl = malloc(sizeof(int32_t) * ((size_t)batch + 1));
+                    for (size_t i = 0; i < nrow * Hq * D; i++) q[i] = (float)rnd();
+                    for (int s = 0; s <= batch; s++) qsl[s] = s * n_queries;
                     for (int ti = 0; ti < threads.n; ti++) {
                         kvarn_thread_pool *pool = NULL;
                         if (kvarn_thread_pool_create(threads.v[ti], &pool) != KVARN_OK) continue;
-                        size_t wsz = kvarn_attn_workspace_bytes(&c.kv, Hq, batch, batch, threads.v[ti], &o0);
+                        size_t wsz = kvarn_attn_workspace_bytes(&c.kv, Hq, batch, (int)nrow,
+                                                                threads.v[ti], &o0);
                         kvarn_paged_kv kv = layer_kv(&c, 0);
                         void *ws = malloc(wsz);
-                        kvarn_status st = kvarn_attn_decode(&kv, c.views, batch, Hq, q, out, &o0,
-                                                            pool, ws, wsz); /* warm-up */
+                        kvarn_status st = call(&kv, &c, batch, Hq, n_queries, qsl, q, out, &o0,
+                                               pool, ws, wsz); /* warm-up */
                         /* Best of the timed calls: the machine may be shared, and the
                          * fastest call is the one least disturbed by others. */
                         int iters = 0;
@@ -376,7 +401,7 @@ int main(int argc, char **argv)
                             const int one = threads.v[ti] == 1;
                             kv = layer_kv(&c, (iters + 1) % c.n_layers);
                             double t1 = one ? thread_cpu_s() : now_s();
-                            st = kvarn_attn_decode(&kv, c.views, batch, Hq, q, out, &o0, pool, ws, wsz);
+                            st = call(&kv, &c, batch, Hq, n_queries, qsl, q, out, &o0, pool, ws, wsz);
                             t1 = (one ? thread_cpu_s() : now_s()) - t1;
                             best = t1 < best ? t1 : best;
                             iters++;
@@ -397,7 +422,7 @@ int main(int argc, char **argv)
                         free(ws);
                         kvarn_thread_pool_destroy(pool);
                     }
-                    free(q); free(out);
+                    free(q); free(out); free(qsl);
                     free_cache(&c);
                 }
             }
