@@ -6,7 +6,7 @@
  *   bench_attn [--quick] [--contexts 1024,4096,...] [--shapes smol,llama]
  *              [--batches 1,16] [--threads 1,2] [--formats fp16,int8,...|all]
  *              [--min-time SECONDS] [--max-mb MB] [--working-set MB]
- *              [--block-size G] [--queries Q] [--scalar]
+ *              [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar]
  *
  * Shapes: smol = SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64),
  * llama = Llama-3-8B (32 / 8, head_dim 128). One call is one layer; the
@@ -22,6 +22,9 @@
  * --queries Q (default 1) times kvarn_attn_multi instead, Q causal queries
  * per sequence at its last Q positions: a speculative verification step
  * of Q - 1 drafts (docs/vllm.md "Benchmark"); us/call is still per layer.
+ * --staging int8 holds KVarN's staged tiles (the sink and the partial last
+ * tile) as int8 token records, as the vLLM plug-in does by default on the
+ * CPU (paged.h "Staging"), instead of fp16 rows.
  * Each configuration runs at least --min-time seconds (3 calls at least)
  * and reports its fastest call: with 1 thread timed by the thread's CPU
  * clock, with more threads by the wall clock. */
@@ -132,7 +135,7 @@ static double cache_bytes(const kvarn_format *fmt, int D, int Hk, int ctx, int b
 }
 
 static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, int ctx, int batch,
-                       int block_size, int n_layers)
+                       int block_size, int n_layers, int staging_int8)
 {
     memset(c, 0, sizeof *c);
     kvarn_record_layout L;
@@ -160,6 +163,15 @@ static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, i
     kv->block_stride = block_stride;
     kv->record_stride = rec_stride;
     kv->token_record_bytes = kvarn ? 0 : L.record_bytes;
+    kvarn_format i8;
+    kvarn_record_layout L8;
+    const int st8 = kvarn && staging_int8;
+    if (st8) {
+        if (kvarn_format_parse("int8", &i8) != KVARN_OK || kvarn_record_layout_get(&i8, D, &L8) != KVARN_OK)
+            return -1;
+        kv->staging = KVARN_STAGING_INT8;
+        kv->staging_record_bytes = L8.record_bytes;
+    }
     kvarn_paged_pack_pages(kv); /* kvarn_cache's layout */
     kv->n_blocks = n_blocks;
     kv->n_fp16_pages = n_pages;
@@ -196,8 +208,21 @@ static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, i
         for (int h = 0; h < Hk; h++)
             memcpy(kvarn_paged_record(kv, b, h),
                    pool + (size_t)((b * 7 + h) % POOL) * rec_stride, rec_stride);
-    for (size_t i = 0; i < (size_t)n_pages * kv->page_stride / sizeof(uint16_t); i++)
-        c->pages[i] = kvarn_fp32_to_fp16((float)rnd());
+    if (st8) { /* int8 token records of random rotated K/V */
+        for (int p = 0; p < n_pages; p++)
+            for (int h = 0; h < Hk; h++)
+                for (int t = 0; t < G; t++) {
+                    for (int i = 0; i < D; i++) {
+                        k[i] = (float)(2.0 * rnd());
+                        v[i] = (float)rnd();
+                    }
+                    kvarn_encode(&i8, D, k, v, kvarn_paged_page_rec(kv, p, h, t), L8.record_bytes,
+                                 NULL, 0, NULL);
+                }
+    } else {
+        for (size_t i = 0; i < (size_t)n_pages * kv->page_stride / sizeof(uint16_t); i++)
+            c->pages[i] = kvarn_fp32_to_fp16((float)rnd());
+    }
     free(k); free(v); free(pool); free(ws);
 
     /* Shuffled ids: sequences interleave in the arena. */
@@ -218,7 +243,7 @@ static int build_cache(bench_cache *c, const kvarn_format *fmt, int D, int Hk, i
             int page = kvarn && (i < sink || i >= committed);
             tab[i] = page ? pid[np++] : bid[nb++];
             int cnt = ctx - i * G < G ? ctx - i * G : G;
-            c->bytes_read += page ? (double)cnt * 4 * D * Hk
+            c->bytes_read += page ? (double)cnt * (st8 ? (double)L8.record_bytes : 4.0 * D) * Hk
                                   : (kvarn ? (double)L.record_bytes : (double)cnt * L.record_bytes) * Hk;
         }
         c->views[s].block_table = tab;
@@ -283,7 +308,7 @@ int main(int argc, char **argv)
     int bad_list = 0;
     const char *shapes = "smol,llama", *formats = NULL;
     double min_time = 0.3, max_mb = 3000, ws_mb = 256;
-    int scalar = 0, block_size = 16, n_queries = 1;
+    int scalar = 0, block_size = 16, n_queries = 1, staging_int8 = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *nx = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick")) {
@@ -301,13 +326,16 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--block-size") && nx) { block_size = atoi(nx); i++; }
         else if (!strcmp(a, "--working-set") && nx) { ws_mb = atof(nx); i++; }
         else if (!strcmp(a, "--queries") && nx) { n_queries = atoi(nx); i++; }
-        else if (!strcmp(a, "--scalar")) scalar = 1;
+        else if (!strcmp(a, "--staging") && nx && (!strcmp(nx, "fp16") || !strcmp(nx, "int8"))) {
+            staging_int8 = !strcmp(nx, "int8");
+            i++;
+        } else if (!strcmp(a, "--scalar")) scalar = 1;
         else {
             const int help = !strcmp(a, "-h") || !strcmp(a, "--help");
             fprintf(help ? stdout : stderr,
                     "usage: bench_attn [--quick] [--contexts L] [--shapes smol,llama] "
                     "[--batches L] [--threads L] [--formats L] [--min-time S] "
-                    "[--max-mb MB] [--working-set MB] [--block-size G] [--queries Q] [--scalar]\n");
+                    "[--max-mb MB] [--working-set MB] [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar]\n");
             return help ? 0 : 2;
         }
     }
@@ -335,6 +363,7 @@ int main(int argc, char **argv)
     printf("memcpy bandwidth (1 thread, 256 MiB): %.1f GB/s copied\n", memcpy_gbs());
     printf("kernels: %s\n", kvarn_attn_kernel_name(&o0));
     if (n_queries > 1) printf("queries: %d causal per sequence (kvarn_attn_multi)\n", n_queries);
+    if (staging_int8) printf("staging: int8 token records (KVarN sink and partial tiles)\n");
     printf("%-6s %5s %6s %3s %-16s %10s %9s %9s\n", "shape", "batch", "ctx", "thr", "format",
            "us/call", "vs fp16", "GB/s");
     /* fp16 first (every ratio's baseline), then the listed formats (default
@@ -372,7 +401,7 @@ int main(int argc, char **argv)
                     if (ws_mb <= 0) n_layers = 1;
                     if (n_layers * layer_bytes > max_mb * 1e6) n_layers = (int)(max_mb * 1e6 / layer_bytes);
                     if (n_layers < 1) n_layers = 1;
-                    if (build_cache(&c, &fmt, D, Hk, ctx, batch, block_size, n_layers) != 0) {
+                    if (build_cache(&c, &fmt, D, Hk, ctx, batch, block_size, n_layers, staging_int8) != 0) {
                         printf("%-6s %5d %6d %3s %-16s   could not build\n", shp[si].name, batch, ctx,
                                "-", fname);
                         free_cache(&c);
