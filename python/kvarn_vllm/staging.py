@@ -119,6 +119,7 @@ class StepPlan:
         self.mark_provisional = []   # blocks encoded from draft tokens (not committed)
         self.sink_copies = []        # (page, sink slot): copy the page's first r
                                      # rows into the slot before its commit
+        self.finished = False        # Staging.finish has run (once per step)
 
 
 class Staging:

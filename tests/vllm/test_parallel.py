@@ -20,7 +20,15 @@ What is checked, per parallel run against TP=1 of the same format:
     test_llama uses for two paths of one format);
   - greedy outputs equal TP=1's up to a near-tie: where they first differ,
     TP=1's margin p(a) - p(b) is <= sqrt(2 D_max) (Pinsker, as
-    test_serve._follows).
+    test_serve._follows);
+  - the records themselves (KVARN_TEST_COMMIT_LOG, every rank's log named
+    by its TP and PP rank): each (layer, tile, KV head) record of the
+    parallel run against TP=1's, code byte by code byte (_record_problems):
+    in layer 0, whose inputs are the same up to the GEMM's summation order,
+    all but a float-noise fraction equal; in every layer, TP=1's record of
+    the same (layer, tile, head) is by far the nearest of all its (tile,
+    head) records of that layer. A head, tile or layer mix-up (planted in
+    test_record_check_catches_mixups) fails both.
 
 vLLM 0.32's CPU build needs two things here (docs/vllm.md): one CPU list per
 local rank in VLLM_CPU_OMP_THREADS_BIND when there are fewer NUMA nodes than
@@ -32,8 +40,11 @@ in gpu_model_runner.sync_and_gather_intermediate_tensors
 (`assert self.intermediate_tensors is not None`), with vLLM's own cache as
 with kvarn.
 """
+import ctypes
+import glob
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -84,17 +95,25 @@ def _runs(model, configs):
     return out
 
 
-def _smollm_configs():
+def _smollm_configs(logs):
+    """logs: the commit-log prefix of each kvarn run (the test compares
+    their records); vLLM's cache has none."""
+    log = lambda name: {"KVARN_TEST_COMMIT_LOG": os.path.join(logs, name)}
     return {"ref": dict(kv_cache_dtype="auto"),
-            "kv1": dict(kv_cache_dtype=KV),
-            "tp3": dict(kv_cache_dtype=KV, tensor_parallel_size=3, env=bind_threads(3)),
-            "pp2": dict(kv_cache_dtype=KV, pipeline_parallel_size=2, env=bind_threads(2),
-                        **PP_COMPILE)}
+            "kv1": dict(kv_cache_dtype=KV, env=log("kv1")),
+            "tp3": dict(kv_cache_dtype=KV, tensor_parallel_size=3,
+                        env=dict(bind_threads(3), **log("tp3"))),
+            "pp2": dict(kv_cache_dtype=KV, pipeline_parallel_size=2,
+                        env=dict(bind_threads(2), **log("pp2")), **PP_COMPILE)}
 
 
 @pytest.fixture(scope="module")
-def smollm(hf_model):
-    return _runs(hf_model, _smollm_configs())
+def smollm(hf_model, tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("commit_logs"))
+    runs = _runs(hf_model, _smollm_configs(logs))
+    for name in ("kv1", "tp3", "pp2"):
+        runs[name]["records"] = _read_records(os.path.join(logs, name))
+    return runs
 
 
 # the random model: 8 query heads, 4 KV heads of 64, 4 layers, SmolLM2's
@@ -235,3 +254,158 @@ def test_tp3_smollm_matches_tp1(smollm):
 def test_pp2_smollm_matches_tp1(smollm):
     _kld_checks(smollm, "pp2")
 
+
+
+# ----------------------------------------------------------------- records
+SMOLLM_LAYERS, SMOLLM_HK, HEAD_DIM = 30, 3, 64
+# Layer 0's K/V are the same function of the token ids on every rank: the
+# same RMSNorm, then this rank's columns of the same K/V projection, whose
+# fp32 sums TP may block differently: a relative change of ~sqrt(n) u =
+# sqrt(576) 2^-24 = 1.4e-6 of the products' magnitude. A code moves only
+# where its value lies that close to a rounding boundary, a fraction ~2 x
+# 1.4e-6 x 24 (products' magnitude over the row range: sqrt(576) for
+# sums of unrelated signs) x (2^bits - 1) of the codes: 1.0e-3 of the 4-bit
+# keys, 2e-4 of the 2-bit values, so under 0.4% of the code bytes (2 or 4
+# codes each). Allowed: 2%. Measured here: 0 (bit-identical); records of
+# another head or tile differ in 96-99% of their code bytes.
+LAYER0_NOISE = 0.02
+
+
+class _RecordLayout(ctypes.Structure):
+    """include/kvarn/record.h kvarn_record_layout."""
+    _fields_ = ([(n, ctypes.c_int) for n in ("head_dim", "tile_tokens", "key_bits",
+                                            "value_bits")] +
+                [(n, ctypes.c_size_t) for n in (
+                    "k_codes_off", "k_codes_bytes", "k_a_off", "k_a_bytes", "k_b_off",
+                    "k_b_bytes", "k_stok_off", "k_stok_bytes", "v_codes_off", "v_codes_bytes",
+                    "v_schan_off", "v_schan_bytes", "v_a_off", "v_a_bytes", "v_b_off",
+                    "v_b_bytes", "v_mu_off", "v_mu_bytes", "payload_bytes", "record_bytes")])
+
+
+def _code_bytes(fmt_name: str, d: int):
+    """Offsets of the K and V code bytes in one record (the library's
+    kvarn_record_layout_get) and the record's size."""
+    import numpy as np
+    from kvarn_vllm import _lib
+    fmt = _lib.parse_format(fmt_name, d)
+    lay = _RecordLayout()
+    _lib.check(_lib.lib().kvarn_record_layout_get(ctypes.byref(fmt), d, ctypes.byref(lay)),
+               "record layout")
+    idx = np.r_[lay.k_codes_off:lay.k_codes_off + lay.k_codes_bytes,
+                lay.v_codes_off:lay.v_codes_off + lay.v_codes_bytes]
+    return idx, lay.record_bytes
+
+
+def _read_records(prefix: str) -> dict:
+    """{(tp rank, pp rank): {block: uint8 [records, record bytes]}} from a
+    run's commit logs (backend.py: one log per rank, its records layer by
+    layer, each layer's KV heads in order). A block logged more than once
+    keeps its last record (test_spec_decode._read_log says why)."""
+    import numpy as np
+    _, rb = _code_bytes(KV, HEAD_DIM)
+    out = {}
+    for f in glob.glob(prefix + ".tp*.pp*.*"):
+        m = re.fullmatch(re.escape(prefix) + r"\.tp(\d+)\.pp(\d+)\.\d+", f)
+        if m is None:
+            continue
+        data = open(f + ".bin", "rb").read()
+        recs = out.setdefault((int(m[1]), int(m[2])), {})
+        for line in open(f):
+            if line.startswith("record "):
+                _, _, block, off, n = line.split()
+                raw = np.frombuffer(data[int(off):int(off) + int(n)], dtype=np.uint8)
+                recs[int(block)] = raw.reshape(-1, rb)
+    assert out, f"no commit log at {prefix}.tp*.pp*.*"
+    return out
+
+
+def _record_problems(ref: dict, par: dict, tp: int, pp: int, layers: int = SMOLLM_LAYERS,
+                     hk: int = SMOLLM_HK):
+    """ref: the TP=1 run's records {block: [layers * hk, bytes]}; par: a
+    run's over tp x pp ranks (_read_records), rank (t, p) holding layers
+    [p L/pp, (p+1) L/pp) and KV heads [t hk/tp, (t+1) hk/tp). Each of its
+    (layer, tile, head) records is compared, code byte by code byte, with
+    every (tile, head) record of that layer at TP=1: f the fraction of code
+    bytes that differ from TP=1's same (layer, tile, head), n the smallest
+    over the others. A problem: the ranks or the blocks logged differ; in
+    layer 0, f > LAYER0_NOISE; in any layer, f >= n / 2 (float noise
+    cascades through the layers, by the codes it moves (docs/vllm-models.md
+    "Tensor and pipeline parallelism": up to 17% of the code bytes of
+    SmolLM2's deep layers on the test's text), but a record of another
+    head or tile differs in 96-99%). Returns (problems, per-layer largest
+    f)."""
+    import numpy as np
+    idx, _ = _code_bytes(KV, HEAD_DIM)
+    blocks = sorted(ref)
+    R = np.stack([ref[b].reshape(layers, hk, -1)[:, :, idx] for b in blocks])  # [B, L, H, C]
+    worst = np.zeros(layers)
+    problems = []
+    ranks = [(t, p) for t in range(tp) for p in range(pp)]
+    if sorted(par) != ranks:
+        return [f"ranks logged {sorted(par)}, expected {ranks}"], worst
+    lps, hpr = layers // pp, hk // tp
+    for (t, p), recs in sorted(par.items()):
+        if sorted(recs) != blocks:
+            problems.append(f"rank tp{t} pp{p}: blocks {sorted(recs)}, TP=1 {blocks}")
+            continue
+        for i, b in enumerate(blocks):
+            x = recs[b].reshape(lps, hpr, -1)[:, :, idx]
+            for l in range(lps):
+                L = p * lps + l
+                for j in range(hpr):
+                    h = t * hpr + j
+                    diff = (R[:, L] != x[l, j]).mean(axis=-1)  # [B, H]
+                    f = diff[i, h]
+                    diff[i, h] = np.inf
+                    n = diff.min()
+                    worst[L] = max(worst[L], f)
+                    if L == 0 and f > LAYER0_NOISE:
+                        problems.append(f"layer 0 block {b} head {h}: {f:.4f} of the code bytes "
+                                        f"differ (> {LAYER0_NOISE})")
+                    if not f < n / 2:
+                        problems.append(f"layer {L} block {b} head {h}: {f:.4f} of the code bytes "
+                                        f"differ from TP=1's, {n:.4f} from its nearest other "
+                                        "(tile, head)")
+    return problems, worst
+
+
+def _check_records(runs, par, tp, pp):
+    problems, worst = _record_problems(runs["kv1"]["records"][(0, 0)], runs[par]["records"],
+                                       tp, pp)
+    n = len(runs["kv1"]["records"][(0, 0)])
+    print(f"{par}: {n} tiles x {SMOLLM_LAYERS} layers x {SMOLLM_HK} heads; largest fraction "
+          "of code bytes differing from TP=1, per layer: " + " ".join(f"{w:.3f}" for w in worst))
+    assert n >= TEXT_TOKENS // G
+    assert not problems, problems[:10]
+
+
+def test_tp3_records_match_tp1(smollm):
+    _check_records(smollm, "tp3", 3, 1)
+
+
+def test_pp2_records_match_tp1(smollm):
+    _check_records(smollm, "pp2", 1, 2)
+
+
+def test_record_check_catches_mixups(smollm):
+    """The check above, on mix-ups planted in the TP=3 / PP=2 records: two
+    ranks' heads swapped, two tiles of one rank swapped, the stages' layers
+    swapped, one layer of one rank holding its next layer's record."""
+    ref = smollm["kv1"]["records"][(0, 0)]
+    tp3, pp2 = smollm["tp3"]["records"], smollm["pp2"]["records"]
+    heads = dict(tp3)
+    heads[(0, 0)], heads[(1, 0)] = tp3[(1, 0)], tp3[(0, 0)]
+    tiles = dict(tp3)
+    b0, b1 = sorted(tp3[(2, 0)])[:2]
+    tiles[(2, 0)] = dict(tp3[(2, 0)])
+    tiles[(2, 0)][b0], tiles[(2, 0)][b1] = tp3[(2, 0)][b1], tp3[(2, 0)][b0]
+    stages = {(0, 0): pp2[(0, 1)], (0, 1): pp2[(0, 0)]}
+    layer = dict(tp3)
+    layer[(1, 0)] = {b: r.copy() for b, r in tp3[(1, 0)].items()}
+    for r in layer[(1, 0)].values():
+        r[5] = r[6]   # rank 1 (one head), layer 5 holds layer 6's record
+    for name, par, tp, pp in (("heads", heads, 3, 1), ("tiles", tiles, 3, 1),
+                              ("stages", stages, 1, 2), ("layer", layer, 3, 1)):
+        problems, _ = _record_problems(ref, par, tp, pp)
+        print(f"planted {name} mix-up: {len(problems)} problems, e.g. {problems[:1]}")
+        assert problems, name
