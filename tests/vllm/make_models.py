@@ -89,6 +89,16 @@ FAMILIES = {
                                 num_hidden_layers=2, num_attention_heads=8,
                                 num_key_value_heads=8, rope_theta=10000.0,
                                 sliding_window=None)),
+    # gpt-oss-20b: head_dim 64, GQA 8:1, q/k/v/o biases, a learned sink
+    # logit per query head, sliding-window (128) and full layers alternating,
+    # a mixture of experts (32 experts, top 4 there; 4, top 2 here, stored
+    # unquantized in fp32: no mxfp4)
+    "gpt_oss": ("GptOssConfig", dict(hidden_size=512, intermediate_size=256,
+                                     num_hidden_layers=4, num_attention_heads=16,
+                                     num_key_value_heads=2, head_dim=64,
+                                     sliding_window=128, num_local_experts=4,
+                                     num_experts_per_tok=2, rope_theta=150000.0,
+                                     rope_scaling=None, rms_norm_eps=1e-5)),
 }
 
 
