@@ -238,7 +238,6 @@ class KvarnAttentionImpl(AttentionImpl):
         unsupported = []
         if alibi_slopes is not None: unsupported.append("ALiBi")
         if logits_soft_cap: unsupported.append("logits soft-capping")
-        if sinks is not None: unsupported.append("learned attention sinks")
         if kv_sharing_target_layer_name: unsupported.append("KV sharing between layers")
         if attn_type != AttentionType.DECODER: unsupported.append(f"attention type {attn_type}")
         if unsupported:
@@ -251,6 +250,14 @@ class KvarnAttentionImpl(AttentionImpl):
         self.G = self.fmt.tile_tokens
         self.sink_tiles, self.sink_partial = sink_config(self.G)
         self.sinks = None
+        # learned sink logits (gpt-oss), one per query head: the model's
+        # parameter, loaded after this; read at each step (attn.h
+        # kvarn_attn_opts.sinks)
+        self.sink_param = sinks
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise NotImplementedError(
+                f"kvarn backend: learned sinks of shape {tuple(sinks.shape)}, not one per "
+                f"query head ({num_heads})")
         self.layer_index = None
         self.pool_tensor = None
         _State.n_impls += 1
@@ -402,6 +409,7 @@ class KvarnAttentionImpl(AttentionImpl):
         ng = len(p.groups)
         if ng == 0:
             return
+        sinks = self._sink_logits()
         for has_sink in ((True,) if p.g_sink.all() else (True, False)):
             sel = np.nonzero(p.g_sink == has_sink)[0]
             if len(sel) == 0:
@@ -423,12 +431,26 @@ class KvarnAttentionImpl(AttentionImpl):
             _State.ops.attend(view, np.ascontiguousarray(self._ids(p)["g_tables"][sel]),
                               p.g_len[sel],
                               p.g_committed[sel], p.g_sink_slot[sel], qsl, qsel, osel,
-                              self.num_heads, self.scale, self.sliding_window)
+                              self.num_heads, self.scale, self.sliding_window, sinks)
             if not whole:
                 off = 0
                 for a, b in rows:
                     res[a:b] = osel[off:off + b - a]
                     off += b - a
+
+    def _sink_logits(self):
+        """The layer's learned sink logits as fp32 [Hq], None without: taken
+        and checked at the first step (vLLM loads the weights before its
+        first forward pass, the profiling run), kept; NaN or +Inf refused
+        (the CPU library refuses them too; the CUDA kernels do not look)."""
+        if self.sink_param is None:
+            return None
+        if getattr(self, "_sinks32", None) is None:
+            s = self.sink_param.detach().to(torch.float32).contiguous()
+            if bool(torch.isnan(s).any()) or bool(torch.isposinf(s).any()):
+                raise _lib.KvarnError("kvarn: a learned sink logit is NaN or +Inf")
+            self._sinks32 = s
+        return self._sinks32
 
     def _ids(self, p) -> dict:
         """The plan's page ids as this layer's view numbers them: its slots
