@@ -96,6 +96,7 @@ class _State:
     dtype_name = None   # the --kv-cache-dtype, set when the backend is chosen
     kv_caches: dict = {}   # layer name -> its cache tensor (the commit log reads them)
     n_impls = 0         # kvarn attention layers built in this process
+    n_sliding = 0       # of which with a sliding window (KVARN_SLIDING_WINDOW=quantize)
     pool_size = None    # staging.pool_size as the worker budgeted it (plugin.py)
     pool = None         # the staging tensor of every layer (module docstring)
     pool_layers = 0     # the layers it has slots for
@@ -216,8 +217,20 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """A page of record bytes: [blocks, Hk, G, record_bytes / G] uint8."""
-        from dataclasses import replace
+        """A page of record bytes: [blocks, Hk, G, record_bytes / G] uint8.
+        Where the kvarn layers mix sliding-window and full ones (gpt-oss,
+        Gemma-2 with KVARN_SLIDING_WINDOW=quantize), the sliding ones get
+        vLLM's FullAttentionSpec with their window recorded (as vLLM does
+        without its hybrid allocator): one KV-cache group, one block table
+        and one staging plan a step for every kvarn layer, the window
+        applied by the kernels (two groups' block tables would each get a
+        plan of their own a step, and the staging bookkeeping is one)."""
+        from dataclasses import fields, replace
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        if isinstance(spec, SlidingWindowSpec) and 0 < _State.n_sliding < _State.n_impls:
+            full = {f.name for f in fields(FullAttentionSpec) if f.init}
+            spec = FullAttentionSpec(**{f.name: getattr(spec, f.name) for f in fields(spec)
+                                        if f.init and f.name in full})
         name = _State.dtype_name
         fmt = _lib.parse_format(name, spec.head_size)
         # block_size 1: vLLM asking for the bytes of one token (sliding-window
@@ -261,6 +274,7 @@ class KvarnAttentionImpl(AttentionImpl):
         self.layer_index = None
         self.pool_tensor = None
         _State.n_impls += 1
+        _State.n_sliding += 1 if self.sliding_window > 0 else 0
         from vllm.config import get_current_vllm_config
         cfg = get_current_vllm_config()
         _State.max_num_seqs = cfg.scheduler_config.max_num_seqs
