@@ -111,7 +111,7 @@ typedef struct kvarn_attn_opts {
  * (max_total_q * n_q_heads * head_dim floats) would not fit size_t: sizes
  * are formed in 64 bits with checked products, never wrapped; the calls
  * below then return KVARN_ERR_TOO_LARGE. Allocate once for the largest
- * batch, reuse. */
+ * batch, reuse. opts->sinks is not read (sinks need no workspace). */
 size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
                                   int max_seqs, int max_total_q,
                                   int n_threads, const kvarn_attn_opts *opts);
@@ -248,8 +248,10 @@ typedef struct kvarn_attn_kernel_info {
  * Source: src/attn/kernel_table.c, whose rows the kernels are picked from;
  * the integer paths' conditions are stated once in
  * src/attn/attn_internal.h and tested by the kernels themselves.
+ * Sinks (opts->sinks, not read here) change no kernel: they enter in the
+ * final normalization, after the kernels (docs/attention.md).
  * Errors (*out untouched): KVARN_ERR_INVALID_ARG (NULL fmt or out, staging
- * outside kvarn_staging, options a call would refuse),
+ * outside kvarn_staging, options a call would refuse, sinks aside),
  * KVARN_ERR_UNSUPPORTED_HEAD_DIM (head_dim the format does not take, as
  * kvarn_record_layout_get). */
 kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, int staging,
