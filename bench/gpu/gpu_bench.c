@@ -267,7 +267,7 @@ static int cmd_time(const opts *o)
     kvarn_cuda_attn_plan plan;
     KV(kvarn_cuda_attn_plan_make(&kv, &sh, sms, &plan));
     void *ws = plan.workspace_bytes ? dmalloc(plan.workspace_bytes) : NULL;
-    kvarn_cuda_attn_args args = {dq, dout, dtab, dlens, kvarn ? dcom : NULL, NULL};
+    kvarn_cuda_attn_args args = {dq, dout, dtab, dlens, kvarn ? dcom : NULL, NULL, NULL};
 
     cudaStream_t stream;
     CK(cudaStreamCreate(&stream));
@@ -470,7 +470,7 @@ static int cmd_dump(const opts *o)
             kvarn_cuda_attn_plan plan;
             KV(kvarn_cuda_attn_plan_make(&kv, &sh, 132, &plan));
             void *ws = plan.workspace_bytes ? dmalloc(plan.workspace_bytes) : NULL;
-            kvarn_cuda_attn_args a = {dq, dout, dtab, dl, kvarn ? dc : NULL, mode ? dqsl : NULL};
+            kvarn_cuda_attn_args a = {dq, dout, dtab, dl, kvarn ? dc : NULL, mode ? dqsl : NULL, NULL};
             CK(cudaMemset(dout, 0xff, sizeof(float) * rows * Hq * D));
             KV(kvarn_cuda_attention(&kv, &plan, &a, ws, plan.workspace_bytes, NULL));
             CK(cudaDeviceSynchronize());

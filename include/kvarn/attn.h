@@ -87,9 +87,20 @@ typedef struct kvarn_attn_opts {
                             KVARN_SIMD allows. Else the experimental knobs
                             (KVARN_EXPERIMENTAL_API, below); borrowed for
                             the call. */
+    const float *sinks;  /* NULL (default): no sink. Else fp32 [Hq], one
+                            learned sink logit s_h per query head (gpt-oss's
+                            `sinks`), in the units of the scores (the
+                            softmax scale already applied, natural log):
+                            head h's softmax gets one more term exp(s_h)
+                            in its denominator with no value, o = sum_t
+                            exp(x_t) v_t / (exp(s_h) + sum_t exp(x_t));
+                            -INFINITY: no sink for that head (the output
+                            is then the plain call's, bit for bit); NaN or
+                            +INFINITY: KVARN_ERR_NONFINITE. Borrowed for
+                            the call; docs/attention.md "Learned sinks". */
 } kvarn_attn_opts;
 
-#define KVARN_ATTN_OPTS_DEFAULT(scale) { (scale), 0, 1, NULL }
+#define KVARN_ATTN_OPTS_DEFAULT(scale) { (scale), 0, 1, NULL, NULL }
 
 /* Bytes of workspace a call needs, an upper bound for any call with at most
  * max_seqs sequences and max_total_q query tokens in all (decode:
@@ -100,7 +111,7 @@ typedef struct kvarn_attn_opts {
  * (max_total_q * n_q_heads * head_dim floats) would not fit size_t: sizes
  * are formed in 64 bits with checked products, never wrapped; the calls
  * below then return KVARN_ERR_TOO_LARGE. Allocate once for the largest
- * batch, reuse. */
+ * batch, reuse. opts->sinks is not read (sinks need no workspace). */
 size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
                                   int max_seqs, int max_total_q,
                                   int n_threads, const kvarn_attn_opts *opts);
@@ -111,14 +122,15 @@ size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
  *   n_q_heads  Hq, a positive multiple of kv->n_kv_heads.
  *   q          fp32 [n_seqs][Hq][D] queries (post-RoPE), original basis.
  *   out        fp32 [n_seqs][Hq][D] attention outputs, original basis.
- *   opts       NULL: softmax_scale 1/sqrt(D), no window, auto split.
+ *   opts       NULL: softmax_scale 1/sqrt(D), no window, no sinks, auto split.
  *   pool       NULL: single-threaded.
  *   workspace  at least kvarn_attn_workspace_bytes(kv, Hq, n_seqs, n_seqs,
  *              pool size, opts) bytes, any alignment.
  * Errors (out untouched): KVARN_ERR_INVALID_ARG (NULL, n_seqs < 0, Hq not a
  * multiple of Hk, bad view geometry, seq_len < 0, committed_tiles out of
  * range, a block table entry outside the arena, bad opts),
- * KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_NONFINITE (NaN/Inf in q),
+ * KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_NONFINITE (NaN/Inf in q, a NaN
+ * or +Inf sink logit in opts->sinks),
  * KVARN_ERR_BUFFER_TOO_SMALL (workspace), KVARN_ERR_TOO_LARGE (a workspace
  * beyond size_t, see kvarn_attn_workspace_bytes). */
 kvarn_status kvarn_attn_decode(const kvarn_paged_kv *kv,
@@ -156,14 +168,18 @@ kvarn_status kvarn_attn_multi(const kvarn_paged_kv *kv,
  *        query head h, lse[i][h] = ln sum_t exp(softmax_scale * q.k_t) over
  *        the positions t the query sees (natural log of the softmax
  *        denominator, the scale included); -INFINITY when it sees none
- *        (seq_len 0, its output is then zero).
+ *        (seq_len 0, its output is then zero). With opts->sinks the
+ *        denominator holds the sink's term too: lse = ln(exp(s_h) + sum_t
+ *        ...), = s_h for a query that sees no position (output zero).
  * Two attentions of the same query over disjoint key sets (o1, lse1) and
  * (o2, lse2) merge into the attention over their union as
  *   lse = ln(e^lse1 + e^lse2),  o = e^(lse1 - lse) o1 + e^(lse2 - lse) o2.
  * For KVarN the scores are computed in the rotated basis, where they equal
  * the original ones (the rotation is orthonormal), and the outputs are
  * rotated back, so o and lse merge with attention computed anywhere else
- * in the original basis. Errors as for the calls without lse. */
+ * in the original basis. A learned sink (opts->sinks) is one more such
+ * part with output zero: it must be in exactly one of the merged calls.
+ * Errors as for the calls without lse. */
 kvarn_status kvarn_attn_decode_lse(const kvarn_paged_kv *kv,
                                    const kvarn_seq_view *seqs, int n_seqs,
                                    int n_q_heads, const float *q, float *out,
@@ -232,8 +248,10 @@ typedef struct kvarn_attn_kernel_info {
  * Source: src/attn/kernel_table.c, whose rows the kernels are picked from;
  * the integer paths' conditions are stated once in
  * src/attn/attn_internal.h and tested by the kernels themselves.
+ * Sinks (opts->sinks, not read here) change no kernel: they enter in the
+ * final normalization, after the kernels (docs/attention.md).
  * Errors (*out untouched): KVARN_ERR_INVALID_ARG (NULL fmt or out, staging
- * outside kvarn_staging, options a call would refuse),
+ * outside kvarn_staging, options a call would refuse, sinks aside),
  * KVARN_ERR_UNSUPPORTED_HEAD_DIM (head_dim the format does not take, as
  * kvarn_record_layout_get). */
 kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, int staging,

@@ -214,6 +214,12 @@ typedef struct kvarn_cuda_attn_args {
                                      else int32 [num_seqs + 1]: sequence i owns
                                      queries [qsl[i], qsl[i+1]), the last
                                      tokens of its context, each causal */
+    const float *sinks;           /* NULL: none; else fp32 [Hq], a learned
+                                     sink logit per query head (attn.h
+                                     kvarn_attn_opts.sinks: the scores'
+                                     units, -INFINITY = none); device memory,
+                                     not read on the host: the caller keeps
+                                     out NaN and +Inf */
 } kvarn_cuda_attn_args;
 
 /* Attention of every query over its sequence's paged K/V (decode, chunked
@@ -225,7 +231,8 @@ typedef struct kvarn_cuda_attn_args {
  * output is rotated back once. One pass over each tile serves up to 8 query
  * rows (the GQA group, times queries) of one KV head; with num_splits > 1
  * partial results go to the workspace and a second kernel merges them.
- * A query that sees no key (seq_len 0) gets zeros.
+ * A query that sees no key (seq_len 0) gets zeros. With args->sinks each
+ * head's softmax denominator gets exp(s_h) more (the merge's last step).
  *   workspace  device, >= plan->workspace_bytes, 16-byte aligned (NULL if 0).
  * Errors: KVARN_ERR_INVALID_ARG (NULL arrays, plan not made for kv),
  * KVARN_ERR_BUFFER_TOO_SMALL (workspace), KVARN_ERR_UNSUPPORTED(_HEAD_DIM),

@@ -65,7 +65,8 @@ class SeqView(ctypes.Structure):
 
 class AttnOpts(ctypes.Structure):
     _fields_ = [("softmax_scale", ctypes.c_float), ("sliding_window", ctypes.c_int),
-                ("causal", ctypes.c_int), ("testing", ctypes.c_void_p)]
+                ("causal", ctypes.c_int), ("testing", ctypes.c_void_p),
+                ("sinks", ctypes.c_void_p)]
 
 
 class CacheOpts(ctypes.Structure):
@@ -116,7 +117,8 @@ class CudaAttnArgs(ctypes.Structure):
     """include/kvarn/cuda.h: kvarn_cuda_attn_args (device pointers)."""
     _fields_ = [("q", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("block_tables", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
-                ("committed_tiles", ctypes.c_void_p), ("query_start_loc", ctypes.c_void_p)]
+                ("committed_tiles", ctypes.c_void_p), ("query_start_loc", ctypes.c_void_p),
+                ("sinks", ctypes.c_void_p)]
 
 
 CUDA_F16, CUDA_BF16 = 0, 1   # kvarn_cuda_dtype

@@ -96,6 +96,7 @@ class _State:
     dtype_name = None   # the --kv-cache-dtype, set when the backend is chosen
     kv_caches: dict = {}   # layer name -> its cache tensor (the commit log reads them)
     n_impls = 0         # kvarn attention layers built in this process
+    n_sliding = 0       # of which with a sliding window (KVARN_SLIDING_WINDOW=quantize)
     pool_size = None    # staging.pool_size as the worker budgeted it (plugin.py)
     pool = None         # the staging tensor of every layer (module docstring)
     pool_layers = 0     # the layers it has slots for
@@ -216,8 +217,20 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """A page of record bytes: [blocks, Hk, G, record_bytes / G] uint8."""
-        from dataclasses import replace
+        """A page of record bytes: [blocks, Hk, G, record_bytes / G] uint8.
+        Where the kvarn layers mix sliding-window and full ones (gpt-oss,
+        Gemma-2 with KVARN_SLIDING_WINDOW=quantize), the sliding ones get
+        vLLM's FullAttentionSpec with their window recorded (as vLLM does
+        without its hybrid allocator): one KV-cache group, one block table
+        and one staging plan a step for every kvarn layer, the window
+        applied by the kernels (two groups' block tables would each get a
+        plan of their own a step, and the staging bookkeeping is one)."""
+        from dataclasses import fields, replace
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        if isinstance(spec, SlidingWindowSpec) and 0 < _State.n_sliding < _State.n_impls:
+            full = {f.name for f in fields(FullAttentionSpec) if f.init}
+            spec = FullAttentionSpec(**{f.name: getattr(spec, f.name) for f in fields(spec)
+                                        if f.init and f.name in full})
         name = _State.dtype_name
         fmt = _lib.parse_format(name, spec.head_size)
         # block_size 1: vLLM asking for the bytes of one token (sliding-window
@@ -238,7 +251,6 @@ class KvarnAttentionImpl(AttentionImpl):
         unsupported = []
         if alibi_slopes is not None: unsupported.append("ALiBi")
         if logits_soft_cap: unsupported.append("logits soft-capping")
-        if sinks is not None: unsupported.append("learned attention sinks")
         if kv_sharing_target_layer_name: unsupported.append("KV sharing between layers")
         if attn_type != AttentionType.DECODER: unsupported.append(f"attention type {attn_type}")
         if unsupported:
@@ -251,9 +263,18 @@ class KvarnAttentionImpl(AttentionImpl):
         self.G = self.fmt.tile_tokens
         self.sink_tiles, self.sink_partial = sink_config(self.G)
         self.sinks = None
+        # learned sink logits (gpt-oss), one per query head: the model's
+        # parameter, loaded after this; read at each step (attn.h
+        # kvarn_attn_opts.sinks)
+        self.sink_param = sinks
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise NotImplementedError(
+                f"kvarn backend: learned sinks of shape {tuple(sinks.shape)}, not one per "
+                f"query head ({num_heads})")
         self.layer_index = None
         self.pool_tensor = None
         _State.n_impls += 1
+        _State.n_sliding += 1 if self.sliding_window > 0 else 0
         from vllm.config import get_current_vllm_config
         cfg = get_current_vllm_config()
         _State.max_num_seqs = cfg.scheduler_config.max_num_seqs
@@ -408,6 +429,7 @@ class KvarnAttentionImpl(AttentionImpl):
         ng = len(p.groups)
         if ng == 0:
             return
+        sinks = self._sink_logits()
         for has_sink in ((True,) if p.g_sink.all() else (True, False)):
             sel = np.nonzero(p.g_sink == has_sink)[0]
             if len(sel) == 0:
@@ -429,12 +451,26 @@ class KvarnAttentionImpl(AttentionImpl):
             _State.ops.attend(view, np.ascontiguousarray(self._ids(p)["g_tables"][sel]),
                               p.g_len[sel],
                               p.g_committed[sel], p.g_sink_slot[sel], qsl, qsel, osel,
-                              self.num_heads, self.scale, self.sliding_window)
+                              self.num_heads, self.scale, self.sliding_window, sinks)
             if not whole:
                 off = 0
                 for a, b in rows:
                     res[a:b] = osel[off:off + b - a]
                     off += b - a
+
+    def _sink_logits(self):
+        """The layer's learned sink logits as fp32 [Hq], None without: taken
+        and checked at the first step (vLLM loads the weights before its
+        first forward pass, the profiling run), kept; NaN or +Inf refused
+        (the CPU library refuses them too; the CUDA kernels do not look)."""
+        if self.sink_param is None:
+            return None
+        if getattr(self, "_sinks32", None) is None:
+            s = self.sink_param.detach().to(torch.float32).contiguous()
+            if bool(torch.isnan(s).any()) or bool(torch.isposinf(s).any()):
+                raise _lib.KvarnError("kvarn: a learned sink logit is NaN or +Inf")
+            self._sinks32 = s
+        return self._sinks32
 
     def _ids(self, p) -> dict:
         """The plan's page ids as this layer's view numbers them: its slots

@@ -56,10 +56,11 @@ class CpuOps:
 
     def attend(self, view, tables: np.ndarray, lens: np.ndarray, committed: np.ndarray,
                sink_slots: np.ndarray, qsl: np.ndarray, q: torch.Tensor, out: torch.Tensor,
-               num_heads: int, scale: float, window: int) -> None:
+               num_heads: int, scale: float, window: int, sinks=None) -> None:
         """tables int32 [ng, W]; lens, committed, sink_slots int32 [ng]
         (sink_slots read only when view.sink_partial > 0); qsl int32 [ng+1]
-        (from 0); q, out fp32 [qsl[-1], Hq, D] contiguous."""
+        (from 0); q, out fp32 [qsl[-1], Hq, D] contiguous; sinks None or
+        fp32 [Hq] contiguous, the learned sink logits (attn.h)."""
         L = _lib.lib()
         ng = len(lens)
         seqs = (_lib.SeqView * ng)()
@@ -68,7 +69,8 @@ class CpuOps:
             seqs[j].seq_len = int(lens[j])
             seqs[j].committed_tiles = int(committed[j])
             seqs[j].sink_slot = int(sink_slots[j])
-        opts = _lib.AttnOpts(scale, window, 1, None)
+        opts = _lib.AttnOpts(scale, window, 1, None,
+                             None if sinks is None else sinks.data_ptr())
         nthr = L.kvarn_thread_pool_size(self.pool)
         ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), num_heads, ng,
                                                 int(q.shape[0]), nthr, ctypes.byref(opts))
@@ -128,7 +130,7 @@ class CudaOps:
                                             len(src), None, self._stream()), "CUDA commit")
 
     def attend(self, view, tables, lens, committed, sink_slots, qsl, q, out, num_heads, scale,
-               window) -> None:
+               window, sinks=None) -> None:
         # sink_slots: never read, cuda.h refuses sink_partial > 0 (check())
         ng = len(lens)
         shape = _lib.CudaAttnShape(ng, num_heads, int(tables.shape[1]), int(lens.max()),
@@ -142,8 +144,10 @@ class CudaOps:
             self.ws = torch.empty(need, dtype=torch.uint8, device=self.device)
         t, ln = self._dev(tables[:ng].astype(np.int32)), self._dev(lens.astype(np.int32))
         c, ql = self._dev(committed.astype(np.int32)), self._dev(qsl.astype(np.int32))
+        sk = None if sinks is None else sinks.to(self.device, torch.float32).contiguous()
         args = _lib.CudaAttnArgs(q.data_ptr(), out.data_ptr(), t.data_ptr(), ln.data_ptr(),
-                                 c.data_ptr(), ql.data_ptr())
+                                 c.data_ptr(), ql.data_ptr(),
+                                 None if sk is None else sk.data_ptr())
         ws_ptr = self.ws.data_ptr() if need else None
         _lib.check(self.C.kvarn_cuda_attention(ctypes.byref(view), ctypes.byref(plan),
                                                ctypes.byref(args), ws_ptr, need, self._stream()),

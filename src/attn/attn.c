@@ -533,14 +533,36 @@ static attn_rows rows_of(const attn_run *run, int worker, int n)
     return r;
 }
 
-/* Write one finished row: o = acc / l in the kernel basis, rotated back for
- * KVarN; zero when the row saw no token. With the caller's lse array, also
- * its log-sum-exp m + ln l (scores include the softmax scale; the Hadamard
- * rotation leaves them unchanged), -inf when the row saw no token. */
-static void finish_row(const attn_run *run, const float *acc, float m, float l,
+/* The learned sink logit of query head `head` (opts.sinks), -inf for none. */
+static float sink_of(const attn_run *run, int head)
+{
+    return run->o.sinks ? run->o.sinks[head] : -INFINITY;
+}
+
+/* Write one finished row of query head `head`: o = acc / l in the kernel
+ * basis, rotated back for KVarN; zero when the row saw no token. With the
+ * caller's lse array, also its log-sum-exp m + ln l (scores include the
+ * softmax scale; the Hadamard rotation leaves them unchanged), -inf when
+ * the row saw no token. A learned sink s (finite) is merged here, once, as
+ * one more (max, sum) part with no value: m' = max(m, s), l' = l e^(m - m')
+ * + e^(s - m'), o = acc e^(m - m') / l', lse = m' + ln l' (s alone, and o
+ * zero, for a row that saw no token). Without one (-inf) the arithmetic
+ * is the plain call's. */
+static void finish_row(const attn_run *run, int head, const float *acc, float m, float l,
                        float *o, float *lse)
 {
     const int D = run->g.D;
+    const float s = sink_of(run, head);
+    if (s != -INFINITY) {
+        const float mm = l > 0.0f && m > s ? m : s;
+        const float w = l > 0.0f ? expf(m - mm) : 0.0f;
+        const float ls = l * w + expf(s - mm);
+        if (lse) *lse = mm + logf(ls);
+        const float c = w / ls;
+        for (int d = 0; d < D; d++) o[d] = acc[d] * c;
+        if (run->g.is_kvarn && l > 0.0f) kvarn_hadamard(o, D);
+        return;
+    }
     if (lse) *lse = l > 0.0f ? m + logf(l) : -INFINITY;
     if (l > 0.0f) {
         float inv = 1.0f / l;
@@ -720,7 +742,7 @@ static void item_task(void *ctx, int task, int worker)
     for (int qi = 0; qi < it->nq; qi++)
         for (int j = 0; j < g->group; j++) {
             int row = qi * g->group + j;
-            finish_row(run, r.acc + (size_t)row * D, r.m[row], r.l[row],
+            finish_row(run, it->kvh * g->group + j, r.acc + (size_t)row * D, r.m[row], r.l[row],
                        out_row(run, it->seq, it->q0 + qi, it->kvh * g->group + j),
                        lse_at(run, it->seq, it->q0 + qi, it->kvh * g->group + j));
         }
@@ -752,7 +774,7 @@ static void merge_task(void *ctx, int task, int worker)
             }
         }
         int qi = row / group, j = row % group;
-        finish_row(run, acc, m, l, out_row(run, first->seq, first->q0 + qi, first->kvh * group + j),
+        finish_row(run, first->kvh * group + j, acc, m, l, out_row(run, first->seq, first->q0 + qi, first->kvh * group + j),
                    lse_at(run, first->seq, first->q0 + qi, first->kvh * group + j));
     }
 }
@@ -798,6 +820,9 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
             return KVARN_ERR_INVALID_ARG;
     }
     if (!all_finite(q, (size_t)total_q * n_q_heads * kv->head_dim)) return KVARN_ERR_NONFINITE;
+    if (run.o.sinks) /* -inf: no sink; NaN, +inf: refused */
+        for (int h = 0; h < n_q_heads; h++)
+            if (isnan(run.o.sinks[h]) || run.o.sinks[h] == INFINITY) return KVARN_ERR_NONFINITE;
     size_t need = workspace_bytes(&run.g, n_threads);
     if (workspace == NULL || workspace_size < need) return KVARN_ERR_BUFFER_TOO_SMALL;
 
@@ -825,8 +850,9 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
 
     if (!plan(&run, n_seqs, n_threads)) return KVARN_ERR_BUFFER_TOO_SMALL;
 
-    /* Sequences with no context: zero output, lse -inf (decode, and
-     * non-causal multi-query; causal has q_len <= seq_len = 0). */
+    /* Sequences with no context: zero output, lse -inf, or the head's sink
+     * logit (finish_row) (decode, and non-causal multi-query; causal has
+     * q_len <= seq_len = 0). */
     for (int s = 0; s < n_seqs; s++) {
         if (seqs[s].seq_len != 0) continue;
         size_t rows = (size_t)q_len(&run, s) * n_q_heads;
@@ -834,7 +860,7 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
                rows * kv->head_dim * sizeof(float));
         if (lse)
             for (size_t i = 0; i < rows; i++)
-                lse[(size_t)q_start(&run, s) * n_q_heads + i] = -INFINITY;
+                lse[(size_t)q_start(&run, s) * n_q_heads + i] = sink_of(&run, (int)(i % n_q_heads));
     }
 
     attn_pool_run(pool, item_task, &run, run.n_items);

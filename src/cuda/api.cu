@@ -300,6 +300,7 @@ kvarn_status kvarn_cuda_attention(const kvarn_paged_kv *kv,
     a.window = plan->shape.sliding_window;
     a.scale_log2 = plan->shape.softmax_scale * 1.4426950408889634f;
     a.ws = plan->num_splits > 1 ? static_cast<float *>(workspace) : nullptr;
+    a.sinks = args->sinks;
     return map_cuda_error(kc_launch_attn(a, plan->shape.num_seqs, (cudaStream_t)stream));
 }
 

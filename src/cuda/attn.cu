@@ -18,7 +18,8 @@
  * against codes, plus s_chan_d * sum_t p_t b_t; the output is rotated back
  * once. fp16 pages (sink, staging tail) and per-token records are read row
  * by row. With num_splits > 1 each block writes (m, l, acc) to the
- * workspace and combine_kernel merges the splits.
+ * workspace and combine_kernel merges the splits. A learned sink
+ * (kc_attn.sinks) enters once, in the final normalization (kc_out_scale).
  */
 #include <limits.h>
 
@@ -449,12 +450,12 @@ __global__ void __launch_bounds__(NT) attn_kernel(kc_attn a)
 
     if (a.num_splits == 1) {
         for (int r = warp; r < nr; r += NW) {
-            const float l = sm.l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+            const int rr = row0 + r, head = hk * gs + rr % gs;
+            const float inv = kc_out_scale(a.sinks, head, sm.m[r], sm.l[r]);
             float x[E];
 #pragma unroll
             for (int e = 0; e < E; e++) x[e] = sm.q[r][lane * E + e] * inv;
             if (KVARN) kc_warp_fwht<D>(x);
-            const int rr = row0 + r, head = hk * gs + rr % gs;
             float *op = a.out + ((size_t)(q0 + rr / gs) * a.Hq + head) * D + (size_t)lane * E;
 #pragma unroll
             for (int e = 0; e < E; e++) op[e] = x[e];
@@ -472,7 +473,7 @@ __global__ void __launch_bounds__(NT) attn_kernel(kc_attn a)
 
 /* Merge the split-K partials of one (sequence, KV head, row chunk); one warp
  * per row: M = max m_s, out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,
- * rotated back for KVarN. */
+ * rotated back for KVarN; a learned sink joins the sum (kc_out_scale). */
 template <int D, bool ROT>
 __global__ void __launch_bounds__(32 * ROWS) combine_kernel(kc_attn a)
 {
@@ -503,11 +504,11 @@ __global__ void __launch_bounds__(32 * ROWS) combine_kernel(kc_attn a)
             for (int e = 0; e < E; e++) x[e] += w * p[2 * ROWS + r * D + lane * E + e];
         }
     }
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    const int head = hk * gs + rr % gs;
+    const float inv = kc_out_scale(a.sinks, head, M, L);
 #pragma unroll
     for (int e = 0; e < E; e++) x[e] *= inv;
     if (ROT) kc_warp_fwht<D>(x);
-    const int head = hk * gs + rr % gs;
     float *op = a.out + ((size_t)(q0 + rr / gs) * a.Hq + head) * D + (size_t)lane * E;
 #pragma unroll
     for (int e = 0; e < E; e++) op[e] = x[e];

@@ -53,7 +53,23 @@ struct kc_attn {
     int max_blocks, Hq, group_size, row_chunks, num_splits, window;
     float scale_log2; /* softmax_scale * log2(e): scores are kept in base 2 */
     float *ws;        /* split-K partials, NULL when num_splits == 1 */
+    const float *sinks; /* [Hq] learned sink logits (natural log), NULL: none */
 };
+
+/* The factor that turns a row's unnormalized accumulator into its output:
+ * 1 / l, or with a learned sink s (natural log; -inf: none) of the row's
+ * query head, merged as one more (max, sum) part with no value (base 2
+ * like m and l: sb = s log2(e)): M = max(m, sb), 2^(m - M) / (l 2^(m - M) +
+ * 2^(sb - M)). 0 for a row that saw no key. attn.h kvarn_attn_opts.sinks;
+ * the CPU driver's finish_row (src/attn/attn.c) does the same. */
+__device__ __forceinline__ float kc_out_scale(const float *sinks, int head, float m, float l)
+{
+    const float sb = sinks != nullptr ? sinks[head] * 1.4426950408889634f : -INFINITY;
+    if (sb == -INFINITY) return l > 0.0f ? 1.0f / l : 0.0f;
+    const float M = l > 0.0f && m > sb ? m : sb;
+    const float w = l > 0.0f ? exp2f(m - M) : 0.0f;
+    return w / (l * w + exp2f(sb - M));
+}
 
 /* Launchers (one per kernel file). Each returns cudaErrorInvalidValue when
  * no kernel is compiled for the geometry, else the launch's error. */

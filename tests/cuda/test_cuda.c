@@ -11,7 +11,8 @@
  *     commit: records against kvarn_encode (prerotated) on the same pages,
  *     at most 16 differing codes per 2M codes, scales within rtol 0.02 /
  *     atol 0.1, padding zeroed, two runs bit-identical, untouched blocks;
- *   - attention (decode, split-K, multi-query, sliding window) against a
+ *   - attention (decode, split-K, multi-query, sliding window, learned
+ *     sinks) against a
  *     double-precision reference over the same records and pages: cosine
  *     >= 0.9999 and relative error < 1e-3 on every query row, outputs
  *     poisoned with NaN before each call;
@@ -374,7 +375,7 @@ static void test_arguments(void **state)
     kvarn_cuda_attn_plan p;
     assert_int_equal(kvarn_cuda_attn_plan_make(&kv, &s, 132, &p), KVARN_OK);
     float *f = (float *)(void *)fake_arena;
-    kvarn_cuda_attn_args a = {f, f, ids, ids, ids, NULL};
+    kvarn_cuda_attn_args a = {f, f, ids, ids, ids, NULL, NULL};
     assert_int_equal(kvarn_cuda_attention(&kv, &p, &a, fake_arena, p.workspace_bytes - 1, NULL),
                      KVARN_ERR_BUFFER_TOO_SMALL);
     assert_int_equal(kvarn_cuda_attention(&kv, &p, &a, NULL, p.workspace_bytes, NULL),
@@ -848,11 +849,18 @@ static void test_gpu_attention(void **state)
         CK(cudaMemcpy(dcom, committed, sizeof committed, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(dqsl, qsl, sizeof qsl, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(dq, q, sizeof(float) * total_q * Hq * D, cudaMemcpyHostToDevice));
+        /* learned sinks (attn.h kvarn_attn_opts.sinks): none on every third
+         * head, else 1..5 (the scores' log-sum-exp is a few units) */
+        float *sinks = host_alloc(sizeof(float) * Hq);
+        for (int h = 0; h < Hq; h++) sinks[h] = h % 3 == 0 ? -INFINITY : (float)(h % 5) + 1.0f;
+        float *dsinks = dev_alloc(sizeof(float) * Hq);
+        CK(cudaMemcpy(dsinks, sinks, sizeof(float) * Hq, cudaMemcpyHostToDevice));
 
-        /* mode 0: decode, no split; 1: decode, split-K; 2: multi-query;
-         * 3: multi-query, sliding window, split-K */
+        /* mode 0: decode, no split; 1: decode, split-K, sinks; 2:
+         * multi-query, sinks; 3: multi-query, sliding window, split-K */
         for (int mode = 0; mode < 4; mode++) {
             const int multi = mode >= 2, window = mode == 3 ? G + 7 : 0;
+            const int with_sinks = mode == 1 || mode == 2;
             kvarn_cuda_attn_shape sh;
             memset(&sh, 0, sizeof sh);
             sh.num_seqs = S;
@@ -870,7 +878,8 @@ static void test_gpu_attention(void **state)
             }
             assert_true((mode & 1) ? plan.num_splits > 1 : plan.num_splits == 1);
             void *ws = plan.workspace_bytes ? dev_alloc(plan.workspace_bytes) : NULL;
-            kvarn_cuda_attn_args args = {dq, dout, dtab, dlens, kvarn ? dcom : NULL, multi ? dqsl : NULL};
+            kvarn_cuda_attn_args args = {dq, dout, dtab, dlens, kvarn ? dcom : NULL, multi ? dqsl : NULL,
+                                         with_sinks ? dsinks : NULL};
             const int nq_rows = multi ? total_q : S;
             CK(cudaMemset(dout, 0xff, sizeof(float) * total_q * Hq * D)); /* NaN poison */
             assert_int_equal(kvarn_cuda_attention(&kv, &plan, &args, ws, plan.workspace_bytes, NULL), KVARN_OK);
@@ -890,7 +899,8 @@ static void test_gpu_attention(void **state)
                         const int hk = h / (Hq / Hk);
                         for (int d = 0; d < D; d++) qr[d] = q[((size_t)qi * Hq + h) * D + d];
                         if (kvarn) fwht_d(qr, D);
-                        double mx = -INFINITY, sum = 0.0;
+                        const double sk = with_sinks ? sinks[h] : -INFINITY;
+                        double mx = sk, sum = 0.0;
                         for (int p = lo; p <= pos; p++) {
                             ref_kv_at(&kv, blocks, pages, table + s * MB, committed[s], hk, p, kd, vd);
                             double dot = 0.0;
@@ -899,6 +909,7 @@ static void test_gpu_attention(void **state)
                             mx = sc[p] > mx ? sc[p] : mx;
                         }
                         for (int d = 0; d < D; d++) o[d] = 0.0;
+                        if (sk != -INFINITY) sum = exp(sk - mx); /* the sink: no value */
                         for (int p = lo; p <= pos; p++) {
                             ref_kv_at(&kv, blocks, pages, table + s * MB, committed[s], hk, p, kd, vd);
                             const double w = exp(sc[p] - mx);
@@ -953,7 +964,8 @@ static void test_gpu_attention(void **state)
             if (ws) CK(cudaFree(ws));
         }
         free(ids); free(bids); free(table); free(slots); free(src); free(dst); free(k); free(v);
-        free(blocks); free(pages); free(q); free(out);
+        free(blocks); free(pages); free(q); free(out); free(sinks);
+        CK(cudaFree(dsinks));
         CK(cudaFree(dk)); CK(cudaFree(dv)); CK(cudaFree(ds)); CK(cudaFree(dsrc)); CK(cudaFree(ddst));
         CK(cudaFree(dtab)); CK(cudaFree(dlens)); CK(cudaFree(dcom)); CK(cudaFree(dqsl));
         CK(cudaFree(dq)); CK(cudaFree(dout)); CK(cudaFree(kv.blocks));

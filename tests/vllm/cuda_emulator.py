@@ -121,9 +121,12 @@ class Emulator:
 
         def f32(ptr):  # fp32 [num_q][Hq][D], read and written in place
             return torch.from_numpy(_arr(ptr, ctypes.c_float, int(np.prod(shape)))).view(shape)
+        sinks = None  # learned sink logits, fp32 [Hq] (cuda.h)
+        if a.sinks:
+            sinks = torch.from_numpy(_arr(a.sinks, ctypes.c_float, sh.num_heads).copy())
         return self._run(self.cpu.attend, kv, tables, lens, committed,
                          np.full(ns, -1, dtype=np.int32), qsl, f32(a.q), f32(a.out),
-                         sh.num_heads, sh.softmax_scale, sh.sliding_window)
+                         sh.num_heads, sh.softmax_scale, sh.sliding_window, sinks)
 
 
 def library():

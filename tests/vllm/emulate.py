@@ -141,7 +141,8 @@ _STATE = {"quantized": None, "codec": None, "staging": None}
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                softcap=None, **kw):
     """transformers attention function (query [B, Hq, S, D], key/value
-    [B, Hk, S, D], post-RoPE and post-norm) with the codec applied."""
+    [B, Hk, S, D], post-RoPE and post-norm) with the codec applied; s_aux
+    (in kw: gpt-oss's learned sinks, [Hq]) joins each softmax."""
     assert softcap is None, "soft-capping is refused by the plug-in; not emulated"
     B, Hq, S, D = query.shape
     Hk = key.shape[1]
@@ -184,7 +185,15 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         else:
             scores = scores + attention_mask
-    p = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    s_aux = kw.get("s_aux")
+    if s_aux is not None:
+        # learned sinks (gpt-oss): one more logit per query head in each
+        # softmax, with no value (attn.h kvarn_attn_opts.sinks)
+        sink = s_aux.float().reshape(1, Hq, 1, 1).expand(B, Hq, scores.shape[2], 1)
+        p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)
+        p = p[..., :-1]
+    else:
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32)
     if quant:
         out = torch.matmul(p * use_rec, vq) + torch.matmul(p * ~use_rec, v)
     else:

@@ -1,7 +1,7 @@
 """Small random-weight models of the families users serve, built from
 transformers configs (no download): per-layer shapes as in the real
 checkpoints (head_dim, GQA ratio, biases, q/k norms, sliding windows, soft
-caps), few layers and a small vocabulary so that a CPU run takes seconds.
+caps, learned sinks), few layers and a small vocabulary so that a CPU run takes seconds.
 
     python make_models.py OUT_DIR [family ...]    # default: every family
 
@@ -25,7 +25,12 @@ the codec's error away, and the next-token distribution is nearly flat):
     the head's gain goes on the final norm (scale 1 + weight = HEAD_GAIN);
   - Qwen2: q/k/v biases N(0, BIAS_STD^2) (real Qwen2 checkpoints have k/v
     bias entries of a few units, which are most of the key's magnitude);
-    Qwen3: q/k norm weights log-normal around 1 (real ones are not all 1).
+    Qwen3: q/k norm weights log-normal around 1 (real ones are not all 1);
+  - gpt-oss: learned sink logits N(SINK_MEAN, SINK_STD^2) per query head
+    (transformers' N(0, 0.02^2) is e^-10 of the softmax's denominator,
+    whose log is ~10.8 here at 256-400 tokens: a sink that never mattered);
+    around the denominator, each sink takes from a few percent to most of
+    its head's attention.
 Deterministic: the same files for the same transformers/torch versions.
 """
 import os
@@ -37,6 +42,7 @@ QK_GAIN = 3.0
 HEAD_GAIN = 5.0
 EMBED_GAIN = 50.0
 BIAS_STD = 2.0
+SINK_MEAN, SINK_STD = 10.0, 2.0
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TOKENIZER_DIR = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-hf")
 
@@ -89,6 +95,16 @@ FAMILIES = {
                                 num_hidden_layers=2, num_attention_heads=8,
                                 num_key_value_heads=8, rope_theta=10000.0,
                                 sliding_window=None)),
+    # gpt-oss-20b: head_dim 64, GQA 8:1, q/k/v/o biases, a learned sink
+    # logit per query head, sliding-window (128) and full layers alternating,
+    # a mixture of experts (32 experts, top 4 there; 4, top 2 here, stored
+    # unquantized in fp32: no mxfp4)
+    "gpt_oss": ("GptOssConfig", dict(hidden_size=512, intermediate_size=256,
+                                     num_hidden_layers=4, num_attention_heads=16,
+                                     num_key_value_heads=2, head_dim=64,
+                                     sliding_window=128, num_local_experts=4,
+                                     num_experts_per_tok=2, rope_theta=150000.0,
+                                     rope_scaling=None, rms_norm_eps=1e-5)),
 }
 
 
@@ -116,6 +132,8 @@ def _scale_weights(model, family: str, gen) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
             elif family == "qwen3" and name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.copy_(torch.exp(torch.randn(p.shape, generator=gen) * 0.5))
+            elif family == "gpt_oss" and name.endswith("self_attn.sinks"):
+                p.copy_(SINK_MEAN + SINK_STD * torch.randn(p.shape, generator=gen))
 
 
 def make(family: str, out_dir: str) -> str:

@@ -1,6 +1,6 @@
 """The model families users serve, as small random-weight models
 (make_models.py: per-layer shapes of Llama-3, Qwen2, Qwen3, Mistral,
-Gemma-2, Phi-3): vLLM with kvarn_k4v2_g128 either serves them or refuses at
+Gemma-2, Phi-3, gpt-oss): vLLM with kvarn_k4v2_g128 either serves them or refuses at
 start-up, LLM(...) raising with the reason and what to do.
 
 Served: against vLLM's own fp32 cache on the same prompt, the KL divergence
@@ -190,6 +190,44 @@ def test_sliding_window_quantize(models, mistral):
     ref, _, _, kvq, _ = mistral
     _check_served(models["mistral"], ref, kvq, quantize_sliding=True)
     _check_prefix_caching(kvq)
+
+
+@pytest.fixture(scope="session")
+def gpt_oss(models):
+    """gpt-oss's shape (learned sinks, sliding and full layers alternating,
+    unquantized experts): vLLM's fp32 cache; kvarn by default (the sliding
+    layers in vLLM's cache; the prompt only: prefix caching of that hybrid
+    is Gemma-2's test); every layer in kvarn (KVARN_SLIDING_WINDOW=
+    quantize, with the prefix-caching rounds)."""
+    m = models["gpt_oss"]
+    ref, _ = run_llm(_cfg(m, kv_cache_dtype="auto"))
+    kv, log = run_llm(_cfg(m, kv_cache_dtype=KV))
+    _, kvq, logq = _serve_kv_only(m, {"KVARN_SLIDING_WINDOW": "quantize"})
+    return ref, kv, log, kvq, logq
+
+
+def test_gpt_oss_sinks_follow_fp32_cache(models, gpt_oss):
+    """The learned sinks reach the kernels: the full layers in kvarn follow
+    vLLM's fp32 cache within the emulated codec's bounds (the emulation
+    puts the sink in each softmax as transformers does; make_models sets
+    the sinks where they take a large share of attention, so a kernel
+    without them fails this), greedy sane."""
+    ref, kv, log, _, _ = gpt_oss
+    assert "2 of 4 attention layers" in log, log[-3000:]
+    _check_served(models["gpt_oss"], ref, kv)
+
+
+def test_gpt_oss_sliding_layers_quantized(models, gpt_oss):
+    """KVARN_SLIDING_WINDOW=quantize: the sliding layers (window 128, the
+    prompt 400 tokens) in kvarn too, the kernels applying window and sink;
+    against the emulation with both; prefix caching on = off; the blocks
+    vLLM reports are the per-layer arithmetic of every layer in kvarn (one
+    KV-cache group: backend.customize_spec)."""
+    ref, _, _, kvq, _ = gpt_oss
+    _check_served(models["gpt_oss"], ref, kvq, quantize_sliding=True)
+    _check_prefix_caching(kvq)
+    _, hk, _ = _shape("gpt_oss")
+    assert kvq["kv_blocks"] == _kv_blocks("gpt_oss", hk)
 
 
 @pytest.mark.parametrize("fam,needles", [
