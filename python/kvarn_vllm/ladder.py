@@ -15,7 +15,11 @@ the model's dtype, the reference, named in the header):
     vLLM reports (its block count x block size, the plug-in's staging pool
     taken out first, as the plug-in's worker does), that over the
     reference's, and how many requests of --ctx tokens fit (vLLM's blocks
-    less its null block over the blocks one request holds). The staging pool
+    less its null block over the blocks one request holds, summed over the
+    KV-cache groups as vLLM counts them: a model with local and global
+    layers, Gemma-2's, has two groups drawing on one pool, and there KV
+    tokens is vLLM's own group-aware figure, blocks / blocks per request x
+    --ctx). The staging pool
     grows with max_num_seqs, so without --max-num-seqs each format gets the
     largest max_num_seqs N whose pool still leaves room for N such requests
     (the server sized for what it holds); with it, that N, and the fit is
@@ -56,9 +60,16 @@ its settings at import and keeps a staging pool per process). A format may
 carry plug-in settings after colons, e.g. kvarn_k4v2_g128:KVARN_STAGING=fp16
 or kvarn_k4v2_g128:KVARN_SINK_TOKENS=16 (docs/vllm.md "Settings").
 
+For a model that adds a bias to its values (plugin.has_value_bias: Qwen2's
+family, attention_bias) the table ends with a line per plain KVarN format
+run: which of it and its mean-centred variant (kvarn_X and kvarn_Xc, the
+same settings) has the lower decode KLD, with the bytes per token of each,
+or, where the centred one was not run, a line naming it.
+
 Output: a progress line on stderr (formats and windows), the table on
 stdout, --json FILE the same numbers for machines, --plot FILE.png the
-decode KLD (log) against capacity (matplotlib). Exit 0; 2 on a usage error
+decode KLD (log) against capacity (matplotlib; labels placed so that none
+overlaps another). Exit 0; 2 on a usage error
 (a bad option, model, text or format name: nothing is run); 1 when the
 reference cannot be served, or a format named in --kv-cache-dtype (not
 through `all`) is refused at engine start (its row says why).
@@ -1117,6 +1128,8 @@ def _main(args, t_wall: float) -> int:
         row.update(bytes_per_token=cap.get("bytes_per_token"), block_size=cap.get("block_size"),
                    kv_tokens=kv, x_ref=kv / rkv if kv and rkv else None,
                    pool_bytes=cap.get("pool_bytes"), max_num_seqs=cap.get("max_num_seqs"),
+                   kv_cache_groups=cap.get("kv_cache_groups"),
+                   blocks_per_request=cap.get("blocks_per_request"),
                    requests_fit=cap.get("requests_fit"), capped=cap.get("capped"),
                    capacity_refusal=cap.get("refusal"),
                    engine_seconds_start=res["start_s"], seconds=res["run_s"])
