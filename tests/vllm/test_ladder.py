@@ -1,9 +1,14 @@
 """kvarn-vllm-ladder (python -m kvarn_vllm.ladder): the same numbers as
 `kvarn eval` where the protocols meet, vLLM's own capacity arithmetic, and
-the errors it gives before any engine starts. Each ladder run forks one
-engine per format; the runs here are kept to a few engines of a 640-token
-window (SmolLM2) or a 400-token prompt (random-weight Qwen2). The command
-runs with PYTHONPATH=python/ (this checkout's plug-in); the tests that
+the errors it gives before any engine starts; every model family the
+plug-in serves (or refuses) through it, on its random-weight model
+(make_models.py) against the arithmetic and the emulated codec; the
+value-bias lines, the console script, the plot's labels. Each ladder run forks
+one engine per format; the runs here are kept to a few engines of a
+640-token window (SmolLM2) or a 400-token prompt (the random-weight
+models: one run per family, through ladder_serve.py, which imports vLLM
+once for all of them). The command runs with PYTHONPATH=python/ (this
+checkout's plug-in); the tests that
 call its functions in-process import the installed one (scripts/setup.sh
 installs python/ editable)."""
 import json
@@ -25,12 +30,10 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
     [os.path.join(ROOT, "python")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 
 
-def _ladder(*args, timeout=900, script=None):
-    """The ladder of this checkout (PYTHONPATH=python/), as a command:
-    python -m kvarn_vllm.ladder, or the console script at script."""
+def _ladder(*args, timeout=900):
+    """The ladder of this checkout (PYTHONPATH=python/), as a command."""
     t0 = time.perf_counter()
-    cmd = [script] if script else [sys.executable, "-m", "kvarn_vllm.ladder"]
-    r = subprocess.run(cmd + [*map(str, args)],
+    r = subprocess.run([sys.executable, "-m", "kvarn_vllm.ladder", *map(str, args)],
                        capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=timeout)
     return r, time.perf_counter() - t0
 
@@ -250,7 +253,6 @@ FAMILY_FORMATS = {               # the served families (docs/vllm-models.md)
 REFUSED = {                      # test_families' test_family_refused_at_start
     "phi3": ["head_dim 96", "64, 128 or 256", "--kv-cache-dtype auto"],
     "gemma2": ["soft-caps its attention logits", "--kv-cache-dtype auto"]}
-CONSOLE_FAMILY = "llama3"        # this family's run goes through the console script
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "kvarn-vllm-ladder")
 
 
@@ -283,13 +285,11 @@ def families(tmp_path_factory):
                     FAM_LEN - READ_FROM, "--budget", "256MiB", "--json", js]
             if fam in REFUSED:    # the kvarn engine refuses at start-up: a short prompt
                 args[args.index("--ctx") + 1], args[args.index("--decode") + 1] = 64, 16
-            if fam == CONSOLE_FAMILY:
-                r, secs = _ladder(*args, script=SCRIPT)
-            else:
-                r, secs = server.run([str(a) for a in args])
+            r, secs = server.run([str(a) for a in args])
             print(f"ladder {fam}: {secs:.0f} s\n{r.stdout}")
             runs[fam] = (model, (r, json.loads(js.read_text()) if js.exists() else None, secs))
         return runs[fam]
+    get.server = server
     yield get, ids
     server.close()
 
@@ -299,7 +299,7 @@ class _LadderServer:
     run without each run's import of torch and vLLM."""
 
     def __init__(self, tmp: str):
-        self.tmp, self.proc, self.n = tmp, None, 0
+        self.tmp, self.proc, self.n, self.ready = tmp, None, 0, {}
 
     def _reply(self, timeout: float) -> dict:
         import select
@@ -317,8 +317,8 @@ class _LadderServer:
                 [sys.executable, os.path.join(os.path.dirname(__file__), "ladder_serve.py")],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, cwd=ROOT,
                 env=ENV)
-            while not self._reply(300).get("ready"):
-                pass
+            self.ready = self._reply(300)
+            assert self.ready.get("ready"), self.ready
         self.n += 1
         prefix = os.path.join(self.tmp, f"run{self.n}")
         self.proc.stdin.write(json.dumps({"argv": argv, "out": prefix}) + "\n")
@@ -396,6 +396,9 @@ def _expected_capacity(fam: str, fmt: str, n: int, batched: int) -> tuple:
     return nb * FAM_LEN // per_req, per_req, nb
 
 
+_EXACT = {}                      # model -> its exact fp32 log-probabilities (emulate.py)
+
+
 def _emulated_kl(model: str, fmt: str, quantize_sliding: bool = False):
     """(K_e: the codec's KL on the same K/V without vLLM over the positions
     reading records, [READ_FROM, FAM_LEN - 1); the reference's mean NLL
@@ -404,7 +407,9 @@ def _emulated_kl(model: str, fmt: str, quantize_sliding: bool = False):
     import emulate
     import numpy as np
     ids = _fam_ids(FAM_LEN)
-    exact = emulate.logprobs(model, ids, quantize=False)
+    if model not in _EXACT:
+        _EXACT[model] = emulate.logprobs(model, ids, quantize=False)
+    exact = _EXACT[model]
     codec = emulate.logprobs(model, ids, quantize=True, quantize_sliding=quantize_sliding,
                              staging="int8", fmt=fmt)
     k_e = float(emulate.kl_rows(exact, codec)[READ_FROM:FAM_LEN - 1].mean())
@@ -517,7 +522,9 @@ def test_console_script(families):
     """kvarn-vllm-ladder: declared in python/pyproject.toml as
     kvarn_vllm.ladder:main, installed with that entry point (scripts/
     setup_vllm.sh's editable install) beside this python, and it runs:
-    --help, and CONSOLE_FAMILY's ladder run above went through it."""
+    the script's --help, and the family runs above went through the
+    entry point's function (ladder_serve.py loads it; from this checkout,
+    PYTHONPATH=python/)."""
     import importlib.metadata
     import tomllib
     with open(os.path.join(ROOT, "python", "pyproject.toml"), "rb") as f:
@@ -531,9 +538,10 @@ def test_console_script(families):
     assert h.returncode == 0 and h.stdout.startswith("usage: kvarn-vllm-ladder"), h.stderr
     assert "--kv-cache-dtype" in h.stdout and "--plot" in h.stdout
     get, _ = families
-    _, (r, rep, _) = get(CONSOLE_FAMILY)
+    _, (r, rep, _) = get("llama3")
     assert r.returncode == 0 and rep["formats"][1]["status"] == "ok", r.stderr[-3000:]
-    assert r.args[0] == SCRIPT
+    assert get.server.ready["main"] == "kvarn_vllm.ladder:main"
+    assert get.server.ready["file"] == os.path.join(ROOT, "python", "kvarn_vllm", "ladder.py")
 
 
 # ---- no engine: the scoring and the format list
