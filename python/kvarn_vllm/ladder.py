@@ -15,7 +15,11 @@ the model's dtype, the reference, named in the header):
     vLLM reports (its block count x block size, the plug-in's staging pool
     taken out first, as the plug-in's worker does), that over the
     reference's, and how many requests of --ctx tokens fit (vLLM's blocks
-    less its null block over the blocks one request holds). The staging pool
+    less its null block over the blocks one request holds, summed over the
+    KV-cache groups as vLLM counts them: a model with local and global
+    layers, Gemma-2's, has two groups drawing on one pool, and there KV
+    tokens is vLLM's own group-aware figure, blocks / blocks per request x
+    --ctx). The staging pool
     grows with max_num_seqs, so without --max-num-seqs each format gets the
     largest max_num_seqs N whose pool still leaves room for N such requests
     (the server sized for what it holds); with it, that N, and the fit is
@@ -56,9 +60,16 @@ its settings at import and keeps a staging pool per process). A format may
 carry plug-in settings after colons, e.g. kvarn_k4v2_g128:KVARN_STAGING=fp16
 or kvarn_k4v2_g128:KVARN_SINK_TOKENS=16 (docs/vllm.md "Settings").
 
+For a model that adds a bias to its values (plugin.has_value_bias: Qwen2's
+family, attention_bias) the table ends with a line per plain KVarN format
+run: which of it and its mean-centred variant (kvarn_X and kvarn_Xc, the
+same settings) has the lower decode KLD, with the bytes per token of each,
+or, where the centred one was not run, a line naming it.
+
 Output: a progress line on stderr (formats and windows), the table on
 stdout, --json FILE the same numbers for machines, --plot FILE.png the
-decode KLD (log) against capacity (matplotlib). Exit 0; 2 on a usage error
+decode KLD (log) against capacity (matplotlib; labels placed so that none
+overlaps another). Exit 0; 2 on a usage error
 (a bad option, model, text or format name: nothing is run); 1 when the
 reference cannot be served, or a format named in --kv-cache-dtype (not
 through `all`) is refused at engine start (its row says why).
@@ -262,6 +273,22 @@ def coverage_warnings(jobs: list, ctx: int, decode: int) -> list:
 # ---------------------------------------------------------------- the engine's process
 
 
+def _blocks_per_request(vllm_config, groups, ctx: int) -> int:
+    """Blocks one request of ctx tokens holds, summed over the KV-cache
+    groups (each group's block table draws on the one pool), as vLLM 0.32's
+    get_max_concurrency_for_kv_cache_config counts them with max_model_len
+    ctx: a full-attention group ceil(ctx / its block size), a
+    sliding-window group the blocks its window and a step's tokens span."""
+    mc = vllm_config.model_config
+    old = mc.max_model_len
+    try:
+        mc.max_model_len = ctx
+        return sum(-(-g.kv_cache_spec.max_memory_usage_bytes(vllm_config)
+                     // g.kv_cache_spec.page_size_bytes) for g in groups)
+    finally:
+        mc.max_model_len = old
+
+
 def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
     """What vLLM computes for a KV budget of job_cfg["budget"] bytes, in
     the engine's process (called from get_kv_cache_configs, with the
@@ -275,8 +302,11 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
     layer_specs = list(specs[0].values())
     bpt = sum(s.page_size_bytes / s.block_size for s in layer_specs)
 
+    ctx, budget = job_cfg["ctx"], job_cfg["budget"]
+
     def blocks(n: int, budget: int) -> tuple:
-        """(blocks, pool bytes, block size, refusal) at max_num_seqs n."""
+        """(blocks, pool bytes, block size, blocks a request of ctx tokens
+        holds, KV-cache groups, refusal) at max_num_seqs n."""
         old = sc.max_num_seqs
         try:
             sc.max_num_seqs = n
@@ -285,26 +315,24 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
                 from .plugin import staging_pool
                 pool = staging_pool(vllm_config, budget, "cpu")["bytes"]
             if pool >= budget:
-                return 0, pool, None, (f"the staging pool for max_num_seqs={n} "
-                                       f"({pool} bytes) fills the budget")
+                return 0, pool, None, None, 0, (f"the staging pool for max_num_seqs={n} "
+                                                f"({pool} bytes) fills the budget")
             try:
                 cfgs = orig(vllm_config, specs, [budget - pool] * len(specs))
             except ValueError as e:    # vLLM: not enough for one max_model_len request
-                return 0, pool, None, str(e).split("\n")[0]
+                return 0, pool, None, None, 0, str(e).split("\n")[0]
             nb = min(c.num_blocks for c in cfgs)
-            bs = min(g.kv_cache_spec.block_size for g in cfgs[0].kv_cache_groups)
-            return nb, pool, bs, None
+            groups = cfgs[0].kv_cache_groups
+            bs = min(g.kv_cache_spec.block_size for g in groups)
+            return nb, pool, bs, _blocks_per_request(vllm_config, groups, ctx), len(groups), None
         finally:
             sc.max_num_seqs = old
 
-    ctx, budget = job_cfg["ctx"], job_cfg["budget"]
-
     def fit(n: int) -> tuple:
-        nb, pool, bs, why = blocks(n, budget)
+        nb, pool, bs, per_req, ng, why = blocks(n, budget)
         if not nb:
-            return 0, nb, pool, bs, why
-        per_req = -(-ctx // bs)
-        return max(0, nb - 1) // per_req, nb, pool, bs, why   # vLLM holds one null block
+            return 0, nb, pool, bs, per_req, ng, why
+        return max(0, nb - 1) // per_req, nb, pool, bs, per_req, ng, why   # one null block
 
     want = job_cfg.get("max_num_seqs")
     if want:
@@ -318,10 +346,16 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
                 n, lo = mid, mid + 1
             else:
                 hi = mid - 1
-    f, nb, pool, bs, why = fit(max(n, 1))
+    f, nb, pool, bs, per_req, ng, why = fit(max(n, 1))
+    if bs is None:
+        kv_tokens = None
+    elif ng <= 1:
+        kv_tokens = nb * bs
+    else:     # several groups share the blocks: vLLM's own figure at ctx
+        kv_tokens = nb * ctx // per_req
     out = dict(bytes_per_token=bpt, budget_blocks=nb, block_size=bs,
-               max_num_batched_tokens=sc.max_num_batched_tokens,
-               kv_tokens=None if bs is None else nb * bs, pool_bytes=pool,
+               max_num_batched_tokens=sc.max_num_batched_tokens, kv_cache_groups=ng,
+               blocks_per_request=per_req, kv_tokens=kv_tokens, pool_bytes=pool,
                max_num_seqs=n, requests_fit=min(f, n),
                capped=bool(want) and f > want, refusal=why)
     # the engine's own budget and max_num_seqs, to check against what the
@@ -382,11 +416,13 @@ def _measure(job: Job, cfg: dict, wfd: int) -> dict:
         windows.append(dict(actual_lp=lp[:, 0].copy(), top_ids=tid[:, 1:].copy(),
                             top_lps=lp[:, 1:].copy()))
         os.write(wfd, b"%d\n" % (w + 1))
+    from .plugin import has_value_bias
     res = dict(windows=windows, capacity=cap, start_s=t_start,
                run_s=time.perf_counter() - t0,
                engine_blocks=cc.num_gpu_blocks, engine_block_size=cc.block_size,
                model_dtype=str(mc.dtype).replace("torch.", ""),
-               vocab=mc.get_vocab_size())
+               vocab=mc.get_vocab_size(), head_dim=mc.get_head_size(),
+               value_bias=has_value_bias(mc.hf_text_config))
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
@@ -671,7 +707,70 @@ def table(report: dict) -> str:
         lines.append(f"{f['label']}: at {f['kld_partial']} prompt and {f['decode_kld_partial']} "
                      f"decode positions the format's top {FORMAT_TOP} lacks some of the "
                      f"reference's top {FOLD_TOP} (folded into the bucket there: a looser bound)")
+    lines += r.get("value_bias_notes", [])
     return "\n".join(lines)
+
+
+def _kld_of(row: dict) -> tuple:
+    """(the KLD a comparison uses, its column's name): the decode column's
+    mean, or the prompt column's where no position was decoded."""
+    if row.get("decode_kld_mean") is not None:
+        return row["decode_kld_mean"], "decode KLD"
+    return row.get("kld_mean"), "KLD"
+
+
+def value_bias_notes(report: dict) -> list:
+    """Lines for a model that adds a bias to its values (report
+    ["value_bias"]: plugin.has_value_bias of the model's text config, read
+    in the reference's engine), one per plain KVarN row run (status ok):
+    where its mean-centred variant (the same name with a trailing c, the
+    same settings) was run too, which of the two has the lower KLD (decode
+    column; the prompt column where --decode is 0) and the bytes per token
+    of each (the centred record carries the value means: a few percent
+    more); where it was not, a line naming the centred format to run (its
+    bytes from the C library's record size at the model's head_dim).
+    Nothing for a model without value biases. Returns the lines."""
+    if not report.get("value_bias"):
+        return []
+    from . import _lib
+    rows = [f for f in report["formats"] if f["status"] == "ok"]
+    model = os.path.basename(os.path.normpath(report["model"]))
+    out = []
+    for p in rows:
+        if not _lib.is_kvarn_dtype(p["name"]) or _lib.parse_format(p["name"]).centred:
+            continue
+        cname = p["name"] + "c"
+        c = next((f for f in rows if f["name"] == cname and f["env"] == p["env"]), None)
+        clabel = ":".join([cname] + [f"{k}={v}" for k, v in p["env"].items()])
+        if c is None:
+            d = report.get("head_dim")
+            more = ""
+            if d:
+                rp = _lib.record_bytes(_lib.parse_format(p["name"], d), d)
+                rc = _lib.record_bytes(_lib.parse_format(cname, d), d)
+                more = f" ({100 * (rc - rp) / rp:+.1f}% bytes per token)"
+            out.append(f"value biases: {model} adds a bias to its values, which {p['label']} "
+                       f"quantizes with the rest; its mean-centred variant {clabel} stores each "
+                       f"tile's value means apart{more}: add it to --kv-cache-dtype to see "
+                       f"which wins")
+            continue
+        kp, col = _kld_of(p)
+        kc, _ = _kld_of(c)
+        if kp is None or kc is None:
+            continue
+        bp, bc = p["bytes_per_token"], c["bytes_per_token"]
+        size = (f"{bc:.0f} B/token against {bp:.0f} ({100 * (bc - bp) / bp:+.1f}%)"
+                if bp and bc else "bytes per token unknown")
+        if kc < kp:
+            ratio = f"{kp / kc:.1f}x lower" if kc > 0 else "lower"
+            out.append(f"value biases: {model} adds a bias to its values; the centred "
+                       f"{c['label']} wins over {p['label']}: {col} {kc:.5f} against "
+                       f"{kp:.5f} ({ratio}), {size}")
+        else:
+            out.append(f"value biases: {model} adds a bias to its values, yet the plain "
+                       f"{p['label']} wins over the centred {c['label']}: {col} {kp:.5f} "
+                       f"against {kc:.5f}, and the centred costs {size}")
+    return out
 
 
 def pareto(points: list) -> list:
@@ -685,29 +784,103 @@ def pareto(points: list) -> list:
     return front
 
 
-def plot(report: dict, path: str, plt) -> None:
-    """PNG: each measured format's decode KLD mean (log) against its
-    capacity (KV tokens x the reference's at --budget), labelled; the Pareto
-    front joined and marked. Formats with no positive KLD (the reference)
-    cannot sit on a log axis and are named in the title instead."""
+LABEL_PT = 8        # label font size, points
+PLOT_DPI = 120      # the figure's dots per inch, which the PNG keeps
+
+
+def _label_offsets() -> list:
+    """Where a label may go, in order of preference: (dx, dy) in points
+    from its point, horizontal and vertical alignment, whether a leader
+    line joins it to the point. Beside the point first (right, left, above,
+    below), then in rings farther out, up and down, right and left."""
+    near = [(6, 2, "left", "bottom"), (6, -2, "left", "top"),
+            (-6, 2, "right", "bottom"), (-6, -2, "right", "top"),
+            (0, 7, "center", "bottom"), (0, -7, "center", "top")]
+    out = [(dx, dy, ha, va, False) for dx, dy, ha, va in near]
+    for ring in range(1, 25):
+        for dx in (16, 48):
+            for sx, ha in ((1, "left"), (-1, "right")):
+                for sy, va in ((1, "bottom"), (-1, "top")):
+                    out.append((sx * dx, sy * (2 + 9 * ring), ha, va, True))
+    return out
+
+
+def _place_labels(fig, ax, pts: list, labels: list, order: list) -> list:
+    """Annotate each point with its label where the label's box meets no
+    other label's, no marker, no legend, and lies inside the axes: the first
+    free place of _label_offsets() (a leader line to the far ones), labels
+    placed in the given order. Where no place is free (more labels than
+    room), the one overlapping least. Call after the axes' limits and
+    layout are final: boxes are measured in the figure's pixels. Returns
+    the annotations, one per point."""
+    from matplotlib.transforms import Bbox
+    fig.canvas.draw()
+    rend = fig.canvas.get_renderer()
+    axbox = ax.get_window_extent(rend)
+    px = [ax.transData.transform(p) for p in pts]
+    m = 4 * fig.dpi / 72            # a marker's half width, pixels
+    taken = [Bbox.from_extents(x - m, y - m, x + m, y + m) for x, y in px]
+    leg = ax.get_legend()
+    if leg is not None:
+        taken.append(leg.get_window_extent(rend))
+    sizes = []
+    for lab in labels:               # each label's box, pixels
+        t = ax.text(0, 0, lab, fontsize=LABEL_PT)
+        bb = t.get_window_extent(rend)
+        sizes.append((bb.width, bb.height))
+        t.remove()
+    k = fig.dpi / 72
+    anns = [None] * len(pts)
+    for i in order:
+        (x, y), (w, h) = px[i], sizes[i]
+        best, best_cost = None, None
+        for dx, dy, ha, va, lead in _label_offsets():
+            ax0 = x + dx * k - {"left": 0, "right": w, "center": w / 2}[ha]
+            ay0 = y + dy * k - {"bottom": 0, "top": h}[va]
+            bb = Bbox.from_bounds(ax0 - 1, ay0 - 1, w + 2, h + 2)
+            inside = (bb.x0 >= axbox.x0 and bb.x1 <= axbox.x1 and bb.y0 >= axbox.y0
+                      and bb.y1 <= axbox.y1)
+            over = sum(max(0, min(bb.x1, o.x1) - max(bb.x0, o.x0))
+                       * max(0, min(bb.y1, o.y1) - max(bb.y0, o.y0)) for o in taken)
+            cost = over + (0 if inside else w * h)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = (dx, dy, ha, va, lead, bb), cost
+            if cost == 0:
+                break
+        dx, dy, ha, va, lead, bb = best
+        taken.append(bb)
+        anns[i] = ax.annotate(labels[i], pts[i], xytext=(dx, dy), textcoords="offset points",
+                              ha=ha, va=va, fontsize=LABEL_PT,
+                              arrowprops=dict(arrowstyle="-", color="0.55", lw=0.6,
+                                              shrinkA=0, shrinkB=3) if lead else None)
+    return anns
+
+
+def figure(report: dict, plt):
+    """The ladder's figure (matplotlib, PLOT_DPI dots per inch): each
+    measured format's decode KLD mean (log) against its capacity (KV tokens
+    x the reference's at --budget), labelled with no two labels' boxes
+    overlapping (_place_labels); the Pareto front joined and marked.
+    Formats with no positive KLD (the reference) cannot sit on a log axis
+    and are left out. Returns the figure; its axes' texts are the labels."""
     pts, labels = [], []
     for f in report["formats"]:
         if f["status"] == "ok" and f["x_ref"] and f["decode_kld_mean"]:
             pts.append((f["x_ref"], f["decode_kld_mean"]))
             labels.append(f["label"])
-    fig, ax = plt.subplots(figsize=(9, 6))
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=PLOT_DPI)
     front = set(pareto(pts))
-    for i, ((c, k), lab) in enumerate(zip(pts, labels)):
+    for i, (c, k) in enumerate(pts):
         on = i in front
         ax.scatter([c], [k], marker="o" if on else "x", s=50 if on else 30,
                    color="C3" if on else "C0", zorder=3)
-        ax.annotate(lab, (c, k), textcoords="offset points", xytext=(5, 4), fontsize=8)
     fr = sorted(pts[i] for i in front)
     if fr:
         ax.plot([p[0] for p in fr], [p[1] for p in fr], color="C3", lw=1, ls="--",
                 label="Pareto front (no format holds more with a lower KLD)")
         ax.legend(loc="lower left", fontsize=8)
     ax.set_yscale("log")
+    ax.margins(x=0.2, y=0.25)        # room for the labels beside the outer points
     ax.set_xlabel(f"capacity: KV tokens x auto's at {report['budget_bytes'] / 2**30:.2f} GiB "
                   "(staging pool counted)")
     ax.set_ylabel(f"decode KLD mean to auto (last {report['decode']} positions"
@@ -717,8 +890,21 @@ def plot(report: dict, path: str, plt) -> None:
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_xlim(ax.get_xlim())       # the limits fixed before the labels are measured
+    ax.set_ylim(ax.get_ylim())
+    # the front first (the formats worth naming plainly), then by capacity
+    order = sorted(range(len(pts)), key=lambda i: (i not in front, -pts[i][0]))
+    _place_labels(fig, ax, pts, labels, order)
+    return fig
+
+
+def plot(report: dict, path: str, plt) -> None:
+    """Write figure(report) to path as a PNG at PLOT_DPI."""
+    fig = figure(report, plt)
+    try:
+        fig.savefig(path, dpi=PLOT_DPI)
+    finally:
+        plt.close(fig)
 
 
 # ---------------------------------------------------------------- main
@@ -912,6 +1098,7 @@ def _main(args, t_wall: float) -> int:
                   ctx=ctx, windows=nw, decode=decode, budget_bytes=budget,
                   engine_kv_bytes=engine_kv, max_num_seqs=args.max_num_seqs,
                   dtype=args.dtype, model_dtype=ref["model_dtype"], vocab=ref["vocab"],
+                  head_dim=ref["head_dim"], value_bias=ref["value_bias"],
                   vllm_version=vllm.__version__,
                   kld_mode="exact" if exact else f"folded_top{FOLD_TOP}_vs_top{FORMAT_TOP}",
                   warnings=warnings, formats=[])
@@ -941,6 +1128,8 @@ def _main(args, t_wall: float) -> int:
         row.update(bytes_per_token=cap.get("bytes_per_token"), block_size=cap.get("block_size"),
                    kv_tokens=kv, x_ref=kv / rkv if kv and rkv else None,
                    pool_bytes=cap.get("pool_bytes"), max_num_seqs=cap.get("max_num_seqs"),
+                   kv_cache_groups=cap.get("kv_cache_groups"),
+                   blocks_per_request=cap.get("blocks_per_request"),
                    requests_fit=cap.get("requests_fit"), capped=cap.get("capped"),
                    capacity_refusal=cap.get("refusal"),
                    engine_seconds_start=res["start_s"], seconds=res["run_s"])
@@ -953,6 +1142,7 @@ def _main(args, t_wall: float) -> int:
     for label, why in refused:
         report["formats"].append(dict(label=label, name=label.split(":")[0], env={},
                                       status="refused", reason=why))
+    report["value_bias_notes"] = value_bias_notes(report)
     report["wall_s"] = time.perf_counter() - t_wall
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)

@@ -1,9 +1,14 @@
 """kvarn-vllm-ladder (python -m kvarn_vllm.ladder): the same numbers as
 `kvarn eval` where the protocols meet, vLLM's own capacity arithmetic, and
-the errors it gives before any engine starts. Each ladder run forks one
-engine per format; the runs here are kept to a few engines of a 640-token
-window (SmolLM2) or a 400-token prompt (random-weight Qwen2). The command
-runs with PYTHONPATH=python/ (this checkout's plug-in); the tests that
+the errors it gives before any engine starts; every model family the
+plug-in serves (or refuses) through it, on its random-weight model
+(make_models.py) against the arithmetic and the emulated codec; the
+value-bias lines, the console script, the plot's labels. Each ladder run forks
+one engine per format; the runs here are kept to a few engines of a
+640-token window (SmolLM2) or a 400-token prompt (the random-weight
+models: one run per family, through ladder_serve.py, which imports vLLM
+once for all of them). The command runs with PYTHONPATH=python/ (this
+checkout's plug-in); the tests that
 call its functions in-process import the installed one (scripts/setup.sh
 installs python/ editable)."""
 import json
@@ -165,10 +170,33 @@ def test_bad_model_fails_at_start(model, needle):
     assert "starting the engine" not in r.stderr
 
 
+# the README run's capacities and decode KLDs (docs/eval.md), formats close
+# to each other, and five formats at one point: labels that would overlap
+# beside their points
+CLOSE = [("bfloat16", 2.00, 0.44856), ("fp8_e4m3", 4.00, 0.03142), ("fp8_e5m2", 4.00, 0.14646),
+         (KV, 6.92, 0.00962), ("kvarn_k4v2_g64", 7.48, 0.01280),
+         ("kvarn_k4v4_g128", 5.69, 0.00199), ("kvarn_k4v4_g64", 6.06, 0.00292),
+         (f"{KV}:KVARN_STAGING=fp16", 5.75, 0.00986),
+         (f"{KV}:KVARN_STAGING=fp8_e4m3", 6.97, 0.01484),
+         (f"{KV}:KVARN_STAGING=int4", 7.76, 0.06417), (f"{KV}c", 6.83, 0.01170),
+         ("kvarn_k4v2_g64c", 7.26, 0.01152), ("kvarn_k4v4_g128c", 5.63, 0.00209),
+         ("kvarn_k4v4_g64c", 5.92, 0.00238)] + \
+    [(f"same_point_{i}", 3.0, 0.05) for i in range(5)]
+
+
+def _png_size(data: bytes) -> tuple:
+    """(width, height) from a PNG's IHDR chunk."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
 def test_plot_or_its_error(hf_model, tmp_path):
     """--plot: where matplotlib is missing, an error telling how to install
     it before anything runs; where it is there, a PNG from the report
-    (plot() on the test's own report: one engine run is enough)."""
+    (plot() on the test's own report: one engine run is enough) whose
+    labels do not overlap: each point's label read back from the figure
+    (its text's box in the PNG's pixels, figure() at the dpi plot() writes)
+    meets no other label's box and lies inside the image."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -176,25 +204,56 @@ def test_plot_or_its_error(hf_model, tmp_path):
                        "--plot", tmp_path / "p.png", timeout=120)
         assert r.returncode == 2 and "pip install matplotlib" in r.stderr, r.stderr[-2000:]
         return
+    import itertools
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from kvarn_vllm.ladder import pareto, plot
-    rep = dict(formats=[dict(label=n, status="ok", x_ref=c, decode_kld_mean=k)
-                        for n, c, k in (("a", 1.0, 0.01), ("b", 2.0, 0.02), ("c", 1.5, 0.03))],
-               budget_bytes=2**30, decode=256, kld_mode="exact", model="m", windows=1,
-               ctx=640, vllm_version="0.32.0")
+    from matplotlib.text import Text
+    from kvarn_vllm.ladder import PLOT_DPI, figure, pareto, plot
     assert pareto([(1.0, 0.01), (2.0, 0.02), (1.5, 0.03)]) == [0, 1]
-    plot(rep, str(tmp_path / "p.png"), plt)
-    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rep = dict(formats=[dict(label=n, status="ok", x_ref=c, decode_kld_mean=k)
+                        for n, c, k in CLOSE] + [dict(label="auto", status="reference",
+                                                      x_ref=1.0, decode_kld_mean=None)],
+               budget_bytes=16 * 2**30, decode=256, kld_mode="folded", model="m", windows=4,
+               ctx=2048, vllm_version="0.32.0")
+    png = tmp_path / "p.png"
+    plot(rep, str(png), plt)
+    w, h = _png_size(png.read_bytes())
+    fig = figure(rep, plt)
+    try:
+        assert fig.dpi == PLOT_DPI
+        fig.savefig(tmp_path / "q.png", dpi=PLOT_DPI)
+        assert (tmp_path / "q.png").read_bytes() == png.read_bytes()
+        rend = fig.canvas.get_renderer()
+        texts = fig.axes[0].texts
+        assert sorted(t.get_text() for t in texts) == sorted(n for n, _, _ in CLOSE)
+        boxes = {t.get_text(): Text.get_window_extent(t, rend) for t in texts}
+        for (a, ba), (b, bb) in itertools.combinations(boxes.items(), 2):
+            assert not ba.overlaps(bb), (a, ba, b, bb)
+        for a, ba in boxes.items():
+            assert 0 <= ba.x0 and ba.x1 <= w and 0 <= ba.y0 and ba.y1 <= h, (a, ba, w, h)
+    finally:
+        plt.close(fig)
 
 
-# ---- random-weight models of other families (make_models.py): exact KLD
-# (a vocabulary of 2048: every entry asked for), token ids instead of a text
+# ---- random-weight models of the families (make_models.py): exact KLD (a
+# vocabulary of 2048: every entry asked for), token ids instead of a text;
+# one ladder run per family, its formats: auto, kvarn_k4v2_g128 and, where
+# the family has a setting to compare, the variant
 
 G = 128
 FAM_LEN = 3 * G + 16             # test_families' prompt: 3 full tiles and 16 tokens
 READ_FROM = 2 * G                # first position whose query reads a record (sink 1 tile)
+FAM_BUDGET = 256 * 2**20
+KVC = KV + "c"                   # values mean-centred per tile (docs/kvarn-centred.md)
+QUANTIZE_SW = f"{KV}:KVARN_SLIDING_WINDOW=quantize"
+FAMILY_FORMATS = {               # the served families (docs/vllm-models.md)
+    "llama3": [KV], "qwen2": [KV, KVC], "qwen3": [KV], "gemma2_nocap": [KV],
+    "mistral": [KV, QUANTIZE_SW]}
+REFUSED = {                      # test_families' test_family_refused_at_start
+    "phi3": ["head_dim 96", "64, 128 or 256", "--kv-cache-dtype auto"],
+    "gemma2": ["soft-caps its attention logits", "--kv-cache-dtype auto"]}
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "kvarn-vllm-ladder")
 
 
 def _fam_ids(n: int) -> list:
@@ -206,81 +265,283 @@ def _fam_ids(n: int) -> list:
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
+    """family -> (its random-weight model's directory, the ladder's run:
+    (CompletedProcess, report or None, seconds)), each built and run on
+    first use; and the token ids' file (test_families' PROMPT)."""
     sys.path.insert(0, os.path.dirname(__file__))
     import make_models
     out = str(tmp_path_factory.mktemp("ladder_families"))
     ids = tmp_path_factory.mktemp("ladder_ids") / "ids.json"
     ids.write_text(json.dumps(_fam_ids(FAM_LEN)))
-    return {f: make_models.make(f, out) for f in ("qwen2", "phi3")}, ids
+    runs, server = {}, _LadderServer(str(tmp_path_factory.mktemp("ladder_serve")))
+
+    def get(fam):
+        if fam not in runs:
+            model = make_models.make(fam, out)
+            fmts = FAMILY_FORMATS.get(fam, [KV])
+            js = tmp_path_factory.mktemp("ladder_" + fam) / "r.json"
+            args = ["--model", model, "--token-ids", ids, "--kv-cache-dtype",
+                    ",".join(["auto"] + fmts), "--ctx", FAM_LEN, "--windows", 1, "--decode",
+                    FAM_LEN - READ_FROM, "--budget", "256MiB", "--json", js]
+            if fam in REFUSED:    # the kvarn engine refuses at start-up: a short prompt
+                args[args.index("--ctx") + 1], args[args.index("--decode") + 1] = 64, 16
+            r, secs = server.run([str(a) for a in args])
+            print(f"ladder {fam}: {secs:.0f} s\n{r.stdout}")
+            runs[fam] = (model, (r, json.loads(js.read_text()) if js.exists() else None, secs))
+        return runs[fam]
+    get.server = server
+    yield get, ids
+    server.close()
 
 
-def test_qwen2_decode_kld_matches_emulation(families, tmp_path):
-    """Qwen2 (value biases, head_dim 128): the ladder's decode columns over
-    the positions whose queries read a record ([2G, FAM_LEN - 1), --decode
-    FAM_LEN - 2G) against the codec's effect on the same K/V computed
-    without vLLM (emulate.py: transformers fp32, libkvarn's encode/decode,
-    the plug-in's read rule, int8 staging), K_e: one codec on two hosts, so
-    K_e / 2 <= K_v <= 2 K_e (test_families' rule). KLD is exact here."""
+class _LadderServer:
+    """ladder_serve.py, started on first use: the ladder's main(argv) per
+    run without each run's import of torch and vLLM."""
+
+    def __init__(self, tmp: str):
+        self.tmp, self.proc, self.n, self.ready = tmp, None, 0, {}
+
+    def _reply(self, timeout: float) -> dict:
+        import select
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"ladder_serve.py: no reply in {timeout:.0f} s"
+        line = self.proc.stdout.readline()
+        assert line, f"ladder_serve.py died (rc {self.proc.wait()})"
+        return json.loads(line)
+
+    def run(self, argv: list, timeout: float = 900):
+        """(CompletedProcess as subprocess.run gives it, seconds)."""
+        t0 = time.perf_counter()
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.join(os.path.dirname(__file__), "ladder_serve.py")],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, cwd=ROOT,
+                env=ENV)
+            self.ready = self._reply(300)
+            assert self.ready.get("ready"), self.ready
+        self.n += 1
+        prefix = os.path.join(self.tmp, f"run{self.n}")
+        self.proc.stdin.write(json.dumps({"argv": argv, "out": prefix}) + "\n")
+        self.proc.stdin.flush()
+        rc = self._reply(timeout)["rc"]
+        with open(prefix + ".out", encoding="utf-8") as fo, \
+                open(prefix + ".err", encoding="utf-8") as fe:
+            out, err = fo.read(), fe.read()
+        return subprocess.CompletedProcess(argv, rc, out, err), time.perf_counter() - t0
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+
+
+def _shape(fam: str) -> tuple:
+    """(layers, KV heads, head_dim) of make_models.FAMILIES[fam]."""
+    import make_models
+    kw = make_models.FAMILIES[fam][1]
+    d = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
+    return kw["num_hidden_layers"], kw["num_key_value_heads"], d
+
+
+def _record(fmt: str, d: int) -> int:
+    from kvarn_vllm import _lib
+    return _lib.record_bytes(_lib.parse_format(fmt.split(":")[0], d), d)
+
+
+def _expected_capacity(fam: str, fmt: str, n: int, batched: int) -> tuple:
+    """(KV tokens, blocks a FAM_LEN-token request holds) at FAM_BUDGET and
+    max_num_seqs n, by hand (docs/vllm.md "Capacity"; the arithmetic
+    test_families checks against running engines, one layer group):
+    vLLM's fp32 cache in pages of G tokens of every layer; a kvarn format
+    the budget less the int8 staging pool of n sequences
+    (conftest.staging_pool_bytes over the layers it quantizes) in pages of
+    one record per layer and KV head. Sliding-window layers (Mistral's, and
+    Gemma-2's local ones) stay in vLLM's fp32 cache unless
+    KVARN_SLIDING_WINDOW=quantize; their requests hold the blocks of
+    min(ctx, window - 1 + batched) tokens and one more (vLLM 0.32's
+    sliding-window spec). Gemma-2 (local and global layers alternating)
+    has two layer groups drawing on one pool: vLLM sizes every page to the
+    larger one (fp32's) by giving kvarn's group blocks of (that / kvarn's
+    page) tiles, a block is one page of each group's layer pair, and the
+    KV tokens are vLLM's own figure: blocks / blocks per request x ctx."""
+    layers, hk, d = _shape(fam)
+    import make_models
+    window = make_models.FAMILIES[fam][1].get("sliding_window")
+    fp32_page = G * hk * 2 * d * 4
+    cdiv = lambda a, b: -(-a // b)                      # noqa: E731
+    sw_blocks = cdiv(min(FAM_LEN, window - 1 + batched), G) + 1 if window else None
+    kvarn = fmt != "auto" and (fam != "mistral" or fmt == QUANTIZE_SW)
+    if fam != "gemma2_nocap":
+        if not kvarn:
+            nb, per_req = FAM_BUDGET // (layers * fp32_page), sw_blocks or cdiv(FAM_LEN, G)
+        else:
+            pool = staging_pool_bytes(layers, hk, d, n, batched=batched)
+            nb = (FAM_BUDGET - pool) // (layers * hk * _record(fmt, d))
+            per_req = sw_blocks or cdiv(FAM_LEN, G)
+        return nb * G, per_req, nb
+    half = layers // 2                                   # global layers, local layers
+    if not kvarn:
+        nb, per_req = FAM_BUDGET // (half * fp32_page), cdiv(FAM_LEN, G) + sw_blocks
+    else:
+        ratio, rem = divmod(fp32_page, hk * _record(fmt, d))
+        assert rem == 0, "kvarn's page does not divide fp32's: vLLM pads it (not derived here)"
+        pool = staging_pool_bytes(half, hk, d, n, batched=batched)
+        nb = (FAM_BUDGET - pool) // (half * fp32_page)
+        per_req = cdiv(FAM_LEN, ratio * G) + sw_blocks
+    return nb * FAM_LEN // per_req, per_req, nb
+
+
+_EXACT = {}                      # model -> its exact fp32 log-probabilities (emulate.py)
+
+
+def _emulated_kl(model: str, fmt: str, quantize_sliding: bool = False):
+    """(K_e: the codec's KL on the same K/V without vLLM over the positions
+    reading records, [READ_FROM, FAM_LEN - 1); the reference's mean NLL
+    in transformers fp32 over every position), emulate.py with int8
+    staging, the plug-in's CPU default."""
     import emulate
-    models, ids = families
-    r, secs = _ladder("--model", models["qwen2"], "--token-ids", ids, "--kv-cache-dtype",
-                      f"auto,{KV}", "--ctx", FAM_LEN, "--windows", 1, "--decode",
-                      FAM_LEN - READ_FROM, "--budget", "256MiB", "--json", tmp_path / "r.json")
-    assert r.returncode == 0, r.stderr[-4000:]
-    print(f"ladder: {secs:.0f} s\n{r.stdout}")
-    rep = json.loads((tmp_path / "r.json").read_text())
-    row = _row(rep, KV)
-    assert rep["kld_mode"] == "exact" and rep["vocab"] == 2048
-    assert row["decode_positions"] == FAM_LEN - READ_FROM - 1
-    assert row["decode_kld_partial"] == 0
-    # its prompt positions [0, 2G) read no record: said before the run
-    assert [w for w in rep["warnings"] if "prompt columns of kvarn_k4v2_g128" in w], rep
-    assert "prompt columns of kvarn_k4v2_g128" in r.stderr
-    # capacity without --max-num-seqs: the largest N whose staging pool
-    # (N sequences, the docs/vllm.md arithmetic) leaves blocks for N
-    # requests of FAM_LEN tokens (4 blocks each, one null block held back),
-    # and N + 1 does not fit
-    layers, hk, d = 3, 1, 128                          # make_models' qwen2
-    block = layers * hk * round(row["bytes_per_token"] * G / (layers * hk))
-    budget = 256 * 2**20
-
-    def fits(n):
-        pool = staging_pool_bytes(layers, hk, d, n, batched=rep["max_num_batched_tokens"])
-        return ((budget - pool) // block - 1) // 4
-    n = row["max_num_seqs"]
-    assert row["requests_fit"] == n and fits(n) >= n and fits(n + 1) < n + 1, (n, fits(n))
-    assert row["kv_tokens"] == (budget - row["pool_bytes"]) // block * G
-    assert row["pool_bytes"] == staging_pool_bytes(layers, hk, d, n,
-                                                   batched=rep["max_num_batched_tokens"])
-    prompt = json.loads(ids.read_text())
-    exact = emulate.logprobs(models["qwen2"], prompt, quantize=False)
-    codec = emulate.logprobs(models["qwen2"], prompt, quantize=True, staging="int8")
+    import numpy as np
+    ids = _fam_ids(FAM_LEN)
+    if model not in _EXACT:
+        _EXACT[model] = emulate.logprobs(model, ids, quantize=False)
+    exact = _EXACT[model]
+    codec = emulate.logprobs(model, ids, quantize=True, quantize_sliding=quantize_sliding,
+                             staging="int8", fmt=fmt)
     k_e = float(emulate.kl_rows(exact, codec)[READ_FROM:FAM_LEN - 1].mean())
-    k_v = row["decode_kld_mean"]
-    print(f"qwen2 decode KLD: ladder {k_v:.5f}, emulated codec {k_e:.5f}")
-    assert k_e / 2 <= k_v <= 2 * k_e
+    nll = float(-np.mean(exact[np.arange(FAM_LEN - 1), ids[1:]]))
+    return k_e, nll
 
 
-def test_model_the_plugin_cannot_serve(families, tmp_path):
-    """Phi-3 (head_dim 96): vLLM's own cache runs, the kvarn format is a
-    refused row with the plug-in's reason and what to do, and the exit
-    status is 1 (it was named)."""
-    models, ids = families
-    r, _ = _ladder("--model", models["phi3"], "--token-ids", ids, "--kv-cache-dtype",
-                   f"auto,{KV}", "--ctx", 64, "--windows", 1, "--decode", 16,
-                   "--budget", "256MiB", "--json", tmp_path / "r.json")
+@pytest.mark.parametrize("fam", list(FAMILY_FORMATS))
+def test_family_ladder(fam, families):
+    """Every family the plug-in serves, through the ladder on its
+    random-weight model: the positions as asked; the KV tokens, the blocks
+    a request holds and the requests that fit of every row are the
+    arithmetic of _expected_capacity; the reference (vLLM's fp32 cache)
+    gives the model's own NLL (transformers fp32, emulate.py) to within a
+    tenth of the codec's effect (test_families' rule for its KL); each
+    quantizing kvarn row's decode KLD (exact) is within [K_e / 2, 2 K_e]
+    of the codec's effect K_e on the same K/V without vLLM (test_families'
+    rule); Mistral's sliding-window layers, kept in vLLM's cache by
+    default, give the reference's numbers exactly (nothing quantized)."""
+    import math
+    get, _ = families
+    model, (r, rep, secs) = get(fam)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert rep["kld_mode"] == "exact" and rep["vocab"] == 2048 and rep["ctx"] == FAM_LEN
+    assert not any("capacity not computed" in w or "not vLLM's" in w for w in rep["warnings"])
+    batched = rep["max_num_batched_tokens"]
+    k_e0, nll = _emulated_kl(model, KV, quantize_sliding=fam != "gemma2_nocap")
+    ref = _row(rep, "auto")
+    print(f"{fam}: reference ln PPL {math.log(ref['ppl']):.5f}, transformers fp32 {nll:.5f}")
+    assert abs(math.log(ref["ppl"]) - nll) < k_e0 / 10
+    for f in rep["formats"]:
+        n = f["max_num_seqs"]
+        kv_tokens, per_req, nb = _expected_capacity(fam, f["label"], n, batched)
+        assert (f["kv_tokens"], f["blocks_per_request"]) == (kv_tokens, per_req), f
+        # without --max-num-seqs: the largest n whose pool leaves blocks for
+        # n requests (vLLM's null block held back), and n + 1 does not fit
+        nb1 = _expected_capacity(fam, f["label"], n + 1, batched)[2]
+        assert f["requests_fit"] == n and (nb - 1) // per_req >= n > (nb1 - 1) // per_req - 1, f
+        if f is ref:
+            continue
+        assert f["status"] == "ok" and f["decode_positions"] == FAM_LEN - READ_FROM - 1
+        assert f["prompt_positions"] == READ_FROM and f["decode_kld_partial"] == 0
+        # its prompt positions [0, 2G) read no record: said before the run
+        assert [w for w in rep["warnings"] if f"prompt columns of {KV}" in w], rep["warnings"]
+        if fam == "mistral" and f["label"] == KV:     # nothing quantized: vLLM's cache
+            assert f["kld_max"] == f["decode_kld_max"] == 0 and f["ppl_delta"] == 0, f
+            assert f["kv_tokens"] == ref["kv_tokens"] and f["pool_bytes"] == 0
+            continue
+        k_e = k_e0 if f["label"] in (KV, QUANTIZE_SW) else _emulated_kl(model, f["name"])[0]
+        k_v = f["decode_kld_mean"]
+        print(f"{fam} {f['label']}: decode KLD ladder {k_v:.5f}, emulated codec {k_e:.5f}; "
+              f"KV tokens {f['kv_tokens']} (fp32 {ref['kv_tokens']}), fit {f['requests_fit']}")
+        assert math.isfinite(k_v) and k_e / 2 <= k_v <= 2 * k_e
+    print(f"{fam}: ladder {secs:.0f} s")
+def test_value_biases_name_the_better_variant(families):
+    """Qwen2 (q/k/v biases, plugin.has_value_bias): the ladder ran the plain
+    and the centred format, and prints which has the lower decode KLD, its
+    figures and the bytes of each; on this model the centred one (as
+    test_families finds on the emulated codec). Run with the plain one
+    alone, value_bias_notes names the centred one to add, with its extra
+    bytes per token from the C library's record sizes. A model without
+    value biases (Llama-3) gets no such line."""
+    from kvarn_vllm.ladder import value_bias_notes
+    get, _ = families
+    _, (r, rep, _) = get("qwen2")
+    assert r.returncode == 0, r.stderr[-4000:]
+    plain, centred = _row(rep, KV), _row(rep, KVC)
+    assert rep["value_bias"] and centred["decode_kld_mean"] < plain["decode_kld_mean"]
+    want = (f"the centred {KVC} wins over {KV}: decode KLD {centred['decode_kld_mean']:.5f} "
+            f"against {plain['decode_kld_mean']:.5f}")
+    assert rep["value_bias_notes"] and want in rep["value_bias_notes"][0], rep
+    assert want in r.stdout
+    _, d = _shape("qwen2")[1:]
+    extra = 100 * (_record(KVC, d) - _record(KV, d)) / _record(KV, d)
+    assert f"{centred['bytes_per_token']:.0f} B/token against " \
+           f"{plain['bytes_per_token']:.0f} ({extra:+.1f}%)" in rep["value_bias_notes"][0]
+    alone = dict(rep, formats=[f for f in rep["formats"] if f["label"] != KVC])
+    note, = value_bias_notes(alone)
+    assert f"its mean-centred variant {KVC}" in note and f"({extra:+.1f}% bytes" in note, note
+    # and where the plain one wins, the line says so
+    swapped = dict(rep, formats=[dict(f, decode_kld_mean=plain["decode_kld_mean"] * 2)
+                                 if f["label"] == KVC else f for f in rep["formats"]])
+    assert f"the plain {KV} wins over the centred {KVC}" in value_bias_notes(swapped)[0]
+    _, (_, rep_llama, _) = get("llama3")
+    assert rep_llama["value_bias"] is False and rep_llama["value_bias_notes"] == []
+
+
+@pytest.mark.parametrize("fam", list(REFUSED))
+def test_model_the_plugin_cannot_serve(fam, families, tmp_path):
+    """Phi-3 (head_dim 96), Gemma-2 with attention soft-capping: vLLM's own
+    cache runs, the kvarn format is a refused row with the plug-in's reason
+    and what to do (test_families' needles), and the exit status is 1 (it
+    was named)."""
+    get, _ = families
+    _, (r, rep, _) = get(fam)
     assert r.returncode == 1, r.stderr[-3000:]
-    rep = json.loads((tmp_path / "r.json").read_text())
     row = _row(rep, KV)
     assert row["status"] == "refused"
-    for needle in ("head_dim 96", "64, 128 or 256", "--kv-cache-dtype auto"):
+    for needle in REFUSED[fam]:
         assert needle in row["reason"], row["reason"]
     assert _row(rep, "auto")["status"] == "reference"
-    assert "refused on this build" in r.stdout and "head_dim 96" in r.stdout
+    assert "refused on this build" in r.stdout and REFUSED[fam][0] in r.stdout
     # the ladder keeps vLLM's output of a refused engine and names it
     assert os.path.dirname(row["log"]) in r.stderr
     import shutil
     shutil.rmtree(os.path.dirname(row["log"]), ignore_errors=True)
+
+
+def test_console_script(families):
+    """kvarn-vllm-ladder: declared in python/pyproject.toml as
+    kvarn_vllm.ladder:main, installed with that entry point (scripts/
+    setup_vllm.sh's editable install) beside this python, and it runs:
+    the script's --help, and the family runs above went through the
+    entry point's function (ladder_serve.py loads it; from this checkout,
+    PYTHONPATH=python/)."""
+    import importlib.metadata
+    import tomllib
+    with open(os.path.join(ROOT, "python", "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["scripts"]
+    assert declared["kvarn-vllm-ladder"] == "kvarn_vllm.ladder:main"
+    eps = importlib.metadata.entry_points(group="console_scripts", name="kvarn-vllm-ladder")
+    assert [e.value for e in eps] == ["kvarn_vllm.ladder:main"]
+    assert os.access(SCRIPT, os.X_OK), f"{SCRIPT} missing: run scripts/setup.sh --vllm"
+    h = subprocess.run([SCRIPT, "--help"], capture_output=True, text=True, cwd=ROOT, env=ENV,
+                       timeout=120)
+    assert h.returncode == 0 and h.stdout.startswith("usage: kvarn-vllm-ladder"), h.stderr
+    assert "--kv-cache-dtype" in h.stdout and "--plot" in h.stdout
+    get, _ = families
+    _, (r, rep, _) = get("llama3")
+    assert r.returncode == 0 and rep["formats"][1]["status"] == "ok", r.stderr[-3000:]
+    assert get.server.ready["main"] == "kvarn_vllm.ladder:main"
+    assert get.server.ready["file"] == os.path.join(ROOT, "python", "kvarn_vllm", "ladder.py")
 
 
 # ---- no engine: the scoring and the format list
