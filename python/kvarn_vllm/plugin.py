@@ -196,6 +196,14 @@ def check_model(vllm_config) -> None:
             f"they must share one head_dim: {SLIDING_ENV}=vllm (the default) keeps the "
             f"sliding-window layers in vLLM's own cache (docs/vllm-models.md), or serve it "
             f"with one of vLLM's own cache dtypes (e.g. --kv-cache-dtype auto)")
+    all_dims = kvarn_head_dims(mc, "quantize")
+    if len(all_dims) > 1 and cc.enable_prefix_caching:
+        raise ValueError(
+            f"kvarn: {mc.model} has layers of head_dims {', '.join(map(str, all_dims))}; "
+            f"with {name} in its head_dim {dims[0]} layers, vLLM's prefix caching gives "
+            f"wrong tokens after a cache hit (tested on a Gemma-4 shape, docs/vllm-models.md), "
+            f"so it is refused: --no-enable-prefix-caching (LLM(..., "
+            f"enable_prefix_caching=False)), or one of vLLM's own cache dtypes")
     hf = mc.hf_text_config
     fmt = _lib.parse_format(name, dims[0])
     if fmt.centred and vllm_config.device_config.device_type == "cuda":
