@@ -367,14 +367,16 @@ static void test_large_head_dim(void **state)
             for (int multi = 0; multi <= 1; multi++)
                 for (int pass = 0; pass <= LV_COUNT; pass++) {
                     if (di == 0 && fi > 0) continue; /* 256: the default preset (runtime) */
+                    if (pass == LV_COUNT && strncmp(fmts[fi], "kvarn", 5) != 0)
+                        continue; /* the vpmaddwd build is the KVarN kernel's */
                     const int lv = pass == LV_COUNT ? LV_AVX512 : pass;
                     attn_case c;
                     memset(&c, 0, sizeof c);
                     c.fmt = fmts[fi];
                     c.no_vnni = pass == LV_COUNT;
                     c.D = dims[di];
-                    c.Hk = 2;
-                    c.group = 2;
+                    c.Hk = 1;
+                    c.group = 4;
                     c.G = 16;
                     c.sink = 1;
                     c.causal = 1;
