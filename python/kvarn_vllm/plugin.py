@@ -266,9 +266,9 @@ def kvarn_head_dims(mc, policy: str) -> list:
 def kv_shared_kvarn_layers(mc, policy: str) -> list:
     """Indices of the layers that would be in the kvarn format under
     KVARN_SLIDING_WINDOW=policy and read another layer's KV cache: the last
-    hf_text_config.num_kv_shared_layers layers (Gemma-3n, Gemma-4 E2B/E4B;
-    vLLM gives them kv_sharing_target_layer_name), less the sliding-window
-    ones with "vllm"."""
+    hf_text_config.num_kv_shared_layers layers (a field of the Gemma-3n and
+    Gemma-4 configs; vLLM gives those layers kv_sharing_target_layer_name),
+    less the sliding-window ones with "vllm"."""
     hf = mc.hf_text_config
     n, k = hf.num_hidden_layers, int(getattr(hf, "num_kv_shared_layers", 0) or 0)
     types = getattr(hf, "layer_types", None) or []

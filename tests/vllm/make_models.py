@@ -94,7 +94,8 @@ FAMILIES = {
                                         final_logit_softcapping=None,
                                         attn_logit_softcapping=None,
                                         tie_word_embeddings=True)),
-    # Gemma-4 (E2B's layout): 5 local layers at head_dim 256 (sliding 512
+    # Gemma-4 (transformers' Gemma4TextConfig defaults, whose docstring names
+    # gemma-4-e2b-it): 5 local layers at head_dim 256 (sliding 512
     # there; 256 here) : 1 global layer at head_dim 512 (global_head_dim,
     # partial RoPE), q/k/v RMS norms, attention scale 1; no per-layer input
     # embeddings (their size 0: not attention)

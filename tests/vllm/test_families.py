@@ -263,8 +263,8 @@ def test_mixed_head_dims_refuse_prefix_caching(models, monkeypatch):
 
 
 def test_kv_shared_layers_are_refused(models, monkeypatch, tmp_path):
-    """Gemma-4 E2B/E4B read the KV cache of earlier layers in their last
-    num_kv_shared_layers layers, which the kvarn backend does not do:
+    """A Gemma-4 config with num_kv_shared_layers > 0 has its last layers
+    read the KV cache of earlier layers, which the kvarn backend does not do:
     refused when vLLM builds its config (not only in the worker, whose
     error vLLM reports as "Engine core initialization failed"), naming the
     kvarn layers among them (here the last two: a sliding-window one, kept
