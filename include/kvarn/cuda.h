@@ -26,7 +26,7 @@
  *     (sequence lengths <= max_seq_len, query_start_loc non-decreasing).
  *
  * Served by this build (one table, src/cuda/dispatch.h):
- *   - head_dim D in {64, 128, 256} for every format;
+ *   - head_dim D in {64, 128, 256, 512} for every format;
  *   - KVarN presets with G in {64, 128} and (key, value) bits in {(4, 2),
  *     (4, 4)}: the four upstream presets (kvarn_k4v2_g128, kvarn_k4v2_g64,
  *     kvarn_k4v4_g128, kvarn_k4v4_g64); other KVarN names parse but return
@@ -88,7 +88,7 @@ kvarn_status kvarn_cuda_sm_count(int device, int *num_sms);
 
 /* Whether this build has kernels for fmt at head_dim D (the table above).
  * Host only; works without a GPU. Returns KVARN_OK,
- * KVARN_ERR_UNSUPPORTED_HEAD_DIM (D not in {64, 128, 256} or not served by
+ * KVARN_ERR_UNSUPPORTED_HEAD_DIM (D not in {64, 128, 256, 512} or not served by
  * the format), KVARN_ERR_UNSUPPORTED (valid format, no kernel here: among
  * them every mean-centred KVarN format, kvarn_format.centred) or
  * KVARN_ERR_INVALID_ARG (NULL or malformed format). */

@@ -120,9 +120,9 @@ const char *kvarn_format_accepted_names(void);
 int kvarn_format_count(void);
 const char *kvarn_format_name_at(int i);
 
-/* Whether the format serves head_dim D. KVarN serves D in {64, 128, 256}
- * (the fast Walsh-Hadamard needs a power of two; upstream serves 128, 256,
- * 512 and we add 64 for SmolLM2, see docs/formats.md); per-token formats
+/* Whether the format serves head_dim D. KVarN serves D in {64, 128, 256,
+ * 512} (the fast Walsh-Hadamard needs a power of two; upstream serves 128,
+ * 256, 512 and we add 64 for SmolLM2, see docs/formats.md); per-token formats
  * serve any even D in [2, 1024].
  * Returns KVARN_OK or KVARN_ERR_UNSUPPORTED_HEAD_DIM; KVARN_ERR_INVALID_ARG
  * for NULL or a format its kind does not admit (e.g. a hand-built int8

@@ -196,7 +196,7 @@ class KvarnAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [64, 128, 256]
+        return [64, 128, 256, 512]
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:

@@ -180,15 +180,32 @@ def check_model(vllm_config) -> None:
     cc = vllm_config.cache_config
     name = cc.cache_dtype
     policy = sliding_window_policy()
-    try:
-        _lib.parse_format(name, mc.get_head_size())
-    except ValueError as e:
+    dims = kvarn_head_dims(mc, policy)
+    for d in dims:
+        try:
+            _lib.parse_format(name, d)
+        except ValueError as e:
+            raise ValueError(
+                f"kvarn: {mc.model} has head_dim {d}, which {name} cannot "
+                f"store ({e}); serve it with one of vLLM's own cache dtypes (e.g. "
+                f"--kv-cache-dtype auto)") from None
+    if len(dims) > 1:
         raise ValueError(
-            f"kvarn: {mc.model} has head_dim {mc.get_head_size()}, which {name} cannot "
-            f"store ({e}); serve it with one of vLLM's own cache dtypes (e.g. "
-            f"--kv-cache-dtype auto)") from None
+            f"kvarn: the layers of {mc.model} that {name} would store have head_dims "
+            f"{', '.join(map(str, dims))}; the kvarn staging pool has one page shape, so "
+            f"they must share one head_dim: {SLIDING_ENV}=vllm (the default) keeps the "
+            f"sliding-window layers in vLLM's own cache (docs/vllm-models.md), or serve it "
+            f"with one of vLLM's own cache dtypes (e.g. --kv-cache-dtype auto)")
+    all_dims = kvarn_head_dims(mc, "quantize")
+    if len(all_dims) > 1 and cc.enable_prefix_caching:
+        raise ValueError(
+            f"kvarn: {mc.model} has layers of head_dims {', '.join(map(str, all_dims))}; "
+            f"with {name} in its head_dim {dims[0]} layers, vLLM's prefix caching gives "
+            f"wrong tokens after a cache hit (tested on a Gemma-4 shape, docs/vllm-models.md), "
+            f"so it is refused: --no-enable-prefix-caching (LLM(..., "
+            f"enable_prefix_caching=False)), or one of vLLM's own cache dtypes")
     hf = mc.hf_text_config
-    fmt = _lib.parse_format(name, mc.get_head_size())
+    fmt = _lib.parse_format(name, dims[0])
     if fmt.centred and vllm_config.device_config.device_type == "cuda":
         raise ValueError(
             f"kvarn: {name} (mean-centred values) is served by the CPU kernels only; the "
@@ -206,6 +223,13 @@ def check_model(vllm_config) -> None:
                 "mean-centred %sc stores each tile's value means apart (on a Qwen2-shaped "
                 "model, docs/kvarn-centred.md: KL 18x lower for about 2%% more bytes): "
                 "--kv-cache-dtype %sc", mc.model, name, name, name)
+    shared = kv_shared_kvarn_layers(mc, policy)
+    if shared:
+        raise ValueError(
+            f"kvarn: {mc.model} reads the KV cache of earlier layers in its last "
+            f"{hf.num_kv_shared_layers} layers (num_kv_shared_layers), {len(shared)} of them "
+            f"in {name} (layers {', '.join(map(str, shared))}), which the kvarn backend does "
+            f"not do; serve it with one of vLLM's own cache dtypes (e.g. --kv-cache-dtype auto)")
     cap = getattr(hf, "attn_logit_softcapping", None)
     if cap:
         raise ValueError(
@@ -219,6 +243,40 @@ def check_model(vllm_config) -> None:
         cc._kvarn_added_sliding = True
 
 
+def kvarn_head_dims(mc, policy: str) -> list:
+    """The head_dims, sorted, of the layers of model config mc that the
+    kvarn format would store under KVARN_SLIDING_WINDOW=policy, from vLLM
+    0.32's per-layer architecture config (model_arch_config[i] where layers
+    differ: Gemma-4's global layers at global_head_dim 512, its
+    sliding-window ones at 256). With "vllm", the layers that
+    hf_text_config.layer_types marks "sliding_attention" keep vLLM's cache
+    and are left out (unless that leaves none: then vLLM's cache everywhere,
+    and the head_dims of all layers are checked as before)."""
+    ac = mc.model_arch_config
+    if not ac.per_layer_overrides:
+        return [mc.get_head_size()]
+    n = mc.get_total_num_hidden_layers()
+    dims = [ac[i].head_size for i in range(n)]
+    types = getattr(mc.hf_text_config, "layer_types", None) or []
+    if policy == "vllm" and mc.get_sliding_window() is not None and len(types) == n:
+        dims = [d for d, t in zip(dims, types) if t != "sliding_attention"] or dims
+    return sorted(set(dims))
+
+
+def kv_shared_kvarn_layers(mc, policy: str) -> list:
+    """Indices of the layers that would be in the kvarn format under
+    KVARN_SLIDING_WINDOW=policy and read another layer's KV cache: the last
+    hf_text_config.num_kv_shared_layers layers (a field of the Gemma-3n and
+    Gemma-4 configs; vLLM gives those layers kv_sharing_target_layer_name),
+    less the sliding-window ones with "vllm"."""
+    hf = mc.hf_text_config
+    n, k = hf.num_hidden_layers, int(getattr(hf, "num_kv_shared_layers", 0) or 0)
+    types = getattr(hf, "layer_types", None) or []
+    keep_sliding = policy == "vllm" and mc.get_sliding_window() is not None
+    return [i for i in range(n - k, n)
+            if not (keep_sliding and i < len(types) and types[i] == "sliding_attention")]
+
+
 def kvarn_layer_names(vllm_config) -> list:
     """The attention layers that store their cache in the kvarn format (the
     others were given vLLM's own cache by kv_cache_dtype_skip_layers)."""
@@ -227,6 +285,17 @@ def kvarn_layer_names(vllm_config) -> list:
     from .backend import is_kvarn_dtype
     layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
     return [n for n, l in layers.items() if is_kvarn_dtype(getattr(l, "kv_cache_dtype", None))]
+
+
+def kvarn_layer_shapes(vllm_config) -> list:
+    """(head_dim, KV heads on this rank) of each kvarn layer, from the
+    layers vLLM built (Gemma-4's differ by layer; vLLM's model-wide
+    head size is their largest)."""
+    from vllm.config.vllm import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+    return [(int(layers[n].head_size), int(layers[n].num_kv_heads))
+            for n in kvarn_layer_names(vllm_config)]
 
 
 def _patch_block_size(Platform) -> None:
@@ -312,16 +381,21 @@ def staging_pool(vllm_config, budget: int = 0, device_type: str = "cpu") -> dict
     from .backend import draft_tokens, sink_config, staging_config
     from .staging import pool_size
     mc = vllm_config.model_config
-    pc = vllm_config.parallel_config
     sc = vllm_config.scheduler_config
     name = vllm_config.cache_config.cache_dtype
-    D = mc.get_head_size()
-    fmt = _lib.parse_format(name, D)
-    tiles, partial = sink_config(fmt.tile_tokens)
-    n_layers = len(kvarn_layer_names(vllm_config))
+    shapes = kvarn_layer_shapes(vllm_config)
+    n_layers = len(shapes)
     if n_layers == 0:
         return {"bytes": 0}
-    hk = mc.get_num_kv_heads(pc)
+    if len(set(shapes)) > 1:
+        raise ValueError(
+            f"kvarn: the layers of {mc.model} in {name} differ in (head_dim, KV heads): "
+            f"{sorted(set(shapes))}; the staging pool has one page shape, so they must "
+            f"not ({SLIDING_ENV}=vllm, the default, keeps sliding-window layers in vLLM's "
+            f"own cache)")
+    D, hk = shapes[0]
+    fmt = _lib.parse_format(name, D)
+    tiles, partial = sink_config(fmt.tile_tokens)
     kind = staging_config(device_type)
     # one block of every kvarn layer: the most blocks the budget could hold
     # is budget / (that), so the bound holds for any share of the budget the

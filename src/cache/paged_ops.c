@@ -15,7 +15,7 @@
 #include "codec/hadamard.h"
 #include "kvarn/record.h"
 
-#define MAX_KVARN_D 256 /* KVarN serves D in {64, 128, 256} */
+#define MAX_KVARN_D 512 /* KVarN serves D in {64, 128, 256, 512} */
 /* Largest per-token record: fp16/bf16, 4 * D bytes at D = 1024
  * (include/kvarn/record.h; kvarn_format_check_head_dim). */
 #define MAX_TOKEN_RECORD (4 * 1024)

@@ -128,7 +128,7 @@ char *kvarn_format_explain(kvarn_status status, const char *name, int head_dim,
     case KVARN_ERR_UNSUPPORTED_HEAD_DIM:
         snprintf(buf, len,
                  "cache format '%s' cannot serve head_dim %d; KVarN formats serve "
-                 "head_dim 64, 128 or 256, the other formats any even head_dim "
+                 "head_dim 64, 128, 256 or 512, the other formats any even head_dim "
                  "from 2 to 1024",
                  n, head_dim);
         break;

@@ -66,8 +66,8 @@ static size_t kvarn_record_bytes_of(size_t payload, size_t D, size_t G)
 }
 
 /* Per-token kinds serve any even head_dim in [2, 1024] (the stack rows of
- * per_token.c); KVarN D in {64, 128, 256} (the fast Walsh-Hadamard needs a
- * power of two; docs/formats.md). */
+ * per_token.c); KVarN D in {64, 128, 256, 512} (the fast Walsh-Hadamard
+ * needs a power of two; 512 is upstream's largest; docs/formats.md). */
 #define TOKEN_DIMS 2, 1024, 2, 0
 #define TOKEN_GEOMETRY(BITS) 0, 1, BITS, BITS, NULL, TOKEN_DIMS
 #define META_NONE {0, 0, 0, 0, 0, 0, 0}
@@ -94,7 +94,7 @@ static const kvarn_kind_ops k_kinds[KVARN_KIND_COUNT] = {
     /* K: codes [D][G] channel-major, a_d, b_d per channel, s_tok per token;
      * V: codes [G][D], s_chan per channel, a_t, b_t per token; centred
      * formats: V's channel means mu_d. */
-    [KVARN_KIND_KVARN] = {KVARN_KIND_KVARN, "kvarn", 1, 0, 0, 0, parse_kvarn, 64, 256, 64, 1,
+    [KVARN_KIND_KVARN] = {KVARN_KIND_KVARN, "kvarn", 1, 0, 0, 0, parse_kvarn, 64, 512, 64, 1,
                           {KVARN_META_PER_CHANNEL, KVARN_META_PER_CHANNEL, KVARN_META_PER_TOKEN,
                            KVARN_META_PER_CHANNEL, KVARN_META_PER_TOKEN, KVARN_META_PER_TOKEN,
                            KVARN_META_PER_CHANNEL},

@@ -92,25 +92,34 @@ template <int D, int KIND, int GMAX>
 __device__ void score_rows(attn_smem<D, GMAX> &sm, const row_tile &rt, const kc_geom &g,
                            int tok0, int tlo, int thi)
 {
-    constexpr int CPT = D / 8;      /* lanes per token */
+    /* lanes per token: one 8-channel group each, at most a warp (the sum
+     * below is a warp shuffle); D = 512: two groups a lane, 32 apart */
+    constexpr int CPT = D / 8 < 32 ? D / 8 : 32;
+    constexpr int NC = D / 8 / CPT; /* 8-channel groups per lane */
     constexpr int TPB = NT / CPT;   /* tokens per pass */
     const int c8 = threadIdx.x % CPT, tsub = threadIdx.x / CPT;
     for (int base = tlo; base < thi; base += TPB) {
         const int t = base + tsub;
         const bool valid = t < thi;
-        float w[8];
-        if (valid) load_row8<D, KIND>(rt, g, true, t, c8, w);
-        else {
-#pragma unroll
-            for (int e = 0; e < 8; e++) w[e] = 0.0f;
-        }
         float acc[ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            const float4 qa = *reinterpret_cast<const float4 *>(&sm.q[r][c8 * 8]);
-            const float4 qb = *reinterpret_cast<const float4 *>(&sm.q[r][c8 * 8 + 4]);
-            acc[r] = qa.x * w[0] + qa.y * w[1] + qa.z * w[2] + qa.w * w[3] +
-                     qb.x * w[4] + qb.y * w[5] + qb.z * w[6] + qb.w * w[7];
+        for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NC; j++) {
+            const int c = c8 + j * CPT;
+            float w[8];
+            if (valid) load_row8<D, KIND>(rt, g, true, t, c, w);
+            else {
+#pragma unroll
+                for (int e = 0; e < 8; e++) w[e] = 0.0f;
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const float4 qa = *reinterpret_cast<const float4 *>(&sm.q[r][c * 8]);
+                const float4 qb = *reinterpret_cast<const float4 *>(&sm.q[r][c * 8 + 4]);
+                acc[r] += qa.x * w[0] + qa.y * w[1] + qa.z * w[2] + qa.w * w[3] +
+                          qb.x * w[4] + qb.y * w[5] + qb.z * w[6] + qb.w * w[7];
+            }
         }
 #pragma unroll
         for (int o = CPT / 2; o > 0; o >>= 1)
@@ -312,7 +321,9 @@ __global__ void __launch_bounds__(NT) attn_kernel(kc_attn a)
     constexpr int GMAX = KVARN ? G_T : KVARN_CUDA_MAX_BLOCK;
     constexpr int E = D / 32;
     constexpr int CG = D / 8; /* value phase: channel groups of 8 */
-    __shared__ __align__(16) attn_smem<D, GMAX> sm;
+    /* dynamic: past the 48 KiB of static shared memory at D = 512 */
+    KC_DYNAMIC_SMEM(uint4, smem_u4);
+    attn_smem<D, GMAX> &sm = *reinterpret_cast<attn_smem<D, GMAX> *>(smem_u4);
 
     const int G = KVARN ? G_T : a.g.G;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -442,8 +453,12 @@ __global__ void __launch_bounds__(NT) attn_kernel(kc_attn a)
     for (int k = tid; k < ROWS * D; k += NT) {
         const int r = k / D, d = k % D;
         float s = 0.0f;
+        /* CG > 32 (D = 512): warp w wrote channel groups [32 (w mod
+         * WPG), + 32) only, WPG = CG / 32 warps covering the channels */
+        constexpr int WPG = CG > 32 ? CG / 32 : 1;
 #pragma unroll
-        for (int w = 0; w < NW; w++) s += sm.u.ored[w][r][d];
+        for (int w = 0; w < NW; w++)
+            if (w % WPG == d / 8 / 32 % WPG) s += sm.u.ored[w][r][d];
         sm.q[r][d] = s;
     }
     __syncthreads();
@@ -519,7 +534,14 @@ cudaError_t launch_attn(const kc_attn &a, int num_seqs, cudaStream_t s)
 {
     const dim3 grid((unsigned)(a.g.Hk * a.row_chunks), (unsigned)num_seqs, (unsigned)a.num_splits);
     auto kernel = attn_kernel<D, KIND, G, KB, VB>;
-    KC_LAUNCH(kernel, grid, NT, 0, s, a);
+    constexpr int GMAX = KIND == KVARN_KIND_KVARN ? G : KVARN_CUDA_MAX_BLOCK;
+    const size_t smem = sizeof(attn_smem<D, GMAX>);
+    if (smem > 48 * 1024) {
+        cudaError_t e = cudaFuncSetAttribute((const void *)kernel,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) return e;
+    }
+    KC_LAUNCH(kernel, grid, NT, smem, s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess || a.num_splits == 1) return e;
     auto combine = combine_kernel<D, KIND == KVARN_KIND_KVARN>;

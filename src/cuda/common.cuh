@@ -172,7 +172,11 @@ __device__ __forceinline__ void kc_warp_fwht(float (&x)[D / 32])
         }
     }
     /* 1/sqrt(D) rounded once to fp32 (exact for 64 and 256). */
-    const float norm = D == 64 ? 0.125f : D == 256 ? 0.0625f : 0.08838834764831845f;
+    const float norm = D == 64    ? 0.125f
+                       : D == 256 ? 0.0625f
+                       : D == 512 ? 0.04419417382415922f
+                                  : 0.08838834764831845f;
+    static_assert(D == 64 || D == 128 || D == 256 || D == 512, "head_dim");
 #pragma unroll
     for (int e = 0; e < E; e++) x[e] *= norm;
 }

@@ -12,7 +12,7 @@
 #define KVARN_CUDA_DISPATCH_H
 
 /* head_dim values every kernel is compiled for. */
-#define KVARN_CUDA_HEAD_DIMS(X) X(64) X(128) X(256)
+#define KVARN_CUDA_HEAD_DIMS(X) X(64) X(128) X(256) X(512)
 
 /* KVarN presets: X(D, G, key_bits, value_bits) for one D. The four upstream
  * presets (../shared/spec/KVARN.md "Presets"). */

@@ -349,6 +349,54 @@ static void test_every_format(void **state)
     }
 }
 
+/* head_dim 256 and 512 (Gemma-2/3's and Gemma-4's global layers): the
+ * KVarN presets (plain and mean-centred) and the per-token formats a
+ * staging uses, decode and a causal multi-query chunk, lengths around the
+ * tile size, every kernel set (AVX-512 also in its vpmaddwd build), each
+ * against the reference within run_case's derived bounds (at 512 the
+ * integer dot products are off where kvarn_attn_kernel_info_get says so:
+ * the bounds read it). */
+static void test_large_head_dim(void **state)
+{
+    (void)state;
+    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k4v2_g128c", "int8",
+                          "fp16", "int4"};
+    const int dims[] = {256, 512};
+    for (size_t fi = 0; fi < sizeof fmts / sizeof fmts[0]; fi++)
+        for (int di = 0; di < 2; di++)
+            for (int multi = 0; multi <= 1; multi++)
+                for (int pass = 0; pass <= LV_COUNT; pass++) {
+                    if (di == 0 && fi > 0) continue; /* 256: the default preset (runtime) */
+                    if (pass == LV_COUNT && strncmp(fmts[fi], "kvarn", 5) != 0)
+                        continue; /* the vpmaddwd build is the KVarN kernel's */
+                    const int lv = pass == LV_COUNT ? LV_AVX512 : pass;
+                    attn_case c;
+                    memset(&c, 0, sizeof c);
+                    c.fmt = fmts[fi];
+                    c.no_vnni = pass == LV_COUNT;
+                    c.D = dims[di];
+                    c.Hk = 1;
+                    c.group = 4;
+                    c.G = 16;
+                    c.sink = 1;
+                    c.causal = 1;
+                    c.multi = multi;
+                    c.force_scalar = lv == LV_SCALAR;
+                    c.level = lv;
+                    kvarn_format fmt;
+                    assert_int_equal(kvarn_format_parse(c.fmt, &fmt), KVARN_OK);
+                    const int G = fmt.kind == KVARN_KIND_KVARN ? fmt.tile_tokens : c.G;
+                    const int lens[2] = {G + 1, 2 * G + 5}, qls[2] = {1, G + 3};
+                    c.n_seqs = 2;
+                    for (int s = 0; s < 2; s++) {
+                        c.seqs[s].seq_len = lens[s];
+                        c.q_lens[s] = qls[s];
+                    }
+                    c.seqs[1].tail_tiles = 1;
+                    run_case(&c, 1700 + (int)fi * 11 + di * 3 + multi);
+                }
+}
+
 /* GQA ratios 1, 3, 4, 8 with head_dim 64 and 128. */
 static void test_gqa(void **state)
 {
@@ -1194,10 +1242,13 @@ int main(void)
         cmocka_unit_test(test_sink_and_tail), cmocka_unit_test(test_sink_tokens),
         cmocka_unit_test(test_sliding_window),
         cmocka_unit_test(test_multi_query), cmocka_unit_test(test_long_chunk),
+        cmocka_unit_test(test_large_head_dim),
         cmocka_unit_test(test_odd_head_dim), cmocka_unit_test(test_empty),
         cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_extreme_query),
         cmocka_unit_test(test_bad_inputs),
         cmocka_unit_test(test_kernel_table), cmocka_unit_test(test_kernel_info), cmocka_unit_test(test_prefetch_lines),
     };
+    /* e.g. KVARN_TEST_FILTER='test_large*' to run one test while iterating */
+    if (getenv("KVARN_TEST_FILTER")) cmocka_set_test_filter(getenv("KVARN_TEST_FILTER"));
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -22,10 +22,10 @@
 #include "kvarn/paged.h"
 
 /* sink_tokens: opts.sink_tokens (0: the default whole sink tile);
- * staging: opts.staging; T: opts.tail_page_tokens. */
-static void check_format_st(const char *name, int sink_tokens, int staging, int T)
+ * staging: opts.staging; T: opts.tail_page_tokens; D: head_dim. */
+static void check_format_std(const char *name, int sink_tokens, int staging, int T, int D)
 {
-    const int D = 64, Hk = 2, group = 3, Hq = Hk * group, L = 2;
+    const int Hk = 2, group = 3, Hq = Hk * group, L = 2;
     kvarn_cache_opts co = kvarn_cache_default_opts();
     assert_int_equal(kvarn_format_parse(name, &co.format), KVARN_OK);
     co.n_layers = L;
@@ -33,7 +33,7 @@ static void check_format_st(const char *name, int sink_tokens, int staging, int 
     co.head_dim = D;
     co.max_seqs = 4;
     co.n_pages = co.format.kind == KVARN_KIND_KVARN ? 16 : 0;
-    co.budget_bytes = 8u << 20;
+    co.budget_bytes = (size_t)(8u << 20) / 64 * (size_t)D;
     co.sink_tokens = sink_tokens;
     co.staging = staging;
     co.tail_page_tokens = T;
@@ -173,6 +173,11 @@ static void check_format_st(const char *name, int sink_tokens, int staging, int 
     kvarn_cache_destroy(c);
 }
 
+static void check_format_st(const char *name, int sink_tokens, int staging, int T)
+{
+    check_format_std(name, sink_tokens, staging, T, 64);
+}
+
 static void check_format_s(const char *name, int sink_tokens)
 {
     check_format_st(name, sink_tokens, KVARN_STAGING_FP16, 0);
@@ -210,6 +215,10 @@ static void test_cache_kvarn(void **state)
     check_format("kvarn_k4v2_g64");
     check_format("kvarn_k4v4_g128");
     check_format("kvarn_k4v2_g128c"); /* mean-centred records */
+    /* head_dim 512 (Gemma-4's global layers): fp16 and int8 staging, the
+     * whole sink tile and a tile + 5 sink with small tail pages */
+    check_format_std("kvarn_k4v2_g128", 0, KVARN_STAGING_FP16, 0, 512);
+    check_format_std("kvarn_k4v2_g128", 69, KVARN_STAGING_INT8, 16, 512);
 }
 
 /* Sinks shorter than a tile through the cache: the slot the commit fills

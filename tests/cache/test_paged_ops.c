@@ -1,7 +1,8 @@
 /* test_paged_ops.c -- store and commit into caller-owned paged arenas
  * (include/kvarn/paged_ops.h, src/cache/paged_ops.c) with the padded,
  * vLLM-shaped views of tests/common/paged_arena.h:
- *   - KVarN (kvarn_k4v2_g128, kvarn_k4v4_g64; D = 64, 128): the fp16 page
+ *   - KVarN (kvarn_k4v2_g128, kvarn_k4v4_g64; D = 64, 128; and
+ *     kvarn_k4v2_g128 at D = 512): the fp16 page
  *     rows kvarn_paged_store writes and the records kvarn_paged_commit
  *     writes equal, byte for byte, what the codec gives (oracle below), at
  *     the view's addresses, and every other byte (padding, other heads,
@@ -142,6 +143,8 @@ static void test_kvarn_store_commit(void **state)
     for (int f = 0; f < 2; f++)
         for (int di = 0; di < 2; di++)
             check_kvarn_store_commit(fmts[f], di ? 128 : 64, 700 + (uint64_t)(f * 2 + di));
+    /* the largest KVarN head_dim (Gemma-4's global layers) */
+    check_kvarn_store_commit("kvarn_k4v2_g128", 512, 710);
 }
 
 /* D = 64, where the fp16 rounding of the paged path can be made exact: y

@@ -74,6 +74,9 @@ static void test_head_dim(void **state)
     assert_int_equal(kvarn_format_check_head_dim(&k, 64), KVARN_OK);
     assert_int_equal(kvarn_format_check_head_dim(&k, 128), KVARN_OK);
     assert_int_equal(kvarn_format_check_head_dim(&k, 256), KVARN_OK);
+    assert_int_equal(kvarn_format_check_head_dim(&k, 512), KVARN_OK);
+    assert_int_equal(kvarn_format_check_head_dim(&k, 1024), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
+    assert_int_equal(kvarn_format_check_head_dim(&k, 384), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
     assert_int_equal(kvarn_format_check_head_dim(&k, 96), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
     assert_int_equal(kvarn_format_check_head_dim(&k, 0), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
     assert_int_equal(kvarn_format_check_head_dim(&k, -64), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
@@ -84,7 +87,7 @@ static void test_head_dim(void **state)
     char buf[512];
     kvarn_format_explain(KVARN_ERR_UNSUPPORTED_HEAD_DIM, "kvarn_k4v2_g128", 96, buf, sizeof buf);
     assert_non_null(strstr(buf, "96"));
-    assert_non_null(strstr(buf, "64, 128 or 256"));
+    assert_non_null(strstr(buf, "64, 128, 256 or 512"));
 }
 
 /* Record bytes by the formula in record.h, written independently here. */
@@ -111,8 +114,20 @@ static void test_sizes(void **state)
     assert_true(kvarn_bytes_per_token_head(&f, 64) == 57.0);
     f = parse_ok("kvarn_k4v4_g128");
     assert_int_equal(kvarn_record_bytes(&f, 128), 17920);
-    const int Ds[] = {64, 128, 256}, Gs[] = {32, 64, 128}, bits[] = {2, 4, 8};
-    for (int a = 0; a < 3; a++)
+    /* D >= 256: the per-token share padded to a power of two (spec "Record
+     * layout"), worked by hand from the field table. k4v4, D = 512: 32768 +
+     * 2048 + 256 + 32768 + 1024 + 512 = 69376 bytes, 542 a token -> 1024. */
+    assert_int_equal(kvarn_record_bytes(&f, 512), 1024 * 128);
+    f = parse_ok("kvarn_k4v2_g128");
+    /* D = 256: 16384 + 1024 + 256 + 8192 + 512 + 512 = 26880, 210 -> 256;
+     * D = 512: 32768 + 2048 + 256 + 16384 + 1024 + 512 = 52992, 414 -> 512 */
+    assert_int_equal(kvarn_record_bytes(&f, 256), 256 * 128);
+    assert_int_equal(kvarn_record_bytes(&f, 512), 512 * 128);
+    f = parse_ok("kvarn_k4v2_g64");
+    /* D = 512: 16384 + 2048 + 128 + 8192 + 1024 + 256 = 28032, 438 -> 512 */
+    assert_int_equal(kvarn_record_bytes(&f, 512), 512 * 64);
+    const int Ds[] = {64, 128, 256, 512}, Gs[] = {32, 64, 128}, bits[] = {2, 4, 8};
+    for (int a = 0; a < 4; a++)
         for (int b = 0; b < 3; b++)
             for (int c = 0; c < 3; c++)
                 for (int d = 0; d < 3; d++) {
@@ -318,8 +333,8 @@ static void test_kind_layouts(void **state)
                              KVARN_ERR_BUFFER_TOO_SMALL);
         }
     }
-    /* 6 per-token kinds + 2 aliases serve 512 even D each; 31 KVarN names 3 */
-    assert_int_equal(served, 8 * 512 + 31 * 3);
+    /* 6 per-token kinds + 2 aliases serve 512 even D each; 31 KVarN names 4 */
+    assert_int_equal(served, 8 * 512 + 31 * 4);
     free(x);
     free(y);
     free(rec);

@@ -36,7 +36,7 @@
 #define N_TILES 128
 #endif
 
-enum { MAXD = 256, MAXG = 128, MAXN = MAXD * MAXG };
+enum { MAXD = 512, MAXG = 128, MAXN = MAXD * MAXG };
 
 /* ------------------------------------------------------------------ */
 /* Reference encoder (double), straight from the spec                  */
@@ -454,6 +454,8 @@ static void compare_matrix(const uint8_t *rec_codes, const uint8_t *a16, const u
             fail_msg("tile %d kind %d R %d column %d: s %g (ref %g)", g_tile, g_kind, R, j, rec_f16(col16, j), s_col[j]);
 }
 
+static int g_grid_tiles = N_TILES; /* tiles per run_grid case */
+
 static void run_grid(int D, int G)
 {
     static ref_tile rt;
@@ -467,7 +469,7 @@ static void run_grid(int D, int G)
 
     test_rng r;
     test_rng_seed(&r, 0x7113ull + (uint64_t)(D * 1000 + G));
-    for (int tile = 0; tile < N_TILES; tile++) {
+    for (int tile = 0; tile < g_grid_tiles; tile++) {
         const int kind = tile_kind(tile);
         gen_tile(&r, kind, D, G, k, v);
         g_tile = tile;
@@ -540,8 +542,8 @@ static void test_prerotated(void **state)
     static float k[MAXN], v[MAXN], kr[MAXN], vr[MAXN];
     test_rng r;
     test_rng_seed(&r, 0x9e40ull);
-    const int dims[3] = {64, 128, 256};
-    for (int di = 0; di < 3; di++) {
+    const int dims[4] = {64, 128, 256, 512};
+    for (int di = 0; di < 4; di++) {
         codec_bufs b;
         const int D = dims[di], G = di == 1 ? 64 : 128;
         bufs_open(&b, D, G, 4, 2);
@@ -571,8 +573,8 @@ static void test_misaligned_workspace(void **state)
     static float k[MAXN], v[MAXN];
     test_rng r;
     test_rng_seed(&r, 0x3157ull);
-    const int dims[3] = {64, 128, 256};
-    for (int di = 0; di < 3; di++) {
+    const int dims[4] = {64, 128, 256, 512};
+    for (int di = 0; di < 4; di++) {
         codec_bufs b;
         const int D = dims[di], G = 128;
         bufs_open(&b, D, G, 4, 2);
@@ -932,7 +934,7 @@ static void test_simd_adversarial(void **state)
     (void)state;
     static float k[MAXN], v[MAXN];
     static const char *levels[3] = {"scalar", "avx2", "avx512"};
-    static const int dims[3] = {64, 128, 256}, tiles[3] = {32, 64, 128};
+    static const int dims[4] = {64, 128, 256, 512}, tiles[3] = {32, 64, 128};
     static const int bits[6][2] = {{4, 2}, {4, 4}, {2, 8}, {8, 4}, {2, 2}, {8, 8}};
     static const int iters[3] = {0, 1, 8};
 #ifdef __SANITIZE_ADDRESS__
@@ -945,13 +947,15 @@ static void test_simd_adversarial(void **state)
     if (top < 1) printf("  NOTE: scalar only here (CPU or KVARN_SIMD): nothing to compare\n");
     uint64_t s = 0x9b05688c2b3e6c1full;
     int n_ok = 0, n_rejected = 0;
-    for (int di = 0; di < 3; di++)
+    for (int di = 0; di < 4; di++)
         for (int gi = 0; gi < 3; gi++)
             for (int bi = 0; bi < 6; bi++) {
                 const int D = dims[di], G = tiles[gi];
                 codec_bufs b;
                 bufs_open(&b, D, G, bits[bi][0], bits[bi][1]);
-                for (int rep = 0; rep < per_case; rep++) {
+                /* D = 512: a third of the tiles (each is 2x D = 256's work) */
+                const int reps = D == 512 ? per_case / 3 : per_case;
+                for (int rep = 0; rep < reps; rep++) {
                     const int it = iters[(bi + rep) % 3], pre = (gi + rep) % 2;
                     xs_adversarial(&s, D, G, k, v, pre);
                     setenv("KVARN_SIMD", "scalar", 1);
@@ -992,7 +996,7 @@ static void test_simd_centred_mse(void **state)
     (void)state;
     static float k[MAXN], v[MAXN], kd[MAXN], vd[MAXN];
     static const char *levels[3] = {"scalar", "avx2", "avx512"};
-    static const int dims[3] = {64, 128, 256}, tiles[3] = {32, 64, 128};
+    static const int dims[4] = {64, 128, 256, 512}, tiles[3] = {32, 64, 128};
     static const int bits[3][2] = {{4, 2}, {4, 4}, {2, 8}};
     static const struct { int centred, rtn; } modes[3] = {
         {0, KVARN_RTN_MSE}, {1, KVARN_RTN_MINMAX}, {1, KVARN_RTN_MSE}};
@@ -1001,12 +1005,13 @@ static void test_simd_centred_mse(void **state)
     if (top < 1) printf("  NOTE: scalar only here (CPU or KVARN_SIMD): nothing to compare\n");
     uint64_t s = 0x452821e638d01377ull;
     int n_ok = 0, n_rejected = 0;
-    for (int di = 0; di < 3; di++)
+    for (int di = 0; di < 4; di++)
         for (int gi = 0; gi < 3; gi++)
             for (int bi = 0; bi < 3; bi++)
                 for (int mi = 0; mi < 3; mi++) {
                     const int D = dims[di], G = tiles[gi];
                     if ((di + gi + bi + mi) % 2 == 1) continue; /* half the grid: ASan runtime */
+                    if (D == 512 && G != 128) continue; /* the served G at 512: runtime */
                     char name[32];
                     snprintf(name, sizeof name, "kvarn_k%dv%d_g%d%s", bits[bi][0], bits[bi][1], G,
                              modes[mi].centred ? "c" : "");
@@ -1099,7 +1104,9 @@ static void test_simd_centred_mse(void **state)
 }
 
 /* G = 64 and 128 (the upstream presets) for every D; G = 32 (also in the
- * format table) once, at D = 256 where the power-of-two padding applies. */
+ * format table) once, at D = 256 where the power-of-two padding applies.
+ * D = 512 (Gemma-4's global layers): G = 128 and 64, half the tiles each
+ * (a 512 x 128 tile is 4x the work of 128 x 128). */
 static void test_grid_d64(void **state) { (void)state; run_grid(64, 64); run_grid(64, 128); }
 static void test_grid_d128(void **state) { (void)state; run_grid(128, 64); run_grid(128, 128); }
 static void test_grid_d256(void **state)
@@ -1109,6 +1116,14 @@ static void test_grid_d256(void **state)
     run_grid(256, 128);
     run_grid(256, 32);
 }
+static void test_grid_d512(void **state)
+{
+    (void)state;
+    g_grid_tiles = N_TILES / 2;
+    run_grid(512, 128);
+    run_grid(512, 64);
+    g_grid_tiles = N_TILES;
+}
 
 int main(void)
 {
@@ -1116,6 +1131,7 @@ int main(void)
         cmocka_unit_test(test_grid_d64),
         cmocka_unit_test(test_grid_d128),
         cmocka_unit_test(test_grid_d256),
+        cmocka_unit_test(test_grid_d512),
         cmocka_unit_test(test_prerotated),
         cmocka_unit_test(test_iters_zero),
         cmocka_unit_test(test_nonfinite),

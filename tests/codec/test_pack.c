@@ -143,9 +143,9 @@ static void test_record_orientation(void **state)
     (void)state;
     const char *names[] = {"kvarn_k4v2_g64", "kvarn_k2v4_g128", "kvarn_k8v8_g64",
                            "kvarn_k2v8_g32", "kvarn_k8v2_g128"};
-    const int dims[] = {64, 128, 256};
+    const int dims[] = {64, 128, 256, 512};
     for (size_t f = 0; f < sizeof names / sizeof names[0]; f++) {
-        for (int di = 0; di < 3; di++) {
+        for (int di = 0; di < 4; di++) {
             kvarn_format fmt;
             assert_int_equal(kvarn_format_parse(names[f], &fmt), KVARN_OK);
             const int D = dims[di], G = fmt.tile_tokens, kb = fmt.key_bits, vb = fmt.value_bits;

@@ -57,7 +57,7 @@ static int all_bytes(const unsigned char *p, size_t n, unsigned char b)
 static void test_record_bytes(void **state)
 {
     (void)state;
-    const int dims[] = {2, 64, 96, 128, 256, 1024};
+    const int dims[] = {2, 64, 96, 128, 256, 512, 1024};
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) {
         size_t D = (size_t)dims[i];
         kvarn_format f = parse_ok("fp16");
@@ -161,7 +161,7 @@ static void test_fields_and_formula(void **state)
     test_rng_seed(&r, 0x70c);
     static float k[MAXD], v[MAXD], kd[MAXD], vd[MAXD];
     static unsigned char rec[4 * MAXD + 64];
-    const int dims[] = {2, 8, 64, 96, 128, 1024};
+    const int dims[] = {2, 8, 64, 96, 128, 256, 512, 1024};
     const double sigmas[] = {1.0, 1e-3, 30.0, 1e-6};
     for (size_t n = 0; n < N_NAMES; n++) {
         kvarn_format f = parse_ok(k_names[n]);

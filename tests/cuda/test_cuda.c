@@ -156,7 +156,7 @@ static void test_supports(void **state)
                             "kvarn_k4v4_g64", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2",
                             "int8", "int4"};
     for (size_t i = 0; i < sizeof served / sizeof served[0]; i++)
-        for (int D = 64; D <= 256; D *= 2) {
+        for (int D = 64; D <= 512; D *= 2) {
             kvarn_format f = fmt_of(served[i]);
             assert_int_equal(kvarn_cuda_supports(&f, D), KVARN_OK);
         }
@@ -166,7 +166,7 @@ static void test_supports(void **state)
     assert_int_equal(kvarn_cuda_supports(&f, 128), KVARN_ERR_UNSUPPORTED);
     f = fmt_of("kvarn_k4v2_g128");
     assert_int_equal(kvarn_cuda_supports(&f, 96), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
-    assert_int_equal(kvarn_cuda_supports(&f, 512), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
+    assert_int_equal(kvarn_cuda_supports(&f, 1024), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
     f = fmt_of("int8");
     assert_int_equal(kvarn_cuda_supports(&f, 96), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
     assert_int_equal(kvarn_cuda_supports(&f, 7), KVARN_ERR_UNSUPPORTED_HEAD_DIM);
@@ -429,7 +429,7 @@ static void test_gpu_store_per_token(void **state)
     const char *kinds[] = {"fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"};
     const int Hk = 2, G = 16, n_blocks = 20, n = EMU_SMALL ? 40 : 200, n_in = n + 8;
     for (size_t fi = 0; fi < sizeof kinds / sizeof kinds[0]; fi++)
-        for (int D = 64; D <= 256; D *= 2) {
+        for (int D = 64; D <= 512; D *= 2) {
             kvarn_paged_kv kv = make_kv(kinds[fi], D, Hk, G, NULL, n_blocks, NULL, 0);
             const size_t arena = kv.block_stride * n_blocks, rec = kv.token_record_bytes;
             kv.blocks = dev_alloc(arena);
@@ -522,7 +522,7 @@ static void test_gpu_store_commit_kvarn(void **state)
     const kvarn_case cases[] = {{"kvarn_k4v2_g128", 128}, {"kvarn_k4v4_g128", 128},
                                 {"kvarn_k4v2_g64", 64},   {"kvarn_k4v4_g64", 64},
                                 {"kvarn_k4v2_g128", 256}, {"kvarn_k4v4_g64", 256},
-                                {"kvarn_k4v2_g128", 64}};
+                                {"kvarn_k4v2_g128", 64},  {"kvarn_k4v2_g128", 512}};
     test_rng rng;
     test_rng_seed(&rng, 12);
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
@@ -701,7 +701,7 @@ static void ref_kv_at(const kvarn_paged_kv *kv, const uint8_t *blocks, const uin
     }
     const uint8_t *rec = kvarn_paged_record(&host, id, h);
     if (kv->fmt.kind != KVARN_KIND_KVARN) {
-        float kf[256], vf[256];
+        float kf[512], vf[512];
         assert_int_equal(kvarn_decode(&kv->fmt, D, kvarn_paged_token_record(&host, id, h, t),
                                       kv->token_record_bytes, kf, vf, 0), KVARN_OK);
         for (int d = 0; d < D; d++) { k[d] = kf[d]; v[d] = vf[d]; }
@@ -752,7 +752,8 @@ static void test_gpu_attention(void **state)
         {"kvarn_k4v2_g64", 256, 1, 2, 0},  {"kvarn_k4v4_g128", 64, 1, 12, 0},
         {"int8", 128, 2, 8, 16},           {"fp8_e4m3", 64, 3, 9, 32},
         {"int4", 256, 1, 4, 16},           {"fp16", 128, 2, 4, 16},
-        {"bf16", 64, 1, 1, 64},            {"fp8_e5m2", 128, 4, 8, 128}};
+        {"bf16", 64, 1, 1, 64},            {"fp8_e5m2", 128, 4, 8, 128},
+        {"kvarn_k4v2_g128", 512, 2, 4, 0}, {"int8", 512, 1, 2, 16}};
     test_rng rng;
     test_rng_seed(&rng, 13);
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {

@@ -149,7 +149,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if scaling is None:
         scaling = D ** -0.5
     rep = Hq // Hk
-    quant = _STATE["quantized"](module) and getattr(_STATE["codec"], "layer_quantized",
+    codec = _STATE["codec"](D)
+    quant = _STATE["quantized"](module) and getattr(codec, "layer_quantized",
                                                     lambda layer: True)(module.layer_idx)
     if quant and _STATE["staging"] is not None:
         # every token is staged first: the sink and own tile are read from
@@ -157,13 +158,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         key, value = key.clone(), value.clone()
         for b in range(B):
             for h in range(Hk):
-                ks, vs = _STATE["staging"].roundtrip(key[b, h].numpy(), value[b, h].numpy())
+                ks, vs = _STATE["staging"](D).roundtrip(key[b, h].numpy(),
+                                                        value[b, h].numpy())
                 key[b, h], value[b, h] = torch.from_numpy(ks), torch.from_numpy(vs)
     k = key.repeat_interleave(rep, dim=1)
     v = value.repeat_interleave(rep, dim=1)
     scores = torch.matmul(query, k.transpose(2, 3)) * scaling
     if quant:
-        codec = _STATE["codec"]
         G = codec.G
         kq, vq = key.clone(), value.clone()
         for b in range(B):
@@ -233,9 +234,21 @@ def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool =
                                                  attn_implementation="kvarn_emu")
     model.eval()
     cfg = model.config.get_text_config()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    _STATE["codec"] = codec(head_dim) if codec else Codec(fmt, head_dim, rtn_range)
-    _STATE["staging"] = RecordStaging(staging, head_dim) if staging != "fp16" else None
+    # one codec (and staging) per head_dim, made at the first layer that
+    # has it (Gemma-4's layers differ: 256 local, 512 global)
+    codecs, stagings = {}, {}
+
+    def codec_of(d: int):
+        if d not in codecs:
+            codecs[d] = codec(d) if codec else Codec(fmt, d, rtn_range)
+        return codecs[d]
+
+    def staging_of(d: int):
+        if d not in stagings:
+            stagings[d] = RecordStaging(staging, d)
+        return stagings[d]
+    _STATE["codec"] = codec_of
+    _STATE["staging"] = staging_of if staging != "fp16" else None
     _STATE["quantized"] = lambda m: quantize and (
         quantize_sliding or not _is_sliding(cfg, m.layer_idx))
     with torch.no_grad():

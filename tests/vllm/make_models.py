@@ -33,6 +33,7 @@ the codec's error away, and the next-token distribution is nearly flat):
     its head's attention.
 Deterministic: the same files for the same transformers/torch versions.
 """
+import math
 import os
 import shutil
 import sys
@@ -90,6 +91,28 @@ FAMILIES = {
                                           attn_logit_softcapping=None,
                                           final_logit_softcapping=30.0,
                                           tie_word_embeddings=True)),
+    # Gemma-3-1B: 5 local (sliding 512 there; 256 here) : 1 global layer,
+    # head_dim 256, GQA 4:1, q/k RMS norms, no soft-capping
+    "gemma3": ("Gemma3TextConfig", dict(hidden_size=512, intermediate_size=1024,
+                                        num_hidden_layers=6, num_attention_heads=4,
+                                        num_key_value_heads=1, head_dim=256,
+                                        query_pre_attn_scalar=256, sliding_window=256,
+                                        final_logit_softcapping=None,
+                                        attn_logit_softcapping=None,
+                                        tie_word_embeddings=True)),
+    # Gemma-4 (transformers' Gemma4TextConfig defaults, whose docstring names
+    # gemma-4-e2b-it): 5 local layers at head_dim 256 (sliding 512
+    # there; 256 here) : 1 global layer at head_dim 512 (global_head_dim,
+    # partial RoPE), q/k/v RMS norms, attention scale 1; no per-layer input
+    # embeddings (their size 0: not attention)
+    "gemma4": ("Gemma4TextConfig", dict(hidden_size=512, intermediate_size=1024,
+                                        num_hidden_layers=6, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=256,
+                                        global_head_dim=512, sliding_window=256,
+                                        hidden_size_per_layer_input=0,
+                                        vocab_size_per_layer_input=VOCAB,
+                                        final_logit_softcapping=None,
+                                        tie_word_embeddings=True)),
     # Phi-3-mini: head_dim 96 (3072 / 32), fused qkv
     "phi3": ("Phi3Config", dict(hidden_size=768, intermediate_size=2048,
                                 num_hidden_layers=2, num_attention_heads=8,
@@ -124,9 +147,9 @@ def _scale_weights(model, family: str, gen) -> None:
             elif name.endswith("embed_tokens.weight") and not model.config.tie_word_embeddings:
                 p.mul_(EMBED_GAIN)
             elif name == "model.norm.weight" and model.config.tie_word_embeddings:
-                # Gemma-2 (tied, as vLLM loads it): the head's gain on the
-                # final norm, whose scale is 1 + weight
-                p.fill_(HEAD_GAIN - 1)
+                # Gemma-2/3/4 (tied, as vLLM loads it): the head's gain on
+                # the final norm, whose scale is 1 + weight (Gemma-4: weight)
+                p.fill_(HEAD_GAIN if family == "gemma4" else HEAD_GAIN - 1)
             elif family == "qwen2" and name.endswith(("q_proj.bias", "k_proj.bias",
                                                       "v_proj.bias")):
                 p.copy_(torch.randn(p.shape, generator=gen) * BIAS_STD)
@@ -134,6 +157,16 @@ def _scale_weights(model, family: str, gen) -> None:
                 p.copy_(torch.exp(torch.randn(p.shape, generator=gen) * 0.5))
             elif family == "gpt_oss" and name.endswith("self_attn.sinks"):
                 p.copy_(SINK_MEAN + SINK_STD * torch.randn(p.shape, generator=gen))
+            elif family in ("gemma3", "gemma4") and name.endswith(("q_norm.weight",
+                                                                   "k_norm.weight")):
+                # q and k are RMS-normed, so the projections' gain is gone:
+                # the norms' scale w sets the scores' std, w^2 sqrt(D) times
+                # the softmax scale (Gemma-3: 1 / sqrt(D), w = 1 + weight;
+                # Gemma-4: 1, w = weight); w^2 = QK_GAIN, jittered
+                D = p.shape[-1]
+                w = math.sqrt(QK_GAIN * (1.0 if family == "gemma3" else D ** -0.5))
+                w = w * torch.exp(torch.randn(p.shape, generator=gen) * 0.25)
+                p.copy_(w - 1 if family == "gemma3" else w)
 
 
 def make(family: str, out_dir: str) -> str:

@@ -251,7 +251,7 @@ FAMILY_FORMATS = {               # the served families (docs/vllm-models.md)
     "llama3": [KV], "qwen2": [KV, KVC], "qwen3": [KV], "gemma2_nocap": [KV],
     "mistral": [KV, QUANTIZE_SW]}
 REFUSED = {                      # test_families' test_family_refused_at_start
-    "phi3": ["head_dim 96", "64, 128 or 256", "--kv-cache-dtype auto"],
+    "phi3": ["head_dim 96", "64, 128, 256 or 512", "--kv-cache-dtype auto"],
     "gemma2": ["soft-caps its attention logits", "--kv-cache-dtype auto"]}
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "kvarn-vllm-ladder")
 

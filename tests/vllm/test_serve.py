@@ -287,7 +287,7 @@ def test_bad_setups_fail_at_start_with_a_clear_error(cfg, needle):
 
 
 def test_unsupported_head_dim_fails_at_start(hf_model, tmp_path):
-    """A model with head_dim 32 (KVarN serves 64, 128, 256): the library's
+    """A model with head_dim 32 (KVarN serves 64, 128, 256, 512): the library's
     head_dim explanation at start-up."""
     import shutil
     cfg = json.load(open(os.path.join(hf_model, "config.json")))
