@@ -5,7 +5,7 @@ requests, in one run (docs/vllm.md "Benchmark"; README "Serve with vLLM").
     .venv-vllm/bin/python bench/vllm_throughput.py [--requests 32]
         [--prompt-tokens 2048] [--gen 128] [--kv-bytes 536870912]
         [--max-num-seqs 32] [--dtypes bfloat16,kvarn_k4v2_g128,fp8_e5m2]
-        [--speculative K]
+        [--speculative K] [--no-prefix-caching]
 
 A --dtypes entry may carry environment settings for its run after colons,
 e.g. kvarn_k4v2_g128:KVARN_STAGING=fp16 or
@@ -58,6 +58,8 @@ def one(cfg: dict) -> dict:
         extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": cfg["spec"],
                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
         extra["disable_log_stats"] = False
+    if cfg.get("no_prefix_caching"):
+        extra["enable_prefix_caching"] = False
     llm = LLM(model=MODEL, dtype=cfg["model_dtype"], enforce_eager=True, seed=0, **extra,
               kv_cache_dtype=cfg["dtype"].split(":")[0], block_size=128,
               kv_cache_memory_bytes=cfg["kv_bytes"], max_num_seqs=cfg["max_num_seqs"],
@@ -95,6 +97,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,kvarn_k4v2_g128,fp8_e5m2")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="also run each format with n-gram speculation of K tokens")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="turn vLLM's prefix caching off (each prompt prefilled in full)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -107,7 +111,7 @@ def main() -> None:
         env = dict(kv.split("=", 1) for kv in d.split(":")[1:])
         cfg = dict(dtype=d, env=env, requests=a.requests, prompt_tokens=a.prompt_tokens, gen=a.gen,
                    kv_bytes=a.kv_bytes, max_num_seqs=a.max_num_seqs, model_dtype=a.model_dtype,
-                   spec=k)
+                   spec=k, no_prefix_caching=a.no_prefix_caching)
         p = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
                            capture_output=True, text=True)
         res = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
@@ -117,7 +121,9 @@ def main() -> None:
         rows.append(json.loads(res[0][7:]))
     print(f"{a.requests} requests x {a.prompt_tokens} prompt + {a.gen} generated tokens, "
           f"KV budget {a.kv_bytes / 2**20:.0f} MiB, max_num_seqs {a.max_num_seqs}, "
-          f"model {a.model_dtype}, {os.cpu_count()} CPUs")
+          f"model {a.model_dtype}, {os.cpu_count()} CPUs, torch threads "
+          f"{os.environ.get('OMP_NUM_THREADS', 'default')}, prefix caching "
+          f"{'off' if a.no_prefix_caching else 'on'}")
     spec = " ".join(f"{h:>8}" for h in ("spec K", "accept", "x nospec")) if a.speculative else ""
     print(f"{'cache':40} {'KV tokens':>10} {'req/s':>8} {'out tok/s':>10} {'peak run':>9} "
           f"{'preempt':>8} {'x req/s':>8} {'x run':>6} {spec}")
