@@ -249,7 +249,7 @@ KVC = KV + "c"                   # values mean-centred per tile (docs/kvarn-cent
 QUANTIZE_SW = f"{KV}:KVARN_SLIDING_WINDOW=quantize"
 FAMILY_FORMATS = {               # the served families (docs/vllm-models.md)
     "llama3": [KV], "qwen2": [KV, KVC], "qwen3": [KV], "gemma2_nocap": [KV],
-    "mistral": [KV, QUANTIZE_SW]}
+    "mistral": [KV, QUANTIZE_SW], "gpt_oss": [KV], "gemma3": [KV], "gemma4": [KV]}
 REFUSED = {                      # test_families' test_family_refused_at_start
     "phi3": ["head_dim 96", "64, 128, 256 or 512", "--kv-cache-dtype auto"],
     "gemma2": ["soft-caps its attention logits", "--kv-cache-dtype auto"]}
@@ -353,47 +353,77 @@ def _record(fmt: str, d: int) -> int:
     return _lib.record_bytes(_lib.parse_format(fmt.split(":")[0], d), d)
 
 
-def _expected_capacity(fam: str, fmt: str, n: int, batched: int) -> tuple:
-    """(KV tokens, blocks a FAM_LEN-token request holds) at FAM_BUDGET and
-    max_num_seqs n, by hand (docs/vllm.md "Capacity"; the arithmetic
-    test_families checks against running engines, one layer group):
-    vLLM's fp32 cache in pages of G tokens of every layer; a kvarn format
-    the budget less the int8 staging pool of n sequences
-    (conftest.staging_pool_bytes over the layers it quantizes) in pages of
-    one record per layer and KV head. Sliding-window layers (Mistral's, and
-    Gemma-2's local ones) stay in vLLM's fp32 cache unless
-    KVARN_SLIDING_WINDOW=quantize; their requests hold the blocks of
-    min(ctx, window - 1 + batched) tokens and one more (vLLM 0.32's
-    sliding-window spec). Gemma-2 (local and global layers alternating)
-    has two layer groups drawing on one pool: vLLM sizes every page to the
-    larger one (fp32's) by giving kvarn's group blocks of (that / kvarn's
-    page) tiles, a block is one page of each group's layer pair, and the
-    KV tokens are vLLM's own figure: blocks / blocks per request x ctx."""
-    layers, hk, d = _shape(fam)
-    import make_models
-    window = make_models.FAMILIES[fam][1].get("sliding_window")
-    fp32_page = G * hk * 2 * d * 4
+def _layers(model: str) -> list:
+    """[(sliding window or None, KV heads, head_dim)] per layer, from the
+    model's config.json: layer_types where the config has them (Gemma-2/3/4,
+    gpt-oss, Qwen), else every layer sliding where sliding_window is set
+    (Mistral); Gemma-4's per_layer_config gives its global layers' head_dim."""
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    n, per = c["num_hidden_layers"], c.get("per_layer_config") or {}
+    d0 = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    types = c.get("layer_types") or (["sliding_attention" if c.get("sliding_window")
+                                      else "full_attention"] * n)
+    return [(c["sliding_window"] if t == "sliding_attention" else None,
+             int(per.get(str(i), {}).get("num_key_value_heads", c["num_key_value_heads"])),
+             int(per.get(str(i), {}).get("head_dim", d0))) for i, t in enumerate(types)]
+
+
+def _expected_capacity(model: str, fmt: str, n: int, batched: int) -> tuple:
+    """(KV tokens, blocks a FAM_LEN-token request holds, blocks) at
+    FAM_BUDGET and max_num_seqs n, by hand from the model's layers
+    (docs/vllm.md "Capacity"; docs/vllm-models.md), as vLLM 0.32's
+    v1/core/kv_cache_utils.py builds the pool on this build's
+    layer-outermost CPU layout (not its packed path):
+      - a layer's page, blocks of G tokens (the CPU default, and the
+        ladder's --block-size for kvarn): vLLM's fp32 cache Hk x 2 x D x 4
+        bytes a token, a kvarn layer one record per KV head a tile, at the
+        layer's own Hk and D (Gemma-4's global layer: 512). Sliding-window
+        layers stay in vLLM's cache unless KVARN_SLIDING_WINDOW=quantize.
+      - unify_kv_cache_spec_page_size: every page becomes the largest; a
+        smaller page that divides it gets blocks that many times larger
+        (kvarn beside fp32 at D >= 256, where a record's per-token share
+        is a power of two), one that does not is padded to it, its block
+        unchanged (gpt-oss at D = 64: 2 x 7296-byte records against a
+        131072-byte fp32 page).
+      - _get_kv_cache_groups_uniform_page_size: layers grouped by spec, the
+        group size the fewest layers of a kind (the most where that is
+        under 1.5 x the fewest); a block is group size x the page.
+      - blocks: the budget less the staging pool of n sequences (over the
+        kvarn layers) over that; a request holds per group
+        ceil(FAM_LEN / block) blocks, a sliding group
+        ceil(min(FAM_LEN, window - 1 + batched) / block) + 1 (vLLM 0.32's
+        sliding-window spec); with one group the KV tokens are blocks x
+        block size, with several vLLM's own figure blocks / per request x
+        FAM_LEN."""
+    from collections import Counter
+    layers = _layers(model)
+    name, _, opt = fmt.partition(":")
+    quantize_sw = opt == "KVARN_SLIDING_WINDOW=quantize"
     cdiv = lambda a, b: -(-a // b)                      # noqa: E731
-    sw_blocks = cdiv(min(FAM_LEN, window - 1 + batched), G) + 1 if window else None
-    kvarn = fmt != "auto" and (fam != "mistral" or fmt == QUANTIZE_SW)
-    if fam != "gemma2_nocap":
-        if not kvarn:
-            nb, per_req = FAM_BUDGET // (layers * fp32_page), sw_blocks or cdiv(FAM_LEN, G)
-        else:
-            pool = staging_pool_bytes(layers, hk, d, n, batched=batched)
-            nb = (FAM_BUDGET - pool) // (layers * hk * _record(fmt, d))
-            per_req = sw_blocks or cdiv(FAM_LEN, G)
-        return nb * G, per_req, nb
-    half = layers // 2                                   # global layers, local layers
-    if not kvarn:
-        nb, per_req = FAM_BUDGET // (half * fp32_page), cdiv(FAM_LEN, G) + sw_blocks
-    else:
-        ratio, rem = divmod(fp32_page, hk * _record(fmt, d))
-        assert rem == 0, "kvarn's page does not divide fp32's: vLLM pads it (not derived here)"
-        pool = staging_pool_bytes(half, hk, d, n, batched=batched)
-        nb = (FAM_BUDGET - pool) // (half * fp32_page)
-        per_req = cdiv(FAM_LEN, ratio * G) + sw_blocks
-    return nb * FAM_LEN // per_req, per_req, nb
+    kv = [name != "auto" and (w is None or quantize_sw) for w, _, _ in layers]
+    # kvarn layers of both kinds become one group of full-attention specs
+    # (backend.customize_spec): gpt-oss with quantize, not derived here
+    assert not (any(q and w is not None for (w, _, _), q in zip(layers, kv))
+                and any(w is None for w, _, _ in layers)), "sliding and full layers in kvarn"
+    pages = [hk * _record(name, d) if q else G * hk * 2 * d * 4
+             for (_, hk, d), q in zip(layers, kv)]
+    page = max(pages)
+    blocks = [G * page // p if page % p == 0 else G for p in pages]
+    kinds = Counter(zip(layers, kv))
+    size = min(kinds.values())
+    size = max(kinds.values()) if max(kinds.values()) < 1.5 * size else size
+    shapes = [s[1:] for s, q in zip(layers, kv) if q]
+    assert len(set(shapes)) <= 1       # the staging pool's one page shape
+    pool = staging_pool_bytes(len(shapes), *shapes[0], n, batched=batched) if shapes else 0
+    nb = (FAM_BUDGET - pool) // (size * page)
+    per_req = ngroups = 0
+    for kind, count in kinds.items():
+        w, b = kind[0][0], blocks[list(zip(layers, kv)).index(kind)]
+        span = cdiv(min(FAM_LEN, w - 1 + batched), b) + 1 if w else cdiv(FAM_LEN, b)
+        per_req += cdiv(count, size) * span
+        ngroups += cdiv(count, size)
+    return (nb * blocks[0] if ngroups == 1 else nb * FAM_LEN // per_req), per_req, nb
 
 
 _EXACT = {}                      # model -> its exact fp32 log-probabilities (emulate.py)
@@ -436,17 +466,21 @@ def test_family_ladder(fam, families):
     assert rep["kld_mode"] == "exact" and rep["vocab"] == 2048 and rep["ctx"] == FAM_LEN
     assert not any("capacity not computed" in w or "not vLLM's" in w for w in rep["warnings"])
     batched = rep["max_num_batched_tokens"]
-    k_e0, nll = _emulated_kl(model, KV, quantize_sliding=fam != "gemma2_nocap")
+    # the codec's effect with every layer quantized where every layer is
+    # sliding (Mistral: the KVARN_SLIDING_WINDOW=quantize row); elsewhere
+    # the sliding layers stay in vLLM's cache, as kvarn_k4v2_g128 keeps them
+    all_sliding = all(w is not None for w, _, _ in _layers(model))
+    k_e0, nll = _emulated_kl(model, KV, quantize_sliding=all_sliding)
     ref = _row(rep, "auto")
     print(f"{fam}: reference ln PPL {math.log(ref['ppl']):.5f}, transformers fp32 {nll:.5f}")
     assert abs(math.log(ref["ppl"]) - nll) < k_e0 / 10
     for f in rep["formats"]:
         n = f["max_num_seqs"]
-        kv_tokens, per_req, nb = _expected_capacity(fam, f["label"], n, batched)
+        kv_tokens, per_req, nb = _expected_capacity(model, f["label"], n, batched)
         assert (f["kv_tokens"], f["blocks_per_request"]) == (kv_tokens, per_req), f
         # without --max-num-seqs: the largest n whose pool leaves blocks for
         # n requests (vLLM's null block held back), and n + 1 does not fit
-        nb1 = _expected_capacity(fam, f["label"], n + 1, batched)[2]
+        nb1 = _expected_capacity(model, f["label"], n + 1, batched)[2]
         assert f["requests_fit"] == n and (nb - 1) // per_req >= n > (nb1 - 1) // per_req - 1, f
         if f is ref:
             continue
@@ -464,6 +498,8 @@ def test_family_ladder(fam, families):
               f"KV tokens {f['kv_tokens']} (fp32 {ref['kv_tokens']}), fit {f['requests_fit']}")
         assert math.isfinite(k_v) and k_e / 2 <= k_v <= 2 * k_e
     print(f"{fam}: ladder {secs:.0f} s")
+
+
 def test_value_biases_name_the_better_variant(families):
     """Qwen2 (q/k/v biases, plugin.has_value_bias): the ladder ran the plain
     and the centred format, and prints which has the lower decode KLD, its
