@@ -409,6 +409,11 @@ class KvarnAttentionImpl(AttentionImpl):
         out = output[:n].view(n, Hq, D)
         res = torch.empty((n, Hq, D), dtype=torch.float32, device=q.device)
         self._attend(kv_cache, p, q, res)
+        for page, slot in self._ids(p)["handoffs"]:
+            # the tile started in scratch this step moves into the slot of
+            # the tile it followed, read for the last time just now
+            # (staging.py _hand_over)
+            self.pool_tensor[slot].copy_(self.pool_tensor[page])
         out.copy_(res)  # converts to the model's dtype
         if self.layer_index == len(_State.layers) - 1:
             # the last layer so far: in the first step the layers register as
@@ -493,7 +498,8 @@ class KvarnAttentionImpl(AttentionImpl):
         shift = (lambda page: page + d if page >= ns else page)
         ids = {"store_slots": slots, "g_tables": tables,
                "commit_src": np.array([shift(s) for s, _ in p.commit_pool], dtype=np.int32),
-               "sink_copies": [(shift(page), slot) for page, slot in p.sink_copies]}
+               "sink_copies": [(shift(page), slot) for page, slot in p.sink_copies],
+               "handoffs": [(shift(page), slot) for page, slot in p.handoffs]}
         cache[d] = ids
         return ids
 

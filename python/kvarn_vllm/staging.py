@@ -8,7 +8,10 @@ KVARN_STAGING, include/kvarn/paged.h "Staging").
 
 Sizing (docs/vllm.md "Capacity"), all of it taken out of vLLM's KV budget:
   - slots, one tile of every layer each: a running sequence holds at most
-    sink_tiles + 1 (its sink tiles and its partial tail tile), so
+    sink_tiles + 1 (its sink tiles and its partial tail tile; a chunk that
+    completes the tail tile and starts another stages the new one in the
+    step's scratch and hands the completed tile's slot to it after each
+    layer's attention, _hand_over), so
     max_num_seqs * (sink_tiles + 1); with speculative decoding of k draft
     tokens a step, k // G + 1 more per sequence (the tiles the drafts reach,
     held until their tokens are accepted: "Speculative decoding" in
@@ -120,6 +123,10 @@ class StepPlan:
         self.sink_copies = []        # (page, sink slot): copy the page's first r
                                      # rows into the slot before its commit
         self.finished = False        # Staging.finish has run (once per step)
+        self.handoffs = []           # (scratch page, slot): after each layer's
+                                     # attention the page is copied into the slot
+                                     # (a tile started this step taking over the
+                                     # slot of the tile it completed: _hand_over)
 
 
 class Staging:
@@ -170,6 +177,17 @@ class Staging:
         self.block_of[s] = -1
         self.is_sink[s] = False
         self.free.append(s)
+
+    def _hand_over(self, s: int, block: int) -> None:
+        """Slot s, whose tile commits this step, becomes block's: the
+        sequence's new partial tile, staged in a scratch page this step and
+        copied into s once each layer's attention has read the old tile."""
+        old = self.block_of[s]
+        if old >= 0:
+            self.slot_of[old] = -1
+        self.block_of[s] = block
+        self.slot_of[block] = s
+        self.is_sink[s] = False
 
     def _release_sink(self, s: int) -> None:
         self.sslot_of[self.sblock_of[s]] = -1
@@ -278,6 +296,12 @@ class Staging:
             # not committed this step
             known = L - (0 if n_draft is None else int(n_draft[i]))
             row = block_table[i]
+            # slots of this sequence's tiles that commit this step: a later
+            # tile of the chunk that needs a slot takes one over (a prompt
+            # resumed mid-tile completes that tile and starts another; with
+            # a slot of its own it would hold sink + 2 for the step, and
+            # max_num_seqs x (sink + 1) slots would not serve it)
+            handoff = []
             # the chunk's tokens, tile by tile
             pos = L0
             while pos < L:
@@ -308,22 +332,33 @@ class Staging:
                     p.groups.append((i, t, j0, j1, pos - t * G, "scratch", k))
                 else:
                     s = int(self.slot_of[b])
-                    if s < 0:
-                        s = self._take(b, t < S, protect)
+                    page, where = s, "pool"
+                    if s < 0 and handoff and t >= S and p.n_scratch < self.n_scratch:
+                        # staged in scratch for this step, then in the slot
+                        # of the tile this chunk completed
+                        s = handoff.pop()
+                        p.free_after.remove(s)
+                        self._hand_over(s, b)
+                        page, where = self.n_slots + p.n_scratch, "scratch"
+                        p.n_scratch += 1
+                        p.handoffs.append((page, s))
+                    elif s < 0:
+                        s = page = self._take(b, t < S, protect)
                     if self.provisional[b]:
                         self.stats["refilled"] += 1
-                    p.store_slots[j0:j1] = s * G + offs
+                    p.store_slots[j0:j1] = page * G + offs
                     if end == (t + 1) * G:
                         if r > 0 and t == S:
-                            p.sink_copies.append((s, self._sink_of(b, protect)))
-                        p.commit_pool.append((s, b))
+                            p.sink_copies.append((page, self._sink_of(b, protect)))
+                        p.commit_pool.append((page, b))
                         if end <= known:
                             p.mark_committed.append(b)
                             if t >= S:
                                 p.free_after.append(s)
+                                handoff.append(s)
                         else:
                             p.mark_provisional.append(b)
-                    p.groups.append((i, t, j0, j1, pos - t * G, "pool", s))
+                    p.groups.append((i, t, j0, j1, pos - t * G, where, page))
                 pos = end
             # full tiles below the last one touched: records, sink tiles in
             # their fp16 slot while it is there

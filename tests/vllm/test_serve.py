@@ -275,6 +275,24 @@ def test_request_reusing_freed_blocks_equals_it_alone(hf_model):
     assert after["outputs"][0]["token_ids"] == alone["outputs"][0]["token_ids"]
 
 
+def test_prompt_resumed_mid_tile_beside_a_decoding_one(hf_model):
+    """max_num_seqs 2, 200 tokens a step: a 130-token prompt decodes while a
+    600-token one is prefilled in chunks that start mid-tile; the chunk
+    that completes tile 2 also starts tile 3, so for a step that sequence
+    stages its sink, tile 2 and tile 3 while the other holds its sink and
+    tail: 5 tiles of a 4-slot pool (the pool ran out, "staging pool (4
+    tiles) is exhausted", until the new tile took over the completed one's
+    slot: staging.py _hand_over). Tokens equal those of the same requests
+    prefilled whole."""
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(hf_model)(_austen(6000, 50000))["input_ids"]
+    prompts = [ids[:130], ids[1000:1600]]
+    cfg = dict(kv_cache_dtype=KV, prompt_ids=prompts, max_tokens=8, max_num_seqs=2)
+    cut, _ = run_llm(dict(cfg, max_num_batched_tokens=200))
+    whole, _ = run_llm(cfg)
+    assert [o["token_ids"] for o in cut["outputs"]] == [o["token_ids"] for o in whole["outputs"]]
+
+
 @pytest.mark.parametrize("cfg,needle", [
     (dict(kv_cache_dtype=KV, block_size=64), "needs --block-size 128"),
     (dict(kv_cache_dtype="kvarn_k4v3_g128"), "accepted"),

@@ -292,7 +292,13 @@ def test_tile_filled_by_known_tokens_commits_at_once():
     _decoding_at(st, 255, table)
     s1 = int(st.slot_of[2])
     p = step(st, [6], [261], [table], drafts=[5])     # known = 256
-    assert 2 in p.mark_committed and p.mark_provisional == [] and s1 in p.free_after
+    assert 2 in p.mark_committed and p.mark_provisional == []
+    # its slot goes to the drafts' tile (block 3), staged in scratch for
+    # this step and copied into the slot after each layer's attention
+    assert s1 not in p.free_after and p.handoffs == [(st.n_slots, s1)]
+    assert st.slot_of[3] == s1 and st.slot_of[2] == -1 and st.block_of[s1] == 3
+    assert [g[5:] for g in p.groups if g[1] == 1] == [("pool", s1)]       # block 2
+    assert [g[5:] for g in p.groups if g[1] == 2] == [("scratch", st.n_slots)]  # block 3
 
 
 def test_whole_tile_of_drafts_takes_a_slot_not_scratch():
@@ -351,3 +357,50 @@ def test_random_acceptance_never_commits_a_rejected_token(k):
     assert st.stats["confirmed"] > 0 and st.stats["provisional"] > 0
     if k < G:
         assert st.stats["refilled"] > 0
+
+
+def _serve(st, n_seqs, prompt, gen, budget, blocks_per_seq):
+    """vLLM 0.32's scheduler, as far as the pool sees it: requests admitted
+    in order up to n_seqs, every step the running ones first in admission
+    order (a decoding one 1 token, a prefilling one the rest of its prompt
+    up to the budget left, so a cut prompt resumes mid-tile), then new ones
+    while the budget lasts; each step planned and finished. Returns the
+    most slots any step's plan held (its own and those freed after it)."""
+    done = [0] * n_seqs          # tokens computed
+    table = [[i * blocks_per_seq + j for j in range(blocks_per_seq)] for i in range(n_seqs)]
+    most = 0
+    while min(done) < prompt + gen:
+        left, q_lens, seqs = budget, [], []
+        for i in range(n_seqs):
+            if done[i] >= prompt + gen or left == 0:
+                continue
+            q = 1 if done[i] >= prompt else min(prompt - done[i], left)
+            q_lens.append(q)
+            seqs.append(i)
+            left -= q
+        p = step(st, q_lens, [done[i] + q for i, q in zip(seqs, q_lens)],
+                 [table[i] for i in seqs])
+        most = max(most, st.n_slots - len(st.free) + 0 * len(p.free_after))
+        st.finish(p)
+        for i, q in zip(seqs, q_lens):
+            done[i] += q
+    return most
+
+
+@pytest.mark.parametrize("budget", [300, 2 * G + 1, 4096])
+def test_chunked_prefill_resuming_mid_tile_fits_the_pool(budget):
+    """A prompt cut mid-tile by the step's token budget resumes in the next
+    step, completing that tile and starting another: for that step both
+    tiles are staged (the full one is read by its own queries and
+    committed). The pool of max_num_seqs x (sink + 1) slots must still
+    serve every sequence at once (8 sequences of 7552 tokens at 4096
+    batched tokens exhausted it: the resumed chunk's new tile took a 17th
+    slot): the new tile is staged in the step's scratch and takes over the
+    completed tile's slot after the step."""
+    from kvarn_vllm.staging import scratch_tiles
+    n, prompt, gen = 4, 5 * G + 37, G + 5
+    per = -(-(prompt + gen) // G)
+    st = Staging(n_slots=pool_slots(n, 1), tile=G, sink_tiles=1, n_blocks=n * per,
+                 n_scratch=scratch_tiles(budget, G))
+    most = _serve(st, n, prompt, gen, budget, per)
+    assert most <= pool_slots(n, 1)
