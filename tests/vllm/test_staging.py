@@ -380,7 +380,7 @@ def _serve(st, n_seqs, prompt, gen, budget, blocks_per_seq):
             left -= q
         p = step(st, q_lens, [done[i] + q for i, q in zip(seqs, q_lens)],
                  [table[i] for i in seqs])
-        most = max(most, st.n_slots - len(st.free) + 0 * len(p.free_after))
+        most = max(most, st.n_slots - len(st.free))
         st.finish(p)
         for i, q in zip(seqs, q_lens):
             done[i] += q
