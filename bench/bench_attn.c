@@ -357,6 +357,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_attn: --queries: expected an integer in [1, 1024]\n");
         return 2;
     }
+    for (int ci = 0; ci < ctxs.n; ci++)
+        if (ctxs.v[ci] < n_queries) { /* causal: a sequence's queries lie in its context */
+            fprintf(stderr, "bench_attn: --queries %d exceeds context %d (each context must hold "
+                            "its queries)\n", n_queries, ctxs.v[ci]);
+            return 2;
+        }
     kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
     kvarn_attn_testing knobs = {0, scalar, 0};
     o0.testing = &knobs;

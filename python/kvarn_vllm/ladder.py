@@ -103,6 +103,12 @@ ALL_KVARN_PER_TOKEN = ("fp16", "bf16", "int8", "int4")   # kvarn eval's names vL
 ENGINE_TIMEOUT_S = 3600
 
 
+# the plug-in's settings a --kv-cache-dtype entry may carry (docs/vllm.md):
+# any other KVARN_ name (a typo) would run the defaults under its label
+SETTINGS = ("KVARN_STAGING", "KVARN_SINK_TOKENS", "KVARN_SINK_TILES", "KVARN_SLIDING_WINDOW",
+            "KVARN_ATTN_THREADS")
+
+
 class UsageError(Exception):
     """A bad option, model, text or format: reported with exit status 2.
     .short: the reason alone, without the list of what is accepted (the
@@ -165,6 +171,9 @@ def _check_format(label: str, vllm_names: tuple) -> Job:
             raise UsageError(f"{label}: a setting after ':' is KVARN_NAME=VALUE (e.g. "
                              f"kvarn_k4v2_g128:KVARN_STAGING=fp16), got {kv!r}")
         k, v = kv.split("=", 1)
+        if k not in SETTINGS:
+            raise UsageError(f"{label}: {k} is not a setting of the plug-in; one of "
+                             f"{', '.join(SETTINGS)}")
         env[k] = v
     if _lib.is_kvarn_dtype(name):
         try:
@@ -178,7 +187,20 @@ def _check_format(label: str, vllm_names: tuple) -> Job:
                 _lib.parse_staging(env["KVARN_STAGING"])
             except ValueError as e:
                 raise UsageError(f"{label}: {e}") from None
-        for k in ("KVARN_SINK_TOKENS", "KVARN_SINK_TILES"):
+        if "KVARN_SLIDING_WINDOW" in env:
+            from .plugin import SLIDING_ENV, sliding_window_policy
+            old_env = os.environ.get(SLIDING_ENV)
+            os.environ[SLIDING_ENV] = env["KVARN_SLIDING_WINDOW"]
+            try:
+                sliding_window_policy()
+            except ValueError as e:
+                raise UsageError(f"{label}: {e}") from None
+            finally:
+                if old_env is None:
+                    os.environ.pop(SLIDING_ENV, None)
+                else:
+                    os.environ[SLIDING_ENV] = old_env
+        for k in ("KVARN_SINK_TOKENS", "KVARN_SINK_TILES", "KVARN_ATTN_THREADS"):
             if k in env and not (env[k].isdigit()):
                 raise UsageError(f"{label}: {k} must be a whole number >= 0, got {env[k]!r}")
         return Job(label, name, env, True)
@@ -1038,6 +1060,12 @@ def _main(args, t_wall: float) -> int:
             raise UsageError(f"--text {args.text}: empty, nothing to measure")
     elif not os.path.isfile(args.token_ids):
         raise UsageError(f"--token-ids {args.token_ids}: no such file")
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        # checked before the run, which may take hours: not at its end
+        d = os.path.dirname(os.path.abspath(path)) if path and path != "-" else None
+        if d is not None and not (os.path.isdir(d) and os.access(d, os.W_OK)):
+            raise UsageError(f"{opt} {path}: its directory {d} does not exist or is not "
+                             f"writable")
     plt = None
     if args.plot:
         try:

@@ -655,3 +655,33 @@ def test_coverage_warnings():
     w = coverage_warnings(jobs, 200, 50)            # every position below 256
     assert len(w) == 2 and "--ctx 258" in w[1] and "decode columns" in w[1]
     assert coverage_warnings(jobs, 258, 50)[1:] == []
+
+
+@pytest.mark.parametrize("label,needle", [
+    (f"{KV}:KVARN_STAGNG=fp16", "KVARN_STAGNG is not a setting of the plug-in"),
+    (f"{KV}:KVARN_SLIDING_WINDOW=yes", "KVARN_SLIDING_WINDOW must be 'vllm'"),
+    (f"{KV}:KVARN_ATTN_THREADS=-1", "KVARN_ATTN_THREADS must be a whole number"),
+])
+def test_settings_checked_without_an_engine(label, needle):
+    """A misspelt or ill-valued setting is a usage error before any engine
+    (not a run of the defaults under the label); the environment is left
+    as it was."""
+    from kvarn_vllm import ladder
+    before = os.environ.get("KVARN_SLIDING_WINDOW")
+    with pytest.raises(ladder.UsageError, match=needle):
+        ladder._check_format(label, ladder._vllm_cache_dtypes())
+    assert os.environ.get("KVARN_SLIDING_WINDOW") == before
+    ok = ladder._check_format(f"{KV}:KVARN_SLIDING_WINDOW=quantize", ladder._vllm_cache_dtypes())
+    assert ok.env == {"KVARN_SLIDING_WINDOW": "quantize"}
+
+
+@pytest.mark.parametrize("opt", ["--json", "--plot"])
+def test_output_path_checked_before_the_run(hf_model, tmp_path, capsys, opt):
+    """--json / --plot into a directory that is not there: exit 2 at once,
+    not after the engines ran."""
+    from kvarn_vllm import ladder
+    bad = str(tmp_path / "no-such-dir" / "out")
+    rc = ladder.main(["--model", hf_model, "--text", AUSTEN, "--kv-cache-dtype", KV, opt, bad])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{opt} {bad}: its directory" in err, err
+    assert "starting the engine" not in err
