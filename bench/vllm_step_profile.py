@@ -24,9 +24,10 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
 import time
+
+from vllm_throughput import run_fresh   # bench/, this script's folder
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-hf")
@@ -162,13 +163,9 @@ def main() -> None:
         for k in ((0, a.speculative) if a.speculative else (0,)):
             cfg = dict(dtype=d, spec=k, requests=a.requests, prompt_tokens=a.prompt_tokens,
                        gen=a.gen, kv_bytes=a.kv_bytes)
-            p = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
-                               capture_output=True, text=True)
-            res = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-            if p.returncode != 0 or not res:
-                print(f"{d}: failed (rc {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
-                continue
-            rows.append(json.loads(res[0][7:]))
+            r = run_fresh(__file__, cfg, d)
+            if r is not None:
+                rows.append(r)
     print(f"{a.requests} requests x {a.prompt_tokens} prompt + {a.gen} generated tokens, "
           f"prefix caching off, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, "
           f"kvarn attention threads {os.environ.get('KVARN_ATTN_THREADS', 'default')}")

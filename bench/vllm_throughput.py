@@ -86,6 +86,19 @@ def one(cfg: dict) -> dict:
                 req_s=len(outs) / dt, out_tok_s=n_out / dt, **stats)
 
 
+def run_fresh(script: str, cfg: dict, label: str):
+    """script --one CFG in a fresh process (one engine, one format): the
+    dict its "RESULT {json}" line holds, or None after printing why the run
+    failed. Shared with vllm_step_profile.py."""
+    p = subprocess.run([sys.executable, script, "--one", json.dumps(cfg)],
+                       capture_output=True, text=True)
+    res = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    if p.returncode != 0 or not res:
+        print(f"{label}: failed (rc {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
+        return None
+    return json.loads(res[0][7:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=32)
@@ -112,13 +125,9 @@ def main() -> None:
         cfg = dict(dtype=d, env=env, requests=a.requests, prompt_tokens=a.prompt_tokens, gen=a.gen,
                    kv_bytes=a.kv_bytes, max_num_seqs=a.max_num_seqs, model_dtype=a.model_dtype,
                    spec=k, no_prefix_caching=a.no_prefix_caching)
-        p = subprocess.run([sys.executable, __file__, "--one", json.dumps(cfg)],
-                           capture_output=True, text=True)
-        res = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
-        if p.returncode != 0 or not res:
-            print(f"{d}: failed (rc {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
-            continue
-        rows.append(json.loads(res[0][7:]))
+        r = run_fresh(__file__, cfg, d)
+        if r is not None:
+            rows.append(r)
     print(f"{a.requests} requests x {a.prompt_tokens} prompt + {a.gen} generated tokens, "
           f"KV budget {a.kv_bytes / 2**20:.0f} MiB, max_num_seqs {a.max_num_seqs}, "
           f"model {a.model_dtype}, {os.cpu_count()} CPUs, torch threads "
