@@ -234,8 +234,11 @@ class KvarnAttentionBackend(AttentionBackend):
         name = _State.dtype_name
         fmt = _lib.parse_format(name, spec.head_size)
         # block_size 1: vLLM asking for the bytes of one token (sliding-window
-        # specs, page alignment), not a block the cache will have
-        if spec.block_size != fmt.tile_tokens and spec.block_size != 1:
+        # specs, page alignment), not a block the cache will have; a multiple
+        # of the tile: a manager block that vLLM raised itself to cover a
+        # Mamba-type layer's page (hybrid linear attention, Qwen3-Next), split
+        # into kernel blocks of one tile (get_supported_kernel_block_sizes)
+        if spec.block_size % fmt.tile_tokens != 0 and spec.block_size != 1:
             raise ValueError(
                 f"kvarn: --kv-cache-dtype {name} stores tiles of {fmt.tile_tokens} tokens, "
                 f"so it needs --block-size {fmt.tile_tokens} (got {spec.block_size})")
@@ -281,7 +284,7 @@ class KvarnAttentionImpl(AttentionImpl):
         _State.max_batched_tokens = cfg.scheduler_config.max_num_batched_tokens
         _State.draft_tokens = draft_tokens(cfg)
         check_speculative(cfg)
-        if cfg.cache_config.block_size != self.G:
+        if cfg.cache_config.block_size % self.G != 0:
             raise ValueError(
                 f"kvarn: --kv-cache-dtype {kv_cache_dtype} stores tiles of {self.G} tokens, "
                 f"so it needs --block-size {self.G} (got {cfg.cache_config.block_size})")
