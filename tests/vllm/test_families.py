@@ -482,7 +482,8 @@ def test_qwen3_next_hybrid_linear_attention(models):
     codec's effect K_e emulated in fp32 on the full layer only (the emulation
     swaps the attention layers' KV path; the DeltaNet layers run as
     transformers runs them); vLLM's bf16 run must still be far closer to
-    transformers' fp32 than the codec's effect (1/10 of K_e, as for fp32)."""
+    transformers' fp32 than the codec's effect (1/10 of K_e, as for fp32).
+    Prefix caching: a hit of one manager block gives the cold tokens."""
     import emulate
     from kvarn_vllm import _lib
     m = models["qwen3_next"]
@@ -490,16 +491,30 @@ def test_qwen3_next_hybrid_linear_attention(models):
     hk, d = kw["num_key_value_heads"], kw["head_dim"]
     state = _gdn_state_bytes(kw)
     ref, _ = run_llm(_cfg(m, kv_cache_dtype="auto", dtype="bfloat16"))
-    kv, log = run_llm(_cfg(m, kv_cache_dtype=KV, dtype="bfloat16"))
+    rec = hk * _lib.record_bytes(_lib.parse_format(KV, d), d)  # a tile
+    tiles = -(-state // rec)                                   # a kvarn block
+    # prefix caching: vLLM 0.32 shares this hybrid's blocks in its Mamba
+    # 'align' mode, whole manager blocks with the DeltaNet state at their
+    # end: HOLD shares its first block with HIT
+    blk_tok = tiles * G
+    hold = _ids(3, blk_tok + 16)
+    hit = hold[:blk_tok] + _ids(4, 16)
+    rounds = [dict(prompt_ids=[hit], logprobs=None, prompt_logprobs=None),
+              dict(prompt_ids=[hit, hold], logprobs=None, prompt_logprobs=None)]
+    kv, log = run_llm(_cfg(m, kv_cache_dtype=KV, dtype="bfloat16", prefix_caching=True,
+                           rounds=rounds))
     tok = hk * 2 * d * 2                                      # bf16 K and V, a token
     blk = G * -(-state // (G * tok))
     assert ref["kv_tokens"] == ref["kv_blocks"] * blk
     assert ref["kv_blocks"] == 2**30 // (blk * tok)
-    rec = hk * _lib.record_bytes(_lib.parse_format(KV, d), d)  # a tile
-    tiles = -(-state // rec)
     assert kv["kv_tokens"] == kv["kv_blocks"] * tiles * G
     pool = staging_pool_bytes(1, hk, d, 8)
     assert kv["kv_blocks"] == (2**30 - pool) // (tiles * rec)
+    cold, = kv["rounds"][0]
+    warm, other = kv["rounds"][1]
+    assert cold["num_cached_tokens"] == 0
+    assert warm["num_cached_tokens"] == other["num_cached_tokens"] == blk_tok
+    assert warm["token_ids"] == cold["token_ids"]
     print(f"qwen3_next: block {blk} tokens bf16, {tiles * G} kvarn; KV tokens bf16 "
           f"{ref['kv_tokens']}, kvarn {kv['kv_tokens']}")
     exact = emulate.logprobs(m, PROMPT, quantize=False)
