@@ -85,6 +85,7 @@ class _State:
     """Process-wide: the layers in order, the staging bookkeeping, the plan
     of the step in flight, the C thread pool and workspaces."""
     layers: list = []
+    hybrid = False      # vLLM's model_config.is_hybrid (Mamba-type layers), set per layer
     staging: Staging | None = None
     plan = None
     plan_meta = None
@@ -234,13 +235,27 @@ class KvarnAttentionBackend(AttentionBackend):
         name = _State.dtype_name
         fmt = _lib.parse_format(name, spec.head_size)
         # block_size 1: vLLM asking for the bytes of one token (sliding-window
-        # specs, page alignment), not a block the cache will have
-        if spec.block_size != fmt.tile_tokens and spec.block_size != 1:
+        # specs, page alignment), not a block the cache will have; a multiple
+        # of the tile: a manager block that vLLM raised itself to cover a
+        # Mamba-type layer's page (hybrid linear attention, Qwen3-Next), split
+        # into kernel blocks of one tile (get_supported_kernel_block_sizes)
+        if spec.block_size not in (1, fmt.tile_tokens) and not _raised_for_state(
+                spec.block_size, fmt.tile_tokens):
             raise ValueError(
                 f"kvarn: --kv-cache-dtype {name} stores tiles of {fmt.tile_tokens} tokens, "
                 f"so it needs --block-size {fmt.tile_tokens} (got {spec.block_size})")
         rb = _lib.record_bytes(fmt, spec.head_size)
         return replace(spec, dtype=torch.uint8, state_content_bytes=rb // fmt.tile_tokens)
+
+
+def _raised_for_state(block_size: int, tile_tokens: int) -> bool:
+    """Whether block_size (tokens) is a manager block that vLLM 0.32 raised
+    itself for a hybrid model (Mamba-type layers such as Qwen3-Next's Gated
+    DeltaNet: the attention page must cover a layer's state page): a
+    multiple of the tile on a model vLLM calls hybrid (recorded by the
+    layers' KvarnAttentionImpl, built before vLLM asks for their specs). A
+    --block-size other than the tile on any other model stays refused."""
+    return block_size % tile_tokens == 0 and _State.hybrid
 
 
 class KvarnAttentionImpl(AttentionImpl):
@@ -277,11 +292,13 @@ class KvarnAttentionImpl(AttentionImpl):
         _State.n_sliding += 1 if self.sliding_window > 0 else 0
         from vllm.config import get_current_vllm_config
         cfg = get_current_vllm_config()
+        _State.hybrid = bool(cfg.model_config is not None and cfg.model_config.is_hybrid)
         _State.max_num_seqs = cfg.scheduler_config.max_num_seqs
         _State.max_batched_tokens = cfg.scheduler_config.max_num_batched_tokens
         _State.draft_tokens = draft_tokens(cfg)
         check_speculative(cfg)
-        if cfg.cache_config.block_size != self.G:
+        if cfg.cache_config.block_size != self.G and not _raised_for_state(
+                cfg.cache_config.block_size, self.G):
             raise ValueError(
                 f"kvarn: --kv-cache-dtype {kv_cache_dtype} stores tiles of {self.G} tokens, "
                 f"so it needs --block-size {self.G} (got {cfg.cache_config.block_size})")

@@ -166,6 +166,23 @@ def sliding_window_policy() -> str:
     return v
 
 
+def _check_linear_attention(mc, hf, device_type: str) -> None:
+    """Hybrid linear attention (Qwen3-Next, Qwen3.5: Gated DeltaNet layers,
+    layer_types "linear_attention"): their recurrent state stays in vLLM's
+    own cache, but vLLM 0.32's CPU build runs those layers in bfloat16 only
+    (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py asserts "CPU
+    GDN attention requires BF16." at the first step, with any cache dtype):
+    any other --dtype is refused here, before an engine starts, naming it."""
+    import torch
+    kinds = getattr(hf, "layer_types", None) or []
+    if device_type == "cpu" and "linear_attention" in kinds and mc.dtype != torch.bfloat16:
+        raise ValueError(
+            f"kvarn: {mc.model} has linear-attention (Gated DeltaNet) layers, which vLLM's "
+            f"CPU build runs in bfloat16 only (its own error at the first step: 'CPU GDN "
+            f"attention requires BF16.'); serve it with --dtype bfloat16 "
+            f"(got {str(mc.dtype).removeprefix('torch.')})")
+
+
 def check_model(vllm_config) -> None:
     """Front-end checks, in the process that calls LLM(...) or starts the
     server, before any engine process starts: what the model needs that the
@@ -205,6 +222,7 @@ def check_model(vllm_config) -> None:
             f"so it is refused: --no-enable-prefix-caching (LLM(..., "
             f"enable_prefix_caching=False)), or one of vLLM's own cache dtypes")
     hf = mc.hf_text_config
+    _check_linear_attention(mc, hf, vllm_config.device_config.device_type)
     fmt = _lib.parse_format(name, dims[0])
     if fmt.centred and vllm_config.device_config.device_type == "cuda":
         raise ValueError(

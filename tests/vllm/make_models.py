@@ -128,6 +128,22 @@ FAMILIES = {
                                      sliding_window=128, num_local_experts=4,
                                      num_experts_per_tok=2, rope_theta=150000.0,
                                      rope_scaling=None, rms_norm_eps=1e-5)),
+    # Qwen3-Next-80B-A3B: 3 Gated DeltaNet (linear-attention) layers : 1
+    # full-attention layer (layer_types, full every 4th); the full layers
+    # gated (q_proj also gives a sigmoid output gate), head_dim 256, GQA 8:1,
+    # q/k RMS norms (scale 1 + weight), partial RoPE (1/4); linear layers 16
+    # key / 32 value heads of 128 there (2 / 4 here); a mixture of 512
+    # experts, top 10, and a shared expert (4, top 2 here)
+    "qwen3_next": ("Qwen3NextConfig", dict(hidden_size=512, intermediate_size=1024,
+                                           num_hidden_layers=4, num_attention_heads=8,
+                                           num_key_value_heads=1, head_dim=256,
+                                           linear_num_key_heads=2, linear_num_value_heads=4,
+                                           linear_key_head_dim=128, linear_value_head_dim=128,
+                                           linear_conv_kernel_dim=4,
+                                           num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=256,
+                                           shared_expert_intermediate_size=256,
+                                           rms_norm_eps=1e-6)),
 }
 
 
@@ -157,16 +173,18 @@ def _scale_weights(model, family: str, gen) -> None:
                 p.copy_(torch.exp(torch.randn(p.shape, generator=gen) * 0.5))
             elif family == "gpt_oss" and name.endswith("self_attn.sinks"):
                 p.copy_(SINK_MEAN + SINK_STD * torch.randn(p.shape, generator=gen))
-            elif family in ("gemma3", "gemma4") and name.endswith(("q_norm.weight",
-                                                                   "k_norm.weight")):
+            elif family in ("gemma3", "gemma4", "qwen3_next") and name.endswith(
+                    ("q_norm.weight", "k_norm.weight")):
                 # q and k are RMS-normed, so the projections' gain is gone:
                 # the norms' scale w sets the scores' std, w^2 sqrt(D) times
                 # the softmax scale (Gemma-3: 1 / sqrt(D), w = 1 + weight;
                 # Gemma-4: 1, w = weight); w^2 = QK_GAIN, jittered
                 D = p.shape[-1]
-                w = math.sqrt(QK_GAIN * (1.0 if family == "gemma3" else D ** -0.5))
+                # (Qwen3-Next as Gemma-3: 1 / sqrt(D), w = 1 + weight)
+                one_plus = family in ("gemma3", "qwen3_next")
+                w = math.sqrt(QK_GAIN * (1.0 if one_plus else D ** -0.5))
                 w = w * torch.exp(torch.randn(p.shape, generator=gen) * 0.25)
-                p.copy_(w - 1 if family == "gemma3" else w)
+                p.copy_(w - 1 if one_plus else w)
 
 
 def make(family: str, out_dir: str) -> str:

@@ -1,6 +1,7 @@
 """The model families users serve, as small random-weight models
 (make_models.py: per-layer shapes of Llama-3, Qwen2, Qwen3, Mistral,
-Gemma-2, Gemma-3, Gemma-4 (head_dim 256 local, 512 global), Phi-3, gpt-oss): vLLM with
+Gemma-2, Gemma-3, Gemma-4 (head_dim 256 local, 512 global), Phi-3, gpt-oss,
+Qwen3-Next (Gated DeltaNet linear attention, one full layer in 4)): vLLM with
 kvarn_k4v2_g128 either serves them or refuses at
 start-up, LLM(...) raising with the reason and what to do.
 
@@ -239,6 +240,9 @@ def test_gpt_oss_sliding_layers_quantized(models, gpt_oss):
 @pytest.mark.parametrize("fam,needles", [
     ("phi3", ["head_dim 96", "64, 128, 256 or 512", "--kv-cache-dtype auto"]),
     ("gemma2", ["soft-caps its attention logits", "--kv-cache-dtype auto"]),
+    # run_llm's default --dtype float32: vLLM's CPU Gated DeltaNet is bf16 only
+    ("qwen3_next", ["linear-attention (Gated DeltaNet)", "CPU GDN attention requires BF16.",
+                    "--dtype bfloat16"]),
 ])
 def test_family_refused_at_start(fam, needles, models):
     """LLM(...) itself raises with the reason and what to do (not only
@@ -447,3 +451,89 @@ def test_centred_values_on_a_model_with_value_biases(models, served):
     k_p = emulate.kl_rows(exact, plain)[READ_FROM:PROMPT_LEN - 1]
     print(f"qwen2 emulated KL: {KV} {k_p.mean():.5f}, {KVC} {k_c.mean():.5f}")
     assert k_c.mean() < k_p.mean()
+
+
+def _gdn_state_bytes(kw: dict) -> int:
+    """One Gated DeltaNet layer's recurrent state in vLLM 0.32 (its page in
+    the Mamba-type KV-cache group): the causal conv's last kernel - 1 inputs
+    of the q, k, v channels at the model's dtype (bf16) and the delta-rule
+    state [value heads, key dim, value dim] in fp32 (vLLM's SSM state dtype
+    for this model)."""
+    conv_dim = (2 * kw["linear_num_key_heads"] * kw["linear_key_head_dim"]
+                + kw["linear_num_value_heads"] * kw["linear_value_head_dim"])
+    conv = (kw["linear_conv_kernel_dim"] - 1) * conv_dim * 2
+    ssm = (kw["linear_num_value_heads"] * kw["linear_key_head_dim"]
+           * kw["linear_value_head_dim"] * 4)
+    return conv + ssm
+
+
+def test_qwen3_next_hybrid_linear_attention(models):
+    """Qwen3-Next's shape (3 Gated DeltaNet layers : 1 full-attention layer),
+    --dtype bfloat16 (vLLM's CPU build runs the linear-attention layers in
+    bf16 only; float32 is refused, test_family_refused_at_start). The full
+    layer in kvarn, the recurrent state in vLLM's own cache. vLLM 0.32 raises
+    the attention layers' manager block until its page covers one linear
+    layer's state (block tokens: a multiple of the kernel block, 128) and
+    pads the state page to it; kvarn splits that block into one-tile kernel
+    blocks. Blocks: the budget (less the staging pool of the one kvarn layer)
+    over that page, for vLLM's bf16 cache (2 x D x 2 bytes a token and KV
+    head) and for kvarn (record bytes a tile and KV head). Output: against
+    vLLM's own bf16 cache, the module docstring's KL and greedy rules, the
+    codec's effect K_e emulated in fp32 on the full layer only (the emulation
+    swaps the attention layers' KV path; the DeltaNet layers run as
+    transformers runs them); vLLM's bf16 run must still be far closer to
+    transformers' fp32 than the codec's effect (1/10 of K_e, as for fp32).
+    Prefix caching: a hit of one manager block gives the cold tokens."""
+    import emulate
+    from kvarn_vllm import _lib
+    m = models["qwen3_next"]
+    kw = make_models.FAMILIES["qwen3_next"][1]
+    hk, d = kw["num_key_value_heads"], kw["head_dim"]
+    state = _gdn_state_bytes(kw)
+    ref, _ = run_llm(_cfg(m, kv_cache_dtype="auto", dtype="bfloat16"))
+    rec = hk * _lib.record_bytes(_lib.parse_format(KV, d), d)  # a tile
+    tiles = -(-state // rec)                                   # a kvarn block
+    # prefix caching: vLLM 0.32 shares this hybrid's blocks in its Mamba
+    # 'align' mode, whole manager blocks with the DeltaNet state at their
+    # end: HOLD shares its first block with HIT
+    blk_tok = tiles * G
+    hold = _ids(3, blk_tok + 16)
+    hit = hold[:blk_tok] + _ids(4, 16)
+    rounds = [dict(prompt_ids=[hit], logprobs=None, prompt_logprobs=None),
+              dict(prompt_ids=[hit, hold], logprobs=None, prompt_logprobs=None)]
+    kv, log = run_llm(_cfg(m, kv_cache_dtype=KV, dtype="bfloat16", prefix_caching=True,
+                           rounds=rounds))
+    tok = hk * 2 * d * 2                                      # bf16 K and V, a token
+    blk = G * -(-state // (G * tok))
+    assert ref["kv_tokens"] == ref["kv_blocks"] * blk
+    assert ref["kv_blocks"] == 2**30 // (blk * tok)
+    assert kv["kv_tokens"] == kv["kv_blocks"] * tiles * G
+    pool = staging_pool_bytes(1, hk, d, 8)
+    assert kv["kv_blocks"] == (2**30 - pool) // (tiles * rec)
+    cold, = kv["rounds"][0]
+    warm, other = kv["rounds"][1]
+    assert cold["num_cached_tokens"] == 0
+    assert warm["num_cached_tokens"] == other["num_cached_tokens"] == blk_tok
+    assert warm["token_ids"] == cold["token_ids"]
+    print(f"qwen3_next: block {blk} tokens bf16, {tiles * G} kvarn; KV tokens bf16 "
+          f"{ref['kv_tokens']}, kvarn {kv['kv_tokens']}")
+    exact = emulate.logprobs(m, PROMPT, quantize=False)
+    codec = emulate.logprobs(m, PROMPT, quantize=True, staging="int8")
+    k_e = emulate.kl_rows(exact, codec)[READ_FROM:PROMPT_LEN - 1]
+    k_v = _kl(_lp(ref["outputs"][0]["prompt_logprobs"], READ_FROM + 1),
+              _lp(kv["outputs"][0]["prompt_logprobs"], READ_FROM + 1))
+    k_ref = _kl(exact[READ_FROM:PROMPT_LEN - 1],
+                _lp(ref["outputs"][0]["prompt_logprobs"], READ_FROM + 1))
+    print(f"qwen3_next: KLD over {len(k_v)} positions: vLLM kvarn vs bf16 {k_v.mean():.5f} "
+          f"(max {k_v.max():.5f}); codec emulated in fp32 {k_e.mean():.5f}; vLLM bf16 vs "
+          f"transformers fp32 {k_ref.mean():.2e}")
+    assert k_ref.mean() < k_e.mean() / 10
+    assert k_e.mean() / 2 <= k_v.mean() <= 2 * k_e.mean()
+    r, k = ref["outputs"][0], kv["outputs"][0]
+    i = next((j for j, (a, b) in enumerate(zip(r["token_ids"], k["token_ids"])) if a != b),
+             None)
+    if i is not None:
+        lp = r["logprobs"][i]
+        margin = math.exp(lp[r["token_ids"][i]]) - math.exp(lp[k["token_ids"][i]])
+        print(f"greedy tokens first differ at {i}: reference margin {margin:.4f}")
+        assert margin <= math.sqrt(2 * 2 * k_e.max())
