@@ -9,7 +9,10 @@
 #include "kvarn/record.h"
 
 /* KVarN tile codec (src/codec/kvarn_tile.c). k, v: fp32 [G][D]. The
- * arguments are already validated by kvarn_encode/kvarn_decode. */
+ * arguments are already validated by kvarn_encode/kvarn_decode. v == NULL
+ * (encode) encodes the K half alone into L's K fields (the MLA latent,
+ * src/codec/mla_record.c; L->record_bytes: the bytes written, at most
+ * those of an 8-bit KVarN record of the same D and G). */
 size_t kvarn__tile_workspace_bytes(int head_dim, int tile_tokens);
 kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
                                 const float *v, void *record, void *workspace,
@@ -33,5 +36,17 @@ KVARN_TOKEN_CODEC_DECL(fp8_e5m2)
 KVARN_TOKEN_CODEC_DECL(int8)
 KVARN_TOKEN_CODEC_DECL(int4)
 #undef KVARN_TOKEN_CODEC_DECL
+
+/* One row of per-token asymmetric RTN as the int8/int4 formats
+ * (per_token.c, docs/formats.md): zero = min rounded down to fp16, scale =
+ * (max - zero) / (2^bits - 1) rounded up to fp16 (a constant row whose
+ * value is an fp16: 1.0), codes [D] one per byte (not packed), so
+ * |x - (code scale + zero)| <= scale / 2. x finite; bits 4 or 8; D in
+ * 2..1024. KVARN_ERR_NONFINITE if scale or zero overflow fp16 (nothing
+ * written). kvarn__rtn_row_decode: out[i] = codes[i] scale + zero. */
+kvarn_status kvarn__rtn_row_encode(const float *x, int D, int bits, uint8_t *codes,
+                                   uint16_t *scale, uint16_t *zero);
+void kvarn__rtn_row_decode(const uint8_t *codes, int D, uint16_t scale, uint16_t zero,
+                           float *out);
 
 #endif

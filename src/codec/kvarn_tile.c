@@ -592,6 +592,7 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
                                         rec + L->k_codes_off, rec + L->k_a_off, rec + L->k_b_off,
                                         rec + L->k_stok_off);
         if (st != KVARN_OK) return st;
+        if (v == NULL) goto done; /* K half only (MLA latent) */
         if (kvarn__tile512_load(v, G, D, prerotated, 0, RAW_ABS_MAX, ROT_ABS_MAX, ws.x, ws.tmp) != 0)
             return KVARN_ERR_NONFINITE;
         if (centred && (st = centre_values(ws.x, ws.tmp, G, D, ws.vec[V_AUX1], rec + L->v_mu_off)) != KVARN_OK)
@@ -599,8 +600,7 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
         st = encode_matrix(&ws, ws.x, ws.tmp, G, D, L->value_bits, iters, rtn_v, rec + L->v_codes_off,
                            rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
         if (st != KVARN_OK) return st;
-        memcpy(record, rec, L->record_bytes);
-        return KVARN_OK;
+        goto done;
     }
 #endif
     /* K: rows = channels, so transpose the rotated [G][D] to [D][G]. */
@@ -610,6 +610,7 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
     st = encode_matrix(&ws, ws.x, ws.tmp, D, G, L->key_bits, iters, rtn, rec + L->k_codes_off,
                        rec + L->k_a_off, rec + L->k_b_off, rec + L->k_stok_off);
     if (st != KVARN_OK) return st;
+    if (v == NULL) goto done; /* K half only (MLA latent) */
 
     /* V: rows = tokens, already the token-major layout. */
     st = load_rotated(v, G, D, prerotated, ws.x);
@@ -619,6 +620,7 @@ kvarn_status kvarn__tile_encode(const kvarn_record_layout *L, const float *k,
                        rec + L->v_a_off, rec + L->v_b_off, rec + L->v_schan_off);
     if (st != KVARN_OK) return st;
 
+done:
     memcpy(record, rec, L->record_bytes);
     return KVARN_OK;
 }

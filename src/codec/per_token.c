@@ -360,3 +360,24 @@ KVARN_TOKEN_CODEC(fp8_e4m3, fp8, 1)
 KVARN_TOKEN_CODEC(fp8_e5m2, fp8, 0)
 KVARN_TOKEN_CODEC(int8, rtn, 8)
 KVARN_TOKEN_CODEC(int4, rtn, 4)
+
+/* ------------------------------------------ one RTN row for other records
+ * (the int8 rope part of an MLA record, src/codec/mla_record.c) */
+
+kvarn_status kvarn__rtn_row_encode(const float *x, int D, int bits, uint8_t *codes,
+                                   uint16_t *scale, uint16_t *zero)
+{
+    if (bad_d(D) || (bits != 4 && bits != 8)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    rtn_params p;
+    if (rtn_row_params(x, D, bits, &p) != KVARN_OK) return KVARN_ERR_NONFINITE;
+    rtn_row_codes(x, D, bits, p, codes);
+    *scale = p.scale;
+    *zero = p.zero;
+    return KVARN_OK;
+}
+
+void kvarn__rtn_row_decode(const uint8_t *codes, int D, uint16_t scale, uint16_t zero, float *out)
+{
+    rtn_params p = {scale, zero};
+    rtn_row_decode(codes, D, p, out);
+}

@@ -1,0 +1,209 @@
+/*
+ * mla_attn.c -- absorbed-form MLA attention over MLA records and an fp32
+ * tail (include/kvarn/mla.h kvarn_mla_attn; docs/mla.md).
+ *
+ * One sequence, n_rows x n_heads query rows. The latent queries are rotated
+ * once by H/sqrt(D) (the records' basis), every tile is read once for all
+ * query rows (decoded to dense rows for the reference kernel, or unpacked
+ * to one code per byte for the folded kernels, mla_kernels.h), the softmax
+ * is online across tiles and the tail (running max m, sum l, rescaled
+ * accumulator), and each row's accumulator is rotated back at the end:
+ * out = (acc / l) H/sqrt(D). The tail rows are rotated into the same basis
+ * and always go through the reference kernel (they are dense fp32).
+ *
+ * Level: the reference at KVARN_CPU_SCALAR, the folded kernel's AVX2 or
+ * AVX-512 build above it (kvarn__cpu_level, capped by KVARN_SIMD). Single
+ * threaded: the caller runs sequences or layers in parallel.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "attn/mla_kernels.h"
+#include "codec/cpu.h"
+#include "codec/hadamard.h"
+#include "codec/mla_internal.h"
+#include "codec/pack.h"
+
+static int all_finite(const float *x, size_t n)
+{
+    int bad = 0;
+    for (size_t i = 0; i < n; i++) bad |= !isfinite(x[i]);
+    return !bad;
+}
+
+/* The level this call runs (0 scalar, 1 avx2, 2 avx512). */
+static int mla_level(void)
+{
+#ifdef ATTN_MLA_HAVE_X86
+    return (int)kvarn__cpu_level();
+#else
+    return 0;
+#endif
+}
+
+const char *kvarn_mla_attn_kernel_name(const kvarn_mla_format *fmt, int latent_dim)
+{
+    if (kvarn_mla_check_dims(fmt, latent_dim, 0) != KVARN_OK) return "scalar";
+    return kvarn__cpu_level_name((kvarn_cpu_level)mla_level());
+}
+
+static void load_fp16(const uint8_t *src, int n, float *dst)
+{
+    for (int i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * (size_t)i, 2);
+        dst[i] = kvarn_fp16_to_fp32(h);
+    }
+}
+
+/* One online-softmax step of one query row over n scores sc (replaced by
+ * the weights exp(sc - m_new)): m, l updated, acc [D] rescaled. */
+static void softmax_step(float *sc, int n, float *m, float *l, float *acc, int D)
+{
+    float mx = sc[0];
+    for (int t = 1; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+    const float m_new = mx > *m ? mx : *m;
+    if (m_new > *m) {
+        const float corr = *m == -INFINITY ? 0.0f : expf(*m - m_new);
+        *l *= corr;
+        for (int d = 0; d < D; d++) acc[d] *= corr;
+        *m = m_new;
+    }
+    float sum = 0.0f;
+    for (int t = 0; t < n; t++) {
+        sc[t] = expf(sc[t] - m_new);
+        sum += sc[t];
+    }
+    *l += sum;
+}
+
+kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rope_dim,
+                            const uint8_t *const *records, int n_tiles,
+                            const float *tail_latent, const float *tail_rope, int n_tail,
+                            const float *q_latent, const float *q_rope, int n_rows, int n_heads,
+                            const int *row_len, float scale, float *out, float *lse,
+                            void *workspace)
+{
+    kvarn_mla_layout L;
+    kvarn_status st = kvarn__mla_layout(fmt, latent_dim, rope_dim, &L);
+    if (st != KVARN_OK) return st;
+    const int D = latent_dim, R = rope_dim, G = L.tile_tokens;
+    if (n_tiles < 0 || n_tail < 0 || n_rows <= 0 || n_heads <= 0) return KVARN_ERR_INVALID_ARG;
+    if (n_rows > KVARN_MLA_MAX_QROWS / n_heads) return KVARN_ERR_INVALID_ARG;
+    if ((n_tiles > 0 && records == NULL) || (n_tail > 0 && tail_latent == NULL) ||
+        (n_tail > 0 && R > 0 && tail_rope == NULL) || q_latent == NULL ||
+        (R > 0 && q_rope == NULL) || out == NULL || workspace == NULL)
+        return KVARN_ERR_INVALID_ARG;
+    if (!(scale > 0.0f) || !isfinite(scale)) return KVARN_ERR_INVALID_ARG;
+    const int64_t total64 = (int64_t)n_tiles * G + n_tail;
+    if (total64 < 1 || total64 > INT32_MAX) return KVARN_ERR_INVALID_ARG;
+    const int total = (int)total64;
+    for (int i = 0; i < n_tiles; i++)
+        if (records[i] == NULL) return KVARN_ERR_INVALID_ARG;
+    if (row_len != NULL)
+        for (int i = 0; i < n_rows; i++)
+            if (row_len[i] < 1 || row_len[i] > total) return KVARN_ERR_INVALID_ARG;
+    const int nq = n_rows * n_heads;
+    if (!all_finite(q_latent, (size_t)nq * (size_t)D) ||
+        (R > 0 && !all_finite(q_rope, (size_t)nq * (size_t)R)) ||
+        (n_tail > 0 && !all_finite(tail_latent, (size_t)n_tail * (size_t)D)) ||
+        (n_tail > 0 && R > 0 && !all_finite(tail_rope, (size_t)n_tail * (size_t)R)))
+        return KVARN_ERR_NONFINITE;
+
+    kvarn_mla_attn_ws ws;
+    kvarn__mla_attn_ws_carve(D, R, G, nq, workspace, &ws);
+    const int level = mla_level();
+    memcpy(ws.qr, q_latent, (size_t)nq * (size_t)D * sizeof(float));
+    kvarn_hadamard_rows(ws.qr, nq, D);
+    memset(ws.acc, 0, (size_t)nq * (size_t)D * sizeof(float));
+    for (int q = 0; q < nq; q++) {
+        ws.m[q] = -INFINITY;
+        ws.l[q] = 0.0f;
+    }
+
+    /* Records. */
+    float a[512], b[512], s_tok[128];
+    const size_t row_bytes = kvarn_packed_bytes((size_t)G, L.latent_bits);
+    for (int i = 0; i < n_tiles; i++) {
+        const int base = i * G;
+        const uint8_t *rec = records[i];
+        if (level == 0) {
+            kvarn__mla_decode_rotated(&L, rec, ws.lat, ws.rope);
+        } else {
+            kvarn__mla_decode_rotated(&L, rec, NULL, ws.rope);
+            for (int d = 0; d < D; d++)
+                (void)kvarn_unpack_codes(rec + L.lat.k_codes_off + (size_t)d * row_bytes, (size_t)G,
+                                         L.latent_bits, ws.codes + (size_t)d * (size_t)G);
+            load_fp16(rec + L.lat.k_a_off, D, a);
+            load_fp16(rec + L.lat.k_b_off, D, b);
+            load_fp16(rec + L.lat.k_stok_off, G, s_tok);
+        }
+        for (int q = 0; q < nq; q++) {
+            const int len = row_len ? row_len[q / n_heads] : total;
+            const int n = len - base < G ? len - base : G;
+            if (n <= 0) continue;
+            const float *qr = ws.qr + (size_t)q * (size_t)D;
+            const float *qpe = R > 0 ? q_rope + (size_t)q * (size_t)R : NULL;
+            float *acc = ws.acc + (size_t)q * (size_t)D;
+            if (level == 0) {
+                attn_mla_ref_scores(ws.lat, ws.rope, n, D, R, qr, qpe, scale, ws.sc);
+                softmax_step(ws.sc, n, &ws.m[q], &ws.l[q], acc, D);
+                attn_mla_ref_accum(ws.lat, n, D, ws.sc, acc);
+                continue;
+            }
+#ifdef ATTN_MLA_HAVE_X86
+            float cb = 0.0f;
+            for (int d = 0; d < D; d++) {
+                ws.qa[d] = qr[d] * a[d];
+                cb += qr[d] * b[d];
+            }
+            if (level >= KVARN_CPU_AVX512)
+                attn_mla_folded_scores_avx512(ws.codes, ws.qa, cb, s_tok, ws.rope, qpe, D, R, G, scale, ws.sc);
+            else
+                attn_mla_folded_scores_avx2(ws.codes, ws.qa, cb, s_tok, ws.rope, qpe, D, R, G, scale, ws.sc);
+            softmax_step(ws.sc, n, &ws.m[q], &ws.l[q], acc, D);
+            float sw = 0.0f;
+            for (int t = 0; t < G; t++) {
+                ws.pw[t] = t < n ? ws.sc[t] * s_tok[t] : 0.0f;
+                sw += ws.pw[t];
+            }
+            if (level >= KVARN_CPU_AVX512)
+                attn_mla_folded_accum_avx512(ws.codes, a, b, ws.pw, sw, D, G, acc);
+            else
+                attn_mla_folded_accum_avx2(ws.codes, a, b, ws.pw, sw, D, G, acc);
+#endif
+        }
+    }
+
+    /* Tail: chunks of up to G rows, rotated into the records' basis. */
+    for (int c0 = 0; c0 < n_tail; c0 += G) {
+        const int base = n_tiles * G + c0;
+        const int nc = n_tail - c0 < G ? n_tail - c0 : G;
+        memcpy(ws.lat, tail_latent + (size_t)c0 * (size_t)D, (size_t)nc * (size_t)D * sizeof(float));
+        kvarn_hadamard_rows(ws.lat, nc, D);
+        const float *rope = R > 0 ? tail_rope + (size_t)c0 * (size_t)R : ws.rope;
+        for (int q = 0; q < nq; q++) {
+            const int len = row_len ? row_len[q / n_heads] : total;
+            const int n = len - base < nc ? len - base : nc;
+            if (n <= 0) continue;
+            const float *qpe = R > 0 ? q_rope + (size_t)q * (size_t)R : NULL;
+            float *acc = ws.acc + (size_t)q * (size_t)D;
+            attn_mla_ref_scores(ws.lat, rope, n, D, R, ws.qr + (size_t)q * (size_t)D, qpe, scale, ws.sc);
+            softmax_step(ws.sc, n, &ws.m[q], &ws.l[q], acc, D);
+            attn_mla_ref_accum(ws.lat, n, D, ws.sc, acc);
+        }
+    }
+
+    /* out = (acc / l) H/sqrt(D); lse = m + log l. */
+    for (int q = 0; q < nq; q++) {
+        const float inv = 1.0f / ws.l[q];
+        float *acc = ws.acc + (size_t)q * (size_t)D;
+        for (int d = 0; d < D; d++) acc[d] *= inv;
+    }
+    kvarn_hadamard_rows(ws.acc, nq, D);
+    memcpy(out, ws.acc, (size_t)nq * (size_t)D * sizeof(float));
+    if (lse != NULL)
+        for (int q = 0; q < nq; q++) lse[q] = ws.m[q] + logf(ws.l[q]);
+    return KVARN_OK;
+}
