@@ -64,8 +64,8 @@ kvarn_status kvarn_mla_format_parse(const char *name, kvarn_mla_format *out)
 }
 
 static const char k_accepted[] =
-    "kvarn_mla_k{2,4,8}[r{8,16}]_g{64,128} (e.g. kvarn_mla_k4_g128, rope at 16 bits; "
-    "kvarn_mla_k4r8_g128)";
+    "kvarn_mla_k{2,4,8}[r{8,16}]_g{64,128} (e.g. kvarn_mla_k4_g128, rope at 8 bits; "
+    "kvarn_mla_k4r16_g128)";
 
 char *kvarn_mla_format_explain(kvarn_status status, const char *name, int latent_dim,
                                int rope_dim, char *buf, size_t len)

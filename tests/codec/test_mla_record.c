@@ -129,6 +129,10 @@ static void test_record_bytes(void **state)
     const kvarn_mla_format k4r16 = {4, 128, 16}, k4r8 = {4, 128, 8}, k2r8 = {2, 128, 8};
     assert_int_equal(kvarn_mla_record_bytes(&k4r16, 512, 64), 51456);
     assert_int_equal(kvarn_mla_record_bytes(&k4r8, 512, 64), 43776);
+    /* the name without r: the rope at 8 bits (docs/mla.md's measurement) */
+    kvarn_mla_format dflt;
+    assert_int_equal(kvarn_mla_format_parse("kvarn_mla_k4_g128", &dflt), KVARN_OK);
+    assert_int_equal(kvarn_mla_record_bytes(&dflt, 512, 64), 43776);
     const struct { const char *name; const kvarn_mla_format *f; } rows[] = {
         {"kvarn_mla_k4r16_g128", &k4r16}, {"kvarn_mla_k4r8_g128", &k4r8}, {"kvarn_mla_k2r8_g128", &k2r8}};
     printf("MLA cache per token and layer, latent 512 + rope 64 (vLLM: 576 channels):\n");
