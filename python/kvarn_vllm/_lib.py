@@ -283,3 +283,96 @@ def staged_bytes(fmt: Format, n_layers: int, n_kv_heads: int, head_dim: int,
     info = CacheInfo()
     check(lib().kvarn_cache_plan(ctypes.byref(o), ctypes.byref(info)), "cache plan")
     return int(info.page_bytes), int(info.sink_bytes), int(info.staging_record_bytes)
+
+
+# ---------------------------------------------------------------- mla_*
+# include/kvarn/mla.h: MLA latent records and absorbed attention. The
+# calls take data pointers (ints: a tensor's data_ptr(), a NumPy array's
+# ctypes.data) of contiguous fp32 arrays; shapes as mla.h says.
+
+class MlaFormat(ctypes.Structure):
+    """include/kvarn/mla.h: kvarn_mla_format."""
+    _fields_ = [("latent_bits", ctypes.c_int), ("tile_tokens", ctypes.c_int),
+                ("rope_bits", ctypes.c_int)]
+
+
+_mla_ready = False
+
+
+def mla_lib():
+    """lib() with the mla_* signatures set."""
+    global _mla_ready
+    L = lib()
+    if _mla_ready:
+        return L
+    P, I, Z, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p
+    pf = ctypes.POINTER(MlaFormat)
+    sig = {
+        "kvarn_mla_format_parse": (I, [S, pf]),
+        "kvarn_mla_format_explain": (S, [I, S, I, I, ctypes.c_char_p, Z]),
+        "kvarn_mla_check_dims": (I, [pf, I, I]),
+        "kvarn_mla_record_bytes": (Z, [pf, I, I]),
+        "kvarn_mla_workspace_bytes": (Z, [pf, I, I, I, I]),
+        "kvarn_mla_encode": (I, [pf, I, I, P, P, P, P]),
+        "kvarn_mla_decode": (I, [pf, I, I, P, P, P]),
+        # records: const uint8_t *const * (an array of record addresses)
+        "kvarn_mla_attn": (I, [pf, I, I, P, I, P, P, I, P, P, I, I, P, ctypes.c_float, P, P, P]),
+        "kvarn_mla_attn_kernel_name": (S, [pf, I]),
+    }
+    for name, (res, args) in sig.items():
+        f = getattr(L, name)
+        f.restype, f.argtypes = res, args
+    _mla_ready = True
+    return L
+
+
+def mla_parse(name: str, latent_dim: int = 0, rope_dim: int = 0) -> MlaFormat:
+    """The C library's parse of an MLA format name (kvarn_mla_k4_g128, ...)
+    and, with latent_dim, its dims check; failure raises ValueError with the
+    library's explanation (what is accepted)."""
+    L = mla_lib()
+    f = MlaFormat()
+    st = L.kvarn_mla_format_parse(name.encode(), ctypes.byref(f))
+    if st == 0 and latent_dim:
+        st = L.kvarn_mla_check_dims(ctypes.byref(f), latent_dim, rope_dim)
+    if st != 0:
+        buf = ctypes.create_string_buffer(512)
+        L.kvarn_mla_format_explain(st, name.encode(), latent_dim, rope_dim, buf, len(buf))
+        raise ValueError(buf.value.decode())
+    return f
+
+
+def mla_record_bytes(fmt: MlaFormat, latent_dim: int, rope_dim: int) -> int:
+    return int(mla_lib().kvarn_mla_record_bytes(ctypes.byref(fmt), latent_dim, rope_dim))
+
+
+def mla_workspace_bytes(fmt: MlaFormat, latent_dim: int, rope_dim: int,
+                        n_rows: int = 0, n_heads: int = 0) -> int:
+    return int(mla_lib().kvarn_mla_workspace_bytes(ctypes.byref(fmt), latent_dim, rope_dim,
+                                                   n_rows, n_heads))
+
+
+def mla_encode(fmt: MlaFormat, latent_dim: int, rope_dim: int, latent: int, rope: int,
+               workspace: int, record: int) -> None:
+    """One tile: latent fp32 [G][latent_dim], rope fp32 [G][rope_dim] ->
+    record (mla_record_bytes); raises KvarnError (NaN/Inf: status -4)."""
+    check(mla_lib().kvarn_mla_encode(ctypes.byref(fmt), latent_dim, rope_dim, latent, rope,
+                                     workspace, record), "MLA encode")
+
+
+def mla_decode(fmt: MlaFormat, latent_dim: int, rope_dim: int, record: int, latent: int,
+               rope: int) -> None:
+    check(mla_lib().kvarn_mla_decode(ctypes.byref(fmt), latent_dim, rope_dim, record, latent,
+                                     rope), "MLA decode")
+
+
+def mla_attn(fmt: MlaFormat, latent_dim: int, rope_dim: int, records: list, tail_latent: int,
+             tail_rope: int, n_tail: int, q_latent: int, q_rope: int, n_rows: int, n_heads: int,
+             row_len: int, scale: float, out: int, lse: int, workspace: int) -> None:
+    """Absorbed attention of one sequence (mla.h kvarn_mla_attn): records is
+    a list of record addresses (ints), the others data pointers (0: NULL;
+    row_len: an int32 array of n_rows, or 0 for all tokens)."""
+    arr = (ctypes.c_void_p * max(len(records), 1))(*records)
+    check(mla_lib().kvarn_mla_attn(ctypes.byref(fmt), latent_dim, rope_dim, arr, len(records),
+                                   tail_latent, tail_rope, n_tail, q_latent, q_rope, n_rows,
+                                   n_heads, row_len, scale, out, lse, workspace), "MLA attention")
