@@ -33,6 +33,10 @@
  *     KVARN_ERR_UNSUPPORTED here;
  *   - every per-token format (fp16, bf16, fp8_e4m3, fp8_e5m2, int8, int4)
  *     with any block size G in [1, 128].
+ * Not served: the MLA latent records of mla.h (kvarn_mla_* names are not a
+ * kvarn_format: kvarn_format_parse refuses them with
+ * KVARN_ERR_UNKNOWN_FORMAT, so no call here can be handed one; MLA runs on
+ * the CPU, docs/mla.md).
  * Non-finite activations: the kernels cannot report them without a
  * synchronization; a NaN/Inf in K or V makes the affected record's values
  * undefined (the CPU encoder returns KVARN_ERR_NONFINITE instead).
