@@ -32,20 +32,41 @@ static int all_finite(const float *x, size_t n)
     return !bad;
 }
 
-/* The level this call runs (0 scalar, 1 avx2, 2 avx512). */
-static int mla_level(void)
-{
+/* The kernels of each SIMD level, indexed by kvarn_cpu_level (as
+ * kernel_table.c's rows for the per-head formats): NULL folded kernels
+ * mean the reference (mla_ref.c) reads the tile as dense decoded rows. */
+typedef void (*mla_scores_fn)(const uint8_t *codes, const float *qa, float cb, const float *s_tok,
+                              const float *rope, const float *q_pe, int D, int R, int G, float scale,
+                              float *sc);
+typedef void (*mla_accum_fn)(const uint8_t *codes, const float *a, const float *b, const float *w,
+                             float sw, int D, int G, float *acc);
+typedef struct mla_level_row {
+    const char *name;
+    mla_scores_fn scores;
+    mla_accum_fn accum;
+} mla_level_row;
+
+static const mla_level_row k_mla_levels[] = {
+    [KVARN_CPU_SCALAR] = {"scalar", NULL, NULL},
 #ifdef ATTN_MLA_HAVE_X86
-    return (int)kvarn__cpu_level();
-#else
-    return 0;
+    [KVARN_CPU_AVX2] = {"avx2", attn_mla_folded_scores_avx2, attn_mla_folded_accum_avx2},
+    [KVARN_CPU_AVX512] = {"avx512", attn_mla_folded_scores_avx512, attn_mla_folded_accum_avx512},
 #endif
+};
+
+/* The row this call runs: the CPU's level capped by KVARN_SIMD. */
+static const mla_level_row *mla_level(void)
+{
+    const int n = (int)(sizeof k_mla_levels / sizeof k_mla_levels[0]);
+    int level = (int)kvarn__cpu_level();
+    level = level < n ? level : n - 1;
+    return &k_mla_levels[level];
 }
 
 const char *kvarn_mla_attn_kernel_name(const kvarn_mla_format *fmt, int latent_dim)
 {
     if (kvarn_mla_check_dims(fmt, latent_dim, 0) != KVARN_OK) return "scalar";
-    return kvarn__cpu_level_name((kvarn_cpu_level)mla_level());
+    return mla_level()->name;
 }
 
 static void load_fp16(const uint8_t *src, int n, float *dst)
@@ -113,7 +134,8 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
 
     kvarn_mla_attn_ws ws;
     kvarn__mla_attn_ws_carve(D, R, G, nq, workspace, &ws);
-    const int level = mla_level();
+    const mla_level_row *K = mla_level();
+    const int folded = K->scores != NULL;
     memcpy(ws.qr, q_latent, (size_t)nq * (size_t)D * sizeof(float));
     kvarn_hadamard_rows(ws.qr, nq, D);
     memset(ws.acc, 0, (size_t)nq * (size_t)D * sizeof(float));
@@ -128,7 +150,7 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
     for (int i = 0; i < n_tiles; i++) {
         const int base = i * G;
         const uint8_t *rec = records[i];
-        if (level == 0) {
+        if (!folded) {
             kvarn__mla_decode_rotated(&L, rec, ws.lat, ws.rope);
         } else {
             kvarn__mla_decode_rotated(&L, rec, NULL, ws.rope);
@@ -146,33 +168,25 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
             const float *qr = ws.qr + (size_t)q * (size_t)D;
             const float *qpe = R > 0 ? q_rope + (size_t)q * (size_t)R : NULL;
             float *acc = ws.acc + (size_t)q * (size_t)D;
-            if (level == 0) {
+            if (!folded) {
                 attn_mla_ref_scores(ws.lat, ws.rope, n, D, R, qr, qpe, scale, ws.sc);
                 softmax_step(ws.sc, n, &ws.m[q], &ws.l[q], acc, D);
                 attn_mla_ref_accum(ws.lat, n, D, ws.sc, acc);
                 continue;
             }
-#ifdef ATTN_MLA_HAVE_X86
             float cb = 0.0f;
             for (int d = 0; d < D; d++) {
                 ws.qa[d] = qr[d] * a[d];
                 cb += qr[d] * b[d];
             }
-            if (level >= KVARN_CPU_AVX512)
-                attn_mla_folded_scores_avx512(ws.codes, ws.qa, cb, s_tok, ws.rope, qpe, D, R, G, scale, ws.sc);
-            else
-                attn_mla_folded_scores_avx2(ws.codes, ws.qa, cb, s_tok, ws.rope, qpe, D, R, G, scale, ws.sc);
+            K->scores(ws.codes, ws.qa, cb, s_tok, ws.rope, qpe, D, R, G, scale, ws.sc);
             softmax_step(ws.sc, n, &ws.m[q], &ws.l[q], acc, D);
             float sw = 0.0f;
             for (int t = 0; t < G; t++) {
                 ws.pw[t] = t < n ? ws.sc[t] * s_tok[t] : 0.0f;
                 sw += ws.pw[t];
             }
-            if (level >= KVARN_CPU_AVX512)
-                attn_mla_folded_accum_avx512(ws.codes, a, b, ws.pw, sw, D, G, acc);
-            else
-                attn_mla_folded_accum_avx2(ws.codes, a, b, ws.pw, sw, D, G, acc);
-#endif
+            K->accum(ws.codes, a, b, ws.pw, sw, D, G, acc);
         }
     }
 
