@@ -17,14 +17,16 @@ STRUCTS = {"kvarn_format": _lib.Format, "kvarn_paged_kv": _lib.PagedKV,
            "kvarn_cache_opts": _lib.CacheOpts, "kvarn_cache_info": _lib.CacheInfo,
            "kvarn_cuda_attn_shape": _lib.CudaAttnShape,
            "kvarn_cuda_attn_plan": _lib.CudaAttnPlan,
-           "kvarn_cuda_attn_args": _lib.CudaAttnArgs}
+           "kvarn_cuda_attn_args": _lib.CudaAttnArgs,
+           "kvarn_mla_format": _lib.MlaFormat}
 
 
 @pytest.fixture(scope="module")
 def c_layout(tmp_path_factory):
     d = tmp_path_factory.mktemp("layout")
     lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "kvarn/paged.h"',
-             '#include "kvarn/attn.h"', '#include "kvarn/cuda.h"', '#include "kvarn/cache.h"', 'int main(void) {']
+             '#include "kvarn/attn.h"', '#include "kvarn/cuda.h"', '#include "kvarn/cache.h"', '#include "kvarn/mla.h"',
+             'int main(void) {']
     for cname, py in STRUCTS.items():
         lines.append(f'printf("{cname} size %zu\\n", sizeof({cname}));')
         for f, _ in py._fields_:
