@@ -43,13 +43,13 @@ void kvarn__mla_decode_rotated(const kvarn_mla_layout *L, const uint8_t *record,
 /* Scratch of one attention call, nq = n_rows n_heads query rows (float
  * arrays, each 64-byte aligned from a 64-byte aligned base):
  *   qr   [nq][D]  the latent queries rotated by H/sqrt(D)
- *   qa   [nq][D]  SIMD kernels: qr folded with a tile's a_d
+ *   qa   [D]      folded kernels: one query row folded with a tile's a_d
  *   acc  [nq][D]  the rotated output accumulators
  *   m, l [nq]     running max and sum of exp of the online softmax
  *   lat  [G][D]   one tile's latent (decoded or tail rows), rotated
  *   rope [G][R]   one tile's rope rows
  *   sc   [G]      one query row's scores / weights over a tile
- *   pw   [nq][G]  SIMD kernels: softmax weights times s_tok
+ *   pw   [G]      folded kernels: one row's softmax weights times s_tok
  *   codes [D][G]  bytes: SIMD kernels: a tile's codes, one per byte */
 typedef struct kvarn_mla_attn_ws {
     float *qr, *qa, *acc, *m, *l, *lat, *rope, *sc, *pw;
@@ -65,8 +65,8 @@ static inline size_t kvarn__mla_attn_ws_carve(int D, int R, int G, int nq, void 
                                               kvarn_mla_attn_ws *ws)
 {
     const size_t fd = sizeof(float), q = (size_t)nq, d = (size_t)D, g = (size_t)G;
-    const size_t sz[10] = {q * d * fd, q * d * fd, q * d * fd, q * fd, q * fd,
-                           g * d * fd, g * (size_t)R * fd, g * fd, q * g * fd, d * g};
+    const size_t sz[10] = {q * d * fd, d * fd, q * d * fd, q * fd, q * fd,
+                           g * d * fd, g * (size_t)R * fd, g * fd, g * fd, d * g};
     size_t off[10], total = 0;
     for (int i = 0; i < 10; i++) {
         off[i] = total;
