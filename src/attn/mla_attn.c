@@ -5,7 +5,8 @@
  * One sequence, n_rows x n_heads query rows. The latent queries are rotated
  * once by H/sqrt(D) (the records' basis), every tile is read once for all
  * query rows (decoded to dense rows for the reference kernel, or unpacked
- * to one code per byte for the folded kernels, mla_kernels.h), the softmax
+ * to one code per byte for the folded kernels, mla_kernels.h, which take
+ * the query rows in blocks of ATTN_MLA_QB), the softmax
  * is online across tiles and the tail (running max m, sum l, rescaled
  * accumulator), and each row's accumulator is rotated back at the end:
  * out = (acc / l) H/sqrt(D). The tail rows are rotated into the same basis
@@ -25,6 +26,10 @@
 #include "codec/mla_internal.h"
 #include "codec/pack.h"
 
+#if KVARN_MLA_QB != ATTN_MLA_QB
+#error "the workspace's block of query rows (mla_internal.h) must be the kernels' (mla_kernels.h)"
+#endif
+
 static int all_finite(const float *x, size_t n)
 {
     int bad = 0;
@@ -35,11 +40,11 @@ static int all_finite(const float *x, size_t n)
 /* The kernels of each SIMD level, indexed by kvarn_cpu_level (as
  * kernel_table.c's rows for the per-head formats): NULL folded kernels
  * mean the reference (mla_ref.c) reads the tile as dense decoded rows. */
-typedef void (*mla_scores_fn)(const uint8_t *codes, const float *qa, float cb, const float *s_tok,
-                              const float *rope, const float *q_pe, int D, int R, int G, float scale,
-                              float *sc);
+typedef void (*mla_scores_fn)(const uint8_t *codes, const float *qa, const float *cb,
+                              const float *s_tok, const float *rope, const float *const *q_pe,
+                              int nb, int D, int R, int G, float scale, float *sc);
 typedef void (*mla_accum_fn)(const uint8_t *codes, const float *a, const float *b, const float *w,
-                             float sw, int D, int G, float *acc);
+                             const float *sw, int nb, int D, int G, float *const *acc);
 typedef struct mla_level_row {
     const char *name;
     mla_scores_fn scores;
@@ -150,43 +155,61 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
     for (int i = 0; i < n_tiles; i++) {
         const int base = i * G;
         const uint8_t *rec = records[i];
-        if (!folded) {
+        if (!folded) { /* reference: the tile as dense rotated rows */
             kvarn__mla_decode_rotated(&L, rec, ws.lat, ws.rope);
-        } else {
-            kvarn__mla_decode_rotated(&L, rec, NULL, ws.rope);
-            for (int d = 0; d < D; d++)
-                (void)kvarn_unpack_codes(rec + L.lat.k_codes_off + (size_t)d * row_bytes, (size_t)G,
-                                         L.latent_bits, ws.codes + (size_t)d * (size_t)G);
-            load_fp16(rec + L.lat.k_a_off, D, a);
-            load_fp16(rec + L.lat.k_b_off, D, b);
-            load_fp16(rec + L.lat.k_stok_off, G, s_tok);
-        }
-        for (int q = 0; q < nq; q++) {
-            const int len = row_len ? row_len[q / n_heads] : total;
-            const int n = len - base < G ? len - base : G;
-            if (n <= 0) continue;
-            const float *qr = ws.qr + (size_t)q * (size_t)D;
-            const float *qpe = R > 0 ? q_rope + (size_t)q * (size_t)R : NULL;
-            float *acc = ws.acc + (size_t)q * (size_t)D;
-            if (!folded) {
-                attn_mla_ref_scores(ws.lat, ws.rope, n, D, R, qr, qpe, scale, ws.sc);
+            for (int q = 0; q < nq; q++) {
+                const int len = row_len ? row_len[q / n_heads] : total;
+                const int n = len - base < G ? len - base : G;
+                if (n <= 0) continue;
+                const float *qpe = R > 0 ? q_rope + (size_t)q * (size_t)R : NULL;
+                float *acc = ws.acc + (size_t)q * (size_t)D;
+                attn_mla_ref_scores(ws.lat, ws.rope, n, D, R, ws.qr + (size_t)q * (size_t)D, qpe, scale, ws.sc);
                 softmax_step(ws.sc, n, &ws.m[q], &ws.l[q], acc, D);
                 attn_mla_ref_accum(ws.lat, n, D, ws.sc, acc);
-                continue;
             }
-            float cb = 0.0f;
-            for (int d = 0; d < D; d++) {
-                ws.qa[d] = qr[d] * a[d];
-                cb += qr[d] * b[d];
+            continue;
+        }
+        /* folded: the codes unpacked once, a_d, b_d, s_tok_t as fp32, then
+         * blocks of up to QB query rows that see part of this tile */
+        kvarn__mla_decode_rotated(&L, rec, NULL, ws.rope);
+        for (int d = 0; d < D; d++)
+            (void)kvarn_unpack_codes(rec + L.lat.k_codes_off + (size_t)d * row_bytes, (size_t)G,
+                                     L.latent_bits, ws.codes + (size_t)d * (size_t)G);
+        load_fp16(rec + L.lat.k_a_off, D, a);
+        load_fp16(rec + L.lat.k_b_off, D, b);
+        load_fp16(rec + L.lat.k_stok_off, G, s_tok);
+        for (int q = 0; q < nq;) {
+            int qs[ATTN_MLA_QB], ns[ATTN_MLA_QB], nb = 0;
+            for (; q < nq && nb < ATTN_MLA_QB; q++) {
+                const int len = row_len ? row_len[q / n_heads] : total;
+                const int n = len - base < G ? len - base : G;
+                if (n > 0) qs[nb] = q, ns[nb] = n, nb++;
             }
-            K->scores(ws.codes, ws.qa, cb, s_tok, ws.rope, qpe, D, R, G, scale, ws.sc);
-            softmax_step(ws.sc, n, &ws.m[q], &ws.l[q], acc, D);
-            float sw = 0.0f;
-            for (int t = 0; t < G; t++) {
-                ws.pw[t] = t < n ? ws.sc[t] * s_tok[t] : 0.0f;
-                sw += ws.pw[t];
+            if (nb == 0) break;
+            float cb[ATTN_MLA_QB], sw[ATTN_MLA_QB], *accp[ATTN_MLA_QB];
+            const float *qpe[ATTN_MLA_QB];
+            for (int k = 0; k < nb; k++) {
+                const float *qr = ws.qr + (size_t)qs[k] * (size_t)D;
+                float *qa = ws.qa + (size_t)k * (size_t)D;
+                cb[k] = 0.0f;
+                for (int d = 0; d < D; d++) {
+                    qa[d] = qr[d] * a[d];
+                    cb[k] += qr[d] * b[d];
+                }
+                qpe[k] = R > 0 ? q_rope + (size_t)qs[k] * (size_t)R : NULL;
+                accp[k] = ws.acc + (size_t)qs[k] * (size_t)D;
             }
-            K->accum(ws.codes, a, b, ws.pw, sw, D, G, acc);
+            K->scores(ws.codes, ws.qa, cb, s_tok, ws.rope, qpe, nb, D, R, G, scale, ws.sc);
+            for (int k = 0; k < nb; k++) {
+                float *sc = ws.sc + (size_t)k * (size_t)G, *pw = ws.pw + (size_t)k * (size_t)G;
+                softmax_step(sc, ns[k], &ws.m[qs[k]], &ws.l[qs[k]], accp[k], D);
+                sw[k] = 0.0f;
+                for (int t = 0; t < G; t++) {
+                    pw[t] = t < ns[k] ? sc[t] * s_tok[t] : 0.0f;
+                    sw[k] += pw[t];
+                }
+            }
+            K->accum(ws.codes, a, b, ws.pw, sw, nb, D, G, accp);
         }
     }
 

@@ -32,18 +32,28 @@ void attn_mla_ref_scores(const float *lat, const float *rope, int n, int D, int 
 /* Reference. acc[d] += sum_{t < n} p[t] lat[t][d]. */
 void attn_mla_ref_accum(const float *lat, int n, int D, const float *p, float *acc);
 
-/* Folded kernel, one copy per level (suffix _avx2, _avx512).
- * scores: sc[t] for every t < G (the caller reads the visible ones) =
- *   scale (s_tok[t] (sum_d qa[d] codes[d][t] + cb) + q_pe . rope[t]),
- *   qa = q_rot * a (per channel), cb = q_rot . b (fp32, in order).
- * accum: w [G] (zero past the visible tokens: p_t s_tok_t), sw = sum w;
- *   acc[d] += a[d] (sum_t w[t] codes[d][t]) + b[d] sw. */
+/* Query rows per block of the folded kernels: each code is converted to
+ * fp32 once per block and used by its rows (8 accumulators, one code
+ * vector and one broadcast: 10 of AVX2's 16 vector registers). */
+#define ATTN_MLA_QB 8
+
+/* Folded kernel, one copy per level (suffix _avx2, _avx512), on a block of
+ * nb <= ATTN_MLA_QB query rows k:
+ * scores: sc[k][t] for every t < G (the caller reads the visible ones) =
+ *   scale (s_tok[t] (sum_d qa[k][d] codes[d][t] + cb[k]) + q_pe[k] . rope[t]),
+ *   qa[k] = q_rot * a (per channel), cb[k] = q_rot . b; each row's sums
+ *   in the same order whatever the block (rows are independent, bit for
+ *   bit). qa [nb][D], sc [nb][G]; q_pe[k] unread when R is 0.
+ * accum: w [nb][G] (zero past a row's visible tokens: p_t s_tok_t), sw[k]
+ *   = sum_t w[k][t]; acc[k][d] += a[d] (sum_t w[k][t] codes[d][t]) + b[d] sw[k]. */
 #define ATTN_MLA_FOLDED_DECL(SFX)                                                          \
-    void attn_mla_folded_scores##SFX(const uint8_t *codes, const float *qa, float cb,      \
-                                     const float *s_tok, const float *rope, const float *q_pe, \
-                                     int D, int R, int G, float scale, float *sc);          \
+    void attn_mla_folded_scores##SFX(const uint8_t *codes, const float *qa, const float *cb, \
+                                     const float *s_tok, const float *rope,                 \
+                                     const float *const *q_pe, int nb, int D, int R, int G, \
+                                     float scale, float *sc);                               \
     void attn_mla_folded_accum##SFX(const uint8_t *codes, const float *a, const float *b,   \
-                                    const float *w, float sw, int D, int G, float *acc);
+                                    const float *w, const float *sw, int nb, int D, int G,  \
+                                    float *const *acc);
 #if defined(__x86_64__) || defined(__i386__)
 #define ATTN_MLA_HAVE_X86 1
 ATTN_MLA_FOLDED_DECL(_avx2)
@@ -79,47 +89,56 @@ static inline float mla_hsum(mla_vf v)
     return s;
 }
 
-void ATTN_MLA_FN(attn_mla_folded_scores)(const uint8_t *codes, const float *qa, float cb,
-                                         const float *s_tok, const float *rope, const float *q_pe,
-                                         int D, int R, int G, float scale, float *sc)
+void ATTN_MLA_FN(attn_mla_folded_scores)(const uint8_t *codes, const float *qa, const float *cb,
+                                         const float *s_tok, const float *rope,
+                                         const float *const *q_pe, int nb, int D, int R, int G,
+                                         float scale, float *sc)
 {
-    /* 8 (or 16) tokens per vector; the channel loop outermost, so each
-     * token's sum runs over d in order and the codes stream row by row. */
-    for (int t0 = 0; t0 < G; t0 += 4 * MLA_L) {
-        const int nb = (G - t0) / MLA_L < 4 ? (G - t0) / MLA_L : 4;
-        mla_vf acc[4] = {{0}, {0}, {0}, {0}};
+    /* One vector of tokens at a time; the channel loop inside, so each
+     * token's sum runs over d in order; each code vector converted once
+     * for the block's rows. */
+    for (int t0 = 0; t0 < G; t0 += MLA_L) {
+        mla_vf acc[ATTN_MLA_QB];
+        for (int k = 0; k < nb; k++) acc[k] = (mla_vf){0};
+        const uint8_t *col = codes + t0;
         for (int d = 0; d < D; d++) {
-            const uint8_t *row = codes + (size_t)d * (size_t)G + t0;
-            const float q = qa[d];
-            for (int k = 0; k < nb; k++) acc[k] += q * mla_load_codes(row + k * MLA_L);
+            const mla_vf cv = mla_load_codes(col + (size_t)d * (size_t)G);
+            for (int k = 0; k < nb; k++) acc[k] += qa[(size_t)k * (size_t)D + d] * cv;
         }
+        mla_vf s;
+        memcpy(&s, s_tok + t0, sizeof s);
         for (int k = 0; k < nb; k++) {
-            mla_vf s;
-            memcpy(&s, s_tok + t0 + k * MLA_L, sizeof s);
-            acc[k] = (acc[k] + cb) * s;
-            memcpy(sc + t0 + k * MLA_L, &acc[k], sizeof acc[k]);
+            acc[k] = (acc[k] + cb[k]) * s;
+            memcpy(sc + (size_t)k * (size_t)G + t0, &acc[k], sizeof acc[k]);
         }
     }
-    for (int t = 0; t < G; t++) {
-        float r = 0.0f;
-        const float *kp = rope + (size_t)t * (size_t)R;
-        for (int j = 0; j < R; j++) r += q_pe[j] * kp[j];
-        sc[t] = scale * (sc[t] + r);
-    }
+    for (int k = 0; k < nb; k++)
+        for (int t = 0; t < G; t++) {
+            float r = 0.0f;
+            const float *kp = rope + (size_t)t * (size_t)R;
+            for (int j = 0; j < R; j++) r += q_pe[k][j] * kp[j];
+            float *o = sc + (size_t)k * (size_t)G + t;
+            *o = scale * (*o + r);
+        }
 }
 
 void ATTN_MLA_FN(attn_mla_folded_accum)(const uint8_t *codes, const float *a, const float *b,
-                                        const float *w, float sw, int D, int G, float *acc)
+                                        const float *w, const float *sw, int nb, int D, int G,
+                                        float *const *acc)
 {
     for (int d = 0; d < D; d++) {
         const uint8_t *row = codes + (size_t)d * (size_t)G;
-        mla_vf s = {0};
+        mla_vf s[ATTN_MLA_QB];
+        for (int k = 0; k < nb; k++) s[k] = (mla_vf){0};
         for (int t = 0; t < G; t += MLA_L) {
-            mla_vf wv;
-            memcpy(&wv, w + t, sizeof wv);
-            s += wv * mla_load_codes(row + t);
+            const mla_vf cv = mla_load_codes(row + t);
+            for (int k = 0; k < nb; k++) {
+                mla_vf wv;
+                memcpy(&wv, w + (size_t)k * (size_t)G + t, sizeof wv);
+                s[k] += wv * cv;
+            }
         }
-        acc[d] += a[d] * mla_hsum(s) + b[d] * sw;
+        for (int k = 0; k < nb; k++) acc[k][d] += a[d] * mla_hsum(s[k]) + b[d] * sw[k];
     }
 }
 #endif /* ATTN_MLA_SFX */

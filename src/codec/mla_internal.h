@@ -16,6 +16,9 @@
 /* Largest n_rows x n_heads of one attention call (the workspace sizes are
  * formed below it without overflow). */
 #define KVARN_MLA_MAX_QROWS (1 << 20)
+/* Query rows per block of the folded attention kernels (= ATTN_MLA_QB of
+ * src/attn/mla_kernels.h, which checks it). */
+#define KVARN_MLA_QB 8
 
 typedef struct kvarn_mla_layout {
     int latent_dim, rope_dim, tile_tokens; /* D, R, G */
@@ -43,13 +46,14 @@ void kvarn__mla_decode_rotated(const kvarn_mla_layout *L, const uint8_t *record,
 /* Scratch of one attention call, nq = n_rows n_heads query rows (float
  * arrays, each 64-byte aligned from a 64-byte aligned base):
  *   qr   [nq][D]  the latent queries rotated by H/sqrt(D)
- *   qa   [D]      folded kernels: one query row folded with a tile's a_d
+ *   qa   [QB][D]  folded kernels: a block of query rows folded with a_d
  *   acc  [nq][D]  the rotated output accumulators
  *   m, l [nq]     running max and sum of exp of the online softmax
  *   lat  [G][D]   one tile's latent (decoded or tail rows), rotated
  *   rope [G][R]   one tile's rope rows
- *   sc   [G]      one query row's scores / weights over a tile
- *   pw   [G]      folded kernels: one row's softmax weights times s_tok
+ *   sc   [QB][G]  a block of query rows' scores / weights over a tile
+ *   pw   [QB][G]  folded kernels: the block's softmax weights times s_tok
+ * (QB = KVARN_MLA_QB, the folded kernels' block of query rows)
  *   codes [D][G]  bytes: SIMD kernels: a tile's codes, one per byte */
 typedef struct kvarn_mla_attn_ws {
     float *qr, *qa, *acc, *m, *l, *lat, *rope, *sc, *pw;
@@ -65,8 +69,9 @@ static inline size_t kvarn__mla_attn_ws_carve(int D, int R, int G, int nq, void 
                                               kvarn_mla_attn_ws *ws)
 {
     const size_t fd = sizeof(float), q = (size_t)nq, d = (size_t)D, g = (size_t)G;
-    const size_t sz[10] = {q * d * fd, d * fd, q * d * fd, q * fd, q * fd,
-                           g * d * fd, g * (size_t)R * fd, g * fd, g * fd, d * g};
+    const size_t qb = KVARN_MLA_QB;
+    const size_t sz[10] = {q * d * fd, qb * d * fd, q * d * fd, q * fd, q * fd,
+                           g * d * fd, g * (size_t)R * fd, qb * g * fd, qb * g * fd, d * g};
     size_t off[10], total = 0;
     for (int i = 0; i < 10; i++) {
         off[i] = total;
