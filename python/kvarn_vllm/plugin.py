@@ -221,6 +221,8 @@ def check_model(vllm_config) -> None:
             f"wrong tokens after a cache hit (tested on a Gemma-4 shape, docs/vllm-models.md), "
             f"so it is refused: --no-enable-prefix-caching (LLM(..., "
             f"enable_prefix_caching=False)), or one of vLLM's own cache dtypes")
+    _place_proposer_cache(vllm_config)
+    _check_hybrid_speculation(vllm_config)
     hf = mc.hf_text_config
     _check_linear_attention(mc, hf, vllm_config.device_config.device_type)
     fmt = _lib.parse_format(name, dims[0])
@@ -259,6 +261,47 @@ def check_model(vllm_config) -> None:
         cc.kv_cache_dtype_skip_layers = sorted(set(cc.kv_cache_dtype_skip_layers)
                                                | {SLIDING_MARK})
         cc._kvarn_added_sliding = True
+
+
+def _place_proposer_cache(vllm_config) -> None:
+    """Model-based speculation (backend.SPEC_MODEL_METHODS: a draft model,
+    an EAGLE / EAGLE-3 head): where speculative_config.kv_cache_dtype is
+    unset (vLLM's default: the proposer inherits --kv-cache-dtype), set it
+    to "auto", so the proposer's layers keep vLLM's own cache and attend
+    through vLLM's CPU backend (docs/vllm-models.md "Model-based
+    speculation"); an explicit kvarn name there, and any other method, is
+    refused by backend.check_speculative with the reason, here before an
+    engine starts."""
+    from .backend import SPEC_MODEL_METHODS, check_speculative
+    sc = vllm_config.speculative_config
+    if sc is not None and sc.method in SPEC_MODEL_METHODS and sc.kv_cache_dtype is None:
+        sc.kv_cache_dtype = "auto"
+        from vllm.logger import init_logger
+        init_logger("vllm.kvarn_vllm").info(
+            "kvarn: speculative method '%s': the proposer's layers keep vLLM's own cache "
+            "(speculative_config kv_cache_dtype='auto'), the target's are in %s",
+            sc.method, vllm_config.cache_config.cache_dtype)
+    check_speculative(vllm_config)
+
+
+def _check_hybrid_speculation(vllm_config) -> None:
+    """Speculative decoding (any method) on a hybrid model (Mamba-type
+    layers: Qwen3-Next's Gated DeltaNet) with prefix caching: vLLM 0.32's
+    CPU build fails at the first step with its own cache too (mamba_utils'
+    precopy_mamba_align_fused_kernel is a Triton kernel the CPU build lacks:
+    "TypeError: 'function' object is not subscriptable"; tried with 'ngram'
+    and 'mtp' on a Qwen3-Next shape, docs/vllm-models.md): refused here,
+    naming --no-enable-prefix-caching, which runs."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if vllm_config.speculative_config is not None and mc.is_hybrid \
+            and cc.enable_prefix_caching and vllm_config.device_config.device_type == "cpu":
+        raise ValueError(
+            f"kvarn: speculative decoding on {mc.model} (hybrid: linear-attention / "
+            f"Mamba-type layers) with prefix caching fails in vLLM 0.32's CPU build itself "
+            f"(with any cache dtype, at the first step: \"TypeError: 'function' object is not "
+            f"subscriptable\" from mamba_utils' Triton-only precopy_mamba_align_fused_kernel); "
+            f"turn prefix caching off: --no-enable-prefix-caching (LLM(..., "
+            f"enable_prefix_caching=False))")
 
 
 def kvarn_head_dims(mc, policy: str) -> list:

@@ -195,38 +195,50 @@ def test_spec_decode_runs_and_equals_plain_decode(k4v2_pair):
 
 def test_rejected_drafts_never_reach_a_committed_record(k4v2_pair):
     """Every final record of the speculative run holds, token by token, the
-    keys of the plain run's record for the same tile. Not byte for byte: a
-    verification step computes K/V in a batch of 1 + k rows where plain
-    decoding has one, and the model's fp32 arithmetic then differs in the
-    last bits, which moves a rounding now and then (tiles filled within a
-    prefill are the same bytes). So rows are compared: a row of the right
-    token is within the codec's step of the plain run's row, while a
-    rejected draft is another token, as far from it as two neighbouring
-    tokens of the same tile are from each other."""
-    import numpy as np
+    keys of the plain run's record for the same tile (check_records_match)."""
     plain_run, spec_run, (rec_plain, st_plain), (rec_spec, st_spec) = k4v2_pair
     # the speculative run met every case: tiles encoded from drafts, some
     # written again after a rejection, the others confirmed once accepted
     assert st_spec["provisional"] > 0 and st_spec["refilled"] > 0 and st_spec["confirmed"] > 0
     assert st_plain == {"provisional": 0, "refilled": 0, "confirmed": 0}
-    assert len(rec_plain) >= len(prompt_ids())
+    check_records_match(plain_run, spec_run, rec_plain, rec_spec,
+                        NGRAM["num_speculative_tokens"])
+
+
+def check_records_match(plain_run, spec_run, rec_plain, rec_spec, drafts, prompts=None,
+                        fmt="kvarn_k4v2_g128", head_dim=64, n_kv_heads=3, n_layers=30):
+    """The final records of a speculative run (drafts: its tokens proposed a
+    step) against a plain run's of the same prompts (prompt_ids() unless
+    given), SmolLM2's shapes by default. Each record is n_layers layers of
+    n_kv_heads tile records (no proposer layer among them). Not byte for
+    byte: a verification step computes K/V in a batch of 1 + k rows where
+    plain decoding has one, and the model's fp32 arithmetic then differs in
+    the last bits, which moves a rounding now and then (tiles filled within
+    a prefill are the same bytes). So rows are compared: a row of the right
+    token is within the codec's step of the plain run's row, while a
+    rejected draft is another token, as far from it as two neighbouring
+    tokens of the same tile are from each other."""
+    import numpy as np
+    from kvarn_vllm import _lib
+    rb = _lib.record_bytes(_lib.parse_format(fmt, head_dim), head_dim)
+    assert {len(r) for r in rec_plain + rec_spec} == {n_layers * n_kv_heads * rb}
+    prompts = prompts or prompt_ids()
+    assert len(rec_plain) >= len(prompts)
     # a request that ends right after drafts filled a tile leaves it
     # provisional for good, and drafts accepted past max_tokens may complete
     # one more: at most one tile per request either way
-    assert abs(len(rec_spec) - len(rec_plain)) <= len(prompt_ids())
-    # Where a near-tie parted the texts (test above), the tiles from that
-    # position on hold other tokens in the two runs: each such request has
-    # at most (its length + drafts) // G - (position // G) of them, and they
-    # are left out (the worst-matching ones).
-    prompts = prompt_ids()
+    assert abs(len(rec_spec) - len(rec_plain)) <= len(prompts)
+    # Where a near-tie parted the texts (check_equal_up_to_near_ties), the
+    # tiles from that position on hold other tokens in the two runs: each
+    # such request has at most (its length + drafts) // G - (position // G)
+    # of them, and they are left out (the worst-matching ones).
     diverged, _ = check_equal_up_to_near_ties(plain_run, spec_run)
-    parted = sum((len(prompts[n]) + len(plain_run["outputs"][n]["token_ids"]) +
-                  NGRAM["num_speculative_tokens"]) // G - (len(prompts[n]) + i) // G
-                 for n, i in diverged)
-    plain = [_decoded_keys("kvarn_k4v2_g128", 64, 3, r) for r in rec_plain]
+    parted = sum((len(prompts[n]) + len(plain_run["outputs"][n]["token_ids"]) + drafts) // G -
+                 (len(prompts[n]) + i) // G for n, i in diverged)
+    plain = [_decoded_keys(fmt, head_dim, n_kv_heads, r) for r in rec_plain]
     rows = []
     for r in rec_spec:
-        k = _decoded_keys("kvarn_k4v2_g128", 64, 3, r)
+        k = _decoded_keys(fmt, head_dim, n_kv_heads, r)
         # the plain tile it is (the nearest)
         dist = [np.linalg.norm(k - p) for p in plain]
         p = plain[int(np.argmin(dist))]
@@ -251,15 +263,3 @@ def test_spec_decode_equals_plain_decode_every_preset(fmt, hf_model):
     spec = _run(fmt, True, max_tokens=32, block=block)
     check_equal_up_to_near_ties(plain, spec)
     assert spec["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0) > 0
-
-
-def test_model_based_proposer_is_refused_at_start(hf_model):
-    """A draft model's layers would attend through the backend in passes of
-    their own: refused with a message naming what works."""
-    res, err = run_llm({"kv_cache_dtype": "kvarn_k4v2_g128", "prompts": ["Hi"], "max_tokens": 1,
-                        "speculative_config": {"method": "draft_model", "model": hf_model,
-                                               "num_speculative_tokens": 3}},
-                       expect_ok=False)
-    assert res is None
-    assert "method 'draft_model' is not supported" in err and "use method 'ngram'" in err, \
-        err[-3000:]
