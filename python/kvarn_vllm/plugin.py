@@ -265,7 +265,7 @@ def check_model(vllm_config) -> None:
 
 def _place_proposer_cache(vllm_config) -> None:
     """Model-based speculation (backend.SPEC_MODEL_METHODS: a draft model,
-    an EAGLE / EAGLE-3 head): where speculative_config.kv_cache_dtype is
+    an EAGLE / EAGLE-3 head, MTP layers): where speculative_config.kv_cache_dtype is
     unset (vLLM's default: the proposer inherits --kv-cache-dtype), set it
     to "auto", so the proposer's layers keep vLLM's own cache and attend
     through vLLM's CPU backend (docs/vllm-models.md "Model-based
