@@ -75,7 +75,14 @@ def test_model_based_speculation_equals_plain(method, plain, heads, hf_model, tm
     print(f"{method}: {accepted} of {drafted} draft tokens accepted "
           f"({accepted / max(1, drafted):.1%}); staging {s_st}; KV tokens {s_res['kv_tokens']} "
           f"(plain {p_res['kv_tokens']})")
-    assert drafted > 0 and accepted > 0
+    assert drafted > 0
+    # SmolLM2 drafting for itself agrees with the target most of the time;
+    # the random EAGLE test heads only on the run of '0's (6 of 546 drafts
+    # on Zen 4): a count that small may differ on another CPU, so their
+    # acceptance is reported, and their rejections are what the staging
+    # checks below exercise
+    if head is None:
+        assert accepted > drafted // 2
     # tiles were encoded from drafts, and each was rewritten after a
     # rejection or confirmed once its drafts were accepted
     assert s_st["provisional"] > 0 and s_st["refilled"] + s_st["confirmed"] > 0
