@@ -196,6 +196,9 @@ def check_model(vllm_config) -> None:
     mc = vllm_config.model_config
     cc = vllm_config.cache_config
     name = cc.cache_dtype
+    if getattr(mc, "use_mla", False):
+        from .mla_backend import check_mla_model
+        check_mla_model(vllm_config)   # MLA: raises with the reason
     policy = sliding_window_policy()
     dims = kvarn_head_dims(mc, policy)
     for d in dims:

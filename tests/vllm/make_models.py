@@ -144,6 +144,20 @@ FAMILIES = {
                                            moe_intermediate_size=256,
                                            shared_expert_intermediate_size=256,
                                            rms_norm_eps=1e-6)),
+    # DeepSeek-V3 / R1 attention (multi-head latent attention, MLA; Kimi-K2
+    # has the same shape): per token one kv_lora_rank 512 latent c_kv (RMS
+    # normed) and one 64-wide RoPE key, shared by every head; queries through
+    # a 1536 q_lora_rank, per head 128 no-RoPE + 64 RoPE channels, values 128.
+    # Heads, layers and hidden cut down; every layer dense
+    # (first_k_dense_replace = layers: vLLM 0.32's CPU MoE and transformers'
+    # disagree on this config's mixture-of-experts layer, KL ~0.17 at fp32
+    # where the dense layers agree to ~1e-4, and attention is what is tested)
+    "deepseek_v3": ("DeepseekV3Config", dict(hidden_size=512, intermediate_size=1024,
+                                             num_hidden_layers=2, num_attention_heads=8,
+                                             num_key_value_heads=8, kv_lora_rank=512,
+                                             q_lora_rank=1536, qk_rope_head_dim=64,
+                                             qk_nope_head_dim=128, v_head_dim=128,
+                                             first_k_dense_replace=2, rms_norm_eps=1e-6)),
 }
 
 
@@ -173,6 +187,26 @@ def _scale_weights(model, family: str, gen) -> None:
                 p.copy_(torch.exp(torch.randn(p.shape, generator=gen) * 0.5))
             elif family == "gpt_oss" and name.endswith("self_attn.sinks"):
                 p.copy_(SINK_MEAN + SINK_STD * torch.randn(p.shape, generator=gen))
+            elif family == "deepseek_v3" and name.endswith(
+                    ("q_b_proj.weight", "kv_b_proj.weight", "kv_a_proj_with_mqa.weight")):
+                # MLA: the scores are q_nope . (W_UK c) + q_pe . k_pe, c the
+                # RMS-normed latent; the gain on both sides of each product:
+                # q_b_proj (q_nope, q_pe), kv_b_proj's K rows (per head
+                # qk_nope_head_dim K rows, then v_head_dim V rows), the RoPE
+                # key's rows of kv_a_proj_with_mqa (after the kv_lora_rank
+                # latent rows, whose gain the norm would undo)
+                c = model.config
+                if name.endswith("q_b_proj.weight"):
+                    p.mul_(QK_GAIN)
+                elif name.endswith("kv_b_proj.weight"):
+                    w = p.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+                    w[:, : c.qk_nope_head_dim].mul_(QK_GAIN)
+                else:
+                    p[c.kv_lora_rank:].mul_(QK_GAIN)
+            elif family == "deepseek_v3" and name.endswith("kv_a_layernorm.weight"):
+                # the latent's norm weights log-normal around 1 (real ones
+                # are not all 1): channels of different scales in c_kv
+                p.copy_(torch.exp(torch.randn(p.shape, generator=gen) * 0.5))
             elif family in ("gemma3", "gemma4", "qwen3_next") and name.endswith(
                     ("q_norm.weight", "k_norm.weight")):
                 # q and k are RMS-normed, so the projections' gain is gone:
