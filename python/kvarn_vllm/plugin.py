@@ -33,9 +33,15 @@ BACKEND_PATH = "kvarn_vllm.backend.KvarnAttentionBackend"
 _done = False
 
 
+MLA_PREFIX = "kvarn_mla_"   # MLA latent records (mla_backend.py)
+MLA_BACKEND_PATH = "kvarn_vllm.mla_backend.KvarnMLABackend"
+
+
 def kvarn_dtype_names() -> list:
     return [f"kvarn_k{k}v{v}_g{g}{c}" for c, k, v, g in
-            itertools.product(("", "c"), (4, 2, 8), (2, 4, 8), (128, 64, 32))]
+            itertools.product(("", "c"), (4, 2, 8), (2, 4, 8), (128, 64, 32))] + \
+        [f"{MLA_PREFIX}k{b}{r}_g{g}" for b in (4, 2, 8) for r in ("", "r8", "r16")
+         for g in (128, 64)]
 
 
 def _check_version() -> None:
@@ -52,7 +58,9 @@ def _validate_name(name):
     Imports no backend (kvarn_vllm.ladder checks names with it in a process
     that forks the engines' processes)."""
     from . import _lib
-    if _lib.is_kvarn_dtype(name):
+    if isinstance(name, str) and name.startswith(MLA_PREFIX):
+        _lib.mla_parse(name)     # ValueError with the library's explanation
+    elif _lib.is_kvarn_dtype(name):
         _lib.parse_format(name)  # ValueError with the library's explanation
     return name
 
@@ -198,7 +206,11 @@ def check_model(vllm_config) -> None:
     name = cc.cache_dtype
     if getattr(mc, "use_mla", False):
         from .mla_backend import check_mla_model
-        check_mla_model(vllm_config)   # MLA: raises with the reason
+        check_mla_model(vllm_config)   # MLA: its own checks (mla_backend.py)
+        return
+    if name.startswith(MLA_PREFIX):
+        from .mla_backend import check_mla_name_without_mla
+        check_mla_name_without_mla(vllm_config)
     policy = sliding_window_policy()
     dims = kvarn_head_dims(mc, policy)
     for d in dims:
@@ -427,6 +439,8 @@ def _patch_platform_cls(Platform) -> None:
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         from .backend import is_kvarn_dtype
         if is_kvarn_dtype(attn_selector_config.kv_cache_dtype):
+            if attn_selector_config.use_mla:
+                return MLA_BACKEND_PATH
             from .backend import _State
             _State.dtype_name = attn_selector_config.kv_cache_dtype
             return BACKEND_PATH
@@ -492,6 +506,9 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str, device_type: str) -> Non
         from .backend import is_kvarn_dtype
         if not is_kvarn_dtype(self.cache_config.cache_dtype):
             return avail
+        if getattr(self.vllm_config.model_config, "use_mla", False):
+            from .mla_backend import reserve_tail_pool
+            return reserve_tail_pool(self.vllm_config, avail, budget_knob)
         from . import _lib
         from .backend import _State
         ps = staging_pool(self.vllm_config, avail, device_type)
@@ -528,6 +545,9 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str, device_type: str) -> Non
         if _State.staging is not None:
             from .backend import kernel_block_ids
             _State.staging.reset_blocks(kernel_block_ids(self, block_ids))
+        if getattr(self.model_config, "use_mla", False):
+            from .mla_backend import reset_blocks
+            reset_blocks(block_ids)
         if is_kvarn_dtype(self.cache_config.cache_dtype) and not _vllm_zeroes(self.kv_cache_config):
             # reported only for kvarn's bookkeeping (_patch_scheduler): a
             # record is never read before its commit, nothing to zero

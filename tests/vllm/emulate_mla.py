@@ -176,3 +176,29 @@ def logprobs(model_dir: str, ids: list, prompt_len: int, roundtrip=None, G: int 
 def kl_rows(lp_p: np.ndarray, lp_q: np.ndarray) -> np.ndarray:
     """KL(P || Q) per row of two log-probability matrices."""
     return np.sum(np.exp(lp_p) * (lp_p - lp_q), axis=-1)
+
+
+class MlaCodec:
+    """One tile's round trip through libkvarn's MLA record (include/kvarn/
+    mla.h: kvarn_mla_encode, then kvarn_mla_decode): format name, latent
+    and rope widths; usable as logprobs' roundtrip. .G tokens a tile."""
+
+    def __init__(self, name: str, latent_dim: int, rope_dim: int):
+        from kvarn_vllm import _lib
+        self.lib = _lib
+        self.fmt = _lib.mla_parse(name, latent_dim, rope_dim)
+        self.D, self.R, self.G = latent_dim, rope_dim, self.fmt.tile_tokens
+        self.rec = np.zeros(_lib.mla_record_bytes(self.fmt, latent_dim, rope_dim), np.uint8)
+        self.ws = np.zeros(_lib.mla_workspace_bytes(self.fmt, latent_dim, rope_dim), np.uint8)
+
+    def __call__(self, latent: np.ndarray, rope: np.ndarray):
+        L = self.lib
+        lat = np.ascontiguousarray(latent, dtype=np.float32)
+        rp = np.ascontiguousarray(rope, dtype=np.float32)
+        assert lat.shape == (self.G, self.D) and rp.shape == (self.G, self.R)
+        L.mla_encode(self.fmt, self.D, self.R, lat.ctypes.data, rp.ctypes.data,
+                     self.ws.ctypes.data, self.rec.ctypes.data)
+        lo, ro = np.empty_like(lat), np.empty_like(rp)
+        L.mla_decode(self.fmt, self.D, self.R, self.rec.ctypes.data, lo.ctypes.data,
+                     ro.ctypes.data)
+        return lo, ro

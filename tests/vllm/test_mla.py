@@ -22,10 +22,25 @@ as its token stride, and DeepSeek's MLA layer hands it two strided views
 pins that rule against vLLM's own forward_native, so that a vLLM that fixes
 it fails here (and emulate_mla's vllm_rope default must follow).
 
-The kvarn formats store K and V tiles per KV head, which an MLA model has
-none of: a kvarn --kv-cache-dtype on an MLA model is refused at start-up
-with the reason (plugin.check_model -> mla_backend.check_mla_model).
+kvarn_mla_k4_g128 (mla_backend.py: one MLA record per block of G = 128
+tokens, the latent as a 4-bit KVarN K tile and the RoPE key int8 per
+token, include/kvarn/mla.h; the tile not yet full in an fp32 tail;
+decode: kvarn_mla_attn, absorbed) against vLLM's fp32 MLA cache: the KV
+tokens vLLM reports are its budget less the tail pool over the record
+bytes of every layer; at the decoded positions the KL divergence to the
+exact model must be the codec's, K_e (emulate_mla.py: transformers with
+each whole tile's latent and RoPE key through libkvarn's kvarn_mla_encode +
+kvarn_mla_decode and the backend's read rule), within test_families'
+rule |K_v - K_e| <= K_e, and position by position vLLM's distributions must
+be the emulated codec's (KL < K_e / 10: same records, same reads); the
+prompt's positions (MHA on fresh latents) see no codec; greedy tokens equal
+the fp32 cache's up to near-ties (Pinsker, as test_families).
+
+Refused at start-up with the reason: a K/V-tile kvarn format on an MLA
+model, an MLA format on a model without MLA, a latent the record cannot
+hold.
 """
+import math
 import os
 import sys
 
@@ -42,6 +57,7 @@ G = 128
 PROMPT_LEN = 2 * G + 100     # decoding crosses the tile boundary at 3G
 MAX_TOKENS = 40
 MLA_BLOCK = 16               # vLLM's CPU platform forces it for MLA (platforms/cpu.py)
+MLA_FMT = "kvarn_mla_k4_g128"
 
 
 def _ids(seed: int, n: int) -> list:
@@ -181,13 +197,95 @@ def test_vllm_cpu_rope_strided_views():
     assert res["n_bad"] == 0, res
 
 
-@pytest.mark.parametrize("dtype", ["kvarn_k4v2_g128"])
-def test_kvarn_formats_refused_on_mla(model, dtype):
+def _startup_error(log: str) -> str:
+    return next(line for line in log.splitlines() if line.startswith("STARTUP_ERROR"))
+
+
+def test_kvarn_mla_k4_g128(model):
+    """kvarn_mla_k4_g128 against vLLM's fp32 MLA cache (module docstring)."""
+    import emulate_mla
+    from kvarn_vllm import _lib
     layers, latent, rope = _dims(model)
-    res, log = run_llm(_cfg(model, kv_cache_dtype=dtype, block_size=G, max_tokens=1),
-                       expect_ok=False)
+    ref, _ = run_llm(_cfg(model, kv_cache_dtype="auto"))
+    kv, log = run_llm(_cfg(model, kv_cache_dtype=MLA_FMT, block_size=G))
+    # capacity: the KV budget less the fp32 tail pool (8 sequences' slots
+    # of G tokens of every layer, latent + rope fp32), in blocks of one
+    # record per layer
+    fmt = _lib.mla_parse(MLA_FMT, latent, rope)
+    rb = _lib.mla_record_bytes(fmt, latent, rope)
+    pool = layers * 8 * G * (latent + rope) * 4
+    assert kv["kv_blocks"] == ((1 << 30) - pool) // (layers * rb), kv["kv_blocks"]
+    assert kv["kv_tokens"] == kv["kv_blocks"] * G
+    seq = PROMPT + kv["outputs"][0]["token_ids"]
+    exact = emulate_mla.logprobs(model, seq[:-1], PROMPT_LEN)
+    codec = emulate_mla.logprobs(model, seq[:-1], PROMPT_LEN,
+                                 roundtrip=emulate_mla.MlaCodec(MLA_FMT, latent, rope), G=G)
+    mine = _lp_rows(kv)
+    dec = slice(PROMPT_LEN - 1, None)    # decoded positions: they read records
+    k_e = emulate_mla.kl_rows(exact, codec)[dec]
+    k_v = emulate_mla.kl_rows(exact, mine)[dec]
+    k_path = emulate_mla.kl_rows(codec, mine)[dec]
+    k_pre = emulate_mla.kl_rows(exact, mine)[: PROMPT_LEN - 1]
+    print(f"{MLA_FMT}: {rb} bytes per {G}-token record ({rb / G:.0f} per token per layer); "
+          f"KV tokens {kv['kv_tokens']} against vLLM's fp32 cache {ref['kv_tokens']} "
+          f"({kv['kv_tokens'] / ref['kv_tokens']:.2f}x); decode KLD over {len(k_v)} positions: "
+          f"vLLM kvarn vs exact {k_v.mean():.5f} (max {k_v.max():.5f}), codec emulated "
+          f"{k_e.mean():.5f} (max {k_e.max():.5f}), vLLM kvarn vs codec emulated "
+          f"{k_path.mean():.2e}; prompt positions vs exact {k_pre.mean():.2e}")
+    # the decoded positions read records: the codec's effect is there
+    assert k_e.mean() > 0
+    # one codec on the same latents on two hosts (test_families' rule) ...
+    assert k_e.mean() / 2 <= k_v.mean() <= 2 * k_e.mean()
+    # ... and position by position the same records and read rule: what
+    # is left is fp32 summation order, far below the codec's effect
+    assert k_path.mean() < k_e.mean() / 10
+    # the prompt runs as MHA on the fresh latents: no codec effect
+    assert k_pre.mean() < k_e.mean() / 10
+    # greedy tokens against vLLM's fp32 cache: equal up to near-ties, where
+    # the reference's margin is at most sqrt(2 k), k = 2 max K_e (Pinsker)
+    r, k = ref["outputs"][0], kv["outputs"][0]
+    i = next((j for j, (a, b) in enumerate(zip(r["token_ids"], k["token_ids"])) if a != b),
+             None)
+    if i is not None:
+        lp = r["logprobs"][i]
+        margin = math.exp(lp[r["token_ids"][i]]) - math.exp(lp[k["token_ids"][i]])
+        bound = math.sqrt(2 * 2 * k_e.max())
+        print(f"greedy tokens first differ at {i}: reference margin {margin:.4f} <= {bound:.4f}")
+        assert margin <= bound
+    else:
+        print(f"greedy tokens equal ({len(r['token_ids'])})")
+
+
+def test_kvarn_kv_formats_refused_on_mla(model):
+    layers, latent, rope = _dims(model)
+    res, log = run_llm(_cfg(model, kv_cache_dtype="kvarn_k4v2_g128", block_size=G,
+                            max_tokens=1), expect_ok=False)
     assert res is None
-    err = next(line for line in log.splitlines() if line.startswith("STARTUP_ERROR"))
+    err = _startup_error(log)
     assert "multi-head latent attention" in err, err
     assert f"{latent}-wide latent" in err and f"{rope}-wide RoPE key" in err, err
-    assert "--kv-cache-dtype auto" in err, err
+    assert MLA_FMT in err and "--kv-cache-dtype auto" in err, err
+
+
+def test_mla_format_refused_without_mla(hf_model):
+    res, log = run_llm(dict(model=hf_model, prompts=["x"], max_tokens=1,
+                            kv_cache_dtype=MLA_FMT), expect_ok=False)
+    assert res is None
+    err = _startup_error(log)
+    assert "has no MLA layers" in err and "kvarn_k4v2_g128" in err, err
+
+
+def test_mla_unsupported_latent_refused(tmp_path):
+    """A latent the MLA record cannot hold (384: not a power of two): the
+    library's reason, at start-up."""
+    cls, kw = make_models.FAMILIES["deepseek_v3"]
+    make_models.FAMILIES["deepseek_v3_latent384"] = (cls, dict(kw, kv_lora_rank=384))
+    try:
+        m = make_models.make("deepseek_v3_latent384", str(tmp_path))
+    finally:
+        del make_models.FAMILIES["deepseek_v3_latent384"]
+    res, log = run_llm(_cfg(m, kv_cache_dtype=MLA_FMT, block_size=G, max_tokens=1),
+                       expect_ok=False)
+    assert res is None
+    err = _startup_error(log)
+    assert "384-wide latent" in err and "power of two" in err, err
