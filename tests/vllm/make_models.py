@@ -148,16 +148,21 @@ FAMILIES = {
     # has the same shape): per token one kv_lora_rank 512 latent c_kv (RMS
     # normed) and one 64-wide RoPE key, shared by every head; queries through
     # a 1536 q_lora_rank, per head 128 no-RoPE + 64 RoPE channels, values 128.
-    # Heads, layers and hidden cut down; every layer dense
-    # (first_k_dense_replace = layers: vLLM 0.32's CPU MoE and transformers'
-    # disagree on this config's mixture-of-experts layer, KL ~0.17 at fp32
-    # where the dense layers agree to ~1e-4, and attention is what is tested)
+    # Heads, layers and hidden cut down; layer 0 dense, layer 1 a mixture of
+    # 4 routed experts (top 2, one group, sigmoid scores with the correction
+    # bias as V3 routes: topk_method noaux_tc) and a shared one (256, top 8
+    # there)
     "deepseek_v3": ("DeepseekV3Config", dict(hidden_size=512, intermediate_size=1024,
                                              num_hidden_layers=2, num_attention_heads=8,
                                              num_key_value_heads=8, kv_lora_rank=512,
                                              q_lora_rank=1536, qk_rope_head_dim=64,
                                              qk_nope_head_dim=128, v_head_dim=128,
-                                             first_k_dense_replace=2, rms_norm_eps=1e-6)),
+                                             first_k_dense_replace=1, n_routed_experts=4,
+                                             num_experts_per_tok=2, n_shared_experts=1,
+                                             moe_intermediate_size=256, n_group=1,
+                                             topk_group=1, routed_scaling_factor=1.0,
+                                             topk_method="noaux_tc", scoring_func="sigmoid",
+                                             rms_norm_eps=1e-6)),
 }
 
 
