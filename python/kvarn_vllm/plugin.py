@@ -11,7 +11,9 @@ What it changes, all at load, nothing on disk:
   - STR_DTYPE_TO_TORCH_DTYPE maps them to uint8 (pages of record bytes);
   - CpuPlatform.get_attn_backend_cls returns the kvarn backend for them
     (vLLM's CPU platform otherwise honours only CPU_ATTN); on a CUDA
-    platform CudaPlatform.get_attn_backend_cls does the same;
+    platform CudaPlatform.get_attn_backend_cls does the same; an MLA model
+    (DeepSeek-V3) with a kvarn_mla_* name gets mla_backend.KvarnMLABackend,
+    and check_model hands MLA models to mla_backend.check_mla_model;
   - the worker (CPUWorker, or the GPU Worker) takes the staging pool
     out of the KV budget, so the capacity vLLM reports is what the cache
     holds;
