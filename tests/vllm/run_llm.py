@@ -31,7 +31,10 @@ instead of kv_space_gib), load_format, prompts (text) or prompt_ids
 (token-id lists), max_tokens (16), logprobs (null), prompt_logprobs (null),
 max_logprobs (20), dtype (the model's, "float32"), tensor_parallel_size (1),
 pipeline_parallel_size (1), distributed_executor_backend (null: vLLM's),
-enforce_eager (true), compilation_config (null: vLLM's), env (variables set
+enforce_eager (true), compilation_config (null: vLLM's), native_rope (false:
+true runs vLLM's RotaryEmbedding.forward_native where it would run
+forward_cpu, whose CPU kernel mis-rotates DeepSeek MLA's strided q/k views,
+tests/vllm/emulate_mla.py; in-process engines only), env (variables set
 before LLM(...) is built: before vLLM is imported in the one-shot form, but
 after it under --serve, where a variable read at import (the OpenMP
 runtime's OMP_*, vLLM's platform detection) keeps the launcher's value;
@@ -87,6 +90,9 @@ def main() -> None:
     if cfg.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
         kw["enable_chunked_prefill"] = True
+    if cfg.get("native_rope"):
+        from vllm.model_executor.layers.rotary_embedding import base as rope_base
+        rope_base.RotaryEmbedding.forward_cpu = rope_base.RotaryEmbedding.forward_native
     try:
         llm = LLM(**kw)
     except Exception as e:  # what LLM(...) itself raises, for the tests to read

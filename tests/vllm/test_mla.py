@@ -34,7 +34,10 @@ kvarn_mla_decode and the backend's read rule), within test_families'
 rule |K_v - K_e| <= K_e, and position by position vLLM's distributions must
 be the emulated codec's (KL < K_e / 10: same records, same reads); the
 prompt's positions (MHA on fresh latents) see no codec; greedy tokens equal
-the fp32 cache's up to near-ties (Pinsker, as test_families).
+the fp32 cache's up to near-ties (Pinsker, as test_families). Also: three
+sequences one after another through one tail slot, and three decoded in
+one batch (with vLLM's RoPE made the trained model's, as the emulation
+then runs it), each position by position the emulated codec's.
 
 Refused at start-up with the reason: a K/V-tile kvarn format on an MLA
 model, an MLA format on a model without MLA, a latent the record cannot
@@ -285,6 +288,39 @@ def test_kvarn_mla_slots_reused(model):
               f"codec emulated {k_path.mean():.2e}")
         assert k_e.mean() > 0
         assert k_path.mean() < k_e.mean() / 10
+
+
+def test_kvarn_mla_batch(model):
+    """Three prompts decoded in one batch (max_num_seqs 3: their steps
+    shared, three tail slots in use, records of several sequences read in
+    one step), with vLLM's RoPE made the trained model's (run_llm
+    native_rope: forward_native for the CPU kernel, whose mis-rotation
+    depends on which tokens share a step): each sequence's decoded
+    distributions are the emulated codec's on its own tokens (emulate_mla
+    with vllm_rope=False), KL < its K_e / 10."""
+    import emulate_mla
+    layers, latent, rope = _dims(model)
+    lens = (2 * G + 40, G - 5, 3 * G - 20)
+    prompts = [_ids(30 + j, n) for j, n in enumerate(lens)]
+    kv, _ = run_llm(_cfg(model, prompt_ids=prompts, kv_cache_dtype=MLA_FMT, block_size=G,
+                         max_num_seqs=3, max_tokens=30, native_rope=True))
+    codec_fn = emulate_mla.MlaCodec(MLA_FMT, latent, rope)
+    for prompt, out in zip(prompts, kv["outputs"]):
+        P = len(prompt)
+        seq = prompt + out["token_ids"]
+        exact = emulate_mla.logprobs(model, seq[:-1], P, vllm_rope=False)
+        codec = emulate_mla.logprobs(model, seq[:-1], P, roundtrip=codec_fn, G=G,
+                                     vllm_rope=False)
+        rows = np.array(out["prompt_logprobs"][1:] + out["logprobs"], dtype=np.float64)
+        dec = slice(P - 1, None)
+        k_e = emulate_mla.kl_rows(exact, codec)[dec]
+        k_path = emulate_mla.kl_rows(codec, rows)[dec]
+        k_pre = emulate_mla.kl_rows(exact, rows)[: P - 1]
+        print(f"batch, prompt of {P}: decode KLD codec emulated {k_e.mean():.5f}, vLLM kvarn "
+              f"vs codec emulated {k_path.mean():.2e}; prompt vs exact {k_pre.mean():.2e}")
+        assert k_e.mean() > 0
+        assert k_path.mean() < k_e.mean() / 10
+        assert k_pre.mean() < k_e.mean() / 10
 
 
 def test_kvarn_kv_formats_refused_on_mla(model):
