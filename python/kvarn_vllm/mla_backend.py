@@ -243,7 +243,9 @@ def _make_plan(md) -> _Plan:
     bt = md.kvarn_block_table
     G = _Mla.G
     p = _Plan()
-    pinned = set()
+    # every block of this step's requests: a slot keyed by one of them is
+    # live whatever the runner's batch says (_alloc_slot's reclaim)
+    pinned = {int(b) for b in np.unique(bt)}
     for i in range(md.num_reqs):
         q0, q1 = int(qsl[i]), int(qsl[i + 1])
         L = int(seq_lens[i])
@@ -256,7 +258,6 @@ def _make_plan(md) -> _Plan:
         for t in range(start // G, (L - 1) // G + 1 if L > start else start // G):
             a, b = max(start, t * G), min(L, (t + 1) * G)
             block = int(bt[i, t])
-            pinned.add(block)
             full = b == (t + 1) * G
             if a == t * G and full:
                 p.ops.append(("rows", q0 + a - start, block))

@@ -76,6 +76,12 @@ def model(tmp_path_factory):
     return make_models.make("deepseek_v3", str(tmp_path_factory.mktemp("mla")))
 
 
+@pytest.fixture(scope="module")
+def ref_fp32(model):
+    """vLLM's own fp32 MLA cache on PROMPT: (result, log)."""
+    return run_llm(_cfg(model, kv_cache_dtype="auto", dtype="float32"))
+
+
 def _cfg(model, **kw):
     base = dict(model=model, prompt_ids=[PROMPT], max_tokens=MAX_TOKENS, logprobs=VOCAB,
                 prompt_logprobs=VOCAB, max_logprobs=VOCAB, dense_logprobs=VOCAB,
@@ -116,11 +122,12 @@ def _expected_backend() -> str:
     return "AMX_MLA" if torch.cpu._is_amx_tile_supported() else "CPU_MLA"
 
 
-def test_vllm_own_mla_cache(model):
+def test_vllm_own_mla_cache(model, ref_fp32):
     layers, latent, rope = _dims(model)
     runs = {}
     for dtype, elt in (("float32", 4), ("bfloat16", 2)):
-        res, log = run_llm(_cfg(model, kv_cache_dtype="auto", dtype=dtype))
+        res, log = ref_fp32 if dtype == "float32" else \
+            run_llm(_cfg(model, kv_cache_dtype="auto", dtype=dtype))
         assert f"Using {_expected_backend()} backend" in log
         # 1 GiB of KV (run_llm's kv_space_gib) in blocks of 16 tokens, each
         # token one latent + RoPE key per layer
@@ -204,12 +211,12 @@ def _startup_error(log: str) -> str:
     return next(line for line in log.splitlines() if line.startswith("STARTUP_ERROR"))
 
 
-def test_kvarn_mla_k4_g128(model):
+def test_kvarn_mla_k4_g128(model, ref_fp32):
     """kvarn_mla_k4_g128 against vLLM's fp32 MLA cache (module docstring)."""
     import emulate_mla
     from kvarn_vllm import _lib
     layers, latent, rope = _dims(model)
-    ref, _ = run_llm(_cfg(model, kv_cache_dtype="auto"))
+    ref = ref_fp32[0]
     kv, log = run_llm(_cfg(model, kv_cache_dtype=MLA_FMT, block_size=G))
     # capacity: the KV budget less the fp32 tail pool (8 sequences' slots
     # of G tokens of every layer, latent + rope fp32), in blocks of one
@@ -270,10 +277,10 @@ def test_kvarn_mla_slots_reused(model):
     (emulate_mla.py), which the emulation follows for one sequence alone."""
     import emulate_mla
     layers, latent, rope = _dims(model)
-    lens = (G + 100, G - 8, 2 * G - 6)     # each crosses a tile boundary while decoding
+    lens = (G + 110, G - 8, 2 * G - 6)     # each crosses a tile boundary while decoding
     prompts = [_ids(20 + j, n) for j, n in enumerate(lens)]
     kv, _ = run_llm(_cfg(model, prompt_ids=prompts, kv_cache_dtype=MLA_FMT, block_size=G,
-                         max_num_seqs=1, max_tokens=30))
+                         max_num_seqs=1, max_tokens=24))
     codec_fn = emulate_mla.MlaCodec(MLA_FMT, latent, rope)
     for prompt, out in zip(prompts, kv["outputs"]):
         P = len(prompt)
@@ -300,10 +307,10 @@ def test_kvarn_mla_batch(model):
     with vllm_rope=False), KL < its K_e / 10."""
     import emulate_mla
     layers, latent, rope = _dims(model)
-    lens = (2 * G + 40, G - 5, 3 * G - 20)
+    lens = (2 * G + 110, G - 5, 3 * G - 20)   # each crosses a tile boundary too
     prompts = [_ids(30 + j, n) for j, n in enumerate(lens)]
     kv, _ = run_llm(_cfg(model, prompt_ids=prompts, kv_cache_dtype=MLA_FMT, block_size=G,
-                         max_num_seqs=3, max_tokens=30, native_rope=True))
+                         max_num_seqs=3, max_tokens=24, native_rope=True))
     codec_fn = emulate_mla.MlaCodec(MLA_FMT, latent, rope)
     for prompt, out in zip(prompts, kv["outputs"]):
         P = len(prompt)
