@@ -40,8 +40,8 @@ one batch (with vLLM's RoPE made the trained model's, as the emulation
 then runs it), each position by position the emulated codec's.
 
 Refused at start-up with the reason: a K/V-tile kvarn format on an MLA
-model, an MLA format on a model without MLA, a latent the record cannot
-hold.
+model, an MLA format on a model without MLA, an unknown MLA name,
+speculative decoding, a latent the record cannot hold.
 """
 import math
 import os
@@ -347,6 +347,20 @@ def test_mla_format_refused_without_mla(hf_model):
     assert res is None
     err = _startup_error(log)
     assert "has no MLA layers" in err and "kvarn_k4v2_g128" in err, err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (dict(kv_cache_dtype="kvarn_mla_k3_g128"), "accepted: kvarn_mla_k{2,4,8}"),
+    (dict(kv_cache_dtype=MLA_FMT, speculative_config={"method": "ngram",
+                                                      "num_speculative_tokens": 2,
+                                                      "prompt_lookup_max": 3}),
+     "speculative decoding with kvarn_mla_k4_g128"),
+])
+def test_mla_bad_setups_refused(model, extra, needle):
+    res, log = run_llm(_cfg(model, block_size=G, max_tokens=1, **extra), expect_ok=False)
+    assert res is None
+    err = _startup_error(log)
+    assert needle in err, err
 
 
 def test_mla_unsupported_latent_refused(tmp_path):
