@@ -104,6 +104,12 @@ def check_mla_model(vllm_config) -> None:
     if vllm_config.parallel_config.world_size > 1:
         raise ValueError(f"kvarn: {name} (MLA records) is served on one rank only (no "
                          f"tensor or pipeline parallelism yet)")
+    from vllm.logger import init_logger
+    init_logger("vllm.kvarn_vllm").warning(
+        "kvarn: %s is served in %s records; note that vLLM 0.32's CPU build rotates most of "
+        "an MLA model's RoPE query and key pieces wrongly or not at all (its CPU "
+        "rotary_embedding kernel on strided views), in its own cache as in this one "
+        "(docs/vllm-models.md \"MLA\")", mc.model, name)
     cc.block_size = fmt.tile_tokens
     cc.enable_prefix_caching = False
     sc.enable_chunked_prefill = False
