@@ -65,7 +65,8 @@ typedef struct kvarn_mla_format {
 
 /* Parse "kvarn_mla_k{2,4,8}[r{8,16}]_g{64,128}", e.g. "kvarn_mla_k4_g128"
  * (rope at KVARN_MLA_DEFAULT_ROPE_BITS), "kvarn_mla_k4r8_g128",
- * "kvarn_mla_k4r16_g128", "kvarn_mla_k2_g64". Returns KVARN_OK and fills
+ * "kvarn_mla_k4r16_g128", "kvarn_mla_k2_g64"; numbers without leading
+ * zeros (one spelling per format). Returns KVARN_OK and fills
  * *out; KVARN_ERR_UNKNOWN_FORMAT for any other string (out untouched; the
  * reason from kvarn_mla_format_explain); KVARN_ERR_INVALID_ARG for NULL. */
 kvarn_status kvarn_mla_format_parse(const char *name, kvarn_mla_format *out);

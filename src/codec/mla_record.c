@@ -30,10 +30,13 @@ static int good_format(const kvarn_mla_format *f)
            (f->rope_bits == 8 || f->rope_bits == 16);
 }
 
-/* Read a decimal number of at most 3 digits at *p; -1 if none. */
+/* Read a decimal number of at most 3 digits at *p, without a leading zero
+ * (one spelling per format, as kvarn_format_parse's strict names); -1 if
+ * none. */
 static int read_num(const char **p)
 {
     int n = 0, k = 0;
+    if (**p == '0') return -1;
     while (**p >= '0' && **p <= '9' && k < 4) {
         n = 10 * n + (**p - '0');
         (*p)++;

@@ -59,7 +59,10 @@ static void test_parse(void **state)
     static const char *bad[] = {"kvarn_mla_k3_g128", "kvarn_mla_k4_g32", "kvarn_mla_k4_g256",
                                 "kvarn_mla_k4r4_g128", "kvarn_mla_k4r_g128", "kvarn_mla_k4_g128x",
                                 "kvarn_mla_k4_g", "kvarn_mla_k_g128", "kvarn_k4v2_g128",
-                                "kvarn_mla_k04_g0128x", "kvarn_mla_k4444_g128", "", "KVARN_MLA_K4_G128"};
+                                "kvarn_mla_k04_g0128x", "kvarn_mla_k4444_g128", "", "KVARN_MLA_K4_G128",
+                                /* one spelling per format: no leading zeros */
+                                "kvarn_mla_k04_g128", "kvarn_mla_k4_g064", "kvarn_mla_k4r08_g128",
+                                "kvarn_mla_k4r016_g128", "kvarn_mla_k0_g128"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvarn_mla_format f = {7, 7, 7};
         assert_int_equal(kvarn_mla_format_parse(bad[i], &f), KVARN_ERR_UNKNOWN_FORMAT);
