@@ -240,6 +240,7 @@ def check_model(vllm_config) -> None:
             f"enable_prefix_caching=False)), or one of vLLM's own cache dtypes")
     _place_proposer_cache(vllm_config)
     _check_hybrid_speculation(vllm_config)
+    _check_draft_count(vllm_config)
     hf = mc.hf_text_config
     _check_linear_attention(mc, hf, vllm_config.device_config.device_type)
     fmt = _lib.parse_format(name, dims[0])
@@ -319,6 +320,23 @@ def _check_hybrid_speculation(vllm_config) -> None:
             f"subscriptable\" from mamba_utils' Triton-only precopy_mamba_align_fused_kernel); "
             f"turn prefix caching off: --no-enable-prefix-caching (LLM(..., "
             f"enable_prefix_caching=False))")
+
+
+def _check_draft_count(vllm_config) -> None:
+    """num_speculative_tokens (any method) above vLLM 0.32's rejection
+    sampler limit (vllm/v1/sample/rejection_sampler.py MAX_SPEC_LEN, 128):
+    the engine starts, then fails at the first step with a bare
+    AssertionError, with its own cache too (tried: draft_model with 130
+    drafts, kvarn and --kv-cache-dtype auto; docs/vllm-models.md). Refused
+    here with the limit; 128 drafts (k = G) run with kvarn."""
+    from vllm.v1.sample.rejection_sampler import MAX_SPEC_LEN
+    from .backend import draft_tokens
+    k = draft_tokens(vllm_config)
+    if k > MAX_SPEC_LEN:
+        raise ValueError(
+            f"kvarn: num_speculative_tokens {k} is above vLLM 0.32's limit of {MAX_SPEC_LEN} "
+            f"draft tokens a step (its rejection sampler's MAX_SPEC_LEN: the engine would fail "
+            f"at the first step, with any cache dtype); use at most {MAX_SPEC_LEN}")
 
 
 def kvarn_head_dims(mc, policy: str) -> list:

@@ -17,8 +17,9 @@ caches (the proposer's fp32 pages counted). MTP ('mtp') likewise on a
 random Qwen3-Next shape with one MTP layer (make_proposers.make_mtp).
 Refused with the reason: a method the plug-in has not run (vLLM's
 'ngram_gpu'), a kvarn dtype for the proposer's layers (vLLM's own
-SpeculativeConfig refuses the name), and speculation on a hybrid model
-with prefix caching (vLLM's CPU build fails it with its own cache too)."""
+SpeculativeConfig refuses the name), speculation on a hybrid model
+with prefix caching (vLLM's CPU build fails it with its own cache too), and
+more than 128 drafts a step (vLLM's rejection sampler fails them)."""
 import pytest
 
 import make_proposers
@@ -171,6 +172,20 @@ def test_unrun_method_is_refused_at_start(hf_model):
     assert res is None
     assert "method 'ngram_gpu' is not supported" in err and "use 'ngram', 'draft_model'" in err, \
         err[-3000:]
+
+
+def test_too_many_drafts_are_refused_at_start(hf_model):
+    """num_speculative_tokens above vLLM's MAX_SPEC_LEN (128): vLLM's engine
+    starts and then fails at the first step with a bare AssertionError (its
+    own cache too); the plug-in refuses it before an engine starts, naming
+    the limit (plugin._check_draft_count)."""
+    res, err = run_llm({"kv_cache_dtype": FMT, "prompts": ["Hi"], "max_tokens": 1,
+                        "speculative_config": {"method": "draft_model", "model": hf_model,
+                                               "num_speculative_tokens": 130}},
+                       expect_ok=False)
+    assert res is None
+    assert "num_speculative_tokens 130 is above vLLM 0.32's limit of 128" in err, err[-3000:]
+    assert "STARTUP_ERROR" in err, err[-3000:]   # refused before the first step
 
 
 def test_proposer_in_kvarn_is_refused_at_start(hf_model):
