@@ -142,7 +142,10 @@ kvarn_status kvarn_mla_decode(const kvarn_mla_format *fmt, int latent_dim, int r
  * n_tiles or n_tail < 0, no token, n_rows or n_heads <= 0,
  * row_len[i] out of range, scale not finite and > 0, n_rows x n_heads over
  * 2^20), as kvarn_mla_check_dims, KVARN_ERR_NONFINITE (NaN/Inf in
- * q_latent, q_rope or the tail). */
+ * q_latent, q_rope or the tail). Finite inputs are not range-checked:
+ * scores that overflow fp32 (e.g. queries of 1e30 against a tail of 1e20)
+ * or a record of arbitrary bytes may give NaN/Inf in out and lse with
+ * KVARN_OK (tests/fuzz/fuzz_mla.c keeps such calls in their buffers). */
 kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rope_dim,
                             const uint8_t *const *records, int n_tiles,
                             const float *tail_latent, const float *tail_rope, int n_tail,
