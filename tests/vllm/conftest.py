@@ -165,3 +165,24 @@ def folded_kld(P, Q, start: int) -> list:
         kl = sum(a * math.log(a / b) for a, b in zip(pm, qm)) + pr * math.log(pr / qr)
         kls.append(max(0.0, kl))
     return kls
+
+
+def check_greedy_near_tie(ref: dict, run: dict, k_e_max: float) -> None:
+    """Greedy tokens of run against those of ref (run_llm results, one
+    prompt each, logprobs on): equal, or where they first part the
+    reference's margin between its token and run's, in probability, is at
+    most sqrt(2 k), k = 2 k_e_max (Pinsker's bound on the total variation of
+    two distributions whose KL is at most k; k_e_max: the emulated codec's
+    largest per-position KL, doubled for the two hosts' rule of
+    test_families)."""
+    r, k = ref["outputs"][0], run["outputs"][0]
+    i = next((j for j, (a, b) in enumerate(zip(r["token_ids"], k["token_ids"])) if a != b),
+             None)
+    if i is None:
+        print(f"greedy tokens equal ({len(r['token_ids'])})")
+        return
+    lp = r["logprobs"][i]
+    margin = math.exp(lp[r["token_ids"][i]]) - math.exp(lp[k["token_ids"][i]])
+    bound = math.sqrt(2 * 2 * k_e_max)
+    print(f"greedy tokens first differ at {i}: reference margin {margin:.4f} <= {bound:.4f}")
+    assert margin <= bound

@@ -61,6 +61,18 @@ def heads(tmp_path_factory):
     return {k: make_proposers.make(k, d) for k in make_proposers.KINDS}
 
 
+def _acceptance(method: str, p_res: dict, s_res: dict, s_st: dict) -> tuple:
+    """(draft tokens, accepted ones) of the speculative run s_res, printed
+    with its staging counts and both runs' KV tokens."""
+    m = s_res["metrics"]
+    drafted = m.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = m.get("vllm:spec_decode_num_accepted_tokens", 0)
+    print(f"{method}: {accepted} of {drafted} draft tokens accepted "
+          f"({accepted / max(1, drafted):.1%}); staging {s_st}; KV tokens {s_res['kv_tokens']} "
+          f"(plain {p_res['kv_tokens']})")
+    return drafted, accepted
+
+
 # method -> (proposer model, its attention layers in vLLM's fp32 cache)
 METHODS = {"draft_model": (None, LAYERS), "eagle": ("eagle", 1), "eagle3": ("eagle3", 1)}
 
@@ -70,12 +82,7 @@ def test_model_based_speculation_equals_plain(method, plain, heads, hf_model, tm
     head, proposer_layers = METHODS[method]
     spec = {"method": method, "model": hf_model if head is None else heads[head]}
     (p_res, (p_rec, p_st)), (s_res, (s_rec, s_st)) = plain, _run(str(tmp_path / "log"), spec)
-    m = s_res["metrics"]
-    drafted = m.get("vllm:spec_decode_num_draft_tokens", 0)
-    accepted = m.get("vllm:spec_decode_num_accepted_tokens", 0)
-    print(f"{method}: {accepted} of {drafted} draft tokens accepted "
-          f"({accepted / max(1, drafted):.1%}); staging {s_st}; KV tokens {s_res['kv_tokens']} "
-          f"(plain {p_res['kv_tokens']})")
+    drafted, accepted = _acceptance(method, p_res, s_res, s_st)
     assert drafted > 0
     # SmolLM2 drafting for itself agrees with the target most of the time;
     # the random EAGLE test heads only on the run of '0's (6 of 546 drafts
@@ -138,12 +145,7 @@ def test_mtp_on_qwen3_next_equals_plain(qwen3_next_mtp, tmp_path):
         res, _ = run_llm(cfg)
         runs.append((res, _read_log(log)))
     (p_res, (p_rec, p_st)), (s_res, (s_rec, s_st)) = runs
-    m = s_res["metrics"]
-    drafted = m.get("vllm:spec_decode_num_draft_tokens", 0)
-    accepted = m.get("vllm:spec_decode_num_accepted_tokens", 0)
-    print(f"mtp: {accepted} of {drafted} draft tokens accepted "
-          f"({accepted / max(1, drafted):.1%}); staging {s_st}; KV tokens {s_res['kv_tokens']} "
-          f"(plain {p_res['kv_tokens']})")
+    drafted, accepted = _acceptance("mtp", p_res, s_res, s_st)
     assert drafted > 0 and accepted > 0
     assert s_st["provisional"] > 0 and s_st["refilled"] + s_st["confirmed"] > 0
     check_equal_up_to_near_ties(p_res, s_res)
