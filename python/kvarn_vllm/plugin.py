@@ -18,7 +18,8 @@ What it changes, all at load, nothing on disk:
     out of the KV budget, so the capacity vLLM reports is what the cache
     holds;
   - the model runner's _zero_block_ids (CPUModelRunner, GPUModelRunner)
-    also resets the staging state of blocks vLLM hands out again.
+    also resets the staging state of blocks vLLM hands out again, and on CPU
+    zeroes them by manager block where vLLM zeroes (zero_manager_blocks).
 The CUDA hooks are applied only where vLLM's current platform is CUDA (the
 CPU build cannot import vllm.platforms.cuda); the CUDA path has not been
 run on a GPU (docs/vllm.md "GPU").
@@ -230,14 +231,6 @@ def check_model(vllm_config) -> None:
             f"they must share one head_dim: {SLIDING_ENV}=vllm (the default) keeps the "
             f"sliding-window layers in vLLM's own cache (docs/vllm-models.md), or serve it "
             f"with one of vLLM's own cache dtypes (e.g. --kv-cache-dtype auto)")
-    all_dims = kvarn_head_dims(mc, "quantize")
-    if len(all_dims) > 1 and cc.enable_prefix_caching:
-        raise ValueError(
-            f"kvarn: {mc.model} has layers of head_dims {', '.join(map(str, all_dims))}; "
-            f"with {name} in its head_dim {dims[0]} layers, vLLM's prefix caching gives "
-            f"wrong tokens after a cache hit (tested on a Gemma-4 shape, docs/vllm-models.md), "
-            f"so it is refused: --no-enable-prefix-caching (LLM(..., "
-            f"enable_prefix_caching=False)), or one of vLLM's own cache dtypes")
     _place_proposer_cache(vllm_config)
     _check_hybrid_speculation(vllm_config)
     _check_draft_count(vllm_config)
@@ -568,11 +561,18 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str, device_type: str) -> Non
         if getattr(self.model_config, "use_mla", False):
             from .mla_backend import reset_blocks
             reset_blocks(block_ids)
-        if is_kvarn_dtype(self.cache_config.cache_dtype) and not _vllm_zeroes(self.kv_cache_config):
-            # reported only for kvarn's bookkeeping (_patch_scheduler): a
-            # record is never read before its commit, nothing to zero
-            return None
+        if is_kvarn_dtype(self.cache_config.cache_dtype):
+            if not _vllm_zeroes(self.kv_cache_config):
+                # reported only for kvarn's bookkeeping (_patch_scheduler): a
+                # record is never read before its commit, nothing to zero
+                return None
+            if device_type == "cpu":
+                # vLLM 0.32's CPUModelRunner zeroes kv[block_id], a kernel
+                # block of a kvarn layer whose manager blocks are split
+                # (zero_manager_blocks)
+                return zero_manager_blocks(self, block_ids)
         return orig_zero(self, block_ids)
+    _zero_block_ids._orig = orig_zero   # vLLM's own (tests/vllm/test_zero_blocks.py)
     Runner._zero_block_ids = _zero_block_ids
 
     # Speculative decoding: the runner works out each request's draft count
@@ -594,6 +594,59 @@ def _patch_worker_cls(Worker, Runner, budget_knob: str, device_type: str) -> Non
             return orig_spec(self, num_draft_tokens, cu_num_scheduled_tokens, *args, **kwargs)
         _calc_spec_decode_metadata._kvarn = True
         Runner._calc_spec_decode_metadata = _calc_spec_decode_metadata
+
+
+def zero_manager_blocks(runner, block_ids) -> None:
+    """Zero the KV-cache manager's blocks block_ids (vLLM's block ids, one
+    per manager block of KVCacheConfig.num_blocks) in every layer of a
+    FullAttentionSpec group, what vLLM 0.32's CPUModelRunner._zero_block_ids
+    does where vLLM zeroes new blocks (mixed cache precisions: a kvarn layer's
+    uint8 records beside vLLM's fp32 pages, KVCacheConfig.
+    needs_kv_cache_zeroing), but by manager block. vLLM's CPU runner zeroes
+    kv[block_id] of each layer's cache tensor, whose dim 0 counts the
+    backend's kernel blocks: a kvarn layer's manager block of n tiles is n
+    kernel blocks of one tile (get_supported_kernel_block_sizes; n = 4 on the
+    Gemma-4 shape, whose head_dim 512 kvarn page is a quarter of the fp32
+    sliding-window layers'), so vLLM zeroed kernel block b, a quarter of
+    manager block b // n, which belongs to another request or to the prefix
+    cache: the tokens after a prefix-cache hit read zeroed K/V
+    (docs/vllm-models.md "Prefix caching on such a model"). Here manager
+    block b is kernel blocks [b * s, b * s + n) with s the group's
+    kernel_block_stride where vLLM set one (a packed cache), else n: the
+    view vLLM's GPU KVBlockZeroer zeroes (map_kv_cache_to_manager_blocks).
+    Raises RuntimeError (nothing zeroed) where a layer's cache does not hold
+    a whole number of kernel blocks per manager block."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    n_blocks = runner.kv_cache_config.num_blocks
+    groups = {}
+    for g in itertools.chain.from_iterable(getattr(runner, "attn_groups", None) or []):
+        for name in g.layer_names:
+            groups[name] = g
+    ctx = runner.compilation_config.static_forward_context
+    views = []
+    seen = set()
+    for group in runner.kv_cache_config.kv_cache_groups:
+        if not isinstance(group.kv_cache_spec, FullAttentionSpec):
+            continue
+        for name in group.layer_names:
+            layer = ctx.get(name)
+            kv = None if layer is None else layer.kv_cache
+            if not isinstance(kv, torch.Tensor) or kv.data_ptr() in seen:
+                continue
+            seen.add(kv.data_ptr())
+            ag = groups.get(name)
+            if ag is not None and getattr(ag, "kernel_block_stride", 0):
+                views.append(ag.map_kv_cache_to_manager_blocks(kv, n_blocks))
+                continue
+            if kv.shape[0] % n_blocks:
+                raise RuntimeError(
+                    f"kvarn: the cache of {name} has {kv.shape[0]} kernel blocks, not a "
+                    f"multiple of vLLM's {n_blocks} blocks: cannot zero new blocks")
+            views.append(kv.unflatten(0, (n_blocks, kv.shape[0] // n_blocks)))
+    for v in views:
+        for b in block_ids:
+            v[int(b)].zero_()
 
 
 def _vllm_zeroes(kv_cache_config) -> bool:
