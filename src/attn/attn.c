@@ -349,13 +349,6 @@ static kvarn_status check_seq(const kvarn_paged_kv *kv, const kvarn_seq_view *sv
     return KVARN_OK;
 }
 
-static int all_finite(const float *x, size_t n)
-{
-    float acc = 0.0f; /* NaN*0 and Inf*0 are NaN */
-    for (size_t i = 0; i < n; i++) acc += x[i] * 0.0f;
-    return acc == 0.0f;
-}
-
 /* ----------------------------------------------------------- the run */
 
 typedef struct attn_run {
@@ -819,7 +812,7 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
         if (qsl && run.o.causal && q_len(&run, s) > seqs[s].seq_len)
             return KVARN_ERR_INVALID_ARG;
     }
-    if (!all_finite(q, (size_t)total_q * n_q_heads * kv->head_dim)) return KVARN_ERR_NONFINITE;
+    if (!kvarn__all_finite(q, (size_t)total_q * n_q_heads * kv->head_dim)) return KVARN_ERR_NONFINITE;
     if (run.o.sinks) /* -inf: no sink; NaN, +inf: refused */
         for (int h = 0; h < n_q_heads; h++)
             if (isnan(run.o.sinks[h]) || run.o.sinks[h] == INFINITY) return KVARN_ERR_NONFINITE;

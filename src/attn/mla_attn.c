@@ -22,6 +22,7 @@
 
 #include "attn/mla_kernels.h"
 #include "codec/cpu.h"
+#include "codec/fp_convert.h"
 #include "codec/hadamard.h"
 #include "codec/mla_internal.h"
 #include "codec/pack.h"
@@ -29,13 +30,6 @@
 #if KVARN_MLA_QB != ATTN_MLA_QB
 #error "the workspace's block of query rows (mla_internal.h) must be the kernels' (mla_kernels.h)"
 #endif
-
-static int all_finite(const float *x, size_t n)
-{
-    int bad = 0;
-    for (size_t i = 0; i < n; i++) bad |= !isfinite(x[i]);
-    return !bad;
-}
 
 /* The kernels of each SIMD level, indexed by kvarn_cpu_level (as
  * kernel_table.c's rows for the per-head formats): NULL folded kernels
@@ -72,15 +66,6 @@ const char *kvarn_mla_attn_kernel_name(const kvarn_mla_format *fmt, int latent_d
 {
     if (kvarn_mla_check_dims(fmt, latent_dim, 0) != KVARN_OK) return "scalar";
     return mla_level()->name;
-}
-
-static void load_fp16(const uint8_t *src, int n, float *dst)
-{
-    for (int i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * (size_t)i, 2);
-        dst[i] = kvarn_fp16_to_fp32(h);
-    }
 }
 
 /* One online-softmax step of one query row over n scores sc (replaced by
@@ -131,10 +116,10 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
         for (int i = 0; i < n_rows; i++)
             if (row_len[i] < 1 || row_len[i] > total) return KVARN_ERR_INVALID_ARG;
     const int nq = n_rows * n_heads;
-    if (!all_finite(q_latent, (size_t)nq * (size_t)D) ||
-        (R > 0 && !all_finite(q_rope, (size_t)nq * (size_t)R)) ||
-        (n_tail > 0 && !all_finite(tail_latent, (size_t)n_tail * (size_t)D)) ||
-        (n_tail > 0 && R > 0 && !all_finite(tail_rope, (size_t)n_tail * (size_t)R)))
+    if (!kvarn__all_finite(q_latent, (size_t)nq * (size_t)D) ||
+        (R > 0 && !kvarn__all_finite(q_rope, (size_t)nq * (size_t)R)) ||
+        (n_tail > 0 && !kvarn__all_finite(tail_latent, (size_t)n_tail * (size_t)D)) ||
+        (n_tail > 0 && R > 0 && !kvarn__all_finite(tail_rope, (size_t)n_tail * (size_t)R)))
         return KVARN_ERR_NONFINITE;
 
     kvarn_mla_attn_ws ws;
@@ -175,9 +160,9 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
         for (int d = 0; d < D; d++)
             (void)kvarn_unpack_codes(rec + L.lat.k_codes_off + (size_t)d * row_bytes, (size_t)G,
                                      L.latent_bits, ws.codes + (size_t)d * (size_t)G);
-        load_fp16(rec + L.lat.k_a_off, D, a);
-        load_fp16(rec + L.lat.k_b_off, D, b);
-        load_fp16(rec + L.lat.k_stok_off, G, s_tok);
+        kvarn__fp16_load(rec + L.lat.k_a_off, D, a);
+        kvarn__fp16_load(rec + L.lat.k_b_off, D, b);
+        kvarn__fp16_load(rec + L.lat.k_stok_off, G, s_tok);
         for (int q = 0; q < nq;) {
             int qs[ATTN_MLA_QB], ns[ATTN_MLA_QB], nb = 0;
             for (; q < nq && nb < ATTN_MLA_QB; q++) {

@@ -5,20 +5,8 @@
 #include <string.h>
 
 #include "codec/codec_internal.h"
+#include "codec/fp_convert.h"
 #include "codec/format_kinds.h"
-
-static int all_finite(const float *x, size_t n)
-{
-    /* An all-ones exponent is Inf or NaN. OR-ing the test over the whole
-     * tile keeps the loop branch-free, so the compiler vectorizes it. */
-    uint32_t bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint32_t b;
-        memcpy(&b, &x[i], sizeof b);
-        bad |= (uint32_t)((b & 0x7f800000u) == 0x7f800000u);
-    }
-    return bad == 0;
-}
 
 size_t kvarn_encode_workspace_bytes(const kvarn_format *fmt, int head_dim)
 {
@@ -53,12 +41,12 @@ kvarn_status kvarn_encode(const kvarn_format *fmt, int head_dim,
      * checks while loading the tile) is not scanned here, except before a
      * workspace error, so that NaN / Inf input still gives
      * KVARN_ERR_NONFINITE first, whatever the kind. */
-    if (!op->encode_checks_finite && (!all_finite(k, n) || !all_finite(v, n)))
+    if (!op->encode_checks_finite && (!kvarn__all_finite(k, n) || !kvarn__all_finite(v, n)))
         return KVARN_ERR_NONFINITE;
     if (op->workspace_bytes) {
         size_t need = op->workspace_bytes(head_dim, fmt->tile_tokens);
         if (workspace == NULL || workspace_size < need) {
-            if (op->encode_checks_finite && (!all_finite(k, n) || !all_finite(v, n)))
+            if (op->encode_checks_finite && (!kvarn__all_finite(k, n) || !kvarn__all_finite(v, n)))
                 return KVARN_ERR_NONFINITE;
             return KVARN_ERR_BUFFER_TOO_SMALL;
         }

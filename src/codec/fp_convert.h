@@ -21,6 +21,7 @@
 #ifndef KVARN_CODEC_FP_CONVERT_H
 #define KVARN_CODEC_FP_CONVERT_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -138,6 +139,28 @@ static inline uint8_t kvarn__e5m2_from_f32(float x)
 static inline float kvarn__e5m2_to_f32(uint8_t b)
 {
     return kvarn__fp16_to_f32((uint16_t)((uint16_t)b << 8));
+}
+
+/* Whether x[0..n) holds no NaN or Inf (an all-ones exponent). The test is
+ * OR-ed over the whole array, branch-free, so the compiler vectorizes the
+ * loop. The inputs every entry point refuses with KVARN_ERR_NONFINITE. */
+static inline int kvarn__all_finite(const float *x, size_t n)
+{
+    uint32_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad |= (uint32_t)((kvarn__f32_bits(x[i]) & 0x7f800000u) == 0x7f800000u);
+    return bad == 0;
+}
+
+/* dst[i] = the fp16 stored at src + 2i (host byte order, any alignment),
+ * i < n: a record's scales (../shared/spec/KVARN.md "Record layout"). */
+static inline void kvarn__fp16_load(const uint8_t *src, int n, float *dst)
+{
+    for (int i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * (size_t)i, 2);
+        dst[i] = kvarn__fp16_to_f32(h);
+    }
 }
 
 #endif /* KVARN_CODEC_FP_CONVERT_H */

@@ -24,6 +24,7 @@
 
 #include "codec/codec_internal.h"
 #include "codec/cpu.h"
+#include "codec/fp_convert.h"
 #include "codec/hadamard.h"
 #include "codec/pack.h"
 
@@ -629,15 +630,6 @@ done:
 /* Decode                                                                  */
 /* ---------------------------------------------------------------------- */
 
-static void load_fp16(const uint8_t *src, int n, float *dst)
-{
-    for (int i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * (size_t)i, 2);
-        dst[i] = kvarn_fp16_to_fp32(h);
-    }
-}
-
 kvarn_status kvarn__tile_decode(const kvarn_record_layout *L, const void *record,
                                 float *k_out, float *v_out, unsigned flags)
 {
@@ -650,9 +642,9 @@ kvarn_status kvarn__tile_decode(const kvarn_record_layout *L, const void *record
     if (k_out != NULL) { /* K[d,t] = (code*a_d + b_d) * s_tok_t */
         const int bits = L->key_bits;
         const size_t row_bytes = kvarn_packed_bytes((size_t)G, bits);
-        load_fp16(rec + L->k_a_off, D, a);
-        load_fp16(rec + L->k_b_off, D, b);
-        load_fp16(rec + L->k_stok_off, G, s);
+        kvarn__fp16_load(rec + L->k_a_off, D, a);
+        kvarn__fp16_load(rec + L->k_b_off, D, b);
+        kvarn__fp16_load(rec + L->k_stok_off, G, s);
         /* 8 channel rows at a time, so each token gets 8 adjacent floats */
         for (int d0 = 0; d0 < D; d0 += 8) {
             for (int l = 0; l < 8; l++)
@@ -668,16 +660,16 @@ kvarn_status kvarn__tile_decode(const kvarn_record_layout *L, const void *record
     if (v_out != NULL) { /* V[t,d] = (code*a_t + b_t) * s_chan_d (+ mu_d) */
         const int bits = L->value_bits;
         const size_t row_bytes = kvarn_packed_bytes((size_t)D, bits);
-        load_fp16(rec + L->v_a_off, G, a);
-        load_fp16(rec + L->v_b_off, G, b);
-        load_fp16(rec + L->v_schan_off, D, s);
+        kvarn__fp16_load(rec + L->v_a_off, G, a);
+        kvarn__fp16_load(rec + L->v_b_off, G, b);
+        kvarn__fp16_load(rec + L->v_schan_off, D, s);
         for (int t = 0; t < G; t++) {
             kvarn_unpack_codes(rec + L->v_codes_off + (size_t)t * row_bytes, (size_t)D, bits, codes[0]);
             float *out = v_out + (size_t)t * (size_t)D;
             for (int d = 0; d < D; d++) out[d] = ((float)codes[0][d] * a[t] + b[t]) * s[d];
         }
         if (L->v_mu_bytes) { /* centred: + mu_d (record.h) */
-            load_fp16(rec + L->v_mu_off, D, s);
+            kvarn__fp16_load(rec + L->v_mu_off, D, s);
             for (int t = 0; t < G; t++)
                 for (int d = 0; d < D; d++) v_out[(size_t)t * (size_t)D + (size_t)d] += s[d];
         }
