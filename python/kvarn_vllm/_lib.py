@@ -219,6 +219,23 @@ def is_kvarn_dtype(name) -> bool:
     return isinstance(name, str) and name.startswith("kvarn_")
 
 
+MLA_PREFIX = "kvarn_mla_"   # MLA latent records (include/kvarn/mla.h, mla_backend.py)
+
+
+def is_mla_dtype(name) -> bool:
+    """Whether a --kv-cache-dtype names an MLA record format (kvarn_mla_*),
+    served by mla_backend.KvarnMLABackend; like is_kvarn_dtype, importable
+    without a backend."""
+    return isinstance(name, str) and name.startswith(MLA_PREFIX)
+
+
+def mla_dtype_names() -> list:
+    """The kvarn_mla_* names the plug-in adds to vLLM's cache dtypes (the C
+    library's kvarn_mla_format_parse accepts exactly these)."""
+    return [f"{MLA_PREFIX}k{b}{r}_g{g}" for b in (4, 2, 8) for r in ("", "r8", "r16")
+            for g in (128, 64)]
+
+
 def parse_format(name: str, head_dim: int = 0) -> Format:
     """The C library's own parse; an unknown name or unserved head_dim raises
     ValueError with the library's explanation (what is accepted)."""

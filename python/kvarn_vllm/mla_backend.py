@@ -40,20 +40,7 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from . import _lib
-
-MLA_PREFIX = "kvarn_mla_"
-
-
-def is_mla_dtype(name) -> bool:
-    """Whether a --kv-cache-dtype names an MLA record format (kvarn_mla_*)."""
-    return isinstance(name, str) and name.startswith(MLA_PREFIX)
-
-
-def mla_dtype_names() -> list:
-    """The kvarn_mla_* names the plug-in adds to vLLM's cache dtypes (the C
-    library's kvarn_mla_format_parse accepts exactly these)."""
-    return [f"kvarn_mla_k{b}{r}_g{g}" for b in (4, 2, 8) for r in ("", "r8", "r16")
-            for g in (128, 64)]
+from ._lib import is_mla_dtype, mla_dtype_names
 
 
 def mla_dims(model_config) -> tuple:
@@ -339,7 +326,7 @@ class KvarnMLABackend(CPUMLABackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
-        return [_Mla.G or 128] if _Mla.fmt is None else [_Mla.fmt.tile_tokens]
+        return [_Mla.G or 128]   # G: the format's tile, once a layer is built
 
     @classmethod
     def supports_block_size(cls, block_size) -> bool:

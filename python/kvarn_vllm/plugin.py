@@ -36,15 +36,13 @@ BACKEND_PATH = "kvarn_vllm.backend.KvarnAttentionBackend"
 _done = False
 
 
-MLA_PREFIX = "kvarn_mla_"   # MLA latent records (mla_backend.py)
 MLA_BACKEND_PATH = "kvarn_vllm.mla_backend.KvarnMLABackend"
 
 
 def kvarn_dtype_names() -> list:
+    from ._lib import mla_dtype_names
     return [f"kvarn_k{k}v{v}_g{g}{c}" for c, k, v, g in
-            itertools.product(("", "c"), (4, 2, 8), (2, 4, 8), (128, 64, 32))] + \
-        [f"{MLA_PREFIX}k{b}{r}_g{g}" for b in (4, 2, 8) for r in ("", "r8", "r16")
-         for g in (128, 64)]
+            itertools.product(("", "c"), (4, 2, 8), (2, 4, 8), (128, 64, 32))] + mla_dtype_names()
 
 
 def _check_version() -> None:
@@ -61,7 +59,7 @@ def _validate_name(name):
     Imports no backend (kvarn_vllm.ladder checks names with it in a process
     that forks the engines' processes)."""
     from . import _lib
-    if isinstance(name, str) and name.startswith(MLA_PREFIX):
+    if _lib.is_mla_dtype(name):
         _lib.mla_parse(name)     # ValueError with the library's explanation
     elif _lib.is_kvarn_dtype(name):
         _lib.parse_format(name)  # ValueError with the library's explanation
@@ -211,7 +209,7 @@ def check_model(vllm_config) -> None:
         from .mla_backend import check_mla_model
         check_mla_model(vllm_config)   # MLA: its own checks (mla_backend.py)
         return
-    if name.startswith(MLA_PREFIX):
+    if _lib.is_mla_dtype(name):
         from .mla_backend import check_mla_name_without_mla
         check_mla_name_without_mla(vllm_config)
     policy = sliding_window_policy()
