@@ -4,11 +4,12 @@ plug-in, the same requests (docs/vllm.md "Where a step's time goes").
 
     .venv-vllm/bin/python bench/vllm_step_profile.py [--requests 4]
         [--prompt-tokens 4096] [--gen 64] [--speculative K]
-        [--dtypes bfloat16,kvarn_k4v2_g128] [--json FILE]
+        [--dtypes bfloat16,kvarn_k4v2_g128] [--repeat N] [--json FILE]
 
 Each format runs in a fresh process with the engine in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, prefix caching off), greedy, EOS
-ignored; prompts are distinct Austen passages cut to --prompt-tokens. The
+ignored; prompts are distinct Austen passages cut to --prompt-tokens (each
+a passage said --repeat N times, as in vllm_throughput.py). The
 model runner's execute_model is wrapped to time every step and sort it by
 kind: "prefill" (more tokens than 1 + K per request), "verify" (a
 speculative step: more than one token per request), "decode" (one token
@@ -27,7 +28,7 @@ import os
 import sys
 import time
 
-from vllm_throughput import run_fresh   # bench/, this script's folder
+from vllm_throughput import austen_prompts, run_fresh   # bench/, this script's folder
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-hf")
@@ -100,11 +101,7 @@ def one(cfg: dict) -> dict:
               kv_cache_dtype=cfg["dtype"], block_size=128, enable_prefix_caching=False,
               kv_cache_memory_bytes=cfg["kv_bytes"], max_num_seqs=n,
               max_model_len=P + cfg["gen"] + 128)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    text = open(os.path.join(ROOT, "data", "austen", "all.txt"), encoding="utf-8").read()
-    ids = tok(text[: n * P * 6])["input_ids"]
-    prompts = [TokensPrompt(prompt_token_ids=ids[i * P:(i + 1) * P]) for i in range(n)]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in austen_prompts(n, P, cfg.get("repeat", 1))]
     T.clear()
     N.clear()
     sp = SamplingParams(temperature=0, max_tokens=cfg["gen"], ignore_eos=True)
@@ -152,6 +149,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,kvarn_k4v2_g128")
     ap.add_argument("--speculative", type=int, default=0, metavar="K",
                     help="also run each format with n-gram speculation of K tokens")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="each prompt one passage said N times (speculation at equal acceptance)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -162,7 +161,7 @@ def main() -> None:
     for d in a.dtypes.split(","):
         for k in ((0, a.speculative) if a.speculative else (0,)):
             cfg = dict(dtype=d, spec=k, requests=a.requests, prompt_tokens=a.prompt_tokens,
-                       gen=a.gen, kv_bytes=a.kv_bytes)
+                       gen=a.gen, kv_bytes=a.kv_bytes, repeat=a.repeat)
             r = run_fresh(__file__, cfg, d)
             if r is not None:
                 rows.append(r)

@@ -5,14 +5,18 @@ requests, in one run (docs/vllm.md "Benchmark"; README "Serve with vLLM").
     .venv-vllm/bin/python bench/vllm_throughput.py [--requests 32]
         [--prompt-tokens 2048] [--gen 128] [--kv-bytes 536870912]
         [--max-num-seqs 32] [--dtypes bfloat16,kvarn_k4v2_g128,fp8_e5m2]
-        [--speculative K] [--no-prefix-caching]
+        [--speculative K] [--no-prefix-caching] [--repeat N]
 
 A --dtypes entry may carry environment settings for its run after colons,
 e.g. kvarn_k4v2_g128:KVARN_STAGING=fp16 or
 kvarn_k4v2_g128:KVARN_SINK_TOKENS=16 (the plug-in's settings, docs/vllm.md).
 
 Prompts are distinct Austen passages (data/austen/all.txt) cut to
---prompt-tokens tokens. Each cache format runs in a fresh process with the
+--prompt-tokens tokens; --repeat N makes each prompt one passage of
+--prompt-tokens / N tokens said N times, which the model goes on copying:
+every cache then generates much the same text and the n-gram proposer
+finds the same drafts, so speculation runs at about equal acceptance
+(docs/vllm.md "Benchmark"). Each cache format runs in a fresh process with the
 engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that the scheduler
 can be watched: peak running requests and preemptions are counted by
 wrapping Scheduler.schedule and Scheduler._preempt_request. Prints per
@@ -64,12 +68,8 @@ def one(cfg: dict) -> dict:
               kv_cache_dtype=cfg["dtype"].split(":")[0], block_size=128,
               kv_cache_memory_bytes=cfg["kv_bytes"], max_num_seqs=cfg["max_num_seqs"],
               max_model_len=cfg["prompt_tokens"] + cfg["gen"] + 128)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    text = open(os.path.join(ROOT, "data", "austen", "all.txt"), encoding="utf-8").read()
-    ids = tok(text[: cfg["requests"] * cfg["prompt_tokens"] * 6])["input_ids"]
-    P = cfg["prompt_tokens"]
-    prompts = [TokensPrompt(prompt_token_ids=ids[i * P:(i + 1) * P]) for i in range(cfg["requests"])]
+    prompts = [TokensPrompt(prompt_token_ids=p)
+               for p in austen_prompts(cfg["requests"], cfg["prompt_tokens"], cfg.get("repeat", 1))]
     sp = SamplingParams(temperature=0, max_tokens=cfg["gen"], ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -84,6 +84,18 @@ def one(cfg: dict) -> dict:
     return dict(dtype=cfg["dtype"], spec=cfg.get("spec", 0),
                 kv_tokens=cc.num_gpu_blocks * cc.block_size, seconds=dt,
                 req_s=len(outs) / dt, out_tok_s=n_out / dt, **stats)
+
+
+def austen_prompts(requests: int, tokens: int, repeat: int = 1) -> list:
+    """requests token-id lists of `tokens` tokens each: distinct Austen
+    passages, each of tokens // repeat tokens said `repeat` times (cut to
+    `tokens`). Shared with vllm_step_profile.py."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    text = open(os.path.join(ROOT, "data", "austen", "all.txt"), encoding="utf-8").read()
+    ids = tok(text[: requests * tokens * 6])["input_ids"]
+    n = tokens // repeat
+    return [(ids[i * n:(i + 1) * n] * (repeat + 1))[:tokens] for i in range(requests)]
 
 
 def run_fresh(script: str, cfg: dict, label: str):
@@ -112,6 +124,8 @@ def main() -> None:
                     help="also run each format with n-gram speculation of K tokens")
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="turn vLLM's prefix caching off (each prompt prefilled in full)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="each prompt one passage said N times (speculation at equal acceptance)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -124,7 +138,7 @@ def main() -> None:
         env = dict(kv.split("=", 1) for kv in d.split(":")[1:])
         cfg = dict(dtype=d, env=env, requests=a.requests, prompt_tokens=a.prompt_tokens, gen=a.gen,
                    kv_bytes=a.kv_bytes, max_num_seqs=a.max_num_seqs, model_dtype=a.model_dtype,
-                   spec=k, no_prefix_caching=a.no_prefix_caching)
+                   spec=k, no_prefix_caching=a.no_prefix_caching, repeat=a.repeat)
         r = run_fresh(__file__, cfg, d)
         if r is not None:
             rows.append(r)
@@ -132,7 +146,8 @@ def main() -> None:
           f"KV budget {a.kv_bytes / 2**20:.0f} MiB, max_num_seqs {a.max_num_seqs}, "
           f"model {a.model_dtype}, {os.cpu_count()} CPUs, torch threads "
           f"{os.environ.get('OMP_NUM_THREADS', 'default')}, prefix caching "
-          f"{'off' if a.no_prefix_caching else 'on'}")
+          f"{'off' if a.no_prefix_caching else 'on'}"
+          + (f", each prompt a passage said {a.repeat} times" if a.repeat > 1 else ""))
     spec = " ".join(f"{h:>8}" for h in ("spec K", "accept", "x nospec")) if a.speculative else ""
     print(f"{'cache':40} {'KV tokens':>10} {'req/s':>8} {'out tok/s':>10} {'peak run':>9} "
           f"{'preempt':>8} {'x req/s':>8} {'x run':>6} {spec}")

@@ -215,15 +215,23 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *   KVARN_ATTN_ARITH_INT8   the same int16 query as two int8 digits times
  *                           the u8 codes (vpdpbusd): the same sums, bit for
  *                           bit, as INT16.
+ *   KVARN_ATTN_ARITH_U8     (sums) the softmax weights rounded to u8 per
+ *                           row and tile (255 steps of the row's largest),
+ *                           times the codes (vpdpbusd), exact int32 sums:
+ *                           INT16's rounding with 255 for 32767, bounded
+ *                           likewise (docs/attention-intdot.md "u8
+ *                           weights").
  * An integer half may still keep fp32 for a call whose run-time conditions
  * it does not meet (KVarN: a tile where any query row's max |q_d a_d| is
  * below 2^-100, or any reaches 2^80; int8: a span over 256 tokens, so
- * every span where the cache's block_size exceeds 256); FP32 means it
- * never rounds. */
+ * every span where the cache's block_size exceeds 256), and U8 keeps INT16
+ * for a tile with a negative or NaN value scale a_t (which no encoder
+ * writes); FP32 means it never rounds. */
 typedef enum kvarn_attn_arith {
     KVARN_ATTN_ARITH_FP32 = 0,
     KVARN_ATTN_ARITH_INT16 = 1,
-    KVARN_ATTN_ARITH_INT8 = 2
+    KVARN_ATTN_ARITH_INT8 = 2,
+    KVARN_ATTN_ARITH_U8 = 3
 } kvarn_attn_arith;
 
 /* Which kernels attention runs for a format on this CPU, and their

@@ -219,7 +219,8 @@ typedef struct attn_kind_row {
  *     runs the AVX2 kernel (both halves fp32) where any |q_d a_d| >= 2^80
  *     (2- and 4-bit K).
  *   KVarN V (kv_vsum2_i16): 2-bit codes of 128-token tiles, D % 64 == 0
- *     (64 channels a pass).
+ *     (64 channels a pass); the VNNI build's weights are u8 (kv_vsum2_u8)
+ *     where every a_t of the tile is >= 0.
  *   int8 per-token K and V (token_int8_body): D <= 256 and spans of at most
  *     256 tokens (exact int32 sums); the VNNI build's K is vpdpbusd on
  *     int8 digits where D % 64 == 0 (i8v_kdots16). */

@@ -26,8 +26,9 @@
  * fp16/bf16/fp8 as in kernel_avx2.c.
  * The online-softmax step masks positions with 16-bit lane masks.
  * 4-bit K and 2-bit V of 128-token KVarN tiles are multiplied in int16
- * (vpmaddwd; one vpdpwssd in the VNNI build, kernel_avx512_vnni.c) against
- * a query / weights rounded to int16 per row and tile, and so are the int8
+ * (vpmaddwd; one vpdpwssd in the VNNI build, kernel_avx512_vnni.c, whose
+ * V takes vpdpbusd against u8 weights instead) against a query / weights
+ * rounded to int16 (u8) per row and tile, and so are the int8
  * per-token codes (token_int8_body, at the end; vpdpbusd on transposed K
  * codes in the VNNI build): the only places the SIMD kernels' arithmetic
  * differs from the reference by more than the order of fp32 sums;
@@ -858,6 +859,46 @@ AI void kv_round_weights(attn_rows *r, int i, int G)
     w[G / 2] = ok ? wmax / 32767.0f : 0.0f;
 }
 
+/* The end of kv_vsum2_i16 and kv_vsum2_u8 for rows [r0, r0 + RB): lane k
+ * of acc[i][j] holds the int32 sum of channel d0 + 4k + j (times 4^j where
+ * pow4: codes masked in place); times sw (the row's float at G / 2 of s),
+ * 4^-j where pow4, two rounds of 4 x 4 transposes (inside 128-bit lanes,
+ * then of 128-bit lanes) put channels d0 + 16b.. in vector b; then acc +=
+ * s_chan (sum + pb), as kv_vsum. */
+AI void kv_vsum_epilogue(attn_rows *r, __m512i acc[6][4], const float *schan, const float *pb,
+                         int r0, int RB, int d0, int G, int pow4)
+{
+    const int D = r->D, gs = r->gs;
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) {
+        const float sw = r->s[(size_t)(r0 + i) * gs + G / 2];
+        __m512 v[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_set1_ps(pow4 ? sw / (float)(1 << (2 * j)) : sw));
+        __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
+        __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
+        __m512 u0 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+        __m512 u1 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+        __m512 u2 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+        __m512 u3 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+        /* u_k, 128-bit lane b: channels 16b + 4k .. 16b + 4k + 3 */
+        __m512 x0 = _mm512_shuffle_f32x4(u0, u1, 0x44), x1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
+        __m512 x2 = _mm512_shuffle_f32x4(u0, u1, 0xee), x3 = _mm512_shuffle_f32x4(u2, u3, 0xee);
+        __m512 o[4];
+        o[0] = _mm512_shuffle_f32x4(x0, x1, 0x88);
+        o[1] = _mm512_shuffle_f32x4(x0, x1, 0xdd);
+        o[2] = _mm512_shuffle_f32x4(x2, x3, 0x88);
+        o[3] = _mm512_shuffle_f32x4(x2, x3, 0xdd);
+        float *acc_o = r->acc + (size_t)(r0 + i) * D + d0;
+        const __m512 b = _mm512_set1_ps(pb[r0 + i]);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            _mm512_storeu_ps(acc_o + 16 * k, _mm512_fmadd_ps(_mm512_loadu_ps(schan + d0 + 16 * k),
+                                                             _mm512_add_ps(o[k], b), _mm512_loadu_ps(acc_o + 16 * k)));
+    }
+}
+
 /* kv_vsum for 2-bit V codes with the int16 weights of kv_round_weights:
  * channels d0..d0+63 (16 bytes of each token row), two tokens per step.
  * The 16 bytes of tokens t and t + 1 are interleaved (byte k of t, byte k
@@ -870,7 +911,7 @@ AI void kv_round_weights(attn_rows *r, int i, int G)
 AI void kv_vsum2_i16(attn_rows *r, const uint8_t *vc, size_t vrow, int G, const float *schan,
                      const float *pb, int r0, int RB, int d0)
 {
-    const int D = r->D, gs = r->gs;
+    const int gs = r->gs;
     __m512i acc[6][4];
 #pragma GCC unroll 6
     for (int i = 0; i < RB; i++)
@@ -896,38 +937,110 @@ AI void kv_vsum2_i16(attn_rows *r, const uint8_t *vc, size_t vrow, int G, const 
             for (int j = 0; j < 4; j++) acc[i][j] = dot_i16(acc[i][j], c[j], w);
         }
     }
-    /* lane k of vector j is channel d0 + 4k + j: two rounds of 4 x 4
-     * transposes (inside 128-bit lanes, then of 128-bit lanes) give
-     * channels d0 + 16b.. in vector b */
-#pragma GCC unroll 6
-    for (int i = 0; i < RB; i++) {
-        const float sw = r->s[(size_t)(r0 + i) * gs + G / 2];
-        __m512 v[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++)
-            v[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_set1_ps(sw / (float)(1 << (2 * j))));
-        __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
-        __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
-        __m512 u0 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
-        __m512 u1 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
-        __m512 u2 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
-        __m512 u3 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
-        /* u_k, 128-bit lane b: channels 16b + 4k .. 16b + 4k + 3 */
-        __m512 x0 = _mm512_shuffle_f32x4(u0, u1, 0x44), x1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
-        __m512 x2 = _mm512_shuffle_f32x4(u0, u1, 0xee), x3 = _mm512_shuffle_f32x4(u2, u3, 0xee);
-        __m512 o[4];
-        o[0] = _mm512_shuffle_f32x4(x0, x1, 0x88);
-        o[1] = _mm512_shuffle_f32x4(x0, x1, 0xdd);
-        o[2] = _mm512_shuffle_f32x4(x2, x3, 0x88);
-        o[3] = _mm512_shuffle_f32x4(x2, x3, 0xdd);
-        float *acc_o = r->acc + (size_t)(r0 + i) * D + d0;
-        const __m512 b = _mm512_set1_ps(pb[r0 + i]);
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-            _mm512_storeu_ps(acc_o + 16 * k, _mm512_fmadd_ps(_mm512_loadu_ps(schan + d0 + 16 * k),
-                                                             _mm512_add_ps(o[k], b), _mm512_loadu_ps(acc_o + 16 * k)));
-    }
+    kv_vsum_epilogue(r, acc, schan, pb, r0, RB, d0, G, 1);
 }
+
+#ifdef KVARN_AVX512_VNNI
+/* ------------------------------------- u8 weights for 2-bit V (VNNI build)
+ * vpdpbusd multiplies 64 u8 x s8 pairs per instruction (4 per 32-bit lane,
+ * summed into it, exact int32), twice vpdpwssd's 32. The weights w_t = p_t
+ * a_t are never negative where every a_t of the tile is >= 0 (p_t >= 0),
+ * so they are rounded to u8 per row and tile, w_t ~ sw wi_t, sw = max_t w_t
+ * / 255, and the 2-bit codes (0..3) are the s8 side. Rounding error: that
+ * of the int16 weights with 255 for 32767 (docs/attention-intdot.md "u8
+ * weights"; measured on SmolLM2: KLD within the spread of the fp32
+ * kernels'). A tile with a negative or NaN a_t (no encoder writes one)
+ * keeps the int16 loop. */
+
+/* Round row i's weights (fp32 s[i][0..G), all >= 0 or NaN, G % 16 == 0)
+ * to u8 in place: wi_t at the first G bytes of the row, sw at float index
+ * G / 2; a row whose largest w_t is below 2^-100 (or NaN: no visible
+ * position, or non-finite input) gets wi = 0, sw = 0, as kv_round_weights.
+ * 0 <= w_t 255 / max <= 255 (1 + 2^-23) rounds into [0, 255]. */
+AI void kv_round_weights_u8(attn_rows *r, int i, int G)
+{
+    float *w = r->s + (size_t)i * r->gs;
+    uint8_t *wi = (uint8_t *)(void *)w;
+    __m512 mx = _mm512_setzero_ps();
+    for (int t = 0; t < G; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(w + t));
+    const float wmax = _mm512_reduce_max_ps(mx);
+    const int ok = wmax >= 0x1p-100f; /* also false for NaN */
+    const __m512 inv = _mm512_set1_ps(ok ? 255.0f / wmax : 0.0f);
+    /* bytes [t, t + 16) are written after floats [t, t + 16) (bytes [4t,
+     * 4t + 64)) are read: nothing unread is overwritten */
+    for (int t = 0; t < G; t += 16) {
+        __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(w + t), inv));
+        _mm_storeu_si128((__m128i *)(void *)(wi + t), _mm512_cvtusepi32_epi8(_mm512_max_epi32(x, _mm512_setzero_si512())));
+    }
+    w[G / 2] = ok ? wmax / 255.0f : 0.0f;
+}
+
+/* kv_vsum2_i16 with the u8 weights of kv_round_weights_u8, four tokens a
+ * step: the 16 code bytes (channels d0..d0+63) of tokens t..t+3
+ * interleaved byte by byte (vpunpck{l,h}bw, then {l,h}wd), so 32-bit lane
+ * k holds byte k of the four tokens; channel d0 + 4k + j is bits 2j of each
+ * byte, shifted down and masked (s8: 0..3); vpdpbusd with the broadcast
+ * (wi_t..wi_{t+3}). Int32 sums: G 255 3 < 2^31. The lanes' channel order
+ * and the epilogue are kv_vsum2_i16's (without its 4^j). */
+AI void kv_vsum2_u8(attn_rows *r, const uint8_t *vc, size_t vrow, int G, const float *schan,
+                    const float *pb, int r0, int RB, int d0)
+{
+    const int gs = r->gs;
+    const __m512i m3 = _mm512_set1_epi8(3);
+    __m512i acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int t = 0; t < G; t += 4) {
+        attn_prefetch_step_l2(r->pf, 4); /* kv_vsum2_i16's 2 per token pair */
+        const uint8_t *row = vc + (size_t)t * vrow + d0 / 4;
+        const __m128i a = _mm_loadu_si128((const __m128i *)(const void *)row);
+        const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(row + vrow));
+        const __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(row + 2 * vrow));
+        const __m128i f = _mm_loadu_si128((const __m128i *)(const void *)(row + 3 * vrow));
+        const __m128i ablo = _mm_unpacklo_epi8(a, b), abhi = _mm_unpackhi_epi8(a, b);
+        const __m128i eflo = _mm_unpacklo_epi8(e, f), efhi = _mm_unpackhi_epi8(e, f);
+        const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(ablo, eflo)),
+                                                   _mm_unpackhi_epi16(ablo, eflo), 1);
+        const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(abhi, efhi)),
+                                                   _mm_unpackhi_epi16(abhi, efhi), 1);
+        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        __m512i c[4];
+        c[0] = _mm512_and_si512(x, m3);
+        c[1] = _mm512_and_si512(_mm512_srli_epi32(x, 2), m3);
+        c[2] = _mm512_and_si512(_mm512_srli_epi32(x, 4), m3);
+        c[3] = _mm512_and_si512(_mm512_srli_epi32(x, 6), m3);
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) {
+            int32_t wp;
+            memcpy(&wp, (const uint8_t *)(const void *)(r->s + (size_t)(r0 + i) * gs) + t, 4);
+            const __m512i w = _mm512_set1_epi32(wp);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], w, c[j]);
+        }
+    }
+    kv_vsum_epilogue(r, acc, schan, pb, r0, RB, d0, G, 0);
+}
+
+/* 1 when every a_t of the tile (va, fp32 [G], G % 16 == 0) is >= 0 (false
+ * for NaN): the weights p_t a_t are then never negative. */
+AI int kv_va_nonneg(const float *va, int G)
+{
+    __mmask16 bad = 0;
+    for (int t = 0; t < G; t += 16)
+        bad |= _mm512_cmp_ps_mask(_mm512_loadu_ps(va + t), _mm512_setzero_ps(), _CMP_NGE_UQ);
+    return bad == 0;
+}
+#define KV_U8_OK(va, G) kv_va_nonneg(va, G)
+#define KV_ROUND_U8(i) kv_round_weights_u8(r, i, G)
+#define KV_VSUM_U8(N) kv_vsum2_u8(r, vc, vrow, G, schan, pb, r0, N, d0)
+#else
+/* the vpmaddwd build has no vpdpbusd: int16 weights throughout */
+#define KV_U8_OK(va, G) 0
+#define KV_ROUND_U8(i) ((void)0)
+#define KV_VSUM_U8(N) ((void)0)
+#endif
 
 AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                         int t0, int kb, int vb)
@@ -1019,11 +1132,18 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         pb[i] = fold_weights(r->s + (size_t)i * gs, va, vbias, G);
     }
     if (vint) {
-        for (int i = 0; i < r->n; i++) kv_round_weights(r, i, G);
+        /* u8 weights (kv_vsum2_u8) in the VNNI build where every a_t >= 0 */
+        const int u8 = KV_U8_OK(va, G);
+        for (int i = 0; i < r->n; i++) {
+            if (u8)
+                KV_ROUND_U8(i);
+            else
+                kv_round_weights(r, i, G);
+        }
         for (int d0 = 0; d0 < D; d0 += 64)
             for (int r0 = 0; r0 < r->n;) {
                 int rb = block_rows(r->n, 6, r0);
-#define VICALL(N) kv_vsum2_i16(r, vc, vrow, G, schan, pb, r0, N, d0)
+#define VICALL(N) (u8 ? KV_VSUM_U8(N) : kv_vsum2_i16(r, vc, vrow, G, schan, pb, r0, N, d0))
                 ATTN_RB_SWITCH6(rb, VICALL)
 #undef VICALL
                 r0 += rb;

@@ -26,11 +26,13 @@ static const attn_level_row k_levels[ATTN_LEVELS] = {
 static void avx512_kvarn_arith(const kvarn_format *f, int D, int vnni, kvarn_attn_arith *scores,
                                kvarn_attn_arith *sums)
 {
-    (void)vnni; /* the VNNI build's int16 products are vpdpwssd: same rounding */
+    /* the VNNI build's int16 products are vpdpwssd (the same rounding);
+     * its V rounds the weights to u8 (kv_vsum2_u8) */
     *scores = attn_avx512_kvarn_k_int16(f->key_bits, f->tile_tokens, D) ? KVARN_ATTN_ARITH_INT16
                                                                         : KVARN_ATTN_ARITH_FP32;
-    *sums = attn_avx512_kvarn_v_int16(f->value_bits, f->tile_tokens, D) ? KVARN_ATTN_ARITH_INT16
-                                                                        : KVARN_ATTN_ARITH_FP32;
+    *sums = !attn_avx512_kvarn_v_int16(f->value_bits, f->tile_tokens, D) ? KVARN_ATTN_ARITH_FP32
+            : vnni                                                      ? KVARN_ATTN_ARITH_U8
+                                                                        : KVARN_ATTN_ARITH_INT16;
 }
 
 static void avx512_int8_arith(const kvarn_format *f, int D, int vnni, kvarn_attn_arith *scores,

@@ -713,6 +713,45 @@ static void test_empty(void **state)
     run_case(&c, 1101);
 }
 
+
+/* Every output row of a call against the scalar reference's (ref): 1e-5
+ * of the row's largest |ref| (fp32 sums in another order) plus the derived
+ * error of the integer dot products (tests/common/int_dot_bound.h). */
+static void check_rows(const paged_fixture *f, const attn_case *c, const int32_t *qsl,
+                       const float *q, const float *ref, const float *out, float *const *vdo,
+                       const char *what)
+{
+    const int Hq = c->Hk * c->group;
+    const size_t rows = (size_t)qsl[c->n_seqs] * Hq;
+    for (size_t row = 0; row < rows; row++) {
+        double mx = 0, err = 0;
+        for (int d = 0; d < c->D; d++) {
+            mx = fmax(mx, fabs(ref[row * c->D + d]));
+            err = fmax(err, fabs(out[row * c->D + d] - ref[row * c->D + d]));
+        }
+        const double lim = 1e-5 * mx + row_int_bound(f, c, qsl, q, row, vdo);
+        if (err > lim)
+            print_error("%s %s split %d row %zu: %g (limit %g)\n", c->fmt, what, c->split, row,
+                        err / mx, lim / mx);
+        assert_true(err <= lim);
+    }
+}
+
+/* Whether the VNNI build rounds as the vpmaddwd build (no_vnni) does for
+ * this fixture's format: the library's word (kernel info with and without
+ * the knob), at the level KVARN_SIMD caps now. */
+static int same_rounding_without_vnni(const paged_fixture *f)
+{
+    kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
+    kvarn_attn_testing nv = {0, 0, 1};
+    kvarn_attn_kernel_info a, b;
+    assert_int_equal(kvarn_attn_kernel_info_get(&f->kv.fmt, f->D, f->kv.staging, &o, &a), KVARN_OK);
+    o.testing = &nv;
+    assert_int_equal(kvarn_attn_kernel_info_get(&f->kv.fmt, f->D, f->kv.staging, &o, &b), KVARN_OK);
+    return a.scores == b.scores && a.sums == b.sums && a.staged_scores == b.staged_scores &&
+           a.staged_sums == b.staged_sums;
+}
+
 /* Every SIMD level (AVX2, AVX-512) and threads (1, 2, 3 workers; split-K
  * off, auto, forced) against the single-threaded scalar reference; repeat
  * runs are bit-identical; kvarn_attn_kernel_name names the level. */
@@ -774,25 +813,17 @@ static void test_simd_threads(void **state)
                     assert_int_equal(run_attn(&f, &c, qsl, q, again, pools[t]), KVARN_OK);
                     assert_memory_equal(out, again, nq * sizeof(float));
                     /* the vpmaddwd and VNNI builds: the same exact int32
-                     * sums, the same bits */
+                     * sums, the same bits, where they round alike (the
+                     * VNNI build's u8 weights aside: then both are held
+                     * to the reference below) */
                     c.no_vnni = 1;
                     assert_int_equal(run_attn(&f, &c, qsl, q, again, pools[t]), KVARN_OK);
-                    assert_memory_equal(out, again, nq * sizeof(float));
+                    if (same_rounding_without_vnni(&f))
+                        assert_memory_equal(out, again, nq * sizeof(float));
+                    else
+                        check_rows(&f, &c, qsl, q, ref, again, vdo, "vpmaddwd build");
                     c.no_vnni = 0;
-                    for (size_t row = 0; row < nq / c.D; row++) {
-                        double mx = 0, err = 0;
-                        for (int d = 0; d < c.D; d++) {
-                            mx = fmax(mx, fabs(ref[row * c.D + d]));
-                            err = fmax(err, fabs(out[row * c.D + d] - ref[row * c.D + d]));
-                        }
-                        /* 1e-5: fp32 sums in another order; plus the
-                         * derived error of the integer dot products */
-                        const double lim = 1e-5 * mx + row_int_bound(&f, &c, qsl, q, row, vdo);
-                        if (err > lim)
-                            print_error("%s %s threads %d split %d row %zu: %g (limit %g)\n", c.fmt,
-                                        lv_name[lv], t, c.split, row, err / mx, lim / mx);
-                        assert_true(err <= lim);
-                    }
+                    check_rows(&f, &c, qsl, q, ref, out, vdo, lv_name[lv]);
                     /* the scalar kernels threaded and split agree too */
                     c.force_scalar = 1;
                     assert_int_equal(run_attn(&f, &c, qsl, q, again, pools[t]), KVARN_OK);
@@ -1018,6 +1049,100 @@ static void arith_int16(const kvarn_format *f, int D, int vnni, kvarn_attn_arith
     *scores = *sums = KVARN_ATTN_ARITH_INT16;
 }
 
+/* The VNNI build's u8 weights for 2-bit V (kernel_avx512.c kv_vsum2_u8,
+ * docs/attention-intdot.md "u8 weights"), exactly. An all-zero query gives
+ * every position the score 0 and p_t = 1, so the weights are the records'
+ * value scales a_t; with every a_t = k_t / 256, k_t in 1..255 and 255 in
+ * each tile, the u8 rounding is exact (sw = 1/256, wi_t = k_t) and so are
+ * the int32 sums: the output must equal double-precision attention over
+ * the records to fp32 (1e-5 of max |o|). A token, channel or 4^j scale out
+ * of place in the interleaving moves it by a multiple of that. Then one
+ * negative a_t in every tile (no encoder writes one; a u8 of it would drop
+ * that weight): the tiles must keep the int16 loop, so the output is the
+ * vpmaddwd build's to the bit. D 64, 128, 256 (one to four 64-channel
+ * passes); where the library names no u8 weights (no VNNI: int16), the
+ * first half is held to the int16 bound instead. */
+static void test_value_weights_u8(void **state)
+{
+    (void)state;
+    set_level(LV_AVX512);
+    const int dims[3] = {64, 128, 256};
+    for (int di = 0; di < 3; di++) {
+        attn_case c;
+        memset(&c, 0, sizeof c);
+        c.fmt = "kvarn_k4v2_g128";
+        c.D = dims[di];
+        c.Hk = 2;
+        c.group = 3;
+        c.G = 128;
+        c.level = LV_AVX512;
+        c.n_seqs = 1;
+        c.seqs[0].seq_len = 3 * 128 + 5; /* 3 records and 5 staged tokens */
+        paged_fixture f;
+        assert_int_equal(pf_build(&f, c.fmt, c.D, c.Hk, c.G, 0, c.seqs, 1, 1500 + di), 0);
+        kvarn_record_layout L;
+        assert_int_equal(kvarn_record_layout_get(&f.kv.fmt, c.D, &L), KVARN_OK);
+        const int D = c.D, Hq = c.Hk * c.group;
+        float *dk = malloc(sizeof(float) * 128 * (size_t)D), *dv = malloc(sizeof(float) * 128 * (size_t)D);
+        float *q = calloc((size_t)Hq * D, sizeof(float)), *out = malloc(sizeof(float) * (size_t)Hq * D);
+        float *again = malloc(sizeof(float) * (size_t)Hq * D);
+        for (int neg = 0; neg < 2; neg++) {
+            for (int ti = 0; ti < 3; ti++)
+                for (int h = 0; h < c.Hk; h++) {
+                    uint8_t *rec = kvarn_paged_record(&f.kv, f.tables[0][ti], h);
+                    for (int t = 0; t < 128; t++) {
+                        int k = 1 + (t * 37 + ti * 11 + h * 5) % 254;
+                        if (t == (ti * 17 + h * 3) % 128) k = 255;
+                        float a = (float)k / 256.0f;
+                        if (neg && t == 7 + ti) a = -a;
+                        const uint16_t x = kvarn_fp32_to_fp16(a);
+                        memcpy(rec + L.v_a_off + 2 * (size_t)t, &x, 2);
+                    }
+                    assert_int_equal(kvarn_decode(&f.kv.fmt, D, rec, L.record_bytes, dk, dv,
+                                                  KVARN_DECODE_ROTATED), KVARN_OK);
+                    for (int t = 0; t < 128; t++)
+                        memcpy(f.v_deq[0] + ((size_t)(ti * 128 + t) * c.Hk + h) * D, dv + (size_t)t * D,
+                               sizeof(float) * D);
+                }
+            int32_t qsl[2] = {0, 1};
+            c.no_vnni = 0;
+            assert_int_equal(run_attn(&f, &c, qsl, q, out, NULL), KVARN_OK);
+            if (neg) {
+                c.no_vnni = 1;
+                assert_int_equal(run_attn(&f, &c, qsl, q, again, NULL), KVARN_OK);
+                assert_memory_equal(out, again, sizeof(float) * (size_t)Hq * D);
+                continue;
+            }
+            kvarn_attn_kernel_info info;
+            assert_int_equal(kvarn_attn_kernel_info_get(&f.kv.fmt, D, f.kv.staging, NULL, &info), KVARN_OK);
+            float *vdo[1] = {NULL};
+            if (info.sums != KVARN_ATTN_ARITH_U8) { /* int16 weights: their bound */
+                size_t nv = (size_t)c.seqs[0].seq_len * c.Hk * D + 1;
+                float *kdo = malloc(nv * sizeof(float));
+                vdo[0] = malloc(nv * sizeof(float));
+                deq_original(&f, 0, kdo, vdo[0]);
+                free(kdo);
+            }
+            for (int head = 0; head < Hq; head++) {
+                double ref[1024], mx = 0.0, err = 0.0;
+                pf_ref_attention(&f, 0, head, Hq, q + (size_t)head * D, 1.0 / sqrt((double)D), 0,
+                                 c.seqs[0].seq_len - 1, 1, ref);
+                for (int d = 0; d < D; d++) {
+                    mx = fmax(mx, fabs(ref[d]));
+                    err = fmax(err, fabs(out[(size_t)head * D + d] - ref[d]));
+                }
+                const double lim = 1e-5 * mx + (vdo[0] ? row_int_bound(&f, &c, qsl, q, (size_t)head, vdo) : 0.0);
+                if (!(err <= lim))
+                    print_error("u8 weights D=%d head %d: %g (limit %g)\n", D, head, err / mx, lim / mx);
+                assert_true(err <= lim);
+            }
+            free(vdo[0]);
+        }
+        free(dk); free(dv); free(q); free(out); free(again);
+        pf_free(&f);
+    }
+}
+
 /* kvarn_attn_kernel_info_get (attn.h): errors leave *out untouched; the
  * scalar kernels and the AVX2 ones compute in fp32 (the kernel files'
  * contract, which test_attn's cases hold to 1e-5 of the reference); the
@@ -1099,12 +1224,20 @@ static void test_kernel_info(void **state)
         }
     }
     /* the k4v2 g128 preset at AVX-512 is the integer kernel's case
-     * (docs/attention-intdot.md); where this CPU runs it, both halves say so */
+     * (docs/attention-intdot.md); where this CPU runs it, both halves say
+     * so: int16 scores, and sums with u8 weights where the CPU has
+     * AVX512-VNNI (the vpmaddwd build, testing knob no_vnni: int16) */
     set_level(LV_AVX512);
     if (g_max_level == LV_AVX512) {
         assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, 0, NULL, &info), KVARN_OK);
         assert_int_equal(info.scores, KVARN_ATTN_ARITH_INT16);
+        assert_int_equal(info.sums, kvarn__cpu_avx512_vnni() ? KVARN_ATTN_ARITH_U8 : KVARN_ATTN_ARITH_INT16);
+        kvarn_attn_testing no_vnni = {0, 0, 1};
+        o.testing = &no_vnni;
+        assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, 0, &o, &info), KVARN_OK);
+        assert_int_equal(info.scores, KVARN_ATTN_ARITH_INT16);
         assert_int_equal(info.sums, KVARN_ATTN_ARITH_INT16);
+        o.testing = NULL;
     }
     if (saved) setenv("KVARN_SIMD", saved, 1);
     else unsetenv("KVARN_SIMD");
@@ -1244,7 +1377,8 @@ int main(void)
         cmocka_unit_test(test_multi_query), cmocka_unit_test(test_long_chunk),
         cmocka_unit_test(test_large_head_dim),
         cmocka_unit_test(test_odd_head_dim), cmocka_unit_test(test_empty),
-        cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_extreme_query),
+        cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_value_weights_u8),
+        cmocka_unit_test(test_extreme_query),
         cmocka_unit_test(test_bad_inputs),
         cmocka_unit_test(test_kernel_table), cmocka_unit_test(test_kernel_info), cmocka_unit_test(test_prefetch_lines),
     };

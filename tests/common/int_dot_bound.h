@@ -351,10 +351,21 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
             }
         }
         if (vint) {
+            /* weights rounded in 32767 steps of the row's largest (INT16),
+             * or 255 (U8: the VNNI build, where every a_t of the tile is
+             * >= 0; a tile with a negative one keeps int16, whose bound is
+             * the smaller); the fp32 of w_t 255 / max adds under 2^-8
+             * steps there too */
             double amax = 0.0;
-            for (int t = 0; t < G; t++) amax = fmax(amax, fabs(idb_half(rec + L.v_a_off, t)));
+            int neg = 0;
+            for (int t = 0; t < G; t++) {
+                const double a = idb_half(rec + L.v_a_off, t);
+                amax = fmax(amax, fabs(a));
+                neg |= !(a >= 0.0);
+            }
+            const double steps = info.sums == KVARN_ATTN_ARITH_U8 && !neg ? 255.0 : 32767.0;
             for (int d = 0; d < D; d++)
-                ev[d] = fmax(ev[d], 3.0 * G * step / 32767.0 * fabs(idb_half(rec + L.v_schan_off, d)) * amax);
+                ev[d] = fmax(ev[d], 3.0 * G * step / steps * fabs(idb_half(rec + L.v_schan_off, d)) * amax);
         }
     }
     double esum = 0.0;
