@@ -1060,8 +1060,10 @@ static void arith_int16(const kvarn_format *f, int D, int vnni, kvarn_attn_arith
  * negative a_t in every tile (no encoder writes one; a u8 of it would drop
  * that weight): the tiles must keep the int16 loop, so the output is the
  * vpmaddwd build's to the bit. D 64, 128, 256 (one to four 64-channel
- * passes); where the library names no u8 weights (no VNNI: int16), the
- * first half is held to the int16 bound instead. */
+ * passes). The first half runs the default build and the vpmaddwd one
+ * (testing knob no_vnni); where the library names no u8 weights for a
+ * build (int16, or fp32 below AVX-512), it is held to that arithmetic's
+ * bound (int_dot_bound.h) instead. */
 static void test_value_weights_u8(void **state)
 {
     (void)state;
@@ -1113,13 +1115,20 @@ static void test_value_weights_u8(void **state)
                 assert_memory_equal(out, again, sizeof(float) * (size_t)Hq * D);
                 continue;
             }
+            /* the default build, then the vpmaddwd one (int16 weights) */
+            for (int nv = 0; nv < 2; nv++) {
+            kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
+            kvarn_attn_testing knob = {0, 0, nv};
+            o.testing = &knob;
             kvarn_attn_kernel_info info;
-            assert_int_equal(kvarn_attn_kernel_info_get(&f.kv.fmt, D, f.kv.staging, NULL, &info), KVARN_OK);
+            assert_int_equal(kvarn_attn_kernel_info_get(&f.kv.fmt, D, f.kv.staging, &o, &info), KVARN_OK);
+            c.no_vnni = nv;
+            assert_int_equal(run_attn(&f, &c, qsl, q, out, NULL), KVARN_OK);
             float *vdo[1] = {NULL};
-            if (info.sums != KVARN_ATTN_ARITH_U8) { /* int16 weights: their bound */
-                size_t nv = (size_t)c.seqs[0].seq_len * c.Hk * D + 1;
-                float *kdo = malloc(nv * sizeof(float));
-                vdo[0] = malloc(nv * sizeof(float));
+            if (info.sums != KVARN_ATTN_ARITH_U8) { /* other arithmetic: its bound */
+                size_t nvals = (size_t)c.seqs[0].seq_len * c.Hk * D + 1;
+                float *kdo = malloc(nvals * sizeof(float));
+                vdo[0] = malloc(nvals * sizeof(float));
                 deq_original(&f, 0, kdo, vdo[0]);
                 free(kdo);
             }
@@ -1133,10 +1142,12 @@ static void test_value_weights_u8(void **state)
                 }
                 const double lim = 1e-5 * mx + (vdo[0] ? row_int_bound(&f, &c, qsl, q, (size_t)head, vdo) : 0.0);
                 if (!(err <= lim))
-                    print_error("u8 weights D=%d head %d: %g (limit %g)\n", D, head, err / mx, lim / mx);
+                    print_error("u8 weights D=%d no_vnni %d head %d: %g (limit %g)\n", D, nv, head, err / mx,
+                                lim / mx);
                 assert_true(err <= lim);
             }
             free(vdo[0]);
+            }
         }
         free(dk); free(dv); free(q); free(out); free(again);
         pf_free(&f);
