@@ -34,7 +34,13 @@ pipeline_parallel_size (1), distributed_executor_backend (null: vLLM's),
 enforce_eager (true), compilation_config (null: vLLM's), native_rope (false:
 true runs vLLM's RotaryEmbedding.forward_native where it would run
 forward_cpu, whose CPU kernel mis-rotates DeepSeek MLA's strided q/k views,
-tests/vllm/emulate_mla.py; in-process engines only), env (variables set
+tests/vllm/emulate_mla.py; in-process engines only), attention_backend (null:
+vLLM's choice; e.g. "CPU_MLA", vLLM's reference MLA backend, which it picks
+on every CPU kind when asked), fake_amx (false: true makes
+torch.cpu._is_amx_tile_supported() answer True before LLM(...), so that a
+host without AMX tiles takes vLLM's start-up decisions for one that has
+them; only for configurations that then run no AMX instruction, such as
+an fp32 model with CPU_MLA forced; in-process engines only), env (variables set
 before LLM(...) is built: before vLLM is imported in the one-shot form, but
 after it under --serve, where a variable read at import (the OpenMP
 runtime's OMP_*, vLLM's platform detection) keeps the launcher's value;
@@ -78,7 +84,7 @@ def main() -> None:
               enable_prefix_caching=cfg.get("prefix_caching", False),
               max_logprobs=cfg.get("max_logprobs", 20))
     for k in ("kv_cache_memory_bytes", "tensor_parallel_size", "pipeline_parallel_size",
-              "distributed_executor_backend", "compilation_config"):
+              "distributed_executor_backend", "compilation_config", "attention_backend"):
         if cfg.get(k) is not None:
             kw[k] = cfg[k]
     if cfg.get("load_format"):
@@ -90,6 +96,9 @@ def main() -> None:
     if cfg.get("max_num_batched_tokens"):
         kw["max_num_batched_tokens"] = cfg["max_num_batched_tokens"]
         kw["enable_chunked_prefill"] = True
+    if cfg.get("fake_amx"):
+        import torch
+        torch.cpu._is_amx_tile_supported = lambda: True
     if cfg.get("native_rope"):
         from vllm.model_executor.layers.rotary_embedding import base as rope_base
         rope_base.RotaryEmbedding.forward_cpu = rope_base.RotaryEmbedding.forward_native

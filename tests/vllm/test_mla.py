@@ -5,7 +5,18 @@ a random-weight model of DeepSeek-V3's attention shape (make_models.py
 vLLM's own cache: the CPU platform picks its MLA backend (CPU_MLA; AMX_MLA
 where the CPU has AMX tiles), forces blocks of 16 tokens and turns chunked
 prefill and prefix caching off; the prompt runs as MHA on the fresh
-latents, each decoded token as absorbed MQA over the cache. Checked here:
+latents, each decoded token as absorbed MQA over the cache. The reference
+runs ask for CPU_MLA (attention_backend), vLLM's reference MLA backend,
+which it then picks on every CPU kind: on a CPU with AMX tiles vLLM 0.32
+would otherwise pick AMX_MLA, which refuses fp32 weights ("expect weight
+to be bfloat16, float16, int8, fp8_e4m3 or uint8") and blocks of 16 ("No
+common block size for 16 (AMX_MLA: [MultipleOf(32)])"). The fp32 reference
+and the kvarn_mla_k4_g128 run also answer True to vLLM's AMX question
+(run_llm fake_amx: torch.cpu._is_amx_tile_supported), so a host without
+AMX takes an AMX host's start-up decisions for them (backend, block size)
+and the tests hold for both kinds on either; the bf16 reference cannot
+(its MoE layer would then run AMX kernels), nor the slot and batch runs,
+which keep the non-AMX decisions. Checked here:
 the KV tokens vLLM reports are the arithmetic (its KV budget over layers x
 (kv_lora_rank + qk_rope_head_dim) x the element's bytes, in blocks of 16),
 and its next-token distributions, at prompt and decoded positions, are
@@ -60,6 +71,9 @@ PROMPT_LEN = 2 * G + 100     # decoding crosses the tile boundary at 3G
 MAX_TOKENS = 40
 MLA_BLOCK = 16               # vLLM's CPU platform forces it for MLA (platforms/cpu.py)
 MLA_FMT = "kvarn_mla_k4_g128"
+# vLLM's own MLA cache as the reference: its reference backend on every CPU
+# kind (module docstring; AMX_MLA refuses fp32 weights and blocks of 16)
+REF_MLA = dict(attention_backend="CPU_MLA")
 
 
 def _ids(seed: int, n: int) -> list:
@@ -77,8 +91,11 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref_fp32(model):
-    """vLLM's own fp32 MLA cache on PROMPT: (result, log)."""
-    return run_llm(_cfg(model, kv_cache_dtype="auto", dtype="float32"))
+    """vLLM's own fp32 MLA cache on PROMPT, CPU_MLA asked for, with the
+    start-up decisions of a host with AMX tiles (module docstring):
+    (result, log)."""
+    return run_llm(_cfg(model, kv_cache_dtype="auto", dtype="float32", **REF_MLA,
+                        fake_amx=True))
 
 
 def _cfg(model, **kw):
@@ -116,18 +133,13 @@ def _kl_to_transformers(model, res):
     return emulate_mla.kl_rows(exact, _lp_rows(res))
 
 
-def _expected_backend() -> str:
-    import torch
-    return "AMX_MLA" if torch.cpu._is_amx_tile_supported() else "CPU_MLA"
-
-
 def test_vllm_own_mla_cache(model, ref_fp32):
     layers, latent, rope = _dims(model)
     runs = {}
     for dtype, elt in (("float32", 4), ("bfloat16", 2)):
         res, log = ref_fp32 if dtype == "float32" else \
-            run_llm(_cfg(model, kv_cache_dtype="auto", dtype=dtype))
-        assert f"Using {_expected_backend()} backend" in log
+            run_llm(_cfg(model, kv_cache_dtype="auto", dtype=dtype, **REF_MLA))
+        assert "Using CPU_MLA backend" in log
         # 1 GiB of KV (run_llm's kv_space_gib) in blocks of 16 tokens, each
         # token one latent + RoPE key per layer
         block = layers * MLA_BLOCK * (latent + rope) * elt
@@ -216,7 +228,7 @@ def test_kvarn_mla_k4_g128(model, ref_fp32):
     from kvarn_vllm import _lib
     layers, latent, rope = _dims(model)
     ref = ref_fp32[0]
-    kv, log = run_llm(_cfg(model, kv_cache_dtype=MLA_FMT, block_size=G))
+    kv, log = run_llm(_cfg(model, kv_cache_dtype=MLA_FMT, block_size=G, fake_amx=True))
     # capacity: the KV budget less the fp32 tail pool (8 sequences' slots
     # of G tokens of every layer, latent + rope fp32), in blocks of one
     # record per layer
