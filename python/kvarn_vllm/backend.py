@@ -98,6 +98,7 @@ class _State:
     kv_caches: dict = {}   # layer name -> its cache tensor (the commit log reads them)
     n_impls = 0         # kvarn attention layers built in this process
     n_sliding = 0       # of which with a sliding window (KVARN_SLIDING_WINDOW=quantize)
+    aligned_block = 0   # a manager block of several tiles set by plugin.align_pages
     pool_size = None    # staging.pool_size as the worker budgeted it (plugin.py)
     pool = None         # the staging tensor of every layer (module docstring)
     pool_layers = 0     # the layers it has slots for
@@ -277,9 +278,12 @@ def _raised_for_state(block_size: int, tile_tokens: int) -> bool:
     itself for a hybrid model (Mamba-type layers such as Qwen3-Next's Gated
     DeltaNet: the attention page must cover a layer's state page): a
     multiple of the tile on a model vLLM calls hybrid (recorded by the
-    layers' KvarnAttentionImpl, built before vLLM asks for their specs). A
-    --block-size other than the tile on any other model stays refused."""
-    return block_size % tile_tokens == 0 and _State.hybrid
+    layers' KvarnAttentionImpl, built before vLLM asks for their specs), or
+    the manager block plugin.align_pages set where kvarn layers share the
+    pool with sliding-window layers in vLLM's own cache. A --block-size
+    other than the tile on any other model stays refused."""
+    return block_size % tile_tokens == 0 and (_State.hybrid
+                                              or block_size == _State.aligned_block)
 
 
 class KvarnAttentionImpl(AttentionImpl):

@@ -13,7 +13,8 @@ the model's dtype, the reference, named in the header):
   - capacity, as vLLM computes it for a KV budget of --budget bytes: bytes
     per token (vLLM's page bytes / block tokens, all layers), the KV tokens
     vLLM reports (its block count x block size, the plug-in's staging pool
-    taken out first, as the plug-in's worker does), that over the
+    taken out first, as the plug-in's worker does; for an MLA record
+    format its fp32 tail pool instead, below), that over the
     reference's, and how many requests of --ctx tokens fit (vLLM's blocks
     less its null block over the blocks one request holds, summed over the
     KV-cache groups as vLLM counts them: a model with local and global
@@ -54,11 +55,53 @@ the model's dtype, the reference, named in the header):
     those positions are counted). Top-1 and PPL are exact either way (vLLM
     always returns the prompt token's own log-probability).
 
+MLA models (DeepSeek-V2/V3, Kimi-K2: multi-head latent attention, decided
+before any engine by vLLM's own rule on the model's config, model_uses_mla,
+and checked against the reference's engine). vLLM's CPU MLA backend, and
+the plug-in's MLA backend over it, run a prompt as MHA on the fresh latents
+(chunked prefill and prefix caching are off for MLA), so no prompt position
+reads the cache: prompt log-probabilities alone would give a KLD of ~0 for
+every format. So each window is a prompt of ctx - decode tokens, then
+decode - 1 decode steps one token at a time over the cache, each step's
+token forced to the text's (teacher forcing: a vLLM v1 logits processor,
+_forced_tokens_processor, passed as LLM(logits_processors=[...]), the
+tokens in SamplingParams.extra_args; the returned log-probabilities come
+from the raw logits before it, logprobs_mode "raw_logprobs"), for the
+reference and every format alike; a step whose token is not the text's is
+an error. The decode columns are the decoded positions; the prompt columns
+stay the prompt's log-probabilities (with the prefill's last position, the
+first step's), ~0 by construction for every format (the table's header
+says so). The formats there: the plug-in's MLA records (kvarn_mla_*,
+docs/mla.md; capacity with the plug-in's fp32 tail pool, one slot of G
+tokens per sequence and MLA layer, mla_backend.tail_pool_bytes as the
+worker's reserve_tail_pool takes it out of the budget) and vLLM's own
+caches that its MLA backend holds (its supported_kv_cache_dtypes: auto on
+CPU_MLA); the K/V formats (kvarn_k*v*, which the plug-in refuses on MLA)
+and vLLM's other names are refused without an engine, as are kvarn_mla_*
+names on a model without MLA. vLLM's own cache rows of an MLA model run
+with attention_backend="CPU_MLA" unless the weights are bfloat16 (--dtype,
+or the config's dtype for --dtype auto): on a CPU with AMX tiles vLLM 0.32
+picks AMX_MLA, which takes bf16 weights only (and blocks of a multiple of
+32), so the reference at the default --dtype float32 could not run there;
+with bf16 weights vLLM's choice stands. The rows name the attention
+backends their engines ran (JSON attention_backends).
+
+Formats (--kv-cache-dtype all): on a model without MLA, vLLM's auto,
+bfloat16, fp8_e4m3 and fp8_e5m2, the four KVarN presets and their
+mean-centred variants, kvarn_k4v2_g128 with each other staging, and
+refused rows for kvarn eval's per-token names and one for every
+kvarn_mla_* name; on an MLA model auto, the six ALL_MLA formats
+(kvarn_mla_k{4,2,8}_g{128,64}, RoPE key at 8 bits; the r8 / r16 names run
+when named), and refused rows for vLLM's names its MLA backend does not
+hold, the presets and the per-token names, each with its reason in one
+line. Named explicitly, a name refused without an engine is a usage error.
+
 Each format runs in an engine of its own, in a process forked from this one
 (which imports vLLM once and never the plug-in's backend: the plug-in reads
 its settings at import and keeps a staging pool per process). A format may
 carry plug-in settings after colons, e.g. kvarn_k4v2_g128:KVARN_STAGING=fp16
-or kvarn_k4v2_g128:KVARN_SINK_TOKENS=16 (docs/vllm.md "Settings").
+or kvarn_k4v2_g128:KVARN_SINK_TOKENS=16 (docs/vllm.md "Settings"); the MLA
+record formats take none (a usage error).
 
 For a model that adds a bias to its values (plugin.has_value_bias: Qwen2's
 family, attention_bias) the table ends with a line per plain KVarN format
@@ -95,11 +138,17 @@ FOLD_TOP = 20          # otherwise: the reference's top 20 folded ...
 FORMAT_TOP = 100       # ... against the format's top 100
 # `all`: vLLM's own unquantized and fp8 caches, the plug-in's presets, the
 # default preset with each other staging, and the kvarn names the plug-in
-# or vLLM may refuse (a row each, saying why)
+# or vLLM may refuse (a row each, saying why); on an MLA model vLLM's names
+# its MLA backend lists, the MLA record formats ALL_MLA, and the presets
+# and the rest as refused rows
 ALL_VLLM = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ALL_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k4v4_g64")
 ALL_STAGINGS = ("fp16", "fp8_e4m3", "int4")   # besides the default (int8 on CPU)
 ALL_KVARN_PER_TOKEN = ("fp16", "bf16", "int8", "int4")   # kvarn eval's names vLLM lacks
+ALL_MLA = ("kvarn_mla_k4_g128", "kvarn_mla_k4_g64", "kvarn_mla_k2_g128", "kvarn_mla_k2_g64",
+           "kvarn_mla_k8_g128", "kvarn_mla_k8_g64")   # RoPE key at the default 8 bits
+MLA_NAMES = "kvarn_mla_k{2,4,8}[r{8,16}]_g{64,128}"
+FORCE_ARG = "kvarn_ladder_forced_tokens"   # SamplingParams.extra_args key (MLA decode)
 ENGINE_TIMEOUT_S = 3600
 
 
@@ -149,6 +198,84 @@ class Job:
         self.label, self.name, self.env, self.explicit = label, name, env, explicit
 
 
+class ModelFacts:
+    """What the format checks and the engines need to know of the model
+    before any engine runs: its directory; mla, whether vLLM runs it with
+    multi-head latent attention (vLLM's own rule on the model's config,
+    model_uses_mla); for an MLA model the latent and RoPE-key widths
+    (kv_lora_rank, qk_rope_head_dim) and the MLA attention backend of
+    vLLM's own cache rows (vllm_mla_backend)."""
+
+    def __init__(self, model: str, mla: bool, latent: int = 0, rope: int = 0,
+                 dtype: str = "float32"):
+        self.model, self.mla, self.latent, self.rope = model, mla, latent, rope
+        self.dtype = dtype
+        self.backend_asked, self.backend = vllm_mla_backend(dtype) if mla else (None, None)
+
+    def mla_shape(self) -> str:
+        """The model's attention in words, for the refusals' reasons."""
+        return (f"multi-head latent attention (MLA: per token one {self.latent}-wide latent "
+                f"and one {self.rope}-wide RoPE key, shared by its query heads)")
+
+
+def model_uses_mla(model: str) -> tuple:
+    """(mla, kv_lora_rank, qk_rope_head_dim, the config's dtype name): mla
+    as vLLM 0.32 decides it (ModelConfig.use_mla: VLLM_MLA_DISABLE unset,
+    a causal model, and its model-architecture convertor's is_deepseek_mla
+    on the config vLLM reads, get_config). The reference's engine reports
+    vLLM's own use_mla, which the ladder checks against this (a warning
+    where they differ)."""
+    import vllm.config  # noqa: F401  (vllm.transformers_utils imports it half-way otherwise)
+    import vllm.envs as envs
+    from vllm.transformers_utils.config import get_config, get_hf_text_config
+    from vllm.transformers_utils.model_arch_config_convertor import \
+        ModelArchConfigConvertorBase
+    try:
+        hf = get_config(model, trust_remote_code=False)
+        text = get_hf_text_config(hf)
+    except Exception as e:   # vLLM cannot read it: its engine will say why
+        raise UsageError(f"--model {model}: vLLM cannot read its config ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    dtype = str(getattr(text, "dtype", None) or getattr(hf, "dtype", None) or "float32")
+    dtype = dtype.replace("torch.", "")
+    mla = (not envs.VLLM_MLA_DISABLE and getattr(text, "is_causal", True)
+           and ModelArchConfigConvertorBase(hf, text).is_deepseek_mla())
+    return (bool(mla), int(getattr(text, "kv_lora_rank", 0) or 0),
+            int(getattr(text, "qk_rope_head_dim", 0) or 0), dtype)
+
+
+def vllm_mla_backend(dtype: str) -> tuple:
+    """(the attention_backend the ladder asks for, or None; the backend
+    vLLM's own MLA cache then runs) for model weights of this dtype (a
+    torch dtype name; --dtype with "auto" resolved to the config's). vLLM
+    0.32's CPU platform picks AMX_MLA for an MLA model where the CPU has AMX
+    tiles, and AMX_MLA takes bf16 weights only (and blocks of a multiple of
+    32, where the CPU build's CPU_MLA takes 16): for any other dtype the
+    ladder asks for CPU_MLA (LLM(attention_backend="CPU_MLA"), which
+    platforms/cpu.py honours in get_attn_backend_cls and
+    check_and_update_config); for bf16 weights vLLM's choice stands."""
+    if dtype in ("bfloat16", "bf16"):
+        import torch
+        return None, "AMX_MLA" if torch.cpu._is_amx_tile_supported() else "CPU_MLA"
+    return "CPU_MLA", "CPU_MLA"
+
+
+def _vllm_mla_refusal(name: str, backend: str) -> str:
+    """Why vLLM's MLA backend (by name) cannot hold vLLM's cache dtype
+    name, or "" where it can (the backend's supports_kv_cache_dtype: vLLM
+    0.32 does not check it for MLA on CPU at start-up; CPU_MLA lists auto
+    alone, and its first step with bfloat16 or fp8_e4m3 under fp32 weights
+    fails with "expected scalar type Float", measured)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    cls = AttentionBackendEnum[backend].get_class()
+    if cls.supports_kv_cache_dtype(name):
+        return ""
+    return (f"vLLM's MLA backend here ({backend}) holds kv_cache_dtype "
+            f"{', '.join(cls.supported_kv_cache_dtypes)} only (its supported_kv_cache_dtypes; "
+            f"vLLM 0.32's CPU build does not check it at start-up: with bfloat16 or fp8_e4m3 "
+            f"its first step fails)")
+
+
 def _vllm_cache_dtypes() -> tuple:
     """vLLM's own --kv-cache-dtype names (the CacheDType Literal of this
     build, before the plug-in extends it)."""
@@ -156,12 +283,16 @@ def _vllm_cache_dtypes() -> tuple:
     return tuple(a for a in typing.get_args(cc.CacheDType) if not str(a).startswith("kvarn_"))
 
 
-def _check_format(label: str, vllm_names: tuple) -> Job:
+def _check_format(label: str, vllm_names: tuple, model: ModelFacts = None) -> Job:
     """A --kv-cache-dtype entry NAME[:KVARN_X=V...] checked without an
     engine: vLLM's names as its CacheDType lists them, kvarn_* by the
     plug-in's own check (the C library's parse, the plug-in's refusals),
-    the settings by the plug-in's parsers. Raises UsageError saying what is
-    accepted."""
+    the settings by the plug-in's parsers. With model (None: the checks
+    that depend on the model are skipped): on an MLA model the K/V formats
+    (kvarn_k*v*, which the plug-in refuses there), vLLM's names its MLA
+    backend does not hold, and an MLA name whose record cannot hold the
+    model's latent / RoPE widths; on any other model the MLA names. Raises
+    UsageError saying what is accepted (.short: the reason alone)."""
     from . import _lib
     from .plugin import _validate_name
     parts = label.split(":")
@@ -175,13 +306,34 @@ def _check_format(label: str, vllm_names: tuple) -> Job:
             raise UsageError(f"{label}: {k} is not a setting of the plug-in; one of "
                              f"{', '.join(SETTINGS)}")
         env[k] = v
+    kinds = (f"the plug-in's kvarn_k{{2,4,8}}v{{2,4,8}}_g{{32,64,128}} (K/V tiles), its "
+             f"{MLA_NAMES} (MLA records) and vLLM's own {', '.join(vllm_names)}")
+    if _lib.is_mla_dtype(name):
+        try:
+            _validate_name(name)
+        except ValueError as e:
+            raise UsageError(f"{e} (through vLLM: {kinds})", str(e)) from None
+        if env:
+            raise UsageError(f"{label}: the MLA record formats take none of the plug-in's "
+                             f"settings ({', '.join(SETTINGS)}: a tile not yet full stays "
+                             f"fp32 in the MLA tail pool, docs/mla.md); give {name} alone")
+        if model is not None and not model.mla:
+            why = (f"{name} stores MLA latent records (DeepSeek-V2/V3-style multi-head latent "
+                   f"attention); {model.model} has no MLA layers (vLLM runs it without MLA)")
+            raise UsageError(f"{why}: use a kvarn format of K/V tiles such as kvarn_k4v2_g128",
+                             why)
+        if model is not None:
+            try:
+                _lib.mla_parse(name, model.latent, model.rope)
+            except ValueError as e:
+                why = f"{model.model} uses {model.mla_shape()}, which {name} cannot hold ({e})"
+                raise UsageError(f"{why}; measure vLLM's own cache (auto)", why) from None
+        return Job(label, name, env, True)
     if _lib.is_kvarn_dtype(name):
         try:
             _validate_name(name)
         except ValueError as e:
-            raise UsageError(f"{e} (through vLLM: the plug-in's kvarn_k{{2,4,8}}v{{2,4,8}}"
-                             f"_g{{32,64,128}} and vLLM's own {', '.join(vllm_names)})",
-                             str(e)) from None
+            raise UsageError(f"{e} (through vLLM: {kinds})", str(e)) from None
         if "KVARN_STAGING" in env:
             try:
                 _lib.parse_staging(env["KVARN_STAGING"])
@@ -203,14 +355,25 @@ def _check_format(label: str, vllm_names: tuple) -> Job:
         for k in ("KVARN_SINK_TOKENS", "KVARN_SINK_TILES", "KVARN_ATTN_THREADS"):
             if k in env and not (env[k].isdigit()):
                 raise UsageError(f"{label}: {k} must be a whole number >= 0, got {env[k]!r}")
+        if model is not None and model.mla:
+            why = (f"{model.model} uses {model.mla_shape()}; {name} stores K and V tiles per KV "
+                   f"head, which an MLA layer does not have (the plug-in refuses it there)")
+            raise UsageError(f"{why}: use an MLA record format ({', '.join(ALL_MLA[:2])}, "
+                             f"... {MLA_NAMES}) or vLLM's own cache (auto)", why)
         return Job(label, name, env, True)
     if env:
         raise UsageError(f"{label}: KVARN_* settings apply to the plug-in's kvarn_* formats "
                          f"only, not to vLLM's {name}")
     if name in vllm_names:
+        if model is not None and model.mla:
+            why = _vllm_mla_refusal(name, model.backend)
+            if why:
+                raise UsageError(f"{name} on {model.model}: {why}; measure auto or an MLA record "
+                                 f"format ({MLA_NAMES})", why)
         return Job(label, name, env, True)
     accepted = (f"accepted: vLLM's own {', '.join(vllm_names)} (this build), the plug-in's "
-                f"kvarn_k{{2,4,8}}v{{2,4,8}}_g{{32,64,128}} (e.g. kvarn_k4v2_g128), or all")
+                f"kvarn_k{{2,4,8}}v{{2,4,8}}_g{{32,64,128}} (e.g. kvarn_k4v2_g128) and, for "
+                f"an MLA model, {MLA_NAMES} (e.g. kvarn_mla_k4_g128), or all")
     try:
         _lib.parse_format(name)
     except ValueError:
@@ -220,35 +383,56 @@ def _check_format(label: str, vllm_names: tuple) -> Job:
     raise UsageError(f"{why}; {accepted}", why)
 
 
-def expand_formats(arg: str, vllm_names: tuple) -> tuple:
+def _all_names(vllm_names: tuple, model: ModelFacts) -> tuple:
+    """(names to run, [label, reason] refused) of `all` for this model
+    (module docstring "Formats"): each candidate through _check_format, a
+    refused row where it says no."""
+    names, refused = [], []
+    mla = model is not None and model.mla
+    refused += [[n, f"not a cache dtype of this vLLM build ({', '.join(vllm_names)})"]
+                for n in ALL_VLLM if n not in vllm_names]
+    cands = [n for n in ALL_VLLM if n in vllm_names]
+    if mla:
+        cands += list(ALL_MLA) + list(ALL_PRESETS) + list(ALL_KVARN_PER_TOKEN)
+    else:
+        cands += list(ALL_PRESETS)
+        cands += [f"{ALL_PRESETS[0]}:KVARN_STAGING={s}" for s in ALL_STAGINGS]
+        cands += [p + "c" for p in ALL_PRESETS] + list(ALL_KVARN_PER_TOKEN)
+    for cand in cands:
+        try:
+            _check_format(cand, vllm_names, model)
+            names.append(cand)
+        except UsageError as err:
+            refused.append([cand, err.short])
+    if model is not None and not mla:   # one line for the 18 MLA names
+        try:
+            _check_format(ALL_MLA[0], vllm_names, model)
+        except UsageError as err:
+            refused.append(["kvarn_mla_*", err.short.replace(ALL_MLA[0], f"{MLA_NAMES}")])
+    return names, refused
+
+
+def expand_formats(arg: str, vllm_names: tuple, model: ModelFacts = None) -> tuple:
     """(jobs, refused): the engines to run, reference first, and the
-    [label, reason] of `all`'s names that this build refuses without an
-    engine. An explicit bad name raises UsageError."""
+    [label, reason] of `all`'s names that this build or the model refuses
+    without an engine. An explicit bad name raises UsageError. model: as
+    _check_format (None: no check that depends on the model)."""
     jobs, refused, seen = [], [], set()
     entries = [e.strip() for e in arg.split(",") if e.strip()]
     if not entries:
         raise UsageError("--kv-cache-dtype: empty list")
     for e in entries:
         if e == "all":
-            names = [n for n in ALL_VLLM if n in vllm_names]
-            refused += [[n, f"not a cache dtype of this vLLM build ({', '.join(vllm_names)})"]
-                        for n in ALL_VLLM if n not in vllm_names]
-            names += list(ALL_PRESETS)
-            names += [f"{ALL_PRESETS[0]}:KVARN_STAGING={s}" for s in ALL_STAGINGS]
-            for cand in [p + "c" for p in ALL_PRESETS] + list(ALL_KVARN_PER_TOKEN):
-                try:
-                    _check_format(cand, vllm_names)
-                    names.append(cand)
-                except UsageError as err:
-                    refused.append([cand, err.short])
+            names, why = _all_names(vllm_names, model)
+            refused += why
             for n in names:
                 if n not in seen:
-                    j = _check_format(n, vllm_names)
+                    j = _check_format(n, vllm_names, model)
                     j.explicit = False
                     jobs.append(j)
                     seen.add(n)
         elif e not in seen:
-            jobs.append(_check_format(e, vllm_names))
+            jobs.append(_check_format(e, vllm_names, model))
             seen.add(e)
     ref = [j for j in jobs if j.name == REFERENCE and not j.env]
     rest = [j for j in jobs if not (j.name == REFERENCE and not j.env)]
@@ -262,14 +446,22 @@ def coverage_warnings(jobs: list, ctx: int, decode: int) -> list:
     plug-in's read rule): a query in tile t of a KVarN format (tile G, sink
     S tokens: KVARN_SINK_TOKENS, else KVARN_SINK_TILES x G, default G)
     reads records only from t > S // G on, so positions j < (S // G + 1) G
-    see the staged sink and their own staged tile alone. One warning per
-    column (prompt: j < ctx - decode; decode: ctx - decode <= j <= ctx - 2)
-    whose positions all lie below that, naming the formats and the --ctx
-    that would measure them. vLLM's own formats quantize every token and
-    get none."""
+    see the staged sink and their own staged tile alone. An MLA record
+    format (kvarn_mla_*, tile G, no sink) is read by decoded positions
+    alone, from j = G - 1 on (that token completes the first tile, which
+    is encoded before its query attends); its prompt columns read no cache
+    whatever the format (the table's header says so; no warning). One
+    warning per column (prompt: j < ctx - decode; decode: ctx - decode <=
+    j <= ctx - 2) whose positions all lie below that, naming the formats
+    and the --ctx that would measure them. vLLM's own formats quantize
+    every token and get none."""
     from . import _lib
-    first = {}
+    first, mla = {}, set()
     for j in jobs:
+        if _lib.is_mla_dtype(j.name):
+            first[j.label] = _lib.mla_parse(j.name).tile_tokens - 1
+            mla.add(j.label)
+            continue
         if not _lib.is_kvarn_dtype(j.name):
             continue
         G = _lib.parse_format(j.name).tile_tokens
@@ -283,7 +475,8 @@ def coverage_warnings(jobs: list, ctx: int, decode: int) -> list:
                             ("decode", ctx - 2, lambda f: f + 2)):
         if last < 0:
             continue
-        blind = [lab for lab, f in first.items() if last < f]
+        blind = [lab for lab, f in first.items() if last < f and not (col == "prompt"
+                                                                     and lab in mla)]
         if blind:
             out.append(f"the {col} columns of {', '.join(blind)} read no quantized tile "
                        f"(positions up to {last}; the first that reads one is "
@@ -316,11 +509,20 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
     the engine's process (called from get_kv_cache_configs, with the
     model's KV cache specs): bytes per token, block size, and per
     max_num_seqs n the blocks that vLLM's own get_kv_cache_configs gives
-    for the budget less the plug-in's staging pool for n sequences
-    (plugin.staging_pool, what the plug-in's worker takes out)."""
+    for the budget less the plug-in's pool for n sequences, what the
+    plug-in's worker takes out: the staging pool of the K/V formats
+    (plugin.staging_pool), the fp32 tail pool of the MLA record formats
+    (mla_backend.tail_pool_bytes over the MLA layers, n slots, as
+    reserve_tail_pool sizes it)."""
     from . import _lib
     cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
     kvarn = _lib.is_kvarn_dtype(cc.cache_dtype)
+    mla = kvarn and _lib.is_mla_dtype(cc.cache_dtype)
+    if mla:
+        from .mla_backend import _mla_layer_count, mla_dims, tail_pool_bytes
+        latent, rope, _ = mla_dims(vllm_config.model_config)
+        tile = _lib.mla_parse(cc.cache_dtype, latent, rope).tile_tokens
+        n_mla = _mla_layer_count(vllm_config)
     layer_specs = list(specs[0].values())
     bpt = sum(s.page_size_bytes / s.block_size for s in layer_specs)
 
@@ -333,11 +535,14 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
         try:
             sc.max_num_seqs = n
             pool = 0
-            if kvarn:
+            if mla:
+                pool = tail_pool_bytes(n_mla, n, tile, latent, rope)
+            elif kvarn:
                 from .plugin import staging_pool
                 pool = staging_pool(vllm_config, budget, "cpu")["bytes"]
             if pool >= budget:
-                return 0, pool, None, None, 0, (f"the staging pool for max_num_seqs={n} "
+                what = "MLA tail pool" if mla else "staging pool"
+                return 0, pool, None, None, 0, (f"the {what} for max_num_seqs={n} "
                                                 f"({pool} bytes) fills the budget")
             try:
                 cfgs = orig(vllm_config, specs, [budget - pool] * len(specs))
@@ -386,10 +591,104 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
     return out
 
 
+def _forced_tokens_processor():
+    """The class of a vLLM v1 logits processor (vllm.v1.sample.logits_processor
+    .LogitsProcessor, given to LLM(logits_processors=[...])) that forces
+    each decode step's token: a request whose SamplingParams.extra_args
+    hold FORCE_ARG: [t_0, t_1, ...] gets, at the step after its k-th
+    output token, every logit but t_k's set to -inf and t_k's to 0, so that
+    greedy sampling picks t_k (a request without it is left alone; past the
+    list, nothing is forced). It is not argmax-invariant, so vLLM's sampler
+    applies it before sampling and after it has taken the log-probabilities
+    it returns from the raw logits (logprobs_mode "raw_logprobs", vLLM
+    0.32's default, which the ladder also passes): the returned
+    distributions are the model's, untouched by the forcing."""
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    class ForcedTokens(LogitsProcessor):
+        @classmethod
+        def validate_params(cls, params):
+            f = (params.extra_args or {}).get(FORCE_ARG)
+            if f is not None and not (isinstance(f, list)
+                                      and all(isinstance(t, int) and t >= 0 for t in f)):
+                raise ValueError(f"extra_args[{FORCE_ARG!r}]: a list of token ids expected")
+
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.req = {}      # batch row -> (forced ids, the request's output ids so far)
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update) -> None:
+            def new(params, _prompt, out):
+                f = (params.extra_args or {}).get(FORCE_ARG)
+                return None if f is None else (f, out)
+            process_dict_updates(self.req, batch_update, new)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            for row, (forced, out) in self.req.items():
+                k = len(out)
+                if k < len(forced):
+                    logits[row].fill_(float("-inf"))
+                    logits[row, forced[k]] = 0.0
+            return logits
+    return ForcedTokens
+
+
+def _flat_rows(fl, skip: int, n: int, K: int, first: list, what: str) -> dict:
+    """A window's part from vLLM's FlatLogprobs fl (flat_logprobs=True):
+    positions skip .. skip + n - 1 of it, each K + 1 entries (the scored
+    token, then the top K by rank; the positions before skip hold none).
+    first: the token each position's entry 0 must be (the next token of the
+    text). Returns actual_lp float32 [n], top_ids int32 [n, K], top_lps
+    float32 [n, K]. RuntimeError on any other layout."""
+    import numpy as np
+    if n == 0:
+        return dict(actual_lp=np.zeros(0, np.float32), top_ids=np.zeros((0, K), np.int32),
+                    top_lps=np.zeros((0, K), np.float32))
+    starts, ends = np.asarray(fl.start_indices), np.asarray(fl.end_indices)
+    if len(starts) != skip + n or not np.all(ends[skip:] - starts[skip:] == K + 1) \
+            or starts[skip] != 0:
+        raise RuntimeError(f"unexpected {what} layout from vLLM (positions {len(starts)}, "
+                           f"expected {skip + n}, the last {n} of {K + 1} entries)")
+    tid = np.asarray(fl.token_ids, dtype=np.int32).reshape(n, K + 1)
+    lp = np.asarray(fl.logprobs, dtype=np.float32).reshape(n, K + 1)
+    if not np.array_equal(tid[:, 0], np.asarray(first, dtype=np.int32)):
+        raise RuntimeError(f"vLLM's {what} do not start with the text's tokens")
+    return dict(actual_lp=lp[:, 0].copy(), top_ids=tid[:, 1:].copy(),
+                top_lps=lp[:, 1:].copy())
+
+
+def _attention_backends(vllm_config) -> list:
+    """The names of the attention backends the engine's layers run
+    (get_name() of each layer's attn_backend: CPU_ATTN, CPU_MLA, AMX_MLA,
+    KVARN, KVARN_MLA, ...)."""
+    out = set()
+    for layer in vllm_config.compilation_config.static_forward_context.values():
+        b = getattr(layer, "attn_backend", None)
+        if b is not None:
+            try:
+                out.add(b.get_name())
+            except Exception:
+                out.add(getattr(b, "__name__", str(b)))
+    return sorted(out)
+
+
 def _measure(job: Job, cfg: dict, wfd: int) -> dict:
     """In the engine's process: start the engine, read vLLM's capacity
     figures, run the windows. Returns the result dict (no metrics: the
-    parent scores against the reference)."""
+    parent scores against the reference).
+
+    A window of ctx tokens gives ctx - 1 positions (row j: the distribution
+    after token j). On a model without MLA it is one prompt, every row from
+    vLLM's prompt log-probabilities. On an MLA model (cfg["mla"]) with
+    decode > 0 it is a prompt of P = ctx - decode tokens (rows 0 .. P - 2
+    from its prompt log-probabilities) and decode steps forced to the
+    text's next tokens (_forced_tokens_processor; rows P - 1 .. ctx - 2
+    from the steps' log-probabilities, row P - 1 the prefill's own last
+    position); RuntimeError if a decoded token is not the text's."""
     import numpy as np
     import vllm.v1.engine.core as core
     cap = {}
@@ -407,36 +706,50 @@ def _measure(job: Job, cfg: dict, wfd: int) -> dict:
     from vllm.inputs import TokensPrompt
     from . import _lib
     K = cfg["top"]
+    decode = cfg["decode"]
+    forced = cfg["mla"] and decode > 0
     kw = dict(model=cfg["model"], dtype=cfg["dtype"], seed=0, enforce_eager=True,
               kv_cache_dtype=job.name, max_num_seqs=1, max_model_len=cfg["ctx"] + 1,
               enable_prefix_caching=False, max_logprobs=K,
               max_num_batched_tokens=cfg["max_num_batched_tokens"],
               kv_cache_memory_bytes=cfg["engine_kv"])
-    if _lib.is_kvarn_dtype(job.name):
+    if _lib.is_mla_dtype(job.name):
+        kw["block_size"] = _lib.mla_parse(job.name).tile_tokens
+    elif _lib.is_kvarn_dtype(job.name):
         kw["block_size"] = _lib.parse_format(job.name).tile_tokens
+    elif cfg["mla"] and cfg.get("attention_backend"):
+        kw["attention_backend"] = cfg["attention_backend"]   # vllm_mla_backend
+    if forced:
+        kw.update(logits_processors=[_forced_tokens_processor()], logprobs_mode="raw_logprobs")
     t0 = time.perf_counter()
     llm = LLM(**kw)
     t_start = time.perf_counter() - t0
-    mc = llm.llm_engine.vllm_config.model_config
-    cc = llm.llm_engine.vllm_config.cache_config
-    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=K, detokenize=False,
-                        flat_logprobs=True)
+    vc = llm.llm_engine.vllm_config
+    mc, cc = vc.model_config, vc.cache_config
     windows = []
     for w, ids in enumerate(cfg["windows"]):
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
-        fl = out.prompt_logprobs
-        n = len(ids) - 1
-        starts, ends = np.asarray(fl.start_indices), np.asarray(fl.end_indices)
-        if len(starts) != n + 1 or not np.all(ends[1:] - starts[1:] == K + 1):
-            raise RuntimeError(f"unexpected prompt_logprobs layout from vLLM (positions "
-                               f"{len(starts)}, expected {n + 1} of {K + 1} entries)")
-        tid = np.asarray(fl.token_ids, dtype=np.int32).reshape(n, K + 1)
-        lp = np.asarray(fl.logprobs, dtype=np.float32).reshape(n, K + 1)
-        if not np.array_equal(tid[:, 0], np.asarray(ids[1:], dtype=np.int32)):
-            raise RuntimeError("vLLM's prompt_logprobs do not start with the prompt tokens")
-        # entry 0 of each position: the prompt's next token; then the top K by rank
-        windows.append(dict(actual_lp=lp[:, 0].copy(), top_ids=tid[:, 1:].copy(),
-                            top_lps=lp[:, 1:].copy()))
+        if not forced:
+            sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=K,
+                                detokenize=False, flat_logprobs=True)
+            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+            windows.append(_flat_rows(out.prompt_logprobs, 1, len(ids) - 1, K, ids[1:],
+                                      "prompt_logprobs"))
+        else:
+            P = len(ids) - decode
+            sp = SamplingParams(temperature=0, max_tokens=decode, logprobs=K,
+                                prompt_logprobs=K, detokenize=False, flat_logprobs=True,
+                                ignore_eos=True, extra_args={FORCE_ARG: list(ids[P:])})
+            out = llm.generate([TokensPrompt(prompt_token_ids=ids[:P])], sp,
+                               use_tqdm=False)[0]
+            got = list(out.outputs[0].token_ids)
+            if got != list(ids[P:]):
+                bad = next((i for i, (a, b) in enumerate(zip(got, ids[P:])) if a != b),
+                           min(len(got), decode))
+                raise RuntimeError(f"the forced decode of window {w + 1} left the text at "
+                                   f"step {bad} ({len(got)} of {decode} tokens decoded)")
+            pre = _flat_rows(out.prompt_logprobs, 1, P - 1, K, ids[1:P], "prompt_logprobs")
+            dec = _flat_rows(out.outputs[0].logprobs, 0, decode, K, ids[P:], "logprobs")
+            windows.append({k: np.concatenate([pre[k], dec[k]]) for k in pre})
         os.write(wfd, b"%d\n" % (w + 1))
     from .plugin import has_value_bias
     res = dict(windows=windows, capacity=cap, start_s=t_start,
@@ -444,7 +757,9 @@ def _measure(job: Job, cfg: dict, wfd: int) -> dict:
                engine_blocks=cc.num_gpu_blocks, engine_block_size=cc.block_size,
                model_dtype=str(mc.dtype).replace("torch.", ""),
                vocab=mc.get_vocab_size(), head_dim=mc.get_head_size(),
-               value_bias=has_value_bias(mc.hf_text_config))
+               value_bias=has_value_bias(mc.hf_text_config),
+               use_mla=bool(getattr(mc, "use_mla", False)),
+               attention_backends=_attention_backends(vc), forced_decode=forced)
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
@@ -686,11 +1001,24 @@ def table(report: dict) -> str:
                  f"{r['ctx']} tokens, prompt positions [0, {r['ctx'] - r['decode']}), the last "
                  f"{r['decode']} as decoded | vLLM {r['vllm_version']}")
     lines.append(f"reference: auto, vLLM's unquantized cache ({r['model_dtype']}); KLD {kld}")
+    pool = "MLA tail pool" if r.get("mla") else "staging pool"
+    if r.get("mla"):
+        by = {}
+        for f in r["formats"]:
+            for b in f.get("attention_backends") or []:
+                by.setdefault(b, []).append(f["label"])
+        used = "; ".join(f"{b}: {', '.join(labs)}" for b, labs in sorted(by.items()))
+        how = (f"the last {r['decode']} tokens of each window decoded one step at a time, "
+               f"each step's token forced to the text's (raw log-probabilities)"
+               if r.get("decode_mode") == "forced" else "no position decoded (--decode 0)")
+        lines.append(f"MLA model: vLLM runs a prompt as MHA on the fresh latents, so the prompt "
+                     f"columns read no cache (KLD ~0 for every format); {how}; attention "
+                     f"backends: {used or '-'}")
     mns = (f"max_num_seqs {r['max_num_seqs']}" if r["max_num_seqs"] else
            f"max_num_seqs per format: the most {r['ctx']}-token requests that fit with the "
-           f"staging pool sized for them")
+           f"{pool} sized for them")
     lines.append(f"capacity: vLLM's figures for a KV budget of {r['budget_bytes'] / 2**30:.2f} "
-                 f"GiB (staging pool counted), {mns}, max_num_batched_tokens "
+                 f"GiB ({pool} counted), {mns}, max_num_batched_tokens "
                  f"{r['max_num_batched_tokens']}; 'fit': requests of {r['ctx']} tokens")
     hdr = ["format", "B/token", "KV tokens", "x ref", "fit", "KLD mean", "median", "p99",
            "top-1", "dec KLD", "dec med", "dec p99", "dec top-1", "PPL (delta)", "s"]
@@ -759,7 +1087,8 @@ def value_bias_notes(report: dict) -> list:
     model = os.path.basename(os.path.normpath(report["model"]))
     out = []
     for p in rows:
-        if not _lib.is_kvarn_dtype(p["name"]) or _lib.parse_format(p["name"]).centred:
+        if not _lib.is_kvarn_dtype(p["name"]) or _lib.is_mla_dtype(p["name"]) \
+                or _lib.parse_format(p["name"]).centred:
             continue
         cname = p["name"] + "c"
         c = next((f for f in rows if f["name"] == cname and f["env"] == p["env"]), None)
@@ -903,8 +1232,9 @@ def figure(report: dict, plt):
         ax.legend(loc="lower left", fontsize=8)
     ax.set_yscale("log")
     ax.margins(x=0.2, y=0.25)        # room for the labels beside the outer points
+    pool = "MLA tail pool" if report.get("mla") else "staging pool"
     ax.set_xlabel(f"capacity: KV tokens x auto's at {report['budget_bytes'] / 2**30:.2f} GiB "
-                  "(staging pool counted)")
+                  f"({pool} counted)")
     ax.set_ylabel(f"decode KLD mean to auto (last {report['decode']} positions"
                   + (", folded top-20)" if report["kld_mode"] != "exact" else ")"))
     ax.set_title(f"{os.path.basename(os.path.normpath(report['model']))}: {report['windows']} x "
@@ -1077,7 +1407,11 @@ def _main(args, t_wall: float) -> int:
                              f"`{sys.executable} -m pip install matplotlib` (scripts/setup.sh "
                              f"--vllm installs it)") from None
     vllm_names = _vllm_cache_dtypes()
-    jobs, refused = expand_formats(args.kv_cache_dtype, vllm_names)
+    mla, latent, rope, conf_dtype = model_uses_mla(args.model)
+    dtype = {"auto": conf_dtype, "half": "float16", "float": "float32"}.get(args.dtype,
+                                                                            args.dtype)
+    facts = ModelFacts(args.model, mla, latent, rope, dtype)
+    jobs, refused = expand_formats(args.kv_cache_dtype, vllm_names, facts)
     warnings = []
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # the engines are forked
     windows, n_tokens, ctx, nw = _windows(args, args.model, warnings)
@@ -1100,7 +1434,8 @@ def _main(args, t_wall: float) -> int:
     from vllm import LLM, SamplingParams  # noqa: F401  (imported once, inherited by every engine)
     cfg = dict(model=args.model, dtype=args.dtype, ctx=ctx, windows=windows, top=top,
                budget=budget, engine_kv=engine_kv, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens)
+               max_num_batched_tokens=args.max_num_batched_tokens, decode=decode, mla=mla,
+               attention_backend=facts.backend_asked)
     progress = Progress(len(jobs), nw)
     tmp = tempfile.mkdtemp(prefix="kvarn_ladder_")
     results, keep_logs = [], False
@@ -1129,7 +1464,12 @@ def _main(args, t_wall: float) -> int:
                   head_dim=ref["head_dim"], value_bias=ref["value_bias"],
                   vllm_version=vllm.__version__,
                   kld_mode="exact" if exact else f"folded_top{FOLD_TOP}_vs_top{FORMAT_TOP}",
+                  mla=mla, decode_mode="forced" if mla and decode > 0 else "prompt_logprobs",
                   warnings=warnings, formats=[])
+    if ref.get("use_mla") != mla:
+        warnings.append(f"vLLM runs {args.model} {'with' if ref.get('use_mla') else 'without'} "
+                        f"MLA, which the ladder read otherwise from its config: its format "
+                        f"checks and its decode columns do not fit this model")
     ref_cap = ref["capacity"]
     report["max_num_batched_tokens"] = ref_cap.get("max_num_batched_tokens")
     rppl = ref_ppl(ref)
@@ -1160,6 +1500,7 @@ def _main(args, t_wall: float) -> int:
                    blocks_per_request=cap.get("blocks_per_request"),
                    requests_fit=cap.get("requests_fit"), capped=cap.get("capped"),
                    capacity_refusal=cap.get("refusal"),
+                   attention_backends=res.get("attention_backends"),
                    engine_seconds_start=res["start_s"], seconds=res["run_s"])
         if res is ref:
             row.update(ppl=rppl, positions=sum(len(w["actual_lp"]) for w in ref["windows"]))

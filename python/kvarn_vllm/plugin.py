@@ -417,9 +417,129 @@ def _patch_block_size(Platform) -> None:
                          n_all - n_kv, SLIDING_ENV)
             if n_kv in (0, n_all) and cc.kv_cache_dtype_skip_layers == [SLIDING_MARK]:
                 cc.kv_cache_dtype_skip_layers = []
+            elif Platform.__name__ == "CpuPlatform":
+                # vLLM 0.32's CPU platform leaves out the alignment the base
+                # platform does (update_block_size_for_backend's phase 3)
+                align_pages(vllm_config, log)
         return orig(cls, vllm_config)
     update_block_size_for_backend._kvarn = True
     Platform.update_block_size_for_backend = classmethod(update_block_size_for_backend)
+
+
+def page_alignment(tile: int, kvarn_token_bytes: int, own_token_bytes: int) -> int:
+    """Tiles per KV-cache manager block for kvarn layers that share vLLM's
+    block pool with layers in vLLM's own cache (KVARN_SLIDING_WINDOW=vllm
+    on a model of sliding-window and full layers); 1 where nothing needs
+    aligning.
+
+    vLLM 0.32 gives every layer one page size (unify_kv_cache_spec_page_size,
+    v1/core/kv_cache_utils.py): a smaller page that divides the largest
+    gets a block that many times larger, one that does not is padded up to
+    it. A kvarn tile's page (tile x kvarn_token_bytes: every KV head's
+    record bytes per token of a layer) divides vLLM's page of one tile
+    (tile x own_token_bytes: every KV head's K and V elements per token of
+    a layer, in the model's dtype) only by chance (Gemma-4's global layers:
+    4 tiles); otherwise each record was padded to the size of vLLM's page,
+    and the kvarn layers held no more tokens than vLLM's own cache (gpt-oss's
+    shape: 0.97x its KV tokens, issue 43). Returned: k = ceil(own /
+    kvarn), the fewest tiles whose page holds a tile of vLLM's tokens; the
+    pages then meet at k tiles (vLLM's own alignment, which its base
+    platform runs and its CPU platform does not:
+    Platform._align_heterogeneous_kv_block_size), the sliding-window layers
+    taking the largest block of theirs within that page. Bytes: per token
+    of one layer; tile: tokens."""
+    if kvarn_token_bytes <= 0 or own_token_bytes <= kvarn_token_bytes:
+        return 1
+    if own_token_bytes % kvarn_token_bytes == 0:
+        return 1     # vLLM scales the kvarn block itself (unify)
+    return -(-own_token_bytes // kvarn_token_bytes)
+
+
+def align_pages(vllm_config, log) -> None:
+    """Where kvarn layers share the block pool with layers in vLLM's own
+    cache and their pages do not divide (page_alignment): the manager block
+    becomes k tiles (cache_config.block_size; the kvarn kernels still see
+    blocks of one tile, get_supported_kernel_block_sizes) and vLLM's
+    sliding-window layers pad their pages to it (cache_config.
+    skip_page_size_padded, which their get_kv_cache_spec reads). Logs the
+    layers' bytes per token and the factor. Models with Mamba-type layers
+    keep vLLM's own hybrid alignment."""
+    from vllm.config.vllm import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.utils.torch_utils import get_dtype_size
+    from . import _lib
+    from .backend import _State
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if mc.is_hybrid:
+        return
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+    kv_names = set(kvarn_layer_names(vllm_config))
+    fmt = _lib.parse_format(cc.cache_dtype)
+    G = fmt.tile_tokens
+    kv_tok, own_tok = 0, 0
+    for name, layer in layers.items():
+        hk, d = int(layer.num_kv_heads), int(layer.head_size)
+        if name in kv_names:
+            rb = _lib.record_bytes(_lib.parse_format(cc.cache_dtype, d), d)
+            kv_tok = max(kv_tok, hk * (rb // G))
+        else:
+            dv = int(getattr(layer, "head_size_v", d) or d)
+            own_tok = max(own_tok, hk * (d + dv) * get_dtype_size(layer.kv_cache_torch_dtype))
+    if not kv_tok or not own_tok:
+        return
+    k = page_alignment(G, kv_tok, own_tok)
+    # tiles per manager block as vLLM will have them: k here, or the ratio
+    # by which vLLM's unify scales a kvarn page that divides its own
+    m = k if k > 1 else max(1, own_tok // kv_tok)
+    if k > 1:
+        cc.block_size = k * G
+        cc.skip_page_size_padded = k * G * kv_tok
+        _State.aligned_block = k * G
+    mine, own = request_bytes(vllm_config, layers, kv_names, G, m, kv_tok)
+    log.info("kvarn: %s layers at %d bytes per token, vLLM's own cache at %d%s; one request "
+             "of max_model_len %d tokens takes %.2f MiB of KV pages, %.2f MiB in vLLM's own "
+             "cache: %.2fx its requests per KV byte (before the staging pool)",
+             cc.cache_dtype, kv_tok, own_tok,
+             "" if m == 1 else f"; manager blocks of {m} tiles ({m * G} tokens), one page "
+             f"of vLLM's sliding-window layers", mc.max_model_len, mine / 2**20, own / 2**20,
+             own / mine)
+
+
+def request_bytes(vllm_config, layers: dict, kv_names: set, G: int, m: int,
+                  kv_tok: int) -> tuple:
+    """(kvarn, own): the KV-page bytes one request of max_model_len tokens
+    can hold, summed over the attention layers, as vLLM 0.32's specs count
+    them (KVCacheSpec.max_memory_usage_bytes: a full-attention layer its
+    blocks of the whole length, a sliding-window one those its window and
+    a step's tokens span): kvarn layers in manager blocks of m tiles of G
+    tokens (records), the other layers in vLLM's own cache at blocks of G
+    with pages of m x G x kv_tok bytes where m > 1 (align_pages); own: every
+    layer in vLLM's own cache of the model's dtype at blocks of G. layers:
+    name -> vLLM attention layer; kv_tok: a kvarn layer's bytes per token."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from . import _lib
+    cc, mc = vllm_config.cache_config, vllm_config.model_config
+    mine = own = 0
+    for name, layer in layers.items():
+        hk, d = int(layer.num_kv_heads), int(layer.head_size)
+        win = getattr(layer, "sliding_window", None)
+
+        def spec(dtype, block, **kw):
+            if win:
+                return SlidingWindowSpec(block_size=block, num_kv_heads=hk, head_size=d,
+                                         dtype=dtype, sliding_window=win, **kw)
+            return FullAttentionSpec(block_size=block, num_kv_heads=hk, head_size=d,
+                                     dtype=dtype, **kw)
+        own += spec(mc.dtype, G).max_memory_usage_bytes(vllm_config)
+        if name in kv_names:
+            rb = _lib.record_bytes(_lib.parse_format(cc.cache_dtype, d), d)
+            s = spec(torch.uint8, m * G, state_content_bytes=rb // G)
+        else:
+            s = spec(layer.kv_cache_torch_dtype, G,
+                     page_size_padded=m * G * kv_tok if m > 1 else None)
+        mine += s.max_memory_usage_bytes(vllm_config)
+    return mine, own
 
 
 def _on_cuda() -> bool:

@@ -210,6 +210,12 @@ def test_gpt_oss_sinks_follow_fp32_cache(models, gpt_oss):
     without them fails this), greedy sane."""
     ref, kv, log, _, _ = gpt_oss
     assert "2 of 4 attention layers" in log, log[-3000:]
+    # the kvarn pages (114 bytes a token) do not divide fp32's (1024):
+    # manager blocks of 9 tiles, one fp32 page (plugin.align_pages), said
+    # at start-up with what a request takes in both caches
+    assert "manager blocks of 9 tiles (1152 tokens)" in log, log[-3000:]
+    factor = float(log.split("x its requests per KV byte")[0].rsplit(" ", 1)[1])
+    assert factor >= 1.0, factor
     _check_served(models["gpt_oss"], ref, kv)
 
 

@@ -3,11 +3,16 @@
 the errors it gives before any engine starts; every model family the
 plug-in serves (or refuses) through it, on its random-weight model
 (make_models.py) against the arithmetic and the emulated codec; the
-value-bias lines, the console script, the plot's labels. Each ladder run forks
+value-bias lines, the console script, the plot's labels; an MLA model
+(DeepSeek-V3's attention shape) through `all`, its kvarn_mla_* rows
+against the record arithmetic and the emulated codec (emulate_mla.py),
+its decode columns decoded with the text's tokens forced, and every name
+refused there or on SmolLM2 in one line. Each ladder run forks
 one engine per format; the runs here are kept to a few engines of a
 640-token window (SmolLM2) or a 400-token prompt (the random-weight
 models: one run per family, through ladder_serve.py, which imports vLLM
-once for all of them). The command runs with PYTHONPATH=python/ (this
+once for all of them; the MLA model: one run of 7 engines on a 296-token
+window, 32 tokens decoded). The command runs with PYTHONPATH=python/ (this
 checkout's plug-in); the tests that
 call its functions in-process import the installed one (scripts/setup.sh
 installs python/ editable)."""
@@ -386,9 +391,13 @@ def _expected_capacity(model: str, fmt: str, n: int, batched: int) -> tuple:
       - unify_kv_cache_spec_page_size: every page becomes the largest; a
         smaller page that divides it gets blocks that many times larger
         (kvarn beside fp32 at D >= 256, where a record's per-token share
-        is a power of two), one that does not is padded to it, its block
-        unchanged (gpt-oss at D = 64: 2 x 7296-byte records against a
-        131072-byte fp32 page).
+        is a power of two). A kvarn page that does not divide vLLM's
+        (gpt-oss at D = 64: 2 x 7296-byte records against a 131072-byte
+        fp32 page) would be padded to it, its block unchanged, which the
+        plug-in prevents (plugin.align_pages): the kvarn layers get manager
+        blocks of k = ceil(fp32 page / kvarn page) tiles, and vLLM's
+        sliding-window layers keep blocks of G, their pages padded to k
+        kvarn pages.
       - _get_kv_cache_groups_uniform_page_size: layers grouped by spec, the
         group size the fewest layers of a kind (the most where that is
         under 1.5 x the fewest); a block is group size x the page.
@@ -413,6 +422,12 @@ def _expected_capacity(model: str, fmt: str, n: int, batched: int) -> tuple:
              for (_, hk, d), q in zip(layers, kv)]
     page = max(pages)
     blocks = [G * page // p if page % p == 0 else G for p in pages]
+    own = [p for p, q in zip(pages, kv) if not q]
+    mine = [p for p, q in zip(pages, kv) if q]
+    if own and mine and max(own) > max(mine) and max(own) % max(mine):   # align_pages
+        k = cdiv(max(own), max(mine))
+        page = k * max(mine)
+        blocks = [k * G if q else G for q in kv]
     kinds = Counter(zip(layers, kv))
     size = min(kinds.values())
     size = max(kinds.values()) if max(kinds.values()) < 1.5 * size else size
@@ -495,6 +510,11 @@ def test_family_ladder(fam, families):
             assert f["kld_max"] == f["decode_kld_max"] == 0 and f["ppl_delta"] == 0, f
             assert f["kv_tokens"] == ref["kv_tokens"] and f["pool_bytes"] == 0
             continue
+        if f["label"] == KV and not all_sliding:
+            # sliding-window and full layers (gpt-oss, Gemma-2/3/4): the
+            # default keeps the sliding ones in vLLM's cache and still holds
+            # more requests than vLLM's own cache (plugin.align_pages)
+            assert f["x_ref"] >= 1.0 and f["requests_fit"] >= ref["requests_fit"], f
         k_e = k_e0 if f["label"] in (KV, QUANTIZE_SW) else _emulated_kl(model, f["name"])[0]
         k_v = f["decode_kld_mean"]
         print(f"{fam} {f['label']}: decode KLD ladder {k_v:.5f}, emulated codec {k_e:.5f}; "
@@ -612,6 +632,145 @@ def test_console_script(families):
     assert get.server.ready["file"] == os.path.join(ROOT, "python", "kvarn_vllm", "ladder.py")
 
 
+# ---- an MLA model: make_models.py's "deepseek_v3" (DeepSeek-V3's attention
+# shape: per token one 512-wide latent and one 64-wide RoPE key; 2 layers),
+# one ladder run of `all` through ladder_serve.py (auto and the six
+# kvarn_mla_* formats of `all`, the rest refused rows), shared by the tests
+# below; the prompt runs as MHA on the fresh latents, the last MLA_DEC
+# tokens are decoded one step at a time, forced to the text's
+
+MLA_CTX = 2 * G + 40             # the decoded positions read 2 records of 128 (4 of 64)
+MLA_DEC = 32
+MLA_P = MLA_CTX - MLA_DEC        # the prompt: positions [0, MLA_P) read no cache
+MLA_BUDGET = 256 * 2**20
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory):
+    sys.path.insert(0, os.path.dirname(__file__))
+    import make_models
+    return make_models.make("deepseek_v3", str(tmp_path_factory.mktemp("ladder_mla")))
+
+
+def _mla_args(model, ids, js, dtypes="all"):
+    return [str(a) for a in ("--model", model, "--token-ids", ids, "--kv-cache-dtype", dtypes,
+                             "--ctx", MLA_CTX, "--windows", 1, "--decode", MLA_DEC, "--budget",
+                             "256MiB", "--json", js)]
+
+
+@pytest.fixture(scope="module")
+def mla_run(mla_model, families, tmp_path_factory):
+    """(model, token ids, CompletedProcess, report, seconds) of the ladder's
+    `all` on the MLA model, and the exact fp32 log-probabilities of its
+    window (emulate_mla.py, transformers, vLLM's CPU RoPE) for the tests'
+    emulated codecs."""
+    import emulate_mla
+    get, _ = families
+    d = tmp_path_factory.mktemp("ladder_mla_run")
+    ids = _fam_ids(MLA_CTX)
+    (d / "ids.json").write_text(json.dumps(ids))
+    r, secs = get.server.run(_mla_args(mla_model, d / "ids.json", d / "r.json"))
+    print(f"MLA ladder: {secs:.0f} s\n{r.stdout}")
+    rep = json.loads((d / "r.json").read_text()) if (d / "r.json").exists() else None
+    exact = emulate_mla.logprobs(mla_model, ids[:-1], MLA_P)
+    return dict(model=mla_model, ids=ids, r=r, rep=rep, secs=secs, exact=exact,
+                ids_file=d / "ids.json")
+
+
+def _mla_dims(model):
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    return c["num_hidden_layers"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+
+
+def test_mla_ladder_rows(mla_run):
+    """`all` on an MLA model: the reference (vLLM's fp32 MLA cache, run with
+    attention_backend CPU_MLA) and a row for each of the six kvarn_mla_*
+    formats of `all` (served by the plug-in's KVARN_MLA backend); vLLM's
+    bf16 and fp8 caches, which vLLM's CPU_MLA does not hold, the K/V presets
+    and kvarn eval's per-token names are refused rows with a one-line
+    reason. The reference's decode columns are decoded with the text's
+    tokens forced: its PPL over every position is transformers' fp32 NLL
+    on the text (emulate_mla.py) to 1e-4, which it would not be had a
+    decoded token left the text."""
+    import math
+    import numpy as np
+    from kvarn_vllm.ladder import ALL_MLA, ALL_PRESETS
+    r, rep = mla_run["r"], mla_run["rep"]
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert rep["mla"] and rep["decode_mode"] == "forced" and rep["kld_mode"] == "exact"
+    assert not any("capacity not computed" in w or "not vLLM's" in w or "MLA" in w
+                   for w in rep["warnings"]), rep["warnings"]
+    ok = [f["label"] for f in rep["formats"] if f["status"] in ("ok", "reference")]
+    assert ok == ["auto"] + list(ALL_MLA), ok
+    why = {f["label"]: f["reason"] for f in rep["formats"] if f["status"] == "refused"}
+    for name in ("bfloat16", "fp8_e4m3", "fp8_e5m2"):
+        assert "CPU_MLA" in why[name] and "supported_kv_cache_dtypes" in why[name], why
+    for name in ALL_PRESETS:
+        assert "multi-head latent attention" in why[name] and "K and V tiles" in why[name], why
+    assert "per-token format" in why["int8"]
+    assert all("\n" not in w for w in why.values())
+    ref = _row(rep, "auto")
+    assert ref["attention_backends"] == ["CPU_MLA"]
+    assert all(_row(rep, n)["attention_backends"] == ["KVARN_MLA"] for n in ALL_MLA)
+    ids, exact = mla_run["ids"], mla_run["exact"]
+    nll = float(-np.mean(exact[np.arange(MLA_CTX - 1), ids[1:]]))
+    print(f"reference ln PPL {math.log(ref['ppl']):.6f}, transformers fp32 {nll:.6f}")
+    assert abs(math.log(ref["ppl"]) - nll) < 1e-4
+    assert "MLA model:" in r.stdout and "forced to the text's" in r.stdout
+    assert "MLA tail pool counted" in r.stdout
+
+
+@pytest.mark.parametrize("name", ["kvarn_mla_k4_g128", "kvarn_mla_k4_g64", "kvarn_mla_k2_g128",
+                                  "kvarn_mla_k2_g64", "kvarn_mla_k8_g128", "kvarn_mla_k8_g64"])
+def test_mla_format_ladder(name, mla_run):
+    """One kvarn_mla_* row of the shared run: the positions as asked (the
+    prompt's MLA_P - 1 and the first step's, then MLA_DEC - 1 decoded); its
+    bytes per token the record's (_lib.mla_record_bytes / G, every layer);
+    its KV tokens vLLM's blocks for the budget less the fp32 tail pool
+    (mla_backend.tail_pool_bytes: max_num_seqs slots of G tokens of
+    latent + RoPE key per layer) over one record per layer, in blocks of G,
+    at the largest max_num_seqs n that fits n requests (n + 1 does not);
+    its decode KLD (exact) positive and within [K_e / 2, 2 K_e] of the
+    codec's effect K_e on the same tokens without vLLM (emulate_mla.py:
+    each whole tile through kvarn_mla_encode / decode, the read rule of
+    the decoded positions; test_mla's rule); its prompt columns, which read
+    no cache, far below that (MHA on the fresh latents: 0 here)."""
+    import emulate_mla
+    from kvarn_vllm import _lib
+    rep = mla_run["rep"]
+    assert rep is not None, mla_run["r"].stderr[-4000:]
+    f = _row(rep, name)
+    assert f["status"] == "ok", f
+    layers, latent, rope = _mla_dims(mla_run["model"])
+    fmt = _lib.mla_parse(name, latent, rope)
+    G_ = fmt.tile_tokens
+    rb = _lib.mla_record_bytes(fmt, latent, rope)
+    assert f["prompt_positions"] == MLA_P and f["decode_positions"] == MLA_DEC - 1
+    assert f["decode_kld_partial"] == 0 == f["kld_partial"]
+    assert f["bytes_per_token"] == layers * rb / G_ and f["block_size"] == G_
+    cdiv = lambda a, b: -(-a // b)                      # noqa: E731
+    pool = lambda n: layers * n * G_ * (latent + rope) * 4     # noqa: E731
+    blocks = lambda n: (MLA_BUDGET - pool(n)) // (layers * rb)  # noqa: E731
+    n, per_req = f["max_num_seqs"], cdiv(MLA_CTX, G_)
+    assert f["pool_bytes"] == pool(n) and f["blocks_per_request"] == per_req
+    assert f["kv_tokens"] == blocks(n) * G_, f
+    assert f["requests_fit"] == n and (blocks(n) - 1) // per_req >= n
+    assert (blocks(n + 1) - 1) // per_req < n + 1
+    ref = _row(rep, "auto")          # vLLM's fp32 MLA cache: 576 channels x 4 bytes, blocks of 16
+    assert ref["bytes_per_token"] == layers * (latent + rope) * 4 and ref["block_size"] == 16
+    assert ref["kv_tokens"] == MLA_BUDGET // (layers * 16 * (latent + rope) * 4) * 16
+    codec = emulate_mla.logprobs(mla_run["model"], mla_run["ids"][:-1], MLA_P,
+                                 roundtrip=emulate_mla.MlaCodec(name, latent, rope), G=G_)
+    k_e = float(emulate_mla.kl_rows(mla_run["exact"], codec)[MLA_P:].mean())
+    k_v = f["decode_kld_mean"]
+    print(f"{name}: {f['bytes_per_token']:.0f} B/token, KV tokens {f['kv_tokens']} (fp32 "
+          f"{ref['kv_tokens']}), fit {f['requests_fit']}; decode KLD ladder {k_v:.6f}, "
+          f"emulated codec {k_e:.6f}; prompt KLD mean {f['kld_mean']:.2e}")
+    assert k_v > 0 and k_e / 2 <= k_v <= 2 * k_e
+    assert f["kld_mean"] <= k_v / 100 and f["kld_max"] <= k_v / 10
+
+
 # ---- no engine: the scoring and the format list
 
 
@@ -687,6 +846,13 @@ def test_coverage_warnings():
     w = coverage_warnings(jobs, 200, 50)            # every position below 256
     assert len(w) == 2 and "--ctx 258" in w[1] and "decode columns" in w[1]
     assert coverage_warnings(jobs, 258, 50)[1:] == []
+    # an MLA record format: read by decoded positions from G - 1 = 127 on,
+    # never by the prompt's (whatever the format: no warning for those)
+    mla = [Job("auto", "auto", {}, True), Job("kvarn_mla_k4_g128", "kvarn_mla_k4_g128", {}, True)]
+    assert coverage_warnings(mla, MLA_CTX, MLA_DEC) == []
+    w = coverage_warnings(mla, 100, 32)
+    assert len(w) == 1 and "decode columns of kvarn_mla_k4_g128" in w[0] and "--ctx 129" in w[0]
+    assert coverage_warnings(mla, 129, 32) == []
 
 
 @pytest.mark.parametrize("label,needle", [
@@ -717,3 +883,161 @@ def test_output_path_checked_before_the_run(hf_model, tmp_path, capsys, opt):
     err = capsys.readouterr().err
     assert rc == 2 and f"{opt} {bad}: its directory" in err, err
     assert "starting the engine" not in err
+
+
+def _facts(mla: bool, dtype: str = "float32"):
+    from kvarn_vllm.ladder import ModelFacts
+    return ModelFacts("m", mla, 512 if mla else 0, 64 if mla else 0, dtype)
+
+
+def test_mla_names_without_an_engine():
+    """`all` on an MLA model runs auto and the six kvarn_mla_* formats of
+    ALL_MLA (RoPE key at 8 bits), the rest refused rows; on a model without
+    MLA today's rows and one refused row for every kvarn_mla_* name. Every
+    one of the plug-in's 18 MLA names (mla_dtype_names: the r8 / r16
+    variants too) passes the checks on an MLA model, each with the record
+    bytes of docs/mla.md's table (latent 512 + RoPE 64: k4 = k4r8 342,
+    k4r16 402, k2r8 214 bytes per token and layer at G = 128)."""
+    from kvarn_vllm import _lib, ladder
+    names = ladder._vllm_cache_dtypes()
+    jobs, refused = ladder.expand_formats("all", names, _facts(True))
+    assert [j.label for j in jobs] == ["auto"] + list(ladder.ALL_MLA)
+    why = dict(refused)
+    assert {"bfloat16", "fp8_e4m3", "fp8_e5m2", *ladder.ALL_PRESETS,
+            *ladder.ALL_KVARN_PER_TOKEN} == set(why), why
+    jobs0, _ = ladder.expand_formats("all", names)
+    jobs1, refused1 = ladder.expand_formats("all", names, _facts(False))
+    assert [j.label for j in jobs1] == [j.label for j in jobs0]
+    mla_rows = [r for r in refused1 if "mla" in r[0]]
+    assert len(mla_rows) == 1 and mla_rows[0][0] == "kvarn_mla_*", refused1
+    assert "has no MLA layers" in mla_rows[0][1]
+    per_token = {}
+    for n in _lib.mla_dtype_names():
+        assert ladder._check_format(n, names, _facts(True)).name == n
+        fmt = _lib.mla_parse(n, 512, 64)
+        per_token[n] = _lib.mla_record_bytes(fmt, 512, 64) / fmt.tile_tokens
+    assert len(per_token) == 18
+    assert per_token["kvarn_mla_k4_g128"] == per_token["kvarn_mla_k4r8_g128"] == 342
+    assert per_token["kvarn_mla_k4r16_g128"] == 402 and per_token["kvarn_mla_k2_g128"] == 214
+
+
+def test_vllm_mla_backend_choice(monkeypatch):
+    """vLLM's own MLA cache rows: CPU_MLA asked for unless the weights are
+    bf16; with bf16 weights vLLM's choice (AMX_MLA where the CPU has AMX
+    tiles, else CPU_MLA); the bf16 and fp8 caches refused against the
+    backend's own supported_kv_cache_dtypes."""
+    import torch
+    from kvarn_vllm import ladder
+    for amx in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        assert ladder.vllm_mla_backend("float32") == ("CPU_MLA", "CPU_MLA")
+        assert ladder.vllm_mla_backend("float16") == ("CPU_MLA", "CPU_MLA")
+        assert ladder.vllm_mla_backend("bfloat16") == (None, "AMX_MLA" if amx else "CPU_MLA")
+    assert ladder._vllm_mla_refusal("auto", "CPU_MLA") == ""
+    assert "auto only" in ladder._vllm_mla_refusal("bfloat16", "CPU_MLA")
+    assert ladder._vllm_mla_refusal("bfloat16", "AMX_MLA") == ""
+
+
+@pytest.mark.parametrize("which,dtypes,needle", [
+    ("mla", "kvarn_k4v2_g128", "stores K and V tiles per KV head"),
+    ("mla", "kvarn_k4v4_g64:KVARN_STAGING=fp16", "stores K and V tiles per KV head"),
+    ("mla", "kvarn_mla_k4_g128:KVARN_STAGING=fp16", "take none of the plug-in's settings"),
+    ("mla", "kvarn_mla_k4_g128:x", "a setting after ':' is KVARN_NAME=VALUE"),
+    ("mla", "kvarn_mla_k3_g128", "unknown MLA cache format 'kvarn_mla_k3_g128'"),
+    ("mla", "auto,bfloat16", "holds kv_cache_dtype auto only"),
+    ("mla", "fp6", "unknown --kv-cache-dtype 'fp6'"),
+    ("mla", "int8", "per-token format of the kvarn library"),
+    ("smol", "kvarn_mla_k4_g128", "has no MLA layers"),
+    ("smol", "kvarn_mla_k8r16_g64", "has no MLA layers"),
+    ("smol", "kvarn_mla_k4_g32", "unknown MLA cache format"),
+])
+def test_mla_names_refused_in_one_line(which, dtypes, needle, mla_model, hf_model, capsys):
+    """Each name a user can give on an MLA model or, for the MLA names, on
+    SmolLM2: a one-line usage error (exit 2) before any engine, no
+    traceback."""
+    from kvarn_vllm import ladder
+    model = mla_model if which == "mla" else hf_model
+    rc = ladder.main(["--model", model, "--text", AUSTEN, "--kv-cache-dtype", dtypes])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("kvarn-vllm-ladder")]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("kvarn-vllm-ladder: error: "), err
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in err and "starting the engine" not in err
+
+
+def test_mla_engine_arguments(monkeypatch, mla_model):
+    """What _measure asks of vLLM on an MLA model, read from a stand-in for
+    LLM (no engine), on a CPU faked to have AMX tiles (where vLLM 0.32
+    would pick AMX_MLA, which takes bf16 weights only): vLLM's own cache at
+    --dtype float32 with attention_backend CPU_MLA; a kvarn_mla_* format
+    with its tile as the block size and no attention_backend (the plug-in
+    picks its KVARN_MLA backend); both with the forcing logits processor
+    and raw log-probabilities. (Run by hand with the faked AMX and real
+    engines, docs/eval.md "Through vLLM": "Using CPU_MLA backend" in the
+    reference's log and the numbers of a run without it; without the
+    CPU_MLA request vLLM picks AMX_MLA.)"""
+    import torch
+    import vllm
+    import vllm.v1.engine.core as core
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from kvarn_vllm import ladder
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(core, "get_kv_cache_configs", core.get_kv_cache_configs)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def llm(**kw):
+        seen.append(kw)
+        raise Stop
+    monkeypatch.setattr(vllm, "LLM", llm)
+    mla, latent, rope, dtype = ladder.model_uses_mla(mla_model)
+    facts = ladder.ModelFacts(mla_model, mla, latent, rope, "float32")
+    assert (mla, latent, rope, dtype) == (True, 512, 64, "float32")
+    cfg = dict(model=mla_model, dtype="float32", ctx=MLA_CTX, windows=[], top=2048,
+               budget=MLA_BUDGET, engine_kv=2**30, max_num_seqs=None,
+               max_num_batched_tokens=4096, decode=MLA_DEC, mla=True,
+               attention_backend=facts.backend_asked)
+    for name in ("auto", "kvarn_mla_k4_g64"):
+        with pytest.raises(Stop):
+            ladder._measure(ladder.Job(name, name, {}, True), cfg, -1)
+    auto, kv = seen
+    assert auto["attention_backend"] == "CPU_MLA" and "block_size" not in auto
+    assert "attention_backend" not in kv and kv["block_size"] == 64
+    for kw in (auto, kv):
+        proc, = kw["logits_processors"]
+        assert issubclass(proc, LogitsProcessor) and kw["logprobs_mode"] == "raw_logprobs"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert ladder.ModelFacts(mla_model, True, 512, 64, "bfloat16").backend_asked is None
+
+
+def test_forced_tokens_processor():
+    """The forcing logits processor on a batch of two requests (vLLM's
+    BatchUpdate protocol): the one whose extra_args name tokens gets, at
+    its k-th step, every logit but token k's at -inf (so greedy sampling
+    picks it) and is left alone past the list; the other is untouched;
+    a removed request is forgotten."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+    from kvarn_vllm.ladder import FORCE_ARG, _forced_tokens_processor
+    proc = _forced_tokens_processor()(None, torch.device("cpu"), False)
+    assert not proc.is_argmax_invariant()
+    out = []
+    forced = SamplingParams(extra_args={FORCE_ARG: [5, 7]})
+    proc.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
+                                  added=[(0, SamplingParams(), [1], []),
+                                         (1, forced, [1, 2], out)]))
+    logits = torch.randn(2, 10)
+    before = logits.clone()
+    for want in (5, 7):
+        got = proc.apply(logits.clone())
+        assert torch.equal(got[0], before[0])
+        assert int(got[1].argmax()) == want and torch.isinf(got[1]).sum() == 9
+        out.append(want)
+    assert torch.equal(proc.apply(logits.clone()), before)    # past the list
+    proc.update_state(BatchUpdate(batch_size=1, removed=[1], moved=[], added=[]))
+    assert proc.req == {}
+    with pytest.raises(ValueError):
+        _forced_tokens_processor().validate_params(SamplingParams(extra_args={FORCE_ARG: "x"}))

@@ -145,3 +145,22 @@ def test_value_bias_detection():
     from vllm.transformers_utils.config import get_hf_text_config
     for cfg in (transformers.Qwen2VLConfig(), transformers.Qwen2_5_VLConfig()):
         assert plugin.has_value_bias(get_hf_text_config(cfg)), cfg.model_type
+
+
+@pytest.mark.parametrize("kv_tok,own_tok,k", [
+    (114, 1024, 9),    # gpt-oss's shape (D 64, 2 KV heads): 9 x 114 = 1026 >= 1024
+    (256, 2048, 1),    # Gemma-3's test shape (D 256): 8 x 256 divides, vLLM scales it
+    (1024, 4096, 1),   # Gemma-4's global layers (D 512) beside its local ones: 4 x
+    (228, 1024, 5),    # a record share that is not a power of two: 5 x 228 = 1140
+    (1024, 1024, 1),   # no smaller than vLLM's page: nothing to align
+    (2048, 1024, 1),
+])
+def test_page_alignment(kv_tok, own_tok, k):
+    """plugin.page_alignment: the fewest tiles whose page holds a tile of
+    vLLM's tokens where the pages do not divide (else 1); the aligned
+    kvarn page is at least vLLM's page of one tile and less than one more
+    kvarn tile above it (never padding more than a tile's records)."""
+    got = plugin.page_alignment(128, kv_tok, own_tok)
+    assert got == k
+    if got > 1:
+        assert own_tok <= got * kv_tok < own_tok + kv_tok
