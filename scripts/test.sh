@@ -106,5 +106,13 @@ fi
 # converted model: installs .venv-vllm the first time (docs/vllm.md).
 stage "vLLM set-up (.venv-vllm, converted model)" 240
 bash scripts/setup.sh --vllm
+# One pytest-xdist worker per core, each keeping to its own core
+# (tests/vllm/conftest.py pytest_configure), whole test files per worker
+# (--dist loadfile: a file's module fixtures and engines stay in one
+# process); a single core runs them in one session as before.
 stage "vLLM plug-in tests (tests/vllm)" 960
-.venv-vllm/bin/python -m pytest -q --durations=25 tests/vllm
+if [ "$jobs" -ge 2 ]; then
+  .venv-vllm/bin/python -m pytest -q --durations=25 -n "$jobs" --dist loadfile tests/vllm
+else
+  .venv-vllm/bin/python -m pytest -q --durations=25 tests/vllm
+fi

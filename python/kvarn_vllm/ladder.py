@@ -107,7 +107,12 @@ For a model that adds a bias to its values (plugin.has_value_bias: Qwen2's
 family, attention_bias) the table ends with a line per plain KVarN format
 run: which of it and its mean-centred variant (kvarn_X and kvarn_Xc, the
 same settings) has the lower decode KLD, with the bytes per token of each,
-or, where the centred one was not run, a line naming it.
+or, where the centred one was not run, a line naming it. For a model that
+mixes sliding-window and full layers (gpt-oss, Gemma-2/3/4) a line per
+KVarN format run with the default KVARN_SLIDING_WINDOW (vllm: those layers
+in vLLM's own cache) names the better of it and the same format with
+KVARN_SLIDING_WINDOW=quantize, by KV tokens and KLD, or names the latter
+to add (sliding_window_notes).
 
 Output: a progress line on stderr (formats and windows), the table on
 stdout, --json FILE the same numbers for machines, --plot FILE.png the
@@ -758,6 +763,7 @@ def _measure(job: Job, cfg: dict, wfd: int) -> dict:
                model_dtype=str(mc.dtype).replace("torch.", ""),
                vocab=mc.get_vocab_size(), head_dim=mc.get_head_size(),
                value_bias=has_value_bias(mc.hf_text_config),
+               sliding_layers=_sliding_layers(mc),
                use_mla=bool(getattr(mc, "use_mla", False)),
                attention_backends=_attention_backends(vc), forced_decode=forced)
     try:
@@ -1058,7 +1064,72 @@ def table(report: dict) -> str:
                      f"decode positions the format's top {FORMAT_TOP} lacks some of the "
                      f"reference's top {FOLD_TOP} (folded into the bucket there: a looser bound)")
     lines += r.get("value_bias_notes", [])
+    lines += r.get("sliding_window_notes", [])
     return "\n".join(lines)
+
+
+def _sliding_layers(mc) -> list:
+    """[sliding-window layers, attention layers] of vLLM model config mc:
+    hf_text_config.layer_types where the config has them (Gemma-2/3/4,
+    gpt-oss), else every layer or none by model_config.get_sliding_window()
+    (Mistral)."""
+    n = mc.get_total_num_hidden_layers()
+    types = getattr(mc.hf_text_config, "layer_types", None) or []
+    if mc.get_sliding_window() is None:
+        return [0, n]
+    if len(types) == n:
+        return [sum(t == "sliding_attention" for t in types), n]
+    return [n, n]
+
+
+def sliding_window_notes(report: dict) -> list:
+    """Lines for a model that mixes sliding-window and full attention
+    layers (report["sliding_layers"], read in the reference's engine), one
+    per KVarN row run without a KVARN_SLIDING_WINDOW setting (the default,
+    "vllm": the sliding-window layers keep vLLM's own cache): where the same
+    format with KVARN_SLIDING_WINDOW=quantize (every layer in records) was
+    run too, the KV tokens over the reference's and the KLD (decode column;
+    the prompt column where --decode is 0) of both, naming the one that
+    holds more unless its KLD is more than twice the other's (the tests'
+    rule for one codec on two hosts: beyond it the difference is the
+    format's, not noise), then the other; where it was not run, a line
+    naming it. Nothing for other models. Returns the lines."""
+    ns, n = (report.get("sliding_layers") or [0, 0])[:2]
+    if not (0 < ns < n):
+        return []
+    from . import _lib
+    rows = [f for f in report["formats"] if f["status"] == "ok"]
+    model = os.path.basename(os.path.normpath(report["model"]))
+    head = f"sliding windows: {model} has {ns} sliding-window layers of {n}"
+    out = []
+    for p in rows:
+        if not _lib.is_kvarn_dtype(p["name"]) or _lib.is_mla_dtype(p["name"]) \
+                or "KVARN_SLIDING_WINDOW" in p["env"]:
+            continue
+        env = dict(p["env"], KVARN_SLIDING_WINDOW="quantize")
+        qlabel = ":".join([p["name"]] + [f"{k}={v}" for k, v in env.items()])
+        q = next((f for f in rows if f["name"] == p["name"] and f["env"] == env), None)
+        if q is None:
+            out.append(f"{head}, which {p['label']} keeps in vLLM's own cache "
+                       f"({_f(p.get('x_ref'), '.2f')}x the reference's KV tokens); "
+                       f"{qlabel} stores them as records too: add it to --kv-cache-dtype to "
+                       f"see what it holds and costs")
+            continue
+        kp, col = _kld_of(p)
+        kq, _ = _kld_of(q)
+        xp, xq = p.get("x_ref"), q.get("x_ref")
+        if None in (kp, kq, xp, xq):
+            continue
+        both = (f"{q['label']} {xq:.2f}x the reference's KV tokens at {col} {kq:.5f}, "
+                f"{p['label']} (sliding-window layers in vLLM's cache) {xp:.2f}x at {kp:.5f}")
+        if xq > xp and kq <= 2 * kp:
+            out.append(f"{head}; better: {q['label']}: {both}")
+        elif xq > xp:
+            out.append(f"{head}; better: {p['label']}: {q['label']} holds more but its KLD is "
+                       f"more than twice: {both}")
+        else:
+            out.append(f"{head}; better: {p['label']}: {both}")
+    return out
 
 
 def _kld_of(row: dict) -> tuple:
@@ -1462,6 +1533,7 @@ def _main(args, t_wall: float) -> int:
                   engine_kv_bytes=engine_kv, max_num_seqs=args.max_num_seqs,
                   dtype=args.dtype, model_dtype=ref["model_dtype"], vocab=ref["vocab"],
                   head_dim=ref["head_dim"], value_bias=ref["value_bias"],
+                  sliding_layers=ref.get("sliding_layers"),
                   vllm_version=vllm.__version__,
                   kld_mode="exact" if exact else f"folded_top{FOLD_TOP}_vs_top{FORMAT_TOP}",
                   mla=mla, decode_mode="forced" if mla and decode > 0 else "prompt_logprobs",
@@ -1512,6 +1584,7 @@ def _main(args, t_wall: float) -> int:
         report["formats"].append(dict(label=label, name=label.split(":")[0], env={},
                                       status="refused", reason=why))
     report["value_bias_notes"] = value_bias_notes(report)
+    report["sliding_window_notes"] = sliding_window_notes(report)
     report["wall_s"] = time.perf_counter() - t_wall
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)

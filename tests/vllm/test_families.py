@@ -449,13 +449,20 @@ def _gdn_state_bytes(kw: dict) -> int:
     """One Gated DeltaNet layer's recurrent state in vLLM 0.32 (its page in
     the Mamba-type KV-cache group): the causal conv's last kernel - 1 inputs
     of the q, k, v channels at the model's dtype (bf16) and the delta-rule
-    state [value heads, key dim, value dim] in fp32 (vLLM's SSM state dtype
-    for this model)."""
+    state [value heads, key dim, value dim] at vLLM's SSM state dtype, which
+    depends on the CPU: fp32 where torch reports AVX512-BF16 (Zen 4, Intel
+    Xeons of the 4th generation: vLLM's CPU platform resets it to float32
+    for its accelerated GDN backend, platforms/cpu.py
+    check_and_update_config), else mamba_ssm_cache_dtype "auto", the
+    model's dtype (bf16; AVX2-only hosts, where the manager block is then
+    256 tokens, not 384)."""
+    import torch
     conv_dim = (2 * kw["linear_num_key_heads"] * kw["linear_key_head_dim"]
                 + kw["linear_num_value_heads"] * kw["linear_value_head_dim"])
     conv = (kw["linear_conv_kernel_dim"] - 1) * conv_dim * 2
+    ssm_elt = 4 if torch.cpu._is_avx512_bf16_supported() else 2
     ssm = (kw["linear_num_value_heads"] * kw["linear_key_head_dim"]
-           * kw["linear_value_head_dim"] * 4)
+           * kw["linear_value_head_dim"] * ssm_elt)
     return conv + ssm
 
 

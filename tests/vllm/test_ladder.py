@@ -523,6 +523,35 @@ def test_family_ladder(fam, families):
     print(f"{fam}: ladder {secs:.0f} s")
 
 
+def test_sliding_windows_name_the_better_setting(families):
+    """gpt-oss (2 sliding-window layers of 4) run with the default alone:
+    sliding_window_notes names the same format with
+    KVARN_SLIDING_WINDOW=quantize to add. With such a row beside it (the
+    default's row with more KV tokens and a KLD within twice the
+    default's), the line names quantize as the better setting; with a KLD
+    past twice the default's, the default. Models whose layers all have a
+    window (Mistral) or none (Llama-3) get no such line."""
+    from kvarn_vllm.ladder import sliding_window_notes
+    get, _ = families
+    _, (r, rep, _) = get("gpt_oss")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert rep["sliding_layers"] == [2, 4]
+    note, = rep["sliding_window_notes"]
+    assert f"{KV}:KVARN_SLIDING_WINDOW=quantize stores them as records too" in note, note
+    assert note in r.stdout
+    plain = _row(rep, KV)
+    q = dict(plain, label=QUANTIZE_SW, env={"KVARN_SLIDING_WINDOW": "quantize"},
+             x_ref=plain["x_ref"] * 3, decode_kld_mean=plain["decode_kld_mean"] * 1.5)
+    note, = sliding_window_notes(dict(rep, formats=rep["formats"] + [q]))
+    assert f"better: {QUANTIZE_SW}:" in note, note
+    worse = dict(q, decode_kld_mean=plain["decode_kld_mean"] * 3)
+    note, = sliding_window_notes(dict(rep, formats=rep["formats"] + [worse]))
+    assert f"better: {KV}: {QUANTIZE_SW} holds more but its KLD is more than twice" in note
+    for fam in ("mistral", "llama3"):
+        _, (_, other, _) = get(fam)
+        assert other["sliding_window_notes"] == [], (fam, other["sliding_window_notes"])
+
+
 def test_value_biases_name_the_better_variant(families):
     """Qwen2 (q/k/v biases, plugin.has_value_bias): the ladder ran the plain
     and the centred format, and prints which has the lower decode KLD, its
