@@ -32,8 +32,8 @@ if [ -n "$missing" ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
 
-PY_PKGS="numpy gguf pytest tokenizers"
-if ! python3 -c "import numpy, gguf, pytest, tokenizers" >/dev/null 2>&1; then
+PY_PKGS="numpy gguf pytest pytest-xdist tokenizers"
+if ! python3 -c "import numpy, gguf, pytest, xdist, tokenizers" >/dev/null 2>&1; then
   echo "setup: installing Python packages: $PY_PKGS" >&2
   python3 -m pip install -q $PY_PKGS
 fi

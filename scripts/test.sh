@@ -97,22 +97,21 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   ctest --test-dir build-tsan --output-on-failure --no-tests=error -j"$jobs" \
         -R "^($(echo "$tsan_tests" | paste -sd'|' -))\$"
 
+# The Python and vLLM tests: one pytest-xdist worker per core, each keeping
+# to its own core (pytest_configure in tests/python/conftest.py and
+# tests/vllm/conftest.py), whole test files per worker (--dist loadfile: a
+# file's module fixtures, and its launcher and engines, stay in one
+# process); a single core runs one session as before.
+xdist=()
+[ "$jobs" -lt 2 ] || xdist=(-n "$jobs" --dist loadfile)
 if ls tests/python/test_*.py >/dev/null 2>&1; then
   stage "Python tests (real model)" 480
-  python3 -m pytest -q --durations=15 tests/python
+  python3 -m pytest -q --durations=15 "${xdist[@]}" tests/python
 fi
 
 # The vLLM plug-in (python/kvarn_vllm) on vLLM's CPU build, end to end on the
 # converted model: installs .venv-vllm the first time (docs/vllm.md).
 stage "vLLM set-up (.venv-vllm, converted model)" 240
 bash scripts/setup.sh --vllm
-# One pytest-xdist worker per core, each keeping to its own core
-# (tests/vllm/conftest.py pytest_configure), whole test files per worker
-# (--dist loadfile: a file's module fixtures and engines stay in one
-# process); a single core runs them in one session as before.
 stage "vLLM plug-in tests (tests/vllm)" 960
-if [ "$jobs" -ge 2 ]; then
-  .venv-vllm/bin/python -m pytest -q --durations=25 -n "$jobs" --dist loadfile tests/vllm
-else
-  .venv-vllm/bin/python -m pytest -q --durations=25 tests/vllm
-fi
+.venv-vllm/bin/python -m pytest -q --durations=25 "${xdist[@]}" tests/vllm

@@ -19,6 +19,24 @@ AUSTEN = REPO / "data" / "austen" / "all.txt"
 os.environ["KVARN_WEIGHTS"] = "fp32"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (scripts/test.sh: `-n N`, one worker per core),
+    worker i of n keeps to every n-th CPU this process may use from the
+    i-th on (sched_setaffinity, inherited by the kvarn command and the
+    helpers it runs), and OpenBLAS's and OpenMP's thread counts follow
+    (OpenBLAS would otherwise start a thread per core of the machine, which
+    the other worker's runs already use). Results do not depend on these
+    counts (the C tests' configuration matrix, docs/testing.md)."""
+    wid = os.environ.get("PYTEST_XDIST_WORKER", "")
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not wid.startswith("gw") or n < 2:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    mine = cpus[int(wid[2:]) % n::n] or cpus
+    os.sched_setaffinity(0, mine)
+    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(len(mine))
+
+
 def ext_libs():
     """What a program linking build/libkvarn.a needs besides it: OpenBLAS,
     PCRE2, and oneDNN when the build found it (CMakeCache's DNNL_LIB)."""
