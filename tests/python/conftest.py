@@ -5,6 +5,7 @@ needs the model skips when the file is absent and fails when it is present
 but does not load; a missing build or text fails."""
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -21,20 +22,11 @@ os.environ["KVARN_WEIGHTS"] = "fp32"
 
 def pytest_configure(config):
     """Under pytest-xdist (scripts/test.sh: `-n N`, one worker per core),
-    worker i of n keeps to every n-th CPU this process may use from the
-    i-th on (sched_setaffinity, inherited by the kvarn command and the
-    helpers it runs), and OpenBLAS's and OpenMP's thread counts follow
-    (OpenBLAS would otherwise start a thread per core of the machine, which
-    the other worker's runs already use). Results do not depend on these
-    counts (the C tests' configuration matrix, docs/testing.md)."""
-    wid = os.environ.get("PYTEST_XDIST_WORKER", "")
-    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    if not wid.startswith("gw") or n < 2:
-        return
-    cpus = sorted(os.sched_getaffinity(0))
-    mine = cpus[int(wid[2:]) % n::n] or cpus
-    os.sched_setaffinity(0, mine)
-    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(len(mine))
+    each worker keeps to CPUs of its own, its OpenBLAS and OpenMP threads
+    with it (tests/common/xdist_pin.py)."""
+    sys.path.insert(0, str(REPO / "tests" / "common"))
+    from xdist_pin import pin_worker
+    pin_worker()
 
 
 def ext_libs():

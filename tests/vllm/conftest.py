@@ -85,25 +85,19 @@ _LAUNCHER = None
 
 def pytest_configure(config):
     """Under pytest-xdist (scripts/test.sh: `-n N --dist loadfile`, one
-    worker per CPU), each worker process keeps to CPUs of its own: worker i
-    of n takes every n-th CPU this process may use from the i-th on, and
-    vLLM's OpenMP threads are bound to them (VLLM_CPU_OMP_THREADS_BIND;
-    vLLM's "auto" binds every engine to the same cores, and two engines'
-    OpenMP threads spinning on shared cores slow both). Everything a worker
-    starts (launcher, engines, ranks, the kvarn command) inherits them. A
-    worker then runs its test files one after another as a serial session
-    would: module fixtures, the launcher and the engines of a file stay in
-    one process."""
-    wid = os.environ.get("PYTEST_XDIST_WORKER", "")
-    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    if not wid.startswith("gw") or n < 2:
-        return
-    cpus = sorted(os.sched_getaffinity(0))
-    mine = cpus[int(wid[2:]) % n::n] or cpus
-    os.sched_setaffinity(0, mine)
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
-    os.environ["OMP_NUM_THREADS"] = str(len(mine))
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(len(mine)))
+    worker per core), each worker process keeps to CPUs of its own
+    (tests/common/xdist_pin.py), and vLLM's OpenMP threads are bound to
+    them (VLLM_CPU_OMP_THREADS_BIND; vLLM's "auto" binds every engine to
+    the same cores, and two engines' OpenMP threads spinning on shared
+    cores slow both). Everything a worker starts (launcher, engines, ranks,
+    the kvarn command) inherits them. A worker runs its test files one
+    after another as a serial session would: module fixtures, the launcher
+    and the engines of a file stay in one process."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "common"))
+    from xdist_pin import pin_worker
+    mine = pin_worker()
+    if mine:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
 
 
 def run_llm(cfg: dict, expect_ok: bool = True, timeout: int = 900):
