@@ -73,7 +73,7 @@ stay the prompt's log-probabilities (with the prefill's last position, the
 first step's), ~0 by construction for every format (the table's header
 says so). The formats there: the plug-in's MLA records (kvarn_mla_*,
 docs/mla.md; capacity with the plug-in's fp32 tail pool, one slot of G
-tokens per sequence and MLA layer, mla_backend.tail_pool_bytes as the
+tokens per sequence and MLA layer, mla_backend.tail_pool as the
 worker's reserve_tail_pool takes it out of the budget) and vLLM's own
 caches that its MLA backend holds (its supported_kv_cache_dtypes: auto on
 CPU_MLA); the K/V formats (kvarn_k*v*, which the plug-in refuses on MLA)
@@ -517,17 +517,11 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
     for the budget less the plug-in's pool for n sequences, what the
     plug-in's worker takes out: the staging pool of the K/V formats
     (plugin.staging_pool), the fp32 tail pool of the MLA record formats
-    (mla_backend.tail_pool_bytes over the MLA layers, n slots, as
-    reserve_tail_pool sizes it)."""
+    (mla_backend.tail_pool at n, as reserve_tail_pool sizes it)."""
     from . import _lib
     cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
     kvarn = _lib.is_kvarn_dtype(cc.cache_dtype)
     mla = kvarn and _lib.is_mla_dtype(cc.cache_dtype)
-    if mla:
-        from .mla_backend import _mla_layer_count, mla_dims, tail_pool_bytes
-        latent, rope, _ = mla_dims(vllm_config.model_config)
-        tile = _lib.mla_parse(cc.cache_dtype, latent, rope).tile_tokens
-        n_mla = _mla_layer_count(vllm_config)
     layer_specs = list(specs[0].values())
     bpt = sum(s.page_size_bytes / s.block_size for s in layer_specs)
 
@@ -541,7 +535,8 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
             sc.max_num_seqs = n
             pool = 0
             if mla:
-                pool = tail_pool_bytes(n_mla, n, tile, latent, rope)
+                from .mla_backend import tail_pool
+                pool = tail_pool(vllm_config)["bytes"]
             elif kvarn:
                 from .plugin import staging_pool
                 pool = staging_pool(vllm_config, budget, "cpu")["bytes"]

@@ -150,16 +150,28 @@ def _mla_layer_count(vllm_config) -> int:
     return sum(1 for l in layers.values() if is_mla_dtype(getattr(l, "kv_cache_dtype", None)))
 
 
+def tail_pool(vllm_config) -> dict:
+    """The fp32 tail pool of this model and kvarn_mla_* cache dtype at
+    vllm_config's max_num_seqs: one slot of G tokens per sequence of every
+    MLA layer. Returns bytes, layers, slots, tile (G tokens); what
+    reserve_tail_pool takes out of the budget, and what kvarn-vllm-ladder
+    counts for each max_num_seqs it tries."""
+    latent, rope, _ = mla_dims(vllm_config.model_config)
+    G = _lib.mla_parse(vllm_config.cache_config.cache_dtype, latent, rope).tile_tokens
+    n_layers = _mla_layer_count(vllm_config)
+    slots = vllm_config.scheduler_config.max_num_seqs
+    return dict(bytes=tail_pool_bytes(n_layers, slots, G, latent, rope), layers=n_layers,
+                slots=slots, tile=G)
+
+
 def reserve_tail_pool(vllm_config, avail: int, budget_knob: str) -> int:
     """The worker's KV budget (bytes) less the tail pool (plugin.py's
     determine_available_memory for MLA records): one slot per sequence
     (max_num_seqs) of every MLA layer. Raises ValueError when the pool
     takes the whole budget."""
-    mc, sc = vllm_config.model_config, vllm_config.scheduler_config
-    latent, rope, _ = mla_dims(mc)
-    fmt = _lib.mla_parse(vllm_config.cache_config.cache_dtype, latent, rope)
-    n_layers = _mla_layer_count(vllm_config)
-    pool = tail_pool_bytes(n_layers, sc.max_num_seqs, fmt.tile_tokens, latent, rope)
+    sc = vllm_config.scheduler_config
+    tp = tail_pool(vllm_config)
+    pool, n_layers = tp["bytes"], tp["layers"]
     if pool >= avail:
         raise ValueError(
             f"kvarn: the fp32 MLA tail pool for max_num_seqs={sc.max_num_seqs} takes "
@@ -169,7 +181,7 @@ def reserve_tail_pool(vllm_config, avail: int, budget_knob: str) -> int:
     from vllm.logger import init_logger
     init_logger("vllm.kvarn_vllm").info(
         "kvarn: fp32 MLA tail pool %.1f MiB (%d layers x %d slots of %d tokens) taken out of "
-        "the %.1f MiB KV budget", pool / 2**20, n_layers, sc.max_num_seqs, fmt.tile_tokens,
+        "the %.1f MiB KV budget", pool / 2**20, n_layers, sc.max_num_seqs, tp["tile"],
         avail / 2**20)
     return avail - pool
 
