@@ -7,6 +7,7 @@
  *              [--batches 1,16] [--threads 1,2] [--formats fp16,int8,...|all]
  *              [--min-time SECONDS] [--max-mb MB] [--working-set MB]
  *              [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar]
+ *              [--no-amx]
  *
  * Shapes: smol = SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64),
  * llama = Llama-3-8B (32 / 8, head_dim 128). One call is one layer; the
@@ -25,6 +26,9 @@
  * --staging int8 holds KVarN's staged tiles (the sink and the partial last
  * tile) as int8 token records, as the vLLM plug-in does by default on the
  * CPU (paged.h "Staging"), instead of fp16 rows.
+ * --no-amx keeps the KVarN records of items of 16 or more query rows off
+ * the AMX matrix kernel (attn.h kvarn_attn_kernel_info.matrix), where the
+ * CPU has one: run with and without it to compare (docs/attention-matrix.md).
  * Each configuration runs at least --min-time seconds (3 calls at least)
  * and reports its fastest call: with 1 thread timed by the thread's CPU
  * clock, with more threads by the wall clock. */
@@ -308,7 +312,7 @@ int main(int argc, char **argv)
     int bad_list = 0;
     const char *shapes = "smol,llama", *formats = NULL;
     double min_time = 0.3, max_mb = 3000, ws_mb = 256;
-    int scalar = 0, block_size = 16, n_queries = 1, staging_int8 = 0;
+    int scalar = 0, block_size = 16, n_queries = 1, staging_int8 = 0, no_amx = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *nx = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick")) {
@@ -330,12 +334,13 @@ int main(int argc, char **argv)
             staging_int8 = !strcmp(nx, "int8");
             i++;
         } else if (!strcmp(a, "--scalar")) scalar = 1;
+        else if (!strcmp(a, "--no-amx")) no_amx = 1;
         else {
             const int help = !strcmp(a, "-h") || !strcmp(a, "--help");
             fprintf(help ? stdout : stderr,
                     "usage: bench_attn [--quick] [--contexts L] [--shapes smol,llama] "
                     "[--batches L] [--threads L] [--formats L] [--min-time S] "
-                    "[--max-mb MB] [--working-set MB] [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar]\n");
+                    "[--max-mb MB] [--working-set MB] [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar] [--no-amx]\n");
             return help ? 0 : 2;
         }
     }
@@ -364,10 +369,18 @@ int main(int argc, char **argv)
             return 2;
         }
     kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    kvarn_attn_testing knobs = {0, scalar, 0};
+    kvarn_attn_testing knobs = {0, scalar, 0, no_amx};
     o0.testing = &knobs;
     printf("memcpy bandwidth (1 thread, 256 MiB): %.1f GB/s copied\n", memcpy_gbs());
     printf("kernels: %s\n", kvarn_attn_kernel_name(&o0));
+    {
+        kvarn_format k42;
+        kvarn_attn_kernel_info info;
+        if (kvarn_format_parse("kvarn_k4v2_g128", &k42) == KVARN_OK &&
+            kvarn_attn_kernel_info_get(&k42, 64, 0, &o0, &info) == KVARN_OK)
+            printf("matrix kernel (KVarN records, items of >= 16 query rows): %s\n",
+                   info.matrix ? info.matrix : "none");
+    }
     if (n_queries > 1) printf("queries: %d causal per sequence (kvarn_attn_multi)\n", n_queries);
     if (staging_int8) printf("staging: int8 token records (KVarN sink and partial tiles)\n");
     printf("%-6s %5s %6s %3s %-16s %10s %9s %9s\n", "shape", "batch", "ctx", "thr", "format",

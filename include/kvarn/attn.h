@@ -221,6 +221,16 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *                           INT16's rounding with 255 for 32767, bounded
  *                           likewise (docs/attention-intdot.md "u8
  *                           weights").
+ *   KVARN_ATTN_ARITH_BF16X2 (the matrix kernel: matrix_scores and
+ *                           matrix_sums below) the folded query q'_d a_d
+ *                           (scores) or the weights p_t a_t (sums) carried
+ *                           as two bf16 values, hi = bf16(x) and lo =
+ *                           bf16(x - hi) (nearest even: relative error at
+ *                           most 2^-16; values below 2^-126 read as 0),
+ *                           each times the codes (exact in bf16) on AMX
+ *                           tiles with fp32 sums; zero-point terms,
+ *                           softmax and output fp32 (src/attn/kernel_amx.c,
+ *                           docs/attention-matrix.md).
  * An integer half may still keep fp32 for a call whose run-time conditions
  * it does not meet (KVarN: a tile where any query row's max |q_d a_d| is
  * below 2^-100, or any reaches 2^80; int8: a span over 256 tokens, so
@@ -231,7 +241,8 @@ typedef enum kvarn_attn_arith {
     KVARN_ATTN_ARITH_FP32 = 0,
     KVARN_ATTN_ARITH_INT16 = 1,
     KVARN_ATTN_ARITH_INT8 = 2,
-    KVARN_ATTN_ARITH_U8 = 3
+    KVARN_ATTN_ARITH_U8 = 3,
+    KVARN_ATTN_ARITH_BF16X2 = 4
 } kvarn_attn_arith;
 
 /* Which kernels attention runs for a format on this CPU, and their
@@ -247,6 +258,22 @@ typedef struct kvarn_attn_kernel_info {
                                        per-token format (fp16 staging:
                                        FP32); per-token formats: = scores */
     kvarn_attn_arith staged_sums;   /* the same for p.v */
+    const char *matrix;             /* KVarN records of work items with at
+                                       least matrix_rows query rows (prefill
+                                       chunks, verification: query tokens x
+                                       the GQA group, up to 256 a work
+                                       item) go through the matrix kernel:
+                                       "amx-bf16" (AMX tiles, where
+                                       kvarn's level is AVX-512, the CPU
+                                       has AMX-BF16, Linux grants the tile
+                                       state and KVARN_AMX is not "0"),
+                                       "amx-bf16-emulated" (the testing
+                                       knob amx = 2), or NULL: none */
+    int matrix_rows;                /* that row count (16); 0 with NULL */
+    kvarn_attn_arith matrix_scores; /* its q.k: KVARN_ATTN_ARITH_BF16X2 (a
+                                       tile outside its conditions runs the
+                                       level's kernel: scores, sums) */
+    kvarn_attn_arith matrix_sums;   /* its p.v: KVARN_ATTN_ARITH_BF16X2 */
 } kvarn_attn_kernel_info;
 
 /* Fill *out with the kernels and arithmetic a call with these options
@@ -299,6 +326,11 @@ typedef struct kvarn_attn_testing {
     int no_vnni;      /* 1: the AVX-512 KVarN kernel without AVX512-VNNI
                          (vpmaddwd + vpaddd) even when the CPU has it (the
                          results are the same bits; tests run both) */
+    int amx;          /* the matrix kernel of KVarN records (attn.h
+                         kvarn_attn_kernel_info.matrix): 0 where the CPU
+                         grants AMX (the default), 1 never, 2 its logic
+                         with the tiles emulated in C on any CPU (slow;
+                         for tests) */
 } kvarn_attn_testing;
 
 #ifdef __cplusplus

@@ -44,6 +44,7 @@ typedef struct attn_geom {
     int gs;                /* row stride of the scores: span tokens, rounded */
     int is_kvarn;
     size_t thread_floats;  /* per-worker scratch */
+    size_t mat_floats;     /* its part for the matrix kernel (0: none) */
     size_t tail_floats;    /* its last part: K and V fp16 [G][D] of a tail
                               tile gathered from small tail pages (0 when the
                               view has none) */
@@ -57,7 +58,8 @@ static uint64_t round_u64(uint64_t n) { return (n + ALIGN_F - 1) / ALIGN_F * ALI
 
 /* Per-worker scratch in floats, checked (codec/checked.h): 0 when the sum
  * fits, 1 when it overflows. */
-static int thread_scratch_floats(int rows, int D, int gs_, uint64_t tail, size_t *out)
+static int thread_scratch_floats(int rows, int D, int gs_, uint64_t mat, uint64_t tail,
+                                 size_t *out)
 {
     /* rows < 2^31, D <= 1024 (format check), gs <= 4103: no term can come
      * near 2^63, so the roundings cannot wrap; the products and the sum are
@@ -66,15 +68,16 @@ static int thread_scratch_floats(int rows, int D, int gs_, uint64_t tail, size_t
     uint64_t rd, rs, sum = 0;
     int bad = kvarn__mul_u64(R, (uint64_t)D, &rd) | kvarn__mul_u64(R, gs, &rs);
     if (bad) return 1;
-    const uint64_t t[6] = {
+    const uint64_t t[7] = {
         3 * round_u64(rd),                                /* q, acc, qa */
         round_u64(rs),                                    /* s */
         7 * round_u64(R),                  /* qsum, m, l, rc, lo, hi, psum */
         round_u64(3 * (uint64_t)D + 4 * gs),              /* tile metadata */
         round_u64(gs * sizeof(void *) / sizeof(float)),   /* token pointers */
+        mat,                          /* the matrix kernel's unpacked codes */
         tail,                                  /* gathered tail tile, last */
     };
-    for (int i = 0; i < 6; i++) bad |= kvarn__add_u64(sum, t[i], &sum);
+    for (int i = 0; i < 7; i++) bad |= kvarn__add_u64(sum, t[i], &sum);
     return bad | kvarn__u64_to_size(sum, out);
 }
 
@@ -91,7 +94,8 @@ static int opts_valid(const kvarn_attn_opts *o)
            o->sliding_window >= 0 && (o->causal == 0 || o->causal == 1) &&
            split_k_of(o) >= 0 && split_k_of(o) <= 1024 &&
            (force_scalar_of(o) == 0 || force_scalar_of(o) == 1) &&
-           (o->testing == NULL || o->testing->no_vnni == 0 || o->testing->no_vnni == 1);
+           (o->testing == NULL || o->testing->no_vnni == 0 || o->testing->no_vnni == 1) &&
+           (o->testing == NULL || (o->testing->amx >= 0 && o->testing->amx <= 2));
 }
 
 /* Geometry and workspace bounds; 0 on success, else a status. */
@@ -125,7 +129,14 @@ static kvarn_status make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_s
     /* small tail pages: K and V fp16 [G][D], i.e. G * D floats (G <= 4096,
      * D <= 1024), gathered per tail tile (item_task) */
     g->tail_floats = kvarn_paged_small_tail(kv) ? round_f((size_t)g->G * (size_t)g->D) : 0;
-    int bad = thread_scratch_floats(g->rows_max, g->D, g->gs, g->tail_floats, &g->thread_floats);
+    /* the matrix kernel's codes, bf16 [2][D][G] (D G floats), wherever a
+     * work item may take it: independent of the CPU */
+    g->mat_floats = g->is_kvarn && g->rows_max >= ATTN_MATRIX_MIN_ROWS &&
+                            attn_matrix_geometry(g->D, g->G)
+                        ? round_f((size_t)g->D * (size_t)g->G)
+                        : 0;
+    int bad = thread_scratch_floats(g->rows_max, g->D, g->gs, g->mat_floats, g->tail_floats,
+                                    &g->thread_floats);
     uint64_t q_floats, base, split_chunks = 0, partial;
     bad |= kvarn__mul3_u64((uint64_t)max_total_q, (uint64_t)n_q_heads, (uint64_t)g->D, &q_floats);
     bad |= kvarn__mul_u64((uint64_t)g->Hk,
@@ -208,13 +219,37 @@ static int vnni_of(const kvarn_attn_opts *o)
     return !(o->testing && o->testing->no_vnni) && kvarn__cpu_avx512_vnni();
 }
 
-static void pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim,
+/* The matrix kernel of KVarN records (kernel_amx.c) a call runs for items
+ * of ATTN_MATRIX_MIN_ROWS rows or more: 1 AMX tiles, 2 emulated (the
+ * testing knob amx = 2), 0 none (knob amx = 1, force_scalar, no AMX). */
+static int amx_of(const kvarn_attn_opts *o)
+{
+    const int knob = o->testing ? o->testing->amx : 0;
+    if (knob == 2) return 2;
+    if (knob == 1 || force_scalar_of(o)) return 0;
+    return kvarn__cpu_amx_bf16() ? 1 : 0;
+}
+
+/* The matrix kernel for a KVarN format of tiles of G tokens at head_dim D
+ * (NULL: none). */
+static attn_matrix_tile_fn matrix_kernel(const kvarn_attn_opts *o, kvarn_kind kind, int D, int G)
+{
+    if (kind != KVARN_KIND_KVARN || !attn_matrix_geometry(D, G)) return NULL;
+    switch (amx_of(o)) {
+    case 1: return attn_amx_kvarn_tile;
+    case 2: return attn_amxemu_kvarn_tile;
+    default: return NULL;
+    }
+}
+
+static void pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, int G,
                          attn_kernels *out)
 {
     (void)attn_select_kernels(kind, head_dim, top_level_of(o), out); /* kind checked by make_geom */
     const int vnni = vnni_of(o);
     if (vnni && out->kvarn_tile == attn_avx512_kvarn_tile) out->kvarn_tile = attn_avx512vnni_kvarn_tile;
     if (vnni && out->token_tile == attn_avx512_token_int8) out->token_tile = attn_avx512vnni_token_int8;
+    out->kvarn_matrix = matrix_kernel(o, kind, head_dim, G);
 }
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
@@ -245,6 +280,14 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
     attn_select_arith_from(row, fmt, head_dim, top, vnni, &info.scores, &info.sums);
     info.staged_scores = info.scores;
     info.staged_sums = info.sums;
+    info.matrix = NULL;
+    info.matrix_rows = 0;
+    info.matrix_scores = info.matrix_sums = KVARN_ATTN_ARITH_FP32;
+    if (fmt->kind == KVARN_KIND_KVARN && matrix_kernel(&o, fmt->kind, head_dim, fmt->tile_tokens)) {
+        info.matrix = amx_of(&o) == 2 ? "amx-bf16-emulated" : "amx-bf16";
+        info.matrix_rows = ATTN_MATRIX_MIN_ROWS;
+        info.matrix_scores = info.matrix_sums = KVARN_ATTN_ARITH_BF16X2;
+    }
     if (fmt->kind == KVARN_KIND_KVARN) {
         /* fp16 staging: the fp16 page kernel (fp32 arithmetic) */
         info.staged_scores = info.staged_sums = KVARN_ATTN_ARITH_FP32;
@@ -522,6 +565,8 @@ static attn_rows rows_of(const attn_run *run, int worker, int n)
     r.psum = f; f += round_f(R);
     r.meta = f; f += round_f(3 * (size_t)g->D + 4 * (size_t)g->gs);
     r.tok = (const uint8_t **)f;
+    f += round_f((size_t)g->gs * sizeof(void *) / sizeof(float));
+    r.mat = g->mat_floats ? (uint16_t *)f : NULL;
     r.pf = NULL; /* set by item_task */
     return r;
 }
@@ -700,7 +745,10 @@ static void item_task(void *ctx, int task, int worker)
             }
             const uint8_t *rec = kvarn_paged_record(kv, id, it->kvh);
             if (run->L.v_mu_bytes) memset(r.psum, 0, (size_t)n * sizeof(float));
-            run->kern->kvarn_tile(&r, &run->L, rec, t0, nt);
+            if (run->kern->kvarn_matrix && n >= ATTN_MATRIX_MIN_ROWS && r.mat)
+                run->kern->kvarn_matrix(&r, &run->L, rec, t0, nt, run->kern->kvarn_tile);
+            else
+                run->kern->kvarn_tile(&r, &run->L, rec, t0, nt);
             if (run->L.v_mu_bytes) add_value_means(&r, &run->L, rec);
             if (ns > 0)
                 for (int qi = 0; qi < it->nq; qi++)
@@ -829,7 +877,7 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
     run.groups = (int *)f;
     f += round_f(run.g.max_groups + 1);
     run.partials = f;
-    pick_kernels(&run.o, kv->fmt.kind, kv->head_dim, &run.kern_set);
+    pick_kernels(&run.o, kv->fmt.kind, kv->head_dim, kv->block_size, &run.kern_set);
     run.kern = &run.kern_set;
     kvarn_format sf;
     if (kvarn__staging_format(kv->staging, &sf) > 0) {
@@ -837,7 +885,7 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
          * per-token format per staged token */
         st = kvarn_record_layout_get(&sf, kv->head_dim, &run.Ls);
         if (st != KVARN_OK) return st;
-        pick_kernels(&run.o, sf.kind, kv->head_dim, &run.stage_set);
+        pick_kernels(&run.o, sf.kind, kv->head_dim, kv->block_size, &run.stage_set);
         run.staged = 1;
     }
 

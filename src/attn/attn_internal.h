@@ -116,6 +116,9 @@ typedef struct attn_rows {
     float *meta;        /* scratch: 3D + 4gs floats of tile metadata */
     const uint8_t **tok; /* scratch [gs] per-token record pointers */
     attn_prefetch *pf;   /* the next tiles to prefetch while this one runs */
+    uint16_t *mat;       /* scratch [2][D][G] bf16: a tile's codes unpacked
+                            for the matrix kernel (NULL where the call's
+                            geometry takes none, attn_matrix_geometry) */
 } attn_rows;
 
 /* Row i's visible positions within a span of nt tokens starting at
@@ -146,6 +149,31 @@ typedef void (*attn_record_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
 typedef void (*attn_token_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
                                    const uint8_t *const *rec, int t0, int nt);
 
+/* The matrix kernel of KVarN records (kernel_amx.c): prefill chunks and
+ * verification, items of at least ATTN_MATRIX_MIN_ROWS rows, on AMX-BF16
+ * tiles; fallback is the level's record kernel, which it runs instead for
+ * a tile outside its conditions (kernel_amx.c). */
+typedef void (*attn_matrix_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
+                                    const uint8_t *rec, int t0, int nt,
+                                    attn_record_tile_fn fallback);
+#define ATTN_MATRIX_MIN_ROWS 16
+#define ATTN_MATRIX_MAX_D 512
+/* The geometries the matrix kernel takes: head_dim D a multiple of 32 up
+ * to ATTN_MATRIX_MAX_D, tiles of G tokens a multiple of 32 (KVarN's 32, 64
+ * and 128). The one statement of it (attn.c's plan and kernel info). */
+static inline int attn_matrix_geometry(int D, int G)
+{
+    return D % 32 == 0 && D <= ATTN_MATRIX_MAX_D && G % 32 == 0 && G >= 32 && G <= 128;
+}
+void attn_amx_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec, int t0,
+                         int nt, attn_record_tile_fn fallback);
+/* The same with the tiles emulated in C (kernel_amx_emu.c): any CPU. */
+void attn_amxemu_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
+                            int t0, int nt, attn_record_tile_fn fallback);
+/* The AVX-512 online-softmax step (kernel_avx512.c), which the AMX kernel
+ * shares. */
+void attn_avx512_softmax_update(attn_rows *r, int t0, int nt);
+
 /* The kernels one attention call runs, picked from the tables of
  * kernel_table.c for its format kind, head_dim and SIMD level
  * (attn_select_kernels). kvarn_tile is set for per-tile kinds, token_tile
@@ -155,6 +183,7 @@ typedef struct attn_kernels {
     attn_fp16_tile_fn fp16_tile;
     attn_record_tile_fn kvarn_tile;
     attn_token_tile_fn token_tile;
+    attn_matrix_tile_fn kvarn_matrix; /* NULL: none (attn.c pick_kernels) */
 } attn_kernels;
 
 /* Row-block dispatch of the SIMD kernels: CALL(R) with R = rb as a

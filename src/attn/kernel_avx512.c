@@ -265,6 +265,8 @@ static void softmax_update_avx512(attn_rows *r, int t0, int nt)
     for (int i = 0; i < r->n; i++) softmax_row_avx512(r, i, t0, nt);
 }
 
+void attn_avx512_softmax_update(attn_rows *r, int t0, int nt) { softmax_update_avx512(r, t0, nt); }
+
 #endif
 
 /* p[t] *= scale[t] for t < nv, and return sum_t p[t] * bias[t] (the

@@ -1,11 +1,16 @@
 /*
  * cpu.c -- CPU feature detection and the KVARN_SIMD cap (see cpu.h).
  */
+#define _GNU_SOURCE /* syscall (unistd.h) */
 #include "codec/cpu.h"
 #include "kvarn/kvarn.h"
 
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__clang__)
 #include <cpuid.h>
 #endif
@@ -87,6 +92,36 @@ int kvarn__cpu_avx512_vnni(void)
 #else
     return 0;
 #endif
+}
+
+/* Linux hands out the AMX tile data state per process on request
+ * (Documentation/arch/x86/xstate.rst: arch_prctl ARCH_REQ_XCOMP_PERM with
+ * XFEATURE_XTILEDATA); asked once, the answer kept. Two threads asking at
+ * once both make the same idempotent request. */
+#define KVARN_ARCH_REQ_XCOMP_PERM 0x1023
+#define KVARN_XFEATURE_XTILEDATA 18
+static int amx_granted(void)
+{
+#if defined(__linux__) && defined(__x86_64__) && !defined(__clang__)
+    static int state = 0; /* 0 not asked, 1 granted, 2 refused */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) s = 2;
+        else s = syscall(SYS_arch_prctl, KVARN_ARCH_REQ_XCOMP_PERM, KVARN_XFEATURE_XTILEDATA) == 0 ? 1 : 2;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s == 1;
+#else
+    return 0;
+#endif
+}
+
+int kvarn__cpu_amx_bf16(void)
+{
+    if (kvarn__cpu_level() != KVARN_CPU_AVX512) return 0;
+    const char *off = getenv("KVARN_AMX");
+    if (off != NULL && strcmp(off, "0") == 0) return 0;
+    return amx_granted();
 }
 
 const char *kvarn__cpu_level_name(kvarn_cpu_level level)

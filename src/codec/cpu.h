@@ -40,6 +40,15 @@ kvarn_cpu_level kvarn__cpu_level(void);
  * AVX-512 level, not a level of its own. */
 int kvarn__cpu_avx512_vnni(void);
 
+/* 1 when kvarn__cpu_level() is KVARN_CPU_AVX512, the CPU has AMX-TILE
+ * and AMX-BF16, Linux granted this process the tile state (asked once,
+ * on the first call: arch_prctl ARCH_REQ_XCOMP_PERM) and the environment
+ * variable KVARN_AMX is not "0": the attention's matrix kernel of KVarN
+ * records (src/attn/kernel_amx.c) then runs for items of 16 or more query
+ * rows. A refusal (an older kernel, a seccomp filter) leaves 0 and the
+ * AVX-512 kernels. Thread-safe. */
+int kvarn__cpu_amx_bf16(void);
+
 /* The name of a level: "scalar", "avx2", "avx512". */
 const char *kvarn__cpu_level_name(kvarn_cpu_level level);
 

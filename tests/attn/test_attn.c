@@ -39,6 +39,8 @@ typedef struct attn_case {
                              best); force_scalar wins */
     int no_vnni;          /* 1: the AVX-512 KVarN kernel's vpmaddwd build
                              even on a CPU with AVX512-VNNI */
+    int amx;              /* the testing knob amx (attn.h): 0 default, 1
+                             no matrix kernel, 2 the emulated one */
 } attn_case;
 
 /* SIMD levels, by their KVARN_SIMD names (codec/cpu.h). run_attn sets the
@@ -168,7 +170,7 @@ static kvarn_status run_attn(const paged_fixture *f, const attn_case *c, const i
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)(1.0 / sqrt((double)c->D)));
     o.sliding_window = c->window;
     o.causal = c->causal;
-    kvarn_attn_testing knobs = {c->split, c->force_scalar, c->no_vnni};
+    kvarn_attn_testing knobs = {c->split, c->force_scalar, c->no_vnni, c->amx};
     o.testing = &knobs;
     set_level(c->force_scalar ? LV_SCALAR : c->level ? c->level : LV_AVX512); /* 0: the best */
     int total_q = c->multi ? qsl[c->n_seqs] : c->n_seqs;
@@ -213,6 +215,7 @@ static case_result run_case(const attn_case *c, uint64_t seed)
     if (test_threads(1) > 1) assert_int_equal(kvarn_thread_pool_create(test_threads(1), &pool), KVARN_OK);
     assert_int_equal(run_attn(&f, c, qsl, q, out, pool), KVARN_OK);
     kvarn_thread_pool_destroy(pool);
+    idb_amx = c->amx; /* the bounds below read the kernels of this call */
 
     case_result res = {0, 0, 0, 0};
     const double scale = 1.0 / sqrt((double)D);
@@ -663,6 +666,100 @@ static void test_long_chunk(void **state)
     }
 }
 
+/* The matrix kernel of KVarN records (kernel_amx.c; attn.h
+ * kvarn_attn_kernel_info.matrix), its tiles emulated in C so that it runs
+ * on any CPU (testing knob amx = 2): prefill chunks whose work items have
+ * 16 rows or more (here 4 queries x group 4 and up, with a remainder block
+ * of fewer than 16 rows), every tile length and bit width it takes, head_dim
+ * 64, 96 and 128, sink and fp16 tail pages, causal and not, against the
+ * double references with the bound derived from the library's statement
+ * of its bf16 rounding (tests/common/int_dot_bound.h). Then the same call
+ * with the knob amx = 1 must give other bits: the emulated kernel ran. */
+static void test_matrix_kernel(void **state)
+{
+    (void)state;
+    static const char *const fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v4_g32",
+                                       "kvarn_k8v8_g128", "kvarn_k4v8_g128"};
+    static const int Ds[] = {64, 128, 64, 256, 128};
+    for (int fi = 0; fi < 5; fi++)
+        for (int causal = 0; causal < 2; causal++) {
+            kvarn_format fmt;
+            assert_int_equal(kvarn_format_parse(fmts[fi], &fmt), KVARN_OK);
+            attn_case c;
+            memset(&c, 0, sizeof c);
+            c.fmt = fmts[fi];
+            c.D = Ds[fi];
+            c.Hk = 2;
+            c.group = 4;
+            c.G = fmt.tile_tokens;
+            c.sink = 1;
+            c.causal = causal;
+            c.multi = 1;
+            c.amx = 2;
+            c.level = LV_AVX2;
+            c.n_seqs = 3;
+            const int G = c.G;
+            int lens[3] = {3 * G + 17, 2 * G, G + 5}, qls[3] = {G + 9, 4, 7};
+            for (int s = 0; s < 3; s++) {
+                c.seqs[s].seq_len = lens[s];
+                c.q_lens[s] = qls[s];
+            }
+            c.seqs[0].tail_tiles = 1;
+            idb_amx = 2;
+            kvarn_attn_kernel_info info;
+            assert_int_equal(kvarn_attn_kernel_info_get(&fmt, c.D, 0, NULL, &info), KVARN_OK);
+            kvarn_attn_testing emu = {0, 0, 0, 2};
+            kvarn_attn_opts eo = KVARN_ATTN_OPTS_DEFAULT(1.0f);
+            eo.testing = &emu;
+            assert_int_equal(kvarn_attn_kernel_info_get(&fmt, c.D, 0, &eo, &info), KVARN_OK);
+            assert_string_equal(info.matrix, "amx-bf16-emulated");
+            assert_int_equal(info.matrix_rows, 16);
+            assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16X2);
+            assert_int_equal(info.matrix_sums, KVARN_ATTN_ARITH_BF16X2);
+            case_result res = run_case(&c, 1500 + fi * 2 + causal);
+            print_message("%s D=%d causal %d: error / bf16 bound %.3f, rel err %.2e\n", fmts[fi],
+                          c.D, causal, res.max_int_use, res.max_rel_deq);
+            assert_true(res.max_int_use > 0.0); /* the bound was computed */
+            /* the hardware's tiles, where this CPU grants them */
+            set_level(LV_AVX512);
+            if (kvarn__cpu_amx_bf16()) {
+                attn_case h = c;
+                h.amx = 0;
+                h.level = LV_AVX512;
+                case_result hr = run_case(&h, 1500 + fi * 2 + causal);
+                print_message("  AMX tiles: error / bound %.3f\n", hr.max_int_use);
+            } else if (fi == 0 && causal == 0) {
+                print_message("  AMX tiles: skipped: no AMX (emulated only)\n");
+            }
+            idb_amx = 2;
+
+            if (causal) continue;
+            /* the emulated kernel ran: other bits than without it */
+            paged_fixture f;
+            assert_int_equal(pf_build_sink(&f, c.fmt, c.D, c.Hk, c.G, c.sink, 0, c.seqs, c.n_seqs,
+                                           77 + fi),
+                             0);
+            int32_t qsl[4] = {0, qls[0], qls[0] + qls[1], qls[0] + qls[1] + qls[2]};
+            const size_t nq = (size_t)qsl[3] * c.Hk * c.group * c.D;
+            float *q = malloc(nq * sizeof(float)), *o1 = malloc(nq * sizeof(float)),
+                  *o2 = malloc(nq * sizeof(float));
+            test_rng rng;
+            test_rng_seed(&rng, 99 + fi);
+            for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
+            assert_int_equal(run_attn(&f, &c, qsl, q, o1, NULL), KVARN_OK);
+            c.amx = 1;
+            assert_int_equal(run_attn(&f, &c, qsl, q, o2, NULL), KVARN_OK);
+            size_t differ = 0;
+            for (size_t i = 0; i < nq; i++) differ += o1[i] != o2[i];
+            assert_true(differ > nq / 4);
+            free(q);
+            free(o1);
+            free(o2);
+            pf_free(&f);
+        }
+    idb_amx = 0;
+}
+
 /* head_dim not a multiple of 16 (per-token formats serve any even D): the
  * scalar kernels take over; a multiple of 16 but not of 32 (48, 80): the
  * AVX-512 level steps down to the AVX2 kernels. */
@@ -743,7 +840,7 @@ static void check_rows(const paged_fixture *f, const attn_case *c, const int32_t
 static int same_rounding_without_vnni(const paged_fixture *f)
 {
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    kvarn_attn_testing nv = {0, 0, 1};
+    kvarn_attn_testing nv = {0, 0, 1, 0};
     kvarn_attn_kernel_info a, b;
     assert_int_equal(kvarn_attn_kernel_info_get(&f->kv.fmt, f->D, f->kv.staging, &o, &a), KVARN_OK);
     o.testing = &nv;
@@ -953,8 +1050,9 @@ static void test_bad_inputs(void **state)
     bad = o;
     bad.sliding_window = -1;
     EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&f.kv, f.views, 2, Hq, q, out, &bad, NULL, ws, wsz));
-    const kvarn_attn_testing bad_knobs[4] = {{-1, 0, 0}, {1025, 0, 0}, {0, 2, 0}, {0, 0, 2}};
-    for (int i = 0; i < 4; i++) {
+    const kvarn_attn_testing bad_knobs[6] = {{-1, 0, 0, 0}, {1025, 0, 0, 0}, {0, 2, 0, 0},
+                                             {0, 0, 2, 0},  {0, 0, 0, -1},   {0, 0, 0, 3}};
+    for (int i = 0; i < 6; i++) {
         bad = o;
         bad.testing = &bad_knobs[i];
         EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&f.kv, f.views, 2, Hq, q, out, &bad, NULL, ws, wsz));
@@ -1118,7 +1216,7 @@ static void test_value_weights_u8(void **state)
             /* the default build, then the vpmaddwd one (int16 weights) */
             for (int nv = 0; nv < 2; nv++) {
             kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-            kvarn_attn_testing knob = {0, 0, nv};
+            kvarn_attn_testing knob = {0, 0, nv, 0};
             o.testing = &knob;
             kvarn_attn_kernel_info info;
             assert_int_equal(kvarn_attn_kernel_info_get(&f.kv.fmt, D, f.kv.staging, &o, &info), KVARN_OK);
@@ -1186,7 +1284,7 @@ static void test_kernel_info(void **state)
     const char *outer = getenv("KVARN_SIMD");
     char *saved = outer ? strdup(outer) : NULL;
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    kvarn_attn_testing scalar_knob = {0, 1, 0};
+    kvarn_attn_testing scalar_knob = {0, 1, 0, 0};
     const int dims[] = {64, 128, 256, 512, 48};
     for (int lv = LV_SCALAR; lv < LV_COUNT; lv++) {
         set_level(lv);
@@ -1224,12 +1322,36 @@ static void test_kernel_info(void **state)
                         assert_int_equal(info.staged_scores, info.scores);
                         assert_int_equal(info.staged_sums, info.sums);
                     }
+                    /* the matrix kernel: KVarN tiles of 32-128 tokens at
+                     * head_dim a multiple of 32 up to 512, where the CPU
+                     * grants AMX-BF16 at the AVX-512 level (cpu.h) */
+                    const int amx_here = kvarn__cpu_amx_bf16() && fmt.kind == KVARN_KIND_KVARN &&
+                                         D % 32 == 0 && D <= 512;
+                    assert_int_equal(info.matrix != NULL, amx_here);
+                    assert_int_equal(info.matrix_rows, amx_here ? 16 : 0);
+                    if (amx_here) {
+                        assert_string_equal(info.matrix, "amx-bf16");
+                        assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16X2);
+                        assert_int_equal(info.matrix_sums, KVARN_ATTN_ARITH_BF16X2);
+                    }
+                    /* the knob amx: 1 none, 2 emulated (any level) */
+                    for (int knob = 1; knob <= 2; knob++) {
+                        kvarn_attn_testing ak = {0, 0, 0, knob};
+                        o.testing = &ak;
+                        assert_int_equal(kvarn_attn_kernel_info_get(&fmt, D, st, &o, &info), KVARN_OK);
+                        const int emu = knob == 2 && fmt.kind == KVARN_KIND_KVARN && D % 32 == 0 &&
+                                        D <= 512;
+                        assert_int_equal(info.matrix != NULL, emu);
+                        if (emu) assert_string_equal(info.matrix, "amx-bf16-emulated");
+                        o.testing = NULL;
+                    }
                     /* the force_scalar knob: the reference kernels */
                     o.testing = &scalar_knob;
                     assert_int_equal(kvarn_attn_kernel_info_get(&fmt, D, st, &o, &info), KVARN_OK);
                     assert_string_equal(info.level, "scalar");
                     assert_int_equal(info.scores | info.sums | info.staged_scores | info.staged_sums,
                                      KVARN_ATTN_ARITH_FP32);
+                    assert_null(info.matrix);
                     o.testing = NULL;
                 }
         }
@@ -1243,7 +1365,7 @@ static void test_kernel_info(void **state)
         assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, 0, NULL, &info), KVARN_OK);
         assert_int_equal(info.scores, KVARN_ATTN_ARITH_INT16);
         assert_int_equal(info.sums, kvarn__cpu_avx512_vnni() ? KVARN_ATTN_ARITH_U8 : KVARN_ATTN_ARITH_INT16);
-        kvarn_attn_testing no_vnni = {0, 0, 1};
+        kvarn_attn_testing no_vnni = {0, 0, 1, 0};
         o.testing = &no_vnni;
         assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, 0, &o, &info), KVARN_OK);
         assert_int_equal(info.scores, KVARN_ATTN_ARITH_INT16);
@@ -1386,7 +1508,7 @@ int main(void)
         cmocka_unit_test(test_sink_and_tail), cmocka_unit_test(test_sink_tokens),
         cmocka_unit_test(test_sliding_window),
         cmocka_unit_test(test_multi_query), cmocka_unit_test(test_long_chunk),
-        cmocka_unit_test(test_large_head_dim),
+        cmocka_unit_test(test_large_head_dim), cmocka_unit_test(test_matrix_kernel),
         cmocka_unit_test(test_odd_head_dim), cmocka_unit_test(test_empty),
         cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_value_weights_u8),
         cmocka_unit_test(test_extreme_query),

@@ -331,7 +331,7 @@ static void tail_attn(const tail_pair *tp, int m, int multi, int Hq, int split, 
     for (int s = 0; s < 2; s++)
         assert_int_equal(kvarn_cache_seq_view(tp->c[m], tp->seq[m][s], &views[s]), KVARN_OK);
     assert_int_equal(kvarn_paged_small_tail(&kv), m);
-    kvarn_attn_testing knobs = {split, scalar, 0};
+    kvarn_attn_testing knobs = {split, scalar, 0, 0};
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
     o.testing = &knobs;
     int32_t qsl[3] = {0, tp->qls[0], tp->qls[0] + tp->qls[1]};

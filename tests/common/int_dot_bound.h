@@ -18,6 +18,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#ifndef KVARN_EXPERIMENTAL_API
+#define KVARN_EXPERIMENTAL_API /* kvarn_attn_testing (idb_info) */
+#endif
 #include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/paged.h"
@@ -27,9 +30,24 @@
 /* The kernels attention runs for kv's format, head_dim and staging at the
  * level KVARN_SIMD caps now; 0 when the library cannot say (the bound is
  * then NaN). */
+/* The testing knob amx (attn.h kvarn_attn_testing) of the calls being
+ * bounded: a test that forces the emulated matrix kernel (2) or none (1)
+ * sets it before computing bounds; 0 = the library's default. */
+static int idb_amx = 0;
+
 static inline int idb_info(const kvarn_paged_kv *kv, kvarn_attn_kernel_info *info)
 {
-    return kvarn_attn_kernel_info_get(&kv->fmt, kv->head_dim, kv->staging, NULL, info) == KVARN_OK;
+    kvarn_attn_testing knobs = {0, 0, 0, idb_amx};
+    kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(1.0f);
+    o.testing = &knobs;
+    return kvarn_attn_kernel_info_get(&kv->fmt, kv->head_dim, kv->staging, &o, info) == KVARN_OK;
+}
+
+/* Code i of a row of packed codes (record.h: low bits first). */
+static inline unsigned idb_code(const uint8_t *row, int i, int bits)
+{
+    const int per = 8 / bits;
+    return (row[i / per] >> ((i % per) * bits)) & ((1u << bits) - 1u);
 }
 
 /* fp16 element i of an array at a byte address, as double. */
@@ -281,10 +299,16 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
         return;
     }
     const int kint = info.scores != KVARN_ATTN_ARITH_FP32, vint = info.sums != KVARN_ATTN_ARITH_FP32;
-    if ((!kint && !vint) || hi < lo) return;
+    /* the matrix kernel (bf16, items of matrix_rows rows or more) */
+    const int mat = info.matrix_rows > 0;
+    if ((!kint && !vint && !mat) || hi < lo) return;
+    if (mat && (info.matrix_scores != KVARN_ATTN_ARITH_BF16X2 || info.matrix_sums != KVARN_ATTN_ARITH_BF16X2)) {
+        *delta_out = NAN;
+        return;
+    }
     /* the derivation below: 4-bit K and 2-bit V codes of 128-token tiles */
     if (fmt->kind != KVARN_KIND_KVARN || (kint && fmt->key_bits != 4) ||
-        (vint && fmt->value_bits != 2) || kv->block_size != 128) {
+        (vint && fmt->value_bits != 2) || ((kint || vint) && kv->block_size != 128)) {
         *delta_out = NAN;
         return;
     }
@@ -354,6 +378,45 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
                     delta = fmax(delta, fabs(idb_half(rec + L.k_stok_off, t)) * (fabs(sgn) + wc));
                 }
             }
+        }
+        if (mat) {
+            /* The matrix kernel (attn.h KVARN_ATTN_ARITH_BF16X2). K: qa_d
+             * carried as hi + lo, two bf16 values: |qa_d - hi - lo| <=
+             * 2^-16 |qa_d| + 2^-126 (a lo the tiles read as 0), on top of
+             * the kernel's fp32 qa_d, off the exact one by at most ea_d
+             * (its rotated query off by (log2 D + 3) 2^-24 sum_i |q_i| /
+             * sqrt(D) per channel as above, the product one more
+             * rounding): score t moves by at most
+             *   |s_tok_t| sum_d cw_d code_dt,  cw_d = 2^-16 |qa_d| + ea_d + 2^-126
+             * (ea_d is the fp32 kernels' own slack, counted here once more).
+             * V: the weights w_t = p_t a_t carried likewise, channel d of
+             * acc moves by at most 2^-16 sum_t p_t |a_t| code_td |s_chan_d|
+             * (plus 2^-126 per token), and divided by l (the tiles' shares
+             * of l sum to at most 1) by at most the largest over the tiles
+             * of 2^-16 max_t |a_t| (2^vb - 1) |s_chan_d|. */
+            const int kb = fmt->key_bits, vb = fmt->value_bits;
+            const double lg = log2((double)D) + 3.0;
+            double q1 = 0.0, cw[1024];
+            for (int d = 0; d < D; d++) q1 += fabs(q[d]);
+            for (int d = 0; d < D; d++) {
+                const double a = fabs(idb_half(rec + L.k_a_off, d));
+                const double x = fabs(scale * qr[d]) * a;
+                const double ea = a * scale * lg * 0x1p-24 * q1 / sqrt((double)D) + x * 0x1p-23;
+                cw[d] = 0x1p-16 * (x + ea) + ea + 0x1p-126;
+            }
+            const uint8_t *kc = rec + L.k_codes_off;
+            const size_t krow = (size_t)G * kb / 8;
+            for (int t = 0; t < G; t++) {
+                double wc = 0.0;
+                for (int d = 0; d < D; d++) wc += cw[d] * idb_code(kc + (size_t)d * krow, t, kb);
+                delta = fmax(delta, fabs(idb_half(rec + L.k_stok_off, t)) * wc);
+            }
+            double amax = 0.0;
+            for (int t = 0; t < G; t++) amax = fmax(amax, fabs(idb_half(rec + L.v_a_off, t)));
+            const double cmax = (double)((1 << vb) - 1);
+            for (int d = 0; d < D; d++)
+                ev[d] = fmax(ev[d], (0x1p-16 * amax + G * 0x1p-126) * cmax *
+                                        fabs(idb_half(rec + L.v_schan_off, d)));
         }
         if (vint) {
             /* weights rounded in 32767 steps of the row's largest (INT16),
