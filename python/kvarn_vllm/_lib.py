@@ -69,6 +69,19 @@ class AttnOpts(ctypes.Structure):
                 ("sinks", ctypes.c_void_p)]
 
 
+class AttnKernelInfo(ctypes.Structure):
+    """include/kvarn/attn.h: kvarn_attn_kernel_info (arithmetic fields:
+    kvarn_attn_arith values, ARITH_NAMES)."""
+    _fields_ = [("level", ctypes.c_char_p), ("scores", ctypes.c_int), ("sums", ctypes.c_int),
+                ("staged_scores", ctypes.c_int), ("staged_sums", ctypes.c_int),
+                ("matrix", ctypes.c_char_p), ("matrix_rows", ctypes.c_int),
+                ("matrix_scores", ctypes.c_int), ("matrix_sums", ctypes.c_int)]
+
+
+# include/kvarn/attn.h kvarn_attn_arith
+ARITH_NAMES = {0: "fp32", 1: "int16", 2: "int8", 3: "u8", 4: "bf16x2"}
+
+
 class CacheOpts(ctypes.Structure):
     """include/kvarn/cache.h: kvarn_cache_opts."""
     _fields_ = [("format", Format), ("n_layers", ctypes.c_int), ("n_kv_heads", ctypes.c_int),
@@ -184,6 +197,9 @@ def lib():
                                            ctypes.POINTER(AttnOpts)]),
         "kvarn_attn_multi": (I, [ctypes.POINTER(PagedKV), P, I, P, I, P, P,
                                  ctypes.POINTER(AttnOpts), P, P, Z]),
+        "kvarn_attn_kernel_info_get": (I, [ctypes.POINTER(Format), I, I,
+                                           ctypes.POINTER(AttnOpts),
+                                           ctypes.POINTER(AttnKernelInfo)]),
         "kvarn_thread_pool_create": (I, [I, ctypes.POINTER(P)]),
         "kvarn_thread_pool_size": (I, [P]),
         "kvarn_cache_plan": (I, [ctypes.POINTER(CacheOpts), ctypes.POINTER(CacheInfo)]),
@@ -253,6 +269,23 @@ def parse_format(name: str, head_dim: int = 0) -> Format:
 
 def record_bytes(fmt: Format, head_dim: int) -> int:
     return int(lib().kvarn_record_bytes(ctypes.byref(fmt), head_dim))
+
+
+def attn_kernel_info(fmt: Format, head_dim: int, staging: int = 0) -> dict:
+    """The kernels attention runs for fmt at head_dim (channels) with
+    staging (a kvarn_staging value) on this CPU, default options
+    (kvarn_attn_kernel_info_get): {"level": "avx512" / "avx2" / "scalar",
+    "scores", "sums", "staged_scores", "staged_sums": "fp32" / "int16" /
+    "int8" / "u8"}; raises KvarnError if the library refuses."""
+    info = AttnKernelInfo()
+    check(lib().kvarn_attn_kernel_info_get(ctypes.byref(fmt), head_dim, staging, None,
+                                           ctypes.byref(info)), "attention kernel info")
+    out = {"level": info.level.decode(),
+           "matrix": info.matrix.decode() if info.matrix else None,
+           "matrix_rows": info.matrix_rows}
+    for f in ("scores", "sums", "staged_scores", "staged_sums", "matrix_scores", "matrix_sums"):
+        out[f] = ARITH_NAMES.get(getattr(info, f), str(getattr(info, f)))
+    return out
 
 
 # include/kvarn/paged.h kvarn_staging: fp16 rows, or records of the

@@ -2,7 +2,8 @@
 have the C compiler's layout: every field's offset and each struct's size,
 read from a small C program built against include/kvarn. A field added to
 paged.h without its mirror fails here, not as wild memory in a server; so
-does a kvarn_staging value or name that differs from its mirror."""
+does a kvarn_staging value or name that differs from its mirror, and a
+kvarn_attn_arith value (_lib.ARITH_NAMES)."""
 import ctypes
 import os
 import subprocess
@@ -14,6 +15,7 @@ from conftest import ROOT
 
 STRUCTS = {"kvarn_format": _lib.Format, "kvarn_paged_kv": _lib.PagedKV,
            "kvarn_seq_view": _lib.SeqView, "kvarn_attn_opts": _lib.AttnOpts,
+           "kvarn_attn_kernel_info": _lib.AttnKernelInfo,
            "kvarn_cache_opts": _lib.CacheOpts, "kvarn_cache_info": _lib.CacheInfo,
            "kvarn_cuda_attn_shape": _lib.CudaAttnShape,
            "kvarn_cuda_attn_plan": _lib.CudaAttnPlan,
@@ -34,6 +36,9 @@ def c_layout(tmp_path_factory):
     for name, v in _lib.STAGING_NAMES.items():
         c = "KVARN_STAGING_" + name.upper()
         lines.append(f'printf("staging {name} %d\\n", (int){c});')
+    for v, name in _lib.ARITH_NAMES.items():
+        c = "KVARN_ATTN_ARITH_" + name.upper()
+        lines.append(f'printf("arith {name} %d\\n", (int){c});')
     lines += ['return 0;', '}']
     src = d / "layout.c"
     src.write_text("\n".join(lines))
@@ -59,3 +64,9 @@ def test_staging_values_match_c(c_layout):
         assert c_layout[("staging", name)] == v, name
         assert _lib.lib().kvarn_cache_staging_name(v).decode() == name
     assert _lib.lib().kvarn_cache_staging_name(len(_lib.STAGING_NAMES)) is None
+
+
+def test_arith_values_match_c(c_layout):
+    """_lib.ARITH_NAMES: attn.h's kvarn_attn_arith values, by name."""
+    for v, name in _lib.ARITH_NAMES.items():
+        assert c_layout[("arith", name)] == v, name
