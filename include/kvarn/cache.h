@@ -61,6 +61,8 @@
  *                                            changed. seq_len grows by n.
  *   2. for each layer l:
  *        kvarn_cache_write(c, seq, l, pos, n, k, v)   pos = old seq_len
+ *        (or kvarn_cache_write_exact for a prefill chunk: its whole tiles
+ *        are encoded from the exact K/V rather than from their staged copy)
  *        (attention for layer l may now read the views)
  *   3. kvarn_cache_commit(c, seq, committed_len)  quantize every full KVarN
  *                                            tile below committed_len (=
@@ -350,8 +352,9 @@ typedef struct kvarn_cache_capacity {
                                 kvarn_cache_create and max_seqs sequences
                                 allocate: the cache struct, id pools (8 bytes
                                 per block and per page), max_seqs block
-                                tables (12 bytes per tile of max_seq_len plus
-                                4 per layer each), commit/read scratch, and
+                                tables (12 bytes per tile of max_seq_len, 1
+                                per tile and layer, plus 4 per layer each),
+                                commit/read scratch, and
                                 the alignment slack of the arenas and the
                                 scratch: exactly what the allocator is asked
                                 for besides the arenas' n_blocks * block_bytes
@@ -493,10 +496,35 @@ kvarn_status kvarn_cache_reserve(kvarn_cache *c, int seq, int n_new);
 kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
                                int n, const float *k, const float *v);
 
+/* kvarn_cache_write (same arguments, shapes, checks and errors), and for
+ * KVarN also the direct path of whole tiles: every non-sink tile that lies
+ * entirely inside [pos, pos + n) (a prefill chunk that brings all G of its
+ * tokens) has its record encoded now, in this layer, for every KV head,
+ * straight from these k, v: kvarn_encode(prerotated = 0) of the exact fp32
+ * tile, bit for bit ../shared/spec/KVARN.md "Store pipeline for one full
+ * tile" on the model's values, into the tile's block. kvarn_cache_commit
+ * then keeps that record instead of encoding the tile from its staged copy
+ * (fp16 rows or int8/fp8/int4 token records, which would round the tokens
+ * twice). The tokens are staged as kvarn_cache_write stages them too:
+ * until the commit, attention and kvarn_cache_read see the tile staged.
+ * The record stands until the tile is written again in this layer (any
+ * write into it, kvarn_cache_write or this), the sequence is truncated into
+ * or below it, or it is committed; a fork shares it with the child. Use it
+ * for tokens that are final (a prefill chunk); draft tokens may be written
+ * this way too, since truncating them drops their records, but a tile is
+ * only committed once its tokens are accepted (kvarn_cache_commit).
+ * Per-token formats: the same as kvarn_cache_write.
+ * Errors: those of kvarn_cache_write. On error nothing was written. No
+ * allocation. */
+kvarn_status kvarn_cache_write_exact(kvarn_cache *c, int seq, int layer, int pos,
+                                     int n, const float *k, const float *v);
+
 /* Declare tokens [0, committed_len) final and quantize (KVarN) every
  * non-sink tile that lies entirely below committed_len and is not yet
  * quantized: for every layer and KV head kvarn_encode(prerotated = 1) reads
- * the fp16 page (as fp32) and writes the record into the tile's block; then
+ * the staged page (as fp32) and writes the record into the tile's block
+ * (a layer whose record kvarn_cache_write_exact already wrote from the
+ * exact K/V keeps that record); then
  * the tile's page is released and its block table entry becomes the block
  * id. Sink tiles stay fp16. Per-token formats: records are final when
  * written, so this only records committed_len.

@@ -89,6 +89,45 @@ kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pag
                                 const kvarn_codec_opts *opts,
                                 void *workspace, size_t workspace_size);
 
+/* Commit whole KVarN tiles straight from the exact K/V of the step that
+ * brought all their tokens (a prefill chunk), not from their staged copy:
+ * for each i < n_tiles, tokens [first_rows[i], first_rows[i] + G) of k and v
+ * (G = the format's tile) are, per KV head, the tile's G tokens in order,
+ * and kvarn_encode(prerotated = 0) of that fp32 tile (the whole store
+ * pipeline, ../shared/spec/KVARN.md "Store pipeline for one full tile",
+ * rotation included) is written into block dst_blocks[i]. The record is the
+ * one kvarn_encode gives for those K/V bit for bit; kvarn_paged_commit of
+ * the same tokens' page would encode them after the staging's rounding
+ * (fp16 rows or int8/fp8/int4 token records: two roundings, "The fp16 tail
+ * and the sink"). Pages are neither read nor written: the caller still
+ * stores the tokens (kvarn_paged_store) for the attention that reads the
+ * tile staged before its commit. Only tiles whose tokens are all final
+ * (accepted, never speculative drafts) may be committed, as with
+ * kvarn_paged_commit. A negative entry in either array skips that tile.
+ *   k, v        fp32 [n_tokens][Hk][D], contiguous, the model's basis (keys
+ *               after RoPE): the arrays kvarn_paged_store takes.
+ *   n_tokens    rows of k and v (>= 0).
+ *   first_rows, dst_blocks  int32 [n_tiles]; first_rows[i] + G <= n_tokens.
+ *   opts        NULL for the defaults (8 balance iterations, min/max RTN);
+ *               prerotated is ignored (the input is always rotated here).
+ *   workspace   kvarn_paged_commit_workspace_bytes(kv) bytes, 16-byte
+ *               aligned (the workspace kvarn_paged_commit takes).
+ * Everything is checked before anything is written: on any error no block
+ * changed. No allocation; n_tiles == 0 is a no-op (after the checks of kv
+ * and opts).
+ * Errors: KVARN_ERR_INVALID_ARG (NULL with n_tiles > 0, n_tiles < 0 or
+ * n_tokens < 0, per-token format, bad view or opts, workspace not 16-byte
+ * aligned, a row range outside [0, n_tokens), a block id outside the
+ * arena), KVARN_ERR_UNSUPPORTED_HEAD_DIM, KVARN_ERR_BUFFER_TOO_SMALL
+ * (workspace NULL or too small), KVARN_ERR_NONFINITE (NaN/Inf in a tile's
+ * K/V, or a rotated value beyond fp16's range: what kvarn_paged_store
+ * refuses for the same tokens). */
+kvarn_status kvarn_paged_commit_exact(const kvarn_paged_kv *kv, const float *k, const float *v,
+                                      int n_tokens, const int32_t *first_rows,
+                                      const int32_t *dst_blocks, int n_tiles,
+                                      const kvarn_codec_opts *opts,
+                                      void *workspace, size_t workspace_size);
+
 #ifdef __cplusplus
 }
 #endif

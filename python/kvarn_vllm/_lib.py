@@ -193,6 +193,8 @@ def lib():
         "kvarn_paged_store": (I, [ctypes.POINTER(PagedKV), P, P, P, I]),
         "kvarn_paged_commit_workspace_bytes": (Z, [ctypes.POINTER(PagedKV)]),
         "kvarn_paged_commit": (I, [ctypes.POINTER(PagedKV), P, P, I, P, P, Z]),
+        "kvarn_paged_commit_exact": (I, [ctypes.POINTER(PagedKV), P, P, I, P, P, I, P, P,
+                                         Z]),
         "kvarn_attn_workspace_bytes": (Z, [ctypes.POINTER(PagedKV), I, I, I, I,
                                            ctypes.POINTER(AttnOpts)]),
         "kvarn_attn_multi": (I, [ctypes.POINTER(PagedKV), P, I, P, I, P, P,

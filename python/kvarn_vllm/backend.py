@@ -13,9 +13,15 @@ A step, for each sequence with q_len new tokens:
   do_kv_cache_update  rotate the new K/V by H/sqrt(D), store fp16 into the
                       tile's staging slot (fp16 or a token record), or for a whole non-sink tile
                       inside the chunk a scratch page of the same arena
-                      (kvarn_paged_store).
-  forward             commit every tile that became full (kvarn_paged_commit
-                      into its block's record), then one causal
+                      (kvarn_paged_store); then every tile whose G tokens
+                      are all known tokens of this chunk (a prefill chunk's
+                      whole tile) is committed into its block's record
+                      straight from these exact K/V (kvarn_paged_commit_exact;
+                      KVARN_PREFILL_COMMIT, prefill_commit_config), not
+                      rounded by the staging first.
+  forward             commit every other tile that became full
+                      (kvarn_paged_commit of its staged page into its
+                      block's record), then one causal
                       kvarn_attn_multi call: each group of queries of tile t
                       sees tiles < t as the cache holds them (records, fp16
                       sink) and its own tile in fp16 up to itself, what the
@@ -81,6 +87,25 @@ def staging_config(device_type: str = "cpu") -> int:
     return st
 
 
+def prefill_commit_config(device_type: str = "cpu") -> bool:
+    """Whether a prefill chunk's whole tiles (every token of the tile
+    in the chunk, none a speculative draft) are committed from the chunk's
+    exact K/V (True) or, like every other tile, from their staged copy
+    (False): KVARN_PREFILL_COMMIT=exact|staged; unset: exact on the CPU
+    kernels, staged on CUDA (its kernels commit from fp16 pages only:
+    "exact" with "cuda" raises ValueError, as does another value)."""
+    name = os.environ.get("KVARN_PREFILL_COMMIT", "")
+    if name not in ("", "exact", "staged"):
+        raise ValueError(f"kvarn: KVARN_PREFILL_COMMIT must be exact or staged (got {name!r})")
+    if device_type == "cuda":
+        if name == "exact":
+            raise ValueError("kvarn: KVARN_PREFILL_COMMIT=exact is served by the CPU kernels "
+                             "only; the CUDA kernels commit from the staged fp16 pages (unset "
+                             "it or set staged)")
+        return False
+    return name != "staged"
+
+
 class _State:
     """Process-wide: the layers in order, the staging bookkeeping, the plan
     of the step in flight, the C thread pool and workspaces."""
@@ -103,6 +128,7 @@ class _State:
     pool = None         # the staging tensor of every layer (module docstring)
     pool_layers = 0     # the layers it has slots for
     staging_kind = 0    # _lib.STAGING_FP16 / _INT8 / _FP8_E4M3 / _INT4
+    exact_commit = False  # prefill_commit_config: whole prefill tiles from the exact K/V
 
 
 def draft_tokens(vllm_config) -> int:
@@ -377,6 +403,8 @@ class KvarnAttentionImpl(AttentionImpl):
         _State.kv_caches[name] = kv_cache
         if _State.staging is None:
             _State.staging_kind = staging_config(kv_cache.device.type)
+            dev = "cuda" if kv_cache.device.type == "cuda" else "cpu"
+            _State.exact_commit = prefill_commit_config(dev)
             ps = _State.pool_size
             if ps is None or ps["staging"] != _State.staging_kind:
                 # no budget hook ran (a caller building the layers itself):
@@ -390,6 +418,9 @@ class KvarnAttentionImpl(AttentionImpl):
                                      ps["n_scratch"], self.sink_partial, ps["n_sink_slots"])
             _State.staging.live_blocks = _live_blocks
             _State.ops = make_ops(kv_cache.device)
+            # the emulated CUDA path (KVARN_TEST_CUDA_EMULATOR) on a CPU
+            # tensor: CudaOps, which has no exact commit
+            _State.exact_commit = _State.exact_commit and _State.ops.exact_commit
             _State.pool_layers = L = max(1, _State.n_impls)
             _State.pool = torch.zeros((L * ps["n_slots"] + ps["n_scratch"],) +
                                       self._page_shape(), dtype=self._page_dtype(),
@@ -397,9 +428,10 @@ class KvarnAttentionImpl(AttentionImpl):
             from vllm.logger import init_logger
             init_logger("vllm.kvarn_vllm").info(
                 "kvarn: %s kernels on %s, cache %s, staging %s: %d slots, %d sink slots, "
-                "%d scratch tiles", _State.ops.name, kv_cache.device, self.fmt.name.decode(),
+                "%d scratch tiles; prefill tiles committed from the %s K/V", _State.ops.name,
+                kv_cache.device, self.fmt.name.decode(),
                 _lib.staging_name(_State.staging_kind), ps["n_slots"], ps["n_sink_slots"],
-                ps["n_scratch"])
+                ps["n_scratch"], "exact" if _State.exact_commit else "staged")
         st, L = _State.staging, _State.pool_layers
         if self.layer_index >= L:
             raise _lib.KvarnError(
@@ -432,8 +464,10 @@ class KvarnAttentionImpl(AttentionImpl):
                                               md.num_draft)
             _State.plan_meta = md
         p = _State.plan
+        ids = self._ids(p)
         _State.ops.store(self._view(kv_cache, self.pool_tensor), key, value,
-                         self._ids(p)["store_slots"], n, self.num_kv_heads, self.head_size)
+                         ids["store_slots"], n, self.num_kv_heads, self.head_size,
+                         exact=ids["exact"])
 
     # ------------------------------------------------------------------ attend
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -541,18 +575,29 @@ class KvarnAttentionImpl(AttentionImpl):
             j, t = p.g_scratch
             tables[j, t] += d
         shift = (lambda page: page + d if page >= ns else page)
+        # a prefill chunk's whole tiles from the exact K/V (at the store),
+        # the others from their staged page (at the commit)
+        rows = np.array(p.commit_rows, dtype=np.int32)
+        direct = (rows >= 0) if _State.exact_commit else np.zeros(len(rows), dtype=bool)
+        pool = [e for e, x in zip(p.commit_pool, direct) if not x]
         ids = {"store_slots": slots, "g_tables": tables,
-               "commit_src": np.array([shift(s) for s, _ in p.commit_pool], dtype=np.int32),
+               "commit_src": np.array([shift(s) for s, _ in pool], dtype=np.int32),
+               "commit_dst": np.array([b for _, b in pool], dtype=np.int32),
+               "exact": (np.ascontiguousarray(rows[direct]),
+                         np.array([b for (_, b), x in zip(p.commit_pool, direct) if x],
+                                  dtype=np.int32)) if direct.any() else None,
                "sink_copies": [(shift(page), slot) for page, slot in p.sink_copies],
                "handoffs": [(shift(page), slot) for page, slot in p.handoffs]}
         cache[d] = ids
         return ids
 
     def _commit(self, kv_cache, p) -> None:
+        """The sink copies, then every tile that filled this step and was
+        not committed from the exact K/V at the store, from its staged
+        page."""
         if not p.commit_pool:
             return
         ids = self._ids(p)
-        dst = np.array([b for _, b in p.commit_pool], dtype=np.int32)
         r = self.sink_partial
         for page, slot in ids["sink_copies"]:
             # the sink's first r staged tokens (rotated K and V: fp16 rows
@@ -562,7 +607,9 @@ class KvarnAttentionImpl(AttentionImpl):
                 self.sinks[slot] = self.pool_tensor[page, :, :r, :]
             else:
                 self.sinks[slot] = self.pool_tensor[page, :, :, :r, :]
-        _State.ops.commit(self._view(kv_cache, self.pool_tensor), ids["commit_src"], dst)
+        if len(ids["commit_src"]):
+            _State.ops.commit(self._view(kv_cache, self.pool_tensor), ids["commit_src"],
+                              ids["commit_dst"])
 
 
 # Testing only: KVARN_TEST_COMMIT_LOG=PATH appends, after each step once

@@ -160,7 +160,7 @@ ENGINE_TIMEOUT_S = 3600
 # the plug-in's settings a --kv-cache-dtype entry may carry (docs/vllm.md):
 # any other KVARN_ name (a typo) would run the defaults under its label
 SETTINGS = ("KVARN_STAGING", "KVARN_SINK_TOKENS", "KVARN_SINK_TILES", "KVARN_SLIDING_WINDOW",
-            "KVARN_ATTN_THREADS")
+            "KVARN_ATTN_THREADS", "KVARN_PREFILL_COMMIT")
 
 
 class UsageError(Exception):
@@ -357,6 +357,9 @@ def _check_format(label: str, vllm_names: tuple, model: ModelFacts = None) -> Jo
                     os.environ.pop(SLIDING_ENV, None)
                 else:
                     os.environ[SLIDING_ENV] = old_env
+        if env.get("KVARN_PREFILL_COMMIT", "exact") not in ("exact", "staged"):
+            raise UsageError(f"{label}: KVARN_PREFILL_COMMIT must be exact or staged, got "
+                             f"{env['KVARN_PREFILL_COMMIT']!r}")
         for k in ("KVARN_SINK_TOKENS", "KVARN_SINK_TILES", "KVARN_ATTN_THREADS"):
             if k in env and not (env[k].isdigit()):
                 raise UsageError(f"{label}: {k} must be a whole number >= 0, got {env[k]!r}")

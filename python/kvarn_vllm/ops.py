@@ -2,8 +2,9 @@
 commit full tiles, attend -- once per device kind, on the same pages:
 
   CpuOps   libkvarn.so: kvarn_paged_store / kvarn_paged_commit /
-           kvarn_attn_multi (include/kvarn/paged_ops.h, attn.h), the C
-           thread pool, fp32 activations.
+           kvarn_paged_commit_exact / kvarn_attn_multi
+           (include/kvarn/paged_ops.h, attn.h), the C thread pool, fp32
+           activations.
   CudaOps  libkvarn_cuda.so: kvarn_cuda_store / kvarn_cuda_commit /
            kvarn_cuda_attention (include/kvarn/cuda.h) on the tensors'
            device and torch's current stream; fp16/bf16 activations.
@@ -25,6 +26,7 @@ from . import _lib
 class CpuOps:
     """The CPU kernels (the path the tests run end to end)."""
     name = "cpu"
+    exact_commit = True   # store(..., exact=) commits whole tiles from the exact K/V
 
     def __init__(self, device):
         L = _lib.lib()
@@ -38,19 +40,39 @@ class CpuOps:
     def check(self, view) -> None:
         _lib.check(_lib.lib().kvarn_paged_check(ctypes.byref(view)), "page layout check")
 
-    def store(self, view, key, value, slots: np.ndarray, n: int, Hk: int, D: int) -> None:
-        """key, value: [>= n, Hk * D] any float dtype; slots: int64 [n]."""
+    def store(self, view, key, value, slots: np.ndarray, n: int, Hk: int, D: int,
+              exact=None) -> None:
+        """key, value: [>= n, Hk * D] any float dtype; slots: int64 [n].
+        exact: None, or (rows, blocks) int32 [m]: whole tiles of this step's
+        known tokens, tile i being tokens [rows[i], rows[i] + G), committed
+        into block blocks[i] straight from these K/V as given (fp32, or
+        bf16/fp16 widened exactly) by kvarn_paged_commit_exact, after they
+        are staged for attention (kvarn_paged_store)."""
         k = key[:n].reshape(n, Hk, D).float().contiguous()
         v = value[:n].reshape(n, Hk, D).float().contiguous()
-        _lib.check(_lib.lib().kvarn_paged_store(ctypes.byref(view), k.data_ptr(), v.data_ptr(),
-                                                slots.ctypes.data, n), "store")
+        L = _lib.lib()
+        _lib.check(L.kvarn_paged_store(ctypes.byref(view), k.data_ptr(), v.data_ptr(),
+                                       slots.ctypes.data, n), "store")
+        if exact is None or len(exact[0]) == 0:
+            return
+        rows, blocks = exact
+        ws_bytes = self._commit_ws(view)
+        _lib.check(L.kvarn_paged_commit_exact(ctypes.byref(view), k.data_ptr(), v.data_ptr(),
+                                              n, rows.ctypes.data, blocks.ctypes.data,
+                                              len(rows), None, self.cws.data_ptr(), ws_bytes),
+                   "exact commit")
+
+    def _commit_ws(self, view) -> int:
+        """Bytes of the commit workspace, self.cws grown to hold them."""
+        ws_bytes = _lib.lib().kvarn_paged_commit_workspace_bytes(ctypes.byref(view))
+        if self.cws is None or self.cws.numel() < ws_bytes:
+            self.cws = torch.empty(ws_bytes, dtype=torch.uint8)  # 64-byte aligned
+        return ws_bytes
 
     def commit(self, view, src: np.ndarray, dst: np.ndarray) -> None:
         """src: fp16 page ids, dst: block ids, int32 [n_tiles]."""
         L = _lib.lib()
-        ws_bytes = L.kvarn_paged_commit_workspace_bytes(ctypes.byref(view))
-        if self.cws is None or self.cws.numel() < ws_bytes:
-            self.cws = torch.empty(ws_bytes, dtype=torch.uint8)  # 64-byte aligned
+        ws_bytes = self._commit_ws(view)
         _lib.check(L.kvarn_paged_commit(ctypes.byref(view), src.ctypes.data, dst.ctypes.data,
                                         len(src), None, self.cws.data_ptr(), ws_bytes), "commit")
 
@@ -89,6 +111,9 @@ class CudaOps:
     Not run on this project's CPU machines; tests/vllm runs this class
     against tests/vllm/cuda_emulator.py (same calls, CPU kernels)."""
     name = "cuda"
+    # the CUDA kernels commit from fp16 pages only (kvarn_cuda_commit): no
+    # direct commit of a prefill chunk's whole tiles (backend.prefill_commit_config)
+    exact_commit = False
     _DTYPES = {torch.float16: _lib.CUDA_F16, torch.bfloat16: _lib.CUDA_BF16}
 
     def __init__(self, device):
@@ -112,7 +137,10 @@ class CudaOps:
     def check(self, view) -> None:
         _lib.check(self.C.kvarn_cuda_check_kv(ctypes.byref(view)), "CUDA page layout check")
 
-    def store(self, view, key, value, slots: np.ndarray, n: int, Hk: int, D: int) -> None:
+    def store(self, view, key, value, slots: np.ndarray, n: int, Hk: int, D: int,
+              exact=None) -> None:
+        if exact is not None and len(exact[0]):
+            raise _lib.KvarnError("kvarn: the CUDA kernels have no exact commit")
         dt = self._DTYPES.get(key.dtype)
         if dt is None:
             raise _lib.KvarnError(

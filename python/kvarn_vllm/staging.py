@@ -27,7 +27,12 @@ Sizing (docs/vllm.md "Capacity"), all of it taken out of vLLM's KV budget:
     tiles are stored, committed and attended before the next layer runs):
     the whole tiles of one step, at most max_num_batched_tokens // G + 1.
 Full non-sink tiles of a prefill chunk never take a slot: they are staged
-in the scratch and committed at once. Sink slots of blocks that only
+in the scratch and committed at once. A tile all of whose tokens are known
+(not draft) tokens of one step, a prefill chunk's whole tile, sink tiles
+included, is marked in the plan (commit_rows) so that the backend can
+commit it from the step's exact K/V rather than from its staged copy (CPU
+kernels: kvarn_paged_commit_exact); the staged copy is still written, for
+the tile's own queries. Sink slots of blocks that only
 vLLM's prefix cache still holds are reclaimed when the pool runs short (the
 tile's record, committed like every full tile, serves them from then on).
 """
@@ -116,6 +121,11 @@ class StepPlan:
                                      # [q0, q1) at offsets off0.. of tile t; where
                                      # "pool"/"scratch"/"record", page its id
         self.commit_pool = []        # (page, block) pairs to commit (slots and scratch)
+        self.commit_rows = []        # per commit_pool entry: the step's token index of
+                                     # the tile's first token when all G of its tokens
+                                     # are known tokens of this step (a prefill chunk's
+                                     # whole tile: it may commit from their exact K/V,
+                                     # kvarn_paged_commit_exact), else -1 (from the page)
         self.confirmed = []          # provisional blocks whose tokens are now all accepted
         self.free_after = []         # slots released after the last layer
         self.mark_committed = []     # blocks whose tile is a record after the step
@@ -328,6 +338,7 @@ class Staging:
                     if r > 0 and t == S:
                         p.sink_copies.append((k, self._sink_of(b, protect)))
                     p.commit_pool.append((k, b))
+                    p.commit_rows.append(j0 if pos == t * G else -1)
                     p.mark_committed.append(b)
                     p.groups.append((i, t, j0, j1, pos - t * G, "scratch", k))
                 else:
@@ -351,6 +362,9 @@ class Staging:
                         if r > 0 and t == S:
                             p.sink_copies.append((page, self._sink_of(b, protect)))
                         p.commit_pool.append((page, b))
+                        # every token of the tile in this chunk, none a
+                        # draft: a prefill chunk's whole (sink) tile
+                        p.commit_rows.append(j0 if pos == t * G and end <= known else -1)
                         if end <= known:
                             p.mark_committed.append(b)
                             if t >= S:

@@ -49,6 +49,11 @@ typedef struct kvarn_seq {
                            small page of tokens [q*T, (q+1)*T), -1 when none;
                            NULL otherwise */
     int *written;       /* [n_layers] tokens [0, written[l]) written in layer l */
+    uint8_t *exact;     /* KVarN: [max_tiles][n_layers] 1 where the tile's
+                           block already holds, for that layer, the record
+                           kvarn_cache_write_exact encoded from the exact
+                           K/V of its tokens as last written (commit keeps
+                           it); 0: commit encodes from the staged copy */
     void *mem;          /* the allocation behind the arrays; kept by a free
                            slot for its next sequence */
 } kvarn_seq;
@@ -212,5 +217,9 @@ void kvarn__seq_set_entry(const kvarn_cache *c, kvarn_seq *s, int t);
 
 /* Tokens truncate may not cut: end of the last quantized tile. */
 int kvarn__seq_frozen_len(const kvarn_cache *c, const kvarn_seq *s);
+
+/* Forget the exact records (kvarn_seq.exact) of tiles [t0, t1), every
+ * layer: their tokens were cut or are about to be rewritten. */
+void kvarn__seq_clear_exact(const kvarn_cache *c, kvarn_seq *s, int t0, int t1);
 
 #endif

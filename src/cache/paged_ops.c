@@ -212,3 +212,54 @@ kvarn_status kvarn_paged_commit(const kvarn_paged_kv *kv, const int32_t *src_pag
     }
     return KVARN_OK;
 }
+
+kvarn_status kvarn_paged_commit_exact(const kvarn_paged_kv *kv, const float *k, const float *v,
+                                      int n_tokens, const int32_t *first_rows,
+                                      const int32_t *dst_blocks, int n_tiles,
+                                      const kvarn_codec_opts *opts,
+                                      void *workspace, size_t workspace_size)
+{
+    if (n_tiles < 0 || n_tokens < 0 ||
+        (n_tiles > 0 && (k == NULL || v == NULL || first_rows == NULL || dst_blocks == NULL)))
+        return KVARN_ERR_INVALID_ARG;
+    kvarn_status st = kvarn_paged_check(kv);
+    if (st != KVARN_OK) return st;
+    if (kv->fmt.kind != KVARN_KIND_KVARN) return KVARN_ERR_INVALID_ARG;
+    if (opts != NULL && (opts->balance_iters < 0 || opts->balance_iters > 64 ||
+                         (opts->rtn_range < KVARN_RTN_MINMAX || opts->rtn_range > KVARN_RTN_MSE_V)))
+        return KVARN_ERR_INVALID_ARG;
+    if (n_tiles == 0) return KVARN_OK;
+    const size_t need = kvarn_paged_commit_workspace_bytes(kv);
+    if (workspace == NULL || workspace_size < need) return KVARN_ERR_BUFFER_TOO_SMALL;
+    if ((uintptr_t)workspace % 16 != 0) return KVARN_ERR_INVALID_ARG;
+    const int G = kv->block_size, H = kv->n_kv_heads, D = kv->head_dim;
+    for (int i = 0; i < n_tiles; i++) {
+        if (first_rows[i] < 0 || dst_blocks[i] < 0) continue;
+        if (dst_blocks[i] >= kv->n_blocks || first_rows[i] > n_tokens - G)
+            return KVARN_ERR_INVALID_ARG;
+    }
+    /* the values: what kvarn_paged_store accepts (finite, rotated within
+     * fp16), so that no tile fails half-way */
+    for (int i = 0; i < n_tiles; i++) {
+        if (first_rows[i] < 0 || dst_blocks[i] < 0) continue;
+        const size_t r0 = (size_t)first_rows[i] * (size_t)H * (size_t)D;
+        for (size_t e = 0; e < (size_t)G * (size_t)H; e++)
+            if (!(rotated_fits(k + r0 + e * (size_t)D, D) && rotated_fits(v + r0 + e * (size_t)D, D)))
+                return KVARN_ERR_NONFINITE;
+    }
+    const size_t GD = (size_t)G * (size_t)D;
+    float *tk = (float *)workspace, *tv = tk + GD;
+    void *enc = tv + GD;
+    const size_t enc_bytes = workspace_size - 2 * GD * sizeof(float);
+    for (int i = 0; i < n_tiles; i++) {
+        if (first_rows[i] < 0 || dst_blocks[i] < 0) continue;
+        for (int h = 0; h < H; h++) {
+            /* cannot fail after the checks above */
+            st = kvarn__encode_rows(&kv->fmt, D, H, h, k, v, (size_t)first_rows[i], tk, tv,
+                                    kvarn_paged_record(kv, dst_blocks[i], h), kv->record_stride,
+                                    enc, enc_bytes, opts);
+            if (st != KVARN_OK) return st;
+        }
+    }
+    return KVARN_OK;
+}

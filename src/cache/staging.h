@@ -2,7 +2,10 @@
  * staging.h -- staging as records of a per-token format (include/kvarn/
  * paged.h "Staging"): which per-token format a kvarn_staging stands for,
  * and the write rule for one staged token-head that kvarn_cache (store.c)
- * and the caller-arena store (paged_ops.c) share. Internal to the library.
+ * and the caller-arena store (paged_ops.c) share; and the direct encode of
+ * a whole tile from the exact K/V that bypasses staging (kvarn__encode_rows:
+ * kvarn_cache_write_exact, kvarn_paged_commit_exact). Internal to the
+ * library.
  */
 #ifndef KVARN_CACHE_STAGING_H
 #define KVARN_CACHE_STAGING_H
@@ -37,6 +40,32 @@ static inline kvarn_status kvarn__stage_token(const kvarn_format *sf, int D, con
     kvarn_hadamard(rk, D);
     kvarn_hadamard(rv, D);
     return kvarn_encode(sf, D, rk, rv, rec, rb, NULL, 0, NULL);
+}
+
+/* The direct path of a whole tile (../shared/spec/KVARN.md "Store pipeline
+ * for one full tile" on the exact K/V, not on a staged copy): KV head h of
+ * tokens [row0, row0 + G) of k, v (fp32 [rows][Hk][D], the model's basis:
+ * what kvarn_cache_write and kvarn_paged_store take) gathered into tk, tv
+ * (fp32 [G][D] scratch) and encoded with kvarn_encode(fmt, prerotated = 0)
+ * into rec (rec_size bytes): the record kvarn_encode gives for that tile
+ * itself, bit for bit. opts: the cache's codec options (prerotated is
+ * overridden). Returns kvarn_encode's status. */
+static inline kvarn_status kvarn__encode_rows(const kvarn_format *fmt, int D, int Hk, int h,
+                                              const float *k, const float *v, size_t row0,
+                                              float *tk, float *tv, void *rec, size_t rec_size,
+                                              void *ws, size_t ws_size,
+                                              const kvarn_codec_opts *opts)
+{
+    const int G = fmt->tile_tokens;
+    for (int j = 0; j < G; j++) {
+        const size_t src = ((row0 + (size_t)j) * (size_t)Hk + (size_t)h) * (size_t)D;
+        memcpy(tk + (size_t)j * D, k + src, (size_t)D * sizeof(float));
+        memcpy(tv + (size_t)j * D, v + src, (size_t)D * sizeof(float));
+    }
+    kvarn_codec_opts co = KVARN_CODEC_OPTS_DEFAULT;
+    if (opts != NULL) co = *opts;
+    co.prerotated = 0;
+    return kvarn_encode(fmt, D, tk, tv, rec, rec_size, ws, ws_size, &co);
 }
 
 #endif

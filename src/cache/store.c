@@ -1,7 +1,9 @@
 /*
  * store.c -- moving K/V in and out of the paged cache: write (fp16 page or
- * per-token record), commit (a full KVarN tail tile into its block with
- * kvarn_encode(prerotated = 1)), and read back as fp32.
+ * per-token record; kvarn_cache_write_exact also encodes the whole tiles of
+ * the chunk from the exact K/V), commit (a full KVarN tail tile into its
+ * block with kvarn_encode(prerotated = 1) from its staged copy, unless its
+ * record came from the exact K/V), and read back as fp32.
  * Source: ../shared/spec/KVARN.md "The fp16 tail and the sink";
  * include/kvarn/paged.h for where every byte lives.
  */
@@ -68,8 +70,38 @@ static int tiles_private(const kvarn_cache *c, const kvarn_seq *s, int pos, int 
     return 1;
 }
 
-kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
-                               int n, const float *k, const float *v)
+/* The direct path of kvarn_cache_write_exact, after the checks: the
+ * records of the non-sink tiles wholly inside [pos, pos + n), this layer,
+ * from the exact k, v (cache.h). Marks of every tile the write touches are
+ * cleared first (their staged copy is about to change), then set for the
+ * tiles encoded. */
+static kvarn_status write_records(kvarn_cache *c, kvarn_seq *s, int layer, int pos, int n,
+                                  const float *k, const float *v, int exact)
+{
+    const int G = c->info.block_size, H = c->info.n_kv_heads, D = c->info.head_dim;
+    const size_t L = (size_t)c->info.n_layers;
+    for (int t = pos / G; t <= (pos + n - 1) / G; t++) s->exact[(size_t)t * L + (size_t)layer] = 0;
+    if (!exact) return KVARN_OK;
+    int t0 = (pos + G - 1) / G;
+    if (t0 < c->info.sink_tiles) t0 = c->info.sink_tiles;
+    const int t1 = (pos + n) / G; /* tiles [t0, t1) lie wholly inside */
+    for (int t = t0; t < t1; t++) {
+        for (int h = 0; h < H; h++) {
+            /* the values passed check_input: cannot fail */
+            kvarn_status st = kvarn__encode_rows(&c->info.format, D, H, h, k, v,
+                                                 (size_t)(t * G - pos), c->tile_k, c->tile_v,
+                                                 kvarn__block_record(c, layer, s->blk[t], h),
+                                                 c->info.record_stride, c->enc_ws,
+                                                 c->enc_ws_bytes, &c->codec_opts);
+            if (st != KVARN_OK) return st;
+        }
+        s->exact[(size_t)t * L + (size_t)layer] = 1;
+    }
+    return KVARN_OK;
+}
+
+static kvarn_status cache_write(kvarn_cache *c, int seq, int layer, int pos, int n,
+                                const float *k, const float *v, int exact)
 {
     kvarn_seq *s = kvarn__seq_get(c, seq);
     if (s == NULL || layer < 0 || layer >= c->info.n_layers || n < 0 || pos < 0 ||
@@ -87,6 +119,10 @@ kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
     if (st != KVARN_OK) return st;
 
     /* Checks done: from here on every token is stored. */
+    if (c->is_kvarn) {
+        st = write_records(c, s, layer, pos, n, k, v, exact);
+        if (st != KVARN_OK) return st;
+    }
     for (int j = 0; j < n; j++) {
         const int p = pos + j, t = p / G, off = p % G;
         for (int h = 0; h < H; h++) {
@@ -124,13 +160,27 @@ kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
     return KVARN_OK;
 }
 
+kvarn_status kvarn_cache_write(kvarn_cache *c, int seq, int layer, int pos,
+                               int n, const float *k, const float *v)
+{
+    return cache_write(c, seq, layer, pos, n, k, v, 0);
+}
+
+kvarn_status kvarn_cache_write_exact(kvarn_cache *c, int seq, int layer, int pos,
+                                     int n, const float *k, const float *v)
+{
+    return cache_write(c, seq, layer, pos, n, k, v, 1);
+}
+
 /* Encode tile t of every layer and KV head from its page (or its small
  * tail pages, gathered row by row into the same fp32 scratch) into its
- * block. */
+ * block; a layer whose record kvarn_cache_write_exact wrote from the exact
+ * K/V (s->exact) keeps it. */
 static kvarn_status encode_tile(kvarn_cache *c, const kvarn_seq *s, int t)
 {
     const int G = c->info.block_size, D = c->info.head_dim;
     for (int l = 0; l < c->info.n_layers; l++) {
+        if (s->exact[(size_t)t * (size_t)c->info.n_layers + (size_t)l]) continue;
         for (int h = 0; h < c->info.n_kv_heads; h++) {
             for (int j = 0; j < G && kvarn__staged_records(c); j++) {
                 /* the staged record decoded to the fp32 it stands for */

@@ -6,7 +6,10 @@
  *
  * A chunk of n tokens at [pos, pos + n) (n = 1 for a decode step):
  *   begin   kvarn_cache_reserve(n)
- *   attend  for layer l: kvarn_cache_write the chunk's K (post-RoPE) and V;
+ *   attend  for layer l: kvarn_cache_write_exact the chunk's K (post-RoPE)
+ *           and V (staged; a tile that lies wholly inside the chunk also
+ *           gets its record now, encoded from these exact K/V rather than
+ *           later from the staged copy: one rounding, not two);
  *           then attention of the chunk's queries as two parts merged by
  *           log-sum-exp (../shared/spec/KVARN.md "The fp16 tail and the
  *           sink": the chunk attends to the exact K/V it just computed, the
@@ -25,7 +28,8 @@
  *           Both parts are in the original basis (the KVarN kernels rotate
  *           their output back), so they merge directly.
  *   end     kvarn_cache_commit(pos + n): every token of a forward call is
- *           final, so each tile that is full gets quantized.
+ *           final, so each tile that is full gets quantized (from its
+ *           staged copy, unless the attend step already encoded it).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -137,8 +141,10 @@ static kvarn_status paged_attend(llama_kv *kv, int layer, int pos, int n,
         memcpy(p->kbuf + (size_t)t * kd, k + (size_t)t * ldkv, sizeof(float) * kd);
         memcpy(p->vbuf + (size_t)t * kd, v + (size_t)t * ldkv, sizeof(float) * kd);
     }
-    kvarn_status st = kvarn_cache_write(p->cache, p->seq, layer, pos, n,
-                                        p->kbuf, p->vbuf);
+    /* every token of a forward call is final (paged_end commits them all;
+     * a failed call truncates back to pos, which drops the records) */
+    kvarn_status st = kvarn_cache_write_exact(p->cache, p->seq, layer, pos, n,
+                                              p->kbuf, p->vbuf);
     if (st != KVARN_OK) return st;
     /* The chunk over its own exact K/V. */
     if (n == 1)

@@ -674,6 +674,185 @@ static void test_staging_store_commit(void **state)
     check_staging_store_commit(KVARN_STAGING_INT4, "int4");
 }
 
+/* kvarn_paged_commit_exact (the direct path of a prefill chunk's whole
+ * tiles): the record of each tile is kvarn_encode(prerotated = 0) of the
+ * chunk's exact fp32 K/V of its G rows, bit for bit (the codec's own
+ * record of that tile, no staging rounding), at the view's address; every
+ * other byte (pages, padding, blocks not named, skipped entries) keeps its
+ * canary. opts' prerotated is ignored. And it is not what the staged path
+ * writes: kvarn_paged_commit of the same tokens' fp16 page differs. */
+static void check_commit_exact(const char *name, int D, uint64_t seed)
+{
+    pa_arena a;
+    assert_int_equal(pa_make(&a, name, D, HK, 0, 4, 2), 0);
+    const kvarn_paged_kv *kv = &a.kv;
+    const int G = kv->block_size;
+    /* a chunk of 2G + 9 rows: tile A = rows [3, 3 + G) -> block 2, tile B
+     * = rows [G + 5, 2G + 5) -> block 0 (the tiles may overlap in rows:
+     * the call takes rows, not positions); two skipped entries */
+    const int n = 2 * G + 9;
+    const size_t row = (size_t)HK * D;
+    test_rng rng;
+    test_rng_seed(&rng, seed);
+    float *k = malloc(sizeof(float) * (size_t)n * row), *v = malloc(sizeof(float) * (size_t)n * row);
+    fill_kv(&rng, k, v, n, D);
+    const int32_t rows[4] = {3, -1, G + 5, 0}, dst[4] = {2, 1, 0, -1};
+    uint8_t *want = pa_snapshot(&a);
+    kvarn_paged_kv ev = pa_view_of(&a, want);
+    const size_t rb = a.L.record_bytes, ew = kvarn_encode_workspace_bytes(&kv->fmt, D);
+    float *tk = malloc(sizeof(float) * (size_t)G * D), *tv = malloc(sizeof(float) * (size_t)G * D);
+    uint8_t *rec = malloc(rb);
+    void *ews = ws_alloc(ew);
+    for (int i = 0; i < 4; i += 2)
+        for (int h = 0; h < HK; h++) {
+            pa_gather_tile(k, v, HK, D, h, rows[i], G, tk, tv);
+            assert_int_equal(kvarn_encode(&kv->fmt, D, tk, tv, rec, rb, ews, ew, NULL), KVARN_OK);
+            memcpy(kvarn_paged_record(&ev, dst[i], h), rec, rb);
+        }
+    const size_t wsz = kvarn_paged_commit_workspace_bytes(kv);
+    void *ws = ws_alloc(wsz);
+    const kvarn_codec_opts opts = {8, 1, KVARN_RTN_MINMAX}; /* prerotated 1: ignored */
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, rows, dst, 4, &opts, ws, wsz), KVARN_OK);
+    assert_true(pa_equals(&a, want));
+    /* NULL opts: the defaults, the same bytes */
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, rows, dst, 4, NULL, ws, wsz), KVARN_OK);
+    assert_true(pa_equals(&a, want));
+
+    /* the staged path of tile A: its rows stored into page 1 (fp16) and
+     * committed into block 3 differ from the direct record */
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)G);
+    for (int t = 0; t < G; t++) slots[t] = kvarn_paged_slot(1, G, t);
+    assert_int_equal(kvarn_paged_store(kv, k + 3 * row, v + 3 * row, slots, G), KVARN_OK);
+    const int32_t src = 1, b3 = 3;
+    assert_int_equal(kvarn_paged_commit(kv, &src, &b3, 1, NULL, ws, wsz), KVARN_OK);
+    int differ = 0;
+    for (int h = 0; h < HK; h++)
+        differ |= memcmp(kvarn_paged_record(kv, 3, h), kvarn_paged_record(kv, 2, h), rb) != 0;
+    assert_true(differ);
+
+    free(slots); free(ws); free(ews); free(rec); free(tk); free(tv); free(want); free(k); free(v);
+    pa_free(&a);
+}
+
+static void test_commit_exact(void **state)
+{
+    (void)state;
+    const char *fmts[2] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64"};
+    for (int f = 0; f < 2; f++)
+        for (int di = 0; di < 2; di++)
+            check_commit_exact(fmts[f], di ? 128 : 64, 1700 + (uint64_t)(f * 2 + di));
+    check_commit_exact("kvarn_k4v2_g128", 512, 1710);
+}
+
+/* kvarn_paged_commit_exact's refusals: each returns its status and leaves
+ * the arena byte for byte as it was, including when a valid tile comes
+ * before the bad one (everything is checked before anything is written). */
+static void test_commit_exact_errors(void **state)
+{
+    (void)state;
+    const int D = 64;
+    pa_arena a;
+    assert_int_equal(pa_make(&a, "kvarn_k4v2_g64", D, HK, 0, 3, 2), 0);
+    const kvarn_paged_kv *kv = &a.kv;
+    const int G = kv->block_size, n = 2 * G;
+    const size_t row = (size_t)HK * D;
+    test_rng rng;
+    test_rng_seed(&rng, 4343);
+    float *k = malloc(sizeof(float) * (size_t)n * row), *v = malloc(sizeof(float) * (size_t)n * row);
+    fill_kv(&rng, k, v, n, D);
+    const size_t wsz = kvarn_paged_commit_workspace_bytes(kv);
+    uint8_t *wbig = ws_alloc(wsz + 16);
+    void *ws = wbig;
+    const int32_t rows[2] = {0, G}, dst[2] = {1, 2};
+    uint8_t *snap = pa_snapshot(&a);
+    /* NULLs with n_tiles > 0, negative counts; n_tiles 0 is a no-op */
+    assert_int_equal(kvarn_paged_commit_exact(NULL, k, v, n, rows, dst, 2, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_paged_commit_exact(kv, NULL, v, n, rows, dst, 2, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, NULL, n, rows, dst, 2, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, NULL, dst, 2, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, rows, NULL, 2, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, rows, dst, -1, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, -1, rows, dst, 2, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_paged_commit_exact(kv, NULL, NULL, 0, NULL, NULL, 0, NULL, NULL, 0),
+                     KVARN_OK);
+    assert_true(pa_equals(&a, snap));
+    /* rows or blocks beyond the arrays, after a valid entry */
+    const int32_t brows[4][2] = {{0, G + 1}, {0, n}, {0, INT32_MAX}, {0, G}};
+    const int32_t bdst[4][2] = {{1, 2}, {1, 2}, {1, 2}, {1, kv->n_blocks}};
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, brows[i], bdst[i], 2, NULL, ws, wsz),
+                         KVARN_ERR_INVALID_ARG);
+        assert_true(pa_equals(&a, snap));
+    }
+    /* fewer rows than the tiles need */
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, 2 * G - 1, rows, dst, 2, NULL, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    /* workspace: too small, NULL, misaligned */
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, rows, dst, 2, NULL, ws, wsz - 1),
+                     KVARN_ERR_BUFFER_TOO_SMALL);
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, rows, dst, 2, NULL, NULL, wsz),
+                     KVARN_ERR_BUFFER_TOO_SMALL);
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, rows, dst, 2, NULL, wbig + 4, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    /* bad codec options, refused even when every entry is skipped */
+    const kvarn_codec_opts bo = {65, 0, KVARN_RTN_MINMAX}, br = {8, 0, 7};
+    const int32_t skip[2] = {-1, -1};
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, rows, dst, 2, &bo, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, skip, dst, 2, &bo, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, rows, dst, 2, &br, ws, wsz),
+                     KVARN_ERR_INVALID_ARG);
+    assert_true(pa_equals(&a, snap));
+    /* NaN / Inf in the second tile, a value whose rotation leaves fp16:
+     * KVARN_ERR_NONFINITE, the first tile not written either */
+    const float bad_vals[4] = {NAN, INFINITY, -INFINITY, 0.0f};
+    for (int which = 0; which < 2; which++)
+        for (int bi = 0; bi < 4; bi++) {
+            /* the last token-head of the second tile */
+            float *x = (which ? v : k) + (size_t)(2 * G - 1) * row + (size_t)(HK - 1) * D;
+            float keep[64];
+            memcpy(keep, x, sizeof keep);
+            if (bi < 3) {
+                x[5] = bad_vals[bi];
+            } else { /* x = c e_5: every rotated component is c / sqrt(D) */
+                for (int d = 0; d < D; d++) x[d] = 0.0f;
+                x[5] = (float)(1.01 * 65520.0 * sqrt((double)D));
+            }
+            assert_int_equal(kvarn_paged_commit_exact(kv, k, v, n, rows, dst, 2, NULL, ws, wsz),
+                             KVARN_ERR_NONFINITE);
+            assert_true(pa_equals(&a, snap));
+            memcpy(x, keep, sizeof keep);
+        }
+    /* bad views: kvarn_paged_check's status */
+    for (int i = 0; i < (int)(sizeof bad_views / sizeof bad_views[0]); i++) {
+        if (bad_views[i].token_only) continue;
+        kvarn_paged_kv bv = *kv;
+        mutate(&bv, i, &a);
+        assert_int_equal(kvarn_paged_commit_exact(&bv, k, v, n, rows, dst, 2, NULL, ws, wsz),
+                         bad_views[i].want);
+        assert_true(pa_equals(&a, snap));
+    }
+    free(snap); free(wbig); free(k); free(v);
+    pa_free(&a);
+
+    /* a per-token format has no tiles to commit */
+    assert_int_equal(pa_make(&a, "int8", D, HK, 8, 2, 0), 0);
+    float z[8 * HK * 64] = {0};
+    const int32_t r0 = 0, b0 = 0;
+    uint8_t w[64];
+    assert_int_equal(kvarn_paged_commit_exact(&a.kv, z, z, 8, &r0, &b0, 1, NULL, w, sizeof w),
+                     KVARN_ERR_INVALID_ARG);
+    pa_free(&a);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -684,6 +863,8 @@ int main(void)
         cmocka_unit_test(test_per_token_unstorable_finite),
         cmocka_unit_test(test_commit_nonfinite_page),
         cmocka_unit_test(test_staging_store_commit),
+        cmocka_unit_test(test_commit_exact),
+        cmocka_unit_test(test_commit_exact_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

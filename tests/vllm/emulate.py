@@ -15,9 +15,15 @@ rtn_range pick another format or kvarn_codec_opts.rtn_range, codec any
 tile round trip, for bench/centred_families.py); kl_rows(exact, codec)
 gives KL(P_exact || P_codec) over the whole vocabulary per position;
 staging="int8" (or "fp8_e4m3", "int4") adds the plug-in's staging as token
-records of that per-token format (RecordStaging). Not emulated:
-fp16 staging's rounding of the tiles it keeps unquantized (relative error
-2^-11, far below the 4-/2-bit codec's).
+records of that per-token format (RecordStaging): the sink tiles and each
+query's own tile are read staged; the records are encoded from the exact
+K/V (prefill_exact True, the default: the plug-in's CPU path commits a
+prefill chunk's whole tiles from the chunk's exact K/V, and the prompt
+here is one chunk) or from the staged copy (prefill_exact False: tiles
+filled across chunks or by decoding, or KVARN_PREFILL_COMMIT=staged; the
+tokens rounded twice). Not emulated: fp16 staging's rounding of the tiles
+it keeps unquantized (relative error 2^-11, far below the 4-/2-bit
+codec's).
 """
 import ctypes
 
@@ -135,7 +141,7 @@ class RecordStaging:
         return ko, vo
 
 
-_STATE = {"quantized": None, "codec": None, "staging": None}
+_STATE = {"quantized": None, "codec": None, "staging": None, "prefill_exact": True}
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -152,15 +158,20 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     codec = _STATE["codec"](D)
     quant = _STATE["quantized"](module) and getattr(codec, "layer_quantized",
                                                     lambda layer: True)(module.layer_idx)
+    # what the records are encoded from: the exact K/V (a prefill chunk's
+    # whole tiles), or, below, the staged copy
+    rec_key, rec_value = key, value
     if quant and _STATE["staging"] is not None:
         # every token is staged first: the sink and own tile are read from
-        # there, and tiles commit from it
+        # there (and tiles commit from it unless prefill_exact)
         key, value = key.clone(), value.clone()
         for b in range(B):
             for h in range(Hk):
                 ks, vs = _STATE["staging"](D).roundtrip(key[b, h].numpy(),
                                                         value[b, h].numpy())
                 key[b, h], value[b, h] = torch.from_numpy(ks), torch.from_numpy(vs)
+        if not _STATE["prefill_exact"]:
+            rec_key, rec_value = key, value
     k = key.repeat_interleave(rep, dim=1)
     v = value.repeat_interleave(rep, dim=1)
     scores = torch.matmul(query, k.transpose(2, 3)) * scaling
@@ -172,7 +183,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                 for t in range(SINK_TILES, S // G):
                     sl = slice(t * G, (t + 1) * G)
                     codec.where = (module.layer_idx, h)   # for codecs that vary by layer/head
-                    ko, vo = codec.roundtrip(key[b, h, sl].numpy(), value[b, h, sl].numpy())
+                    ko, vo = codec.roundtrip(rec_key[b, h, sl].numpy(),
+                                             rec_value[b, h, sl].numpy())
                     kq[b, h, sl] = torch.from_numpy(ko)
                     vq[b, h, sl] = torch.from_numpy(vo)
         kq = kq.repeat_interleave(rep, dim=1)
@@ -217,7 +229,7 @@ def _is_sliding(config, layer_idx: int) -> bool:
 
 def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool = False,
              fmt: str = FORMAT, rtn_range: int = RTN_MINMAX, codec=None,
-             staging: str = "fp16"):
+             staging: str = "fp16", prefill_exact: bool = True):
     """fp32 log-probabilities [len(ids), vocab] of the model on ids, the
     cache exact (quantize False) or through the codec as the plug-in would
     hold it: format fmt, kvarn_codec_opts.rtn_range rtn_range, or, when
@@ -227,7 +239,10 @@ def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool =
     layer exact) in place of Codec(fmt, head_dim, rtn_range); staging
     "int8", "fp8_e4m3" or "int4" takes every token through RecordStaging of
     that format first (KVARN_STAGING=int8, ...), "fp16" keeps staged tokens
-    exact."""
+    exact; prefill_exact: records encoded from the exact K/V (True, the
+    plug-in's CPU path for a prompt in one chunk) or from the staged copy
+    (False, the plug-in before the direct commit, or tiles built by
+    decoding)."""
     from transformers import AutoModelForCausalLM
     _register()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -249,6 +264,7 @@ def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool =
         return stagings[d]
     _STATE["codec"] = codec_of
     _STATE["staging"] = staging_of if staging != "fp16" else None
+    _STATE["prefill_exact"] = prefill_exact
     _STATE["quantized"] = lambda m: quantize and (
         quantize_sliding or not _is_sliding(cfg, m.layer_idx))
     with torch.no_grad():

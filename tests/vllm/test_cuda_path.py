@@ -21,8 +21,10 @@ from test_serve import PROMPTS, SHARED
 KV = "kvarn_k4v2_g128"
 EMULATOR = os.path.join(os.path.dirname(__file__), "cuda_emulator.py")
 # one partitioning of the work in both runs; fp16 staging, the CUDA
-# kernels' (the CPU path's default is int8)
-ENV = {"KVARN_ATTN_THREADS": "2", "KVARN_STAGING": "fp16"}
+# kernels' (the CPU path's default is int8); every tile committed from its
+# staged page, as the CUDA kernels commit (the CPU path's default commits a
+# prefill chunk's whole tiles from the exact K/V: KVARN_PREFILL_COMMIT)
+ENV = {"KVARN_ATTN_THREADS": "2", "KVARN_STAGING": "fp16", "KVARN_PREFILL_COMMIT": "staged"}
 
 
 @pytest.fixture(scope="module")

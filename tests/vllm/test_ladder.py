@@ -888,6 +888,7 @@ def test_coverage_warnings():
     (f"{KV}:KVARN_STAGNG=fp16", "KVARN_STAGNG is not a setting of the plug-in"),
     (f"{KV}:KVARN_SLIDING_WINDOW=yes", "KVARN_SLIDING_WINDOW must be 'vllm'"),
     (f"{KV}:KVARN_ATTN_THREADS=-1", "KVARN_ATTN_THREADS must be a whole number"),
+    (f"{KV}:KVARN_PREFILL_COMMIT=direct", "KVARN_PREFILL_COMMIT must be exact or staged"),
 ])
 def test_settings_checked_without_an_engine(label, needle):
     """A misspelt or ill-valued setting is a usage error before any engine

@@ -113,6 +113,26 @@ def test_staging_defaults_and_refusals(monkeypatch):
             staging_config("cpu")
 
 
+def test_prefill_commit_defaults_and_refusals(monkeypatch):
+    """KVARN_PREFILL_COMMIT: unset, a prefill chunk's whole tiles commit
+    from the exact K/V on CPU and from the staged pages on CUDA (its
+    kernels have no direct commit); `staged` works on both, `exact` on CUDA
+    and an unknown value are refused naming what is accepted."""
+    from kvarn_vllm.backend import prefill_commit_config
+    monkeypatch.delenv("KVARN_PREFILL_COMMIT", raising=False)
+    assert prefill_commit_config("cpu") is True and prefill_commit_config("cuda") is False
+    monkeypatch.setenv("KVARN_PREFILL_COMMIT", "staged")
+    assert prefill_commit_config("cpu") is False and prefill_commit_config("cuda") is False
+    monkeypatch.setenv("KVARN_PREFILL_COMMIT", "exact")
+    assert prefill_commit_config("cpu") is True
+    with pytest.raises(ValueError, match="KVARN_PREFILL_COMMIT=exact is served by the CPU"):
+        prefill_commit_config("cuda")
+    for bad in ("EXACT", "direct", "1"):
+        monkeypatch.setenv("KVARN_PREFILL_COMMIT", bad)
+        with pytest.raises(ValueError, match="KVARN_PREFILL_COMMIT must be exact or staged"):
+            prefill_commit_config("cpu")
+
+
 def _front_end_config(hf_model, name, device_type="cpu"):
     """The engine config LLM(...) builds for SmolLM2 with `name`, its device
     type then set as a CUDA build's would be (the CPU build cannot make a

@@ -404,3 +404,172 @@ def test_chunked_prefill_resuming_mid_tile_fits_the_pool(budget):
                  n_scratch=scratch_tiles(budget, G))
     most = _serve(st, n, prompt, gen, budget, per)
     assert most <= pool_slots(n, 1)
+
+
+# -- a prefill chunk's whole tiles: committed from the exact K/V --------------
+
+def test_commit_rows_mark_whole_tiles_of_known_tokens():
+    """commit_rows (parallel to commit_pool) gives the step's token index of
+    a tile's first token where every token of the tile is a known token of
+    this step (a prefill chunk's whole tile: the sink tile in its slot, a
+    non-sink one in scratch), -1 where the tile was begun in an earlier step
+    (a chunk boundary inside it) or filled by a decode step."""
+    st = Staging(n_slots=4, tile=G, sink_tiles=1, n_blocks=16, n_scratch=4)
+    table = [5, 6, 7, 8, 0]
+    # chunk 1: [0, 300): tile 0 (sink) and tile 1 whole, tile 2 begun
+    p = step(st, [300], [300], [table])
+    assert dict(zip(p.commit_pool, p.commit_rows)) == {(st.slot_of[5], 5): 0,
+                                                       (st.n_slots, 6): G}
+    st.finish(p)
+    # chunk 2: [300, 520) behind a decoding sequence: tile 2 completes (begun
+    # in chunk 1: from its staged copy), tile 3 [384, 512) whole
+    st.finish(step(st, [10], [10], [[9]]))
+    p = step(st, [1, 220], [11, 520], [[9, 0, 0, 0, 0], table])
+    rows = {b: r for (_, b), r in zip(p.commit_pool, p.commit_rows)}
+    assert rows == {7: -1, 8: 1 + (3 * G - 300)}   # row 1 + 84: the chunk's index
+    assert len(p.commit_rows) == len(p.commit_pool)
+    st.finish(p)
+    # decode steps filling tile 4 [512, 640): from its staged copy
+    st2 = Staging(n_slots=4, tile=G, sink_tiles=1, n_blocks=16, n_scratch=4)
+    st2.finish(step(st2, [G - 1], [G - 1], [[1, 2]]))
+    p = step(st2, [1], [G], [[1, 2]])
+    assert p.commit_pool == [(st2.slot_of[1], 1)] and p.commit_rows == [-1]
+
+
+def test_commit_rows_never_mark_drafts():
+    """Speculative decoding: a tile filled (even wholly, from its first
+    position) with any draft token is provisional and never marked; once
+    its tokens are accepted it is confirmed, not re-encoded."""
+    st = Staging(n_slots=4, tile=G, sink_tiles=1, n_blocks=8, n_scratch=2)
+    table = [1, 2, 3, 0]
+    _decoding_at(st, 128, table)
+    # verify step of 1 sampled token + 127 drafts: tile 1 [128, 256) lies
+    # wholly in the step but holds drafts
+    p = step(st, [128], [256], [table], drafts=[127])
+    assert p.mark_provisional == [2] and p.commit_rows == [-1]
+    st.finish(p)
+    # a whole tile with its last token a draft
+    st = Staging(n_slots=4, tile=G, sink_tiles=1, n_blocks=8, n_scratch=2)
+    _decoding_at(st, 128, table)
+    p = step(st, [G], [2 * G], [table], drafts=[1])
+    assert p.commit_rows == [-1] and 2 in p.mark_provisional
+
+
+def _engine_free_backend(monkeypatch, staging="int8", prefill_commit=None):
+    """One kvarn attention layer of SmolLM2's shape (Hq 9, Hk 3, D 64),
+    kvarn_k4v2_g128, driven without an engine: the plug-in's
+    do_kv_cache_update and forward with vLLM's forward context stood in
+    for, on CPU tensors. Returns (impl, layer, run) where run(chunks, total)
+    feeds one sequence's tokens in prefill chunks and returns (K, V fp32
+    [total, Hk * D], the layer's cache tensor, its block table)."""
+    import types
+
+    import torch
+    from kvarn_vllm import backend as be
+
+    monkeypatch.setenv("KVARN_STAGING", staging)
+    if prefill_commit is None:
+        monkeypatch.delenv("KVARN_PREFILL_COMMIT", raising=False)
+    else:
+        monkeypatch.setenv("KVARN_PREFILL_COMMIT", prefill_commit)
+    for name, val in dict(layers=[], staging=None, plan=None, plan_meta=None, ops=None,
+                          runner=None, max_num_seqs=2, max_batched_tokens=1024,
+                          draft_tokens=0, kv_caches={}, n_impls=1, n_sliding=0,
+                          pool_size=None, pool=None, pool_layers=0, staging_kind=0,
+                          exact_commit=False).items():
+        monkeypatch.setattr(be._State, name, val)
+    Hq, Hk, D = 9, 3, 64
+    fmt = parse_format("kvarn_k4v2_g128", D)
+    impl = object.__new__(be.KvarnAttentionImpl)
+    impl.fmt, impl.num_heads, impl.head_size, impl.num_kv_heads = fmt, Hq, D, Hk
+    impl.scale, impl.sliding_window, impl.G = D ** -0.5, 0, fmt.tile_tokens
+    impl.sink_tiles, impl.sink_partial, impl.sinks, impl.sink_param = 1, 0, None, None
+    impl.layer_index, impl.pool_tensor = None, None
+    layer = types.SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
+    rb = _record_bytes(fmt, D)
+    n_blocks = 8
+    kv_cache = torch.zeros((n_blocks, Hk, G, rb // G), dtype=torch.uint8)
+    table = torch.tensor([[3, 5, 1, 6, 2, 0, 0, 0]], dtype=torch.int32)
+
+    def run(chunks, total):
+        g = torch.Generator().manual_seed(7)
+        K = torch.randn(total, Hk * D, generator=g) * 1.5 + 0.3
+        V = torch.randn(total, Hk * D, generator=g)
+        Q = torch.randn(total, Hq * D, generator=g)
+        pos = 0
+        for n in chunks:
+            md = be.KvarnMetadata(num_actual_tokens=n, max_query_len=n,
+                                  query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                                  seq_lens=torch.tensor([pos + n], dtype=torch.int32),
+                                  block_table=table)
+            ctx = types.SimpleNamespace(attn_metadata=md)
+            monkeypatch.setattr("vllm.forward_context.get_forward_context", lambda: ctx)
+            k, v, q = K[pos:pos + n], V[pos:pos + n], Q[pos:pos + n]
+            impl.do_kv_cache_update(layer, k, v, kv_cache, None)
+            out = torch.empty(n, Hq * D)
+            impl.forward(layer, q, k, v, kv_cache, md, out)
+            assert torch.isfinite(out).all()
+            pos += n
+        return K, V, kv_cache, table[0].tolist()
+    return impl, layer, run
+
+
+def _record_bytes(fmt, D):
+    from kvarn_vllm._lib import record_bytes
+    return record_bytes(fmt, D)
+
+
+def _exact_records(K, V, tile, Hk=3, D=64):
+    """kvarn_encode(prerotated = 0) of tile `tile` of the exact K/V, per KV
+    head (emulate.Codec: the codec's own record of those values)."""
+    import emulate
+    c = emulate.Codec("kvarn_k4v2_g128", D)
+    k = K[tile * G:(tile + 1) * G].view(G, Hk, D)
+    v = V[tile * G:(tile + 1) * G].view(G, Hk, D)
+    out = []
+    for h in range(Hk):
+        c.encode(k[:, h].numpy(), v[:, h].numpy())
+        out.append(c.rec.copy())
+    return out
+
+
+def _records_of(kv_cache, block, Hk=3):
+    rb = _record_bytes(parse_format("kvarn_k4v2_g128", 64), 64)
+    return [kv_cache[block, h].reshape(-1)[:rb].numpy().copy() for h in range(Hk)]
+
+
+@pytest.mark.parametrize("staging", ["int8", "fp16"])
+def test_plugin_commits_whole_prefill_tiles_from_exact_kv(monkeypatch, staging):
+    """The plug-in's store path end to end (backend.do_kv_cache_update and
+    forward on the CPU kernels, no engine), one sequence of 4.5 tiles in two
+    prefill chunks [0, 200), [200, 576): tile 0 (sink) and tile 2 lie wholly
+    inside a chunk, tile 1 is cut by the boundary, tile 3 lies inside the
+    second chunk. The committed records of tiles 0, 2 and 3 are byte for
+    byte the codec's record of the exact K/V (kvarn_encode, prerotated = 0);
+    tile 1's is not (committed from its staged copy)."""
+    import numpy as np
+    _, _, run = _engine_free_backend(monkeypatch, staging)
+    K, V, kv_cache, table = run([200, 376], 576)
+    from kvarn_vllm import backend as be
+    assert be._State.exact_commit
+    for t in range(4):
+        got, want = _records_of(kv_cache, table[t]), _exact_records(K, V, t)
+        same = [np.array_equal(a, b) for a, b in zip(got, want)]
+        if t == 1:
+            assert not all(same), "tile 1 (cut by the chunk boundary) committed exactly"
+        else:
+            assert all(same), f"tile {t}: record is not the exact K/V's"
+
+
+def test_plugin_staged_prefill_commit_setting(monkeypatch):
+    """KVARN_PREFILL_COMMIT=staged: every tile commits from its staged
+    (int8) copy, as before the direct path: no whole tile's record is the
+    exact K/V's."""
+    import numpy as np
+    _, _, run = _engine_free_backend(monkeypatch, "int8", prefill_commit="staged")
+    K, V, kv_cache, table = run([576], 576)
+    from kvarn_vllm import backend as be
+    assert not be._State.exact_commit
+    for t in range(4):
+        got, want = _records_of(kv_cache, table[t]), _exact_records(K, V, t)
+        assert not all(np.array_equal(a, b) for a, b in zip(got, want))
