@@ -221,12 +221,15 @@ static int vnni_of(const kvarn_attn_opts *o)
 
 /* The matrix kernel of KVarN records (kernel_amx.c) a call runs for items
  * of ATTN_MATRIX_MIN_ROWS rows or more: 1 AMX tiles, 2 emulated (the
- * testing knob amx = 2), 0 none (knob amx = 1, force_scalar, no AMX). */
+ * testing knob amx = 2, or KVARN_AMX=emulate: its rounding measured on any
+ * CPU, docs/attention-matrix.md), 0 none (knob amx = 1, force_scalar, no
+ * AMX). */
 static int amx_of(const kvarn_attn_opts *o)
 {
     const int knob = o->testing ? o->testing->amx : 0;
     if (knob == 2) return 2;
     if (knob == 1 || force_scalar_of(o)) return 0;
+    if (kvarn__cpu_amx_emulate()) return 2;
     return kvarn__cpu_amx_bf16() ? 1 : 0;
 }
 

@@ -119,9 +119,15 @@ static int amx_granted(void)
 int kvarn__cpu_amx_bf16(void)
 {
     if (kvarn__cpu_level() != KVARN_CPU_AVX512) return 0;
-    const char *off = getenv("KVARN_AMX");
-    if (off != NULL && strcmp(off, "0") == 0) return 0;
+    const char *v = getenv("KVARN_AMX");
+    if (v != NULL && (strcmp(v, "0") == 0 || strcmp(v, "emulate") == 0)) return 0;
     return amx_granted();
+}
+
+int kvarn__cpu_amx_emulate(void)
+{
+    const char *v = getenv("KVARN_AMX");
+    return v != NULL && strcmp(v, "emulate") == 0;
 }
 
 const char *kvarn__cpu_level_name(kvarn_cpu_level level)

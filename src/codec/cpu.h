@@ -49,6 +49,12 @@ int kvarn__cpu_avx512_vnni(void);
  * AVX-512 kernels. Thread-safe. */
 int kvarn__cpu_amx_bf16(void);
 
+/* 1 when KVARN_AMX is "emulate": the matrix kernels run with their tile
+ * operations emulated in C (slow), on any CPU and at any level, so that
+ * their rounding can be measured where no AMX is (docs/attention-matrix.md);
+ * kvarn__cpu_amx_bf16() is then 0. For tests and measurements. */
+int kvarn__cpu_amx_emulate(void);
+
 /* The name of a level: "scalar", "avx2", "avx512". */
 const char *kvarn__cpu_level_name(kvarn_cpu_level level);
 
