@@ -3,7 +3,7 @@
  * (items and split-K chunks), the per-item loop over tiles, the
  * log-sum-exp merge of split chunks, and the final normalization and
  * inverse Hadamard rotation. The per-tile math lives in kernel_ref.c,
- * kernel_avx2.c and kernel_avx512.c, reached through kernel_table.c. Layout: include/kvarn/paged.h; method: docs/attention.md;
+ * kernel_avx2.c and the kernel_avx512*.c files, reached through kernel_table.c. Layout: include/kvarn/paged.h; method: docs/attention.md;
  * source: ../shared/spec/KVARN.md "Attention over records", "The fp16 tail
  * and the sink".
  */

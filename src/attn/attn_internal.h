@@ -1,7 +1,7 @@
 /*
  * attn_internal.h -- what the attention driver (attn.c), the thread pool and
- * the per-ISA tile kernels (kernel_ref.c, kernel_avx2.c, kernel_avx512.c)
- * share. Not part of
+ * the per-ISA tile kernels (kernel_ref.c, kernel_avx2.c, the kernel_avx512*.c
+ * files) share. Not part of
  * the public contract.
  */
 #ifndef KVARN_ATTN_INTERNAL_H
@@ -46,7 +46,7 @@ typedef struct attn_prefetch {
 
 /* Issue up to k prefetches from the cursor: attn_prefetch_step into every
  * cache level (prefetcht0), attn_prefetch_step_l2 into L2 and below
- * (prefetcht1; the AVX-512 KVarN int16 loops, kernel_avx512.c). */
+ * (prefetcht1; the AVX-512 KVarN int16 loops, kernel_avx512_kvarn.c). */
 #define ATTN_PREFETCH_STEP_FN(NAME, LOCALITY)                                      \
     static inline void NAME(attn_prefetch *p, int k)                               \
     {                                                                              \
@@ -239,9 +239,9 @@ typedef struct attn_kind_row {
                                          reference's, in another order) */
 } attn_kind_row;
 
-/* When the AVX-512 kernels multiply in integers (kernel_avx512.c runs its
- * integer loops exactly under these, kernel_table.c reports them): the one
- * statement of those conditions.
+/* When the AVX-512 kernels multiply in integers (kernel_avx512_kvarn.c and
+ * kernel_avx512_int8.c run their integer loops exactly under these,
+ * kernel_table.c reports them): the one statement of those conditions.
  *   KVarN K (kv_kdots4_128_i16): 4-bit codes of 128-token tiles, D <= 256
  *     (int32 sums of D products stay exact); at run time a tile keeps fp32
  *     for all its rows where any row's max |q_d a_d| is below 2^-100, and
@@ -306,20 +306,23 @@ int attn_select_kernels(kvarn_kind kind, int head_dim, int top, attn_kernels *ou
 ATTN_DECLARE_KERNELS(ref)
 /* AVX2/FMA/F16C kernels (kernel_avx2.c); they need D % 16 == 0. */
 ATTN_DECLARE_KERNELS(avx2)
-/* AVX-512 F/BW/VL (+FMA/F16C) kernels (kernel_avx512.c); they need
+/* AVX-512 F/BW/VL (+FMA/F16C) kernels (kernel_avx512.c, KVarN:
+ * kernel_avx512_kvarn.c, int8: kernel_avx512_int8.c); they need
  * D % 32 == 0 (KVarN tiles of a length not a multiple of 32 go to the AVX2
  * kernel). */
 ATTN_DECLARE_KERNELS(avx512)
 #undef ATTN_DECLARE_KERNELS
 #undef ATTN_DECLARE_TOKEN
 /* The AVX-512 KVarN record kernel built with AVX512-VNNI
- * (kernel_avx512_vnni.c): same contract and results as
- * attn_avx512_kvarn_tile; only on CPUs with VNNI (kvarn__cpu_avx512_vnni). */
+ * (kernel_avx512_vnni.c, from kernel_avx512_kvarn.c): same contract and
+ * results as attn_avx512_kvarn_tile; only on CPUs with VNNI
+ * (kvarn__cpu_avx512_vnni). */
 void attn_avx512vnni_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                                 int t0, int nt);
-/* The AVX-512 int8 per-token kernel built with AVX512-VNNI (the same file;
- * its int16 dot products are vpdpwssd): same contract and the same bits as
- * attn_avx512_token_int8; only on CPUs with VNNI. */
+/* The AVX-512 int8 per-token kernel built with AVX512-VNNI (the same file,
+ * from kernel_avx512_int8.c; its int16 dot products are vpdpwssd): same
+ * contract and the same bits as attn_avx512_token_int8; only on CPUs with
+ * VNNI. */
 void attn_avx512vnni_token_int8(attn_rows *r, const kvarn_record_layout *L,
                                 const uint8_t *const *rec, int t0, int nt);
 

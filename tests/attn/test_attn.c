@@ -87,7 +87,7 @@ static double orig_bound(const paged_fixture *f, int s, int h, const double *qo,
 }
 
 /* The extra error of the AVX-512 KVarN kernel's integer dot products
- * (kernel_avx512.c, docs/attention-intdot.md "Integer (int16) dot products"),
+ * (kernel_avx512_kvarn.c, docs/attention-intdot.md "Integer (int16) dot products"),
  * bounded from this case's records and query; 0 where they are not used
  * (levels below AVX-512, formats other than KVarN of 128-token tiles with
  * 4-bit K or 2-bit V).
@@ -1147,7 +1147,7 @@ static void arith_int16(const kvarn_format *f, int D, int vnni, kvarn_attn_arith
     *scores = *sums = KVARN_ATTN_ARITH_INT16;
 }
 
-/* The VNNI build's u8 weights for 2-bit V (kernel_avx512.c kv_vsum2_u8,
+/* The VNNI build's u8 weights for 2-bit V (kernel_avx512_kvarn.c kv_vsum2_u8,
  * docs/attention-intdot.md "u8 weights"), exactly. An all-zero query gives
  * every position the score 0 and p_t = 1, so the weights are the records'
  * value scales a_t; with every a_t = k_t / 256, k_t in 1..255 and 255 in
