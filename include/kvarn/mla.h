@@ -158,6 +158,19 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
  * (kvarn_simd_level). Never NULL ("scalar" for a fmt or dims it refuses). */
 const char *kvarn_mla_attn_kernel_name(const kvarn_mla_format *fmt, int latent_dim);
 
+/* The matrix kernel kvarn_mla_attn runs now for fmt and latent_dim in a
+ * call of 16 or more query rows (n_rows x n_heads: prefill chunks,
+ * verification): "amx-bf16" (AMX tiles: where kvarn_mla_attn_kernel_name
+ * is "avx512", the CPU has AMX-BF16, Linux grants the tile state and
+ * KVARN_AMX is not "0"), "amx-bf16-emulated" (KVARN_AMX=emulate: the same
+ * logic with the tiles emulated in C, slow, for tests and measurements),
+ * or NULL: none (the SIMD level's kernel; also for a fmt or dims it
+ * refuses, and tiles of a length not a multiple of 32). Its arithmetic:
+ * the folded query q a and the weights carried as two bf16 values each,
+ * relative error at most 2^-16, fp32 sums (attn.h
+ * KVARN_ATTN_ARITH_BF16X2; docs/attention-matrix.md). */
+const char *kvarn_mla_attn_matrix_name(const kvarn_mla_format *fmt, int latent_dim);
+
 #ifdef __cplusplus
 }
 #endif

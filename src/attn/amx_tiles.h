@@ -114,4 +114,79 @@ static inline void amx_emu_dpbf16ps(int c, int a, int b)
 
 #endif
 
+/* ---- what both matrix kernels (kernel_amx.c, mla_amx.c) build on ---- */
+
+/* fp32 -> bf16, round to nearest even (the inputs here are finite). */
+static inline uint16_t amx_bf16_of(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* x as two bf16 values, *hi = bf16(x) and *lo = bf16(x - hi) (x - hi is
+ * exact in fp32): |x - hi - lo| <= 2^-16 |x|, below 2^-126 aside. */
+static inline void amx_bf16_split(float x, uint16_t *hi, uint16_t *lo)
+{
+    const uint16_t h = amx_bf16_of(x);
+    const uint32_t u = (uint32_t)h << 16;
+    float hf;
+    memcpy(&hf, &u, 4);
+    *hi = h;
+    *lo = amx_bf16_of(x - hf);
+}
+
+/* One step of a product: C_j += (A_hi + A_lo) . B_j for j < nb (tiles
+ * 0..3 hold C, 4 and 6 the two halves of A, 5 the B being multiplied);
+ * B_j at b + j * 32 bytes. */
+#define DP_COL(J)                                      \
+    do {                                               \
+        AMX_LOAD(5, b + 32 * (J), bstride);            \
+        AMX_DPBF16PS(J, 4, 5);                         \
+        AMX_DPBF16PS(J, 6, 5);                         \
+    } while (0)
+static inline void amx_dp_cols(int nb, const uint16_t *b, long bstride)
+{
+    DP_COL(0);
+    if (nb > 1) DP_COL(1);
+    if (nb > 2) DP_COL(2);
+    if (nb > 3) DP_COL(3);
+}
+#undef DP_COL
+
+static inline void amx_zero_cols(int nb)
+{
+    AMX_ZERO(0);
+    if (nb > 1) AMX_ZERO(1);
+    if (nb > 2) AMX_ZERO(2);
+    if (nb > 3) AMX_ZERO(3);
+}
+
+static inline void amx_store_cols(int nb, float *c, long stride)
+{
+    AMX_STORE(0, c, stride);
+    if (nb > 1) AMX_STORE(1, c + 16, stride);
+    if (nb > 2) AMX_STORE(2, c + 32, stride);
+    if (nb > 3) AMX_STORE(3, c + 48, stride);
+}
+
+/* out[16][N] = (A_hi + A_lo)[16][K] . B: A's halves bf16 rows of K
+ * (stride K), B in the VNNI layout [K / 2][N][2]; K % 32 == 0, N % 16 ==
+ * 0; out fp32, stride N. Tiles configured by amx_config_16x64. */
+static inline void amx_product16(const uint16_t *ahi, const uint16_t *alo, int K,
+                                 const uint16_t *b, int N, float *out)
+{
+    for (int c0 = 0; c0 < N; c0 += 64) {
+        const int nb = (N - c0) / 16 < 4 ? (N - c0) / 16 : 4;
+        amx_zero_cols(nb);
+        for (int k0 = 0; k0 < K; k0 += 32) {
+            AMX_LOAD(4, ahi + k0, (long)K * 2);
+            AMX_LOAD(6, alo + k0, (long)K * 2);
+            amx_dp_cols(nb, b + ((size_t)(k0 / 2) * N + c0) * 2, (long)N * 4);
+        }
+        amx_store_cols(nb, out + c0, (long)N * 4);
+    }
+}
+
 #endif

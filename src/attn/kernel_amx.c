@@ -41,15 +41,6 @@
 #define AMX_SOFTMAX attn_avx512_softmax_update
 #endif
 
-/* fp32 -> bf16, round to nearest even (the inputs here are finite). */
-static inline uint16_t bf16_of(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 static void fp16_array(const uint8_t *src, int n, float *dst)
 {
     for (int i = 0; i < n; i++) {
@@ -66,20 +57,8 @@ static int all_finite(const float *x, int n)
     return ok;
 }
 
-/* x as two bf16 values, *hi = bf16(x) and *lo = bf16(x - hi) (x - hi is
- * exact in fp32): |x - hi - lo| <= 2^-16 |x|, below 2^-126 aside. */
-static inline void bf16_split(float x, uint16_t *hi, uint16_t *lo)
-{
-    const uint16_t h = bf16_of(x);
-    const uint32_t u = (uint32_t)h << 16;
-    float hf;
-    memcpy(&hf, &u, 4);
-    *hi = h;
-    *lo = bf16_of(x - hf);
-}
-
 /* The bf16 of code values 0..255 (exact). */
-static inline uint16_t bf16_code(unsigned c) { return bf16_of((float)c); }
+static inline uint16_t bf16_code(unsigned c) { return amx_bf16_of((float)c); }
 
 /* K codes (record.h: channel d's row of G tokens, low bits first) into the
  * B layout of the score product: kmat[(d / 2) G + t][d % 2]. */
@@ -108,58 +87,6 @@ static void unpack_v(const uint8_t *vc, int D, int G, int vb, uint16_t *vmat)
         uint16_t *out = vmat + (size_t)(t >> 1) * D * 2 + (t & 1);
         for (int d = 0; d < D; d++)
             out[(size_t)d * 2] = bf16_code((row[d / per] >> ((d % per) * vb)) & mask);
-    }
-}
-
-/* One step of a product: C_j += (A_hi + A_lo) . B_j for j < nb (tiles
- * 0..3 hold C, 4 and 6 the two halves of A, 5 the B being multiplied);
- * B_j at b + j * 32 bytes. */
-#define DP_COL(J)                                      \
-    do {                                               \
-        AMX_LOAD(5, b + 32 * (J), bstride);            \
-        AMX_DPBF16PS(J, 4, 5);                         \
-        AMX_DPBF16PS(J, 6, 5);                         \
-    } while (0)
-static inline void dp_cols(int nb, const uint16_t *b, long bstride)
-{
-    DP_COL(0);
-    if (nb > 1) DP_COL(1);
-    if (nb > 2) DP_COL(2);
-    if (nb > 3) DP_COL(3);
-}
-#undef DP_COL
-
-static inline void zero_cols(int nb)
-{
-    AMX_ZERO(0);
-    if (nb > 1) AMX_ZERO(1);
-    if (nb > 2) AMX_ZERO(2);
-    if (nb > 3) AMX_ZERO(3);
-}
-
-static inline void store_cols(int nb, float *c, long stride)
-{
-    AMX_STORE(0, c, stride);
-    if (nb > 1) AMX_STORE(1, c + 16, stride);
-    if (nb > 2) AMX_STORE(2, c + 32, stride);
-    if (nb > 3) AMX_STORE(3, c + 48, stride);
-}
-
-/* out[16][N] = (A_hi + A_lo)[16][K] . B: A's halves bf16 rows of K
- * (stride K), B in the VNNI layout [K / 2][N][2]; K % 32 == 0, N % 16 ==
- * 0; out fp32, stride N. */
-static void product16(const uint16_t *ahi, const uint16_t *alo, int K, const uint16_t *b, int N,
-                      float *out)
-{
-    for (int c0 = 0; c0 < N; c0 += 64) {
-        const int nb = (N - c0) / 16 < 4 ? (N - c0) / 16 : 4;
-        zero_cols(nb);
-        for (int k0 = 0; k0 < K; k0 += 32) {
-            AMX_LOAD(4, ahi + k0, (long)K * 2);
-            AMX_LOAD(6, alo + k0, (long)K * 2);
-            dp_cols(nb, b + ((size_t)(k0 / 2) * N + c0) * 2, (long)N * 4);
-        }
-        store_cols(nb, out + c0, (long)N * 4);
     }
 }
 
@@ -209,12 +136,12 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
             const float *q = r->q + (size_t)(r0 + i) * D;
             float cb = 0.0f;
             for (int d = 0; d < D; d++) {
-                bf16_split(q[d] * ka[d], &ai[d], &li[d]);
+                amx_bf16_split(q[d] * ka[d], &ai[d], &li[d]);
                 cb += q[d] * kbias[d];
             }
             r->rc[r0 + i] = cb;
         }
-        product16(a, alo, D, kmat, G, c);
+        amx_product16(a, alo, D, kmat, G, c);
         for (int i = 0; i < rb; i++) {
             float *s = r->s + (size_t)(r0 + i) * gs;
             const float *ci = c + (size_t)i * G, cb = r->rc[r0 + i];
@@ -236,12 +163,12 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
             const float *p = r->s + (size_t)(r0 + i) * gs;
             float z = 0.0f;
             for (int t = 0; t < G; t++) {
-                bf16_split(p[t] * va[t], &ai[t], &li[t]);
+                amx_bf16_split(p[t] * va[t], &ai[t], &li[t]);
                 z += p[t] * vbias[t];
             }
             pb[i] = z;
         }
-        product16(a, alo, G, vmat, D, c);
+        amx_product16(a, alo, G, vmat, D, c);
         for (int i = 0; i < rb; i++) {
             float *acc = r->acc + (size_t)(r0 + i) * D;
             const float *ci = c + (size_t)i * D;

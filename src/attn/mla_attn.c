@@ -68,6 +68,45 @@ const char *kvarn_mla_attn_kernel_name(const kvarn_mla_format *fmt, int latent_d
     return mla_level()->name;
 }
 
+/* The matrix kernel's three calls (mla_kernels.h). */
+typedef struct mla_matrix_row {
+    const char *name;
+    void (*prep)(const uint8_t *codes, int D, int G, uint16_t *mat);
+    void (*scores)(const uint16_t *mat, const float *qa, const float *cb, const float *s_tok,
+                   const float *rope, const float *const *q_pe, int nb, int D, int R, int G,
+                   float scale, float *sc);
+    void (*accum)(const uint16_t *mat, const float *a, const float *b, const float *w,
+                  const float *sw, int nb, int D, int G, float *const *acc);
+} mla_matrix_row;
+
+/* The matrix kernel calls of at least ATTN_MLA_MATRIX_MIN_ROWS query rows
+ * take for tiles of G tokens (NULL: none): where the level's folded
+ * kernels run, G % 32 == 0 and G <= 128, the AMX tiles where the CPU
+ * grants them (kvarn__cpu_amx_bf16), their emulation under
+ * KVARN_AMX=emulate. */
+static const mla_matrix_row *mla_matrix(const mla_level_row *K, int G)
+{
+    static const mla_matrix_row emu = {"amx-bf16-emulated", attn_mla_matrix_prep_amxemu,
+                                       attn_mla_matrix_scores_amxemu, attn_mla_matrix_accum_amxemu};
+#ifdef ATTN_MLA_HAVE_X86
+    static const mla_matrix_row amx = {"amx-bf16", attn_mla_matrix_prep_amx,
+                                       attn_mla_matrix_scores_amx, attn_mla_matrix_accum_amx};
+#endif
+    if (K->scores == NULL || G % 32 != 0 || G > 128) return NULL;
+    if (kvarn__cpu_amx_emulate()) return &emu;
+#ifdef ATTN_MLA_HAVE_X86
+    if (kvarn__cpu_amx_bf16()) return &amx;
+#endif
+    return NULL;
+}
+
+const char *kvarn_mla_attn_matrix_name(const kvarn_mla_format *fmt, int latent_dim)
+{
+    if (kvarn_mla_check_dims(fmt, latent_dim, 0) != KVARN_OK) return NULL;
+    const mla_matrix_row *M = mla_matrix(mla_level(), fmt->tile_tokens);
+    return M ? M->name : NULL;
+}
+
 /* One online-softmax step of one query row over n scores sc (replaced by
  * the weights exp(sc - m_new)): m, l updated, acc [D] rescaled. */
 static void softmax_step(float *sc, int n, float *m, float *l, float *acc, int D)
@@ -126,6 +165,10 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
     kvarn__mla_attn_ws_carve(D, R, G, nq, workspace, &ws);
     const mla_level_row *K = mla_level();
     const int folded = K->scores != NULL;
+    /* the matrix kernel: its bf16 codes in ws.lat (G D floats, read only by
+     * the reference path and the tail, which follow the records) */
+    const mla_matrix_row *M = nq >= ATTN_MLA_MATRIX_MIN_ROWS ? mla_matrix(K, G) : NULL;
+    uint16_t *mat = (uint16_t *)(void *)ws.lat;
     memcpy(ws.qr, q_latent, (size_t)nq * (size_t)D * sizeof(float));
     kvarn_hadamard_rows(ws.qr, nq, D);
     memset(ws.acc, 0, (size_t)nq * (size_t)D * sizeof(float));
@@ -160,6 +203,7 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
         for (int d = 0; d < D; d++)
             (void)kvarn_unpack_codes(rec + L.lat.k_codes_off + (size_t)d * row_bytes, (size_t)G,
                                      L.latent_bits, ws.codes + (size_t)d * (size_t)G);
+        if (M) M->prep(ws.codes, D, G, mat);
         kvarn__fp16_load(rec + L.lat.k_a_off, D, a);
         kvarn__fp16_load(rec + L.lat.k_b_off, D, b);
         kvarn__fp16_load(rec + L.lat.k_stok_off, G, s_tok);
@@ -184,7 +228,8 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
                 qpe[k] = R > 0 ? q_rope + (size_t)qs[k] * (size_t)R : NULL;
                 accp[k] = ws.acc + (size_t)qs[k] * (size_t)D;
             }
-            K->scores(ws.codes, ws.qa, cb, s_tok, ws.rope, qpe, nb, D, R, G, scale, ws.sc);
+            if (M) M->scores(mat, ws.qa, cb, s_tok, ws.rope, qpe, nb, D, R, G, scale, ws.sc);
+            else K->scores(ws.codes, ws.qa, cb, s_tok, ws.rope, qpe, nb, D, R, G, scale, ws.sc);
             for (int k = 0; k < nb; k++) {
                 float *sc = ws.sc + (size_t)k * (size_t)G, *pw = ws.pw + (size_t)k * (size_t)G;
                 softmax_step(sc, ns[k], &ws.m[qs[k]], &ws.l[qs[k]], accp[k], D);
@@ -194,7 +239,8 @@ kvarn_status kvarn_mla_attn(const kvarn_mla_format *fmt, int latent_dim, int rop
                     sw[k] += pw[t];
                 }
             }
-            K->accum(ws.codes, a, b, ws.pw, sw, nb, D, G, accp);
+            if (M) M->accum(mat, a, b, ws.pw, sw, nb, D, G, accp);
+            else K->accum(ws.codes, a, b, ws.pw, sw, nb, D, G, accp);
         }
     }
 

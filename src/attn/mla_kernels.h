@@ -60,6 +60,29 @@ ATTN_MLA_FOLDED_DECL(_avx2)
 ATTN_MLA_FOLDED_DECL(_avx512)
 #endif
 
+/* The matrix kernel (mla_amx.c: AMX-BF16 tiles; _amxemu: the tiles
+ * emulated in C), for calls of ATTN_MLA_MATRIX_MIN_ROWS query rows or more
+ * with G % 32 == 0, G <= 128 (D is a power of two 64..512):
+ * prep: the tile's codes [D][G] (one per byte) into mat, bf16 [2][D][G]
+ *   (the scores' B layout [D / 2][G][2], then the sums' [G / 2][D][2]);
+ * scores, accum: the folded kernels' results (above, nb <= ATTN_MLA_QB)
+ *   from mat, with q a and w carried as two bf16 values each (relative
+ *   error 2^-16, docs/attention-matrix.md). */
+#define ATTN_MLA_MATRIX_MIN_ROWS 16
+#define ATTN_MLA_MATRIX_DECL(SFX)                                                          \
+    void attn_mla_matrix_prep##SFX(const uint8_t *codes, int D, int G, uint16_t *mat);     \
+    void attn_mla_matrix_scores##SFX(const uint16_t *mat, const float *qa, const float *cb, \
+                                     const float *s_tok, const float *rope,                 \
+                                     const float *const *q_pe, int nb, int D, int R, int G, \
+                                     float scale, float *sc);                               \
+    void attn_mla_matrix_accum##SFX(const uint16_t *mat, const float *a, const float *b,    \
+                                    const float *w, const float *sw, int nb, int D, int G,  \
+                                    float *const *acc);
+ATTN_MLA_MATRIX_DECL(_amxemu)
+#ifdef ATTN_MLA_HAVE_X86
+ATTN_MLA_MATRIX_DECL(_amx)
+#endif
+
 #endif /* KVARN_ATTN_MLA_KERNELS_H */
 
 /* The folded kernels' body: included by mla_avx2.c / mla_avx512.c after

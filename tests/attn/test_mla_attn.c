@@ -154,7 +154,11 @@ static kvarn_status seq_attn(seq *s, float *out, float *lse)
  * per tile, the fold's a_d and b_d terms, the normalization, the output's
  * rotation) add u (n + D + 3 log2 D + 4 chunks + 16) sum_t p_t ||A_t||.
  * Products of these first-order terms are below 1e-3 of them here: x 1.001.
- * lse: delta_max + u (n + 8) (1 + |lse|). */
+ * lse: delta_max + u (n + 8) (1 + |lse|).
+ * Where the library names a matrix kernel for this call (16 or more query
+ * rows, kvarn_mla_attn_matrix_name), its statement adds: q a carried to
+ * relative 2^-16, so a score moves by at most scale 2^-16 ||q|| ||A_t||
+ * more, and the weights likewise, the output by 2^-16 sum_t p_t ||A_t||. */
 static void reference(const seq *s, int i, int h, double *out, double *lse, double *eo, double *el)
 {
     const int D = s->D, R = s->R, n = s->row_len[i];
@@ -164,6 +168,8 @@ static void reference(const seq *s, int i, int h, double *out, double *lse, doub
     for (int d = 0; d < D; d++) qn += (double)q[d] * q[d];
     for (int j = 0; j < R; j++) qpn += (double)qp[j] * qp[j];
     qn = sqrt(qn), qpn = sqrt(qpn);
+    const double um = (size_t)s->n_rows * s->n_heads >= 16 && kvarn_mla_attn_matrix_name(&s->f, D)
+                          ? 0x1p-16 : 0.0;
     double *sc = malloc(sizeof(double) * (size_t)n), m = -INFINITY, dmax = 0.0;
     const double lg = log2((double)D);
     for (int t = 0; t < n; t++) {
@@ -175,7 +181,8 @@ static void reference(const seq *s, int i, int h, double *out, double *lse, doub
         }
         sc[t] = dot * s->scale;
         m = fmax(m, sc[t]);
-        const double delta = s->scale * U * ((D + 3 * lg + 16) * qn * s->amag[t] + (R + 4) * qpn * sqrt(kn));
+        const double delta = s->scale * U * ((D + 3 * lg + 16) * qn * s->amag[t] + (R + 4) * qpn * sqrt(kn)) +
+                             s->scale * um * qn * s->amag[t];
         dmax = fmax(dmax, delta);
     }
     double l = 0.0, pc = 0.0, pa = 0.0;
@@ -195,7 +202,7 @@ static void reference(const seq *s, int i, int h, double *out, double *lse, doub
     pc /= l, pa /= l;
     *lse = m + log(l);
     const int chunks = (n + s->G - 1) / s->G + 1;
-    *eo = 1.001 * ((exp(2.0 * dmax) - 1.0) * pc + U * (n + D + 3 * lg + 4 * chunks + 16) * pa);
+    *eo = 1.001 * ((exp(2.0 * dmax) - 1.0) * pc + (U * (n + D + 3 * lg + 4 * chunks + 16) + um) * pa);
     *el = 1.001 * (dmax + U * (n + 8) * (1.0 + fabs(*lse)));
     free(sc);
 }
@@ -294,6 +301,65 @@ static void test_levels_vs_reference(void **state)
         for (int l = 0; l < nl; l++) free(out[l]), free(lse[l]);
         seq_free(&s);
     }
+}
+
+/* The matrix kernel (mla_amx.c) with its tiles emulated in C
+ * (KVARN_AMX=emulate), at every level whose folded kernels it replaces:
+ * calls of 16 or more query rows, tiles of 128 and 64 tokens, with and
+ * without rope and tail, against the double reference with its statement's
+ * bound (reference()); then KVARN_AMX=0 must give other bits: it ran.
+ * Where the CPU grants AMX, the hardware tiles run the same cases. */
+static void test_matrix_kernel(void **state)
+{
+    (void)state;
+    static const shape mshapes[] = {
+        {{4, 128, 16}, 512, 64, 3, 5, 4, 8, 1.0},  /* DeepSeek's dims, 32 rows */
+        {{2, 64, 8}, 256, 32, 4, 0, 6, 3, 2.0},    /* 18 rows, peaky */
+        {{8, 64, 16}, 128, 0, 1, 70, 8, 2, 1.0},   /* 16 rows, no rope, a long tail */
+    };
+    for (size_t k = 0; k < sizeof mshapes / sizeof mshapes[0]; k++) {
+        const shape *sh = &mshapes[k];
+        seq s;
+        seq_make(&s, &sh->f, sh->D, sh->R, sh->n_tiles, sh->n_tail, sh->n_rows, sh->n_heads, sh->qscale,
+                 700 + k);
+        const char *names[3];
+        const int nl = levels(names, &sh->f, sh->D);
+        const size_t nq = (size_t)sh->n_rows * sh->n_heads;
+        float *o1 = malloc(sizeof(float) * nq * sh->D), *o2 = malloc(sizeof(float) * nq * sh->D);
+        float *l1 = malloc(sizeof(float) * nq), *l2 = malloc(sizeof(float) * nq);
+        for (int l = 1; l < nl; l++) { /* the folded levels */
+            setenv("KVARN_SIMD", names[l], 1);
+            setenv("KVARN_AMX", "emulate", 1);
+            assert_string_equal(kvarn_mla_attn_matrix_name(&sh->f, sh->D), "amx-bf16-emulated");
+            assert_int_equal(seq_attn(&s, o1, l1), KVARN_OK);
+            const double w = check_against_reference(&s, o1, l1, "emulated tiles", 1);
+            printf("  matrix shape %zu %-6s emulated: worst error / bound %.3f\n", k, names[l], w);
+            setenv("KVARN_AMX", "0", 1);
+            assert_null(kvarn_mla_attn_matrix_name(&sh->f, sh->D));
+            assert_int_equal(seq_attn(&s, o2, l2), KVARN_OK);
+            size_t differ = 0;
+            for (size_t i = 0; i < nq * sh->D; i++) differ += o1[i] != o2[i];
+            assert_true(differ > nq * sh->D / 4);
+            unsetenv("KVARN_AMX");
+            const char *hw = kvarn_mla_attn_matrix_name(&sh->f, sh->D);
+            if (hw != NULL) {
+                assert_string_equal(hw, "amx-bf16");
+                assert_int_equal(seq_attn(&s, o1, l1), KVARN_OK);
+                printf("  matrix shape %zu %-6s AMX tiles: worst error / bound %.3f\n", k, names[l],
+                       check_against_reference(&s, o1, l1, "AMX tiles", 1));
+            } else if (k == 0 && l == nl - 1) {
+                printf("  AMX tiles: skipped: no AMX (emulated only)\n");
+            }
+        }
+        unsetenv("KVARN_SIMD");
+        free(o1), free(o2), free(l1), free(l2);
+        seq_free(&s);
+    }
+    /* tiles of 16 tokens: none */
+    const kvarn_mla_format g16 = {4, 16, 16};
+    setenv("KVARN_AMX", "emulate", 1);
+    assert_null(kvarn_mla_attn_matrix_name(&g16, 512));
+    unsetenv("KVARN_AMX");
 }
 
 /* The bound can fail: one latent code of the record (of 65536) moved by
@@ -461,7 +527,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_levels_vs_reference),
-        cmocka_unit_test(test_bound_sees_one_code),
+        cmocka_unit_test(test_bound_sees_one_code), cmocka_unit_test(test_matrix_kernel),
         cmocka_unit_test(test_rows_independent),
         cmocka_unit_test(test_hostile),
     };
