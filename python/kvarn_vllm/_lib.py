@@ -370,6 +370,7 @@ def mla_lib():
         # records: const uint8_t *const * (an array of record addresses)
         "kvarn_mla_attn": (I, [pf, I, I, P, I, P, P, I, P, P, I, I, P, ctypes.c_float, P, P, P]),
         "kvarn_mla_attn_kernel_name": (S, [pf, I]),
+        "kvarn_mla_attn_matrix_name": (S, [pf, I]),
     }
     for name, (res, args) in sig.items():
         f = getattr(L, name)

@@ -426,10 +426,17 @@ class KvarnAttentionImpl(AttentionImpl):
                                       self._page_shape(), dtype=self._page_dtype(),
                                       device=kv_cache.device)
             from vllm.logger import init_logger
+            kern = ""
+            if kv_cache.device.type == "cpu":
+                # the C attention's SIMD level, and the matrix kernel that
+                # work items of 16+ query rows take (prefill, verification)
+                ki = _lib.attn_kernel_info(self.fmt, self.head_size, _State.staging_kind)
+                kern = f" (attention {ki['level']}, items of {ki['matrix_rows']}+ rows on " \
+                       f"{ki['matrix']})" if ki["matrix"] else f" (attention {ki['level']})"
             init_logger("vllm.kvarn_vllm").info(
-                "kvarn: %s kernels on %s, cache %s, staging %s: %d slots, %d sink slots, "
+                "kvarn: %s kernels on %s%s, cache %s, staging %s: %d slots, %d sink slots, "
                 "%d scratch tiles; prefill tiles committed from the %s K/V", _State.ops.name,
-                kv_cache.device, self.fmt.name.decode(),
+                kv_cache.device, kern, self.fmt.name.decode(),
                 _lib.staging_name(_State.staging_kind), ps["n_slots"], ps["n_sink_slots"],
                 ps["n_scratch"], "exact" if _State.exact_commit else "staged")
         st, L = _State.staging, _State.pool_layers

@@ -406,9 +406,10 @@ class KvarnMLAImpl(CPUMLAImpl):
             from vllm.logger import init_logger
             init_logger("vllm.kvarn_vllm").info(
                 "kvarn: MLA cache %s (%d bytes per %d-token record, latent %d + rope %d), "
-                "attention kernel %s, fp32 tail pool of %d slots x %d layers", _Mla.name,
-                _Mla.record_bytes, G, _Mla.latent, _Mla.rope,
+                "attention kernel %s (calls of 16+ query rows: %s), fp32 tail pool of %d slots "
+                "x %d layers", _Mla.name, _Mla.record_bytes, G, _Mla.latent, _Mla.rope,
                 _lib.mla_lib().kvarn_mla_attn_kernel_name(_Mla.fmt, _Mla.latent).decode(),
+                (_lib.mla_lib().kvarn_mla_attn_matrix_name(_Mla.fmt, _Mla.latent) or b"the same").decode(),
                 n, _Mla.n_layers)
 
     def _workspace(self, n_heads: int) -> int:
