@@ -103,12 +103,27 @@ static inline void amx_emu_dpbf16ps(int c, int a, int b)
 
 #include <immintrin.h>
 
-#define AMX_CONFIG(c) _tile_loadconfig(c)
+#define AMX_CONFIG(c)                         \
+    do {                                      \
+        AMX_BARRIER();                        \
+        _tile_loadconfig(c);                  \
+    } while (0)
 #define AMX_RELEASE() _tile_release()
 /* GCC's tile macros paste the tile number into the instruction's text:
- * pass the bare literal. */
+ * pass the bare literal. GCC 12's ldtilecfg names only the first 8 bytes
+ * of the configuration as its memory operand, and its tileloadd takes the
+ * address in a register with no memory operand or clobber: the compiler
+ * may then keep the configuration's or the operands' stores pending, or
+ * drop them as dead (nothing else reads those buffers). A compiler barrier
+ * before each makes every earlier store happen first; tilestored has its
+ * own "memory" clobber. */
+#define AMX_BARRIER() __asm__ volatile("" ::: "memory")
 #define AMX_ZERO(n) _tile_zero(n)
-#define AMX_LOAD(n, base, stride) _tile_loadd(n, (base), (stride))
+#define AMX_LOAD(n, base, stride)             \
+    do {                                      \
+        AMX_BARRIER();                        \
+        _tile_loadd(n, (base), (stride));     \
+    } while (0)
 #define AMX_STORE(n, base, stride) _tile_stored(n, (base), (stride))
 #define AMX_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 
