@@ -80,9 +80,11 @@ void kvarn_cache_destroy(kvarn_cache *c)
 /* Bytes of one sequence's bookkeeping (seq_open in sequence.c): the block
  * table, tile -> block and tile -> page arrays of max_tiles int32 each, the
  * small tail page array of max_tiles * per_tile int32 (per_tile = G / T with
- * small tail pages, else 0), the written length of every layer, and one
- * byte per tile and layer (the exact-record marks, kvarn_seq.exact). */
-static int seq_bytes(uint64_t max_tiles, uint64_t per_tile, uint64_t n_layers, size_t *out)
+ * small tail pages, else 0), the written length of every layer, and for
+ * KVarN (marks = 1) one byte per tile and layer (the exact-record marks,
+ * kvarn_seq.exact; per-token formats have none). */
+static int seq_bytes(uint64_t max_tiles, uint64_t per_tile, uint64_t n_layers, int marks,
+                     size_t *out)
 {
     uint64_t tables, small, written, exact, total;
     int bad = kvarn__mul3_u64(3, max_tiles, sizeof(int32_t), &tables);
@@ -91,7 +93,7 @@ static int seq_bytes(uint64_t max_tiles, uint64_t per_tile, uint64_t n_layers, s
     bad |= kvarn__mul_u64(n_layers, sizeof(int), &written);
     bad |= kvarn__add_u64(tables, written, &total);
     /* the exact-record marks, one byte per tile and layer (kvarn_seq) */
-    bad |= kvarn__mul_u64(max_tiles, n_layers, &exact);
+    bad |= kvarn__mul_u64(marks ? max_tiles : 0, n_layers, &exact);
     bad |= kvarn__add_u64(total, exact, &total);
     return bad | kvarn__u64_to_size(total, out);
 }
@@ -238,7 +240,7 @@ static kvarn_status plan(const kvarn_cache_opts *o, kvarn_cache_info *info,
     bad |= kvarn__add_u64(sink_total, 64, &slack) | kvarn__u64_to_size(slack, &sz);
     bad |= kvarn__u64_to_size(sink_bytes, &sb);
     bad |= seq_bytes(kvarn__ceil_div_u64(max_len, (uint64_t)G), small ? (uint64_t)(G / T) : 0, L,
-                     &sz);
+                     is_kvarn, &sz);
     size_t rs, bs, bb, pb, tb;
     bad |= kvarn__u64_to_size(record_stride, &rs) | kvarn__u64_to_size(block_stride, &bs);
     bad |= kvarn__u64_to_size(block_bytes, &bb) | kvarn__u64_to_size(page_bytes, &pb);
@@ -374,7 +376,7 @@ kvarn_status kvarn_cache_capacity_get(const kvarn_cache_opts *opts, int n_seqs,
     const uint64_t ws = kvarn_encode_workspace_bytes(&in->format, in->head_dim);
     uint64_t books = sizeof(kvarn_cache) + max_seqs * sizeof(kvarn_seq) + 8 * (NB + NP + NTP) +
                      max_seqs * ((3 + Q) * max_tiles * sizeof(int32_t) + L * sizeof(int) +
-                                 max_tiles * L) +
+                                 (is_kvarn ? max_tiles * L : 0)) +
                      2 * aligned_bytes(GD * sizeof(float)) +
                      aligned_bytes((uint64_t)in->head_dim * sizeof(float)) +
                      aligned_bytes(ws) + (NB ? 64 : 0) + (NP ? 64 : 0) + (NTP ? 64 : 0) +

@@ -49,7 +49,7 @@ typedef struct kvarn_seq {
                            small page of tokens [q*T, (q+1)*T), -1 when none;
                            NULL otherwise */
     int *written;       /* [n_layers] tokens [0, written[l]) written in layer l */
-    uint8_t *exact;     /* KVarN: [max_tiles][n_layers] 1 where the tile's
+    uint8_t *exact;     /* KVarN (NULL otherwise): [max_tiles][n_layers] 1 where the tile's
                            block already holds, for that layer, the record
                            kvarn_cache_write_exact encoded from the exact
                            K/V of its tokens as last written (commit keeps

@@ -56,7 +56,7 @@ void kvarn__seq_clear_exact(const kvarn_cache *c, kvarn_seq *s, int t0, int t1)
     const size_t L = (size_t)c->info.n_layers;
     if (t0 < 0) t0 = 0;
     if (t1 > c->max_tiles) t1 = c->max_tiles;
-    if (t1 > t0) memset(s->exact + (size_t)t0 * L, 0, (size_t)(t1 - t0) * L);
+    if (s->exact != NULL && t1 > t0) memset(s->exact + (size_t)t0 * L, 0, (size_t)(t1 - t0) * L);
 }
 
 /* A free slot with its arrays allocated, or an error. */
@@ -73,7 +73,8 @@ static kvarn_status seq_open(kvarn_cache *c, int *id)
     const size_t T = (size_t)c->max_tiles;
     const size_t Q = c->small_tail ? (size_t)small_per_tile(c) : 0;
     const size_t L = (size_t)c->info.n_layers;
-    const size_t bytes = (3 + Q) * T * sizeof(int32_t) + L * sizeof(int) + T * L;
+    const size_t M = c->is_kvarn ? T * L : 0; /* the exact-record marks */
+    const size_t bytes = (3 + Q) * T * sizeof(int32_t) + L * sizeof(int) + M;
     void *mem = c->seqs[slot].mem ? c->seqs[slot].mem : kvarn__malloc(&c->alloc, bytes ? bytes : 1, 1);
     if (mem == NULL) return KVARN_ERR_NOMEM;
     kvarn_seq *s = &c->seqs[slot];
@@ -84,8 +85,8 @@ static kvarn_status seq_open(kvarn_cache *c, int *id)
     s->pg = s->blk + T;
     s->tp = Q ? s->pg + T : NULL;
     s->written = (int *)(void *)(s->pg + T + Q * T);
-    s->exact = (uint8_t *)(void *)(s->written + L);
-    memset(s->exact, 0, T * L);
+    s->exact = M ? (uint8_t *)(void *)(s->written + L) : NULL;
+    if (M) memset(s->exact, 0, M);
     for (size_t t = 0; t < T; t++) s->table[t] = s->blk[t] = s->pg[t] = -1;
     for (size_t q = 0; q < Q * T; q++) s->tp[q] = -1;
     for (int l = 0; l < c->info.n_layers; l++) s->written[l] = 0;
@@ -135,7 +136,7 @@ kvarn_status kvarn_cache_seq_fork(kvarn_cache *c, int parent, int *child)
     /* records written from exact K/V sit in blocks the child now shares:
      * its commit keeps them too (re-encoding a shared block from the
      * staged copy would change the parent's record) */
-    memcpy(s->exact, p->exact, (size_t)nt * (size_t)c->info.n_layers);
+    if (s->exact != NULL) memcpy(s->exact, p->exact, (size_t)nt * (size_t)c->info.n_layers);
     /* A quantized partial sink tile reads its first r tokens from the
      * sequence's own sink slot: the child gets a copy (slots are per
      * sequence, not shared). */
