@@ -229,8 +229,7 @@ static int amx_of(const kvarn_attn_opts *o)
     const int knob = o->testing ? o->testing->amx : 0;
     if (knob == 2) return 2;
     if (knob == 1 || force_scalar_of(o)) return 0;
-    if (kvarn__cpu_amx_emulate()) return 2;
-    return kvarn__cpu_amx_bf16() ? 1 : 0;
+    return (int)kvarn__cpu_amx(); /* 0 none, 1 tiles, 2 emulated */
 }
 
 /* The matrix kernel for a KVarN format of tiles of G tokens at head_dim D
@@ -286,8 +285,9 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
     info.matrix = NULL;
     info.matrix_rows = 0;
     info.matrix_scores = info.matrix_sums = KVARN_ATTN_ARITH_FP32;
-    if (fmt->kind == KVARN_KIND_KVARN && matrix_kernel(&o, fmt->kind, head_dim, fmt->tile_tokens)) {
-        info.matrix = amx_of(&o) == 2 ? "amx-bf16-emulated" : "amx-bf16";
+    const attn_matrix_tile_fn mk = matrix_kernel(&o, fmt->kind, head_dim, fmt->tile_tokens);
+    if (mk != NULL) {
+        info.matrix = mk == attn_amxemu_kvarn_tile ? "amx-bf16-emulated" : "amx-bf16";
         info.matrix_rows = ATTN_MATRIX_MIN_ROWS;
         info.matrix_scores = info.matrix_sums = KVARN_ATTN_ARITH_BF16X2;
     }

@@ -32,6 +32,8 @@
 
 #include "attn/amx_tiles.h"
 #include "attn/attn_internal.h"
+#include "codec/fp_convert.h"
+#include "codec/pack.h"
 
 #ifdef KVARN_AMX_EMULATE
 #define AMX_FN(name) attn_amxemu_##name
@@ -41,37 +43,16 @@
 #define AMX_SOFTMAX attn_avx512_softmax_update
 #endif
 
-static void fp16_array(const uint8_t *src, int n, float *dst)
-{
-    for (int i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * i, 2);
-        dst[i] = kvarn_fp16_to_fp32(h);
-    }
-}
-
-static int all_finite(const float *x, int n)
-{
-    int ok = 1;
-    for (int i = 0; i < n; i++) ok &= isfinite(x[i]) != 0;
-    return ok;
-}
-
-/* The bf16 of code values 0..255 (exact). */
-static inline uint16_t bf16_code(unsigned c) { return amx_bf16_of((float)c); }
-
-/* K codes (record.h: channel d's row of G tokens, low bits first) into the
- * B layout of the score product: kmat[(d / 2) G + t][d % 2]. */
+/* K codes (record.h: channel d's row of G tokens) into the B layout of
+ * the score product: kmat[(d / 2) G + t][d % 2], bf16 (exact). */
 static void unpack_k(const uint8_t *kc, int D, int G, int kb, uint16_t *kmat)
 {
     const size_t krow = (size_t)G * kb / 8;
-    const unsigned mask = (1u << kb) - 1u;
-    const int per = 8 / kb;
+    uint8_t c[ATTN_MATRIX_MAX_D];
     for (int d = 0; d < D; d++) {
-        const uint8_t *row = kc + (size_t)d * krow;
+        (void)kvarn_unpack_codes(kc + (size_t)d * krow, (size_t)G, kb, c);
         uint16_t *out = kmat + (size_t)(d >> 1) * G * 2 + (d & 1);
-        for (int t = 0; t < G; t++)
-            out[(size_t)t * 2] = bf16_code((row[t / per] >> ((t % per) * kb)) & mask);
+        for (int t = 0; t < G; t++) out[(size_t)t * 2] = amx_bf16_of((float)c[t]);
     }
 }
 
@@ -80,13 +61,11 @@ static void unpack_k(const uint8_t *kc, int D, int G, int kb, uint16_t *kmat)
 static void unpack_v(const uint8_t *vc, int D, int G, int vb, uint16_t *vmat)
 {
     const size_t vrow = (size_t)D * vb / 8;
-    const unsigned mask = (1u << vb) - 1u;
-    const int per = 8 / vb;
+    uint8_t c[ATTN_MATRIX_MAX_D];
     for (int t = 0; t < G; t++) {
-        const uint8_t *row = vc + (size_t)t * vrow;
+        (void)kvarn_unpack_codes(vc + (size_t)t * vrow, (size_t)D, vb, c);
         uint16_t *out = vmat + (size_t)(t >> 1) * D * 2 + (t & 1);
-        for (int d = 0; d < D; d++)
-            out[(size_t)d * 2] = bf16_code((row[d / per] >> ((d % per) * vb)) & mask);
+        for (int d = 0; d < D; d++) out[(size_t)d * 2] = amx_bf16_of((float)c[d]);
     }
 }
 
@@ -96,14 +75,15 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const int D = r->D, G = L->tile_tokens, gs = r->gs, n = r->n;
     float *ka = r->meta, *kbias = ka + D, *schan = kbias + D;
     float *stok = schan + D, *va = stok + gs, *vbias = va + gs;
-    fp16_array(rec + L->k_a_off, D, ka);
-    fp16_array(rec + L->k_b_off, D, kbias);
-    fp16_array(rec + L->k_stok_off, G, stok);
-    fp16_array(rec + L->v_schan_off, D, schan);
-    fp16_array(rec + L->v_a_off, G, va);
-    fp16_array(rec + L->v_b_off, G, vbias);
-    int ok = all_finite(ka, D) & all_finite(kbias, D) & all_finite(schan, D) &
-             all_finite(stok, G) & all_finite(va, G) & all_finite(vbias, G);
+    kvarn__fp16_load(rec + L->k_a_off, D, ka);
+    kvarn__fp16_load(rec + L->k_b_off, D, kbias);
+    kvarn__fp16_load(rec + L->k_stok_off, G, stok);
+    kvarn__fp16_load(rec + L->v_schan_off, D, schan);
+    kvarn__fp16_load(rec + L->v_a_off, G, va);
+    kvarn__fp16_load(rec + L->v_b_off, G, vbias);
+    int ok = kvarn__all_finite(ka, (size_t)D) && kvarn__all_finite(kbias, (size_t)D) &&
+             kvarn__all_finite(schan, (size_t)D) && kvarn__all_finite(stok, (size_t)G) &&
+             kvarn__all_finite(va, (size_t)G) && kvarn__all_finite(vbias, (size_t)G);
     for (int i = 0; ok && i < n; i++) {
         const float *q = r->q + (size_t)i * D;
         for (int d = 0; d < D; d++) ok &= fabsf(q[d] * ka[d]) < 0x1p80f;

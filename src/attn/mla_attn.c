@@ -82,7 +82,7 @@ typedef struct mla_matrix_row {
 /* The matrix kernel calls of at least ATTN_MLA_MATRIX_MIN_ROWS query rows
  * take for tiles of G tokens (NULL: none): where the level's folded
  * kernels run, G % 32 == 0 and G <= 128, the AMX tiles where the CPU
- * grants them (kvarn__cpu_amx_bf16), their emulation under
+ * grants them (kvarn__cpu_amx), their emulation under
  * KVARN_AMX=emulate. */
 static const mla_matrix_row *mla_matrix(const mla_level_row *K, int G)
 {
@@ -93,11 +93,13 @@ static const mla_matrix_row *mla_matrix(const mla_level_row *K, int G)
                                        attn_mla_matrix_scores_amx, attn_mla_matrix_accum_amx};
 #endif
     if (K->scores == NULL || G % 32 != 0 || G > 128) return NULL;
-    if (kvarn__cpu_amx_emulate()) return &emu;
+    switch (kvarn__cpu_amx()) {
+    case KVARN_CPU_AMX_EMULATED: return &emu;
 #ifdef ATTN_MLA_HAVE_X86
-    if (kvarn__cpu_amx_bf16()) return &amx;
+    case KVARN_CPU_AMX_TILES: return &amx;
 #endif
-    return NULL;
+    default: return NULL;
+    }
 }
 
 const char *kvarn_mla_attn_matrix_name(const kvarn_mla_format *fmt, int latent_dim)

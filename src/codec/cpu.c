@@ -116,18 +116,13 @@ static int amx_granted(void)
 #endif
 }
 
-int kvarn__cpu_amx_bf16(void)
-{
-    if (kvarn__cpu_level() != KVARN_CPU_AVX512) return 0;
-    const char *v = getenv("KVARN_AMX");
-    if (v != NULL && (strcmp(v, "0") == 0 || strcmp(v, "emulate") == 0)) return 0;
-    return amx_granted();
-}
-
-int kvarn__cpu_amx_emulate(void)
+kvarn_cpu_amx kvarn__cpu_amx(void)
 {
     const char *v = getenv("KVARN_AMX");
-    return v != NULL && strcmp(v, "emulate") == 0;
+    if (v != NULL && strcmp(v, "emulate") == 0) return KVARN_CPU_AMX_EMULATED;
+    if (v != NULL && strcmp(v, "0") == 0) return KVARN_CPU_AMX_NONE;
+    if (kvarn__cpu_level() != KVARN_CPU_AVX512) return KVARN_CPU_AMX_NONE;
+    return amx_granted() ? KVARN_CPU_AMX_TILES : KVARN_CPU_AMX_NONE;
 }
 
 const char *kvarn__cpu_level_name(kvarn_cpu_level level)

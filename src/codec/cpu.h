@@ -40,20 +40,27 @@ kvarn_cpu_level kvarn__cpu_level(void);
  * AVX-512 level, not a level of its own. */
 int kvarn__cpu_avx512_vnni(void);
 
-/* 1 when kvarn__cpu_level() is KVARN_CPU_AVX512, the CPU has AMX-TILE
- * and AMX-BF16, Linux granted this process the tile state (asked once,
- * on the first call: arch_prctl ARCH_REQ_XCOMP_PERM) and the environment
- * variable KVARN_AMX is not "0": the attention's matrix kernel of KVarN
- * records (src/attn/kernel_amx.c) then runs for items of 16 or more query
- * rows. A refusal (an older kernel, a seccomp filter) leaves 0 and the
- * AVX-512 kernels. Thread-safe. */
-int kvarn__cpu_amx_bf16(void);
-
-/* 1 when KVARN_AMX is "emulate": the matrix kernels run with their tile
- * operations emulated in C (slow), on any CPU and at any level, so that
- * their rounding can be measured where no AMX is (docs/attention-matrix.md);
- * kvarn__cpu_amx_bf16() is then 0. For tests and measurements. */
-int kvarn__cpu_amx_emulate(void);
+/* Which AMX tiles the attention's matrix kernels (src/attn/kernel_amx.c,
+ * mla_amx.c: items of 16 or more query rows) run on:
+ *   KVARN_CPU_AMX_EMULATED  KVARN_AMX is "emulate": the tile operations
+ *                           emulated in C (slow), on any CPU and at any
+ *                           level, so that their rounding can be measured
+ *                           where no AMX is (docs/attention-matrix.md); for
+ *                           tests and measurements;
+ *   KVARN_CPU_AMX_TILES     kvarn__cpu_level() is KVARN_CPU_AVX512, the CPU
+ *                           has AMX-TILE and AMX-BF16, Linux granted this
+ *                           process the tile state (asked once, on the first
+ *                           call: arch_prctl ARCH_REQ_XCOMP_PERM) and
+ *                           KVARN_AMX is not "0";
+ *   KVARN_CPU_AMX_NONE      otherwise (a refusal, an older kernel, a seccomp
+ *                           filter: the AVX-512 kernels).
+ * Thread-safe. */
+typedef enum kvarn_cpu_amx {
+    KVARN_CPU_AMX_NONE = 0,
+    KVARN_CPU_AMX_TILES = 1,
+    KVARN_CPU_AMX_EMULATED = 2,
+} kvarn_cpu_amx;
+kvarn_cpu_amx kvarn__cpu_amx(void);
 
 /* The name of a level: "scalar", "avx2", "avx512". */
 const char *kvarn__cpu_level_name(kvarn_cpu_level level);

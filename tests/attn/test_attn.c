@@ -722,7 +722,7 @@ static void test_matrix_kernel(void **state)
             assert_true(res.max_int_use > 0.0); /* the bound was computed */
             /* the hardware's tiles, where this CPU grants them */
             set_level(LV_AVX512);
-            if (kvarn__cpu_amx_bf16()) {
+            if (kvarn__cpu_amx() == KVARN_CPU_AMX_TILES) {
                 attn_case h = c;
                 h.amx = 0;
                 h.level = LV_AVX512;
@@ -1325,7 +1325,8 @@ static void test_kernel_info(void **state)
                     /* the matrix kernel: KVarN tiles of 32-128 tokens at
                      * head_dim a multiple of 32 up to 512, where the CPU
                      * grants AMX-BF16 at the AVX-512 level (cpu.h) */
-                    const int amx_here = kvarn__cpu_amx_bf16() && fmt.kind == KVARN_KIND_KVARN &&
+                    const int amx_here = kvarn__cpu_amx() == KVARN_CPU_AMX_TILES &&
+                                         fmt.kind == KVARN_KIND_KVARN &&
                                          D % 32 == 0 && D <= 512;
                     assert_int_equal(info.matrix != NULL, amx_here);
                     assert_int_equal(info.matrix_rows, amx_here ? 16 : 0);
