@@ -184,12 +184,13 @@ class VllmAttn:
 # ---------------------------------------------------------------- kvarn
 def plugin_settings(tile: int) -> tuple:
     """(staging, sink_tiles) as the plug-in serves a CPU cache of tiles of
-    `tile` tokens: its staging_config("cpu") (KVARN_STAGING, int8 by
-    default) and sink_config (KVARN_SINK_TILES, 1 by default); a sink
+    `tile` tokens: its settings (settings.py: KVARN_STAGING, int8 by
+    default on CPU; KVARN_SINK_TILES, 1 by default); a sink
     shorter than a tile (KVARN_SINK_TOKENS) is not benchmarked here."""
-    from kvarn_vllm import backend
-    staging = backend.staging_config("cpu")
-    sink_tiles, partial = backend.sink_config(tile)
+    from kvarn_vllm.settings import Settings
+    settings = Settings.from_env()
+    staging = settings.staging_kind("cpu")
+    sink_tiles, partial = settings.sink(tile)
     if partial:
         raise ValueError("attn_vs_vllm: KVARN_SINK_TOKENS with a partial tile is not "
                          "benchmarked; use KVARN_SINK_TILES")

@@ -53,7 +53,7 @@ class PagedKV(ctypes.Structure):
                 ("tail_page_tokens", ctypes.c_int), ("fp16_tail_pages", ctypes.c_void_p),
                 ("tail_page_stride", ctypes.c_size_t),
                 ("tail_page_head_stride", ctypes.c_size_t), ("n_tail_pages", ctypes.c_int),
-                # staging below fp16 (paged.h): KVARN_STAGING, backend.staging_config
+                # staging below fp16 (paged.h): KVARN_STAGING, settings.Settings.staging_kind
                 ("staging", ctypes.c_int), ("staging_record_bytes", ctypes.c_size_t)]
 
 
@@ -233,7 +233,7 @@ def is_kvarn_dtype(name) -> bool:
     """Whether a --kv-cache-dtype value is the plug-in's (a kvarn_* name,
     served by the kvarn backend) rather than vLLM's own. Here, not in
     backend.py, so that a process can check names without importing the
-    backend, which reads its settings (KVARN_SINK_TILES) at import."""
+    backend (and torch and vLLM's attention modules with it)."""
     return isinstance(name, str) and name.startswith("kvarn_")
 
 

@@ -7,7 +7,7 @@ sink and tail tiles (slots, per layer) and a step's whole tiles (scratch,
 shared by the layers) until they are committed (staging.py): one tensor
 [layers * slots + scratch, Hk, page] of fp16 rows [2, G, D] or token
 records [G, record] of the staging's per-token format (int8, fp8_e4m3,
-int4; KVARN_STAGING, staging_config).
+int4; KVARN_STAGING, settings.py).
 
 A step, for each sequence with q_len new tokens:
   do_kv_cache_update  rotate the new K/V by H/sqrt(D), store fp16 into the
@@ -17,7 +17,7 @@ A step, for each sequence with q_len new tokens:
                       are all known tokens of this chunk (a prefill chunk's
                       whole tile) is committed into its block's record
                       straight from these exact K/V (kvarn_paged_commit_exact;
-                      KVARN_PREFILL_COMMIT, prefill_commit_config), not
+                      KVARN_PREFILL_COMMIT, settings.py), not
                       rounded by the staging first.
   forward             commit every other tile that became full
                       (kvarn_paged_commit of its staged page into its
@@ -44,66 +44,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import _lib
 from .ops import make_ops
+from .settings import Settings
+from .spec import check_speculative, draft_tokens
 from .staging import Staging, pool_size
-
-SINK_TILES = int(os.environ.get("KVARN_SINK_TILES", "1"))
-
-
-def sink_config(tile: int) -> tuple:
-    """(sink_tiles, sink_partial): KVARN_SINK_TOKENS=S, when set, keeps the
-    first S tokens of each sequence in fp16 (S // G whole sink tiles and
-    r = S % G tokens of the next tile in a sink slot, include/kvarn/paged.h);
-    else KVARN_SINK_TILES whole tiles (default 1, the spec's)."""
-    env = os.environ.get("KVARN_SINK_TOKENS", "")
-    if env == "":
-        return SINK_TILES, 0
-    n = int(env)
-    if n < 0:
-        raise ValueError(f"kvarn: KVARN_SINK_TOKENS must be >= 0 (got {n})")
-    return n // tile, n % tile
-
-
-# The default staging by device (docs/vllm.md "Staging"): int8 where the
-# kernels read it (CPU; SmolLM2 decode KLD 0.97x of fp16 staging with the
-# AVX2 kernels, 1.06x with AVX-512's; fp8_e4m3 1.49x, int4 6.3x; about
-# half the pool's bytes), fp16 on CUDA (its kernels stage fp16 only).
-STAGING_DEFAULT = {"cpu": "int8", "cuda": "fp16"}
-
-
-def staging_config(device_type: str = "cpu") -> int:
-    """How the pool holds staged tokens: KVARN_STAGING=fp16|int8|fp8_e4m3|
-    int4 (paged.h kvarn_staging; fp8 is fp8_e4m3; a record staging holds
-    per-token records of the rotated K/V in that per-token format's codec:
-    2D + 8, 2D + 4, D + 8 bytes per token-head against fp16's 4D); unset:
-    STAGING_DEFAULT for the device ("cuda" or another: "cpu"). A record
-    staging with "cuda" raises ValueError (its kernels stage fp16 only),
-    as does an unknown name."""
-    dev = "cuda" if device_type == "cuda" else "cpu"
-    name = os.environ.get("KVARN_STAGING", "") or STAGING_DEFAULT[dev]
-    st = _lib.parse_staging(name)
-    if st != _lib.STAGING_FP16 and dev == "cuda":
-        raise ValueError(f"kvarn: KVARN_STAGING={name} is served by the CPU kernels only; "
-                         "the CUDA kernels stage fp16 (unset KVARN_STAGING or set fp16)")
-    return st
-
-
-def prefill_commit_config(device_type: str = "cpu") -> bool:
-    """Whether a prefill chunk's whole tiles (every token of the tile
-    in the chunk, none a speculative draft) are committed from the chunk's
-    exact K/V (True) or, like every other tile, from their staged copy
-    (False): KVARN_PREFILL_COMMIT=exact|staged; unset: exact on the CPU
-    kernels, staged on CUDA (its kernels commit from fp16 pages only:
-    "exact" with "cuda" raises ValueError, as does another value)."""
-    name = os.environ.get("KVARN_PREFILL_COMMIT", "")
-    if name not in ("", "exact", "staged"):
-        raise ValueError(f"kvarn: KVARN_PREFILL_COMMIT must be exact or staged (got {name!r})")
-    if device_type == "cuda":
-        if name == "exact":
-            raise ValueError("kvarn: KVARN_PREFILL_COMMIT=exact is served by the CPU kernels "
-                             "only; the CUDA kernels commit from the staged fp16 pages (unset "
-                             "it or set staged)")
-        return False
-    return name != "staged"
 
 
 class _State:
@@ -123,75 +66,22 @@ class _State:
     kv_caches: dict = {}   # layer name -> its cache tensor (the commit log reads them)
     n_impls = 0         # kvarn attention layers built in this process
     n_sliding = 0       # of which with a sliding window (KVARN_SLIDING_WINDOW=quantize)
-    aligned_block = 0   # a manager block of several tiles set by plugin.align_pages
-    pool_size = None    # staging.pool_size as the worker budgeted it (plugin.py)
+    aligned_block = 0   # a manager block of several tiles set by layout.align_pages
+    pool_size = None    # staging.pool_size as the worker budgeted it (worker.py)
     pool = None         # the staging tensor of every layer (module docstring)
     pool_layers = 0     # the layers it has slots for
     staging_kind = 0    # _lib.STAGING_FP16 / _INT8 / _FP8_E4M3 / _INT4
-    exact_commit = False  # prefill_commit_config: whole prefill tiles from the exact K/V
-
-
-def draft_tokens(vllm_config) -> int:
-    """The most speculative (draft) tokens a step proposes per sequence, 0
-    without speculative decoding: sizes the staging pool (staging.py)."""
-    sc = getattr(vllm_config, "speculative_config", None)
-    if sc is None:
-        return 0
-    k = int(sc.num_speculative_tokens or 0)
-    for entry in sc.num_speculative_tokens_per_batch_size or ():
-        k = max(k, int(entry[2]))
-    return k
-
-
-SPEC_METHODS = ("ngram",)   # proposers that run no model of their own
-# Proposers that run a model of their own, served with the target in kvarn
-# and the proposer's layers in vLLM's own cache (speculative_config
-# kv_cache_dtype, which plugin.check_model sets to "auto" where the user
-# left it unset): their passes never reach this backend
-# (docs/vllm-models.md "Model-based speculation").
-SPEC_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
-
-
-def check_speculative(vllm_config) -> None:
-    """Refuse a speculative method the kvarn cache cannot serve; vllm_config:
-    the target's, or the proposer's (vLLM builds the proposer's layers under
-    a copy whose cache_dtype is speculative_config.kv_cache_dtype). Accepted:
-    'ngram' (no model), and SPEC_MODEL_METHODS when the proposer's layers
-    keep one of vLLM's own cache dtypes (speculative_config.kv_cache_dtype
-    set and not a kvarn name): those layers then attend through vLLM's CPU
-    backend in passes of their own, which the per-step staging plan (built
-    from the target's metadata) never sees. Raises NotImplementedError with
-    the reason and what works otherwise: a proposer's layers in kvarn (their
-    passes run over positions the target has not verified, outside the
-    plan), or another method (not run with a kvarn cache)."""
-    sc = getattr(vllm_config, "speculative_config", None)
-    if sc is None or sc.method in SPEC_METHODS:
-        return
-    if sc.method in SPEC_MODEL_METHODS:
-        kd = sc.kv_cache_dtype
-        if kd is not None and not is_kvarn_dtype(kd):
-            return
-        raise NotImplementedError(
-            f"kvarn backend: speculative method '{sc.method}' with the proposer's layers in a "
-            f"kvarn cache ({kd or 'inherited from --kv-cache-dtype'}) is not supported (they "
-            f"would attend in passes of their own over unverified positions, which the "
-            f"staging plan does not follow); "
-            f"leave speculative_config kv_cache_dtype unset (the plug-in gives the proposer "
-            f"vLLM's own cache) or set one of vLLM's own dtypes, e.g. 'auto'")
-    raise NotImplementedError(
-        f"kvarn backend: speculative decoding with method '{sc.method}' is not supported "
-        f"with a kvarn KV cache (the plug-in has not been run with it); use 'ngram', "
-        f"{', '.join(repr(m) for m in SPEC_MODEL_METHODS)}, or vLLM's own --kv-cache-dtype")
+    exact_commit = False  # Settings.exact_commit: whole prefill tiles from the exact K/V
 
 
 def step_draft_counts(num_reqs: int, query_start_loc_cpu) -> np.ndarray | None:
     """int32 [num_reqs]: the draft tokens at the end of each request's
     queries this step, as the model runner handed them to
-    _calc_spec_decode_metadata (plugin.py stashes them); None where the step
+    _calc_spec_decode_metadata (worker.py stashes them); None where the step
     has no speculation. The stash is used only when its cumulative token
     counts are this step's query_start_loc, so a stale one is never read."""
     r = _State.runner
-    st = getattr(r, "_kvarn_drafts", None) if r is not None else None
+    st = getattr(r, "kvarn_drafts", None) if r is not None else None
     if st is None:
         return None
     nd, cu = st
@@ -305,7 +195,7 @@ def _raised_for_state(block_size: int, tile_tokens: int) -> bool:
     DeltaNet: the attention page must cover a layer's state page): a
     multiple of the tile on a model vLLM calls hybrid (recorded by the
     layers' KvarnAttentionImpl, built before vLLM asks for their specs), or
-    the manager block plugin.align_pages set where kvarn layers share the
+    the manager block layout.align_pages set where kvarn layers share the
     pool with sliding-window layers in vLLM's own cache. A --block-size
     other than the tile on any other model stays refused."""
     return block_size % tile_tokens == 0 and (_State.hybrid
@@ -330,7 +220,10 @@ class KvarnAttentionImpl(AttentionImpl):
         self.scale = float(scale)
         self.sliding_window = 0 if sliding_window is None else int(sliding_window)
         self.G = self.fmt.tile_tokens
-        self.sink_tiles, self.sink_partial = sink_config(self.G)
+        from vllm.config import get_current_vllm_config
+        cfg = get_current_vllm_config()
+        self.settings = Settings.of(cfg)
+        self.sink_tiles, self.sink_partial = self.settings.sink(self.G)
         self.sinks = None
         # learned sink logits (gpt-oss), one per query head: the model's
         # parameter, loaded after this; read at each step (attn.h
@@ -344,8 +237,6 @@ class KvarnAttentionImpl(AttentionImpl):
         self.pool_tensor = None
         _State.n_impls += 1
         _State.n_sliding += 1 if self.sliding_window > 0 else 0
-        from vllm.config import get_current_vllm_config
-        cfg = get_current_vllm_config()
         _State.hybrid = bool(cfg.model_config is not None and cfg.model_config.is_hybrid)
         _State.max_num_seqs = cfg.scheduler_config.max_num_seqs
         _State.max_batched_tokens = cfg.scheduler_config.max_num_batched_tokens
@@ -402,9 +293,8 @@ class KvarnAttentionImpl(AttentionImpl):
         self.layer_index = _State.layers.index(name)
         _State.kv_caches[name] = kv_cache
         if _State.staging is None:
-            _State.staging_kind = staging_config(kv_cache.device.type)
-            dev = "cuda" if kv_cache.device.type == "cuda" else "cpu"
-            _State.exact_commit = prefill_commit_config(dev)
+            _State.staging_kind = self.settings.staging_kind(kv_cache.device.type)
+            _State.exact_commit = self.settings.exact_commit(kv_cache.device.type)
             ps = _State.pool_size
             if ps is None or ps["staging"] != _State.staging_kind:
                 # no budget hook ran (a caller building the layers itself):
@@ -508,8 +398,8 @@ class KvarnAttentionImpl(AttentionImpl):
             if not p.finished:
                 _State.staging.finish(p)
                 p.finished = True
-            if (_COMMIT_LOG and len(_State.layers) == _State.pool_layers
-                    and os.path.exists(_COMMIT_LOG + ".go")):
+            if (_commit_log_path() and len(_State.layers) == _State.pool_layers
+                    and os.path.exists(_commit_log_path() + ".go")):
                 _log_commits(p)
         return output
 
@@ -630,7 +520,8 @@ class KvarnAttentionImpl(AttentionImpl):
 # pipeline-parallel ranks), then a line with the staging counters.
 # tests/vllm/test_spec_decode.py compares the records of a speculative run
 # with a plain one, test_parallel.py those of TP/PP runs with TP=1's.
-_COMMIT_LOG = os.environ.get("KVARN_TEST_COMMIT_LOG", "")
+def _commit_log_path() -> str:
+    return os.environ.get("KVARN_TEST_COMMIT_LOG", "")
 
 
 def _parallel_ranks() -> tuple:
@@ -648,7 +539,7 @@ def _log_commits(p) -> None:
     import json
     caches = [_State.kv_caches[n] for n in _State.layers]
     tp, pp = _parallel_ranks()
-    base = f"{_COMMIT_LOG}.tp{tp}.pp{pp}.{os.getpid()}"
+    base = f"{_commit_log_path()}.tp{tp}.pp{pp}.{os.getpid()}"
     with open(base, "a") as f, open(base + ".bin", "ab") as data:
         for b in list(p.mark_committed) + list(p.confirmed):
             raw = b"".join(c[b].cpu().numpy().tobytes() for c in caches)

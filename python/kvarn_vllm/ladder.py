@@ -103,7 +103,7 @@ carry plug-in settings after colons, e.g. kvarn_k4v2_g128:KVARN_STAGING=fp16
 or kvarn_k4v2_g128:KVARN_SINK_TOKENS=16 (docs/vllm.md "Settings"); the MLA
 record formats take none (a usage error).
 
-For a model that adds a bias to its values (plugin.has_value_bias: Qwen2's
+For a model that adds a bias to its values (checks.has_value_bias: Qwen2's
 family, attention_bias) the table ends with a line per plain KVarN format
 run: which of it and its mean-centred variant (kvarn_X and kvarn_Xc, the
 same settings) has the lower decode KLD, with the bytes per token of each,
@@ -299,7 +299,7 @@ def _check_format(label: str, vllm_names: tuple, model: ModelFacts = None) -> Jo
     model's latent / RoPE widths; on any other model the MLA names. Raises
     UsageError saying what is accepted (.short: the reason alone)."""
     from . import _lib
-    from .plugin import _validate_name
+    from .patches import validate_name as _validate_name
     parts = label.split(":")
     name, env = parts[0], {}
     for kv in parts[1:]:
@@ -345,11 +345,11 @@ def _check_format(label: str, vllm_names: tuple, model: ModelFacts = None) -> Jo
             except ValueError as e:
                 raise UsageError(f"{label}: {e}") from None
         if "KVARN_SLIDING_WINDOW" in env:
-            from .plugin import SLIDING_ENV, sliding_window_policy
+            from .settings import SLIDING_ENV, Settings
             old_env = os.environ.get(SLIDING_ENV)
             os.environ[SLIDING_ENV] = env["KVARN_SLIDING_WINDOW"]
             try:
-                sliding_window_policy()
+                Settings.from_env()
             except ValueError as e:
                 raise UsageError(f"{label}: {e}") from None
             finally:
@@ -519,7 +519,7 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
     max_num_seqs n the blocks that vLLM's own get_kv_cache_configs gives
     for the budget less the plug-in's pool for n sequences, what the
     plug-in's worker takes out: the staging pool of the K/V formats
-    (plugin.staging_pool), the fp32 tail pool of the MLA record formats
+    (layout.staging_pool), the fp32 tail pool of the MLA record formats
     (mla_backend.tail_pool at n, as reserve_tail_pool sizes it)."""
     from . import _lib
     cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
@@ -541,7 +541,7 @@ def _capacity(orig, vllm_config, specs, job_cfg) -> dict:
                 from .mla_backend import tail_pool
                 pool = tail_pool(vllm_config)["bytes"]
             elif kvarn:
-                from .plugin import staging_pool
+                from .layout import staging_pool
                 pool = staging_pool(vllm_config, budget, "cpu")["bytes"]
             if pool >= budget:
                 what = "MLA tail pool" if mla else "staging pool"
@@ -754,7 +754,7 @@ def _measure(job: Job, cfg: dict, wfd: int) -> dict:
             dec = _flat_rows(out.outputs[0].logprobs, 0, decode, K, ids[P:], "logprobs")
             windows.append({k: np.concatenate([pre[k], dec[k]]) for k in pre})
         os.write(wfd, b"%d\n" % (w + 1))
-    from .plugin import has_value_bias
+    from .checks import has_value_bias
     res = dict(windows=windows, capacity=cap, start_s=t_start,
                run_s=time.perf_counter() - t0,
                engine_blocks=cc.num_gpu_blocks, engine_block_size=cc.block_size,
@@ -1140,7 +1140,7 @@ def _kld_of(row: dict) -> tuple:
 
 def value_bias_notes(report: dict) -> list:
     """Lines for a model that adds a bias to its values (report
-    ["value_bias"]: plugin.has_value_bias of the model's text config, read
+    ["value_bias"]: checks.has_value_bias of the model's text config, read
     in the reference's engine), one per plain KVarN row run (status ok):
     where its mean-centred variant (the same name with a trailing c, the
     same settings) was run too, which of the two has the lower KLD (decode

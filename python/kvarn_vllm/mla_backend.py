@@ -53,7 +53,7 @@ def mla_dims(model_config) -> tuple:
 
 
 def check_mla_model(vllm_config) -> None:
-    """plugin.check_model for a model that vLLM runs with MLA
+    """checks.check_model for a model that vLLM runs with MLA
     (model_config.use_mla) and a kvarn --kv-cache-dtype, in the front end:
     a kvarn format of ordinary layers, an MLA format that cannot hold the
     model's latent / RoPE widths, speculative decoding or a device other
@@ -104,7 +104,7 @@ def check_mla_model(vllm_config) -> None:
 
 
 def check_mla_name_without_mla(vllm_config) -> None:
-    """plugin.check_model for a kvarn_mla_* dtype on a model vLLM does not
+    """checks.check_model for a kvarn_mla_* dtype on a model vLLM does not
     run with MLA: ValueError naming what the format is for."""
     mc = vllm_config.model_config
     raise ValueError(
@@ -165,7 +165,7 @@ def tail_pool(vllm_config) -> dict:
 
 
 def reserve_tail_pool(vllm_config, avail: int, budget_knob: str) -> int:
-    """The worker's KV budget (bytes) less the tail pool (plugin.py's
+    """The worker's KV budget (bytes) less the tail pool (worker.py's
     determine_available_memory for MLA records): one slot per sequence
     (max_num_seqs) of every MLA layer. Raises ValueError when the pool
     takes the whole budget."""
@@ -187,7 +187,7 @@ def reserve_tail_pool(vllm_config, avail: int, budget_knob: str) -> int:
 
 
 def reset_blocks(block_ids) -> None:
-    """Blocks vLLM hands out anew (the runner's _zero_block_ids, plugin.py):
+    """Blocks vLLM hands out anew (the runner's _zero_block_ids, worker.py):
     a tail slot still keyed by one of them belonged to a sequence that is
     gone; it is freed."""
     if not _Mla.slot_of:

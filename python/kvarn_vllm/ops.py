@@ -112,7 +112,7 @@ class CudaOps:
     against tests/vllm/cuda_emulator.py (same calls, CPU kernels)."""
     name = "cuda"
     # the CUDA kernels commit from fp16 pages only (kvarn_cuda_commit): no
-    # direct commit of a prefill chunk's whole tiles (backend.prefill_commit_config)
+    # direct commit of a prefill chunk's whole tiles (settings.Settings.exact_commit)
     exact_commit = False
     _DTYPES = {torch.float16: _lib.CUDA_F16, torch.bfloat16: _lib.CUDA_BF16}
 

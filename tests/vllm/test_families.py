@@ -91,7 +91,7 @@ def _check_served(model, ref, kv, quantize_sliding=False, fmt=KV):
     docstring's rules; returns the emulated codec's KL per position."""
     import emulate
     exact = emulate.logprobs(model, PROMPT, quantize=False)
-    # the plug-in's CPU default: int8 staging (backend.STAGING_DEFAULT)
+    # the plug-in's CPU default: int8 staging (settings.STAGING_DEFAULT)
     codec = emulate.logprobs(model, PROMPT, quantize=True, quantize_sliding=quantize_sliding,
                              staging="int8", fmt=fmt)
     # prompt_logprobs[j] is the distribution at position j - 1
@@ -211,7 +211,7 @@ def test_gpt_oss_sinks_follow_fp32_cache(models, gpt_oss):
     ref, kv, log, _, _ = gpt_oss
     assert "2 of 4 attention layers" in log, log[-3000:]
     # the kvarn pages (114 bytes a token) do not divide fp32's (1024):
-    # manager blocks of 9 tiles, one fp32 page (plugin.align_pages), said
+    # manager blocks of 9 tiles, one fp32 page (layout.align_pages), said
     # at start-up with what a request takes in both caches
     assert "manager blocks of 9 tiles (1152 tokens)" in log, log[-3000:]
     factor = float(log.split("x its requests per KV byte")[0].rsplit(" ", 1)[1])

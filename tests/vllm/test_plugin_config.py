@@ -9,15 +9,67 @@ import sys
 import pytest
 
 import kvarn_vllm
-from kvarn_vllm import plugin
+from kvarn_vllm import checks, layout, plugin
+from kvarn_vllm.settings import Settings
 from conftest import ROOT
 
 PRESETS = ["kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k4v4_g64"]
 
 
-def test_entry_point_is_installed():
+def test_entry_points_are_installed():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
     assert any(ep.value == "kvarn_vllm.plugin:register" for ep in eps)
+    eps = importlib.metadata.entry_points(group="vllm.platform_plugins")
+    assert any(ep.value == "kvarn_vllm.platform:platform_plugin" for ep in eps)
+
+
+def test_kvarn_platform_is_vllms_with_kvarn_methods():
+    """vLLM's current platform is the kvarn subclass of the one vLLM itself
+    would pick here, and stays vLLM's own for vLLM's cache dtypes."""
+    from vllm.platforms import current_platform
+    from kvarn_vllm.platform import _builtin_choice, is_active
+    import vllm.platforms.cpu as cpu
+    assert is_active()
+    base = _builtin_choice()
+    assert base is not None and base.rsplit(".", 1)[1] in [c.__name__ for c in
+                                                          type(current_platform).__mro__]
+    assert isinstance(current_platform, cpu.CpuPlatform)
+
+
+def test_settings_are_recorded_in_the_config(hf_model, monkeypatch):
+    """The settings are read once, when the config is made, and travel in
+    additional_config: a later change of the environment does not reach
+    an engine already configured."""
+    from vllm.engine.arg_utils import EngineArgs
+    plugin.register()
+    monkeypatch.setenv("KVARN_STAGING", "fp16")
+    monkeypatch.setenv("KVARN_SINK_TOKENS", "130")
+    cfg = EngineArgs(model=hf_model, kv_cache_dtype="kvarn_k4v2_g128",
+                     block_size=128).create_engine_config()
+    monkeypatch.setenv("KVARN_STAGING", "int4")
+    monkeypatch.delenv("KVARN_SINK_TOKENS")
+    s = Settings.of(cfg)
+    assert s.staging_kind("cpu") == 0 and s.sink(128) == (1, 2)
+    assert cfg.parallel_config.worker_cls == "kvarn_vllm.worker.KvarnCPUWorker"
+    assert cfg.scheduler_config.scheduler_cls == "kvarn_vllm.scheduler.KvarnScheduler"
+    own = EngineArgs(model=hf_model, block_size=128).create_engine_config()
+    assert "kvarn" not in own.additional_config
+    assert own.parallel_config.worker_cls == "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert own.scheduler_config.scheduler_cls is None
+
+
+def test_bad_settings_refused_at_configuration(hf_model, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+    plugin.register()
+    for var, val, msg in (("KVARN_SINK_TILES", "x", "KVARN_SINK_TILES must be an integer"),
+                          ("KVARN_SINK_TOKENS", "-3", "KVARN_SINK_TOKENS must be an integer"),
+                          ("KVARN_SLIDING_WINDOW", "all", "KVARN_SLIDING_WINDOW must be"),
+                          ("KVARN_STAGING", "fp6", "KVARN_STAGING must be one of")):
+        monkeypatch.setenv(var, val)
+        with pytest.raises(ValueError, match=msg):
+            EngineArgs(model=hf_model, kv_cache_dtype="kvarn_k4v2_g128",
+                       block_size=128).create_engine_config()
+        monkeypatch.delenv(var)
 
 
 def _parser():
@@ -81,13 +133,20 @@ def test_other_vllm_version_is_refused(monkeypatch):
         plugin.register()
 
 
+def staging_config(device_type):
+    return Settings.from_env().staging_kind(device_type)
+
+
+def prefill_commit_config(device_type):
+    return Settings.from_env().exact_commit(device_type)
+
+
 @pytest.mark.parametrize("name,want", [("fp16", 0), ("int8", 1), ("fp8_e4m3", 2), ("fp8", 2),
                                        ("int4", 3)])
 def test_staging_names_on_cpu(monkeypatch, name, want):
     """KVARN_STAGING takes every staging the library names (paged.h
     kvarn_staging; fp8 is the format table's alias of fp8_e4m3) on CPU."""
     from kvarn_vllm import _lib
-    from kvarn_vllm.backend import staging_config
     monkeypatch.setenv("KVARN_STAGING", name)
     assert staging_config("cpu") == want
     assert _lib.staging_name(want) == ("fp8_e4m3" if name == "fp8" else name)
@@ -97,7 +156,6 @@ def test_staging_defaults_and_refusals(monkeypatch):
     """Unset: int8 on CPU, fp16 on CUDA. A record staging on CUDA (its
     kernels stage fp16 only) and an unknown name are refused with a
     message naming what is accepted."""
-    from kvarn_vllm.backend import staging_config
     monkeypatch.delenv("KVARN_STAGING", raising=False)
     assert staging_config("cpu") == 1 and staging_config("cuda") == 0
     for name in ("int8", "fp8_e4m3", "int4"):
@@ -118,7 +176,6 @@ def test_prefill_commit_defaults_and_refusals(monkeypatch):
     from the exact K/V on CPU and from the staged pages on CUDA (its
     kernels have no direct commit); `staged` works on both, `exact` on CUDA
     and an unknown value are refused naming what is accepted."""
-    from kvarn_vllm.backend import prefill_commit_config
     monkeypatch.delenv("KVARN_PREFILL_COMMIT", raising=False)
     assert prefill_commit_config("cpu") is True and prefill_commit_config("cuda") is False
     monkeypatch.setenv("KVARN_PREFILL_COMMIT", "staged")
@@ -147,24 +204,24 @@ def _front_end_config(hf_model, name, device_type="cpu"):
 def test_centred_format_refused_on_cuda_only(hf_model):
     """kvarn_*_c is served on CPU; on a CUDA device the front-end check
     refuses it, naming the plain format (the CUDA backend does not build it)."""
-    plugin.check_model(_front_end_config(hf_model, "kvarn_k4v2_g128c"))
+    checks.check_model(_front_end_config(hf_model, "kvarn_k4v2_g128c"))
     with pytest.raises(ValueError, match="CPU kernels only.*use kvarn_k4v2_g128$"):
-        plugin.check_model(_front_end_config(hf_model, "kvarn_k4v2_g128c", "cuda"))
-    plugin.check_model(_front_end_config(hf_model, "kvarn_k4v2_g128", "cuda"))
+        checks.check_model(_front_end_config(hf_model, "kvarn_k4v2_g128c", "cuda"))
+    checks.check_model(_front_end_config(hf_model, "kvarn_k4v2_g128", "cuda"))
 
 
 def test_value_bias_detection():
-    """plugin.has_value_bias: an attention_bias setting, or the Qwen2 family
+    """checks.has_value_bias: an attention_bias setting, or the Qwen2 family
     (q/k/v biases by construction); none for Llama's and Qwen3's defaults."""
     import transformers
-    assert plugin.has_value_bias(transformers.Qwen2Config())
-    assert plugin.has_value_bias(transformers.LlamaConfig(attention_bias=True))
-    assert not plugin.has_value_bias(transformers.LlamaConfig())
-    assert not plugin.has_value_bias(transformers.Qwen3Config())
+    assert checks.has_value_bias(transformers.Qwen2Config())
+    assert checks.has_value_bias(transformers.LlamaConfig(attention_bias=True))
+    assert not checks.has_value_bias(transformers.LlamaConfig())
+    assert not checks.has_value_bias(transformers.Qwen3Config())
     # what check_model passes: the text config (Qwen2-VL's is qwen2_vl_text)
     from vllm.transformers_utils.config import get_hf_text_config
     for cfg in (transformers.Qwen2VLConfig(), transformers.Qwen2_5_VLConfig()):
-        assert plugin.has_value_bias(get_hf_text_config(cfg)), cfg.model_type
+        assert checks.has_value_bias(get_hf_text_config(cfg)), cfg.model_type
 
 
 @pytest.mark.parametrize("kv_tok,own_tok,k", [
@@ -176,11 +233,11 @@ def test_value_bias_detection():
     (2048, 1024, 1),
 ])
 def test_page_alignment(kv_tok, own_tok, k):
-    """plugin.page_alignment: the fewest tiles whose page holds a tile of
+    """layout.page_alignment: the fewest tiles whose page holds a tile of
     vLLM's tokens where the pages do not divide (else 1); the aligned
     kvarn page is at least vLLM's page of one tile and less than one more
     kvarn tile above it (never padding more than a tile's records)."""
-    got = plugin.page_alignment(128, kv_tok, own_tok)
+    got = layout.page_alignment(128, kv_tok, own_tok)
     assert got == k
     if got > 1:
         assert own_tok <= got * kv_tok < own_tok + kv_tok

@@ -161,7 +161,7 @@ def test_mtp_on_qwen3_next_equals_plain(qwen3_next_mtp, tmp_path):
 
 def test_speculation_on_hybrid_with_prefix_caching_is_refused(qwen3_next_mtp):
     """vLLM's CPU build fails speculation on a hybrid model with prefix
-    caching, with its own cache too (plugin._check_hybrid_speculation):
+    caching, with its own cache too (checks._check_hybrid_speculation):
     refused before an engine starts, with the reason and the way out."""
     res, err = run_llm({"model": qwen3_next_mtp, "kv_cache_dtype": FMT, "dtype": "bfloat16",
                         "prompt_ids": [MTP_PROMPTS[0]], "max_tokens": 1, "prefix_caching": True,
@@ -186,7 +186,7 @@ def test_too_many_drafts_are_refused_at_start(hf_model):
     """num_speculative_tokens above vLLM's MAX_SPEC_LEN (128): vLLM's engine
     starts and then fails at the first step with a bare AssertionError (its
     own cache too); the plug-in refuses it before an engine starts, naming
-    the limit (plugin._check_draft_count)."""
+    the limit (checks._check_draft_count)."""
     res, err = run_llm({"kv_cache_dtype": FMT, "prompts": ["Hi"], "max_tokens": 1,
                         "speculative_config": {"method": "draft_model", "model": hf_model,
                                                "num_speculative_tokens": 130}},
@@ -215,13 +215,13 @@ def test_proposer_in_kvarn_is_refused_at_start(hf_model):
     ("eagle3", "auto", True), ("draft_model", None, False), ("eagle", FMT, False),
     ("medusa", "auto", False)])
 def test_check_speculative(method, proposer_dtype, ok):
-    """backend.check_speculative, which the kvarn layers run in the worker
+    """spec.check_speculative, which the kvarn layers run in the worker
     (the proposer's config included): a model-based method only with the
     proposer's layers in one of vLLM's own dtypes (the front end sets
     'auto' where it is unset, so None here means a config that bypassed
     it), other methods never."""
     from types import SimpleNamespace
-    from kvarn_vllm.backend import check_speculative
+    from kvarn_vllm.spec import check_speculative
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(method=method,
                                                              kv_cache_dtype=proposer_dtype))
     if ok:

@@ -485,6 +485,8 @@ def _engine_free_backend(monkeypatch, staging="int8", prefill_commit=None):
     impl.scale, impl.sliding_window, impl.G = D ** -0.5, 0, fmt.tile_tokens
     impl.sink_tiles, impl.sink_partial, impl.sinks, impl.sink_param = 1, 0, None, None
     impl.layer_index, impl.pool_tensor = None, None
+    from kvarn_vllm.settings import Settings
+    impl.settings = Settings.from_env()   # as the engine's configuration records them
     layer = types.SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
     rb = _record_bytes(fmt, D)
     n_blocks = 8

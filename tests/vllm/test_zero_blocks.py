@@ -1,5 +1,5 @@
 """Zeroing of newly allocated blocks where a kvarn layer's manager blocks
-are split into kernel blocks (plugin.zero_manager_blocks).
+are split into kernel blocks (worker.zero_manager_blocks).
 
 vLLM 0.32 zeroes the blocks it hands out where the cache mixes precisions
 (KVCacheConfig.needs_kv_cache_zeroing): a kvarn layer's uint8 records beside
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvarn_vllm import plugin
+from kvarn_vllm import plugin, worker
 
 N_BLOCKS = 6     # manager blocks
 TILES = 4        # kernel blocks (tiles) per manager block: the Gemma-4 shape
@@ -57,7 +57,7 @@ def _zeroed_blocks(store) -> list:
 def test_zero_manager_blocks_zeroes_whole_blocks_only():
     runner, store = _runner()
     before = store.clone().view(N_BLOCKS, PAGE)
-    plugin.zero_manager_blocks(runner, [1, 4])
+    worker.zero_manager_blocks(runner, [1, 4])
     assert _zeroed_blocks(store) == ["none", "all", "none", "none", "all", "none"]
     after = store.view(N_BLOCKS, PAGE)
     for b in (0, 2, 3, 5):
@@ -69,7 +69,7 @@ def test_zero_manager_blocks_refuses_a_partial_split():
     runner.kv_cache_config.num_blocks = N_BLOCKS * TILES - 1   # 23 does not divide 24
     before = store.clone()
     with pytest.raises(RuntimeError, match="not a multiple"):
-        plugin.zero_manager_blocks(runner, [1])
+        worker.zero_manager_blocks(runner, [1])
     assert torch.equal(store, before)
 
 
@@ -78,11 +78,10 @@ def test_vllm_cpu_runner_zeroes_kernel_blocks():
     zeroes kernel blocks 1 and 4 (a quarter of manager blocks 0 and 1) and
     leaves blocks 1 and 4 as they were: why the plug-in zeroes by manager
     block itself. Failing here means vLLM now zeroes whole manager blocks
-    and the plug-in's replacement (plugin._patch_worker_cls) can go."""
+    and the plug-in's override (worker._KvarnRunner._zero_block_ids) can go."""
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     plugin.register()
     own = CPUModelRunner._zero_block_ids
-    own = getattr(own, "_orig", own)
     runner, store = _runner()
     own(runner, [1, 4])
     assert _zeroed_blocks(store) == ["part", "part", "none", "none", "none", "none"]
