@@ -174,8 +174,11 @@ def serve() -> None:
     import torch  # noqa: F401  (imported once, inherited by every child)
     from vllm import LLM, SamplingParams  # noqa: F401
     from vllm.inputs import TokensPrompt  # noqa: F401
-    assert not any(m.startswith("kvarn_vllm") for m in sys.modules), \
-        "the plug-in must be imported by each child (it reads its settings at import)"
+    # vLLM resolves its platform at import, the kvarn platform plug-in
+    # (kvarn_vllm.platform) among them; the backend keeps the step's state
+    # per process (backend._State), so each child imports it itself
+    assert "kvarn_vllm.backend" not in sys.modules, \
+        "the kvarn backend must be imported by each child (its state is per process)"
     base_env = dict(os.environ)
     # what the imports set (vLLM's TORCHINDUCTOR_*, cv2's LD_LIBRARY_PATH...):
     # a one-shot process sets them too, after its caller's environment
