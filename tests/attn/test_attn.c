@@ -21,6 +21,7 @@
 #include "codec/cpu.h"
 #include "codec/format_kinds.h"
 #include "common/int_dot_bound.h"
+#include "common/levels.h"
 #include "common/paged_fixture.h"
 #include "kvarn/attn.h"
 
@@ -43,17 +44,14 @@ typedef struct attn_case {
                              no matrix kernel, 2 the emulated one */
 } attn_case;
 
-/* SIMD levels, by their KVARN_SIMD names (codec/cpu.h). run_attn sets the
- * cap per case; levels above what this CPU (or an outer KVARN_SIMD, as a
- * test matrix may set) allows are run capped and say so once. */
-enum { LV_SCALAR, LV_AVX2, LV_AVX512, LV_COUNT };
-static const char *const lv_name[LV_COUNT] = {"scalar", "avx2", "avx512"};
-static int g_max_level = LV_AVX512; /* set in main from the kernel name */
+/* SIMD levels, as indices of levels_names (tests/common/levels.h). The
+ * tests walk the levels this process runs (LEVELS_FOR, which puts
+ * KVARN_SIMD back); run_attn sets a case's level, capped at the highest
+ * one this CPU (or an outer KVARN_SIMD, as a test matrix may set) runs. */
+enum { LV_SCALAR, LV_AVX2, LV_AVX512, LV_COUNT = LEVELS_MAX };
+static int g_max_level = LV_AVX512; /* set in main: levels_top() */
 
-static void set_level(int level)
-{
-    setenv("KVARN_SIMD", lv_name[level > g_max_level ? g_max_level : level], 1);
-}
+static void set_level(int level) { levels_set_capped(level, g_max_level); }
 
 /* Bound on the error of attention over quantized K'/V' against the original
  * K/V, derived from the round-trip errors (written here so that it is
@@ -313,7 +311,9 @@ static void test_every_format(void **state)
             double worst_deq = 0, worst_orig = 0, worst_use = 0, worst_int = 0;
             /* the AVX-512 level twice: its VNNI build (where the CPU has
              * VNNI) and its vpmaddwd build */
-            for (int pass = 0; pass <= LV_COUNT; pass++) {
+            LEVELS_FOR(it) /* and the AVX-512 level twice: its vpmaddwd build */
+            for (int vp = 0; vp <= (it.index == LV_AVX512); vp++) {
+                const int pass = vp ? LV_COUNT : it.index;
                 const int lv = pass == LV_COUNT ? LV_AVX512 : pass;
                 attn_case c;
                 memset(&c, 0, sizeof c);
@@ -368,7 +368,9 @@ static void test_large_head_dim(void **state)
     for (size_t fi = 0; fi < sizeof fmts / sizeof fmts[0]; fi++)
         for (int di = 0; di < 2; di++)
             for (int multi = 0; multi <= 1; multi++)
-                for (int pass = 0; pass <= LV_COUNT; pass++) {
+                LEVELS_FOR(it) /* and the AVX-512 level twice: its vpmaddwd build */
+                for (int vp = 0; vp <= (it.index == LV_AVX512); vp++) {
+                    const int pass = vp ? LV_COUNT : it.index;
                     if (di == 0 && fi > 0) continue; /* 256: the default preset (runtime) */
                     if (pass == LV_COUNT && strncmp(fmts[fi], "kvarn", 5) != 0)
                         continue; /* the vpmaddwd build is the KVarN kernel's */
@@ -422,7 +424,9 @@ static void test_gqa(void **state)
                 c.n_seqs = 2;
                 c.seqs[0].seq_len = 200;
                 c.seqs[1].seq_len = 77;
-                for (int lv = LV_AVX2; lv < LV_COUNT; lv++) {
+                LEVELS_FOR(it) {
+                    const int lv = it.index;
+                    if (lv == LV_SCALAR) continue;
                     c.level = lv;
                     run_case(&c, 300 + fi * 31 + gi * 7 + di);
                 }
@@ -441,7 +445,9 @@ static void test_int8_paths(void **state)
     const int dims[] = {64, 96, 256, 320}, blocks[] = {16, 256, 512};
     for (int di = 0; di < 4; di++)
         for (int bi = 0; bi < 3; bi++)
-            for (int pass = 0; pass <= LV_COUNT; pass++) {
+            LEVELS_FOR(it) /* and the AVX-512 level twice: its vpmaddwd build */
+            for (int vp = 0; vp <= (it.index == LV_AVX512); vp++) {
+                const int pass = vp ? LV_COUNT : it.index;
                 attn_case c;
                 memset(&c, 0, sizeof c);
                 c.fmt = "int8";
@@ -511,7 +517,8 @@ static void test_sink_and_tail(void **state)
             c.seqs[1].seq_len = 5 * 64 + 10;
             c.seqs[2].seq_len = 64;
             for (int s = 0; s < 3; s++) c.seqs[s].tail_tiles = tail;
-            for (int lv = 0; lv < LV_COUNT; lv++) {
+            LEVELS_FOR(it) {
+                const int lv = it.index;
                 c.force_scalar = lv == LV_SCALAR;
                 c.level = lv;
                 run_case(&c, 500 + sink * 3 + tail);
@@ -562,7 +569,8 @@ static void test_sink_tokens(void **state)
                 c.seqs[3].seq_len = c.sink * G + (c.sink_partial ? c.sink_partial : 1);
                 for (int s = 0; s < 4; s++)
                     c.q_lens[s] = c.seqs[s].seq_len < 5 ? c.seqs[s].seq_len : 5;
-                for (int lv = 0; lv < LV_COUNT; lv++) {
+                LEVELS_FOR(it) {
+                    const int lv = it.index;
                     c.force_scalar = lv == LV_SCALAR;
                     c.level = lv;
                     run_case(&c, 700 + fi * 97 + si * 13 + mode);
@@ -597,7 +605,9 @@ static void test_sliding_window(void **state)
                 c.seqs[1].seq_len = 90;
                 c.q_lens[0] = 20;
                 c.q_lens[1] = 90;
-                for (int lv = LV_AVX2; lv < LV_COUNT; lv++) {
+                LEVELS_FOR(it) {
+                    const int lv = it.index;
+                    if (lv == LV_SCALAR) continue;
                     c.level = lv;
                     run_case(&c, 700 + fi * 11 + wi * 2 + multi);
                 }
@@ -612,7 +622,8 @@ static void test_multi_query(void **state)
     const char *fmts[] = {"kvarn_k4v2_g64", "fp8_e4m3", "fp16", "int8"};
     for (int fi = 0; fi < 4; fi++)
         for (int causal = 0; causal < 2; causal++)
-            for (int lv = 0; lv < LV_COUNT; lv++) {
+            LEVELS_FOR(it) {
+                const int lv = it.index;
                 attn_case c;
                 memset(&c, 0, sizeof c);
                 c.fmt = fmts[fi];
@@ -659,7 +670,9 @@ static void test_long_chunk(void **state)
         c.seqs[1].seq_len = 30;
         c.q_lens[0] = 300;
         c.q_lens[1] = 2;
-        for (int lv = LV_AVX2; lv < LV_COUNT; lv++) {
+        LEVELS_FOR(it) {
+            const int lv = it.index;
+            if (lv == LV_SCALAR) continue;
             c.level = lv;
             run_case(&c, 1200 + split);
         }
@@ -899,12 +912,12 @@ static void test_simd_threads(void **state)
                 free(kdo);
             }
             const int splits[3] = {1, 0, 3};
-            for (int lv = LV_AVX2; lv < LV_COUNT; lv++)
-            for (int t = 1; t <= 3; t++)
+            LEVELS_FOR(it)
+            for (int t = 1; t <= 3 && it.index != LV_SCALAR; t++)
                 for (int si = 0; si < 3; si++) {
+                    const int lv = it.index;
                     c.level = lv;
-                    set_level(lv);
-                    assert_string_equal(kvarn_attn_kernel_name(NULL), lv_name[lv > g_max_level ? g_max_level : lv]);
+                    assert_string_equal(kvarn_attn_kernel_name(NULL), it.name);
                     c.split = splits[si];
                     assert_int_equal(run_attn(&f, &c, qsl, q, out, pools[t]), KVARN_OK);
                     assert_int_equal(run_attn(&f, &c, qsl, q, again, pools[t]), KVARN_OK);
@@ -920,7 +933,7 @@ static void test_simd_threads(void **state)
                     else
                         check_rows(&f, &c, qsl, q, ref, again, vdo, "vpmaddwd build");
                     c.no_vnni = 0;
-                    check_rows(&f, &c, qsl, q, ref, out, vdo, lv_name[lv]);
+                    check_rows(&f, &c, qsl, q, ref, out, vdo, it.name);
                     /* the scalar kernels threaded and split agree too */
                     c.force_scalar = 1;
                     assert_int_equal(run_attn(&f, &c, qsl, q, again, pools[t]), KVARN_OK);
@@ -981,7 +994,9 @@ static void test_extreme_query(void **state)
                 vdo[0] = malloc((size_t)600 * c.Hk * D * sizeof(float));
                 deq_original(&f, 0, kdo, vdo[0]);
                 free(kdo);
-                for (int lv = LV_AVX2; lv < LV_COUNT; lv++) {
+                LEVELS_FOR(it) {
+                    const int lv = it.index;
+                    if (lv == LV_SCALAR) continue;
                     c.level = lv;
                     assert_int_equal(run_attn(&f, &c, qsl, q, out, NULL), KVARN_OK);
                     for (size_t row = 0; row < nq / D; row++) {
@@ -994,7 +1009,7 @@ static void test_extreme_query(void **state)
                         const double lim = 1e-5 * mx + row_int_bound(&f, &c, qsl, q, row, vdo);
                         if (!(err <= lim))
                             print_error("%s D=%d |q|~%g %s row %zu: %g (limit %g)\n", c.fmt, D, mags[mi],
-                                        lv_name[lv], row, err / mx, lim / mx);
+                                        it.name, row, err / mx, lim / mx);
                         assert_true(err <= lim);
                     }
                 }
@@ -1281,13 +1296,11 @@ static void test_kernel_info(void **state)
     assert_int_equal(info.staged_scores, info.scores);
     assert_int_equal(info.staged_sums, info.sums);
 
-    const char *outer = getenv("KVARN_SIMD");
-    char *saved = outer ? strdup(outer) : NULL;
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
     kvarn_attn_testing scalar_knob = {0, 1, 0, 0};
     const int dims[] = {64, 128, 256, 512, 48};
-    for (int lv = LV_SCALAR; lv < LV_COUNT; lv++) {
-        set_level(lv);
+    LEVELS_FOR(it) {
+        const int lv = it.index;
         for (int i = 0; i < kvarn_format_count(); i++) {
             kvarn_format fmt;
             assert_int_equal(kvarn_format_parse(kvarn_format_name_at(i), &fmt), KVARN_OK);
@@ -1302,7 +1315,7 @@ static void test_kernel_info(void **state)
                     int want = top;
                     while (want > LV_SCALAR && D % attn_level_row_of(want)->head_dim_multiple != 0)
                         want--;
-                    assert_string_equal(info.level, lv_name[want]);
+                    assert_string_equal(info.level, levels_names[want]);
                     if (want <= LV_AVX2) {
                         assert_int_equal(info.scores, KVARN_ATTN_ARITH_FP32);
                         assert_int_equal(info.sums, KVARN_ATTN_ARITH_FP32);
@@ -1361,8 +1374,8 @@ static void test_kernel_info(void **state)
      * (docs/attention-intdot.md); where this CPU runs it, both halves say
      * so: int16 scores, and sums with u8 weights where the CPU has
      * AVX512-VNNI (the vpmaddwd build, testing knob no_vnni: int16) */
-    set_level(LV_AVX512);
-    if (g_max_level == LV_AVX512) {
+    LEVELS_FOR(it) {
+        if (it.index != LV_AVX512) continue;
         assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, 0, NULL, &info), KVARN_OK);
         assert_int_equal(info.scores, KVARN_ATTN_ARITH_INT16);
         assert_int_equal(info.sums, kvarn__cpu_avx512_vnni() ? KVARN_ATTN_ARITH_U8 : KVARN_ATTN_ARITH_INT16);
@@ -1373,9 +1386,6 @@ static void test_kernel_info(void **state)
         assert_int_equal(info.sums, KVARN_ATTN_ARITH_INT16);
         o.testing = NULL;
     }
-    if (saved) setenv("KVARN_SIMD", saved, 1);
-    else unsetenv("KVARN_SIMD");
-    free(saved);
 }
 
 static void test_kernel_table(void **state)
@@ -1498,23 +1508,27 @@ static void test_prefetch_lines(void **state)
 int main(void)
 {
     /* The highest level this CPU runs under any outer KVARN_SIMD cap. */
-    const char *top = kvarn_attn_kernel_name(NULL);
-    g_max_level = strcmp(top, "avx512") == 0 ? LV_AVX512 : strcmp(top, "avx2") == 0 ? LV_AVX2 : LV_SCALAR;
-    if (g_max_level < LV_AVX512)
+    g_max_level = levels_top();
+    const char *top = levels_names[g_max_level];
+    if (strcmp(kvarn_attn_kernel_name(NULL), top) != 0) {
+        fprintf(stderr, "attention runs %s, kvarn_simd_level says %s\n", kvarn_attn_kernel_name(NULL), top);
+        return 1;
+    }
+    if (g_max_level < LV_COUNT - 1)
         printf("NOTE: SIMD levels above %s are not available here (CPU or KVARN_SIMD); "
-               "those cases run capped at %s\n", top, top);
+               "the walks stop there, cases that name one run capped at %s\n", top, top);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_every_format), cmocka_unit_test(test_gqa),
-        cmocka_unit_test(test_int8_paths),
-        cmocka_unit_test(test_sink_and_tail), cmocka_unit_test(test_sink_tokens),
-        cmocka_unit_test(test_sliding_window),
-        cmocka_unit_test(test_multi_query), cmocka_unit_test(test_long_chunk),
-        cmocka_unit_test(test_large_head_dim), cmocka_unit_test(test_matrix_kernel),
-        cmocka_unit_test(test_odd_head_dim), cmocka_unit_test(test_empty),
-        cmocka_unit_test(test_simd_threads), cmocka_unit_test(test_value_weights_u8),
-        cmocka_unit_test(test_extreme_query),
-        cmocka_unit_test(test_bad_inputs),
-        cmocka_unit_test(test_kernel_table), cmocka_unit_test(test_kernel_info), cmocka_unit_test(test_prefetch_lines),
+        cmocka_unit_test_teardown(test_every_format, levels_teardown), cmocka_unit_test_teardown(test_gqa, levels_teardown),
+        cmocka_unit_test_teardown(test_int8_paths, levels_teardown),
+        cmocka_unit_test_teardown(test_sink_and_tail, levels_teardown), cmocka_unit_test_teardown(test_sink_tokens, levels_teardown),
+        cmocka_unit_test_teardown(test_sliding_window, levels_teardown),
+        cmocka_unit_test_teardown(test_multi_query, levels_teardown), cmocka_unit_test_teardown(test_long_chunk, levels_teardown),
+        cmocka_unit_test_teardown(test_large_head_dim, levels_teardown), cmocka_unit_test_teardown(test_matrix_kernel, levels_teardown),
+        cmocka_unit_test_teardown(test_odd_head_dim, levels_teardown), cmocka_unit_test_teardown(test_empty, levels_teardown),
+        cmocka_unit_test_teardown(test_simd_threads, levels_teardown), cmocka_unit_test_teardown(test_value_weights_u8, levels_teardown),
+        cmocka_unit_test_teardown(test_extreme_query, levels_teardown),
+        cmocka_unit_test_teardown(test_bad_inputs, levels_teardown),
+        cmocka_unit_test_teardown(test_kernel_table, levels_teardown), cmocka_unit_test_teardown(test_kernel_info, levels_teardown), cmocka_unit_test_teardown(test_prefetch_lines, levels_teardown),
     };
     /* e.g. KVARN_TEST_FILTER='test_large*' to run one test while iterating */
     if (getenv("KVARN_TEST_FILTER")) cmocka_set_test_filter(getenv("KVARN_TEST_FILTER"));

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include "common/levels.h"
 #include "common/int_dot_bound.h"
 #include "common/paged_fixture.h"
 #include "kvarn/attn.h"
@@ -147,16 +148,14 @@ static void test_lse_reference(void **state)
     double worst = 0.0;
     /* Every SIMD level up to the one this process runs at (the CPU's, or an
      * outer KVARN_SIMD cap): the cap is set per pass. */
-    const char *top = kvarn_attn_kernel_name(NULL);
-    const char *levels[2] = {"avx2", "avx512"};
-    const int n_levels = strcmp(top, "avx512") == 0 ? 2 : 1;
-    if (n_levels < 2) print_message("NOTE: no AVX-512 here (%s): the SIMD pass runs at %s only\n", top, top);
-    for (int lv = 0; lv < n_levels; lv++) {
-        setenv("KVARN_SIMD", n_levels == 1 ? top : levels[lv], 1);
+    const char *top = levels_names[levels_top()];
+    if (strcmp(top, "avx512") != 0)
+        print_message("NOTE: no AVX-512 here (%s): the SIMD pass runs at %s only\n", top, top);
+    LEVELS_FOR(it) {
+        if (it.index == 0 && it.count > 1) continue; /* the SIMD levels; scalar where it is all */
         for (size_t i = 0; i < sizeof fm / sizeof fm[0]; i++)
             check_format(fm[i].fmt, fm[i].D, 700 + i, &worst);
     }
-    setenv("KVARN_SIMD", top, 1);
     print_message("worst LSE error vs double reference: %.3g (relative, floor 1)\n", worst);
 }
 
@@ -245,9 +244,9 @@ static void test_lse_bad_inputs(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_lse_reference),
-        cmocka_unit_test(test_merge_halves),
-        cmocka_unit_test(test_lse_bad_inputs),
+        cmocka_unit_test_teardown(test_lse_reference, levels_teardown),
+        cmocka_unit_test_teardown(test_merge_halves, levels_teardown),
+        cmocka_unit_test_teardown(test_lse_bad_inputs, levels_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

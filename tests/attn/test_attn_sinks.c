@@ -25,6 +25,7 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include "common/levels.h"
 #include "common/int_dot_bound.h"
 #include "common/paged_fixture.h"
 #include "kvarn/attn.h"
@@ -232,19 +233,19 @@ static void test_sinks_every_level(void **state)
         {"fp16", 64, 16}, {"int8", 128, 16}, {"int4", 64, 16}, {"fp8_e4m3", 64, 16},
         {"kvarn_k4v2_g64", 64, 64}, {"kvarn_k4v2_g128", 128, 128},
         {"kvarn_k4v4_g128", 64, 128}};
-    const char *top = kvarn_attn_kernel_name(NULL);
-    const char *levels[2] = {"avx2", "avx512"};
-    const int n_levels = strcmp(top, "avx512") == 0 ? 2 : 1;
-    if (n_levels < 2) print_message("NOTE: no AVX-512 here (%s): the SIMD pass runs at %s only\n", top, top);
+    const char *top = levels_names[levels_top()];
+    if (strcmp(top, "avx512") != 0)
+        print_message("NOTE: no AVX-512 here (%s): the SIMD pass runs at %s only\n", top, top);
     worst w = {0};
-    for (int lv = 0; lv < n_levels; lv++) {
-        setenv("KVARN_SIMD", n_levels == 1 ? top : levels[lv], 1);
+    int pass = 0;
+    LEVELS_FOR(it) {
+        if (it.index == 0 && it.count > 1) continue; /* the SIMD levels; scalar where it is all */
         for (size_t i = 0; i < sizeof fm / sizeof fm[0]; i++) {
             check_format(fm[i].fmt, fm[i].D, fm[i].G, 40 + i, 0, &w);
-            if (lv == 0) check_format(fm[i].fmt, fm[i].D, fm[i].G, 40 + i, 1, &w);
+            if (pass == 0) check_format(fm[i].fmt, fm[i].D, fm[i].G, 40 + i, 1, &w);
         }
+        pass++;
     }
-    setenv("KVARN_SIMD", top, 1);
     print_message("sinks: worst output error / allowance vs double formula %.3g, lse %.3g; "
                   "vs the plain call merged with the sink: out %.3g, lse %.3g (relative)\n",
                   w.ref_out, w.ref_lse, w.merge_out, w.merge_lse);
@@ -291,8 +292,8 @@ static void test_sinks_bad_and_extreme(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_sinks_every_level),
-        cmocka_unit_test(test_sinks_bad_and_extreme),
+        cmocka_unit_test_teardown(test_sinks_every_level, levels_teardown),
+        cmocka_unit_test_teardown(test_sinks_bad_and_extreme, levels_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

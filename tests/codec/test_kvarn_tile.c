@@ -25,8 +25,8 @@
 
 #include "kvarn/kvarn.h"
 #include "kvarn/record.h"
-#include "codec/cpu.h"
 #include "codec/hadamard.h"
+#include "common/levels.h"
 #include "common/testutil.h"
 
 /* 128 tiles per case as upstream does; fewer under ASan (4x slower -O1). */
@@ -818,8 +818,8 @@ static void xs_tile(uint64_t *s, int kind, int D, int G, float *k, float *v)
 
 /* The SIMD statistics and RTN kernels of the encoder give the very bytes of
  * the scalar path (docs/kvarn-codec.md "Speed": same fp32 operations in the
- * same order, no FMA contraction), at every level this CPU has: KVARN_SIMD
- * caps the level per case (codec/cpu.h). The FNV-1a digest of all the
+ * same order, no FMA contraction), at every level this CPU has (the walk of
+ * tests/common/levels.h: KVARN_SIMD set per pass). The FNV-1a digest of all the
  * scalar records is pinned to what the scalar encoder produced before the
  * vectorized kernels existed (commit 7764d1d), so a change of the encoder's
  * arithmetic anywhere shows here. Levels above the one this process runs
@@ -828,12 +828,11 @@ static void test_simd_levels_identical(void **state)
 {
     (void)state;
     static float k[MAXN], v[MAXN];
-    static const char *levels[3] = {"scalar", "avx2", "avx512"};
     static const int dims[3] = {64, 128, 256}, tiles[3] = {32, 64, 128};
     static const int bits[4][2] = {{4, 2}, {4, 4}, {2, 8}, {8, 4}};
-    const char *saved = getenv("KVARN_SIMD");
-    const int top = (int)kvarn__cpu_level(); /* 0 scalar, 1 avx2, 2 avx512 */
-    if (top < 2) printf("  NOTE: levels above %s not run here (CPU or KVARN_SIMD)\n", levels[top]);
+    const int top = levels_top();
+    if (top < LEVELS_MAX - 1)
+        printf("  NOTE: levels above %s not run here (CPU or KVARN_SIMD)\n", levels_names[top]);
     uint64_t digest = 0xcbf29ce484222325ull, s = 0x243f6a8885a308d3ull;
     int cases = 0;
     for (int di = 0; di < 3; di++)
@@ -845,26 +844,25 @@ static void test_simd_levels_identical(void **state)
                 bufs_open(&b, D, G, bits[bi][0], bits[bi][1]);
                 for (int kind = 0; kind < 4; kind++) {
                     xs_tile(&s, kind, D, G, k, v);
-                    setenv("KVARN_SIMD", "scalar", 1);
-                    assert_int_equal(encode(&b, D, k, v, b.rec, 8, 0), KVARN_OK);
-                    for (size_t i = 0; i < b.L.record_bytes; i++) {
-                        digest ^= b.rec[i];
-                        digest *= 0x100000001b3ull;
-                    }
-                    for (int lv = 1; lv <= top; lv++) {
-                        setenv("KVARN_SIMD", levels[lv], 1);
+                    LEVELS_FOR(lv) { /* scalar first: the oracle */
+                        if (lv.index == 0) {
+                            assert_int_equal(encode(&b, D, k, v, b.rec, 8, 0), KVARN_OK);
+                            for (size_t i = 0; i < b.L.record_bytes; i++) {
+                                digest ^= b.rec[i];
+                                digest *= 0x100000001b3ull;
+                            }
+                            continue;
+                        }
                         memset(b.rec2, 0x5A, b.L.record_bytes);
                         assert_int_equal(encode(&b, D, k, v, b.rec2, 8, 0), KVARN_OK);
                         if (memcmp(b.rec, b.rec2, b.L.record_bytes) != 0)
                             fail_msg("D %d G %d k%dv%d kind %d: %s record differs from scalar", D,
-                                     G, bits[bi][0], bits[bi][1], kind, levels[lv]);
+                                     G, bits[bi][0], bits[bi][1], kind, lv.name);
                     }
                     cases++;
                 }
                 bufs_close(&b);
             }
-    if (saved) setenv("KVARN_SIMD", saved, 1);
-    else unsetenv("KVARN_SIMD");
     printf("  %d tiles, scalar records digest %016llx\n", cases, (unsigned long long)digest);
     assert_true(digest == 0x1f33d88a10046aaaull);
 }
@@ -933,7 +931,6 @@ static void test_simd_adversarial(void **state)
 {
     (void)state;
     static float k[MAXN], v[MAXN];
-    static const char *levels[3] = {"scalar", "avx2", "avx512"};
     static const int dims[4] = {64, 128, 256, 512}, tiles[3] = {32, 64, 128};
     static const int bits[6][2] = {{4, 2}, {4, 4}, {2, 8}, {8, 4}, {2, 2}, {8, 8}};
     static const int iters[3] = {0, 1, 8};
@@ -942,8 +939,7 @@ static void test_simd_adversarial(void **state)
 #else
     const int per_case = 12;
 #endif
-    const char *saved = getenv("KVARN_SIMD");
-    const int top = (int)kvarn__cpu_level();
+    const int top = levels_top();
     if (top < 1) printf("  NOTE: scalar only here (CPU or KVARN_SIMD): nothing to compare\n");
     uint64_t s = 0x9b05688c2b3e6c1full;
     int n_ok = 0, n_rejected = 0;
@@ -958,26 +954,26 @@ static void test_simd_adversarial(void **state)
                 for (int rep = 0; rep < reps; rep++) {
                     const int it = iters[(bi + rep) % 3], pre = (gi + rep) % 2;
                     xs_adversarial(&s, D, G, k, v, pre);
-                    setenv("KVARN_SIMD", "scalar", 1);
-                    memset(b.rec, 0x5A, b.L.record_bytes);
-                    const kvarn_status want = encode(&b, D, k, v, b.rec, it, pre);
-                    if (want == KVARN_OK) n_ok++;
-                    else n_rejected++;
-                    for (int lv = 1; lv <= top; lv++) {
-                        setenv("KVARN_SIMD", levels[lv], 1);
+                    kvarn_status want = KVARN_OK;
+                    LEVELS_FOR(lv) { /* scalar first: the oracle */
+                        if (lv.index == 0) {
+                            memset(b.rec, 0x5A, b.L.record_bytes);
+                            want = encode(&b, D, k, v, b.rec, it, pre);
+                            if (want == KVARN_OK) n_ok++;
+                            else n_rejected++;
+                            continue;
+                        }
                         memset(b.rec2, 0x5A, b.L.record_bytes);
                         const kvarn_status got = encode(&b, D, k, v, b.rec2, it, pre);
                         if (got != want || memcmp(b.rec, b.rec2, b.L.record_bytes) != 0)
                             fail_msg("D %d G %d k%dv%d iters %d prerotated %d rep %d: %s gives %s, "
                                      "scalar %s%s", D, G, bits[bi][0], bits[bi][1], it, pre, rep,
-                                     levels[lv], kvarn_strerror(got), kvarn_strerror(want),
+                                     lv.name, kvarn_strerror(got), kvarn_strerror(want),
                                      got == want ? " (records differ)" : "");
                     }
                 }
                 bufs_close(&b);
             }
-    if (saved) setenv("KVARN_SIMD", saved, 1);
-    else unsetenv("KVARN_SIMD");
     printf("  %d tiles stored, %d rejected, at %d level(s) above scalar\n", n_ok, n_rejected, top);
     assert_true(n_ok > 0 && n_rejected > 0);
 }
@@ -995,13 +991,11 @@ static void test_simd_centred_mse(void **state)
 {
     (void)state;
     static float k[MAXN], v[MAXN], kd[MAXN], vd[MAXN];
-    static const char *levels[3] = {"scalar", "avx2", "avx512"};
     static const int dims[4] = {64, 128, 256, 512}, tiles[3] = {32, 64, 128};
     static const int bits[3][2] = {{4, 2}, {4, 4}, {2, 8}};
     static const struct { int centred, rtn; } modes[3] = {
         {0, KVARN_RTN_MSE}, {1, KVARN_RTN_MINMAX}, {1, KVARN_RTN_MSE}};
-    const char *saved = getenv("KVARN_SIMD");
-    const int top = (int)kvarn__cpu_level();
+    const int top = levels_top();
     if (top < 1) printf("  NOTE: scalar only here (CPU or KVARN_SIMD): nothing to compare\n");
     uint64_t s = 0x452821e638d01377ull;
     int n_ok = 0, n_rejected = 0;
@@ -1034,20 +1028,22 @@ static void test_simd_centred_mse(void **state)
                         if (rep < 4 && modes[mi].centred) /* a bias on the values */
                             for (int i = 0; i < D * G; i++) v[i] += (float)(i % D % 5) - 2.0f + 7.0f;
                         kvarn_codec_opts o = {8, rep < 4 ? 0 : pre, modes[mi].rtn};
-                        setenv("KVARN_SIMD", "scalar", 1);
-                        memset(b.rec, 0x5A, b.L.record_bytes);
-                        const kvarn_status want = kvarn_encode(&b.fmt, D, k, v, b.rec, b.L.record_bytes,
-                                                               b.ws, b.ws_bytes, &o);
-                        if (want == KVARN_OK) n_ok++;
-                        else n_rejected++;
-                        for (int lv = 1; lv <= top; lv++) {
-                            setenv("KVARN_SIMD", levels[lv], 1);
+                        kvarn_status want = KVARN_OK;
+                        LEVELS_FOR(lv) { /* scalar first: the oracle */
+                            if (lv.index == 0) {
+                                memset(b.rec, 0x5A, b.L.record_bytes);
+                                want = kvarn_encode(&b.fmt, D, k, v, b.rec, b.L.record_bytes, b.ws,
+                                                    b.ws_bytes, &o);
+                                if (want == KVARN_OK) n_ok++;
+                                else n_rejected++;
+                                continue;
+                            }
                             memset(b.rec2, 0x5A, b.L.record_bytes);
                             const kvarn_status got = kvarn_encode(&b.fmt, D, k, v, b.rec2,
                                                                   b.L.record_bytes, b.ws, b.ws_bytes, &o);
                             if (got != want || memcmp(b.rec, b.rec2, b.L.record_bytes) != 0)
                                 fail_msg("%s D %d rtn %d rep %d: %s gives %s, scalar %s%s", name, D,
-                                         modes[mi].rtn, rep, levels[lv], kvarn_strerror(got),
+                                         modes[mi].rtn, rep, lv.name, kvarn_strerror(got),
                                          kvarn_strerror(want), got == want ? " (records differ)" : "");
                         }
                         if (want == KVARN_OK && modes[mi].rtn == KVARN_RTN_MSE) {
@@ -1097,8 +1093,6 @@ static void test_simd_centred_mse(void **state)
                     }
                     bufs_close(&b);
                 }
-    if (saved) setenv("KVARN_SIMD", saved, 1);
-    else unsetenv("KVARN_SIMD");
     printf("  %d tiles stored, %d rejected, at %d level(s) above scalar\n", n_ok, n_rejected, top);
     assert_true(n_ok > 0 && n_rejected > 0);
 }
@@ -1137,9 +1131,9 @@ int main(void)
         cmocka_unit_test(test_nonfinite),
         cmocka_unit_test(test_large_values),
         cmocka_unit_test(test_bad_buffers),
-        cmocka_unit_test(test_simd_levels_identical),
-        cmocka_unit_test(test_simd_centred_mse),
-        cmocka_unit_test(test_simd_adversarial),
+        cmocka_unit_test_teardown(test_simd_levels_identical, levels_teardown),
+        cmocka_unit_test_teardown(test_simd_centred_mse, levels_teardown),
+        cmocka_unit_test_teardown(test_simd_adversarial, levels_teardown),
         cmocka_unit_test(test_misaligned_workspace),
     };
     /* e.g. KVARN_TEST_FILTER='test_[a-f]*' to skip the grid while iterating */
