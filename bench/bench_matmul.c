@@ -38,7 +38,7 @@
 
 #include <cblas.h>
 
-#include "codec/cpu.h"
+#include "common/cpu.h"
 #include "kvarn/kvarn.h"
 #include "model/llama_internal.h"
 #include "model/llama_qgemv.h"

@@ -64,7 +64,7 @@ const char *kvarn_strerror(kvarn_status status);
  * the CPU's level (*name says which); the library prints nothing, so a
  * program decides whether to refuse it (the kvarn command and the
  * benchmarks do: a usage error, exit 2). Reads the environment on every
- * call; thread-safe as getenv is. Source: codec/cpu.c. */
+ * call; thread-safe as getenv is. Source: common/cpu.c. */
 kvarn_status kvarn_simd_level(const char **name);
 
 /* ------------------------------------------------------------------------ */

@@ -14,10 +14,10 @@
 #include "attn/attn_internal.h"
 #include "cache/paged_check.h"
 #include "cache/staging.h"
-#include "codec/checked.h"
-#include "codec/cpu.h"
 #include "codec/fp_convert.h"
 #include "codec/hadamard.h"
+#include "common/checked.h"
+#include "common/cpu.h"
 
 /* Query rows (query tokens x GQA heads) one work item carries at most. */
 #define ROWS_TARGET 256
@@ -56,7 +56,7 @@ static size_t round_f(size_t n) { return (n + ALIGN_F - 1) / ALIGN_F * ALIGN_F; 
 /* The same in 64 bits for the checked sizes, for n < 2^63. */
 static uint64_t round_u64(uint64_t n) { return (n + ALIGN_F - 1) / ALIGN_F * ALIGN_F; }
 
-/* Per-worker scratch in floats, checked (codec/checked.h): 0 when the sum
+/* Per-worker scratch in floats, checked (common/checked.h): 0 when the sum
  * fits, 1 when it overflows. */
 static int thread_scratch_floats(int rows, int D, int gs_, uint64_t mat, uint64_t tail,
                                  size_t *out)
@@ -203,7 +203,7 @@ size_t kvarn_attn_workspace_bytes(const kvarn_paged_kv *kv, int n_q_heads,
 /* ----------------------------------------------------------- dispatch */
 
 /* The kernels of this format kind and head_dim at the SIMD level
- * kvarn__cpu_level() reports (capped by KVARN_SIMD, codec/cpu.h), read from
+ * kvarn__cpu_level() reports (capped by KVARN_SIMD, common/cpu.h), read from
  * the kind's row (kernel_table.c): a level whose head_dim multiple (AVX-512
  * 32, AVX2 16) does not divide D runs the next lower one. */
 static int top_level_of(const kvarn_attn_opts *o)

@@ -207,7 +207,7 @@ typedef struct attn_kernels {
     default: ATTN_RB_SWITCH6(rb, CALL)     \
     }
 
-/* SIMD levels, indexed by kvarn_cpu_level (codec/cpu.h). */
+/* SIMD levels, indexed by kvarn_cpu_level (common/cpu.h). */
 #define ATTN_LEVELS 3
 
 /* One SIMD level: its name, the head_dim multiple its kernels need, its

@@ -12,7 +12,7 @@
  * bound there; its int8 K where D % 64 == 0 runs vpdpbusd on the query's
  * int8 digits (i8v_kdots16), the same bits. attn.c runs these in place of
  * attn_avx512_kvarn_tile / attn_avx512_token_int8 when
- * kvarn__cpu_avx512_vnni() (codec/cpu.h) says the CPU has VNNI and the
+ * kvarn__cpu_avx512_vnni() (common/cpu.h) says the CPU has VNNI and the
  * call's testing knobs do not turn it off. The KVarN tile kernel alone
  * took 19% less time than the vpmaddwd build on AMD Zen 4
  * (docs/attention-intdot.md "Integer (int16) dot products").

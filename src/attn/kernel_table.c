@@ -12,7 +12,7 @@
 #include <stddef.h>
 
 #include "attn/attn_internal.h"
-#include "codec/cpu.h"
+#include "common/cpu.h"
 
 /* Indexed by kvarn_cpu_level. */
 static const attn_level_row k_levels[ATTN_LEVELS] = {

@@ -21,11 +21,11 @@
 #include <string.h>
 
 #include "attn/mla_kernels.h"
-#include "codec/cpu.h"
 #include "codec/fp_convert.h"
 #include "codec/hadamard.h"
 #include "codec/mla_internal.h"
 #include "codec/pack.h"
+#include "common/cpu.h"
 
 #if KVARN_MLA_QB != ATTN_MLA_QB
 #error "the workspace's block of query rows (mla_internal.h) must be the kernels' (mla_kernels.h)"

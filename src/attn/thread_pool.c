@@ -12,7 +12,7 @@
 #include <stdlib.h>
 
 #include "attn/attn_internal.h"
-#include "codec/alloc_internal.h"
+#include "common/alloc_internal.h"
 
 struct kvarn_thread_pool {
     kvarn_allocator alloc;    /* the pool and its thread table (alloc.h) */

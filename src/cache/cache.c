@@ -10,7 +10,7 @@
 
 #include "cache/cache_internal.h"
 #include "cache/staging.h"
-#include "codec/checked.h"
+#include "common/checked.h"
 
 #define DEFAULT_PER_TOKEN_BLOCK 16   /* vLLM's default block size */
 #define MAX_BLOCK_SIZE 1024
@@ -100,7 +100,7 @@ static int seq_bytes(uint64_t max_tiles, uint64_t per_tile, uint64_t n_layers, i
 
 /* Check opts and work out the geometry into *info (no allocation). Every
  * count and byte size is formed in 64 bits with checked products
- * (codec/checked.h); one that does not fit, or an arena or a sequence's
+ * (common/checked.h); one that does not fit, or an arena or a sequence's
  * bookkeeping larger than size_t, is KVARN_ERR_TOO_LARGE here, before
  * kvarn_cache_create allocates anything.
  * sizing = 1: budget_bytes 0 is accepted and gives n_blocks 0 (see

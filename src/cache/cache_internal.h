@@ -12,7 +12,7 @@
 #include "kvarn/cache.h"
 #include "kvarn/paged.h"
 #include "kvarn/record.h"
-#include "codec/alloc_internal.h"
+#include "common/alloc_internal.h"
 
 /* A pool of ids (blocks or pages) with reference counts. Free ids sit on a
  * LIFO stack, so ids come back in the order they were freed (scrambled after

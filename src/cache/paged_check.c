@@ -7,8 +7,8 @@
 #include <stdint.h>
 
 #include "cache/staging.h"
-#include "codec/checked.h"
 #include "codec/format_kinds.h"
+#include "common/checked.h"
 
 kvarn_status kvarn__paged_check_arenas(const kvarn_paged_kv *kv, const kvarn_record_layout *L,
                                        unsigned flags, kvarn_status too_small)

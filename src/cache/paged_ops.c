@@ -10,9 +10,9 @@
 
 #include "cache/paged_check.h"
 #include "cache/staging.h"
-#include "codec/checked.h"
 #include "codec/fp_convert.h"
 #include "codec/hadamard.h"
+#include "common/checked.h"
 #include "kvarn/record.h"
 
 #define MAX_KVARN_D 512 /* KVarN serves D in {64, 128, 256, 512} */

@@ -8,8 +8,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "codec/checked.h"
 #include "codec/format_kinds.h"
+#include "common/checked.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/record.h"
 

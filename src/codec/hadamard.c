@@ -3,8 +3,8 @@
  * and run-time dispatch. Source: ../shared/spec/KVARN.md "Store pipeline"
  * step 1; see hadamard.h for the exact operation order all variants share.
  */
-#include "codec/cpu.h"
 #include "codec/hadamard.h"
+#include "common/cpu.h"
 
 static int is_pow2(int d) { return d > 0 && (d & (d - 1)) == 0; }
 

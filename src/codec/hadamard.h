@@ -45,7 +45,7 @@ void kvarn_hadamard_scalar(float *x, int d);
 #if defined(__x86_64__) || defined(__i386__)
 #define KVARN_HADAMARD_HAVE_AVX2 1
 /* AVX2 version (src/codec/hadamard_avx2.c). Only call it when
- * kvarn__cpu_level() >= KVARN_CPU_AVX2 (codec/cpu.h); d must be a power of two >= 8 (not
+ * kvarn__cpu_level() >= KVARN_CPU_AVX2 (common/cpu.h); d must be a power of two >= 8 (not
  * checked). */
 void kvarn_hadamard_avx2(float *x, int d);
 void kvarn_hadamard_rows_avx2(float *x, int rows, int d);

@@ -8,7 +8,7 @@
  * h = 8 .. 64 pair whole registers while a block of up to 128 floats stays
  * in the 16 ymm registers; stages h >= 128 (d >= 256) go through memory.
  * Compiled with -mavx2 -mfma -mf16c by the build; called only after
- * kvarn__cpu_level() >= KVARN_CPU_AVX2 (codec/cpu.h).
+ * kvarn__cpu_level() >= KVARN_CPU_AVX2 (common/cpu.h).
  */
 #include "codec/hadamard.h"
 

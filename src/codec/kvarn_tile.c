@@ -23,10 +23,10 @@
 #include <string.h>
 
 #include "codec/codec_internal.h"
-#include "codec/cpu.h"
 #include "codec/fp_convert.h"
 #include "codec/hadamard.h"
 #include "codec/pack.h"
+#include "common/cpu.h"
 
 /* Spec step 2 constants. The log-space update c += log(std), clip c to
  * [-0.3, 10] is carried out on s = exp(c) directly: s *= std, clip s to

@@ -1,7 +1,7 @@
 /*
  * kvarn_tile_avx2.c -- the KVarN statistics and RTN kernels (kvarn_tile_stats.h)
  * compiled with -mavx2 -mfma -mf16c by the build. kvarn_tile.c calls them
- * only when kvarn__cpu_level() >= KVARN_CPU_AVX2 (codec/cpu.h). Same C as the baseline copy,
+ * only when kvarn__cpu_level() >= KVARN_CPU_AVX2 (common/cpu.h). Same C as the baseline copy,
  * hence bit-identical results (ISO C mode keeps FMA contraction off).
  */
 #if defined(__x86_64__) || defined(__i386__)

@@ -2,7 +2,7 @@
  * kvarn_tile_avx512.c -- the AVX-512 encoder kernels of the KVarN tile codec
  * (../shared/spec/KVARN.md "Store pipeline" steps 1-5), compiled with
  * AVX-512 (F/BW/VL) and FMA by the build. kvarn_tile.c calls them only when
- * kvarn__cpu_level() >= KVARN_CPU_AVX512 (codec/cpu.h), D is a power of two
+ * kvarn__cpu_level() >= KVARN_CPU_AVX512 (common/cpu.h), D is a power of two
  * in 64..512 and G a multiple of 32; the layouts they share are described
  * in kvarn_tile_stats.h.
  *

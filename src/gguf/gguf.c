@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 #include "kvarn/gguf.h"
-#include "codec/alloc_internal.h"
+#include "common/alloc_internal.h"
 
 #define GGUF_DEFAULT_ALIGNMENT 32u
 #define GGUF_MAX_KEY 65535u  /* keys are at most 2^16 - 1 bytes (format) */

@@ -14,7 +14,7 @@
 #include "kvarn/cache.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/model.h"
-#include "codec/alloc_internal.h"
+#include "common/alloc_internal.h"
 
 /* One weight matrix, row-major [out][in] (a GGUF matrix of ne = {in, out}
  * as stored), so a chunk's activations X [n][in] give Y = X W^T. Held in
@@ -222,7 +222,7 @@ kvarn_status llama_kv_paged_create(const llama_kv_shape *shape,
 /* What the _create above would allocate, without allocating: *kv_bytes
  * for the K/V themselves (the cache arena: blocks + fp16 pages; or the
  * fp32 K and V), *other_bytes for the store's scratch and bookkeeping.
- * Every size is checked in 64 bits (codec/checked.h). The _create calls
+ * Every size is checked in 64 bits (common/checked.h). The _create calls
  * run the same checks first, so they fail before allocating.
  * Errors: KVARN_ERR_TOO_LARGE (max_tokens above KVARN_CACHE_MAX_SEQ_LEN,
  * or a size beyond 64 bits / size_t); the cache's option errors. */

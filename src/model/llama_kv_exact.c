@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "codec/checked.h"
+#include "common/checked.h"
 #include "kvarn/cache.h"
 #include "model/llama_internal.h"
 

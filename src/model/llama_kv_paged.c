@@ -37,7 +37,7 @@
 
 #include "kvarn/attn.h"
 #include "attn/attn_internal.h"
-#include "codec/checked.h"
+#include "common/checked.h"
 #include "kvarn/cache.h"
 #include "model/llama_internal.h"
 

@@ -10,11 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "codec/checked.h"
+#include "common/checked.h"
 #include "kvarn/cache.h"
 #include "kvarn/gguf.h"
 #include "model/llama_internal.h"
-#include "codec/cpu.h"
+#include "common/cpu.h"
 #include "model/llama_qgemv.h"
 
 /* The message of a refused file into err[errlen] (err may be NULL);

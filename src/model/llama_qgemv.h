@@ -17,7 +17,7 @@
  *
  * Kernels: a scalar reference (the oracle: row order, one rounding per
  * product and per addition), AVX2 and AVX-512 (llama_qgemv_avx2.c,
- * llama_qgemv_avx512.c), picked by the caller from codec/cpu.h's level.
+ * llama_qgemv_avx512.c), picked by the caller from common/cpu.h's level.
  * Not part of the public contract.
  */
 #ifndef KVARN_LLAMA_QGEMV_H
@@ -26,7 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "codec/cpu.h"
+#include "common/cpu.h"
 #include "kvarn/gguf.h"
 
 /* Elements per block of every type served here. */

@@ -1,7 +1,7 @@
 /*
  * llama_qgemv_avx2.c -- the gguf-weights GEMV and row dequantization
  * (llama_qgemv.h) with AVX2 + FMA + F16C (compiled with -mavx2 -mfma
- * -mf16c; picked at run time only where the CPU has them, codec/cpu.h).
+ * -mf16c; picked at run time only where the CPU has them, common/cpu.h).
  *
  * A block of 32 weights is four vectors of 8. The codes are widened to 32
  * bits and converted to float (exact), then decoded as dequant.c does:

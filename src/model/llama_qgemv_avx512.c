@@ -1,7 +1,7 @@
 /*
  * llama_qgemv_avx512.c -- the gguf-weights GEMV and row dequantization
  * (llama_qgemv.h) with AVX-512 F (compiled with -mavx512f etc.; picked at
- * run time only where the CPU has it, codec/cpu.h).
+ * run time only where the CPU has it, common/cpu.h).
  *
  * A block of 32 weights is two vectors of 16. For the 4-bit types the
  * block's 16 possible values are formed once as a table, T[k] = fma(k, d,

@@ -48,8 +48,8 @@
 #include <string.h>
 
 #include "attn/attn_internal.h"
-#include "codec/checked.h"
-#include "codec/cpu.h"
+#include "common/checked.h"
+#include "common/cpu.h"
 #include "model/llama_internal.h"
 #include "model/llama_qgemv.h"
 

@@ -8,7 +8,7 @@
 
 #include "kvarn/gguf.h"
 #include "kvarn/tokenizer.h"
-#include "codec/alloc_internal.h"
+#include "common/alloc_internal.h"
 
 /* An optional token id: -1 when the key is absent. */
 static kvarn_status optional_id(const kvarn_gguf *g, const char *key, int32_t n,

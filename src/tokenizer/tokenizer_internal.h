@@ -10,7 +10,7 @@
 #include <stdint.h>
 
 #include "kvarn/kvarn.h"
-#include "codec/alloc_internal.h"
+#include "common/alloc_internal.h"
 
 /* A compiled pre-tokenizer (owns its PCRE2 code objects). Immutable after
  * creation; split() may run on it from many threads, each with its own

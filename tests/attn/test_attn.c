@@ -18,8 +18,8 @@
 #include <cmocka.h>
 
 #include "attn/attn_internal.h"
-#include "codec/cpu.h"
 #include "codec/format_kinds.h"
+#include "common/cpu.h"
 #include "common/int_dot_bound.h"
 #include "common/levels.h"
 #include "common/paged_fixture.h"

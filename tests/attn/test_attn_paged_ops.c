@@ -20,7 +20,7 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "codec/cpu.h"
+#include "common/cpu.h"
 #include "common/int_dot_bound.h"
 #include "common/paged_arena.h"
 #include "common/paged_fixture.h"

@@ -1,7 +1,7 @@
 #!/bin/sh
 # no_cpuid.sh LIBRARY COMPILER_ID -- fails if the library's objects hold a
 # CPUID instruction. The SIMD level is asked once per Hadamard rotation
-# (src/codec/cpu.c), ~720 times per decoded SmolLM2 token; in this
+# (src/common/cpu.c), ~720 times per decoded SmolLM2 token; in this
 # project's Firecracker VMs a CPUID traps to the hypervisor (8.2 us), which
 # cost a KVarN cache 5.9 ms per token. GCC builds read the feature bits
 # libgcc stored at start-up; clang 14 builds keep one CPUID (cpu.c), so

@@ -1,4 +1,4 @@
-/* test_cpu.c -- the SIMD level query of src/codec/cpu.c (codec/cpu.h).
+/* test_cpu.c -- the SIMD level query of src/common/cpu.c (common/cpu.h).
  *
  * Oracles: the CPU's own feature bits read here with CPUID and XGETBV
  * (Intel SDM vol. 2A "CPUID", leaf 1 ECX and leaf 7 EBX; AMD reports the
@@ -28,7 +28,7 @@
 #include <unistd.h>
 #endif
 
-#include "codec/cpu.h"
+#include "common/cpu.h"
 #include "kvarn/kvarn.h"
 #include "codec/hadamard.h"
 #include "common/testutil.h"

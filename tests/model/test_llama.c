@@ -27,7 +27,7 @@
 #include "kvarn/cache.h"
 #include "kvarn/gguf.h"
 #include "kvarn/model.h"
-#include "codec/cpu.h"
+#include "common/cpu.h"
 #include "model/llama_internal.h"
 
 enum { NL = 2, E = 128, NH = 4, NKV = 2, HD = 64, FF = 192, VOCAB = 300 };

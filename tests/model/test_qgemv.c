@@ -40,7 +40,7 @@
 
 #include <cmocka.h>
 
-#include "codec/cpu.h"
+#include "common/cpu.h"
 #include "common/testutil.h"
 #include "model/llama_internal.h"
 #include "model/llama_qgemv.h"

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "codec/alloc_internal.h"
+#include "common/alloc_internal.h"
 
 kvarn_status kvarn__alloc_init(kvarn_allocator *out, const kvarn_allocator *a)
 {

@@ -10,8 +10,8 @@
  * A size that does not fit is a request the library cannot hold: callers
  * turn it into KVARN_ERR_TOO_LARGE before allocating anything.
  */
-#ifndef KVARN_CODEC_CHECKED_H
-#define KVARN_CODEC_CHECKED_H
+#ifndef KVARN_COMMON_CHECKED_H
+#define KVARN_COMMON_CHECKED_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -79,4 +79,4 @@ static inline int kvarn__add_size(size_t a, size_t b, size_t *out)
     return bad | kvarn__u64_to_size(v, out);
 }
 
-#endif /* KVARN_CODEC_CHECKED_H */
+#endif /* KVARN_COMMON_CHECKED_H */

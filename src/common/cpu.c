@@ -2,7 +2,7 @@
  * cpu.c -- CPU feature detection and the KVARN_SIMD cap (see cpu.h).
  */
 #define _GNU_SOURCE /* syscall (unistd.h) */
-#include "codec/cpu.h"
+#include "common/cpu.h"
 #include "kvarn/kvarn.h"
 
 #include <stdlib.h>

@@ -1,5 +1,5 @@
 /*
- * alloc_internal.h -- the one place the library allocates (src/codec/alloc.c).
+ * alloc_internal.h -- the one place the library allocates (src/common/alloc.c).
  * Every src/ file allocates and frees through these, with the allocator its
  * object keeps (include/kvarn/alloc.h). Not part of the public contract.
  */
