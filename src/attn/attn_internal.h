@@ -1,8 +1,8 @@
 /*
- * attn_internal.h -- what the attention driver (attn.c), the thread pool and
- * the per-ISA tile kernels (kernel_ref.c, kernel_avx2.c, the kernel_avx512*.c
- * files) share. Not part of
- * the public contract.
+ * attn_internal.h -- what the attention driver (attn.c, attn_check.c,
+ * attn_plan.c, attn_dispatch.c), the thread pool and the per-ISA tile
+ * kernels (kernel_ref.c, kernel_avx2.c, the kernel_avx512*.c files) share.
+ * Not part of the public contract.
  */
 #ifndef KVARN_ATTN_INTERNAL_H
 #define KVARN_ATTN_INTERNAL_H
@@ -12,6 +12,7 @@
 
 #include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
+#include "kvarn/paged.h"
 #include "kvarn/record.h"
 
 /* ---- thread pool (thread_pool.c) ---- */
@@ -160,7 +161,7 @@ typedef void (*attn_matrix_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
 #define ATTN_MATRIX_MAX_D 512
 /* The geometries the matrix kernel takes: head_dim D a multiple of 32 up
  * to ATTN_MATRIX_MAX_D, tiles of G tokens a multiple of 32 (KVarN's 32, 64
- * and 128). The one statement of it (attn.c's plan and kernel info). */
+ * and 128). The one statement of it (attn_plan.c's geometry, attn_dispatch.c's kernels and kernel info). */
 static inline int attn_matrix_geometry(int D, int G)
 {
     return D % 32 == 0 && D <= ATTN_MATRIX_MAX_D && G % 32 == 0 && G >= 32 && G <= 128;
@@ -183,7 +184,7 @@ typedef struct attn_kernels {
     attn_fp16_tile_fn fp16_tile;
     attn_record_tile_fn kvarn_tile;
     attn_token_tile_fn token_tile;
-    attn_matrix_tile_fn kvarn_matrix; /* NULL: none (attn.c pick_kernels) */
+    attn_matrix_tile_fn kvarn_matrix; /* NULL: none (attn_dispatch.c attn_pick_kernels) */
 } attn_kernels;
 
 /* Row-block dispatch of the SIMD kernels: CALL(R) with R = rb as a
@@ -330,5 +331,142 @@ void attn_avx512vnni_token_int8(attn_rows *r, const kvarn_record_layout *L,
  * to the row's visible positions, update m and l, rescale acc, and turn s
  * into the weights exp(s - m). */
 void attn_softmax_update_ref(attn_rows *r, int t0, int nt);
+
+/* ---- one attention call ----
+ * attn.c runs it (the entry points, the loop over the tiles of a work
+ * item, the split-K merge); attn_check.c checks its arguments;
+ * attn_plan.c sizes its workspace and plans its work items;
+ * attn_dispatch.c picks its kernels. */
+
+#define ATTN_ALIGN_F 16 /* floats: 64-byte alignment of every scratch array */
+
+/* n floats rounded up to ATTN_ALIGN_F. */
+static inline size_t attn_round_f(size_t n)
+{
+    return (n + ATTN_ALIGN_F - 1) / ATTN_ALIGN_F * ATTN_ALIGN_F;
+}
+
+/* One work item: the query block of one sequence against one KV head,
+ * or one split-K chunk of it (attn_plan). */
+typedef struct attn_item {
+    int seq, kvh;
+    int q0, nq;            /* queries [q0, q0 + nq) of the sequence's chunk */
+    int tile0, tile1;      /* tiles [tile0, tile1) this item reads */
+    int chunk, n_chunks;   /* split-K: this chunk of n_chunks */
+    size_t partial;        /* split: float offset of its (m, l, acc) rows */
+} attn_item;
+
+/* The geometry of a call and the bounds of its workspace (attn_make_geom). */
+typedef struct attn_geom {
+    int D, G, Hk, Hq, group, qblock, rows_max;
+    int span_tiles;        /* tiles per kernel call (per-token formats) */
+    int gs;                /* row stride of the scores: span tokens, rounded */
+    int is_kvarn;
+    size_t thread_floats;  /* per-worker scratch */
+    size_t mat_floats;     /* its part for the matrix kernel (0: none) */
+    size_t tail_floats;    /* its last part: K and V fp16 [G][D] of a tail
+                              tile gathered from small tail pages (0 when the
+                              view has none) */
+    size_t max_items, max_groups, partial_floats;
+    size_t ws_bytes;       /* the whole workspace a call needs */
+} attn_geom;
+
+/* One call: its arguments, geometry, kernels and carved workspace; its
+ * tasks (attn.c item_task, merge_task) read it and write only their own
+ * outputs. */
+typedef struct attn_run {
+    const kvarn_paged_kv *kv;
+    const kvarn_seq_view *seqs;
+    const int32_t *qsl;        /* NULL: decode (one query per sequence) */
+    const float *q;
+    float *out;
+    float *lse;                /* NULL, or [total_q][Hq] log-sum-exp */
+    kvarn_attn_opts o;
+    attn_geom g;
+    kvarn_record_layout L;
+    const attn_kernels *kern;  /* &kern_set */
+    attn_kernels kern_set;
+    /* Staging as records (paged.h "Staging"): the token kernels and record
+     * layout of the staging's per-token format, which read the staged
+     * tokens */
+    attn_kernels stage_set;
+    kvarn_record_layout Ls;
+    int staged;                /* 1: staged tokens are records (stage_set) */
+    float *thread_scratch;
+    attn_item *items;
+    int n_items;
+    int *groups;               /* split: index of each group's first chunk */
+    int n_groups;
+    float *partials;
+} attn_run;
+
+/* The first query of sequence s in the call's query array, and its count. */
+static inline int attn_q_start(const attn_run *run, int s) { return run->qsl ? run->qsl[s] : s; }
+static inline int attn_q_len(const attn_run *run, int s)
+{
+    return run->qsl ? run->qsl[s + 1] - run->qsl[s] : 1;
+}
+
+/* Visible positions [lo, hi] of query qi (of ql) of a sequence. */
+static inline void attn_query_limits(const attn_run *run, int seq_len, int ql, int qi,
+                                     int32_t *lo, int32_t *hi)
+{
+    int h = run->o.causal ? seq_len - ql + qi : seq_len - 1;
+    int l = 0;
+    if (run->o.sliding_window > 0) {
+        int anchor = run->o.causal ? h : seq_len - 1;
+        l = anchor - run->o.sliding_window + 1;
+        if (l < 0) l = 0;
+    }
+    *lo = l;
+    *hi = h;
+}
+
+/* Whether tile i of a sequence is an fp16 page (KVarN sink or tail). */
+static inline int attn_tile_is_page(const kvarn_paged_kv *kv, const kvarn_seq_view *sv, int i)
+{
+    return kvarn_paged_tile_is_page(kv, sv->committed_tiles, i);
+}
+
+/* The experimental knobs of opts (attn.h's testing section), 0 without
+ * them (attn_check.c). */
+int attn_split_k_of(const kvarn_attn_opts *o);
+int attn_force_scalar_of(const kvarn_attn_opts *o);
+
+/* 1 when opts are valid: a finite positive softmax scale, a window >= 0,
+ * causal 0 or 1, the testing knobs in range (attn_check.c). */
+int attn_opts_valid(const kvarn_attn_opts *o);
+
+/* The paged view, with its record layout L: arenas, strides, sink slots
+ * and small tail pages (attn_check.c). KVARN_ERR_INVALID_ARG when not. */
+kvarn_status attn_check_kv(const kvarn_paged_kv *kv, const kvarn_record_layout *L);
+
+/* One sequence of a call against the view that attn_check_kv accepted:
+ * its length, committed tiles, block table, sink slot and small tail
+ * pages (attn_check.c). KVARN_ERR_INVALID_ARG when not. */
+kvarn_status attn_check_seq(const kvarn_paged_kv *kv, const kvarn_seq_view *sv);
+
+/* *opts, or the defaults with the softmax scale 1 / sqrt(head_dim)
+ * (attn_plan.c). */
+kvarn_attn_opts attn_opts_or_default(const kvarn_attn_opts *opts, int head_dim);
+
+/* The geometry and workspace bounds of a call of at most max_seqs
+ * sequences and max_total_q queries on n_threads workers into *g; KVARN_OK,
+ * KVARN_ERR_INVALID_ARG or KVARN_ERR_TOO_LARGE (attn_plan.c). */
+kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seqs,
+                            int max_total_q, int n_threads, const kvarn_attn_opts *o,
+                            attn_geom *g);
+
+/* The workspace bytes a call of geometry g needs (attn_plan.c). */
+size_t attn_workspace_bytes(const attn_geom *g, int n_threads);
+
+/* Fill run->items and run->groups from the shapes of run (attn_plan.c);
+ * 0 when they would not fit the workspace attn_make_geom sized. */
+int attn_plan(attn_run *run, int n_seqs, int n_threads);
+
+/* The kernels of format kind `kind` at head_dim and tile G a call with
+ * options o runs, into *out (attn_dispatch.c). */
+void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, int G,
+                       attn_kernels *out);
 
 #endif

@@ -2,7 +2,7 @@
  * kernel_avx2.c -- AVX2/FMA/F16C tile kernels of the attention. Same math,
  * same folding and same order of tiles as kernel_ref.c (the oracle); only
  * the order of the fp32 sums inside a tile differs, so results agree with
- * the reference to ~1e-6 relative. Chosen at run time by attn.c when the CPU
+ * the reference to ~1e-6 relative. Chosen at run time (attn_dispatch.c) when the CPU
  * has AVX2, FMA and F16C and D % 16 == 0.
  *
  * Register blocking (16 ymm registers):

@@ -14,7 +14,7 @@
  * The kernels, AVX-512 F/BW/VL + FMA/F16C, compute the
  * attention. Same math, same folding and same order of tiles as
  * kernel_ref.c (the oracle) and kernel_avx2.c; the order of the fp32
- * sums inside a tile differs, and the int16 products below. Chosen at run time by attn.c when
+ * sums inside a tile differs, and the int16 products below. Chosen at run time (attn_dispatch.c) when
  * kvarn__cpu_level() reports AVX-512 and D % 32 == 0 (common/cpu.h).
  *
  * The structure follows kernel_avx2.c with 16-lane vectors and 32

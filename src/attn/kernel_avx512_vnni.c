@@ -10,7 +10,7 @@
  * against weights rounded to u8 (kv_vsum2_u8; docs/attention-intdot.md
  * "u8 weights"), so those sums differ from the vpmaddwd build's within the
  * bound there; its int8 K where D % 64 == 0 runs vpdpbusd on the query's
- * int8 digits (i8v_kdots16), the same bits. attn.c runs these in place of
+ * int8 digits (i8v_kdots16), the same bits. attn_dispatch.c picks these in place of
  * attn_avx512_kvarn_tile / attn_avx512_token_int8 when
  * kvarn__cpu_avx512_vnni() (common/cpu.h) says the CPU has VNNI and the
  * call's testing knobs do not turn it off. The KVarN tile kernel alone

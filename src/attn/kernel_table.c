@@ -2,7 +2,7 @@
  * kernel_table.c -- which tile kernel attention runs: one row per SIMD level
  * (name, head_dim multiple, fp16 page kernel) and, per format kind, the
  * attention half of the kind's row (its tile kernel at each level; the codec
- * half is src/codec/format_kinds.c). attn.c picks a call's kernels here
+ * half is src/codec/format_kinds.c). attn_dispatch.c picks a call's kernels here
  * (attn_select_kernels); the kernel files hold only kernels.
  *
  * Adding a format kind: its row below, its scalar kernel in kernel_ref.c

@@ -1,7 +1,7 @@
 /*
  * paged_check.h -- the one check of a paged layer view's arena geometry
  * (include/kvarn/paged.h) that the CPU store/commit (paged_ops.c), the CPU
- * attention (src/attn/attn.c) and the CUDA backend (src/cuda/api.cu) share;
+ * attention (src/attn/attn_check.c) and the CUDA backend (src/cuda/api.cu) share;
  * each adds only its own rules (block size range, sink slots, device
  * alignment). Internal to the library.
  */
