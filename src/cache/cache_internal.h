@@ -222,4 +222,13 @@ int kvarn__seq_frozen_len(const kvarn_cache *c, const kvarn_seq *s);
  * layer: their tokens were cut or are about to be rewritten. */
 void kvarn__seq_clear_exact(const kvarn_cache *c, kvarn_seq *s, int t0, int t1);
 
+/* The budget plan (capacity.c): check opts and work out the cache's
+ * geometry into *info and the format's record layout into *layout, no
+ * allocation. KVARN_ERR_INVALID_ARG for bad opts, KVARN_ERR_TOO_LARGE for a
+ * count or an arena that does not fit. sizing = 1: budget_bytes 0 is
+ * accepted and gives n_blocks 0 (kvarn_cache_plan); kvarn_cache_create
+ * passes 0. */
+kvarn_status kvarn__cache_geometry(const kvarn_cache_opts *o, kvarn_cache_info *info,
+                                   kvarn_record_layout *layout, int sizing);
+
 #endif

@@ -69,7 +69,7 @@ static kvarn_status seq_open(kvarn_cache *c, int *id)
         if (!c->seqs[i].live && (slot < 0 || (c->seqs[i].mem && !c->seqs[slot].mem))) slot = i;
     if (slot < 0) return KVARN_ERR_OUT_OF_BLOCKS;
 
-    /* seq_bytes() in cache.c checked this sum against size_t at create. */
+    /* seq_bytes() in capacity.c checked this sum against size_t at create. */
     const size_t T = (size_t)c->max_tiles;
     const size_t Q = c->small_tail ? (size_t)small_per_tile(c) : 0;
     const size_t L = (size_t)c->info.n_layers;

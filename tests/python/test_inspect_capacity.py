@@ -17,7 +17,7 @@ GIB = 1 << 30
 # under 20,000 blocks and 64 sequences of <= 1,700 tiles, plus a few tile
 # scratch buffers of 128 x 64 floats: < 0.2 + 1.4 + 0.2 MB.
 BOOKS_MAX = 2 << 20
-# The fixed part of it (src/cache/cache.c kvarn_cache_capacity_get): the
+# The fixed part of it (src/cache/capacity.c kvarn_cache_capacity_get): the
 # cache struct, two tile buffers of 128 x 64 floats (64 KiB), and the
 # encoder's workspace (a k8v8 record of ~17 KiB, two buffers of
 # (128 x 64 + 128) floats, 32 x 128 floats: < 110 KiB): < 256 KiB.
