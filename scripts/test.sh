@@ -98,15 +98,15 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
         -R "^($(echo "$tsan_tests" | paste -sd'|' -))\$"
 
 # The Python and vLLM tests: one pytest-xdist worker per core, each keeping
-# to its own core (pytest_configure in tests/python/conftest.py and
+# to its own core (pytest_configure in tests/cli/conftest.py and
 # tests/vllm/conftest.py), whole test files per worker (--dist loadfile: a
 # file's module fixtures, and its launcher and engines, stay in one
 # process); a single core runs one session as before.
 xdist=()
 [ "$jobs" -lt 2 ] || xdist=(-n "$jobs" --dist loadfile)
-if ls tests/python/test_*.py >/dev/null 2>&1; then
+if ls tests/cli/test_*.py >/dev/null 2>&1; then
   stage "Python tests (real model)" 480
-  python3 -m pytest -q --durations=15 "${xdist[@]}" tests/python
+  python3 -m pytest -q --durations=15 "${xdist[@]}" tests/cli
 fi
 
 # The vLLM plug-in (python/kvarn_vllm) on vLLM's CPU build, end to end on the

@@ -1,4 +1,4 @@
-"""pin_worker: the CPUs of a pytest-xdist worker, for tests/python and
+"""pin_worker: the CPUs of a pytest-xdist worker, for tests/cli and
 tests/vllm (their conftest.py pytest_configure; scripts/test.sh runs both
 with `-n N --dist loadfile`, one worker per core)."""
 import os

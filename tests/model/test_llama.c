@@ -4,7 +4,7 @@
  * head_dim 64 via llama.attention.key_length, FFN 192, vocab 300, untied
  * output head; tensors in F32, F16, Q8_0 and Q4_1), so the C suite
  * exercises the model without the real 94 MB file
- * (tests/python/test_llama_logits.py checks that one against numpy).
+ * (tests/cli/test_llama_logits.py checks that one against numpy).
  *
  * Checked: hyper-parameters; full prefill == token-by-token decode ==
  * chunked for the exact store and for the fp16 cache; every cache format

@@ -4,7 +4,7 @@
  * random bytes, the chat prompt, bad arguments; and, when the model file is
  * present, known strings against the ids its vocabulary implies. The
  * comparison with an independent implementation (HF tokenizers) is in
- * tests/python/test_tokenizer.py. */
+ * tests/cli/test_tokenizer.py. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

@@ -1,4 +1,4 @@
-/* dump_tensor.c -- test helper for tests/python/test_gguf_dequant.py: opens a
+/* dump_tensor.c -- test helper for tests/cli/test_gguf_dequant.py: opens a
  * GGUF file with libkvarn's reader and writes tensors dequantized to fp32.
  *
  * Usage: dump_tensor MODEL.gguf OUTDIR NAME...

@@ -3,7 +3,7 @@
 
 For every tensor type present in the model (Q4_1, Q8_0, F32 in SmolLM2),
 the first, a middle and the last tensor of that type are dequantized by the
-C reader (through the helper tests/python/dump_tensor.c, compiled here
+C reader (through the helper tests/cli/dump_tensor.c, compiled here
 against libkvarn.a) and by gguf.quants.dequantize; shapes, types and every
 value must agree. Run after scripts/test.sh (or any cmake build) has built
 the library: the build directory is $KVARN_BUILD_DIR, default <repo>/build.
@@ -35,7 +35,7 @@ def dump_tensor(tmp_path_factory):
     assert cc, "no C compiler (cc) found"
     exe = tmp_path_factory.mktemp("dump") / "dump_tensor"
     base = [cc, "-std=c11", "-O2", "-D_POSIX_C_SOURCE=200809L", "-Wall", "-Werror",
-            "-I", str(REPO / "include"), str(REPO / "tests" / "python" / "dump_tensor.c"),
+            "-I", str(REPO / "include"), str(REPO / "tests" / "cli" / "dump_tensor.c"),
             str(lib), "-o", str(exe)]
     # The archive members the reader needs use libm only; the extra libraries
     # are what the whole libkvarn links with, for archives that pull more.

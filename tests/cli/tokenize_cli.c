@@ -1,5 +1,5 @@
 /*
- * tokenize_cli.c -- the C side of tests/python/test_tokenizer.py (built by
+ * tokenize_cli.c -- the C side of tests/cli/test_tokenizer.py (built by
  * that test against libkvarn.a; not part of the CMake build).
  *
  *   tokenize_cli MODEL.gguf lines      stdin: one text per line, as hex of

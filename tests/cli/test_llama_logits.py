@@ -5,7 +5,7 @@ default (paged-kernel) path == the exact-chunk cross-check path for the
 quantized formats (both: the chunk over its own exact K/V, the history as
 the cache holds it, merged by log-sum-exp).
 
-The C side is tests/python/llama_logits.c, compiled here against the
+The C side is tests/cli/llama_logits.c, compiled here against the
 library the build made (KVARN_BUILD_DIR, default <repo>/build; run
 scripts/test.sh or cmake --build build first). The model comes from
 scripts/get_model.sh (models/SmolLM2-135M-Instruct.Q4_1.gguf, fixture

@@ -3,7 +3,7 @@ same GGUF vocabulary and merges (read with the `gguf` package) with the
 SmolLM2 pre-tokenizer (digits split one by one, then ByteLevel with the
 GPT-2 pattern) and the control tokens as special added tokens.
 
-The C side is tests/python/tokenize_cli.c, compiled here against
+The C side is tests/cli/tokenize_cli.c, compiled here against
 $KVARN_BUILD_DIR/libkvarn.a (default <repo>/build, which scripts/test.sh
 builds before running the Python tests).
 """
@@ -34,7 +34,7 @@ def cli(tmp_path_factory):
     subprocess.run(
         ["cc", "-std=c11", "-O2", "-D_POSIX_C_SOURCE=200809L",
          "-I", os.path.join(REPO, "include"),
-         os.path.join(REPO, "tests", "python", "tokenize_cli.c"), lib,
+         os.path.join(REPO, "tests", "cli", "tokenize_cli.c"), lib,
          "-lpcre2-8", "-lopenblas", "-lm", "-lpthread", "-o", exe],
         check=True)
     # The model is present: it must load (an empty batch of lines).
