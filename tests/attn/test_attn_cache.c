@@ -16,6 +16,7 @@
 
 #include "common/cpu.h"
 #include "common/int_dot_bound.h"
+#include "common/levels.h"
 #include "common/paged_fixture.h"
 #include "kvarn/attn.h"
 #include "kvarn/cache.h"
@@ -351,18 +352,13 @@ static void tail_attn(const tail_pair *tp, int m, int multi, int Hq, int split, 
  * bytes (commit gathers the same fp16 rows), and the tile walk gathers a
  * small-page tail tile's rows in token order and makes the same kernel
  * call, so nothing in the arithmetic differs. Every kernel level this CPU
- * runs (KVARN_SIMD caps the dispatch at run time; scalar also through the
- * force_scalar knob), GQA (3 query heads per KV head), decode and
+ * runs (the walk of tests/common/levels.h: KVARN_SIMD set per pass;
+ * scalar also through the force_scalar knob), GQA (3 query heads per KV head), decode and
  * multi-query, unsplit and split-K, tails of 1, 15, 16, 17, 127 tokens and
  * one of two tiles (200 tokens, a commit lag). */
 static void test_small_tail_pages(void **state)
 {
     (void)state;
-    static const char *const levels[3] = {"scalar", "avx2", "avx512"};
-    const char *top = kvarn_attn_kernel_name(NULL); /* under any outer cap */
-    const int max_lv = strcmp(top, "avx512") == 0 ? 2 : strcmp(top, "avx2") == 0 ? 1 : 0;
-    const char *outer = getenv("KVARN_SIMD");
-    char *saved = outer ? strdup(outer) : NULL;
     const int tails[] = {1, 15, 16, 17, 127, 200};
     const struct { const char *fmt; int D; } cases[] = {{"kvarn_k4v2_g128", 64},
                                                         {"kvarn_k4v4_g64", 128}};
@@ -379,24 +375,20 @@ static void test_small_tail_pages(void **state)
             test_rng rng;
             test_rng_seed(&rng, 5 + ti);
             for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
-            for (int lv = 0; lv <= max_lv; lv++) {
-                setenv("KVARN_SIMD", levels[lv], 1);
+            LEVELS_FOR(lv) {
                 for (int multi = 0; multi < 2; multi++)
                     for (int split = 1; split <= 3; split += 2) {
                         const size_t n = multi ? nq : (size_t)2 * Hq * cases[ci].D;
                         memset(o0, 0, nq * sizeof(float));
                         memset(o1, 0xff, nq * sizeof(float));
-                        tail_attn(&tp, 0, multi, Hq, split, lv == 0, q, o0);
-                        tail_attn(&tp, 1, multi, Hq, split, lv == 0, q, o1);
+                        tail_attn(&tp, 0, multi, Hq, split, lv.index == 0, q, o0);
+                        tail_attn(&tp, 1, multi, Hq, split, lv.index == 0, q, o1);
                         assert_memory_equal(o0, o1, n * sizeof(float));
                     }
             }
-            if (saved) setenv("KVARN_SIMD", saved, 1);
-            else unsetenv("KVARN_SIMD");
             free(q); free(o0); free(o1);
             tail_pair_free(&tp);
         }
-    free(saved);
 }
 
 /* check_seq validates every small tail page id the tail needs: one out of
@@ -462,7 +454,7 @@ int main(void)
         cmocka_unit_test(test_cache_staging),
         cmocka_unit_test(test_cache_sink_tokens),
         cmocka_unit_test(test_cache_per_token),
-        cmocka_unit_test(test_small_tail_pages),
+        cmocka_unit_test_teardown(test_small_tail_pages, levels_teardown),
         cmocka_unit_test(test_small_tail_bad_ids),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

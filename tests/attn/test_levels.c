@@ -169,7 +169,8 @@ static double check_rows(const paged_fixture *f, int multi, const int32_t *qsl, 
 
 /* The KVARN_SIMD names of levels.h are the kernel table's level rows, in
  * order; each pass of a walk runs at its level (kvarn_simd_level,
- * kvarn_attn_kernel_name); and the walk puts back what it found. */
+ * kvarn_attn_kernel_name); and the walk puts back what it found, as a
+ * held level (levels_hold, capped at the top) does. */
 static void test_level_names(void **state)
 {
     (void)state;
@@ -190,7 +191,7 @@ static void test_level_names(void **state)
     else assert_null(getenv("KVARN_SIMD"));
     /* unset, a cap and a value that names no level all come back; an
      * early exit through levels_end too; an inner walk stops at the
-     * outer pass's level */
+     * outer pass's level; a held level is capped at the top */
     const char *outers[3] = {NULL, "scalar", "bogus"};
     for (int i = 0; i < 3; i++) {
         if (outers[i]) setenv("KVARN_SIMD", outers[i], 1);
@@ -205,6 +206,20 @@ static void test_level_names(void **state)
             levels_end(&it);
             break;
         }
+        const int top = levels_top();
+        for (int l = 0; l < LEVELS_MAX; l++) {
+            levels_iter held = levels_hold(l);
+            const int want = l < top ? l : top;
+            const char *now = NULL;
+            assert_int_equal(held.index, want);
+            assert_string_equal(held.name, levels_names[want]);
+            assert_int_equal(kvarn_simd_level(&now), KVARN_OK);
+            assert_string_equal(now, levels_names[want]);
+            levels_end(&held);
+            levels_end(&held);
+        }
+        levels_iter none = LEVELS_NONE;
+        levels_end(&none);
         if (outers[i]) assert_string_equal(getenv("KVARN_SIMD"), outers[i]);
         else assert_null(getenv("KVARN_SIMD"));
     }

@@ -1,6 +1,7 @@
 /* test_mla_attn.c -- absorbed MLA attention over MLA records and an fp32
  * tail (kvarn_mla_attn, src/attn/mla_attn.c): every SIMD level this CPU
- * runs (KVARN_SIMD caps it; kvarn_mla_attn_kernel_name says which ran)
+ * runs (the walk of tests/common/levels.h: KVARN_SIMD set per pass;
+ * kvarn_mla_attn_kernel_name says which ran)
  * against a double-precision softmax over the decoded records
  * (kvarn_mla_decode) and the tail, with a derived bound; levels against
  * each other; rows seeing different lengths (causal drafts, a row that
@@ -18,6 +19,7 @@
 
 #include "kvarn/kvarn.h"
 #include "kvarn/mla.h"
+#include "common/levels.h"
 #include "common/testutil.h"
 
 #define U 0x1p-24 /* fp32 unit roundoff */
@@ -232,18 +234,11 @@ static double check_against_reference(const seq *s, const float *out, const floa
     return worst;
 }
 
-/* The levels this CPU runs, as the library names them. */
-static int levels(const char **names, const kvarn_mla_format *f, int D)
+/* The pass of a level walk runs the MLA kernel of its level, as the
+ * library names it. */
+static void assert_mla_level(const levels_iter *it, const kvarn_mla_format *f, int D)
 {
-    static const char *caps[] = {"scalar", "avx2", "avx512"};
-    int n = 0;
-    for (int i = 0; i < 3; i++) {
-        setenv("KVARN_SIMD", caps[i], 1);
-        const char *got = kvarn_mla_attn_kernel_name(f, D);
-        if (strcmp(got, caps[i]) == 0) names[n++] = caps[i];
-    }
-    unsetenv("KVARN_SIMD");
-    return n;
+    assert_string_equal(kvarn_mla_attn_kernel_name(f, D), it->name);
 }
 
 typedef struct shape { kvarn_mla_format f; int D, R, n_tiles, n_tail, n_rows, n_heads; double qscale; } shape;
@@ -270,20 +265,20 @@ static void test_levels_vs_reference(void **state)
             s.row_len[1] = s.G + 17;
             s.row_len[2] = 2 * s.G;
         }
-        const char *names[3];
-        const int nl = levels(names, &sh->f, sh->D);
-        assert_true(nl >= 1 && strcmp(names[0], "scalar") == 0);
         const size_t nq = (size_t)sh->n_rows * sh->n_heads;
-        float *out[3], *lse[3];
-        for (int l = 0; l < nl; l++) {
+        float *out[LEVELS_MAX], *lse[LEVELS_MAX];
+        int nl = 0;
+        LEVELS_FOR(it) { /* scalar first: out[0] */
+            const int l = it.index;
+            assert_mla_level(&it, &sh->f, sh->D);
             out[l] = malloc(sizeof(float) * nq * sh->D);
             lse[l] = malloc(sizeof(float) * nq);
-            setenv("KVARN_SIMD", names[l], 1);
+            nl = l + 1;
             assert_int_equal(seq_attn(&s, out[l], lse[l]), KVARN_OK);
-            const double w = check_against_reference(&s, out[l], lse[l], names[l], 1);
-            printf("  shape %zu %-6s: worst error / bound %.3f\n", k, names[l], w);
+            const double w = check_against_reference(&s, out[l], lse[l], it.name, 1);
+            printf("  shape %zu %-6s: worst error / bound %.3f\n", k, it.name, w);
         }
-        unsetenv("KVARN_SIMD");
+        assert_true(nl >= 1);
         /* levels against the scalar one: each is within its bound eo of
          * the same reference, so two differ by at most 2 eo */
         double *ref = malloc(sizeof(double) * (size_t)sh->D);
@@ -322,18 +317,17 @@ static void test_matrix_kernel(void **state)
         seq s;
         seq_make(&s, &sh->f, sh->D, sh->R, sh->n_tiles, sh->n_tail, sh->n_rows, sh->n_heads, sh->qscale,
                  700 + k);
-        const char *names[3];
-        const int nl = levels(names, &sh->f, sh->D);
         const size_t nq = (size_t)sh->n_rows * sh->n_heads;
         float *o1 = malloc(sizeof(float) * nq * sh->D), *o2 = malloc(sizeof(float) * nq * sh->D);
         float *l1 = malloc(sizeof(float) * nq), *l2 = malloc(sizeof(float) * nq);
-        for (int l = 1; l < nl; l++) { /* the folded levels */
-            setenv("KVARN_SIMD", names[l], 1);
+        LEVELS_FOR(it) {
+            if (it.index == 0) continue; /* the folded levels */
+            assert_mla_level(&it, &sh->f, sh->D);
             setenv("KVARN_AMX", "emulate", 1);
             assert_string_equal(kvarn_mla_attn_matrix_name(&sh->f, sh->D), "amx-bf16-emulated");
             assert_int_equal(seq_attn(&s, o1, l1), KVARN_OK);
             const double w = check_against_reference(&s, o1, l1, "emulated tiles", 1);
-            printf("  matrix shape %zu %-6s emulated: worst error / bound %.3f\n", k, names[l], w);
+            printf("  matrix shape %zu %-6s emulated: worst error / bound %.3f\n", k, it.name, w);
             setenv("KVARN_AMX", "0", 1);
             assert_null(kvarn_mla_attn_matrix_name(&sh->f, sh->D));
             assert_int_equal(seq_attn(&s, o2, l2), KVARN_OK);
@@ -345,13 +339,12 @@ static void test_matrix_kernel(void **state)
             if (hw != NULL) {
                 assert_string_equal(hw, "amx-bf16");
                 assert_int_equal(seq_attn(&s, o1, l1), KVARN_OK);
-                printf("  matrix shape %zu %-6s AMX tiles: worst error / bound %.3f\n", k, names[l],
+                printf("  matrix shape %zu %-6s AMX tiles: worst error / bound %.3f\n", k, it.name,
                        check_against_reference(&s, o1, l1, "AMX tiles", 1));
-            } else if (k == 0 && l == nl - 1) {
+            } else if (k == 0 && it.index == it.count - 1) {
                 printf("  AMX tiles: skipped: no AMX (emulated only)\n");
             }
         }
-        unsetenv("KVARN_SIMD");
         free(o1), free(o2), free(l1), free(l2);
         seq_free(&s);
     }
@@ -388,17 +381,14 @@ static void test_bound_sees_one_code(void **state)
     uint8_t *byte = &s.rec[0][best / 2];
     const int shift = best % 2 ? 4 : 0, code = (*byte >> shift) & 15;
     *byte = (uint8_t)((*byte & ~(15 << shift)) | ((code < 8 ? 15 : 0) << shift));
-    const char *names[3];
-    const int nl = levels(names, &sh->f, sh->D);
     float out[512], lse[1];
-    for (int l = 0; l < nl; l++) {
-        setenv("KVARN_SIMD", names[l], 1);
+    LEVELS_FOR(it) {
+        assert_mla_level(&it, &sh->f, sh->D);
         assert_int_equal(seq_attn(&s, out, lse), KVARN_OK);
-        const double w = check_against_reference(&s, out, lse, names[l], 0);
-        printf("  one code off, %-6s: error / bound %.1f\n", names[l], w);
+        const double w = check_against_reference(&s, out, lse, it.name, 0);
+        printf("  one code off, %-6s: error / bound %.1f\n", it.name, w);
         assert_true(w > 1.0);
     }
-    unsetenv("KVARN_SIMD");
     seq_free(&s);
 }
 
@@ -412,13 +402,11 @@ static void test_rows_independent(void **state)
     seq s;
     seq_make(&s, &sh->f, sh->D, sh->R, sh->n_tiles, sh->n_tail, sh->n_rows, sh->n_heads, 1.0, 7);
     s.row_len[0] = 200, s.row_len[1] = 1, s.row_len[2] = s.total;
-    const char *names[3];
-    const int nl = levels(names, &sh->f, sh->D);
     const int D = sh->D, H = sh->n_heads;
     float *all = malloc(sizeof(float) * (size_t)sh->n_rows * H * D), *one = malloc(sizeof(float) * (size_t)H * D);
     float lse_all[16], lse_one[16];
-    for (int l = 0; l < nl; l++) {
-        setenv("KVARN_SIMD", names[l], 1);
+    LEVELS_FOR(it) {
+        assert_mla_level(&it, &sh->f, sh->D);
         assert_int_equal(seq_attn(&s, all, lse_all), KVARN_OK);
         for (int i = 0; i < sh->n_rows; i++) {
             assert_int_equal(kvarn_mla_attn(&s.f, D, s.R, s.recp, s.n_tiles, s.tail_lat, s.tail_rope, s.n_tail,
@@ -429,7 +417,6 @@ static void test_rows_independent(void **state)
             assert_memory_equal(lse_one, lse_all + i * H, sizeof(float) * (size_t)H);
         }
     }
-    unsetenv("KVARN_SIMD");
     /* row_len NULL: every row sees every token */
     int full[3] = {s.total, s.total, s.total};
     memcpy(s.row_len, full, sizeof full);
@@ -526,9 +513,10 @@ static void test_hostile(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_levels_vs_reference),
-        cmocka_unit_test(test_bound_sees_one_code), cmocka_unit_test(test_matrix_kernel),
-        cmocka_unit_test(test_rows_independent),
+        cmocka_unit_test_teardown(test_levels_vs_reference, levels_teardown),
+        cmocka_unit_test_teardown(test_bound_sees_one_code, levels_teardown),
+        cmocka_unit_test_teardown(test_matrix_kernel, levels_teardown),
+        cmocka_unit_test_teardown(test_rows_independent, levels_teardown),
         cmocka_unit_test(test_hostile),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

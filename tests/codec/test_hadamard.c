@@ -15,6 +15,7 @@
 #include <cmocka.h>
 
 #include "codec/hadamard.h"
+#include "common/levels.h"
 #include "common/testutil.h"
 
 static const int k_dims[] = {64, 128, 256, 512};
@@ -119,8 +120,10 @@ static void test_matches_matrix(void **state)
     }
 }
 
-/* The SIMD path (and the dispatching entry points) equal the scalar oracle
- * bit for bit, one vector and many rows at a time. */
+/* The SIMD path (and the dispatching entry points, at every level this
+ * process runs: the walk of tests/common/levels.h) equal the scalar oracle
+ * bit for bit, one vector and many rows at a time. The AVX2 kernels run
+ * where the library runs AVX2 (levels_top). */
 static void test_simd_equals_scalar(void **state)
 {
     (void)state;
@@ -131,15 +134,18 @@ static void test_simd_equals_scalar(void **state)
         const int d = k_dims[k], rows = 8, n = rows * d;
         fill_normal(&r, a, n, 3.0);
         a[5] = 1e30f; /* large values take the same path too */
-        memcpy(b, a, sizeof(float) * (size_t)n);
-        memcpy(c, a, sizeof(float) * (size_t)n);
+        memcpy(c, a, sizeof(float) * (size_t)n); /* the input, kept */
         for (int i = 0; i < rows; i++) kvarn_hadamard_scalar(a + i * d, d);
-        kvarn_hadamard_rows(b, rows, d);
-        assert_memory_equal(a, b, sizeof(float) * (size_t)n);
-        for (int i = 0; i < rows; i++) kvarn_hadamard(c + i * d, d);
-        assert_memory_equal(a, c, sizeof(float) * (size_t)n);
+        LEVELS_FOR(it) {
+            memcpy(b, c, sizeof(float) * (size_t)n);
+            kvarn_hadamard_rows(b, rows, d);
+            assert_memory_equal(a, b, sizeof(float) * (size_t)n);
+            memcpy(b, c, sizeof(float) * (size_t)n);
+            for (int i = 0; i < rows; i++) kvarn_hadamard(b + i * d, d);
+            assert_memory_equal(a, b, sizeof(float) * (size_t)n);
+        }
 #ifdef KVARN_HADAMARD_HAVE_AVX2
-        if (__builtin_cpu_supports("avx2")) {
+        if (levels_top() >= levels_index_of("avx2")) {
             fill_normal(&r, a, n, 3.0);
             memcpy(b, a, sizeof(float) * (size_t)n);
             for (int i = 0; i < rows; i++) kvarn_hadamard_scalar(a + i * d, d);
@@ -155,7 +161,7 @@ static void test_simd_equals_scalar(void **state)
     }
 #ifdef KVARN_HADAMARD_HAVE_AVX2
     /* the AVX2 block sizes below 64 as well */
-    if (__builtin_cpu_supports("avx2"))
+    if (levels_top() >= levels_index_of("avx2"))
         for (int d = 8; d <= 32; d <<= 1) {
             fill_normal(&r, a, d, 2.0);
             memcpy(b, a, sizeof(float) * (size_t)d);
@@ -227,7 +233,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_orthonormal),
         cmocka_unit_test(test_matches_matrix),
-        cmocka_unit_test(test_simd_equals_scalar),
+        cmocka_unit_test_teardown(test_simd_equals_scalar, levels_teardown),
         cmocka_unit_test(test_known_vectors),
         cmocka_unit_test(test_bad_d),
     };

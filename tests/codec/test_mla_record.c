@@ -20,6 +20,7 @@
 
 #include "kvarn/kvarn.h"
 #include "kvarn/mla.h"
+#include "common/levels.h"
 #include "common/testutil.h"
 
 enum { MAXD = 512, MAXG = 128, MAXR = 128 };
@@ -271,12 +272,12 @@ static void test_roundtrip_bound(void **state)
 
 /* Every SIMD level of the codec writes the same bytes (the tile codec's
  * promise, kvarn_tile.c), so a record means the same whichever CPU wrote
- * it: encode at each level KVARN_SIMD allows here and compare. */
+ * it: encode at each level this process runs (the walk of
+ * tests/common/levels.h: KVARN_SIMD set per pass) and compare. */
 static void test_levels_same_bytes(void **state)
 {
     (void)state;
     static float lat[MAXG * MAXD], rope[MAXG * MAXR];
-    static const char *caps[] = {"scalar", "avx2", "avx512"};
     test_rng r;
     test_rng_seed(&r, 21);
     static const kvarn_mla_format fs[] = {{4, 128, 8}, {2, 64, 16}, {8, 128, 8}};
@@ -285,16 +286,17 @@ static void test_levels_same_bytes(void **state)
             const int G = fs[i].tile_tokens, R = 64;
             latent_like(&r, G, D, R, lat, rope);
             const size_t nb = kvarn_mla_record_bytes(&fs[i], D, R);
-            uint8_t *rec[3];
+            uint8_t *rec[LEVELS_MAX];
+            int nl = 0;
             void *ws = malloc(kvarn_mla_workspace_bytes(&fs[i], D, R, 0, 0));
-            for (int l = 0; l < 3; l++) {
+            LEVELS_FOR(it) { /* scalar first: rec[0] */
+                const int l = it.index;
                 rec[l] = malloc(nb);
-                setenv("KVARN_SIMD", caps[l], 1);
+                nl = l + 1;
                 assert_int_equal(kvarn_mla_encode(&fs[i], D, R, lat, rope, ws, rec[l]), KVARN_OK);
                 if (l > 0) assert_memory_equal(rec[l], rec[0], nb);
             }
-            unsetenv("KVARN_SIMD");
-            for (int l = 0; l < 3; l++) free(rec[l]);
+            for (int l = 0; l < nl; l++) free(rec[l]);
             free(ws);
         }
 }
@@ -356,7 +358,7 @@ int main(void)
         cmocka_unit_test(test_record_bytes),
         cmocka_unit_test(test_latent_is_kvarn_k_tile),
         cmocka_unit_test(test_roundtrip_bound),
-        cmocka_unit_test(test_levels_same_bytes),
+        cmocka_unit_test_teardown(test_levels_same_bytes, levels_teardown),
         cmocka_unit_test(test_hostile),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

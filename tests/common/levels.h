@@ -18,6 +18,10 @@
  * go unwalked; tests/attn/test_levels.c also checks them against the
  * attention kernel table's level rows.
  *
+ * A test that runs at one level rather than walking them holds it:
+ * levels_hold(i) sets level i, capped at the level the library runs, and
+ * levels_end puts KVARN_SIMD back.
+ *
  * The value KVARN_SIMD had before the walk (or its absence) comes back when
  * levels_next runs out. A body that leaves the loop early (break, return,
  * goto) calls levels_end(&it) first; a cmocka failure jumps out of the body
@@ -159,6 +163,24 @@ static inline int levels_next(levels_iter *it)
 
 /* One pass per level, scalar first; `it` is the levels_iter of the body. */
 #define LEVELS_FOR(it) for (levels_iter it = levels_begin(); levels_next(&it);)
+
+/* One level instead of a walk, for a test that must run at a given level
+ * (or below it): KVARN_SIMD set to level i capped at the level the library
+ * runs now (levels_set_capped), the earlier value saved as a walk saves it;
+ * levels_end(&it) puts it back (levels_teardown after a failure). it.name
+ * and it.index: the level set. A levels_iter that holds nothing (none
+ * begun yet) is LEVELS_NONE; levels_end on it does nothing. */
+#define LEVELS_NONE {NULL, -1, 0, -1}
+static inline levels_iter levels_hold(int i)
+{
+    levels_iter it = levels_begin();
+    const int top = it.count - 1;
+    levels_set_capped(i, top);
+    it.index = i > top ? top : i < 0 ? 0 : i;
+    it.name = levels_names[it.index];
+    it.count = it.index + 1; /* levels_next: no further pass, put back */
+    return it;
+}
 
 /* A cmocka teardown (int (*)(void **)): puts back what walks left
  * unfinished by a failure's jump. */

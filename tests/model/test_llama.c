@@ -23,6 +23,7 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include "common/levels.h"
 #include "common/testutil.h"
 #include "kvarn/cache.h"
 #include "kvarn/gguf.h"
@@ -482,14 +483,14 @@ static void test_kernels_match_exact_chunk(void **state)
          * than fp32 summation order apart from the exact path; tests/attn
          * (test_attn, test_attn_cache, test_attn_lse) hold them to their
          * derived bounds. Here such a format runs capped at AVX2, whose
-         * kernels, the library says, read the same records in fp32. */
-        const char *simd = getenv("KVARN_SIMD");
-        char *saved_simd = simd ? strdup(simd) : NULL;
+         * kernels, the library says, read the same records in fp32
+         * (levels_hold: KVARN_SIMD put back at the end of the format). */
+        levels_iter cap = LEVELS_NONE;
         const int staging = kvarn_cache_default_opts().staging; /* the session's (-1) */
         kvarn_attn_kernel_info ki;
         assert_int_equal(kvarn_attn_kernel_info_get(&fmt, HD, staging, NULL, &ki), KVARN_OK);
         if (ki.scores | ki.sums | ki.staged_scores | ki.staged_sums) {
-            assert_int_equal(setenv("KVARN_SIMD", "avx2", 1), 0);
+            cap = levels_hold(levels_index_of("avx2"));
             assert_int_equal(kvarn_attn_kernel_info_get(&fmt, HD, staging, NULL, &ki), KVARN_OK);
             print_message("%-16s runs at %s here: the integer kernels are tests/attn's\n", name, ki.level);
             assert_int_equal(ki.scores | ki.sums | ki.staged_scores | ki.staged_sums,
@@ -536,9 +537,7 @@ static void test_kernels_match_exact_chunk(void **state)
         assert_true(worst < tol * scale);
         A->ops->destroy(A);
         B->ops->destroy(B);
-        if (saved_simd) assert_int_equal(setenv("KVARN_SIMD", saved_simd, 1), 0);
-        else assert_int_equal(unsetenv("KVARN_SIMD"), 0);
-        free(saved_simd);
+        levels_end(&cap);
     }
     free(q);
     free(k);
@@ -1290,10 +1289,9 @@ static void test_gguf_weights(void **state)
 
     /* AUTO: gguf only for a file of blocked matrices on a CPU with the
      * AVX2 / AVX-512 GEMV (KVARN_SIMD=scalar: not), or when named */
-    const char *env = getenv("KVARN_WEIGHTS"), *simd = getenv("KVARN_SIMD");
-    char saved[16] = "", saved_simd[16] = "";
+    const char *env = getenv("KVARN_WEIGHTS");
+    char saved[16] = "";
     if (env) snprintf(saved, sizeof saved, "%s", env);
-    if (simd) snprintf(saved_simd, sizeof saved_simd, "%s", simd);
     lo.weights = KVARN_LLAMA_WEIGHTS_AUTO;
     assert_int_equal(unsetenv("KVARN_WEIGHTS"), 0);
     assert_int_equal(kvarn_llama_load_gguf_with(f->g, &lo, &m), KVARN_OK);
@@ -1312,12 +1310,11 @@ static void test_gguf_weights(void **state)
         assert_non_null(m->layers[0].w_gate_up.q); /* Q4_1 + Q4_1 */
     }
     kvarn_llama_free(m);
-    assert_int_equal(setenv("KVARN_SIMD", "scalar", 1), 0);
+    levels_iter scalar = levels_hold(levels_index_of("scalar"));
     assert_int_equal(kvarn_llama_load_gguf_with(gb, &lo, &m), KVARN_OK);
     assert_true(kvarn_llama_get_weights(m) != KVARN_LLAMA_WEIGHTS_GGUF);
     kvarn_llama_free(m);
-    if (simd) assert_int_equal(setenv("KVARN_SIMD", saved_simd, 1), 0);
-    else assert_int_equal(unsetenv("KVARN_SIMD"), 0);
+    levels_end(&scalar);
     kvarn_gguf_close(gb);
     free(bf.p);
     assert_int_equal(setenv("KVARN_WEIGHTS", "gguf", 1), 0);
@@ -1703,7 +1700,7 @@ int main(void)
         cmocka_unit_test(test_hparams),
         cmocka_unit_test(test_exact_prefill_decode_chunked),
         cmocka_unit_test(test_fp16_prefill_decode_chunked),
-        cmocka_unit_test(test_kernels_match_exact_chunk),
+        cmocka_unit_test_teardown(test_kernels_match_exact_chunk, levels_teardown),
         cmocka_unit_test(test_model_kernels_match_exact_chunk),
         cmocka_unit_test(test_all_formats_run),
         cmocka_unit_test(test_last_and_reset),
@@ -1712,7 +1709,7 @@ int main(void)
         cmocka_unit_test(test_session_cache),
         cmocka_unit_test(test_shared_cache),
         cmocka_unit_test(test_weights_option),
-        cmocka_unit_test(test_gguf_weights),
+        cmocka_unit_test_teardown(test_gguf_weights, levels_teardown),
         cmocka_unit_test(test_weights_parse),
         cmocka_unit_test(test_plan_counts_thread_pools),
         cmocka_unit_test(test_nonfinite_rolls_back),

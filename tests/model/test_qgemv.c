@@ -41,6 +41,7 @@
 #include <cmocka.h>
 
 #include "common/cpu.h"
+#include "common/levels.h"
 #include "common/testutil.h"
 #include "model/llama_internal.h"
 #include "model/llama_qgemv.h"
@@ -80,12 +81,6 @@ static void make_blocks(kvarn_ggml_type type, int out, int in, uint8_t *q, test_
         }
 }
 
-/* The levels to test: scalar, and avx2 / avx512 where the CPU has them. */
-static int n_levels(void)
-{
-    return (int)kvarn__cpu_level() + 1;
-}
-
 static void test_dequant_bit_exact(void **state)
 {
     (void)state;
@@ -103,14 +98,13 @@ static void test_dequant_bit_exact(void **state)
             for (int row = 0; row < out; row++)
                 assert_int_equal(kvarn_ggml_dequantize(TYPES[t], q + row * rb, ref + row * in, in),
                                  KVARN_OK);
-            for (int lv = 0; lv < n_levels(); lv++) {
-                const llama_qkernels *k = llama_qkernels_get(TYPES[t], (kvarn_cpu_level)lv);
+            LEVELS_FOR(lv) { /* the kernels of level lv.index */
+                const llama_qkernels *k = llama_qkernels_get(TYPES[t], (kvarn_cpu_level)lv.index);
                 memset(got, 0xFF, sizeof(float) * out * in);
                 k->dequant(q, rb, in, got, out);
                 if (memcmp(got, ref, sizeof(float) * out * in) != 0) {
                     print_error("%s %s dequant differs from dequant.c\n",
-                                kvarn_ggml_type_name(TYPES[t]),
-                                kvarn__cpu_level_name((kvarn_cpu_level)lv));
+                                kvarn_ggml_type_name(TYPES[t]), lv.name);
                     fail();
                 }
                 /* inside the GEMV: a one-hot x picks w_k exactly */
@@ -121,8 +115,7 @@ static void test_dequant_bit_exact(void **state)
                     for (int row = 0; row < out; row++)
                         if (!(y[row] == ref[row * in + kk])) {
                             print_error("%s %s gemv: row %d weight %d = %.9g, dequant.c %.9g\n",
-                                        kvarn_ggml_type_name(TYPES[t]),
-                                        kvarn__cpu_level_name((kvarn_cpu_level)lv), row, kk,
+                                        kvarn_ggml_type_name(TYPES[t]), lv.name, row, kk,
                                         (double)y[row], (double)ref[row * in + kk]);
                             fail();
                         }
@@ -180,11 +173,10 @@ static void test_gemv_levels(void **state)
                 /* activations as after RMSNorm, a few large channels */
                 for (int i = 0; i < in; i++)
                     x[i] = (float)(test_rng_normal(&r) * (i % 97 == 5 ? 20.0 : 1.0));
-                for (int lv = 0; lv < n_levels(); lv++) {
+                LEVELS_FOR(lv) { /* the kernels of level lv.index */
                     char what[64];
-                    snprintf(what, sizeof what, "%s %s", kvarn_ggml_type_name(TYPES[t]),
-                             kvarn__cpu_level_name((kvarn_cpu_level)lv));
-                    llama_qkernels_get(TYPES[t], (kvarn_cpu_level)lv)->gemv(q, rb, in, x, y, out);
+                    snprintf(what, sizeof what, "%s %s", kvarn_ggml_type_name(TYPES[t]), lv.name);
+                    llama_qkernels_get(TYPES[t], (kvarn_cpu_level)lv.index)->gemv(q, rb, in, x, y, out);
                     check_rows(what, w, x, y, out, in, 1);
                 }
                 free(q);
@@ -210,8 +202,8 @@ static void test_nonfinite(void **state)
         int zero_row = -1;
         for (int j = 0; j < out && zero_row < 0; j++)
             if (w[j * in + 3] == 0.0f) zero_row = j;
-        for (int lv = 0; lv < n_levels(); lv++) {
-            const llama_qkernels *k = llama_qkernels_get(TYPES[t], (kvarn_cpu_level)lv);
+        LEVELS_FOR(lv) { /* the kernels of level lv.index */
+            const llama_qkernels *k = llama_qkernels_get(TYPES[t], (kvarn_cpu_level)lv.index);
             for (int i = 0; i < in; i++) x[i] = (float)test_rng_normal(&r);
             x[17] = NAN;
             k->gemv(q, rb, in, x, y, out);
@@ -374,9 +366,9 @@ static void test_refused(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_dequant_bit_exact),
-        cmocka_unit_test(test_gemv_levels),
-        cmocka_unit_test(test_nonfinite),
+        cmocka_unit_test_teardown(test_dequant_bit_exact, levels_teardown),
+        cmocka_unit_test_teardown(test_gemv_levels, levels_teardown),
+        cmocka_unit_test_teardown(test_nonfinite, levels_teardown),
         cmocka_unit_test(test_matmul),
         cmocka_unit_test(test_refused),
     };
