@@ -214,9 +214,30 @@ def _apply_name_check() -> None:
                 raise ValueError(f"kvarn: --kv-cache-dtype {self.kv_cache_dtype} needs the "
                                  f"kvarn platform plug-in, which is not active: "
                                  f"{inactive_reason()}")
-        return orig(self, usage_context, headless)
+        try:
+            return orig(self, usage_context, headless)
+        except ValueError as e:
+            raise _kvarn_error(e) from None
     create_engine_config._kvarn_orig = orig
     au.EngineArgs.create_engine_config = create_engine_config
+
+
+def _kvarn_error(e: ValueError) -> ValueError:
+    """The kvarn platform's own error where vLLM wrapped it: checks raised in
+    the platform's check_and_update_config run inside VllmConfig's pydantic
+    validation, which reports them as "1 validation error for VllmConfig";
+    e itself for any other error."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        try:
+            items = errors()
+        except Exception:   # not pydantic's: leave it as it is
+            items = []
+        for item in items:
+            inner = (item.get("ctx") or {}).get("error")
+            if isinstance(inner, ValueError) and str(inner).startswith("kvarn"):
+                return inner
+    return e
 
 
 _APPLY = {"dtype_literal": _apply_dtype_literal, "dtype_torch": _apply_dtype_torch,
