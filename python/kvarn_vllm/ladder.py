@@ -126,15 +126,14 @@ import argparse
 import json
 import math
 import os
-import pickle
-import select
 import shutil
-import signal
 import sys
 import tempfile
 import time
 import traceback
 import typing
+
+from . import _proc
 
 PROG = "kvarn-vllm-ladder"
 REFERENCE = "auto"
@@ -679,10 +678,11 @@ def _attention_backends(vllm_config) -> list:
     return sorted(out)
 
 
-def _measure(job: Job, cfg: dict, wfd: int) -> dict:
+def _measure(job: Job, cfg: dict, send) -> dict:
     """In the engine's process: start the engine, read vLLM's capacity
-    figures, run the windows. Returns the result dict (no metrics: the
-    parent scores against the reference).
+    figures, run the windows, each one done told through send(text).
+    Returns the result dict (no metrics: the parent scores against the
+    reference).
 
     A window of ctx tokens gives ctx - 1 positions (row j: the distribution
     after token j). On a model without MLA it is one prompt, every row from
@@ -753,7 +753,7 @@ def _measure(job: Job, cfg: dict, wfd: int) -> dict:
             pre = _flat_rows(out.prompt_logprobs, 1, P - 1, K, ids[1:P], "prompt_logprobs")
             dec = _flat_rows(out.outputs[0].logprobs, 0, decode, K, ids[P:], "logprobs")
             windows.append({k: np.concatenate([pre[k], dec[k]]) for k in pre})
-        os.write(wfd, b"%d\n" % (w + 1))
+        send(str(w + 1))
     from .checks import has_value_bias
     res = dict(windows=windows, capacity=cap, start_s=t_start,
                run_s=time.perf_counter() - t0,
@@ -771,40 +771,21 @@ def _measure(job: Job, cfg: dict, wfd: int) -> dict:
     return res
 
 
-def _engine_child(job: Job, cfg: dict, wfd: int, result_path: str, log_path: str) -> None:
-    """The forked process of one format: vLLM's output to log_path, the
-    result (or the error LLM(...) raised) pickled to result_path, progress
-    (windows done) on wfd. Never returns."""
-    rc = 0
+def _engine_process(job: Job, cfg: dict, send) -> dict:
+    """The forked process of one format (_proc.run: vLLM's output in its
+    log): the result of _measure, or the error it raised, as a dict;
+    progress (windows done) through send."""
+    # the engine core in this process (one import of torch and vLLM,
+    # inherited); the KV budget is kv_cache_memory_bytes alone
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    os.environ.update(job.env)
     try:
-        os.setpgid(0, 0)
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        # the engine core in this process (one import of torch and vLLM,
-        # inherited); the KV budget is kv_cache_memory_bytes alone
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        os.environ.update(job.env)
-        try:
-            res = _measure(job, cfg, wfd)
-        except BaseException as e:
-            traceback.print_exc()
-            msg = str(e).strip()
-            res = {"error": f"{type(e).__name__}: {msg}" if msg else type(e).__name__}
-        with open(result_path + ".tmp", "wb") as f:
-            pickle.dump(res, f)
-        os.replace(result_path + ".tmp", result_path)
-    except BaseException:
+        return _measure(job, cfg, send)
+    except BaseException as e:
         traceback.print_exc()
-        rc = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
+        msg = str(e).strip()
+        return {"error": f"{type(e).__name__}: {msg}" if msg else type(e).__name__}
 
 
 class Progress:
@@ -833,59 +814,20 @@ class Progress:
 
 
 def run_job(job: Job, cfg: dict, tmp: str, idx: int, progress: Progress) -> dict:
-    """Fork the format's engine process, follow its progress, return its
-    result ({"error": ...} if it failed; "log" names vLLM's output)."""
-    result_path = os.path.join(tmp, f"job{idx}.pkl")
+    """Fork the format's engine process (_proc.run, ENGINE_TIMEOUT_S),
+    follow its progress (progress.show), return its result ({"error": ...}
+    if it failed; "log" names vLLM's output)."""
     log_path = os.path.join(tmp, f"job{idx}.log")
-    r, w = os.pipe()
     progress.show(idx, job.label, "starting the engine")
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        _engine_child(job, cfg, w, result_path, log_path)
-    os.close(w)
-    deadline = time.monotonic() + ENGINE_TIMEOUT_S
-    buf, timed_out = b"", False
+
+    def on_line(line: str) -> None:
+        progress.show(idx, job.label, f"window {int(line)}/{len(cfg['windows'])} done")
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            ready, _, _ = select.select([r], [], [], min(left, 1.0))
-            if not ready:
-                continue
-            chunk = os.read(r, 256)
-            if not chunk:
-                break
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                progress.show(idx, job.label, f"window {int(line)}/{len(cfg['windows'])} done")
-    except BaseException:   # interrupted: the engine (its own process group) goes too
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
-        raise
-    finally:
-        os.close(r)
-    if timed_out:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    _, status = os.waitpid(pid, 0)
-    rc = os.waitstatus_to_exitcode(status)
-    res = None
-    if os.path.exists(result_path):
-        with open(result_path, "rb") as f:
-            res = pickle.load(f)
-    if res is None:
-        why = (f"timed out after {ENGINE_TIMEOUT_S} s" if timed_out
-               else f"the engine's process died (exit status {rc})")
-        res = {"error": why}
+        res = _proc.run(lambda send: _engine_process(job, cfg, send), log_path,
+                        timeout=ENGINE_TIMEOUT_S, on_line=on_line,
+                        what="the engine's process").value_or_raise()
+    except _proc.ChildError as e:
+        res = {"error": e.reason}
     res["log"] = log_path
     return res
 

@@ -5,79 +5,18 @@ missing piece fails the tests (it is not a skip)."""
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
+
+import forkserver
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 HF_MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-hf")
 GGUF_MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 KVARN_CLI = os.path.join(ROOT, "build", "kvarn")
 RUN_LLM = os.path.join(os.path.dirname(__file__), "run_llm.py")
-
-
-class _Launcher:
-    """run_llm.py --serve: one process per test session that has imported
-    torch and vLLM and forks a fresh child per engine (run_llm.py's
-    docstring). KVARN_TEST_FRESH_PROCESS=1 starts every engine as its own
-    `python run_llm.py CFG` instead."""
-
-    def __init__(self):
-        self.proc = None
-        self.dir = tempfile.mkdtemp(prefix="kvarn_run_llm_")
-        self.n = 0
-
-    def run(self, cfg: dict, timeout: int):
-        if self.proc is None or self.proc.poll() is not None:
-            if self.proc is not None:  # a launcher that died: its pipes
-                self.proc.stdin.close()
-                self.proc.stdout.close()
-            self.proc = subprocess.Popen([sys.executable, RUN_LLM, "--serve"], cwd=ROOT,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         text=True, bufsize=1)
-            assert self._reply().get("ready"), "run_llm.py --serve did not start"
-        self.n += 1
-        prefix = os.path.join(self.dir, f"run{self.n}")
-        # the caller's environment now (a test's monkeypatch.setenv reaches
-        # the engine, as it does a one-shot process)
-        self.proc.stdin.write(json.dumps({"cfg": cfg, "out": prefix, "timeout": timeout,
-                                          "env": dict(os.environ)}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._reply()
-        rc = reply["rc"]
-        with open(prefix + ".out", encoding="utf-8", errors="replace") as f:
-            out = f.read()
-        with open(prefix + ".err", encoding="utf-8", errors="replace") as f:
-            err = f.read()
-        os.unlink(prefix + ".out")
-        os.unlink(prefix + ".err")
-        if reply.get("timed_out"):  # (rc -9 alone may be the OOM killer)
-            raise subprocess.TimeoutExpired([RUN_LLM, json.dumps(cfg)], timeout, out, err)
-        return rc, out, err
-
-    def _reply(self) -> dict:
-        """The launcher's next JSON line (anything a library printed to its
-        stdout at import is skipped)."""
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise AssertionError(f"run_llm.py --serve died (rc {self.proc.wait()})")
-
-    def close(self):
-        try:
-            if self.proc is not None:
-                self.proc.stdin.close()  # EOF: the launcher leaves
-                try:
-                    self.proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    self.proc.terminate()  # kills its running child first
-                    self.proc.wait(timeout=30)
-                self.proc.stdout.close()
-        finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 _LAUNCHER = None
@@ -102,9 +41,9 @@ def pytest_configure(config):
 
 def run_llm(cfg: dict, expect_ok: bool = True, timeout: int = 900):
     """One engine in a fresh process (forked by the session's launcher, or
-    started alone with KVARN_TEST_FRESH_PROCESS=1); returns (result dict or
-    None, its output: stderr then stdout, where vLLM's workers log their
-    errors)."""
+    started alone as `python run_llm.py CFG` with
+    KVARN_TEST_FRESH_PROCESS=1); returns (result dict or None, its output:
+    stderr then stdout, where vLLM's workers log their errors)."""
     global _LAUNCHER
     cfg = dict(cfg)
     cfg.setdefault("model", HF_MODEL)
@@ -114,8 +53,13 @@ def run_llm(cfg: dict, expect_ok: bool = True, timeout: int = 900):
         rc, out, err = p.returncode, p.stdout, p.stderr
     else:
         if _LAUNCHER is None:
-            _LAUNCHER = _Launcher()
-        rc, out, err = _LAUNCHER.run(cfg, timeout)
+            # run_llm.py --serve: one process per test session that has
+            # imported torch and vLLM and forks a fresh child per engine
+            # (run_llm.py's docstring, forkserver.py)
+            _LAUNCHER = forkserver.Client(RUN_LLM, ["--serve"])
+        # the caller's environment now (a test's monkeypatch.setenv reaches
+        # the engine, as it does a one-shot process)
+        rc, out, err = _LAUNCHER.run({"cfg": cfg, "env": dict(os.environ)}, timeout)
     res = None
     for line in out.splitlines():
         if line.startswith("RESULT "):

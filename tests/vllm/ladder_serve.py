@@ -2,22 +2,22 @@
 vLLM and the console script's entry-point function once (the
 kvarn-vllm-ladder entry point the installed package declares:
 kvarn_vllm.ladder:main), then runs it with argv for each request in a
-child forked from it, as `kvarn-vllm-ladder ARGV` would run, without each
-run's own import of torch and vLLM (10-25 s on 2 shared cores).
-test_ladder.py runs the family ladders through it.
+child forked from it (kvarn_vllm._proc.run, the package's one launcher),
+as `kvarn-vllm-ladder ARGV` would run, without each run's own import of
+torch and vLLM (10-25 s on 2 shared cores). test_ladder.py runs the
+family ladders through it (forkserver.py's protocol).
 
     python ladder_serve.py        # then one JSON line per run on stdin:
-                                  # {"argv": [...], "out": PREFIX}
+                                  # {"argv": [...], "out": PREFIX, "timeout": S}
 
 Per run: the child's stdout goes to PREFIX.out, its stderr to PREFIX.err
 (the ladder's engines, forked from the child, keep their logs as the
 ladder does); the reply is one JSON line on stdout, {"rc": the exit
-status}. The first line, once the imports are done, is {"ready": true}. EOF
-on stdin ends it."""
-import json
-import os
+status, "timed_out": bool} (timed out: killed with its process group, and
+the ladder's engine with it, after S seconds, default 900). The first
+line, once the imports are done, is {"ready": true, "main": the
+function's module:name, "file": its file}. EOF on stdin ends it."""
 import sys
-import traceback
 
 
 def entry_point():
@@ -31,41 +31,14 @@ def entry_point():
     return next(iter(eps)).load()
 
 
-def _run(main_fn, argv: list, prefix: str) -> None:
-    """In the forked child: main_fn(argv) with stdout and stderr to
-    PREFIX.out and PREFIX.err. Never returns."""
-    rc = 1
-    try:
-        for fd, ext in ((1, ".out"), (2, ".err")):
-            f = os.open(prefix + ext, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(f, fd)
-            os.close(f)
-        rc = main_fn(argv)
-    except SystemExit as e:      # argparse's usage errors
-        rc = e.code if isinstance(e.code, int) else 2
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-
-
 def main() -> None:
     import vllm  # noqa: F401  (imported once, inherited by every run)
     from vllm import LLM  # noqa: F401
+    from forkserver import serve
     main_fn = entry_point()
-    print(json.dumps({"ready": True, "main": f"{main_fn.__module__}:{main_fn.__name__}",
-                      "file": sys.modules[main_fn.__module__].__file__}), flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            _run(main_fn, req["argv"], req["out"])
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+    serve(lambda req: lambda: sys.exit(main_fn(req["argv"])),
+          {"main": f"{main_fn.__module__}:{main_fn.__name__}",
+           "file": sys.modules[main_fn.__module__].__file__})
 
 
 if __name__ == "__main__":

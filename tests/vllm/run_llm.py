@@ -5,16 +5,17 @@ state and the plug-in's per-process staging pool apart).
     python run_llm.py '{"kv_cache_dtype": "kvarn_k4v2_g128", "prompts": [...], ...}'
     python run_llm.py --serve
 
---serve (conftest.run_llm starts one per test session): import torch and
-vLLM once, then for each request line on stdin ({"cfg": {...}, "out":
-PREFIX, "timeout": S}) fork a child that runs the configuration exactly as
-the one-shot form does, its stdout and stderr in PREFIX.out / PREFIX.err,
-and answer one line {"rc": N, "timed_out": bool} (timed out: killed with
-its process group after S seconds). The child's environment is the
-request's "env" (the caller's os.environ at the call) where given. When
-the launcher stops (stdin closed, SIGINT / SIGTERM, its parent gone) the
-running child's process group is killed first, so an interrupted test
-session leaves no engine or rank behind. Each engine
+--serve (conftest.run_llm starts one per test session; the protocol is
+forkserver.py's): import torch and vLLM once, then for each request line
+on stdin ({"cfg": {...}, "out": PREFIX, "timeout": S}) fork a child
+(kvarn_vllm._proc.run, the package's one launcher) that runs the
+configuration exactly as the one-shot form does, its stdout and stderr in
+PREFIX.out / PREFIX.err, and answer one line {"rc": N, "timed_out": bool}
+(timed out: killed with its process group after S seconds). The child's
+environment is the request's "env" (the caller's os.environ at the call)
+where given. When the launcher stops (stdin closed, SIGINT / SIGTERM, its
+parent gone) the running child's process group is killed first, so an
+interrupted test session leaves no engine or rank behind. Each engine
 still gets a process of its own, forked from a parent that has run
 nothing but the imports (no engine, no plug-in, no torch thread pool); the
 ~5-10 s of importing torch and vLLM is paid once per session instead of
@@ -168,12 +169,11 @@ def main() -> None:
 
 def serve() -> None:
     import signal
-    import time
-    import traceback
     before = dict(os.environ)
     import torch  # noqa: F401  (imported once, inherited by every child)
     from vllm import LLM, SamplingParams  # noqa: F401
     from vllm.inputs import TokensPrompt  # noqa: F401
+    from forkserver import serve as serve_requests
     # vLLM resolves its platform at import, the kvarn platform plug-in
     # (kvarn_vllm.platform) among them; the backend keeps the step's state
     # per process (backend._State), so each child imports it itself
@@ -183,72 +183,17 @@ def serve() -> None:
     # what the imports set (vLLM's TORCHINDUCTOR_*, cv2's LD_LIBRARY_PATH...):
     # a one-shot process sets them too, after its caller's environment
     by_imports = {k: v for k, v in base_env.items() if before.get(k) != v}
-    parent = os.getppid()
     # SIGTERM (a CI runner stopping the job) as SIGINT: unwind, kill the child
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:  # the child: one engine, then _exit
-            rc = 1
-            try:
-                os.setpgid(0, 0)  # its own group: a timeout kills its ranks too
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                out = os.open(req["out"] + ".out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                err = os.open(req["out"] + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(out, 1)
-                os.dup2(err, 2)
-                os.close(out)
-                os.close(err)
-                devnull = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(devnull, 0)
-                os.close(devnull)
-                os.environ.clear()
-                os.environ.update(dict(req["env"], **by_imports) if "env" in req else base_env)
-                sys.argv = [__file__, json.dumps(req["cfg"])]
-                main()  # leaves through os._exit(0)
-            except SystemExit as e:
-                rc = e.code if isinstance(e.code, int) else 1
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(rc)
-        try:
-            os.setpgid(pid, pid)  # also here: a kill right after fork finds the group
-        except OSError:
-            pass  # the child did it first (or has exec'd / exited)
-        deadline = time.monotonic() + float(req.get("timeout", 900))
-        timed_out = False
-        try:
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    rc = os.waitstatus_to_exitcode(status)
-                    break
-                if os.getppid() != parent:  # the test session is gone
-                    raise KeyboardInterrupt
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    os.killpg(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    rc = -9
-                    break
-                time.sleep(0.05)
-        except BaseException:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-            raise
-        try:  # ranks or helpers the engine left behind in its group
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        print(json.dumps({"rc": rc, "timed_out": timed_out}), flush=True)
+
+    def child_of(req: dict):
+        def engine() -> None:   # in the child: one engine, then _exit
+            os.environ.clear()
+            os.environ.update(dict(req["env"], **by_imports) if "env" in req else base_env)
+            sys.argv = [__file__, json.dumps(req["cfg"])]
+            main()  # leaves through os._exit(0)
+        return engine
+    serve_requests(child_of)
 
 
 if __name__ == "__main__":

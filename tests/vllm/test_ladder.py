@@ -24,6 +24,7 @@ import time
 
 import pytest
 
+import forkserver
 from conftest import GGUF_MODEL, KVARN_CLI, ROOT, staging_pool_bytes
 
 KV = "kvarn_k4v2_g128"
@@ -260,6 +261,7 @@ REFUSED = {                      # test_families' test_family_refused_at_start
     "gemma2": ["soft-caps its attention logits", "--kv-cache-dtype auto"]}
 BF16_ONLY = ("qwen3_next",)      # Gated DeltaNet layers: vLLM's CPU build runs them in bf16
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "kvarn-vllm-ladder")
+LADDER_SERVE = os.path.join(os.path.dirname(__file__), "ladder_serve.py")
 
 
 def _fam_ids(n: int) -> list:
@@ -279,7 +281,11 @@ def families(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ladder_families"))
     ids = tmp_path_factory.mktemp("ladder_ids") / "ids.json"
     ids.write_text(json.dumps(_fam_ids(FAM_LEN)))
-    runs, server = {}, _LadderServer(str(tmp_path_factory.mktemp("ladder_serve")))
+    runs = {}
+    # ladder_serve.py, started on first use: the ladder's main(argv) per
+    # run without each run's import of torch and vLLM
+    server = forkserver.Client(LADDER_SERVE, tmp=str(tmp_path_factory.mktemp("ladder_serve")),
+                               env=ENV, keep=True)
 
     def get(fam):
         if fam not in runs:
@@ -293,7 +299,7 @@ def families(tmp_path_factory):
                 args[args.index("--ctx") + 1], args[args.index("--decode") + 1] = 64, 16
             if fam in BF16_ONLY:  # vLLM's CPU build runs it in bf16 only
                 args += ["--dtype", "bfloat16"]
-            r, secs = server.run([str(a) for a in args])
+            r, secs = _serve_ladder(server, [str(a) for a in args])
             print(f"ladder {fam}: {secs:.0f} s\n{r.stdout}")
             runs[fam] = (model, (r, json.loads(js.read_text()) if js.exists() else None, secs))
         return runs[fam]
@@ -302,50 +308,12 @@ def families(tmp_path_factory):
     server.close()
 
 
-class _LadderServer:
-    """ladder_serve.py, started on first use: the ladder's main(argv) per
-    run without each run's import of torch and vLLM."""
-
-    def __init__(self, tmp: str):
-        self.tmp, self.proc, self.n, self.ready = tmp, None, 0, {}
-
-    def _reply(self, timeout: float) -> dict:
-        import select
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert ready, f"ladder_serve.py: no reply in {timeout:.0f} s"
-        line = self.proc.stdout.readline()
-        assert line, f"ladder_serve.py died (rc {self.proc.wait()})"
-        return json.loads(line)
-
-    def run(self, argv: list, timeout: float = 900):
-        """(CompletedProcess as subprocess.run gives it, seconds)."""
-        t0 = time.perf_counter()
-        if self.proc is None:
-            self.proc = subprocess.Popen(
-                [sys.executable, os.path.join(os.path.dirname(__file__), "ladder_serve.py")],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, cwd=ROOT,
-                env=ENV)
-            self.ready = self._reply(300)
-            assert self.ready.get("ready"), self.ready
-        self.n += 1
-        prefix = os.path.join(self.tmp, f"run{self.n}")
-        self.proc.stdin.write(json.dumps({"argv": argv, "out": prefix}) + "\n")
-        self.proc.stdin.flush()
-        rc = self._reply(timeout)["rc"]
-        with open(prefix + ".out", encoding="utf-8") as fo, \
-                open(prefix + ".err", encoding="utf-8") as fe:
-            out, err = fo.read(), fe.read()
-        return subprocess.CompletedProcess(argv, rc, out, err), time.perf_counter() - t0
-
-    def close(self):
-        if self.proc is not None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc.stdout.close()
+def _serve_ladder(server, argv: list, timeout: float = 900) -> tuple:
+    """(CompletedProcess as subprocess.run gives it, seconds) of the ladder
+    with argv, through the session's ladder_serve.py."""
+    t0 = time.perf_counter()
+    rc, out, err = server.run({"argv": argv}, timeout)
+    return subprocess.CompletedProcess(argv, rc, out, err), time.perf_counter() - t0
 
 
 def _shape(fam: str) -> tuple:
@@ -698,7 +666,7 @@ def mla_run(mla_model, families, tmp_path_factory):
     d = tmp_path_factory.mktemp("ladder_mla_run")
     ids = _fam_ids(MLA_CTX)
     (d / "ids.json").write_text(json.dumps(ids))
-    r, secs = get.server.run(_mla_args(mla_model, d / "ids.json", d / "r.json"))
+    r, secs = _serve_ladder(get.server, _mla_args(mla_model, d / "ids.json", d / "r.json"))
     print(f"MLA ladder: {secs:.0f} s\n{r.stdout}")
     rep = json.loads((d / "r.json").read_text()) if (d / "r.json").exists() else None
     exact = emulate_mla.logprobs(mla_model, ids[:-1], MLA_P)
@@ -1031,7 +999,7 @@ def test_mla_engine_arguments(monkeypatch, mla_model):
                attention_backend=facts.backend_asked)
     for name in ("auto", "kvarn_mla_k4_g64"):
         with pytest.raises(Stop):
-            ladder._measure(ladder.Job(name, name, {}, True), cfg, -1)
+            ladder._measure(ladder.Job(name, name, {}, True), cfg, print)
     auto, kv = seen
     assert auto["attention_backend"] == "CPU_MLA" and "block_size" not in auto
     assert "attention_backend" not in kv and kv["block_size"] == 64
