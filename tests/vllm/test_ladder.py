@@ -625,8 +625,9 @@ def test_console_script(families):
     get, _ = families
     _, (r, rep, _) = get("llama3")
     assert r.returncode == 0 and rep["formats"][1]["status"] == "ok", r.stderr[-3000:]
-    assert get.server.ready["main"] == "kvarn_vllm.ladder:main"
-    assert get.server.ready["file"] == os.path.join(ROOT, "python", "kvarn_vllm", "ladder.py")
+    assert get.server.ready["main"] == "kvarn_vllm.ladder.cli:main"
+    assert get.server.ready["file"] == os.path.join(ROOT, "python", "kvarn_vllm", "ladder",
+                                                    "cli.py")
 
 
 # ---- an MLA model: make_models.py's "deepseek_v3" (DeepSeek-V3's attention
@@ -817,7 +818,8 @@ def test_all_lists_what_this_build_refuses():
     staging run; the per-token kvarn names are refused rows, each with its
     reason."""
     from kvarn_vllm import ladder
-    jobs, refused = ladder.expand_formats("all", ladder._vllm_cache_dtypes())
+    from kvarn_vllm.ladder import formats
+    jobs, refused = ladder.expand_formats("all", formats._vllm_cache_dtypes())
     labels = [j.label for j in jobs]
     assert labels[0] == "auto" and not any(j.explicit for j in jobs)
     for name in ("fp8_e4m3", "fp8_e5m2", "kvarn_k4v2_g64", "kvarn_k4v4_g64",
@@ -863,11 +865,13 @@ def test_settings_checked_without_an_engine(label, needle):
     (not a run of the defaults under the label); the environment is left
     as it was."""
     from kvarn_vllm import ladder
+    from kvarn_vllm.ladder import formats
     before = os.environ.get("KVARN_SLIDING_WINDOW")
     with pytest.raises(ladder.UsageError, match=needle):
-        ladder._check_format(label, ladder._vllm_cache_dtypes())
+        formats._check_format(label, formats._vllm_cache_dtypes())
     assert os.environ.get("KVARN_SLIDING_WINDOW") == before
-    ok = ladder._check_format(f"{KV}:KVARN_SLIDING_WINDOW=quantize", ladder._vllm_cache_dtypes())
+    ok = formats._check_format(f"{KV}:KVARN_SLIDING_WINDOW=quantize",
+                               formats._vllm_cache_dtypes())
     assert ok.env == {"KVARN_SLIDING_WINDOW": "quantize"}
 
 
@@ -897,7 +901,8 @@ def test_mla_names_without_an_engine():
     bytes of docs/mla.md's table (latent 512 + RoPE 64: k4 = k4r8 342,
     k4r16 402, k2r8 214 bytes per token and layer at G = 128)."""
     from kvarn_vllm import _lib, ladder
-    names = ladder._vllm_cache_dtypes()
+    from kvarn_vllm.ladder import formats
+    names = formats._vllm_cache_dtypes()
     jobs, refused = ladder.expand_formats("all", names, _facts(True))
     assert [j.label for j in jobs] == ["auto"] + list(ladder.ALL_MLA)
     why = dict(refused)
@@ -911,7 +916,7 @@ def test_mla_names_without_an_engine():
     assert "has no MLA layers" in mla_rows[0][1]
     per_token = {}
     for n in _lib.mla_dtype_names():
-        assert ladder._check_format(n, names, _facts(True)).name == n
+        assert formats._check_format(n, names, _facts(True)).name == n
         fmt = _lib.mla_parse(n, 512, 64)
         per_token[n] = _lib.mla_record_bytes(fmt, 512, 64) / fmt.tile_tokens
     assert len(per_token) == 18
@@ -926,14 +931,15 @@ def test_vllm_mla_backend_choice(monkeypatch):
     backend's own supported_kv_cache_dtypes."""
     import torch
     from kvarn_vllm import ladder
+    from kvarn_vllm.ladder import formats
     for amx in (False, True):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
         assert ladder.vllm_mla_backend("float32") == ("CPU_MLA", "CPU_MLA")
         assert ladder.vllm_mla_backend("float16") == ("CPU_MLA", "CPU_MLA")
         assert ladder.vllm_mla_backend("bfloat16") == (None, "AMX_MLA" if amx else "CPU_MLA")
-    assert ladder._vllm_mla_refusal("auto", "CPU_MLA") == ""
-    assert "auto only" in ladder._vllm_mla_refusal("bfloat16", "CPU_MLA")
-    assert ladder._vllm_mla_refusal("bfloat16", "AMX_MLA") == ""
+    assert formats._vllm_mla_refusal("auto", "CPU_MLA") == ""
+    assert "auto only" in formats._vllm_mla_refusal("bfloat16", "CPU_MLA")
+    assert formats._vllm_mla_refusal("bfloat16", "AMX_MLA") == ""
 
 
 @pytest.mark.parametrize("which,dtypes,needle", [
@@ -979,6 +985,7 @@ def test_mla_engine_arguments(monkeypatch, mla_model):
     import vllm.v1.engine.core as core
     from vllm.v1.sample.logits_processor import LogitsProcessor
     from kvarn_vllm import ladder
+    from kvarn_vllm.ladder import engine
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(core, "get_kv_cache_configs", core.get_kv_cache_configs)
     seen = []
@@ -999,7 +1006,7 @@ def test_mla_engine_arguments(monkeypatch, mla_model):
                attention_backend=facts.backend_asked)
     for name in ("auto", "kvarn_mla_k4_g64"):
         with pytest.raises(Stop):
-            ladder._measure(ladder.Job(name, name, {}, True), cfg, print)
+            engine._measure(ladder.Job(name, name, {}, True), cfg, print)
     auto, kv = seen
     assert auto["attention_backend"] == "CPU_MLA" and "block_size" not in auto
     assert "attention_backend" not in kv and kv["block_size"] == 64
@@ -1019,7 +1026,7 @@ def test_forced_tokens_processor():
     import torch
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
-    from kvarn_vllm.ladder import FORCE_ARG, _forced_tokens_processor
+    from kvarn_vllm.ladder.engine import FORCE_ARG, _forced_tokens_processor
     proc = _forced_tokens_processor()(None, torch.device("cpu"), False)
     assert not proc.is_argmax_invariant()
     out = []
