@@ -237,6 +237,22 @@ def is_kvarn_dtype(name) -> bool:
     return isinstance(name, str) and name.startswith("kvarn_")
 
 
+# The plug-in's names of the library's per-token formats (include/kvarn/
+# kvarn.h: one record per token and KV head, data-derived scales;
+# docs/formats.md), served as whole-cache dtypes (docs/vllm.md "Per-token
+# formats"): prefixed so that they cannot clash with vLLM's own names
+# (vLLM's fp8_e4m3 is a scale-less fp8 cache).
+PER_TOKEN_DTYPES = {"kvarn_int8": "int8", "kvarn_int4": "int4",
+                    "kvarn_fp8_e4m3": "fp8_e4m3", "kvarn_fp8_e5m2": "fp8_e5m2"}
+
+
+def is_per_token_dtype(name) -> bool:
+    """Whether a --kv-cache-dtype names one of the library's per-token
+    formats (PER_TOKEN_DTYPES): records written at once at each token's
+    slot, no staging pool, no commit."""
+    return isinstance(name, str) and name in PER_TOKEN_DTYPES
+
+
 MLA_PREFIX = "kvarn_mla_"   # MLA latent records (include/kvarn/mla.h, mla_backend.py)
 
 
@@ -259,14 +275,25 @@ def parse_format(name: str, head_dim: int = 0) -> Format:
     ValueError with the library's explanation (what is accepted)."""
     L = lib()
     f = Format()
-    st = L.kvarn_format_parse(name.encode(), ctypes.byref(f))
+    lib_name = PER_TOKEN_DTYPES.get(name, name)   # kvarn_int8 -> the library's int8
+    st = L.kvarn_format_parse(lib_name.encode(), ctypes.byref(f))
     if st == 0 and head_dim:
         st = L.kvarn_format_check_head_dim(ctypes.byref(f), head_dim)
     if st != 0:
         buf = ctypes.create_string_buffer(1024)
-        L.kvarn_format_explain(st, name.encode(), head_dim, buf, len(buf))
-        raise ValueError(buf.value.decode())
+        L.kvarn_format_explain(st, lib_name.encode(), head_dim, buf, len(buf))
+        msg = buf.value.decode()
+        if is_kvarn_dtype(name) and not is_per_token_dtype(name):
+            msg += (" (as a vLLM --kv-cache-dtype: the kvarn_k*v*_g* names above, or the "
+                    "per-token formats " + ", ".join(PER_TOKEN_DTYPES) + ")")
+        raise ValueError(msg)
     return f
+
+
+def page_tokens(fmt: Format, block_size: int) -> int:
+    """Tokens of one page of the vLLM cache for fmt: the KVarN tile, or
+    for a per-token format (tile_tokens 1) vLLM's block size."""
+    return fmt.tile_tokens if fmt.per_tile else int(block_size)
 
 
 def record_bytes(fmt: Format, head_dim: int) -> int:

@@ -29,6 +29,15 @@ A step, for each sequence with q_len new tokens:
                       "A step").
 The calls go through ops.py: the CPU kernels for CPU tensors, the CUDA
 kernels (libkvarn_cuda.so) for CUDA tensors, same pages, same plan.
+
+Per-token formats (kvarn_int8, kvarn_int4, kvarn_fp8_e4m3, kvarn_fp8_e5m2;
+_lib.PER_TOKEN_DTYPES): the page is [num_blocks, Hk, block_size,
+record_bytes] uint8, block_size any multiple of 16 (vLLM's); each new
+token's record is encoded straight into its slot (slot_mapping,
+kvarn_paged_store) and one causal kvarn_attn_multi call per layer reads
+every token from its record, its own included. No staging pool, no plan,
+no commit: a slot vLLM writes again (a rejected draft's, a recomputed
+token's) is simply overwritten (docs/vllm.md "Per-token formats").
 """
 import os
 from dataclasses import dataclass
@@ -147,6 +156,9 @@ class KvarnAttentionBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
         name = _State.dtype_name
+        if _lib.is_per_token_dtype(name):
+            from vllm.v1.attention.backend import MultipleOf
+            return [MultipleOf(PER_TOKEN_BLOCK)]
         return [_lib.parse_format(name).tile_tokens] if is_kvarn_dtype(name) else [128]
 
     @classmethod
@@ -175,6 +187,11 @@ class KvarnAttentionBackend(AttentionBackend):
                                         if f.init and f.name in full})
         name = _State.dtype_name
         fmt = _lib.parse_format(name, spec.head_size)
+        if not fmt.per_tile:
+            # per-token records: [blocks, Hk, block_size, record_bytes]
+            check_per_token_block(name, spec.block_size, allow_one=True)
+            return replace(spec, dtype=torch.uint8,
+                           state_content_bytes=_lib.record_bytes(fmt, spec.head_size))
         # block_size 1: vLLM asking for the bytes of one token (sliding-window
         # specs, page alignment), not a block the cache will have; a multiple
         # of the tile: a manager block that vLLM raised itself to cover a
@@ -187,6 +204,20 @@ class KvarnAttentionBackend(AttentionBackend):
                 f"so it needs --block-size {fmt.tile_tokens} (got {spec.block_size})")
         rb = _lib.record_bytes(fmt, spec.head_size)
         return replace(spec, dtype=torch.uint8, state_content_bytes=rb // fmt.tile_tokens)
+
+
+PER_TOKEN_BLOCK = 16   # a per-token format's block: any multiple of this (vLLM's CPU build: 16+)
+
+
+def check_per_token_block(name: str, block_size: int, allow_one: bool = False) -> None:
+    """ValueError unless block_size (tokens) is a multiple of
+    PER_TOKEN_BLOCK (or 1 with allow_one: vLLM asking for one token's
+    bytes)."""
+    if (allow_one and block_size == 1) or (block_size > 0 and
+                                           block_size % PER_TOKEN_BLOCK == 0):
+        return
+    raise ValueError(f"kvarn: --kv-cache-dtype {name} (per-token records) needs a "
+                     f"--block-size that is a multiple of {PER_TOKEN_BLOCK} (got {block_size})")
 
 
 def _raised_for_state(block_size: int, tile_tokens: int) -> bool:
@@ -220,10 +251,14 @@ class KvarnAttentionImpl(AttentionImpl):
         self.scale = float(scale)
         self.sliding_window = 0 if sliding_window is None else int(sliding_window)
         self.G = self.fmt.tile_tokens
+        self.per_token = not self.fmt.per_tile
         from vllm.config import get_current_vllm_config
         cfg = get_current_vllm_config()
         self.settings = Settings.of(cfg)
-        self.sink_tiles, self.sink_partial = self.settings.sink(self.G)
+        # per-token formats have no sink tiles (paged.h): every token is a
+        # record from its store on
+        self.sink_tiles, self.sink_partial = (0, 0) if self.per_token else \
+            self.settings.sink(self.G)
         self.sinks = None
         # learned sink logits (gpt-oss), one per query head: the model's
         # parameter, loaded after this; read at each step (attn.h
@@ -242,13 +277,34 @@ class KvarnAttentionImpl(AttentionImpl):
         _State.max_batched_tokens = cfg.scheduler_config.max_num_batched_tokens
         _State.draft_tokens = draft_tokens(cfg)
         check_speculative(cfg)
-        if cfg.cache_config.block_size != self.G and not _raised_for_state(
+        if self.per_token:
+            check_per_token_block(kv_cache_dtype, cfg.cache_config.block_size)
+        elif cfg.cache_config.block_size != self.G and not _raised_for_state(
                 cfg.cache_config.block_size, self.G):
             raise ValueError(
                 f"kvarn: --kv-cache-dtype {kv_cache_dtype} stores tiles of {self.G} tokens, "
                 f"so it needs --block-size {self.G} (got {cfg.cache_config.block_size})")
 
     # ------------------------------------------------------------------ views
+    def _token_view(self, kv_cache: torch.Tensor) -> _lib.PagedKV:
+        """A per-token format's view of the layer's cache tensor [blocks,
+        Hk, N, record_bytes] (uint8; N = vLLM's kernel block): block b,
+        KV head h, token j at blocks + b * stride(0) + h * stride(1) + j *
+        stride(2) (paged.h kvarn_paged_token_record); no pages."""
+        v = _lib.PagedKV()
+        v.fmt = self.fmt
+        v.head_dim, v.n_kv_heads = self.head_size, self.num_kv_heads
+        v.block_size = int(kv_cache.shape[2])
+        v.sink_tiles = 0
+        es = kv_cache.element_size()
+        v.blocks = kv_cache.data_ptr()
+        v.block_stride = kv_cache.stride(0) * es
+        v.record_stride = kv_cache.stride(1) * es
+        v.token_record_bytes = kv_cache.stride(2) * es
+        v.n_blocks = kv_cache.shape[0]
+        v.staging = _lib.STAGING_FP16   # read for KVarN only; per-token views take 0
+        return v
+
     def _view(self, kv_cache: torch.Tensor, pages: torch.Tensor) -> _lib.PagedKV:
         v = _lib.PagedKV()
         v.fmt = self.fmt
@@ -286,12 +342,39 @@ class KvarnAttentionImpl(AttentionImpl):
     def _page_dtype(self):
         return torch.uint8 if _State.staging_kind != _lib.STAGING_FP16 else torch.int16
 
+    def _setup_per_token(self, kv_cache: torch.Tensor) -> None:
+        """A per-token layer: the ops and the view's check; no pool."""
+        if kv_cache.device.type != "cpu" or os.environ.get("KVARN_TEST_CUDA_EMULATOR"):
+            raise _lib.KvarnError(
+                f"kvarn: {_State.dtype_name} (per-token records) is served by the CPU "
+                f"kernels only; on {kv_cache.device} use a kvarn_k*v*_g* format")
+        if kv_cache.dim() != 4 or kv_cache.stride(3) != 1 or \
+                kv_cache.stride(2) < _lib.record_bytes(self.fmt, self.head_size):
+            raise _lib.KvarnError(
+                f"kvarn: the cache tensor of a {_State.dtype_name} layer has shape "
+                f"{tuple(kv_cache.shape)} and strides {kv_cache.stride()}, not [blocks, Hk, "
+                f"tokens, record bytes] with records back to back")
+        if _State.ops is None:
+            _State.ops = make_ops(kv_cache.device)
+            from vllm.logger import init_logger
+            ki = _lib.attn_kernel_info(self.fmt, self.head_size, 0)
+            init_logger("vllm.kvarn_vllm").info(
+                "kvarn: cpu kernels (attention %s), cache %s per-token records of %d bytes "
+                "per token and KV head, blocks of %d tokens; no staging pool",
+                ki["level"], self.fmt.name.decode(), int(kv_cache.stride(2)),
+                int(kv_cache.shape[2]))
+        self.pool_tensor = kv_cache   # marks the layer set up
+        _State.ops.check(self._token_view(kv_cache))
+
     def _setup(self, layer, kv_cache: torch.Tensor) -> None:
         name = getattr(layer, "layer_name", id(layer))
         if name not in _State.layers:
             _State.layers.append(name)
         self.layer_index = _State.layers.index(name)
         _State.kv_caches[name] = kv_cache
+        if self.per_token:
+            self._setup_per_token(kv_cache)
+            return
         if _State.staging is None:
             _State.staging_kind = self.settings.staging_kind(kv_cache.device.type)
             _State.exact_commit = self.settings.exact_commit(kv_cache.device.type)
@@ -354,6 +437,13 @@ class KvarnAttentionImpl(AttentionImpl):
         if self.pool_tensor is None:
             self._setup(layer, kv_cache)
         n = md.num_actual_tokens
+        if self.per_token:
+            # each token's record straight into its slot (a slot written
+            # before, a rejected draft's, is overwritten)
+            slots = np.ascontiguousarray(slot_mapping[:n].cpu().numpy(), dtype=np.int64)
+            _State.ops.store(self._token_view(kv_cache), key, value, slots, n,
+                             self.num_kv_heads, self.head_size)
+            return
         if self.layer_index == 0 or _State.plan_meta is not md:
             _State.plan = _State.staging.plan(md.query_start_loc.cpu().numpy(),
                                               md.seq_lens.cpu().numpy(),
@@ -376,6 +466,8 @@ class KvarnAttentionImpl(AttentionImpl):
             return output
         if self.pool_tensor is None:
             self._setup(layer, kv_cache)
+        if self.per_token:
+            return self._forward_per_token(query, kv_cache, md, output)
         p = _State.plan
         n = md.num_actual_tokens
         Hq, D = self.num_heads, self.head_size
@@ -401,6 +493,28 @@ class KvarnAttentionImpl(AttentionImpl):
             if (_commit_log_path() and len(_State.layers) == _State.pool_layers
                     and os.path.exists(_commit_log_path() + ".go")):
                 _log_commits(p)
+        return output
+
+    def _forward_per_token(self, query, kv_cache, md, output):
+        """One causal kvarn_attn_multi call over the per-token records: the
+        queries of request i are its last q_len positions, each seeing the
+        records of positions <= itself (its own stored just before)."""
+        n = md.num_actual_tokens
+        Hq, D = self.num_heads, self.head_size
+        qsl = np.ascontiguousarray(md.query_start_loc.cpu().numpy(), dtype=np.int32)
+        qsl = qsl - qsl[0]
+        lens = np.ascontiguousarray(md.seq_lens.cpu().numpy(), dtype=np.int32)
+        ns = len(lens)
+        if ns == 0 or n == 0:
+            return output
+        tables = np.ascontiguousarray(md.block_table.cpu().numpy(), dtype=np.int32)
+        m = int(qsl[-1])   # the requests' query rows (n, unless vLLM padded the batch)
+        q = query[:m].reshape(m, Hq, D).float().contiguous()
+        res = torch.empty((m, Hq, D), dtype=torch.float32, device=q.device)
+        zeros = np.zeros(ns, dtype=np.int32)
+        _State.ops.attend(self._token_view(kv_cache), tables, lens, zeros, zeros, qsl, q, res,
+                          Hq, self.scale, self.sliding_window, self._sink_logits())
+        output[:m].view(m, Hq, D).copy_(res)   # converts to the model's dtype
         return output
 
     def _attend(self, kv_cache, p, q, res) -> None:

@@ -109,13 +109,15 @@ def align_pages(vllm_config, log) -> None:
     layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
     kv_names = set(kvarn_layer_names(vllm_config))
     fmt = _lib.parse_format(cc.cache_dtype)
-    G = fmt.tile_tokens
+    # tokens of a kvarn page: the tile, or vLLM's block for a per-token
+    # format (whose records are of one token: tile_tokens 1)
+    G = _lib.page_tokens(fmt, cc.block_size)
     kv_tok, own_tok = 0, 0
     for name, layer in layers.items():
         hk, d = int(layer.num_kv_heads), int(layer.head_size)
         if name in kv_names:
             rb = _lib.record_bytes(_lib.parse_format(cc.cache_dtype, d), d)
-            kv_tok = max(kv_tok, hk * (rb // G))
+            kv_tok = max(kv_tok, hk * (rb // fmt.tile_tokens))
         else:
             dv = int(getattr(layer, "head_size_v", d) or d)
             own_tok = max(own_tok, hk * (d + dv) * get_dtype_size(layer.kv_cache_torch_dtype))
@@ -167,8 +169,9 @@ def request_bytes(vllm_config, layers: dict, kv_names: set, G: int, m: int,
                                      dtype=dtype, **kw)
         own += spec(mc.dtype, G).max_memory_usage_bytes(vllm_config)
         if name in kv_names:
-            rb = _lib.record_bytes(_lib.parse_format(cc.cache_dtype, d), d)
-            s = spec(torch.uint8, m * G, state_content_bytes=rb // G)
+            f = _lib.parse_format(cc.cache_dtype, d)
+            rb = _lib.record_bytes(f, d)
+            s = spec(torch.uint8, m * G, state_content_bytes=rb // f.tile_tokens)
         else:
             s = spec(layer.kv_cache_torch_dtype, G,
                      page_size_padded=m * G * kv_tok if m > 1 else None)
@@ -188,6 +191,10 @@ def staging_pool(vllm_config, budget: int = 0, device_type: str = "cpu") -> dict
     mc = vllm_config.model_config
     sc = vllm_config.scheduler_config
     name = vllm_config.cache_config.cache_dtype
+    if _lib.is_per_token_dtype(name):
+        # per-token records are written at each token's slot as it comes:
+        # nothing is staged, nothing committed (docs/vllm.md "Per-token formats")
+        return {"bytes": 0}
     shapes = kvarn_layer_shapes(vllm_config)
     n_layers = len(shapes)
     if n_layers == 0:

@@ -68,6 +68,13 @@ def check_mla_model(vllm_config) -> None:
     latent, rope, heads = mla_dims(mc)
     shape = (f"multi-head latent attention (MLA: per token one {latent}-wide latent and one "
              f"{rope}-wide RoPE key, shared by its {heads} query heads)")
+    if _lib.is_per_token_dtype(name):
+        raise ValueError(
+            f"kvarn: {mc.model} uses {shape}; {name} is a per-token format that stores one "
+            f"K and one V record per token and KV head, which an MLA layer does not have "
+            f"(the per-token formats are not served on MLA models): use an MLA record format "
+            f"(--kv-cache-dtype kvarn_mla_k4_g128, docs/vllm-models.md \"MLA\") or vLLM's "
+            f"own cache (--kv-cache-dtype auto)")
     if not is_mla_dtype(name):
         raise ValueError(
             f"kvarn: {mc.model} uses {shape}; {name} stores K and V tiles per KV head, which "

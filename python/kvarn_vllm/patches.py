@@ -115,10 +115,13 @@ def check_targets() -> None:
 def kvarn_dtype_names() -> list:
     """Every cache dtype name the plug-in registers: the KVarN presets
     kvarn_k{4,2,8}v{2,4,8}_g{128,64,32}, each also with the suffix c
-    (mean-centred values), and the MLA record names (_lib.mla_dtype_names)."""
-    from ._lib import mla_dtype_names
+    (mean-centred values), the per-token formats (_lib.PER_TOKEN_DTYPES:
+    kvarn_int8, kvarn_int4, kvarn_fp8_e4m3, kvarn_fp8_e5m2) and the MLA
+    record names (_lib.mla_dtype_names)."""
+    from ._lib import PER_TOKEN_DTYPES, mla_dtype_names
     return [f"kvarn_k{k}v{v}_g{g}{c}" for c, k, v, g in
-            itertools.product(("", "c"), (4, 2, 8), (2, 4, 8), (128, 64, 32))] + mla_dtype_names()
+            itertools.product(("", "c"), (4, 2, 8), (2, 4, 8), (128, 64, 32))] + \
+        list(PER_TOKEN_DTYPES) + mla_dtype_names()
 
 
 def validate_name(name):

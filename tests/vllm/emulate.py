@@ -141,7 +141,37 @@ class RecordStaging:
         return ko, vo
 
 
-_STATE = {"quantized": None, "codec": None, "staging": None, "prefill_exact": True}
+class TokenRecords:
+    """A per-token format served as the whole cache (kvarn_int8, ...;
+    docs/vllm.md "Per-token formats"): each token-head's K and V through
+    that format's codec (kvarn_encode/decode of `name`: int8, int4,
+    fp8_e4m3, fp8_e5m2), in the model's basis (no rotation): what
+    attention reads for every token, its own included."""
+
+    def __init__(self, name: str, head_dim: int):
+        self.L, self.D, self.name = _codec_lib(), head_dim, name
+        self.fmt = _lib.parse_format(name, head_dim)
+        assert not self.fmt.per_tile, name
+        self.rb = _lib.record_bytes(self.fmt, head_dim)
+        self.rec = np.zeros(self.rb, dtype=np.uint8)
+
+    def roundtrip(self, k: np.ndarray, v: np.ndarray):
+        """k, v fp32 [n, D] -> the decoded records' K, V, [n, D] each."""
+        k = np.array(k, dtype=np.float32, order="C")
+        v = np.array(v, dtype=np.float32, order="C")
+        ko, vo = np.empty_like(k), np.empty_like(v)
+        L, f, D = self.L, ctypes.byref(self.fmt), self.D
+        for t in range(k.shape[0]):
+            _lib.check(L.kvarn_encode(f, D, k[t].ctypes.data, v[t].ctypes.data,
+                                      self.rec.ctypes.data, self.rb, None, 0, None),
+                       f"{self.name} encode")
+            _lib.check(L.kvarn_decode(f, D, self.rec.ctypes.data, self.rb, ko[t].ctypes.data,
+                                      vo[t].ctypes.data, 0), f"{self.name} decode")
+        return ko, vo
+
+
+_STATE = {"quantized": None, "codec": None, "staging": None, "prefill_exact": True,
+          "per_token": None}
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -155,9 +185,21 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if scaling is None:
         scaling = D ** -0.5
     rep = Hq // Hk
-    codec = _STATE["codec"](D)
-    quant = _STATE["quantized"](module) and getattr(codec, "layer_quantized",
-                                                    lambda layer: True)(module.layer_idx)
+    if _STATE["per_token"] is not None:
+        if _STATE["quantized"](module):
+            # every token read from its record (per-token formats)
+            key, value = key.clone(), value.clone()
+            for b in range(B):
+                for h in range(Hk):
+                    ks, vs = _STATE["per_token"](D).roundtrip(key[b, h].numpy(),
+                                                              value[b, h].numpy())
+                    key[b, h], value[b, h] = torch.from_numpy(ks), torch.from_numpy(vs)
+        quant = False
+        codec = None
+    else:
+        codec = _STATE["codec"](D)
+        quant = _STATE["quantized"](module) and getattr(codec, "layer_quantized",
+                                                        lambda layer: True)(module.layer_idx)
     # what the records are encoded from: the exact K/V (a prefill chunk's
     # whole tiles), or, below, the staged copy
     rec_key, rec_value = key, value
@@ -229,7 +271,7 @@ def _is_sliding(config, layer_idx: int) -> bool:
 
 def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool = False,
              fmt: str = FORMAT, rtn_range: int = RTN_MINMAX, codec=None,
-             staging: str = "fp16", prefill_exact: bool = True):
+             staging: str = "fp16", prefill_exact: bool = True, per_token: str = None):
     """fp32 log-probabilities [len(ids), vocab] of the model on ids, the
     cache exact (quantize False) or through the codec as the plug-in would
     hold it: format fmt, kvarn_codec_opts.rtn_range rtn_range, or, when
@@ -242,7 +284,10 @@ def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool =
     exact; prefill_exact: records encoded from the exact K/V (True, the
     plug-in's CPU path for a prompt in one chunk) or from the staged copy
     (False, the plug-in before the direct commit, or tiles built by
-    decoding)."""
+    decoding); per_token "int8", "int4", "fp8_e4m3" or "fp8_e5m2" (with
+    quantize) instead holds every token of the quantized layers as a
+    record of that per-token format (TokenRecords: kvarn_int8, ...), no
+    tiles, no staging."""
     from transformers import AutoModelForCausalLM
     _register()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -262,6 +307,13 @@ def logprobs(model_dir: str, ids: list, quantize: bool, quantize_sliding: bool =
         if d not in stagings:
             stagings[d] = RecordStaging(staging, d)
         return stagings[d]
+    per_token_of = {}
+
+    def records_of(d: int):
+        if d not in per_token_of:
+            per_token_of[d] = TokenRecords(per_token, d)
+        return per_token_of[d]
+    _STATE["per_token"] = records_of if (quantize and per_token) else None
     _STATE["codec"] = codec_of
     _STATE["staging"] = staging_of if staging != "fp16" else None
     _STATE["prefill_exact"] = prefill_exact
