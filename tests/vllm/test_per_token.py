@@ -168,7 +168,8 @@ def llama3(tmp_path_factory):
     return model, base, ref
 
 
-@pytest.mark.parametrize("name", ["kvarn_int8", "kvarn_int4"])
+@pytest.mark.parametrize("name", ["kvarn_int8", "kvarn_int4", "kvarn_fp8_e4m3",
+                                  "kvarn_fp8_e5m2"])
 def test_kld_matches_emulator(name, llama3):
     """test_families' rule: vLLM's KLD to its fp32 cache (K_v) within the
     codec's own effect of the emulated one (K_e): |K_v - K_e| <= K_e and
