@@ -12,6 +12,8 @@ written at its slot, attention over the records, no staging pool.
 - A random-weight Llama-3 shape (make_models, vocabulary 2048, every
   logprob): test_families' KLD rule against the emulator (emulate.py
   TokenRecords: every token of every layer through the format's codec).
+- n-gram speculation (K 4) with kvarn_int8: drafts stored at their slots,
+  rejected ones rewritten; greedy tokens by the near-tie rule.
 - An MLA model with a per-token name is refused at configuration.
 """
 import math
@@ -53,11 +55,18 @@ LONG = _austen(1500, 2000)   # ~330 tokens: two full blocks of 128 and a partial
 
 
 @pytest.fixture(scope="module")
-def smol(hf_model):
+def smol_ref(hf_model):
     ids = _tokenize(SHORT + [LONG])
+    ref, _ = run_llm(dict(prompt_ids=ids, max_tokens=MAX_TOKENS, logprobs=2,
+                          kv_cache_dtype="auto"))
+    return ids, ref
+
+
+@pytest.fixture(scope="module")
+def smol(smol_ref):
+    ids, ref = smol_ref
     base = dict(prompt_ids=ids, max_tokens=MAX_TOKENS, logprobs=2)
-    out = {"ids": ids}
-    out["ref"], _ = run_llm(dict(base, kv_cache_dtype="auto"))
+    out = {"ids": ids, "ref": ref}
     # prefix caching on: LONG again after the first round, its full blocks
     # found in the cache
     out["int8"], _ = run_llm(dict(base, kv_cache_dtype="kvarn_int8", prefix_caching=True,
@@ -111,6 +120,27 @@ def test_int8_prefix_caching_warm_equals_cold(smol):
     assert cold["num_cached_tokens"] == 0
     assert warm["num_cached_tokens"] >= 256, warm["num_cached_tokens"]
     assert warm["token_ids"] == cold["token_ids"]
+
+
+def test_int8_ngram_speculation_follows_fp32_cache(smol_ref):
+    """vLLM's n-gram proposer (K 4) with kvarn_int8: every draft token's
+    record is stored at its slot, a rejected one's slot written again by
+    the next token there; greedy tokens follow the fp32 cache by the
+    near-tie rule (k_e_max: a bound above the emulated int8 KL on SmolLM2,
+    test_int8_follows_fp32_cache prints 0.0066), and drafts were accepted."""
+    ids, ref = smol_ref
+    kv, _ = run_llm(dict(prompt_ids=ids, max_tokens=MAX_TOKENS, logprobs=2,
+                         kv_cache_dtype="kvarn_int8", stats=True,
+                         speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                             "prompt_lookup_min": 2,
+                                             "prompt_lookup_max": 4}))
+    print("speculation stats:", {k: v for k, v in kv.items() if k not in ("outputs", "rounds")})
+    m = kv["metrics"]
+    # drafts were stored, some accepted, most rejected (their slots rewritten)
+    assert m["vllm:spec_decode_num_draft_tokens"] > m["vllm:spec_decode_num_accepted_tokens"] > 0
+    for r, k in zip(ref["outputs"], kv["outputs"]):
+        assert len(k["token_ids"]) == MAX_TOKENS
+        _near_tie(r, k, 0.01)
 
 
 def _blocks(name: str, block: int, budget: int = 2**30) -> int:
