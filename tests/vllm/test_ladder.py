@@ -28,6 +28,7 @@ import forkserver
 from conftest import GGUF_MODEL, KVARN_CLI, ROOT, staging_pool_bytes
 
 KV = "kvarn_k4v2_g128"
+PER_TOKEN = "kvarn_int8"                   # a per-token format: kvarn eval's int8
 CTX, DECODED = 640, 256          # test_serve's window: 384 prompt positions, 256 decoded
 AUSTEN = os.path.join(ROOT, "data", "austen", "persuasion.txt")
 LAYERS, HK, D = 30, 3, 64        # SmolLM2-135M
@@ -53,12 +54,13 @@ def _text(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(hf_model, tmp_path_factory):
-    """The ladder (auto, kvarn_k4v2_g128; budget 1 GiB, max_num_seqs 8) and
-    `kvarn eval --json` (int8 staging, the plug-in's default on CPU) on the
-    same 640-token window."""
+    """The ladder (auto, kvarn_k4v2_g128, the per-token kvarn_int8; budget
+    1 GiB, max_num_seqs 8) and `kvarn eval --json` (int8 staging, the
+    plug-in's default on CPU) on the same 640-token window."""
     text = _text(tmp_path_factory)
     out = tmp_path_factory.mktemp("ladder")
-    r, secs = _ladder("--model", hf_model, "--text", text, "--kv-cache-dtype", f"auto,{KV}",
+    r, secs = _ladder("--model", hf_model, "--text", text, "--kv-cache-dtype",
+                      f"auto,{KV},{PER_TOKEN}",
                       "--ctx", CTX, "--windows", 1, "--decode", DECODED, "--budget", "1GiB",
                       "--max-num-seqs", 8, "--json", out / "r.json")
     assert r.returncode == 0, r.stderr[-4000:]
@@ -144,6 +146,23 @@ def test_capacity_is_vllms_arithmetic(runs):
     assert "not vLLM's" not in r.stderr
 
 
+def test_per_token_row(runs):
+    """kvarn_int8 through the ladder: its bytes per token are kvarn eval's
+    int8 records (2D + 8 bytes per token, layer and KV head: D codes and an
+    fp16 scale and zero-point for K and for V), its KV tokens the budget in
+    pages of vLLM's block size with no staging pool, and its decode KLD
+    above zero and below kvarn_k4v2_g128's (8-bit codes against 4/2-bit)."""
+    rep, _, _ = runs
+    row, kv = _row(rep, PER_TOKEN), _row(rep, KV)
+    per_tok = LAYERS * HK * (2 * D + 8)
+    assert row["status"] == "ok" and row["pool_bytes"] == 0
+    assert row["bytes_per_token"] == per_tok
+    bs = row["block_size"]
+    assert bs % 16 == 0
+    assert row["kv_tokens"] == 2**30 // (per_tok * bs) * bs
+    assert 0 < row["decode_kld_mean"] < kv["decode_kld_mean"] / 4, (row, kv)
+
+
 def test_table_names_the_reference_and_the_fold(runs):
     _, r, _ = runs
     assert "reference: auto, vLLM's unquantized cache (float32)" in r.stdout
@@ -153,7 +172,8 @@ def test_table_names_the_reference_and_the_fold(runs):
 
 @pytest.mark.parametrize("dtypes,needle", [
     ("kvarn_k4v3_g128", "accepted"),                          # the C library's explanation
-    ("int8", "per-token format of the kvarn library"),
+    ("int8", "through vLLM it is kvarn_int8"),
+    ("kvarn_int8:KVARN_STAGING=fp16", "does not apply"),
     ("fp6", "unknown --kv-cache-dtype 'fp6'"),
     (f"{KV}:KVARN_STAGING=fp6", "KVARN_STAGING must be one of"),
 ])
@@ -686,14 +706,14 @@ def test_mla_ladder_rows(mla_run):
     attention_backend CPU_MLA) and a row for each of the six kvarn_mla_*
     formats of `all` (served by the plug-in's KVARN_MLA backend); vLLM's
     bf16 and fp8 caches, which vLLM's CPU_MLA does not hold, the K/V presets
-    and kvarn eval's per-token names are refused rows with a one-line
+    and the per-token formats are refused rows with a one-line
     reason. The reference's decode columns are decoded with the text's
     tokens forced: its PPL over every position is transformers' fp32 NLL
     on the text (emulate_mla.py) to 1e-4, which it would not be had a
     decoded token left the text."""
     import math
     import numpy as np
-    from kvarn_vllm.ladder import ALL_MLA, ALL_PRESETS
+    from kvarn_vllm.ladder import ALL_MLA, ALL_PER_TOKEN, ALL_PRESETS
     r, rep = mla_run["r"], mla_run["rep"]
     assert r.returncode == 0, r.stderr[-4000:]
     assert rep["mla"] and rep["decode_mode"] == "forced" and rep["kld_mode"] == "exact"
@@ -706,7 +726,8 @@ def test_mla_ladder_rows(mla_run):
         assert "CPU_MLA" in why[name] and "supported_kv_cache_dtypes" in why[name], why
     for name in ALL_PRESETS:
         assert "multi-head latent attention" in why[name] and "K and V tiles" in why[name], why
-    assert "per-token format" in why["int8"]
+    for name in ALL_PER_TOKEN:
+        assert "multi-head latent attention" in why[name] and "K and V records" in why[name]
     assert all("\n" not in w for w in why.values())
     ref = _row(rep, "auto")
     assert ref["attention_backends"] == ["CPU_MLA"]
@@ -815,8 +836,9 @@ def test_score_exact_and_folded_lower_bound():
 def test_all_lists_what_this_build_refuses():
     """`all`: the reference first; vLLM's fp8 caches, the four presets and
     their mean-centred variants, and the default preset with each other
-    staging run; the per-token kvarn names are refused rows, each with its
-    reason."""
+    staging run, after vLLM's fp8 the plug-in's per-token formats in the
+    staircase's order (fp8, int8, int4, then KVarN); nothing refused but
+    the MLA names on a model without MLA (not checked here: no model)."""
     from kvarn_vllm import ladder
     from kvarn_vllm.ladder import formats
     jobs, refused = ladder.expand_formats("all", formats._vllm_cache_dtypes())
@@ -825,8 +847,10 @@ def test_all_lists_what_this_build_refuses():
     for name in ("fp8_e4m3", "fp8_e5m2", "kvarn_k4v2_g64", "kvarn_k4v4_g64",
                  f"{KV}:KVARN_STAGING=int4", f"{KV}c", "kvarn_k4v4_g64c"):
         assert name in labels
-    why = dict(refused)
-    assert "per-token format of the kvarn library" in why["int8"]
+    stair = ["fp8_e5m2", "kvarn_fp8_e4m3", "kvarn_fp8_e5m2", "kvarn_int8", "kvarn_int4",
+             "kvarn_k4v2_g128"]
+    assert [labels.index(n) for n in stair] == sorted(labels.index(n) for n in stair), labels
+    assert refused == [], refused     # (without the model, no MLA row either)
 
 
 def test_coverage_warnings():
@@ -907,7 +931,7 @@ def test_mla_names_without_an_engine():
     assert [j.label for j in jobs] == ["auto"] + list(ladder.ALL_MLA)
     why = dict(refused)
     assert {"bfloat16", "fp8_e4m3", "fp8_e5m2", *ladder.ALL_PRESETS,
-            *ladder.ALL_KVARN_PER_TOKEN} == set(why), why
+            *ladder.ALL_PER_TOKEN} == set(why), why
     jobs0, _ = ladder.expand_formats("all", names)
     jobs1, refused1 = ladder.expand_formats("all", names, _facts(False))
     assert [j.label for j in jobs1] == [j.label for j in jobs0]

@@ -86,14 +86,15 @@ picks AMX_MLA, which takes bf16 weights only (and blocks of a multiple of
 with bf16 weights vLLM's choice stands. The rows name the attention
 backends their engines ran (JSON attention_backends).
 
-Formats (--kv-cache-dtype all): on a model without MLA, vLLM's auto,
-bfloat16, fp8_e4m3 and fp8_e5m2, the four KVarN presets and their
-mean-centred variants, kvarn_k4v2_g128 with each other staging, and
-refused rows for kvarn eval's per-token names and one for every
-kvarn_mla_* name; on an MLA model auto, the six ALL_MLA formats
+Formats (--kv-cache-dtype all), in the staircase's order: on a model
+without MLA, vLLM's auto, bfloat16, fp8_e4m3 and fp8_e5m2, the plug-in's
+per-token kvarn_fp8_e4m3, kvarn_fp8_e5m2, kvarn_int8 and kvarn_int4
+(data-derived scales), the four KVarN presets and their mean-centred
+variants, kvarn_k4v2_g128 with each other staging, and one refused row
+for every kvarn_mla_* name; on an MLA model auto, the six ALL_MLA formats
 (kvarn_mla_k{4,2,8}_g{128,64}, RoPE key at 8 bits; the r8 / r16 names run
 when named), and refused rows for vLLM's names its MLA backend does not
-hold, the presets and the per-token names, each with its reason in one
+hold, the per-token formats and the presets, each with its reason in one
 line. Named explicitly, a name refused without an engine is a usage error.
 
 Each format runs in an engine of its own, in a process forked from this one
@@ -133,13 +134,13 @@ nothing here imports vLLM, torch or numpy before a function needs it.
 """
 from .cli import main
 from .common import UsageError
-from .formats import (ALL_KVARN_PER_TOKEN, ALL_MLA, ALL_PRESETS, Job, ModelFacts,
+from .formats import (ALL_PER_TOKEN, ALL_MLA, ALL_PRESETS, Job, ModelFacts,
                       coverage_warnings, expand_formats, model_uses_mla, vllm_mla_backend)
 from .plot import PLOT_DPI, figure, pareto, plot
 from .report import sliding_window_notes, value_bias_notes
 from .score import score
 
-__all__ = ["ALL_KVARN_PER_TOKEN", "ALL_MLA", "ALL_PRESETS", "Job", "ModelFacts",
+__all__ = ["ALL_PER_TOKEN", "ALL_MLA", "ALL_PRESETS", "Job", "ModelFacts",
            "PLOT_DPI", "UsageError", "coverage_warnings",
            "expand_formats", "figure", "main", "model_uses_mla", "pareto", "plot", "score",
            "sliding_window_notes", "value_bias_notes", "vllm_mla_backend"]

@@ -141,8 +141,8 @@ def _measure(job: Job, cfg: dict, send) -> dict:
               kv_cache_memory_bytes=cfg["engine_kv"])
     if _lib.is_mla_dtype(job.name):
         kw["block_size"] = _lib.mla_parse(job.name).tile_tokens
-    elif _lib.is_kvarn_dtype(job.name):
-        kw["block_size"] = _lib.parse_format(job.name).tile_tokens
+    elif _lib.is_kvarn_dtype(job.name) and not _lib.is_per_token_dtype(job.name):
+        kw["block_size"] = _lib.parse_format(job.name).tile_tokens   # a page is a tile
     elif cfg["mla"] and cfg.get("attention_backend"):
         kw["attention_backend"] = cfg["attention_backend"]   # vllm_mla_backend
     if forced:

@@ -15,7 +15,15 @@ from .common import REFERENCE, UsageError
 ALL_VLLM = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ALL_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k4v4_g64")
 ALL_STAGINGS = ("fp16", "fp8_e4m3", "int4")   # besides the default (int8 on CPU)
-ALL_KVARN_PER_TOKEN = ("fp16", "bf16", "int8", "int4")   # kvarn eval's names vLLM lacks
+# The plug-in's per-token formats (_lib.PER_TOKEN_DTYPES), in the staircase's
+# order after vLLM's own fp8: kvarn's fp8 (data-derived scales), int8, int4
+ALL_PER_TOKEN = ("kvarn_fp8_e4m3", "kvarn_fp8_e5m2", "kvarn_int8", "kvarn_int4")
+# kvarn eval's per-token names: served through vLLM under these names
+PER_TOKEN_VLLM = {"int8": "kvarn_int8", "int4": "kvarn_int4", "fp8_e4m3": "kvarn_fp8_e4m3",
+                  "fp8_e5m2": "kvarn_fp8_e5m2", "fp8": "kvarn_fp8_e4m3",
+                  "fp16": "auto", "bf16": "bfloat16"}
+# The settings a per-token format takes (it has no staging, sink or commit)
+PER_TOKEN_SETTINGS = ("KVARN_SLIDING_WINDOW", "KVARN_ATTN_THREADS")
 ALL_MLA = ("kvarn_mla_k4_g128", "kvarn_mla_k4_g64", "kvarn_mla_k2_g128", "kvarn_mla_k2_g64",
            "kvarn_mla_k8_g128", "kvarn_mla_k8_g64")   # RoPE key at the default 8 bits
 MLA_NAMES = "kvarn_mla_k{2,4,8}[r{8,16}]_g{64,128}"
@@ -144,7 +152,8 @@ def _check_format(label: str, vllm_names: tuple, model: ModelFacts = None) -> Jo
                              f"{', '.join(SETTINGS)}")
         env[k] = v
     kinds = (f"the plug-in's kvarn_k{{2,4,8}}v{{2,4,8}}_g{{32,64,128}} (K/V tiles), its "
-             f"{MLA_NAMES} (MLA records) and vLLM's own {', '.join(vllm_names)}")
+             f"per-token {', '.join(ALL_PER_TOKEN)}, its {MLA_NAMES} (MLA records) and "
+             f"vLLM's own {', '.join(vllm_names)}")
     if _lib.is_mla_dtype(name):
         try:
             _validate_name(name)
@@ -171,6 +180,11 @@ def _check_format(label: str, vllm_names: tuple, model: ModelFacts = None) -> Jo
             _validate_name(name)
         except ValueError as e:
             raise UsageError(f"{e} (through vLLM: {kinds})", str(e)) from None
+        extra = [k for k in env if k not in PER_TOKEN_SETTINGS]
+        if _lib.is_per_token_dtype(name) and extra:
+            raise UsageError(f"{label}: {name} stores each token's record at once (no staging "
+                             f"pool, sink or commit), so {', '.join(extra)} does not apply; it "
+                             f"takes {' and '.join(PER_TOKEN_SETTINGS)} only")
         if "KVARN_STAGING" in env:
             try:
                 _lib.parse_staging(env["KVARN_STAGING"])
@@ -196,7 +210,8 @@ def _check_format(label: str, vllm_names: tuple, model: ModelFacts = None) -> Jo
             if k in env and not (env[k].isdigit()):
                 raise UsageError(f"{label}: {k} must be a whole number >= 0, got {env[k]!r}")
         if model is not None and model.mla:
-            why = (f"{model.model} uses {model.mla_shape()}; {name} stores K and V tiles per KV "
+            what = "K and V records" if _lib.is_per_token_dtype(name) else "K and V tiles"
+            why = (f"{model.model} uses {model.mla_shape()}; {name} stores {what} per KV "
                    f"head, which an MLA layer does not have (the plug-in refuses it there)")
             raise UsageError(f"{why}: use an MLA record format ({', '.join(ALL_MLA[:2])}, "
                              f"... {MLA_NAMES}) or vLLM's own cache (auto)", why)
@@ -212,14 +227,16 @@ def _check_format(label: str, vllm_names: tuple, model: ModelFacts = None) -> Jo
                                  f"format ({MLA_NAMES})", why)
         return Job(label, name, env, True)
     accepted = (f"accepted: vLLM's own {', '.join(vllm_names)} (this build), the plug-in's "
-                f"kvarn_k{{2,4,8}}v{{2,4,8}}_g{{32,64,128}} (e.g. kvarn_k4v2_g128) and, for "
-                f"an MLA model, {MLA_NAMES} (e.g. kvarn_mla_k4_g128), or all")
+                f"kvarn_k{{2,4,8}}v{{2,4,8}}_g{{32,64,128}} (e.g. kvarn_k4v2_g128), its "
+                f"per-token {', '.join(ALL_PER_TOKEN)} and, for an MLA model, {MLA_NAMES} "
+                f"(e.g. kvarn_mla_k4_g128), or all")
     try:
         _lib.parse_format(name)
     except ValueError:
         raise UsageError(f"unknown --kv-cache-dtype {name!r}; {accepted}") from None
-    why = (f"{name} is a per-token format of the kvarn library (`kvarn eval` measures it); "
-           f"vLLM has no such cache dtype and the plug-in serves the KVarN formats only")
+    served = PER_TOKEN_VLLM.get(name)
+    why = (f"{name} is kvarn eval's name of a per-token format; through vLLM it is "
+           f"{served or 'not served'}")
     raise UsageError(f"{why}; {accepted}", why)
 
 
@@ -233,11 +250,11 @@ def _all_names(vllm_names: tuple, model: ModelFacts) -> tuple:
                 for n in ALL_VLLM if n not in vllm_names]
     cands = [n for n in ALL_VLLM if n in vllm_names]
     if mla:
-        cands += list(ALL_MLA) + list(ALL_PRESETS) + list(ALL_KVARN_PER_TOKEN)
-    else:
-        cands += list(ALL_PRESETS)
+        cands += list(ALL_MLA) + list(ALL_PER_TOKEN) + list(ALL_PRESETS)
+    else:     # the staircase: vLLM's fp8, kvarn's fp8, int8, int4, then KVarN
+        cands += list(ALL_PER_TOKEN) + list(ALL_PRESETS)
         cands += [f"{ALL_PRESETS[0]}:KVARN_STAGING={s}" for s in ALL_STAGINGS]
-        cands += [p + "c" for p in ALL_PRESETS] + list(ALL_KVARN_PER_TOKEN)
+        cands += [p + "c" for p in ALL_PRESETS]
     for cand in cands:
         try:
             _check_format(cand, vllm_names, model)

@@ -167,7 +167,7 @@ def value_bias_notes(report: dict) -> list:
     out = []
     for p in rows:
         if not _lib.is_kvarn_dtype(p["name"]) or _lib.is_mla_dtype(p["name"]) \
-                or _lib.parse_format(p["name"]).centred:
+                or _lib.is_per_token_dtype(p["name"]) or _lib.parse_format(p["name"]).centred:
             continue
         cname = p["name"] + "c"
         c = next((f for f in rows if f["name"] == cname and f["env"] == p["env"]), None)
