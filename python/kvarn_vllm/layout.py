@@ -102,7 +102,7 @@ def align_pages(vllm_config, log) -> None:
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.utils.torch_utils import get_dtype_size
     from . import _lib
-    from .backend import _State
+    from .state import _State
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     if mc.is_hybrid:
         return

@@ -208,7 +208,7 @@ def reset_blocks(block_ids) -> None:
 def _live_blocks() -> set:
     """Block ids held by the requests of vLLM's persistent batch (the
     runner the plug-in recorded; one KV-cache group for an MLA model)."""
-    from .backend import _State
+    from .state import _State
     r = _State.runner
     if r is None:
         return set()

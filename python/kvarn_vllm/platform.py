@@ -127,7 +127,7 @@ class _KvarnPlatform:
         if _is_kvarn(attn_selector_config.kv_cache_dtype):
             if attn_selector_config.use_mla:
                 return MLA_BACKEND_PATH
-            from .backend import _State
+            from .state import _State
             _State.dtype_name = attn_selector_config.kv_cache_dtype
             return BACKEND_PATH
         return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)

@@ -34,7 +34,7 @@ def _available_memory(worker, avail: int, budget_knob: str, device_type: str) ->
         from .mla_backend import reserve_tail_pool
         return reserve_tail_pool(worker.vllm_config, avail, budget_knob)
     from . import _lib
-    from .backend import _State
+    from .state import _State
     from .layout import staging_pool
     ps = staging_pool(worker.vllm_config, avail, device_type)
     pool = ps["bytes"]
@@ -67,7 +67,7 @@ class _KvarnRunner:
     kvarn_drafts = None   # (draft counts, cumulative token counts) of the last spec step
 
     def _zero_block_ids(self, block_ids):
-        from .backend import _State, kernel_block_ids
+        from .state import _State, kernel_block_ids
         _State.runner = self
         if _State.staging is not None:
             _State.staging.reset_blocks(kernel_block_ids(self, block_ids))
@@ -91,7 +91,7 @@ class _KvarnRunner:
     # cumulative token counts, to match it to its step) for the builder.
     def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens,
                                    *args, **kwargs):
-        from .backend import _State
+        from .state import _State
         _State.runner = self
         self.kvarn_drafts = (np.array(num_draft_tokens, dtype=np.int32),
                              np.array(cu_num_scheduled_tokens, dtype=np.int64))

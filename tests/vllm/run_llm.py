@@ -175,9 +175,9 @@ def serve() -> None:
     from vllm.inputs import TokensPrompt  # noqa: F401
     from forkserver import serve as serve_requests
     # vLLM resolves its platform at import, the kvarn platform plug-in
-    # (kvarn_vllm.platform) among them; the backend keeps the step's state
-    # per process (backend._State), so each child imports it itself
-    assert "kvarn_vllm.backend" not in sys.modules, \
+    # (kvarn_vllm.platform) among them; the plug-in keeps a cache's state
+    # per process (kvarn_vllm.state, the backend), so each child imports it
+    assert not {"kvarn_vllm.state", "kvarn_vllm.backend"} & set(sys.modules), \
         "the kvarn backend must be imported by each child (its state is per process)"
     base_env = dict(os.environ)
     # what the imports set (vLLM's TORCHINDUCTOR_*, cv2's LD_LIBRARY_PATH...):

@@ -484,7 +484,7 @@ def _engine_free_backend(monkeypatch, staging="int8", prefill_commit=None):
     impl.fmt, impl.num_heads, impl.head_size, impl.num_kv_heads = fmt, Hq, D, Hk
     impl.scale, impl.sliding_window, impl.G = D ** -0.5, 0, fmt.tile_tokens
     impl.sink_tiles, impl.sink_partial, impl.sinks, impl.sink_param = 1, 0, None, None
-    impl.layer_index, impl.pool_tensor = None, None
+    impl.layer_index, impl.pool_tensor, impl.per_token = None, None, False
     from kvarn_vllm.settings import Settings
     impl.settings = Settings.from_env()   # as the engine's configuration records them
     layer = types.SimpleNamespace(layer_name="model.layers.0.self_attn.attn")

@@ -1,0 +1,97 @@
+"""The plug-in's per-process state of a kvarn cache: the layers in order,
+the staging bookkeeping, the plan of the step in flight, the ops; and what
+is read from vLLM's model runner (the draft counts of a speculative step,
+the blocks of the requests in its batch). One engine per process, as vLLM
+runs it: its worker process, or the engine core's own."""
+import numpy as np
+
+from .staging import Staging
+
+
+class _State:
+    """Process-wide: the layers in order, the staging bookkeeping, the plan
+    of the step in flight, the C thread pool and workspaces."""
+    layers: list = []
+    hybrid = False      # vLLM's model_config.is_hybrid (Mamba-type layers), set per layer
+    staging: Staging | None = None
+    plan = None
+    plan_meta = None
+    ops = None          # ops.CpuOps or ops.CudaOps, by the cache's device
+    runner = None
+    max_num_seqs = 0
+    max_batched_tokens = 0
+    draft_tokens = 0    # speculative tokens a step per sequence (0: none)
+    dtype_name = None   # the --kv-cache-dtype, set when the backend is chosen
+    kv_caches: dict = {}   # layer name -> its cache tensor (the commit log reads them)
+    n_impls = 0         # kvarn attention layers built in this process
+    n_sliding = 0       # of which with a sliding window (KVARN_SLIDING_WINDOW=quantize)
+    aligned_block = 0   # a manager block of several tiles set by layout.align_pages
+    pool_size = None    # staging.pool_size as the worker budgeted it (worker.py)
+    pool = None         # the staging tensor of every layer (module docstring)
+    pool_layers = 0     # the layers it has slots for
+    staging_kind = 0    # _lib.STAGING_FP16 / _INT8 / _FP8_E4M3 / _INT4
+    exact_commit = False  # Settings.exact_commit: whole prefill tiles from the exact K/V
+
+
+def step_draft_counts(num_reqs: int, query_start_loc_cpu) -> np.ndarray | None:
+    """int32 [num_reqs]: the draft tokens at the end of each request's
+    queries this step, as the model runner handed them to
+    _calc_spec_decode_metadata (worker.py stashes them); None where the step
+    has no speculation. The stash is used only when its cumulative token
+    counts are this step's query_start_loc, so a stale one is never read."""
+    r = _State.runner
+    st = getattr(r, "kvarn_drafts", None) if r is not None else None
+    if st is None:
+        return None
+    nd, cu = st
+    qsl = np.asarray(query_start_loc_cpu)[1:num_reqs + 1]
+    if len(nd) < num_reqs or len(cu) < num_reqs or not np.array_equal(cu[:num_reqs], qsl):
+        return None
+    return np.asarray(nd[:num_reqs], dtype=np.int32)
+
+
+def _kvarn_attn_group(runner):
+    """The model runner's attention group of the kvarn layers (a hybrid
+    model has others, in vLLM's own cache), or None."""
+    for groups in getattr(runner, "attn_groups", None) or []:
+        for g in groups:
+            if g.backend.get_name() == "KVARN":
+                return g
+    return None
+
+
+def kernel_block_ids(runner, block_ids) -> list:
+    """vLLM's block ids (the KV-cache manager's) as block ids of the kvarn
+    layers' cache tensor. Where vLLM 0.32 gives the manager blocks of several
+    tiles (its page alignment when layers of vLLM's own cache share the block
+    pool, docs/vllm-models.md "Sliding-window layers"), each is split into kernel
+    blocks of one tile (get_supported_kernel_block_sizes): manager block b
+    is kernel blocks b * stride + j, j < n, as the attention metadata's block
+    table has them (AttentionGroup.map_to_kernel_block_table)."""
+    g = _kvarn_attn_group(runner)
+    if g is None or g.kernel_block_size is None:
+        return [int(b) for b in block_ids]
+    n = g.kv_cache_spec.block_size // g.kernel_block_size
+    s = g.kernel_block_stride or n
+    return [int(b) * s + j for b in block_ids for j in range(n)]
+
+
+def _live_blocks() -> set:
+    """Block ids (the kvarn cache's) held by the requests in vLLM's
+    persistent batch (running, scheduled this step or not)."""
+    r = _State.runner
+    if r is None:
+        return set()
+    try:
+        ib = r.input_batch
+        g = _kvarn_attn_group(r)
+        bt = ib.block_table[0 if g is None else g.kv_cache_group_id]
+        n = ib.num_reqs
+        arr = bt.block_table.np[:n]
+        cnt = bt.num_blocks_per_row[:n]
+        out = []
+        for i in range(n):
+            out.extend(int(x) for x in arr[i, : int(cnt[i])])
+        return set(kernel_block_ids(r, out))
+    except AttributeError:
+        return set()
