@@ -974,7 +974,7 @@ def test_vllm_mla_backend_choice(monkeypatch):
     ("mla", "kvarn_mla_k3_g128", "unknown MLA cache format 'kvarn_mla_k3_g128'"),
     ("mla", "auto,bfloat16", "holds kv_cache_dtype auto only"),
     ("mla", "fp6", "unknown --kv-cache-dtype 'fp6'"),
-    ("mla", "int8", "per-token format of the kvarn library"),
+    ("mla", "int8", "through vLLM it is kvarn_int8"),
     ("smol", "kvarn_mla_k4_g128", "has no MLA layers"),
     ("smol", "kvarn_mla_k8r16_g64", "has no MLA layers"),
     ("smol", "kvarn_mla_k4_g32", "unknown MLA cache format"),
