@@ -104,43 +104,6 @@ class Codec:
         return self.decode()
 
 
-class RecordStaging:
-    """The plug-in's staging as token records of the per-token format
-    `name` (KVARN_STAGING=int8, its CPU default, or fp8_e4m3, int4): each
-    token-head's K and V rotated (kvarn_hadamard, x H / sqrt(D), its own
-    inverse), through that format's token codec (kvarn_encode/decode of
-    `name`) and rotated back: what attention reads for a staged token, and
-    what a commit encodes."""
-
-    def __init__(self, name: str, head_dim: int):
-        assert name in _lib.STAGING_NAMES and name != "fp16", name
-        self.L, self.D, self.name = _codec_lib(), head_dim, name
-        self.fmt = _lib.parse_format(name, head_dim)
-        self.rb = _lib.record_bytes(self.fmt, head_dim)
-        self.rec = np.zeros(self.rb, dtype=np.uint8)
-
-    def _rotate(self, x: np.ndarray) -> None:
-        self.L.kvarn_hadamard_rows(x.ctypes.data, x.shape[0], self.D)
-
-    def roundtrip(self, k: np.ndarray, v: np.ndarray):
-        """k, v fp32 [n, D] -> what the staging holds, [n, D] each."""
-        k = np.array(k, dtype=np.float32, order="C")
-        v = np.array(v, dtype=np.float32, order="C")
-        self._rotate(k)
-        self._rotate(v)
-        ko, vo = np.empty_like(k), np.empty_like(v)
-        L, f, D = self.L, ctypes.byref(self.fmt), self.D
-        for t in range(k.shape[0]):
-            _lib.check(L.kvarn_encode(f, D, k[t].ctypes.data, v[t].ctypes.data,
-                                      self.rec.ctypes.data, self.rb, None, 0, None),
-                       f"{self.name} encode")
-            _lib.check(L.kvarn_decode(f, D, self.rec.ctypes.data, self.rb, ko[t].ctypes.data,
-                                      vo[t].ctypes.data, 0), f"{self.name} decode")
-        self._rotate(ko)
-        self._rotate(vo)
-        return ko, vo
-
-
 class TokenRecords:
     """A per-token format served as the whole cache (kvarn_int8, ...;
     docs/vllm.md "Per-token formats"): each token-head's K and V through
@@ -155,10 +118,8 @@ class TokenRecords:
         self.rb = _lib.record_bytes(self.fmt, head_dim)
         self.rec = np.zeros(self.rb, dtype=np.uint8)
 
-    def roundtrip(self, k: np.ndarray, v: np.ndarray):
-        """k, v fp32 [n, D] -> the decoded records' K, V, [n, D] each."""
-        k = np.array(k, dtype=np.float32, order="C")
-        v = np.array(v, dtype=np.float32, order="C")
+    def _codec(self, k: np.ndarray, v: np.ndarray):
+        """k, v fp32 C-contiguous [n, D] -> each token's record decoded."""
         ko, vo = np.empty_like(k), np.empty_like(v)
         L, f, D = self.L, ctypes.byref(self.fmt), self.D
         for t in range(k.shape[0]):
@@ -167,6 +128,38 @@ class TokenRecords:
                        f"{self.name} encode")
             _lib.check(L.kvarn_decode(f, D, self.rec.ctypes.data, self.rb, ko[t].ctypes.data,
                                       vo[t].ctypes.data, 0), f"{self.name} decode")
+        return ko, vo
+
+    def roundtrip(self, k: np.ndarray, v: np.ndarray):
+        """k, v fp32 [n, D] -> the decoded records' K, V, [n, D] each."""
+        return self._codec(np.array(k, dtype=np.float32, order="C"),
+                           np.array(v, dtype=np.float32, order="C"))
+
+
+class RecordStaging(TokenRecords):
+    """The plug-in's staging as token records of the per-token format
+    `name` (KVARN_STAGING=int8, its CPU default, or fp8_e4m3, int4): each
+    token-head's K and V rotated (kvarn_hadamard, x H / sqrt(D), its own
+    inverse), through that format's token codec (TokenRecords) and rotated
+    back: what attention reads for a staged token, and what a commit
+    encodes."""
+
+    def __init__(self, name: str, head_dim: int):
+        assert name in _lib.STAGING_NAMES and name != "fp16", name
+        super().__init__(name, head_dim)
+
+    def _rotate(self, x: np.ndarray) -> None:
+        self.L.kvarn_hadamard_rows(x.ctypes.data, x.shape[0], self.D)
+
+    def roundtrip(self, k: np.ndarray, v: np.ndarray):
+        """k, v fp32 [n, D] -> what the staging holds, [n, D] each."""
+        k = np.array(k, dtype=np.float32, order="C")
+        v = np.array(v, dtype=np.float32, order="C")
+        self._rotate(k)
+        self._rotate(v)
+        ko, vo = self._codec(k, v)
+        self._rotate(ko)
+        self._rotate(vo)
         return ko, vo
 
 
