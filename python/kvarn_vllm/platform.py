@@ -24,6 +24,7 @@ platform: with another one installed, or with VLLM_TARGET_DEVICE=cpu, the
 kvarn platform is not active and a kvarn cache dtype is refused at
 configuration with that reason (patches.py, the name check).
 """
+import functools
 import importlib
 
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
@@ -39,9 +40,11 @@ _BASES = {
 }
 
 
+@functools.cache
 def _builtin_choice():
     """The platform class path vLLM's built-in detection picks here among
-    those kvarn serves (CPU, Zen CPU, CUDA), or None."""
+    those kvarn serves (CPU, Zen CPU, CUDA), or None. Probed once a process
+    (vLLM calls platform_plugin twice while it resolves its platform)."""
     from vllm.platforms import cpu_platform_plugin, cuda_platform_plugin
     for probe in (cuda_platform_plugin, cpu_platform_plugin):
         try:
