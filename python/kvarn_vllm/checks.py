@@ -4,7 +4,7 @@ process starts (platform.py's check_and_update_config calls check_model):
 what the kvarn backend refuses raises here with the reason and what to do
 (the backend's own checks in the worker stay, but vLLM reports a worker's
 error only as "Engine core initialization failed")."""
-from .settings import SLIDING_ENV, Settings
+from .settings import SLIDING_ENV, Settings, tile_settings_set
 
 SLIDING_MARK = "sliding_window"   # vLLM's kv_cache_dtype_skip_layers pattern
 SLIDING_ADDED = "kvarn_sliding_added"   # additional_config: check_model added SLIDING_MARK
@@ -66,20 +66,36 @@ def check_model(vllm_config, settings: Settings = None) -> None:
     if _lib.is_mla_dtype(name):
         from .mla_backend import check_mla_name_without_mla
         check_mla_name_without_mla(vllm_config)
+    if _lib.is_per_token_dtype(name) and tile_settings_set():
+        raise ValueError(
+            f"kvarn: {name} writes each token's record at once (no staging pool, sink or "
+            f"commit), so {', '.join(tile_settings_set())} does not apply to it; unset it "
+            f"(it applies to the KVarN formats, e.g. kvarn_k4v2_g128)")
     policy = (settings or Settings.of(vllm_config)).sliding_window
     dims = kvarn_head_dims(mc, policy)
     for d in dims:
         try:
             _lib.parse_format(name, d)
         except ValueError as e:
+            try:   # a per-token format takes it (Phi-3's 96): name that step
+                _lib.parse_format("kvarn_int8", d)
+                alt = "with a per-token format (e.g. --kv-cache-dtype kvarn_int8) or "
+            except ValueError:
+                alt = ""
             raise ValueError(
                 f"kvarn: {mc.model} has head_dim {d}, which {name} cannot "
-                f"store ({e}); serve it with one of vLLM's own cache dtypes (e.g. "
+                f"store ({e}); serve it {alt}with one of vLLM's own cache dtypes (e.g. "
                 f"--kv-cache-dtype auto)") from None
     if len(dims) > 1:
+        # the tile formats' staging pool has one page shape; a per-token
+        # format's pages (Hk x block x (D + meta) bytes) at two head_dims do
+        # not divide one another as vLLM's page unification needs
+        why = ("the kvarn staging pool has one page shape" if not _lib.is_per_token_dtype(name)
+               else "their record pages would not divide one another as vLLM's one page "
+               "size needs")
         raise ValueError(
             f"kvarn: the layers of {mc.model} that {name} would store have head_dims "
-            f"{', '.join(map(str, dims))}; the kvarn staging pool has one page shape, so "
+            f"{', '.join(map(str, dims))}; {why}, so "
             f"they must share one head_dim: {SLIDING_ENV}=vllm (the default) keeps the "
             f"sliding-window layers in vLLM's own cache (docs/vllm-models.md), or serve it "
             f"with one of vLLM's own cache dtypes (e.g. --kv-cache-dtype auto)")

@@ -25,6 +25,18 @@ from dataclasses import asdict, dataclass
 
 KEY = "kvarn"                      # the entry of VllmConfig.additional_config
 SLIDING_ENV = "KVARN_SLIDING_WINDOW"
+# The settings of the tile formats' staging pool, sink and commit: a
+# per-token format (kvarn_int8, ...) writes each token's record at once and
+# has none of these, so an engine of one refuses them (checks.check_model)
+TILE_SETTINGS = ("KVARN_SINK_TILES", "KVARN_SINK_TOKENS", "KVARN_STAGING",
+                 "KVARN_PREFILL_COMMIT")
+
+
+def tile_settings_set(env=None) -> list:
+    """The TILE_SETTINGS that environment env (default os.environ) sets to
+    a non-empty value, as "NAME=value" strings, in TILE_SETTINGS' order."""
+    env = os.environ if env is None else env
+    return [f"{k}={env[k]}" for k in TILE_SETTINGS if env.get(k, "")]
 
 # The default staging by device (docs/vllm.md "Staging"): int8 where the
 # kernels read it (CPU; SmolLM2 decode KLD 0.97x of fp16 staging with the

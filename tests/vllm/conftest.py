@@ -94,6 +94,11 @@ def staging_pool_bytes(layers: int, hk: int, d: int, seqs: int = 8, sink_tiles: 
     return seqs * (sink_tiles + 1) * page + seqs * layers * hk * sink_partial * tok + scratch
 
 
+# Dynamo with the eager backend: vLLM's CPU worker then runs its warm-up
+# (which PP needs, test_parallel.py's docstring) without an Inductor compile
+PP_COMPILE = dict(enforce_eager=False, compilation_config={"mode": 2, "backend": "eager"})
+
+
 def bind_threads(world: int) -> dict:
     """VLLM_CPU_OMP_THREADS_BIND: one CPU per rank, round robin over the
     CPUs this process may use (ranks share CPUs where there are fewer)."""

@@ -190,9 +190,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         quant = False
         codec = None
     else:
-        codec = _STATE["codec"](D)
-        quant = _STATE["quantized"](module) and getattr(codec, "layer_quantized",
-                                                        lambda layer: True)(module.layer_idx)
+        # the codec is made only where it quantizes (an exact run of a
+        # head_dim the tile formats refuse, Phi-3's 96, needs none)
+        quant = _STATE["quantized"](module)
+        codec = _STATE["codec"](D) if quant else None
+        quant = quant and getattr(codec, "layer_quantized", lambda layer: True)(module.layer_idx)
     # what the records are encoded from: the exact K/V (a prefill chunk's
     # whole tiles), or, below, the staged copy
     rec_key, rec_value = key, value

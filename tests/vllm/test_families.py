@@ -233,7 +233,10 @@ def test_gpt_oss_sliding_layers_quantized(models, gpt_oss):
 
 
 @pytest.mark.parametrize("fam,needles", [
-    ("phi3", ["head_dim 96", "64, 128, 256 or 512", "--kv-cache-dtype auto"]),
+    # a per-token format serves head_dim 96 (test_ladder's
+    # test_per_token_serves_head_dim_96): the message names it
+    ("phi3", ["head_dim 96", "64, 128, 256 or 512", "--kv-cache-dtype kvarn_int8",
+              "--kv-cache-dtype auto"]),
     ("gemma2", ["soft-caps its attention logits", "--kv-cache-dtype auto"]),
     # run_llm's default --dtype float32: vLLM's CPU Gated DeltaNet is bf16 only
     ("qwen3_next", ["linear-attention (Gated DeltaNet)", "CPU GDN attention requires BF16.",

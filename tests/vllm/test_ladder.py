@@ -264,8 +264,9 @@ def test_plot_or_its_error(hf_model, tmp_path):
 
 # ---- random-weight models of the families (make_models.py): exact KLD (a
 # vocabulary of 2048: every entry asked for), token ids instead of a text;
-# one ladder run per family, its formats: auto, kvarn_k4v2_g128 and, where
-# the family has a setting to compare, the variant
+# one ladder run per family, its formats: auto, kvarn_k4v2_g128, where the
+# family has a setting to compare the variant, and the per-token kvarn_int4
+# (the plug-in's per-token formats share one path; int4 moves the KLD most)
 
 G = 128
 FAM_LEN = 3 * G + 16             # test_families' prompt: 3 full tiles and 16 tokens
@@ -273,11 +274,15 @@ READ_FROM = 2 * G                # first position whose query reads a record (si
 FAM_BUDGET = 256 * 2**20
 KVC = KV + "c"                   # values mean-centred per tile (docs/kvarn-centred.md)
 QUANTIZE_SW = f"{KV}:KVARN_SLIDING_WINDOW=quantize"
+PT = "kvarn_int4"
+PT_QUANTIZE_SW = f"{PT}:KVARN_SLIDING_WINDOW=quantize"
 FAMILY_FORMATS = {               # the served families (docs/vllm-models.md)
-    "llama3": [KV], "qwen2": [KV, KVC], "qwen3": [KV], "gemma2_nocap": [KV],
-    "mistral": [KV, QUANTIZE_SW], "gpt_oss": [KV], "gemma3": [KV], "gemma4": [KV]}
+    "llama3": [KV, PT], "qwen2": [KV, KVC, PT], "qwen3": [KV, PT], "gemma2_nocap": [KV, PT],
+    "mistral": [KV, QUANTIZE_SW, PT, PT_QUANTIZE_SW], "gpt_oss": [KV, PT], "gemma3": [KV, PT],
+    "gemma4": [KV, PT]}
 REFUSED = {                      # test_families' test_family_refused_at_start
-    "phi3": ["head_dim 96", "64, 128, 256 or 512", "--kv-cache-dtype auto"],
+    "phi3": ["head_dim 96", "64, 128, 256 or 512", "--kv-cache-dtype kvarn_int8",
+             "--kv-cache-dtype auto"],
     "gemma2": ["soft-caps its attention logits", "--kv-cache-dtype auto"]}
 BF16_ONLY = ("qwen3_next",)      # Gated DeltaNet layers: vLLM's CPU build runs them in bf16
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "kvarn-vllm-ladder")
@@ -310,12 +315,14 @@ def families(tmp_path_factory):
     def get(fam):
         if fam not in runs:
             model = make_models.make(fam, out)
-            fmts = FAMILY_FORMATS.get(fam, [KV])
+            fmts = FAMILY_FORMATS.get(fam, [KV, PT])
             js = tmp_path_factory.mktemp("ladder_" + fam) / "r.json"
             args = ["--model", model, "--token-ids", ids, "--kv-cache-dtype",
                     ",".join(["auto"] + fmts), "--ctx", FAM_LEN, "--windows", 1, "--decode",
                     FAM_LEN - READ_FROM, "--budget", "256MiB", "--json", js]
-            if fam in REFUSED:    # the kvarn engine refuses at start-up: a short prompt
+            if fam in REFUSED and fam != "phi3":
+                # every kvarn engine refuses at start-up: a short prompt (Phi-3's
+                # head_dim 96 is refused by the tile formats, served by the per-token)
                 args[args.index("--ctx") + 1], args[args.index("--decode") + 1] = 64, 16
             if fam in BF16_ONLY:  # vLLM's CPU build runs it in bf16 only
                 args += ["--dtype", "bfloat16"]
@@ -345,8 +352,19 @@ def _shape(fam: str) -> tuple:
 
 
 def _record(fmt: str, d: int) -> int:
+    """The bytes of one record of fmt (a tile's, or a per-token format's
+    one token) for one KV head of head_dim d."""
     from kvarn_vllm import _lib
     return _lib.record_bytes(_lib.parse_format(fmt.split(":")[0], d), d)
+
+
+def _page(fmt: str, hk: int, d: int) -> int:
+    """A kvarn layer's page of G tokens: Hk tile records, or Hk x G
+    per-token records (vLLM's default block of 128 = G on CPU, which the
+    ladder keeps for the per-token formats)."""
+    from kvarn_vllm import _lib
+    n = G if _lib.is_per_token_dtype(fmt.split(":")[0]) else 1
+    return n * hk * _record(fmt, d)
 
 
 def _layers(model: str) -> list:
@@ -406,7 +424,7 @@ def _expected_capacity(model: str, fmt: str, n: int, batched: int) -> tuple:
     # (backend.customize_spec): gpt-oss with quantize, not derived here
     assert not (any(q and w is not None for (w, _, _), q in zip(layers, kv))
                 and any(w is None for w, _, _ in layers)), "sliding and full layers in kvarn"
-    pages = [hk * _record(name, d) if q else G * hk * 2 * d * 4
+    pages = [_page(name, hk, d) if q else G * hk * 2 * d * 4
              for (_, hk, d), q in zip(layers, kv)]
     page = max(pages)
     blocks = [G * page // p if page % p == 0 else G for p in pages]
@@ -421,7 +439,9 @@ def _expected_capacity(model: str, fmt: str, n: int, batched: int) -> tuple:
     size = max(kinds.values()) if max(kinds.values()) < 1.5 * size else size
     shapes = [s[1:] for s, q in zip(layers, kv) if q]
     assert len(set(shapes)) <= 1       # the staging pool's one page shape
-    pool = staging_pool_bytes(len(shapes), *shapes[0], n, batched=batched) if shapes else 0
+    from kvarn_vllm import _lib
+    pool = staging_pool_bytes(len(shapes), *shapes[0], n, batched=batched) \
+        if shapes and not _lib.is_per_token_dtype(name) else 0   # per-token: no pool
     nb = (FAM_BUDGET - pool) // (size * page)
     per_req = ngroups = 0
     for kind, count in kinds.items():
@@ -439,15 +459,21 @@ def _emulated_kl(model: str, fmt: str, quantize_sliding: bool = False):
     """(K_e: the codec's KL on the same K/V without vLLM over the positions
     reading records, [READ_FROM, FAM_LEN - 1); the reference's mean NLL
     in transformers fp32 over every position), emulate.py with int8
-    staging, the plug-in's CPU default."""
+    staging, the plug-in's CPU default; a per-token format (kvarn_int4)
+    through emulate.py's TokenRecords, every token a record."""
     import emulate
     import numpy as np
+    from kvarn_vllm import _lib
     ids = _fam_ids(FAM_LEN)
     if model not in _EXACT:
         _EXACT[model] = emulate.logprobs(model, ids, quantize=False)
     exact = _EXACT[model]
-    codec = emulate.logprobs(model, ids, quantize=True, quantize_sliding=quantize_sliding,
-                             staging="int8", fmt=fmt)
+    if _lib.is_per_token_dtype(fmt):
+        codec = emulate.logprobs(model, ids, quantize=True, quantize_sliding=quantize_sliding,
+                                 per_token=_lib.PER_TOKEN_DTYPES[fmt])
+    else:
+        codec = emulate.logprobs(model, ids, quantize=True, quantize_sliding=quantize_sliding,
+                                 staging="int8", fmt=fmt)
     k_e = float(emulate.kl_rows(exact, codec)[READ_FROM:FAM_LEN - 1].mean())
     nll = float(-np.mean(exact[np.arange(FAM_LEN - 1), ids[1:]]))
     return k_e, nll
@@ -494,16 +520,17 @@ def test_family_ladder(fam, families):
         assert f["prompt_positions"] == READ_FROM and f["decode_kld_partial"] == 0
         # its prompt positions [0, 2G) read no record: said before the run
         assert [w for w in rep["warnings"] if f"prompt columns of {KV}" in w], rep["warnings"]
-        if fam == "mistral" and f["label"] == KV:     # nothing quantized: vLLM's cache
+        if fam == "mistral" and f["label"] in (KV, PT):   # nothing quantized: vLLM's cache
             assert f["kld_max"] == f["decode_kld_max"] == 0 and f["ppl_delta"] == 0, f
             assert f["kv_tokens"] == ref["kv_tokens"] and f["pool_bytes"] == 0
             continue
-        if f["label"] == KV and not all_sliding:
+        if f["label"] in (KV, PT) and not all_sliding:
             # sliding-window and full layers (gpt-oss, Gemma-2/3/4): the
             # default keeps the sliding ones in vLLM's cache and still holds
             # more requests than vLLM's own cache (plugin.align_pages)
             assert f["x_ref"] >= 1.0 and f["requests_fit"] >= ref["requests_fit"], f
-        k_e = k_e0 if f["label"] in (KV, QUANTIZE_SW) else _emulated_kl(model, f["name"])[0]
+        k_e = k_e0 if f["label"] in (KV, QUANTIZE_SW) else \
+            _emulated_kl(model, f["name"], quantize_sliding=f["label"] == PT_QUANTIZE_SW)[0]
         k_v = f["decode_kld_mean"]
         print(f"{fam} {f['label']}: decode KLD ladder {k_v:.5f}, emulated codec {k_e:.5f}; "
               f"KV tokens {f['kv_tokens']} (fp32 {ref['kv_tokens']}), fit {f['requests_fit']}")
@@ -524,9 +551,13 @@ def test_sliding_windows_name_the_better_setting(families):
     _, (r, rep, _) = get("gpt_oss")
     assert r.returncode == 0, r.stderr[-4000:]
     assert rep["sliding_layers"] == [2, 4]
-    note, = rep["sliding_window_notes"]
+    # one line per format run with the default: the tile format's and the
+    # per-token one's
+    note, pt_note = rep["sliding_window_notes"]
     assert f"{KV}:KVARN_SLIDING_WINDOW=quantize stores them as records too" in note, note
-    assert note in r.stdout
+    assert f"{PT_QUANTIZE_SW} stores them as records too" in pt_note, pt_note
+    assert note in r.stdout and pt_note in r.stdout
+    rep = dict(rep, formats=[f for f in rep["formats"] if f["label"] != PT])
     plain = _row(rep, KV)
     q = dict(plain, label=QUANTIZE_SW, env={"KVARN_SLIDING_WINDOW": "quantize"},
              x_ref=plain["x_ref"] * 3, decode_kld_mean=plain["decode_kld_mean"] * 1.5)
@@ -600,6 +631,39 @@ def test_hybrid_linear_attention_ladder(families):
     print(f"qwen3_next ladder ({secs:.0f} s): decode KLD {kv['decode_kld_mean']:.5f}, "
           f"emulated {k_e:.5f}; KV tokens {kv['kv_tokens']} against bf16's {ref['kv_tokens']}")
     assert k_e / 2 <= kv["decode_kld_mean"] <= 2 * k_e
+    # the per-token kvarn_int4 on the full layer, by the same rule
+    pt = _row(rep, PT)
+    k_pt = float(emulate.kl_rows(emulate.logprobs(model, ids, quantize=False),
+                                 emulate.logprobs(model, ids, quantize=True, per_token="int4")
+                                 )[READ_FROM:FAM_LEN - 1].mean())
+    print(f"qwen3_next {PT}: decode KLD {pt['decode_kld_mean']:.5f}, emulated {k_pt:.5f}; "
+          f"KV tokens {pt['kv_tokens']}")
+    assert pt["status"] == "ok" and pt["pool_bytes"] == 0
+    assert pt["kv_tokens"] > ref["kv_tokens"]
+    assert k_pt / 2 <= pt["decode_kld_mean"] <= 2 * k_pt
+
+
+def test_per_token_serves_head_dim_96(families):
+    """Phi-3 (head_dim 96, which the KVarN tile formats refuse: their
+    Hadamard needs a power of two) through kvarn_int4: a row of records of
+    d + 8 bytes per token and KV head, no staging pool, its KV tokens the
+    page arithmetic, and its decode KLD within [K_e / 2, 2 K_e] of the
+    emulated codec's (test_families' rule)."""
+    get, _ = families
+    model, (r, rep, _) = get("phi3")
+    nl, hk, d = _shape("phi3")
+    assert d == 96
+    pt, ref = _row(rep, PT), _row(rep, "auto")
+    assert pt["status"] == "ok" and pt["pool_bytes"] == 0, pt
+    assert pt["bytes_per_token"] == nl * hk * (d + 8)
+    kv_tokens, per_req, _ = _expected_capacity(model, PT, pt["max_num_seqs"],
+                                               rep["max_num_batched_tokens"])
+    assert (pt["kv_tokens"], pt["blocks_per_request"]) == (kv_tokens, per_req), pt
+    assert pt["decode_positions"] == FAM_LEN - READ_FROM - 1
+    k_e = _emulated_kl(model, PT)[0]
+    print(f"phi3 {PT}: decode KLD {pt['decode_kld_mean']:.5f}, emulated {k_e:.5f}; KV tokens "
+          f"{pt['kv_tokens']} (fp32 {ref['kv_tokens']})")
+    assert k_e / 2 <= pt["decode_kld_mean"] <= 2 * k_e
 
 
 @pytest.mark.parametrize("fam", list(REFUSED))
@@ -615,6 +679,9 @@ def test_model_the_plugin_cannot_serve(fam, families, tmp_path):
     assert row["status"] == "refused"
     for needle in REFUSED[fam]:
         assert needle in row["reason"], row["reason"]
+    if fam == "gemma2":      # soft-capping: refused for the per-token formats too
+        pt = _row(rep, PT)
+        assert pt["status"] == "refused" and REFUSED[fam][0] in pt["reason"], pt
     assert _row(rep, "auto")["status"] == "reference"
     assert "refused on this build" in r.stdout and REFUSED[fam][0] in r.stdout
     # the ladder keeps vLLM's output of a refused engine and names it

@@ -49,8 +49,8 @@ import shutil
 
 import pytest
 
-from conftest import (bind_threads, folded_kld, ROOT, run_llm, staging_pool_bytes,
-                      VLLM_CPU_BATCHED)
+from conftest import (bind_threads, folded_kld, PP_COMPILE, ROOT, run_llm,
+                      staging_pool_bytes, VLLM_CPU_BATCHED)
 
 KV = "kvarn_k4v2_g128"
 G = 128
@@ -62,9 +62,6 @@ FROM = 2 * G             # positions compared: from tile 2 on, where queries rea
 AUSTEN = os.path.join(ROOT, "data", "austen", "persuasion.txt")
 SHORT = ["The capital of France is", "Once upon a time, in a small village,",
          "def fibonacci(n):"]
-# Dynamo with the eager backend: vLLM's CPU worker then runs its warm-up
-# (which PP needs, module docstring) without an Inductor compile
-PP_COMPILE = dict(enforce_eager=False, compilation_config={"mode": 2, "backend": "eager"})
 
 
 def _text_ids(model):

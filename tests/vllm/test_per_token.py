@@ -12,6 +12,8 @@ written at its slot, attention over the records, no staging pool.
 - A random-weight Llama-3 shape (make_models, vocabulary 2048, every
   logprob): test_families' KLD rule against the emulator (emulate.py
   TokenRecords: every token of every layer through the format's codec).
+- The same rule with kvarn_int4 at TP=2 and kvarn_int8 at PP=2, the
+  blocks each rank's own arithmetic.
 - n-gram speculation (K 4) with kvarn_int8: drafts stored at their slots,
   rejected ones rewritten; greedy tokens by the near-tie rule.
 - An MLA model with a per-token name is refused at configuration.
@@ -198,26 +200,27 @@ def llama3(tmp_path_factory):
     return model, base, ref
 
 
-@pytest.mark.parametrize("name", ["kvarn_int8", "kvarn_int4", "kvarn_fp8_e4m3",
-                                  "kvarn_fp8_e5m2"])
-def test_kld_matches_emulator(name, llama3):
+_EMULATED = {}                   # (model, library format) -> (exact, codec) log-probs
+
+
+def _check_kld(name: str, model: str, ref: dict, kv: dict, blocks: int) -> None:
     """test_families' rule: vLLM's KLD to its fp32 cache (K_v) within the
     codec's own effect of the emulated one (K_e): |K_v - K_e| <= K_e and
-    K_v >= K_e / 2; greedy tokens by check_greedy_near_tie."""
+    K_v >= K_e / 2; greedy tokens by check_greedy_near_tie; vLLM's KV
+    tokens are `blocks` blocks of 128."""
     import emulate
     from conftest import check_greedy_near_tie
-    model, base, ref = llama3
-    kv, _ = run_llm(dict(base, kv_cache_dtype=name))
-    exact = emulate.logprobs(model, PROMPT, quantize=False)
-    codec = emulate.logprobs(model, PROMPT, quantize=True, per_token=LIB_NAME[name])
+    key = (model, LIB_NAME[name])
+    if key not in _EMULATED:
+        _EMULATED[key] = (emulate.logprobs(model, PROMPT, quantize=False),
+                          emulate.logprobs(model, PROMPT, quantize=True,
+                                           per_token=LIB_NAME[name]))
+    exact, codec = _EMULATED[key]
     k_e = emulate.kl_rows(exact, codec)[:PROMPT_LEN - 1]
     P = np.array(ref["outputs"][0]["prompt_logprobs"][1:], dtype=np.float64)
     Q = np.array(kv["outputs"][0]["prompt_logprobs"][1:], dtype=np.float64)
     k_v = np.sum(np.exp(P) * (P - Q), axis=-1)
     k_ref = np.sum(np.exp(exact[:PROMPT_LEN - 1]) * (exact[:PROMPT_LEN - 1] - P), axis=-1)
-    cfg = make_models.FAMILIES["llama3"][1]
-    hk, d, nl = cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_hidden_layers"]
-    blocks = 2**30 // (nl * hk * 128 * RECORD[name](d))
     print(f"{name}: KLD over {len(k_v)} positions: vLLM vs fp32 {k_v.mean():.3e} (max "
           f"{k_v.max():.3e}); emulated {k_e.mean():.3e} (max {k_e.max():.3e}); vLLM fp32 vs "
           f"transformers {k_ref.mean():.2e}; KV tokens fp32 {ref['kv_tokens']}, {name} "
@@ -228,6 +231,56 @@ def test_kld_matches_emulator(name, llama3):
     check_greedy_near_tie(ref, kv, k_e.max())
 
 
+def _llama3_shape() -> tuple:
+    cfg = make_models.FAMILIES["llama3"][1]
+    return cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+
+
+@pytest.mark.parametrize("name", ["kvarn_int8", "kvarn_int4", "kvarn_fp8_e4m3",
+                                  "kvarn_fp8_e5m2"])
+def test_kld_matches_emulator(name, llama3):
+    model, base, ref = llama3
+    kv, _ = run_llm(dict(base, kv_cache_dtype=name))
+    nl, hk, d = _llama3_shape()
+    _check_kld(name, model, ref, kv, 2**30 // (nl * hk * 128 * RECORD[name](d)))
+
+
+# tensor and pipeline parallelism (test_parallel.py's settings): each rank
+# holds the records of its own KV heads (TP) and of its own layers (PP);
+# every rank sizes its blocks from its own 1 GiB and vLLM keeps the fewest
+PARALLEL = {
+    # TP=2: one of the model's 2 KV heads per rank, every layer
+    "tp2": ("kvarn_int4", dict(tensor_parallel_size=2), lambda nl, hk: [(nl, hk // 2)] * 2),
+    # PP=2: vLLM's get_pp_indices splits the layers, the first stage one more
+    "pp2": ("kvarn_int8", dict(pipeline_parallel_size=2),
+            lambda nl, hk: [(nl - nl // 2, hk), (nl // 2, hk)]),
+}
+
+
+@pytest.mark.parametrize("par", list(PARALLEL))
+def test_parallel_kld_matches_emulator(par, llama3):
+    """kvarn_int4 at TP=2 and kvarn_int8 at PP=2 on the Llama-3 shape: the
+    blocks are the per-rank page arithmetic (the fewest of the ranks'), and
+    the KLD and greedy rules of test_kld_matches_emulator hold against the
+    same emulated codec (a rank that stored another rank's heads or layers,
+    or read the wrong records, fails the KLD rule)."""
+    from conftest import PP_COMPILE, bind_threads
+    from vllm.distributed.utils import get_pp_indices
+    name, kw, ranks = PARALLEL[par]
+    world = kw.get("tensor_parallel_size", 1) * kw.get("pipeline_parallel_size", 1)
+    if "pipeline_parallel_size" in kw:
+        kw = dict(kw, **PP_COMPILE)
+    model, base, ref = llama3
+    kv, _ = run_llm(dict(base, kv_cache_dtype=name, env=bind_threads(world), **kw))
+    nl, hk, d = _llama3_shape()
+    per_rank = ranks(nl, hk)
+    if "pipeline_parallel_size" in kw:
+        assert [b - a for a, b in (get_pp_indices(nl, r, 2) for r in range(2))] == \
+            [layers for layers, _ in per_rank]
+    _check_kld(name, model, ref, kv, min(2**30 // (layers * h * 128 * RECORD[name](d))
+                                         for layers, h in per_rank))
+
+
 def test_per_token_refused_on_mla(tmp_path_factory):
     model = make_models.make("deepseek_v3", str(tmp_path_factory.mktemp("mla_pt")))
     res, log = run_llm(dict(model=model, prompt_ids=[PROMPT[:8]], max_tokens=1,
@@ -236,3 +289,16 @@ def test_per_token_refused_on_mla(tmp_path_factory):
     err = next(line for line in log.splitlines() if line.startswith("STARTUP_ERROR"))
     assert "per-token format" in err and "multi-head latent attention" in err, err
     assert "--kv-cache-dtype auto" in err, err
+
+
+def test_tile_settings_refused(hf_model):
+    """KVARN_STAGING / KVARN_SINK_TOKENS (the tile formats' staging pool
+    and sink) with a per-token name: refused at configuration, naming
+    each setting and that it does not apply (settings.TILE_SETTINGS)."""
+    res, log = run_llm(dict(prompts=["x"], max_tokens=1, kv_cache_dtype="kvarn_int8",
+                            env={"KVARN_STAGING": "fp16", "KVARN_SINK_TOKENS": "4"}),
+                       expect_ok=False)
+    assert res is None
+    err = next(line for line in log.splitlines() if line.startswith("STARTUP_ERROR"))
+    assert "KVARN_SINK_TOKENS=4, KVARN_STAGING=fp16 does not apply" in err, err
+    assert "kvarn_int8 writes each token's record at once" in err, err

@@ -202,6 +202,13 @@ def _engine_process(job: Job, cfg: dict, send) -> dict:
     # inherited); the KV budget is kv_cache_memory_bytes alone
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    from .. import _lib
+    if _lib.is_per_token_dtype(job.name):
+        # the tile formats' settings, where the caller's environment has
+        # them, are for the KVarN rows: a per-token engine refuses them
+        from ..settings import TILE_SETTINGS
+        for k in TILE_SETTINGS:
+            os.environ.pop(k, None)
     os.environ.update(job.env)
     try:
         return _measure(job, cfg, send)
