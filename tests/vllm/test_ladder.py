@@ -163,6 +163,27 @@ def test_per_token_row(runs):
     assert 0 < row["decode_kld_mean"] < kv["decode_kld_mean"] / 4, (row, kv)
 
 
+def test_plot_shows_the_per_token_row(runs):
+    """--plot's figure of the run above: a point and a label for each
+    measured row, the per-token kvarn_int8 one beside kvarn_k4v2_g128, at
+    its capacity and decode KLD (the reference is the axes' origin, not a
+    point)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from kvarn_vllm.ladder import figure
+    rep, _, _ = runs
+    fig = figure(rep, plt)
+    try:
+        texts = {t.get_text(): t.xy for t in fig.axes[0].texts}
+        assert sorted(texts) == sorted([KV, PER_TOKEN]), texts
+        row = _row(rep, PER_TOKEN)
+        assert texts[PER_TOKEN] == pytest.approx((row["x_ref"], row["decode_kld_mean"]))
+    finally:
+        plt.close(fig)
+
+
 def test_table_names_the_reference_and_the_fold(runs):
     _, r, _ = runs
     assert "reference: auto, vLLM's unquantized cache (float32)" in r.stdout
