@@ -282,13 +282,20 @@ kvarn_status kvarn_cache_seq_state_size(const kvarn_cache *c, int seq, size_t *b
     return KVARN_OK;
 }
 
+/* The format name field: the canonical name, NUL-padded to 32 bytes. */
+static void format_field(const kvarn_cache *c, uint8_t *f)
+{
+    memset(f, 0, sizeof c->info.format.name);
+    memcpy(f, c->info.format.name, strnlen(c->info.format.name, sizeof c->info.format.name - 1));
+}
+
 static void write_header(const kvarn_cache *c, const kvarn_seq *s, uint8_t *h, size_t payload)
 {
     memset(h, 0, H_END);
     memcpy(h + H_MAGIC, k_magic, sizeof k_magic);
     put32(h + H_VERSION, KVARN_SEQ_STATE_VERSION);
     put32(h + H_HEADER_BYTES, H_END);
-    memcpy(h + H_FORMAT, c->info.format.name, sizeof c->info.format.name);
+    format_field(c, h + H_FORMAT);
     const int v[] = {c->info.head_dim,    c->info.n_kv_heads,       c->info.n_layers,
                      c->info.block_size,  c->info.sink_tiles,       c->info.sink_partial,
                      c->info.staging,     c->codec_opts.rtn_range,  c->codec_opts.balance_iters,
@@ -318,9 +325,11 @@ kvarn_status kvarn_cache_seq_save(const kvarn_cache *c, int seq, void *buf, size
 /* ---- reading ----------------------------------------------------------- */
 
 /* The first field of the header that differs from the cache's, or NULL. */
-static const char *mismatch(const kvarn_cache *c, const kvarn_seq_state_info *i)
+static const char *mismatch(const kvarn_cache *c, const uint8_t *h, const kvarn_seq_state_info *i)
 {
-    if (strncmp(i->format, c->info.format.name, sizeof i->format) != 0) return "format";
+    uint8_t name[sizeof c->info.format.name];
+    format_field(c, name);
+    if (memcmp(h + H_FORMAT, name, sizeof name) != 0) return "format"; /* padding included */
     const struct { int got, want; const char *name; } f[] = {
         {i->head_dim, c->info.head_dim, "head_dim"},
         {i->n_kv_heads, c->info.n_kv_heads, "n_kv_heads"},
@@ -372,7 +381,7 @@ kvarn_status kvarn_cache_seq_state_peek(const kvarn_cache *c, const void *buf, s
     if ((uint64_t)len < out->total_bytes) return KVARN_ERR_TRUNCATED;
     if ((uint64_t)len > out->total_bytes) return KVARN_ERR_BAD_FILE;
     if (stream_crc(b, b + H_END, len - H_END) != get32(b + H_CRC)) return KVARN_ERR_CHECKSUM;
-    if (c != NULL && (out->mismatch = mismatch(c, out)) != NULL) return KVARN_ERR_MISMATCH;
+    if (c != NULL && (out->mismatch = mismatch(c, b, out)) != NULL) return KVARN_ERR_MISMATCH;
     return KVARN_OK;
 }
 
