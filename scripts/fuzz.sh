@@ -6,7 +6,8 @@
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]
 #
 # TARGET: format (cache-format names and hostile record bytes), gguf,
-# tokenizer; default all three, 300 seconds each, one after the other on one
+# tokenizer, state (saved sequences, kvarn_cache_seq_restore); default all
+# four, 300 seconds each, one after the other on one
 # core. Needs clang and its libFuzzer runtime (Debian 12: apt-get install
 # clang libclang-rt-14-dev) besides the build packages of scripts/setup.sh.
 #
@@ -25,8 +26,8 @@ cd "$(dirname "$0")/.."
 secs=${1:-300}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(format gguf tokenizer)
-case "$secs" in ''|*[!0-9]*) echo "usage: scripts/fuzz.sh [SECONDS_PER_TARGET] [format|gguf|tokenizer]..." >&2; exit 2 ;; esac
+[ ${#targets[@]} -gt 0 ] || targets=(format gguf tokenizer state)
+case "$secs" in ''|*[!0-9]*) echo "usage: scripts/fuzz.sh [SECONDS_PER_TARGET] [format|gguf|tokenizer|state]..." >&2; exit 2 ;; esac
 
 CC=${CC:-clang}
 command -v "$CC" >/dev/null || { echo "fuzz.sh: $CC not found (apt-get install clang libclang-rt-14-dev)" >&2; exit 1; }
@@ -65,7 +66,7 @@ for t in "${targets[@]}"; do
   [ -f "$src" ] || { echo "fuzz.sh: no target '$t' ($src)" >&2; exit 2; }
   # shellcheck disable=SC2086
   $CC $cflags $san -fsanitize=fuzzer -DKVARN_LIBFUZZER "$src" "$out/libkvarn_fuzz.a" \
-      -lopenblas -lpcre2-8 -lm -lpthread -o "$out/fuzz_$t"
+      -lopenblas -lpcre2-8 -lz -lm -lpthread -o "$out/fuzz_$t"
   mkdir -p "$out/corpus/$t" "$out/crashes/$t"
   seeds=()
   [ -d "tests/fuzz/corpus/$t" ] && seeds=("tests/fuzz/corpus/$t")

@@ -15,6 +15,7 @@
 
 #include "cli.h"
 #include "cli_options.h"
+#include "gen_state.h"
 
 /* ---- options ------------------------------------------------------------ */
 
@@ -25,6 +26,7 @@ typedef struct gen_opts {
     double temp, top_p;
     const char *staging_name; /* --kvarn-staging; NULL: int8 */
     int staging;              /* kvarn_staging parsed from it */
+    const char *save_state, *load_state; /* --save-state F, --load-state F */
 } gen_opts;
 
 static const gen_opts k_defaults = {
@@ -55,6 +57,13 @@ static const cli_option k_options[] = {
     {"max-tokens", 0, CLI_INT, OPT(ctx), 1, 0x7fffffffL, 0, NULL, NULL},
     {"kvarn-staging", 0, CLI_TEXT, OPT(staging_name), 0, 0, 0, "--kvarn-staging F",
      CLI_STAGING_HELP},
+    {"save-state", 0, CLI_TEXT, OPT(save_state), 0, 0, 0, "--save-state F",
+     "at the end, write the sequence to F: its KV cache as held,\n"
+     "the token ids, the last logits, the sampler (docs/state.md)"},
+    {"load-state", 0, CLI_TEXT, OPT(load_state), 0, 0, 0, "--load-state F",
+     "start from the sequence saved in F (same model, format and\n"
+     "staging), then feed -p PROMPT if given and generate: the\n"
+     "tokens a run that never stopped would have given"},
     {"help", 'h', CLI_HELP, 0, 0, 0, 0, NULL, NULL},
 };
 #undef OPT
@@ -64,7 +73,8 @@ static const cli_command k_command = {
     "usage: kvarn generate -m MODEL [--kv-cache-dtype NAME]\n"
     "                      (-p PROMPT | --chat [-p PROMPT])\n"
     "                      [-n 128] [--temp 0.7] [--top-p 0.9] [--seed 1]\n"
-    "                      [--threads 1] [--ctx N] [--kvarn-staging F]\n\n",
+    "                      [--threads 1] [--ctx N] [--kvarn-staging F]\n"
+    "                      [--save-state F] [--load-state F]\n\n",
     "Prints the text as it is generated; then, on stderr, the KV-cache bytes used\n"
     "against an fp16 cache and the prompt and generation speeds.\n",
 };
@@ -75,7 +85,14 @@ static int check_options(gen_opts *o, kvarn_format *fmt)
 {
     if (cli_parse_staging("generate", o->staging_name, &o->staging)) return 2;
     if (o->model_path == NULL) { cli_error("generate", "need -m MODEL (see kvarn generate --help)"); return 2; }
-    if (o->prompt == NULL && !o->chat) { cli_error("generate", "need -p PROMPT or --chat"); return 2; }
+    if (o->load_state && o->chat) {
+        cli_error("generate", "--load-state continues a plain text: it takes -p PROMPT or no prompt, not --chat");
+        return 2;
+    }
+    if (o->prompt == NULL && !o->chat && !o->load_state) {
+        cli_error("generate", "need -p PROMPT or --chat (or --load-state F)");
+        return 2;
+    }
     /* The same list parser as every other command, then exactly one format. */
     kvarn_format fmts[CLI_MAX_FORMATS];
     int nf = cli_parse_formats("generate", o->dtype, fmts, CLI_MAX_FORMATS);
@@ -148,6 +165,8 @@ typedef struct gen_state {
     uint64_t rng;
     double temp, top_p;
     gen_stats stats;
+    int32_t *ids;   /* [max_tokens] every token in the session, for --save-state */
+    int n_ids;
 } gen_state;
 
 /* Feed ids (in chunks); logits of the last one land in g->logits. */
@@ -164,6 +183,8 @@ static int feed(gen_state *g, const int32_t *ids, size_t n)
         kvarn_status st = kvarn_llama_forward(g->sess, ids + i, (int)c, KVARN_LLAMA_LOGITS_LAST,
                                               g->logits, (size_t)g->m->hp->vocab);
         if (st != KVARN_OK) { cli_error("generate", "forward: %s", kvarn_strerror(st)); return -1; }
+        memcpy(g->ids + g->n_ids, ids + i, c * sizeof *ids);
+        g->n_ids += (int)c;
     }
     g->stats.prompt_s += cli_now() - t0;
     g->stats.prompt_n += (long)n;
@@ -192,6 +213,7 @@ static int reply(gen_state *g, long n)
         g->stats.gen_s += cli_now() - t0;
         g->stats.gen_n++;
         if (st != KVARN_OK) { cli_error("generate", "forward: %s", kvarn_strerror(st)); return -1; }
+        g->ids[g->n_ids++] = id;
     }
     fputc('\n', stdout);
     fflush(stdout);
@@ -226,7 +248,9 @@ static int run_prompt(gen_state *g, const gen_opts *o)
     if (o->chat) return feed_chat_message(g, o->prompt, KVARN_CHAT_SMOLLM2_SYSTEM) || reply(g, o->n_gen);
     int32_t *ids = NULL;
     size_t n = 0;
-    unsigned bos = kvarn_tokenizer_add_bos(g->m->tok) ? KVARN_TOKENIZE_ADD_BOS : 0;
+    /* a prompt after a loaded state continues the text: no BOS */
+    unsigned bos = kvarn_tokenizer_add_bos(g->m->tok) && kvarn_llama_session_pos(g->sess) == 0
+                       ? KVARN_TOKENIZE_ADD_BOS : 0;
     if (encode_text(g->m, o->prompt, bos, &ids, &n)) return -1;
     int r = -1;
     if (n == 0) cli_error("generate", "the prompt is empty");
@@ -284,7 +308,8 @@ static int gen_init(gen_state *g, cli_model *m, const gen_opts *o, const kvarn_f
                 g->max_tokens, m->hp->context_length);
     g->logits = malloc(sizeof(float) * (size_t)m->hp->vocab);
     g->scratch = malloc(sizeof(cand) * (size_t)m->hp->vocab);
-    if (!g->logits || !g->scratch) { cli_error("generate", "out of memory"); return -1; }
+    g->ids = malloc(sizeof *g->ids * (size_t)g->max_tokens);
+    if (!g->logits || !g->scratch || !g->ids) { cli_error("generate", "out of memory"); return -1; }
     return 0;
 }
 
@@ -292,7 +317,37 @@ static void gen_free(gen_state *g)
 {
     free(g->logits);
     free(g->scratch);
+    free(g->ids);
     kvarn_llama_session_free(g->sess);
+}
+
+/* --load-state: the session continues from the saved sequence, with its
+ * token ids, last logits and sampler. 0, or -1 with the line printed. */
+static int load_state(gen_state *g, const gen_opts *o)
+{
+    gen_saved sv;
+    if (gen_state_load(o->load_state, g->m, g->sess, &sv)) {
+        gen_state_free(&sv);
+        return -1;
+    }
+    /* the session took the sequence, so it fits max_tokens */
+    memcpy(g->ids, sv.tokens, (size_t)sv.n_tokens * sizeof *g->ids);
+    g->n_ids = sv.n_tokens;
+    memcpy(g->logits, sv.logits, (size_t)g->m->hp->vocab * sizeof *g->logits);
+    g->rng = sv.rng;
+    gen_state_free(&sv);
+    return 0;
+}
+
+static int save_state(gen_state *g, const gen_opts *o)
+{
+    gen_saved sv;
+    memset(&sv, 0, sizeof sv);
+    sv.tokens = g->ids;
+    sv.n_tokens = g->n_ids;
+    sv.logits = g->logits;
+    sv.rng = g->rng;
+    return gen_state_save(o->save_state, g->m, g->sess, &sv);
 }
 
 /* ---- reporting ---------------------------------------------------------- */
@@ -374,7 +429,14 @@ int cmd_generate(int argc, char **argv)
     if (cli_model_open("generate", o.model_path, &m)) return 1;
     gen_state g;
     rc = 1;
-    if (gen_init(&g, &m, &o, &fmt) == 0 && (o.prompt ? run_prompt(&g, &o) : run_chat(&g, &o)) == 0) {
+    int ok = gen_init(&g, &m, &o, &fmt) == 0;
+    if (ok && o.load_state) {
+        ok = load_state(&g, &o) == 0;
+        if (!ok) rc = 2; /* another model or format, or a bad file: a usage error */
+    }
+    if (ok) ok = (o.prompt ? run_prompt(&g, &o) : o.load_state ? reply(&g, o.n_gen) : run_chat(&g, &o)) == 0;
+    if (ok && o.save_state) ok = save_state(&g, &o) == 0;
+    if (ok) {
         g.stats.n_tokens = kvarn_llama_session_pos(g.sess);
         g.stats.kv_bytes = cli_session_kv_bytes(g.sess);
         kvarn_cache_info info;

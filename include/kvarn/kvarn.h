@@ -43,11 +43,20 @@ typedef enum kvarn_status {
     KVARN_ERR_UNSUPPORTED = -10,       /* a valid request this build does not serve */
     KVARN_ERR_STATE = -11,             /* call not valid in the object's current state */
     KVARN_ERR_NO_DEVICE = -12,         /* no usable GPU (CUDA backend) */
-    KVARN_ERR_TOO_LARGE = -13          /* a count or byte size beyond what the
+    KVARN_ERR_TOO_LARGE = -13,         /* a count or byte size beyond what the
                                           library can hold (more than its
                                           token/id limits, or a size that
                                           overflows 64 bits or size_t);
                                           found before anything is allocated */
+    KVARN_ERR_TRUNCATED = -14,         /* a stream ends before the bytes its
+                                          header declares (state.h) */
+    KVARN_ERR_BAD_VERSION = -15,       /* a stream of a layout version this
+                                          build does not read (state.h) */
+    KVARN_ERR_CHECKSUM = -16,          /* a stream whose checksum does not
+                                          match its bytes (state.h) */
+    KVARN_ERR_MISMATCH = -17           /* a saved state made by a cache of
+                                          other settings (state.h names the
+                                          field) */
 } kvarn_status;
 
 /* Short, stable English name of a status code ("unknown cache format", ...).

@@ -362,6 +362,23 @@ void kvarn_llama_session_free(kvarn_llama_session *s);
  * blocks are returned to its pool; nothing is freed or reallocated. */
 void kvarn_llama_session_reset(kvarn_llama_session *s);
 
+/* Load a sequence saved from a session's cache (kvarn_cache_seq_save of
+ * kvarn_llama_session_cache / _seq, include/kvarn/state.h; len bytes at
+ * buf) into s, which must be at position 0 (new or reset): the session then
+ * holds those tokens' K/V exactly as saved and continues from their
+ * position (kvarn_llama_session_pos), so that its next forward calls give
+ * bit for bit what they gave in the session that saved it. The token ids
+ * and the logits of the last token are not in the stream: the caller
+ * keeps them (kvarn generate --save-state, docs/state.md).
+ * Errors: KVARN_ERR_INVALID_ARG (NULL); KVARN_ERR_STATE (pos != 0);
+ * KVARN_ERR_UNSUPPORTED (an exact session, or one with keep_kv_f32: the
+ * stream has no fp32 copies); the errors of kvarn_cache_seq_restore
+ * (KVARN_ERR_MISMATCH for another format, staging, sink or model shape,
+ * KVARN_ERR_TRUNCATED, KVARN_ERR_CHECKSUM, ...), and
+ * KVARN_ERR_OUT_OF_BLOCKS for more tokens than max_tokens. On error the
+ * session is at position 0 as before. */
+kvarn_status kvarn_llama_session_load_state(kvarn_llama_session *s, const void *buf, size_t len);
+
 /* Tokens in the session (the position the next chunk starts at). */
 int kvarn_llama_session_pos(const kvarn_llama_session *s);
 

@@ -62,6 +62,10 @@ const char *kvarn_strerror(kvarn_status status)
     case KVARN_ERR_STATE: return "invalid state for this call";
     case KVARN_ERR_NO_DEVICE: return "no usable GPU";
     case KVARN_ERR_TOO_LARGE: return "too large (beyond the library's size limits)";
+    case KVARN_ERR_TRUNCATED: return "truncated stream";
+    case KVARN_ERR_BAD_VERSION: return "unknown layout version";
+    case KVARN_ERR_CHECKSUM: return "checksum mismatch";
+    case KVARN_ERR_MISMATCH: return "saved for a cache of other settings";
     }
     return "unknown status";
 }

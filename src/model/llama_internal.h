@@ -196,6 +196,11 @@ typedef struct llama_kv_ops {
     /* The paged cache and the sequence id in it; NULL (and *seq = -1) for
      * a store without one. */
     kvarn_cache *(*cache)(const llama_kv *kv, int *seq);
+    /* Replace the (empty) sequence by the one saved in buf (state.h), of
+     * at most max_tokens tokens; its length goes to *n_tokens. On error the
+     * store holds an empty sequence again. NULL: the store cannot. */
+    kvarn_status (*restore)(llama_kv *kv, const void *buf, size_t len, int max_tokens,
+                            int *n_tokens);
 } llama_kv_ops;
 
 struct llama_kv {

@@ -100,7 +100,7 @@ static kvarn_cache *exact_cache(const llama_kv *kv, int *seq)
 
 static const llama_kv_ops exact_ops = {
     exact_begin, exact_attend, exact_end, exact_abort, exact_reset, exact_destroy, exact_name,
-    exact_cache,
+    exact_cache, NULL,
 };
 
 /* Bytes of K (= of V), all layers, and of the attention scratch, checked. */

@@ -39,6 +39,7 @@
 #include "attn/attn_internal.h"
 #include "common/checked.h"
 #include "kvarn/cache.h"
+#include "kvarn/state.h"
 #include "model/llama_internal.h"
 
 typedef struct kv_paged {
@@ -218,9 +219,32 @@ static kvarn_cache *paged_cache(const llama_kv *kv, int *seq)
     return p->cache;
 }
 
+/* The empty sequence is freed so that the restored one can take its slot
+ * (a one-sequence cache has no other); on error an empty one is made again,
+ * which after the free cannot fail (cache.h). */
+static kvarn_status paged_restore(llama_kv *kv, const void *buf, size_t len, int max_tokens,
+                                  int *n_tokens)
+{
+    kv_paged *p = (kv_paged *)kv;
+    kvarn_seq_state_info info;
+    kvarn_status st = kvarn_cache_seq_state_peek(p->cache, buf, len, &info);
+    if (st == KVARN_OK && info.seq_len > max_tokens) st = KVARN_ERR_OUT_OF_BLOCKS;
+    if (st != KVARN_OK) return st;
+    int seq = -1;
+    kvarn_cache_seq_free(p->cache, p->seq);
+    st = kvarn_cache_seq_restore(p->cache, buf, len, &seq);
+    if (st != KVARN_OK) {
+        kvarn_cache_seq_create(p->cache, &p->seq);
+        return st;
+    }
+    p->seq = seq;
+    *n_tokens = info.seq_len;
+    return KVARN_OK;
+}
+
 static const llama_kv_ops paged_ops = {
     paged_begin, paged_attend, paged_end, paged_abort, paged_reset, paged_destroy, paged_name,
-    paged_cache,
+    paged_cache, paged_restore,
 };
 
 /* Settings of a one-sequence cache that holds max_tokens tokens and chunks

@@ -241,6 +241,17 @@ void kvarn_llama_session_reset(kvarn_llama_session *s)
     s->pos = 0;
 }
 
+kvarn_status kvarn_llama_session_load_state(kvarn_llama_session *s, const void *buf, size_t len)
+{
+    if (!s || (!buf && len > 0)) return KVARN_ERR_INVALID_ARG;
+    if (s->pos != 0) return KVARN_ERR_STATE;
+    if (!s->kv->ops->restore || s->keep_k) return KVARN_ERR_UNSUPPORTED;
+    int n = 0;
+    kvarn_status st = s->kv->ops->restore(s->kv, buf, len, s->max_tokens, &n);
+    if (st == KVARN_OK) s->pos = n;
+    return st;
+}
+
 int kvarn_llama_session_pos(const kvarn_llama_session *s)
 {
     return s ? s->pos : 0;

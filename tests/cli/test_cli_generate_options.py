@@ -19,7 +19,8 @@ def test_help_lists_every_documented_option(kvarn_bin):
     first_column = [line.split()[0] for line in r.stdout.splitlines()[4:]
                     if line.startswith("-")]
     assert first_column == ["-p", "--chat", "-n", "--temp", "--top-p", "--seed",
-                            "--kv-cache-dtype", "--threads", "--ctx", "--kvarn-staging"]
+                            "--kv-cache-dtype", "--threads", "--ctx", "--kvarn-staging",
+                            "--save-state", "--load-state"]
     assert "(alias --max-tokens;" in r.stdout
     # -h is --help, wherever it stands (even after a value error would come)
     assert generate(kvarn_bin, "-m", "x", "-h", "-n", "0").stdout == r.stdout
