@@ -31,8 +31,8 @@ def pytest_configure(config):
 
 def ext_libs():
     """What a program linking build/libkvarn.a needs besides it: OpenBLAS,
-    PCRE2, and oneDNN when the build found it (CMakeCache's DNNL_LIB)."""
-    libs = ["-lopenblas", "-lpcre2-8", "-lm", "-lpthread"]
+    PCRE2, zlib (the state stream's CRC-32), and oneDNN when the build found it (CMakeCache's DNNL_LIB)."""
+    libs = ["-lopenblas", "-lpcre2-8", "-lz", "-lm", "-lpthread"]
     cache = BUILD / "CMakeCache.txt"
     if cache.exists():
         for line in cache.read_text().splitlines():

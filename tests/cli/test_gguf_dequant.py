@@ -39,7 +39,7 @@ def dump_tensor(tmp_path_factory):
             str(lib), "-o", str(exe)]
     # The archive members the reader needs use libm only; the extra libraries
     # are what the whole libkvarn links with, for archives that pull more.
-    for extra in (["-lm"], ["-lopenblas", "-lpcre2-8", "-lpthread", "-lm"]):
+    for extra in (["-lm"], ["-lopenblas", "-lpcre2-8", "-lz", "-lpthread", "-lm"]):
         r = subprocess.run(base + extra, capture_output=True, text=True)
         if r.returncode == 0:
             return exe

@@ -35,7 +35,7 @@ def cli(tmp_path_factory):
         ["cc", "-std=c11", "-O2", "-D_POSIX_C_SOURCE=200809L",
          "-I", os.path.join(REPO, "include"),
          os.path.join(REPO, "tests", "cli", "tokenize_cli.c"), lib,
-         "-lpcre2-8", "-lopenblas", "-lm", "-lpthread", "-o", exe],
+         "-lpcre2-8", "-lopenblas", "-lz", "-lm", "-lpthread", "-o", exe],
         check=True)
     # The model is present: it must load (an empty batch of lines).
     r = subprocess.run([exe, MODEL, "lines"], input=b"", capture_output=True)

@@ -18,5 +18,5 @@ gcc -std=c11 -O2 -g -D_POSIX_C_SOURCE=200809L -DKVARN_HAVE_CUDA=1 -DKVARN_CUDA_E
     -c tests/cuda/test_cuda.c -o "$b/test_cuda.o" &
 wait
 g++ -o "$b/test_cuda_emu" "$b"/api.o "$b"/store.o "$b"/commit.o "$b"/attn.o "$b"/emu_runtime.o \
-    "$b"/test_cuda.o "$b/core/libkvarn.a" -lcmocka -lm -pthread
+    "$b"/test_cuda.o "$b/core/libkvarn.a" -lcmocka -lz -lm -pthread
 "$b/test_cuda_emu" "$@"
