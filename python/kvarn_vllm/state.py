@@ -75,7 +75,13 @@ def apply_loaded() -> None:
     if not _State.loaded or st is None:
         return
     items, _State.loaded = _State.loaded, []
+    stale = sum(1 for b, _ in items if st.slot_of[b] >= 0 or st.sslot_of[b] >= 0)
     st.adopt_loaded([b for b, _ in items])
+    from vllm.logger import init_logger
+    init_logger("vllm.kvarn_vllm").info(
+        "kvarn: %d blocks loaded by a KV connector adopted as records (%d held a previous "
+        "user's staging slot, released), %d sink copies", len(items), stale,
+        sum(1 for _, d in items if d is not None))
     import torch
     for b, data in items:
         if data is None:
