@@ -10,11 +10,14 @@ a temporary root:
   and stores their whole blocks;
 - engine B, a fresh process on the same root, runs P, then Q in a second
   generate call: P's two blocks are loaded (num_cached_tokens 256); Q is a
-  whole-prompt hit, so vLLM recomputes its last token inside Q's second
-  loaded block (sched/scheduler.py), and a block of Q is the block P's tail
-  held just before (its staging slot still set: vLLM does not report a
-  loaded block for zeroing, scheduler.py:1264) — the stale-slot case that
-  Staging.adopt_loaded exists for;
+  whole-prompt hit: vLLM would recompute its last token inside Q's last
+  loaded block (sched/scheduler.py:3172); for KVarN the kvarn scheduler
+  loads Q's first two blocks only and recomputes the last tile
+  (scheduler.whole_tile_hits; without it Q's first logprob was 0.95 nat
+  off the cold run's), and one of Q's loaded blocks is one that P used
+  just before, its staging slot still set (vLLM does not report a loaded
+  block for zeroing, scheduler.py:1264): the log shows it released
+  (Staging.adopt_loaded);
 - engine C, a cold run without the connector, runs P then Q the same way.
 B's greedy tokens equal C's and its logprobs are within LP_TOL of C's
 (auto: C is A, which ran with the connector but found nothing). The files
@@ -23,6 +26,13 @@ layers x Hk x record bytes (_lib.record_bytes) for KVarN, layers x Hk x
 128 x token-record bytes for per-token, layers x 2 x 128 x Hk x D x 4 for
 fp32; a KVarN sink block also has its staged copy (int8 staging: layers x
 Hk x 128 x (2D + 8)). Printed against bf16's 2 Hk D 2 layers per token.
+
+Without an engine (the staging bookkeeping the loads go through): a
+loaded block that held a previous user's slot, whose last token is then
+recomputed, is read from its record, not from that slot, and nothing is
+committed again (Staging.adopt_loaded; these fail with the slot left
+set); a sink tile's staged copy goes through state.sink_pages /
+queue_loaded / apply_loaded into a fresh sink slot byte for byte.
 
 A configuration the tier refuses (speculative decoding, KVARN_SINK_TOKENS)
 fails at LLM(...) with the tier's message.
@@ -118,7 +128,7 @@ def test_shared_prefix(dtype, ids, tmp_path):
     # a whole-prompt hit: KVarN tiles recompute Q's last tile (scheduler.py
     # whole_tile_hits), the others its last token
     tile = dtype == "kvarn_k4v2_g128"
-    assert bq["num_cached_tokens"] == (256 if tile else 383), bq["num_cached_tokens"]
+    assert bq["num_cached_tokens"] == (256 if tile else 384), bq["num_cached_tokens"]
     if tile:
         # the stale-slot case ran: a loaded block still held a slot
         stale = [int(m) for m in re.findall(r"adopted as records \((\d+) held", log_b)]
@@ -150,3 +160,77 @@ def test_refused(what, kw, env, msg, ids, tmp_path, monkeypatch):
                        expect_ok=False)
     assert res is None
     assert "STARTUP_ERROR" in out and msg in out and "KvarnFileSpec" in out, out[-3000:]
+
+
+G = 128
+
+
+def _plan(st, q_lens, seq_lens, table):
+    import numpy as np
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return st.plan(qsl, np.array(seq_lens, dtype=np.int32), np.array(table, dtype=np.int32),
+                   int(qsl[-1]))
+
+
+def _finish(st, p):
+    st.finish(p)
+
+
+def test_loaded_block_with_stale_slot_reads_its_record():
+    """P (200 tokens, blocks 1 and 2: block 2's tail holds a slot) ends;
+    block 2 is handed to a request whose two loaded blocks are [3, 2] and
+    whose last token (255) is recomputed: with adopt_loaded it reads tile 1
+    from block 2's record and commits nothing; block 2's stale slot was
+    the previous user's tail (what it would read otherwise)."""
+    from kvarn_vllm.staging import Staging
+    st = Staging(4, G, 1, 8, n_scratch=3)
+    p = _plan(st, [200], [200], [[1, 2]])
+    _finish(st, p)
+    stale = int(st.slot_of[2])
+    assert stale >= 0 and not st.is_sink[stale]
+    st.adopt_loaded([3, 2])
+    assert st.slot_of[2] == -1 and st.slot_of[3] == -1 and stale in st.free
+    assert st.committed[2] and st.committed[3]
+    p = _plan(st, [1], [256], [[3, 2]])
+    assert p.commit_pool == [] and (p.store_slots == -1).all()
+    (_, t, _, _, off0, where, page), = p.groups
+    assert (t, off0, where, page) == (1, 127, "record", 2), p.groups
+
+
+def test_loaded_fresh_block_is_not_committed_again():
+    """A loaded block never used before (no slot), its last token
+    recomputed: without the committed mark the plan would stage the token
+    in a scratch page and commit the tile from that mostly empty page."""
+    from kvarn_vllm.staging import Staging
+    st = Staging(4, G, 1, 8, n_scratch=3)
+    st.adopt_loaded([1, 2])
+    p = _plan(st, [1], [256], [[1, 2]])
+    assert p.commit_pool == [] and p.n_scratch == 0
+    assert [g[5] for g in p.groups] == ["record"]
+
+
+def test_sink_copy_round_trip(monkeypatch):
+    """state.sink_pages of a sink slot (pool rows l * n_slots + s of every
+    layer) through queue_loaded / apply_loaded lands in a fresh sink slot of
+    another block, byte for byte, after the block's stale slot is released."""
+    import torch
+    from kvarn_vllm import state
+    from kvarn_vllm.staging import Staging
+    L, n_slots, n_scr = 3, 4, 3
+    st = Staging(n_slots, G, 1, 8, n_scratch=n_scr)
+    pool = torch.randint(0, 255, (L * n_slots + n_scr, 2, G, 8), dtype=torch.uint8)
+    for k, v in (("staging", st), ("pool", pool), ("pool_layers", L), ("loaded", [])):
+        monkeypatch.setattr(state._State, k, v)
+    _finish(st, _plan(st, [200], [200], [[1, 2]]))      # block 1: sink slot, 2: tail
+    s1 = int(st.slot_of[1])
+    assert st.is_sink[s1]
+    data = state.sink_pages(1)
+    assert len(data) == L * 2 * G * 8
+    assert state.sink_pages(2) is None                  # a tail slot is no sink
+    state.queue_loaded(2, data)                         # block 2 now a loaded sink tile
+    state.apply_loaded()
+    s2 = int(st.slot_of[2])
+    assert s2 >= 0 and s2 != s1 and st.is_sink[s2] and st.committed[2]
+    assert state.sink_pages(2) == data and state._State.loaded == []
+    for ly in range(L):
+        assert torch.equal(pool[ly * n_slots + s2], pool[ly * n_slots + s1])
