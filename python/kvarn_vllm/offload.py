@@ -94,8 +94,10 @@ def check_config(vllm_config=None, offloading_config=None) -> None:
             bad.append(f"more than one worker (world size {p.world_size})")
         if len(offloading_config.groups) != 1:
             bad.append(f"{len(offloading_config.groups)} KV-cache groups (hybrid models)")
+    dtype = (vllm_config.cache_config.cache_dtype if vllm_config is not None
+             else offloading_config.model.dtype if offloading_config is not None else "")
     st = _settings(vllm_config)
-    if st.sink_tokens >= 0:
+    if str(dtype).startswith("kvarn_") and st.sink_tokens >= 0:
         bad.append(f"KVARN_SINK_TOKENS={st.sink_tokens} (a partial sink's staged tokens are "
                    "not stored; use KVARN_SINK_TILES)")
     if bad:
@@ -142,6 +144,18 @@ class KvarnFileLoadStoreSpec(LoadStoreSpec):
         return f"KvarnFileLoadStoreSpec({len(self.files)} blocks)"
 
 
+def _alive(pid: int) -> bool:
+    """Whether process pid exists (signal 0; a process of another user
+    counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class KvarnFileManager(OffloadingManager):
     """The scheduler's side (vllm/v1/kv_offload/base.py:235): a block is
     offloaded when its file exists. prepare_load pins each file by a hard
@@ -151,7 +165,24 @@ class KvarnFileManager(OffloadingManager):
 
     def __init__(self, directory: str):
         self.dir = directory
-        self.pin_dir = os.path.join(directory, "pins", str(os.getpid()))
+        pins = os.path.join(directory, "pins")
+        self.pin_dir = os.path.join(pins, str(os.getpid()))
+        os.makedirs(pins, exist_ok=True)
+        # pins left by processes gone (a crash) or by an earlier process of
+        # this pid: removed (their links only; the blocks stay)
+        for name in os.listdir(pins):
+            d = os.path.join(pins, name)
+            if name == str(os.getpid()) or (name.isdigit() and not _alive(int(name))):
+                for f in os.listdir(d):
+                    try:
+                        os.unlink(os.path.join(d, f))
+                    except FileNotFoundError:
+                        pass
+                if d != self.pin_dir:
+                    try:
+                        os.rmdir(d)
+                    except OSError:
+                        pass
         os.makedirs(self.pin_dir, exist_ok=True)
         self._pins: dict = {}          # key -> [list of pinned paths, one per prepare_load]
         self._n = itertools.count()

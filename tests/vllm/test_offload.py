@@ -234,3 +234,35 @@ def test_sink_copy_round_trip(monkeypatch):
     assert state.sink_pages(2) == data and state._State.loaded == []
     for ly in range(L):
         assert torch.equal(pool[ly * n_slots + s2], pool[ly * n_slots + s1])
+
+
+def test_file_manager_pins_and_skips(tmp_path):
+    """The manager alone: a key is offloaded once its file exists, a stored
+    key is not stored again, a load's pinned link survives the file's
+    removal and is gone after complete_load; pins of a dead process are
+    cleared by the next manager."""
+    from vllm.v1.kv_offload.base import LookupResult
+    from kvarn_vllm.offload import KvarnFileManager
+    m = KvarnFileManager(str(tmp_path))
+    k1, k2 = bytes(range(36)), bytes(range(1, 37))
+    assert m.lookup(k1, None) is LookupResult.MISS
+    out = m.prepare_store([k1, k2], None)
+    assert out.keys_to_store == [k1, k2] and out.evicted_keys == []
+    blk, sink = out.store_spec.files[0]
+    assert blk == m.block_path(k1) and sink.endswith(".sink")
+    with open(blk, "wb") as f:                      # what the worker writes
+        f.write(b"records")
+    assert m.lookup(k1, None) is LookupResult.HIT
+    assert m.prepare_store([k1, k2], None).keys_to_store == [k2]
+    (pinned, psink), = m.prepare_load([k1], None).files
+    assert psink is None and os.path.dirname(pinned) == m.pin_dir
+    os.unlink(blk)                                  # removed meanwhile
+    with open(pinned, "rb") as f:
+        assert f.read() == b"records"
+    m.complete_load([k1], None)
+    assert not os.path.exists(pinned)
+    dead = tmp_path / "pins" / "999999999"
+    dead.mkdir()
+    (dead / "0.blk").write_bytes(b"x")
+    KvarnFileManager(str(tmp_path))
+    assert not dead.exists()
