@@ -57,7 +57,7 @@ from .settings import Settings
 from .spec import check_speculative, draft_tokens
 from .commit_log import _commit_log_path, _log_commits
 from .staging import Staging, pool_size
-from .state import _State, _live_blocks, step_draft_counts
+from .state import _State, _live_blocks, apply_loaded, step_draft_counts
 
 
 is_kvarn_dtype = _lib.is_kvarn_dtype
@@ -405,6 +405,8 @@ class KvarnAttentionImpl(AttentionImpl):
                              self.num_kv_heads, self.head_size)
             return
         if self.layer_index == 0 or _State.plan_meta is not md:
+            # blocks a KV connector loaded since the last step (offload.py)
+            apply_loaded()
             _State.plan = _State.staging.plan(md.query_start_loc.cpu().numpy(),
                                               md.seq_lens.cpu().numpy(),
                                               md.block_table.cpu().numpy(), n,

@@ -102,6 +102,12 @@ class _KvarnPlatform:
     def check_and_update_config(cls, vllm_config) -> None:
         super().check_and_update_config(vllm_config)
         cc = vllm_config.cache_config
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+        if extra.get("spec_module_path") == "kvarn_vllm.offload":
+            # the file tier (offload.py): what it refuses, before an engine starts
+            from .offload import check_config
+            check_config(vllm_config)
         if cc is None or not _is_kvarn(cc.cache_dtype):
             return
         from .checks import check_model

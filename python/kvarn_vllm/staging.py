@@ -180,6 +180,42 @@ class Staging:
             self.committed[b] = False
             self.provisional[b] = False
 
+    def adopt_loaded(self, block_ids) -> None:
+        """Blocks whose pages a KV connector has just filled with records
+        (kvarn_vllm.offload: a prefix loaded from the file tier), as kernel
+        block ids (ints < n_blocks). Each becomes a committed tile with no
+        staging slot:
+          - vLLM does not report a block a connector loads for zeroing
+            (scheduler.py:1264 skip_zeroing_group_ids, from
+            kv_cache_coordinator.py:308), so reset_blocks never runs for it
+            and it would keep its previous user's slot (slot_of, sslot_of)
+            and committed flag: a stale slot is read as the tile's tokens;
+          - committed, so that plan() reads the tile from its record when
+            vLLM recomputes a prompt's last token inside it (a whole-prompt
+            hit) instead of staging it as a fresh tile and committing a
+            record from a mostly empty page.
+        A sink tile's staged copy is put back by the caller afterwards
+        (state.apply_loaded, which takes a slot with take_sink_slot)."""
+        for b in block_ids:
+            b = int(b)
+            if not 0 <= b < len(self.committed):
+                raise _lib.KvarnError(f"kvarn: loaded block {b} is not a block of this cache "
+                                      f"({len(self.committed)} blocks)")
+            s = self.slot_of[b]
+            if s >= 0:
+                self._release(int(s))
+            s = self.sslot_of[b]
+            if s >= 0:
+                self._release_sink(int(s))
+            self.committed[b] = True
+            self.provisional[b] = False
+
+    def take_sink_slot(self, block: int) -> int:
+        """A slot for the staged copy of loaded sink tile `block` (its
+        record is in the block already: adopt_loaded); the caller fills
+        the slot's pages. KvarnError when the pool is exhausted."""
+        return self._take(int(block), True, set())
+
     def _release(self, s: int) -> None:
         b = self.block_of[s]
         if b >= 0:

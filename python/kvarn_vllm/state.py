@@ -31,6 +31,78 @@ class _State:
     pool_layers = 0     # the layers it has slots for
     staging_kind = 0    # _lib.STAGING_FP16 / _INT8 / _FP8_E4M3 / _INT4
     exact_commit = False  # Settings.exact_commit: whole prefill tiles from the exact K/V
+    loaded: list = []   # (block, sink pages or None) a connector filled, for apply_loaded
+
+
+def sink_pages(block: int) -> bytes | None:
+    """The staged copy of sink tile `block` (a kernel block id) in every
+    layer, as bytes: the pool rows l * n_slots + s, l < pool_layers, of its
+    sink slot s, each one page (backend._page_shape: int8 staging
+    [Hk, G, record bytes] uint8, fp16 [Hk, 2, G, D] int16), back to back in
+    layer order. None where the block holds no sink slot (a per-token
+    format, no pool yet, not a sink tile, or its slot reclaimed: its record
+    then serves the sink, as it does for the engine that wrote it)."""
+    st = _State.staging
+    if st is None or _State.pool is None or not 0 <= block < len(st.slot_of):
+        return None
+    s = int(st.slot_of[block])
+    if s < 0 or not st.is_sink[s]:
+        return None
+    import torch
+    return b"".join(_State.pool[l * st.n_slots + s].contiguous().view(torch.uint8).numpy()
+                    .tobytes() for l in range(_State.pool_layers))
+
+
+def queue_loaded(block: int, sink: bytes | None = None) -> None:
+    """Record that a connector filled kernel block `block` with records
+    (and, for a sink tile, its staged copy, sink_pages' bytes of the engine
+    that stored it). Applied by apply_loaded at the next step's plan: the
+    staging pool is built at the first forward (backend._setup), after the
+    first load can have run; the connector's worker runs in the model
+    runner's process and thread (offloading/worker.py start_kv_transfers,
+    called before the forward), so no lock is needed."""
+    _State.loaded.append((int(block), sink))
+
+
+def apply_loaded() -> None:
+    """The queued loads into the staging bookkeeping (Staging.adopt_loaded)
+    and each sink copy into a sink slot; backend.do_kv_cache_update calls it
+    just before Staging.plan. A sink copy whose size is not one page of
+    every layer of this pool (a namespace mismatch, which offload.py's
+    directory names prevent) is dropped with a warning: the tile's record
+    serves the sink."""
+    st = _State.staging
+    if not _State.loaded or st is None:
+        return
+    items, _State.loaded = _State.loaded, []
+    stale = sum(1 for b, _ in items if st.slot_of[b] >= 0 or st.sslot_of[b] >= 0)
+    st.adopt_loaded([b for b, _ in items])
+    from vllm.logger import init_logger
+    init_logger("vllm.kvarn_vllm").info(
+        "kvarn: %d blocks loaded by a KV connector adopted as records (%d held a previous "
+        "user's staging slot, released), %d sink copies", len(items), stale,
+        sum(1 for _, d in items if d is not None))
+    import torch
+    for b, data in items:
+        if data is None:
+            continue
+        rows = [_State.pool[l * st.n_slots] for l in range(_State.pool_layers)]
+        want = sum(r.numel() * r.element_size() for r in rows)
+        if len(data) != want:
+            from vllm.logger import init_logger
+            init_logger("vllm.kvarn_vllm").warning(
+                "kvarn: the loaded sink copy of block %d has %d bytes, not %d (one staging "
+                "page of %d layers): dropped, its record serves the sink", b, len(data), want,
+                len(rows))
+            continue
+        s = st.take_sink_slot(b)
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        off = 0
+        for l in range(_State.pool_layers):
+            dst = _State.pool[l * st.n_slots + s].view(torch.uint8)
+            n = dst.numel()
+            dst.copy_(src[off:off + n].view(dst.shape))
+            off += n
 
 
 def step_draft_counts(num_reqs: int, query_start_loc_cpu) -> np.ndarray | None:

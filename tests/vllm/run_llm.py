@@ -27,7 +27,8 @@ ignore_eos (false), stats (false: true adds vLLM's speculative-decoding
 counters and the generation time),
 max_num_seqs (8), max_num_batched_tokens (null: vLLM's), prefix_caching
 (false), warm_prompts (run first, e.g. to fill the prefix cache),
-kv_cache_memory_bytes (null; when set, the KV budget per worker in bytes
+kv_transfer_config (null; vLLM's dict, e.g. the OffloadingConnector's
+with kvarn_vllm.offload's KvarnFileSpec), kv_cache_memory_bytes (null; when set, the KV budget per worker in bytes
 instead of kv_space_gib), load_format, prompts (text) or prompt_ids
 (token-id lists), max_tokens (16), logprobs (null), prompt_logprobs (null),
 max_logprobs (20), dtype (the model's, "float32"), tensor_parallel_size (1),
@@ -85,7 +86,8 @@ def main() -> None:
               enable_prefix_caching=cfg.get("prefix_caching", False),
               max_logprobs=cfg.get("max_logprobs", 20))
     for k in ("kv_cache_memory_bytes", "tensor_parallel_size", "pipeline_parallel_size",
-              "distributed_executor_backend", "compilation_config", "attention_backend"):
+              "distributed_executor_backend", "compilation_config", "attention_backend",
+              "kv_transfer_config"):
         if cfg.get(k) is not None:
             kw[k] = cfg[k]
     if cfg.get("load_format"):

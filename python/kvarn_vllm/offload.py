@@ -1,0 +1,411 @@
+"""A file tier for vLLM 0.32's OffloadingConnector: prefixes offloaded to
+files under a root directory and shared between vLLM processes (a
+directory on /dev/shm is a CPU-memory tier; one on disk survives restarts).
+
+    LLM(..., kv_transfer_config={
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "KvarnFileSpec",
+                                      "spec_module_path": "kvarn_vllm.offload",
+                                      "root": "/dev/shm/kvarn-kv"}})
+
+(vllm serve: --kv-transfer-config with the same JSON.) The connector
+(vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py:53)
+builds the spec by name (vllm/v1/kv_offload/factory.py:30); the spec's
+manager runs in the scheduler and names the files, its worker runs in the
+model runner's process and copies pages.
+
+What is stored: one file per offloaded vLLM block, ROOT/NS/<key>.blk, key =
+vLLM's OffloadKey (the block's prefix hash, sha256 with a fixed seed, so
+equal in every process, plus its group index) in hex. The file holds the
+block's page of every layer back to back, in the connector's layer order,
+exactly the bytes vLLM's cache tensor holds: for a kvarn cache dtype the
+records (a KVarN tile [Hk, 128 tokens] of record bytes, or per-token
+records), for vLLM's own dtypes its pages. For a KVarN format, a block of
+the first KVARN_SINK_TILES tiles of a prompt also gets ROOT/NS/<key>.sink:
+the sink tile's staged copy (the staging pool's page of each layer), which
+the engine reads instead of the sink's record; it is written before the
+block file, and each file is written to a temporary name and renamed, so a
+reader sees a whole block (and its sink) or none.
+
+NS, the namespace directory, names everything that must match for the
+bytes to be reused (namespace()): layout version, model, cache dtype, bytes
+per block, tokens per block, TP/PP world and rank, and for kvarn dtypes the
+staging, sink, prefill-commit and sliding-window settings.
+
+Not done: no eviction (the directory grows until removed; a file removed
+while another engine is between lookup and load makes that load fail,
+which vLLM 0.32 asserts on); a store is written at the engine step after
+the one that computed its block (offloading/worker.py:236 defers it), so
+the last blocks of the last request before an engine stops are not
+stored. Refused at spec creation (check_config): MLA, pipeline or tensor
+parallelism, speculative decoding, KVARN_SINK_TOKENS, several KV-cache
+groups (hybrid models): untested here.
+"""
+import hashlib
+import itertools
+import os
+import time
+
+from vllm.logger import init_logger
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, LookupResult, OffloadingManager,
+    OffloadingSpec, OffloadingWorker, PrepareStoreOutput, RequestOffloadingContext,
+    TransferResult)
+
+log = init_logger("vllm.kvarn_vllm.offload")
+
+LAYOUT_VERSION = 1   # of the files' layout (module docstring); part of the namespace
+SPEC_NAME = "KvarnFileSpec"
+
+
+def _settings(vllm_config):
+    """The kvarn Settings of the engine (recorded in additional_config by
+    the platform, settings.py) or of the environment."""
+    from .settings import Settings
+    return Settings.of(vllm_config) if vllm_config is not None else Settings.from_env()
+
+
+def check_config(vllm_config=None, offloading_config=None) -> None:
+    """Raise ValueError naming what this file tier refuses (untested with
+    it): MLA, pipeline parallelism, tensor parallelism, speculative
+    decoding, KVARN_SINK_TOKENS (a partial sink's staged slots, Staging.
+    sslot_of, are not stored), several KV-cache groups. vllm_config: the
+    engine's VllmConfig where the caller has it (platform.py
+    check_and_update_config, before an engine starts); offloading_config:
+    the connector's OffloadingConfig (vllm/v1/kv_offload/config.py), what
+    the spec itself gets. Either may be None."""
+    bad = []
+    if vllm_config is not None:
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        if mc is not None and getattr(mc, "use_mla", False):
+            bad.append("MLA models (use_mla)")
+        if pc.pipeline_parallel_size > 1:
+            bad.append(f"pipeline parallelism (pipeline_parallel_size "
+                       f"{pc.pipeline_parallel_size})")
+        if pc.tensor_parallel_size > 1:
+            bad.append(f"tensor parallelism (tensor_parallel_size {pc.tensor_parallel_size})")
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            bad.append("speculative decoding (speculative_config)")
+    if offloading_config is not None:
+        p = offloading_config.parallel
+        if p.pp_size > 1 and not any("pipeline" in b for b in bad):
+            bad.append(f"pipeline parallelism (pipeline_parallel_size {p.pp_size})")
+        if p.world_size > 1 and not any("parallel" in b for b in bad):
+            bad.append(f"more than one worker (world size {p.world_size})")
+        if len(offloading_config.groups) != 1:
+            bad.append(f"{len(offloading_config.groups)} KV-cache groups (hybrid models)")
+    dtype = (vllm_config.cache_config.cache_dtype if vllm_config is not None
+             else offloading_config.model.dtype if offloading_config is not None else "")
+    st = _settings(vllm_config)
+    if str(dtype).startswith("kvarn_") and st.sink_tokens >= 0:
+        bad.append(f"KVARN_SINK_TOKENS={st.sink_tokens} (a partial sink's staged tokens are "
+                   "not stored; use KVARN_SINK_TILES)")
+    if bad:
+        raise ValueError(f"kvarn: the {SPEC_NAME} file tier does not serve (untested): "
+                         + "; ".join(bad))
+
+
+def namespace(offloading_config, vllm_config=None) -> str:
+    """The directory name under root for this engine's files: everything
+    that must match for another engine to reuse them, joined with '_'
+    (model basename plus a hash of its full name, so two paths with the
+    same basename differ). offloading_config: vllm/v1/kv_offload/config.py
+    OffloadingConfig (model.dtype is the cache dtype, e.g.
+    "kvarn_k4v2_g128", or the model's dtype for "auto"). For kvarn dtypes
+    the staging, sink, prefill-commit and sliding-window settings of the
+    engine (settings.py) are included."""
+    c = offloading_config
+    name = c.model.name.rstrip("/")
+    parts = [f"v{LAYOUT_VERSION}",
+             os.path.basename(name) + "-" + hashlib.sha256(name.encode()).hexdigest()[:8],
+             c.model.dtype, f"{c.worker_kv_bytes_per_block}B",
+             "t" + "-".join(str(g.tokens_per_block) for g in c.groups),
+             f"tp{c.parallel.tp_size}pp{c.parallel.pp_size}r{c.parallel.rank}"]
+    if c.model.dtype.startswith("kvarn_"):
+        from .settings import STAGING_DEFAULT
+        st = _settings(vllm_config)
+        from vllm.platforms import current_platform
+        dev = "cuda" if current_platform.device_type == "cuda" else "cpu"
+        parts += [f"st-{st.staging or STAGING_DEFAULT[dev]}", f"sink{st.sink_tiles}",
+                  f"commit-{st.prefill_commit or ('staged' if dev == 'cuda' else 'exact')}",
+                  f"sw-{st.sliding_window}"]
+    return "_".join(p.replace("/", "-") for p in parts)
+
+
+class KvarnFileLoadStoreSpec(LoadStoreSpec):
+    """The file side of one transfer (vllm/v1/kv_offload/base.py:152): one
+    (block file, sink file or None) pair per block, in the order of the
+    GPU side's block ids."""
+
+    def __init__(self, files):
+        self.files = list(files)
+
+    def __repr__(self):
+        return f"KvarnFileLoadStoreSpec({len(self.files)} blocks)"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process pid exists (signal 0; a process of another user
+    counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class KvarnFileManager(OffloadingManager):
+    """The scheduler's side (vllm/v1/kv_offload/base.py:235): a block is
+    offloaded when its file exists. prepare_load pins each file by a hard
+    link in a directory of this process (ROOT/NS/pins/<pid>) until
+    complete_load, so a file replaced meanwhile still loads whole; keys
+    whose file exists are not stored again. No eviction."""
+
+    def __init__(self, directory: str):
+        self.dir = directory
+        pins = os.path.join(directory, "pins")
+        self.pin_dir = os.path.join(pins, str(os.getpid()))
+        os.makedirs(pins, exist_ok=True)
+        # pins left by processes gone (a crash) or by an earlier process of
+        # this pid: removed (their links only; the blocks stay)
+        for name in os.listdir(pins):
+            d = os.path.join(pins, name)
+            if name == str(os.getpid()) or (name.isdigit() and not _alive(int(name))):
+                for f in os.listdir(d):
+                    try:
+                        os.unlink(os.path.join(d, f))
+                    except FileNotFoundError:
+                        pass
+                if d != self.pin_dir:
+                    try:
+                        os.rmdir(d)
+                    except OSError:
+                        pass
+        os.makedirs(self.pin_dir, exist_ok=True)
+        self._pins: dict = {}          # key -> [list of pinned paths, one per prepare_load]
+        self._n = itertools.count()
+        self.stats = {"hit": 0, "miss": 0, "loaded": 0, "stored": 0}
+
+    def block_path(self, key) -> str:
+        return os.path.join(self.dir, bytes(key).hex() + ".blk")
+
+    def lookup(self, key, req_context) -> LookupResult:
+        hit = os.path.exists(self.block_path(key))
+        self.stats["hit" if hit else "miss"] += 1
+        return LookupResult.HIT if hit else LookupResult.MISS
+
+    def prepare_load(self, keys, req_context) -> KvarnFileLoadStoreSpec:
+        files = []
+        for k in keys:
+            src = self.block_path(k)
+            n = next(self._n)
+            blk = os.path.join(self.pin_dir, f"{n}.blk")
+            os.link(src, blk)    # FileNotFoundError: removed since lookup (no eviction here)
+            pinned = [blk]
+            sink = None
+            if os.path.exists(src[:-4] + ".sink"):
+                sink = os.path.join(self.pin_dir, f"{n}.sink")
+                try:
+                    os.link(src[:-4] + ".sink", sink)
+                    pinned.append(sink)
+                except FileNotFoundError:
+                    sink = None
+            self._pins.setdefault(bytes(k), []).append(pinned)
+            files.append((blk, sink))
+        self.stats["loaded"] += len(files)
+        return KvarnFileLoadStoreSpec(files)
+
+    def complete_load(self, keys, req_context) -> None:
+        for k in keys:
+            stack = self._pins.get(bytes(k))
+            if not stack:
+                continue
+            for p in stack.pop(0):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+            if not stack:
+                del self._pins[bytes(k)]
+
+    def prepare_store(self, keys, req_context) -> PrepareStoreOutput:
+        todo = [k for k in keys if not os.path.exists(self.block_path(k))]
+        self.stats["stored"] += len(todo)
+        return PrepareStoreOutput(
+            keys_to_store=todo,
+            store_spec=KvarnFileLoadStoreSpec(
+                (self.block_path(k), self.block_path(k)[:-4] + ".sink") for k in todo),
+            evicted_keys=[])
+
+    def on_new_request(self, req_context) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def shutdown(self) -> None:
+        for stack in self._pins.values():
+            for pinned in stack:
+                for p in pinned:
+                    try:
+                        os.unlink(p)
+                    except FileNotFoundError:
+                        pass
+        self._pins.clear()
+        try:
+            os.rmdir(self.pin_dir)
+        except OSError:
+            pass
+
+
+def _write(path: str, data: bytes) -> None:
+    """data into path through a temporary name and os.replace (atomic on
+    one file system: a reader sees the old file, none, or the whole new one)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+class KvarnFileWorker(OffloadingWorker):
+    """The model runner's side (vllm/v1/kv_offload/base.py:568),
+    synchronous: submit_store / submit_load copy at once and report the job
+    done at the next get_finished (a failed transfer would trip vLLM's
+    assert in offloading/worker.py get_finished, so errors raise instead).
+
+    kv_caches: the connector's CanonicalKVCaches (offloading/worker.py:71):
+    per-layer int8 tensors [num_blocks, page bytes]; kvarn's pages
+    ([nb, Hk, 128, rb/128] uint8 for KVarN, [nb, Hk, bs, rb] for per-token)
+    are taken whole (canonical_mapping.py:334 _opaque_fallback_mapping).
+    tile: the cache is a KVarN format (staging pool and sink tiles): loaded
+    blocks are handed to state.queue_loaded, and sink tiles' staged copies
+    are stored and loaded beside their blocks."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, tile: bool):
+        if len(kv_caches.group_data_refs) != 1:
+            raise ValueError(f"kvarn: {SPEC_NAME} serves one KV-cache group, not "
+                             f"{len(kv_caches.group_data_refs)}")
+        self.tensors = [t.tensor for t in kv_caches.tensors]
+        self.refs = kv_caches.group_data_refs[0]
+        self.block_bytes = sum(r.page_size_bytes for r in self.refs)
+        self.tile = tile
+        self._done = []
+        self.stats = {"stored_blocks": 0, "stored_bytes": 0, "sink_bytes": 0,
+                      "loaded_blocks": 0}
+        log.info("kvarn: file tier worker, %d layers, %d bytes per block%s", len(self.refs),
+                 self.block_bytes, ", KVarN tiles (sinks stored)" if tile else "")
+
+    def _block_bytes(self, b: int) -> bytes:
+        return b"".join(self.tensors[r.tensor_idx][b, :r.page_size_bytes].contiguous()
+                        .numpy().tobytes() for r in self.refs)
+
+    def submit_store(self, job_id, src_spec: GPULoadStoreSpec, dst_spec) -> bool:
+        """Write the pages of src_spec.block_ids (vLLM block ids, logically
+        contiguous from block index src_spec.block_indices[0] of the
+        request) to dst_spec's files: a sink tile's staged copy first (a
+        block index < the staging's sink_tiles, state.sink_pages), then the
+        block."""
+        from .state import _State, sink_pages
+        t0 = time.perf_counter()
+        ids = [int(x) for x in src_spec.block_ids]
+        if len(ids) != len(dst_spec.files):
+            raise ValueError(f"kvarn: store of {len(ids)} blocks into "
+                             f"{len(dst_spec.files)} files")
+        first = int(src_spec.block_indices[0]) if len(src_spec.block_indices) else 0
+        sink_tiles = _State.staging.sink_tiles if (self.tile and _State.staging) else 0
+        n = 0
+        for i, (b, (blk, sink)) in enumerate(zip(ids, dst_spec.files)):
+            if first + i < sink_tiles:
+                data = sink_pages(b)
+                if data is not None:
+                    _write(sink, data)
+                    n += len(data)
+                    self.stats["sink_bytes"] += len(data)
+            data = self._block_bytes(b)
+            _write(blk, data)
+            n += len(data)
+            self.stats["stored_bytes"] += len(data)
+        self.stats["stored_blocks"] += len(ids)
+        self._done.append(TransferResult(job_id, True, n, time.perf_counter() - t0))
+        return True
+
+    def submit_load(self, job_id, src_spec, dst_spec: GPULoadStoreSpec) -> bool:
+        """Copy src_spec's block files into the pages of dst_spec.block_ids;
+        for a KVarN cache, queue each block (and its sink copy) for the
+        staging bookkeeping (state.queue_loaded). A file of the wrong size
+        raises ValueError (the namespace is meant to make this impossible)."""
+        import torch
+        from .state import queue_loaded
+        t0 = time.perf_counter()
+        ids = [int(x) for x in dst_spec.block_ids]
+        if len(ids) != len(src_spec.files):
+            raise ValueError(f"kvarn: load of {len(src_spec.files)} files into "
+                             f"{len(ids)} blocks")
+        n = 0
+        for b, (blk, sink) in zip(ids, src_spec.files):
+            with open(blk, "rb") as f:
+                data = f.read()
+            if len(data) != self.block_bytes:
+                raise ValueError(f"kvarn: {blk} has {len(data)} bytes, not the "
+                                 f"{self.block_bytes} of a block of this cache")
+            src = torch.frombuffer(bytearray(data), dtype=torch.int8)
+            off = 0
+            for r in self.refs:
+                self.tensors[r.tensor_idx][b, :r.page_size_bytes].copy_(
+                    src[off:off + r.page_size_bytes])
+                off += r.page_size_bytes
+            n += len(data)
+            if self.tile:
+                sk = None
+                if sink is not None:
+                    with open(sink, "rb") as f:
+                        sk = f.read()
+                    n += len(sk)
+                queue_loaded(b, sk)
+        self.stats["loaded_blocks"] += len(ids)
+        self._done.append(TransferResult(job_id, True, n, time.perf_counter() - t0))
+        return True
+
+    def get_finished(self) -> list:
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, job_ids) -> None:
+        return None    # synchronous: every submitted job is done
+
+
+class KvarnFileSpec(OffloadingSpec):
+    """The spec the connector builds (vllm/v1/kv_offload/base.py:595):
+    extra_config "root" (required: the directory; created if missing). The
+    files of this engine go to root/namespace(config). Raises ValueError
+    for a configuration check_config refuses or a missing root."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        from vllm.config import get_current_vllm_config_or_none
+        vc = get_current_vllm_config_or_none()
+        check_config(vc, config)
+        root = self.extra_config.get("root")
+        if not root:
+            raise ValueError(f"kvarn: {SPEC_NAME} needs kv_connector_extra_config['root'], "
+                             "the directory of the file tier (e.g. /dev/shm/kvarn-kv)")
+        self.dir = os.path.join(root, namespace(config, vc))
+        os.makedirs(self.dir, exist_ok=True)
+        dtype = config.model.dtype
+        self.tile = False
+        if dtype.startswith("kvarn_"):
+            from . import _lib
+            self.tile = bool(_lib.parse_format(dtype).per_tile)
+        self._manager = None
+        self._worker = None
+        log.info("kvarn: %s file tier in %s (%d bytes per block)", SPEC_NAME, self.dir,
+                 config.worker_kv_bytes_per_block)
+
+    def get_manager(self) -> KvarnFileManager:
+        if self._manager is None:
+            self._manager = KvarnFileManager(self.dir)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> KvarnFileWorker:
+        if self._worker is None:
+            self._worker = KvarnFileWorker(kv_caches, self.tile)
+        return self._worker

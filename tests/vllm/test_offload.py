@@ -1,0 +1,268 @@
+"""Prefixes offloaded to a file tier and shared between vLLM processes
+(kvarn_vllm.offload.KvarnFileSpec through vLLM's OffloadingConnector;
+docs/vllm-connectors.md).
+
+For kvarn_k4v2_g128 (KVarN tiles, staging pool and sink), kvarn_int8
+(per-token records) and auto (vLLM's own fp32 pages, the control), each in
+a temporary root:
+- engine A (connector on, empty root) runs prompts P (300 tokens: two whole
+  blocks and a partial one) and Q (384 tokens, other text: block-aligned)
+  and stores their whole blocks;
+- engine B, a fresh process on the same root, runs P, then Q in a second
+  generate call: P's two blocks are loaded (num_cached_tokens 256); Q is a
+  whole-prompt hit: vLLM would recompute its last token inside Q's last
+  loaded block (sched/scheduler.py:3172); for KVarN the kvarn scheduler
+  loads Q's first two blocks only and recomputes the last tile
+  (scheduler.whole_tile_hits; without it Q's first logprob was 0.95 nat
+  off the cold run's), and one of Q's loaded blocks is one that P used
+  just before, its staging slot still set (vLLM does not report a loaded
+  block for zeroing, scheduler.py:1264): the log shows it released
+  (Staging.adopt_loaded);
+- engine C, a cold run without the connector, runs P then Q the same way.
+B's greedy tokens equal C's and its logprobs are within LP_TOL of C's
+(auto: C is A, which ran with the connector but found nothing). The files
+are one per whole block of the bytes of the cache's page of every layer:
+layers x Hk x record bytes (_lib.record_bytes) for KVarN, layers x Hk x
+128 x token-record bytes for per-token, layers x 2 x 128 x Hk x D x 4 for
+fp32; a KVarN sink block also has its staged copy (int8 staging: layers x
+Hk x 128 x (2D + 8)). Printed against bf16's 2 Hk D 2 layers per token.
+
+Without an engine (the staging bookkeeping the loads go through): a
+loaded block that held a previous user's slot, whose last token is then
+recomputed, is read from its record, not from that slot, and nothing is
+committed again (Staging.adopt_loaded; these fail with the slot left
+set); a sink tile's staged copy goes through state.sink_pages /
+queue_loaded / apply_loaded into a fresh sink slot byte for byte.
+
+A configuration the tier refuses (speculative decoding, KVARN_SINK_TOKENS)
+fails at LLM(...) with the tier's message.
+"""
+import glob
+import re
+import os
+
+import pytest
+
+from conftest import ROOT, run_llm
+
+LAYERS, HK, D = 30, 3, 64          # SmolLM2-135M
+AUSTEN = os.path.join(ROOT, "data", "austen", "persuasion.txt")
+LP_TOL = 1e-4                      # logprobs of B against the cold run
+BF16_PER_TOKEN = 2 * HK * D * 2 * LAYERS
+
+
+def _ids():
+    from transformers import AutoTokenizer
+    from conftest import HF_MODEL
+    tok = AutoTokenizer.from_pretrained(HF_MODEL)
+    with open(AUSTEN, encoding="utf-8") as f:
+        text = f.read()
+    p = tok(text[2000:6000]).input_ids[:300]
+    q = tok(text[40000:46000]).input_ids[:384]
+    assert len(p) == 300 and len(q) == 384
+    return p, q
+
+
+def _ktc(root):
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "KvarnFileSpec",
+                                          "spec_module_path": "kvarn_vllm.offload",
+                                          "root": root}}
+
+
+def _cfg(dtype, p, q, root=None, **kw):
+    c = dict(kv_cache_dtype=dtype, prompt_ids=[p], rounds=[{"prompt_ids": [q], "logprobs": 1}],
+             max_tokens=8, logprobs=1, prefix_caching=True, max_num_seqs=2,
+             kv_cache_memory_bytes=256 << 20)
+    if root is not None:
+        c["kv_transfer_config"] = _ktc(root)
+    c.update(kw)
+    return c
+
+
+def _outs(res):
+    """[P's output, Q's output] of a run_llm result."""
+    return [res["outputs"][0], res["rounds"][0][0]]
+
+
+def _block_bytes(dtype) -> int:
+    """Bytes of one vLLM block (128 tokens) of every layer, by hand."""
+    from kvarn_vllm import _lib
+    if dtype == "auto":
+        return LAYERS * 2 * 128 * HK * D * 4                # fp32 K and V
+    fmt = _lib.parse_format(dtype, D)
+    rb = _lib.record_bytes(fmt, D)
+    return LAYERS * HK * (rb if fmt.per_tile else 128 * rb)  # tile records or token records
+
+
+@pytest.fixture(scope="module")
+def ids(hf_model):
+    return _ids()
+
+
+@pytest.mark.parametrize("dtype", ["kvarn_k4v2_g128", "kvarn_int8", "auto"])
+def test_shared_prefix(dtype, ids, tmp_path):
+    p, q = ids
+    root = str(tmp_path / "kv")
+    a, _ = run_llm(_cfg(dtype, p, q, root))
+    files = sorted(glob.glob(os.path.join(root, "*", "*.blk")))
+    sinks = sorted(glob.glob(os.path.join(root, "*", "*.sink")))
+    # (c) one file per whole block of P and Q, each the page bytes of every layer
+    assert len(files) == 5, files   # P: 2 whole blocks, Q: 3
+    want = _block_bytes(dtype)
+    sizes = {os.path.getsize(f) for f in files}
+    assert sizes == {want}, (sizes, want)
+    per_token = want / 128
+    print(f"{dtype}: {want} bytes per stored block = {per_token:.0f} B/token, bf16 "
+          f"{BF16_PER_TOKEN} B/token ({BF16_PER_TOKEN / per_token:.2f}x smaller)")
+    if dtype == "kvarn_k4v2_g128":
+        # the sink tile of P and of Q: its int8-staged copy beside the block
+        assert len(sinks) == 2, sinks
+        assert {os.path.getsize(s) for s in sinks} == {LAYERS * HK * 128 * (2 * D + 8)}
+    else:
+        assert sinks == []
+    # (a), (b): a fresh engine on the same root
+    b, log_b = run_llm(_cfg(dtype, p, q, root))
+    bp, bq = _outs(b)
+    assert bp["num_cached_tokens"] == 256, bp["num_cached_tokens"]
+    # a whole-prompt hit: KVarN tiles recompute Q's last tile (scheduler.py
+    # whole_tile_hits), the others its last token
+    tile = dtype == "kvarn_k4v2_g128"
+    assert bq["num_cached_tokens"] == (256 if tile else 384), bq["num_cached_tokens"]
+    if tile:
+        # the stale-slot case ran: a loaded block still held a slot
+        stale = [int(m) for m in re.findall(r"adopted as records \((\d+) held", log_b)]
+        print(f"{dtype}: loaded blocks that held a previous user's slot: {stale}")
+        assert sum(stale) >= 1, stale
+    cold = a if dtype == "auto" else run_llm(_cfg(dtype, p, q))[0]
+    for name, x, y in zip("PQ", _outs(b), _outs(cold)):
+        assert x["token_ids"] == y["token_ids"], (name, x["token_ids"], y["token_ids"])
+        d = max(abs(x["logprobs"][i][str(t)] - y["logprobs"][i][str(t)])
+                for i, t in enumerate(y["token_ids"]))
+        print(f"{dtype} {name}: {len(y['token_ids'])} greedy tokens equal, cached "
+              f"{x['num_cached_tokens']}, largest logprob difference {d:.2e}")
+        assert d <= LP_TOL
+
+
+@pytest.mark.parametrize("what,kw,env,msg", [
+    ("speculation", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                            "prompt_lookup_max": 3}}, {},
+     "speculative decoding"),
+    ("sink tokens", {}, {"KVARN_SINK_TOKENS": "64"}, "KVARN_SINK_TOKENS=64"),
+])
+def test_refused(what, kw, env, msg, ids, tmp_path, monkeypatch):
+    """(d) a configuration the tier does not serve fails at LLM(...) with
+    its message (offload.check_config, from platform.py)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    p, q = ids
+    res, out = run_llm(_cfg("kvarn_k4v2_g128", p[:10], q[:10], str(tmp_path / "kv"), **kw),
+                       expect_ok=False)
+    assert res is None
+    assert "STARTUP_ERROR" in out and msg in out and "KvarnFileSpec" in out, out[-3000:]
+
+
+G = 128
+
+
+def _plan(st, q_lens, seq_lens, table):
+    import numpy as np
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return st.plan(qsl, np.array(seq_lens, dtype=np.int32), np.array(table, dtype=np.int32),
+                   int(qsl[-1]))
+
+
+def _finish(st, p):
+    st.finish(p)
+
+
+def test_loaded_block_with_stale_slot_reads_its_record():
+    """P (200 tokens, blocks 1 and 2: block 2's tail holds a slot) ends;
+    block 2 is handed to a request whose two loaded blocks are [3, 2] and
+    whose last token (255) is recomputed: with adopt_loaded it reads tile 1
+    from block 2's record and commits nothing; block 2's stale slot was
+    the previous user's tail (what it would read otherwise)."""
+    from kvarn_vllm.staging import Staging
+    st = Staging(4, G, 1, 8, n_scratch=3)
+    p = _plan(st, [200], [200], [[1, 2]])
+    _finish(st, p)
+    stale = int(st.slot_of[2])
+    assert stale >= 0 and not st.is_sink[stale]
+    st.adopt_loaded([3, 2])
+    assert st.slot_of[2] == -1 and st.slot_of[3] == -1 and stale in st.free
+    assert st.committed[2] and st.committed[3]
+    p = _plan(st, [1], [256], [[3, 2]])
+    assert p.commit_pool == [] and (p.store_slots == -1).all()
+    (_, t, _, _, off0, where, page), = p.groups
+    assert (t, off0, where, page) == (1, 127, "record", 2), p.groups
+
+
+def test_loaded_fresh_block_is_not_committed_again():
+    """A loaded block never used before (no slot), its last token
+    recomputed: without the committed mark the plan would stage the token
+    in a scratch page and commit the tile from that mostly empty page."""
+    from kvarn_vllm.staging import Staging
+    st = Staging(4, G, 1, 8, n_scratch=3)
+    st.adopt_loaded([1, 2])
+    p = _plan(st, [1], [256], [[1, 2]])
+    assert p.commit_pool == [] and p.n_scratch == 0
+    assert [g[5] for g in p.groups] == ["record"]
+
+
+def test_sink_copy_round_trip(monkeypatch):
+    """state.sink_pages of a sink slot (pool rows l * n_slots + s of every
+    layer) through queue_loaded / apply_loaded lands in a fresh sink slot of
+    another block, byte for byte, after the block's stale slot is released."""
+    import torch
+    from kvarn_vllm import state
+    from kvarn_vllm.staging import Staging
+    L, n_slots, n_scr = 3, 4, 3
+    st = Staging(n_slots, G, 1, 8, n_scratch=n_scr)
+    pool = torch.randint(0, 255, (L * n_slots + n_scr, 2, G, 8), dtype=torch.uint8)
+    for k, v in (("staging", st), ("pool", pool), ("pool_layers", L), ("loaded", [])):
+        monkeypatch.setattr(state._State, k, v)
+    _finish(st, _plan(st, [200], [200], [[1, 2]]))      # block 1: sink slot, 2: tail
+    s1 = int(st.slot_of[1])
+    assert st.is_sink[s1]
+    data = state.sink_pages(1)
+    assert len(data) == L * 2 * G * 8
+    assert state.sink_pages(2) is None                  # a tail slot is no sink
+    state.queue_loaded(2, data)                         # block 2 now a loaded sink tile
+    state.apply_loaded()
+    s2 = int(st.slot_of[2])
+    assert s2 >= 0 and s2 != s1 and st.is_sink[s2] and st.committed[2]
+    assert state.sink_pages(2) == data and state._State.loaded == []
+    for ly in range(L):
+        assert torch.equal(pool[ly * n_slots + s2], pool[ly * n_slots + s1])
+
+
+def test_file_manager_pins_and_skips(tmp_path):
+    """The manager alone: a key is offloaded once its file exists, a stored
+    key is not stored again, a load's pinned link survives the file's
+    removal and is gone after complete_load; pins of a dead process are
+    cleared by the next manager."""
+    from vllm.v1.kv_offload.base import LookupResult
+    from kvarn_vllm.offload import KvarnFileManager
+    m = KvarnFileManager(str(tmp_path))
+    k1, k2 = bytes(range(36)), bytes(range(1, 37))
+    assert m.lookup(k1, None) is LookupResult.MISS
+    out = m.prepare_store([k1, k2], None)
+    assert out.keys_to_store == [k1, k2] and out.evicted_keys == []
+    blk, sink = out.store_spec.files[0]
+    assert blk == m.block_path(k1) and sink.endswith(".sink")
+    with open(blk, "wb") as f:                      # what the worker writes
+        f.write(b"records")
+    assert m.lookup(k1, None) is LookupResult.HIT
+    assert m.prepare_store([k1, k2], None).keys_to_store == [k2]
+    (pinned, psink), = m.prepare_load([k1], None).files
+    assert psink is None and os.path.dirname(pinned) == m.pin_dir
+    os.unlink(blk)                                  # removed meanwhile
+    with open(pinned, "rb") as f:
+        assert f.read() == b"records"
+    m.complete_load([k1], None)
+    assert not os.path.exists(pinned)
+    dead = tmp_path / "pins" / "999999999"
+    dead.mkdir()
+    (dead / "0.blk").write_bytes(b"x")
+    KvarnFileManager(str(tmp_path))
+    assert not dead.exists()
