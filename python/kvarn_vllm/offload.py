@@ -8,7 +8,8 @@ directory on /dev/shm is a CPU-memory tier; one on disk survives restarts).
                                       "spec_module_path": "kvarn_vllm.offload",
                                       "root": "/dev/shm/kvarn-kv"}})
 
-(vllm serve: --kv-transfer-config with the same JSON.) The connector
+(The API server, python -m vllm.entrypoints.openai.api_server: --kv-transfer-config
+with the same JSON; not tested here.) The connector
 (vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py:53)
 builds the spec by name (vllm/v1/kv_offload/factory.py:30); the spec's
 manager runs in the scheduler and names the files, its worker runs in the
