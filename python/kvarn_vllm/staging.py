@@ -171,14 +171,19 @@ class Staging:
     # -- vLLM hands blocks out again: forget what they held ------------------
     def reset_blocks(self, block_ids) -> None:
         for b in block_ids:
-            s = self.slot_of[b]
-            if s >= 0:
-                self._release(int(s))
-            s = self.sslot_of[b]
-            if s >= 0:
-                self._release_sink(int(s))
-            self.committed[b] = False
-            self.provisional[b] = False
+            self._forget(b, committed=False)
+
+    def _forget(self, b: int, committed: bool) -> None:
+        """Release block b's staging slot and sink slot (if any); mark it
+        committed or not, not provisional."""
+        s = self.slot_of[b]
+        if s >= 0:
+            self._release(int(s))
+        s = self.sslot_of[b]
+        if s >= 0:
+            self._release_sink(int(s))
+        self.committed[b] = committed
+        self.provisional[b] = False
 
     def adopt_loaded(self, block_ids) -> None:
         """Blocks whose pages a KV connector has just filled with records
@@ -201,14 +206,7 @@ class Staging:
             if not 0 <= b < len(self.committed):
                 raise _lib.KvarnError(f"kvarn: loaded block {b} is not a block of this cache "
                                       f"({len(self.committed)} blocks)")
-            s = self.slot_of[b]
-            if s >= 0:
-                self._release(int(s))
-            s = self.sslot_of[b]
-            if s >= 0:
-                self._release_sink(int(s))
-            self.committed[b] = True
-            self.provisional[b] = False
+            self._forget(b, committed=True)
 
     def take_sink_slot(self, block: int) -> int:
         """A slot for the staged copy of loaded sink tile `block` (its
