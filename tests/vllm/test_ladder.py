@@ -559,47 +559,6 @@ def test_family_ladder(fam, families):
     print(f"{fam}: ladder {secs:.0f} s")
 
 
-def test_all_on_a_family_shape(families, tmp_path):
-    """`all` on gpt-oss's shape (learned sinks, sliding-window and full
-    layers, head_dim 64): the staircase in its order -- vLLM's fp8 (measured,
-    or where this CPU lacks what vLLM's CPU fp8 needs a refused row with
-    vLLM's reason), kvarn's per-token fp8, int8, int4, then the KVarN
-    presets (with their mean-centred variants and stagings) --, every kvarn
-    row measured, the per-token ones with a decode KLD within [K_e / 2,
-    2 K_e] of the emulated codec's (test_families' rule); the MLA names one
-    refused row."""
-    from kvarn_vllm import _lib
-    get, ids = families
-    model, _ = get("gpt_oss")
-    js = tmp_path / "all.json"
-    args = ["--model", model, "--token-ids", ids, "--kv-cache-dtype", "all", "--ctx", FAM_LEN,
-            "--windows", 1, "--decode", FAM_LEN - READ_FROM, "--budget", "256MiB",
-            "--json", js]
-    r, secs = _serve_ladder(get.server, [str(a) for a in args])
-    print(f"gpt_oss all: {secs:.0f} s\n{r.stdout}")
-    assert r.returncode == 0, r.stderr[-4000:]
-    rep = json.loads(js.read_text())
-    labels = [f["label"] for f in rep["formats"]]
-    stair = ["fp8_e4m3", "kvarn_fp8_e4m3", "kvarn_int8", "kvarn_int4", KV]
-    assert [labels.index(n) for n in stair] == sorted(labels.index(n) for n in stair), labels
-    for f in rep["formats"][1:]:
-        if f["name"].startswith("kvarn_mla"):       # one refused row for the MLA names
-            assert f["status"] == "refused" and "has no MLA layers" in f["reason"], f
-            continue
-        if not _lib.is_kvarn_dtype(f["name"]):     # vLLM's own (fp8: AVX-512 or AMX)
-            assert f["status"] in ("ok", "refused"), f
-            if f["status"] == "refused":
-                assert f["reason"], f
-            continue
-        assert f["status"] == "ok", f
-        # kvarn_int4 and kvarn_k4v2_g128: test_family_ladder's gpt_oss run
-        if _lib.is_per_token_dtype(f["name"]) and f["name"] != PT:
-            k_e = _emulated_kl(model, f["name"])[0]
-            print(f"gpt_oss {f['label']}: decode KLD {f['decode_kld_mean']:.5f}, emulated "
-                  f"{k_e:.5f}")
-            assert k_e / 2 <= f["decode_kld_mean"] <= 2 * k_e
-
-
 def test_sliding_windows_name_the_better_setting(families):
     """gpt-oss (2 sliding-window layers of 4) run with the default alone:
     sliding_window_notes names the same format with
