@@ -66,10 +66,11 @@ def check_model(vllm_config, settings: Settings = None) -> None:
     if _lib.is_mla_dtype(name):
         from .mla_backend import check_mla_name_without_mla
         check_mla_name_without_mla(vllm_config)
-    if _lib.is_per_token_dtype(name) and tile_settings_set():
+    tile_set = tile_settings_set() if _lib.is_per_token_dtype(name) else []
+    if tile_set:
         raise ValueError(
             f"kvarn: {name} writes each token's record at once (no staging pool, sink or "
-            f"commit), so {', '.join(tile_settings_set())} does not apply to it; unset it "
+            f"commit), so {', '.join(tile_set)} does not apply to it; unset it "
             f"(it applies to the KVarN formats, e.g. kvarn_k4v2_g128)")
     policy = (settings or Settings.of(vllm_config)).sliding_window
     dims = kvarn_head_dims(mc, policy)
