@@ -33,6 +33,11 @@ bytes to be reused (namespace()): layout version, model, cache dtype, bytes
 per block, tokens per block, TP/PP world and rank, and for kvarn dtypes the
 staging, sink, prefill-commit and sliding-window settings.
 
+kv_role: kv_both loads and stores, kv_producer only stores, kv_consumer
+only loads (KvarnFileManager). A request whose kv_transfer_params carry
+PD_KEY waits for its blocks (pd_wait_s): prefill/decode disaggregation
+with kvarn_vllm.pd_proxy in front of a producer and a consumer.
+
 Not done: no eviction (the directory grows until removed; a file removed
 while another engine is between lookup and load makes that load fail,
 which vLLM 0.32 asserts on); a store is written at the engine step after
@@ -55,6 +60,8 @@ from vllm.v1.kv_offload.base import (
 
 log = init_logger("vllm.kvarn_vllm.offload")
 
+PD_KEY = "kvarn_pd"   # kv_transfer_params key of a prefill/decode hand-over (pd_wait_s)
+ROLE_KEY = "kvarn_kv_role"   # the engine's kv_role, put in the extra config by platform.py
 LAYOUT_VERSION = 1   # of the files' layout (module docstring); part of the namespace
 SPEC_NAME = "KvarnFileSpec"
 
@@ -157,15 +164,47 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def pd_wait_s(params) -> "float | None":
+    """The seconds a request of a prefill/decode hand-over waits for its
+    blocks (docs/vllm-connectors.md "Prefill/decode"): params is the
+    request's kv_transfer_params; PD_KEY in it is {"wait_s": seconds}, set
+    by kvarn_vllm.pd_proxy on the request it sends to the decode instance.
+    None where the request has no PD_KEY. Raises ValueError naming what is
+    wrong where it is malformed (not a dict, wait_s not a finite number in
+    [0, 3600])."""
+    if not params or PD_KEY not in params:
+        return None
+    v = params[PD_KEY]
+    w = v.get("wait_s") if isinstance(v, dict) else None
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 3600:
+        raise ValueError(f"kv_transfer_params[{PD_KEY!r}] must be {{\"wait_s\": seconds in "
+                         f"[0, 3600]}}, not {v!r}")
+    return float(w)
+
+
 class KvarnFileManager(OffloadingManager):
     """The scheduler's side (vllm/v1/kv_offload/base.py:235): a block is
     offloaded when its file exists. prepare_load pins each file by a hard
     link in a directory of this process (ROOT/NS/pins/<pid>) until
     complete_load, so a file replaced meanwhile still loads whole; keys
-    whose file exists are not stored again. No eviction."""
+    whose file exists are not stored again. No eviction.
 
-    def __init__(self, directory: str):
+    role: the engine's kv_role. "kv_both" loads and stores;
+    "kv_producer" (a prefill instance) stores and never loads;
+    "kv_consumer" (a decode instance) loads and never stores. A request
+    whose kv_transfer_params carry PD_KEY (pd_wait_s) waits for its
+    blocks: a block not there yet is looked up again at the next engine
+    step (LookupResult.RETRY) until its file appears or wait_s has passed
+    since the request arrived; then the rest is computed here (a warning
+    names the request)."""
+
+    def __init__(self, directory: str, role: str = "kv_both"):
+        if role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ValueError(f"kvarn: unknown kv_role {role!r} (kv_both, kv_producer, "
+                             "kv_consumer)")
         self.dir = directory
+        self.role = role
+        self._deadline: dict = {}      # request id -> time.monotonic() to stop waiting
         pins = os.path.join(directory, "pins")
         self.pin_dir = os.path.join(pins, str(os.getpid()))
         os.makedirs(pins, exist_ok=True)
@@ -187,15 +226,31 @@ class KvarnFileManager(OffloadingManager):
         os.makedirs(self.pin_dir, exist_ok=True)
         self._pins: dict = {}          # key -> [list of pinned paths, one per prepare_load]
         self._n = itertools.count()
-        self.stats = {"hit": 0, "miss": 0, "loaded": 0, "stored": 0}
+        self.stats = {"hit": 0, "miss": 0, "loaded": 0, "stored": 0, "retry": 0,
+                      "gave_up": 0}
 
     def block_path(self, key) -> str:
         return os.path.join(self.dir, bytes(key).hex() + ".blk")
 
     def lookup(self, key, req_context) -> LookupResult:
-        hit = os.path.exists(self.block_path(key))
-        self.stats["hit" if hit else "miss"] += 1
-        return LookupResult.HIT if hit else LookupResult.MISS
+        if self.role == "kv_producer":
+            return LookupResult.MISS
+        if os.path.exists(self.block_path(key)):
+            self.stats["hit"] += 1
+            return LookupResult.HIT
+        rid = getattr(req_context, "req_id", None)
+        deadline = self._deadline.get(rid)
+        if deadline is not None:
+            if time.monotonic() < deadline:
+                self.stats["retry"] += 1
+                return LookupResult.RETRY
+            del self._deadline[rid]
+            self.stats["gave_up"] += 1
+            log.warning("kvarn: request %s: a block of its prefill was not stored within "
+                        "its wait (kv_transfer_params %s); computing the rest here", rid,
+                        PD_KEY)
+        self.stats["miss"] += 1
+        return LookupResult.MISS
 
     def prepare_load(self, keys, req_context) -> KvarnFileLoadStoreSpec:
         files = []
@@ -232,7 +287,8 @@ class KvarnFileManager(OffloadingManager):
                 del self._pins[bytes(k)]
 
     def prepare_store(self, keys, req_context) -> PrepareStoreOutput:
-        todo = [k for k in keys if not os.path.exists(self.block_path(k))]
+        todo = [] if self.role == "kv_consumer" else \
+            [k for k in keys if not os.path.exists(self.block_path(k))]
         self.stats["stored"] += len(todo)
         return PrepareStoreOutput(
             keys_to_store=todo,
@@ -241,7 +297,18 @@ class KvarnFileManager(OffloadingManager):
             evicted_keys=[])
 
     def on_new_request(self, req_context) -> RequestOffloadingContext:
+        rid = req_context.req_id
+        try:
+            w = pd_wait_s(req_context.kv_transfer_params)
+        except ValueError as e:   # the scheduler must not raise: the request goes on unwaited
+            log.warning("kvarn: request %s: %s; its blocks are not waited for", rid, e)
+            w = None
+        if w is not None and self.role != "kv_producer":
+            self._deadline[rid] = time.monotonic() + w
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context) -> None:
+        self._deadline.pop(req_context.req_id, None)
 
     def shutdown(self) -> None:
         for stack in self._pins.values():
@@ -390,6 +457,9 @@ class KvarnFileSpec(OffloadingSpec):
             raise ValueError(f"kvarn: {SPEC_NAME} needs kv_connector_extra_config['root'], "
                              "the directory of the file tier (e.g. /dev/shm/kvarn-kv)")
         self.dir = os.path.join(root, namespace(config, vc))
+        ktc = getattr(vc, "kv_transfer_config", None) if vc is not None else None
+        self.role = (self.extra_config.get(ROLE_KEY) or getattr(ktc, "kv_role", None)
+                     or "kv_both")
         os.makedirs(self.dir, exist_ok=True)
         dtype = config.model.dtype
         self.tile = False
@@ -398,12 +468,12 @@ class KvarnFileSpec(OffloadingSpec):
             self.tile = bool(_lib.parse_format(dtype).per_tile)
         self._manager = None
         self._worker = None
-        log.info("kvarn: %s file tier in %s (%d bytes per block)", SPEC_NAME, self.dir,
-                 config.worker_kv_bytes_per_block)
+        log.info("kvarn: %s file tier in %s (%d bytes per block, %s)", SPEC_NAME, self.dir,
+                 config.worker_kv_bytes_per_block, self.role)
 
     def get_manager(self) -> KvarnFileManager:
         if self._manager is None:
-            self._manager = KvarnFileManager(self.dir)
+            self._manager = KvarnFileManager(self.dir, self.role)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KvarnFileWorker:

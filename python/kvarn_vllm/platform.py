@@ -106,8 +106,12 @@ class _KvarnPlatform:
         extra = getattr(ktc, "kv_connector_extra_config", None) or {}
         if extra.get("spec_module_path") == "kvarn_vllm.offload":
             # the file tier (offload.py): what it refuses, before an engine starts
-            from .offload import check_config
+            from .offload import ROLE_KEY, check_config
             check_config(vllm_config)
+            # the spec is built from an OffloadingConfig without the engine's
+            # kv_role (vllm/v1/kv_offload/factory.py create_spec): it rides here
+            if isinstance(ktc.kv_connector_extra_config, dict):
+                ktc.kv_connector_extra_config[ROLE_KEY] = ktc.kv_role or "kv_both"
         if cc is None or not _is_kvarn(cc.cache_dtype):
             return
         from .checks import check_model
