@@ -31,7 +31,7 @@ stage_end() {
   stage_name=""
 }
 stage_report() {
-  local rc=$? total=0 i note last
+  local rc=${1:-$?} total=0 i note last
   stage_end
   last=$((${#stage_names[@]} - 1))
   echo "== stage times (wall; share = the stage's part of 45 min on 2 cores)" >&2
@@ -104,14 +104,25 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
 # process); a single core runs one session as before.
 xdist=()
 [ "$jobs" -lt 2 ] || xdist=(-n "$jobs" --dist loadfile)
+# The vLLM plug-in (python/kvarn_vllm) on vLLM's CPU build, end to end on the
+# converted model: .venv-vllm is installed the first time (docs/vllm.md),
+# in the background while the Python tests run (it mostly downloads and
+# unpacks; nothing in tests/cli reads what it writes). Its log is printed
+# after them; a failure of it fails the suite there.
+vllm_log=$(mktemp)
+(trap - EXIT; exec bash scripts/setup.sh --vllm) >"$vllm_log" 2>&1 &
+vllm_setup=$!
+trap 'rc=$?; kill "$vllm_setup" 2>/dev/null || true; stage_report "$rc" || true' EXIT
 if ls tests/cli/test_*.py >/dev/null 2>&1; then
-  stage "Python tests (real model)" 480
+  stage "Python tests (real model; vLLM set-up beside)" 480
   python3 -m pytest -q --durations=15 "${xdist[@]}" tests/cli
 fi
-
-# The vLLM plug-in (python/kvarn_vllm) on vLLM's CPU build, end to end on the
-# converted model: installs .venv-vllm the first time (docs/vllm.md).
-stage "vLLM set-up (.venv-vllm, converted model)" 240
-bash scripts/setup.sh --vllm
+stage "vLLM set-up (.venv-vllm, converted model): the rest" 240
+vllm_rc=0
+wait "$vllm_setup" || vllm_rc=$?
+cat "$vllm_log" >&2
+rm -f "$vllm_log"
+[ "$vllm_rc" -eq 0 ] || { echo "test.sh: scripts/setup.sh --vllm failed (exit $vllm_rc)" >&2
+                          exit "$vllm_rc"; }
 stage "vLLM plug-in tests (tests/vllm)" 960
 .venv-vllm/bin/python -m pytest -q --durations=25 "${xdist[@]}" tests/vllm
