@@ -38,18 +38,24 @@ only loads (KvarnFileManager). A request whose kv_transfer_params carry
 PD_KEY waits for its blocks (pd_wait_s): prefill/decode disaggregation
 with kvarn_vllm.pd_proxy in front of a producer and a consumer.
 
-Not done: no eviction (the directory grows until removed; a file removed
-while another engine is between lookup and load makes that load fail,
-which vLLM 0.32 asserts on); a store is written at the engine step after
-the one that computed its block (offloading/worker.py:236 defers it), so
-the last blocks of the last request before an engine stops are not
-stored. Refused at spec creation (check_config): MLA, pipeline or tensor
+Eviction: with extra_config "max_bytes", each engine keeps its namespace
+directory under that size by removing the least recently used blocks
+nobody pins (KvarnFileManager); a block found by a lookup is pinned (hard
+links) until it is loaded or its request ends, so eviction by any process
+cannot take it between the two. Without max_bytes the directory grows
+until removed.
+
+Not done: a store is written at the engine step after the one that
+computed its block (offloading/worker.py:236 defers it), so with LLM(...)
+the last blocks of the last request before generate returns are stored
+only if it generates again. Refused at spec creation (check_config): MLA, pipeline or tensor
 parallelism, speculative decoding, KVARN_SINK_TOKENS, several KV-cache
 groups (hybrid models): untested here.
 """
 import hashlib
 import itertools
 import os
+import re
 import time
 
 from vllm.logger import init_logger
@@ -182,12 +188,49 @@ def pd_wait_s(params) -> "float | None":
     return float(w)
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(v) -> int:
+    """A size for extra_config "max_bytes": an int (bytes) or a string
+    such as "512MiB", "2GiB", "1.5GB" (units B, KB/MB/GB/TB powers of 10,
+    KiB/MiB/GiB/TiB powers of 2, case ignored). Raises ValueError naming
+    the value where it is not a positive size."""
+    if isinstance(v, bool):
+        raise ValueError(f"kvarn: {SPEC_NAME} max_bytes {v!r} is not a size")
+    if isinstance(v, int):
+        n = v
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(v))
+        if not m or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"kvarn: {SPEC_NAME} max_bytes {v!r} is not a size (bytes, or "
+                             "e.g. '512MiB', '2GiB')")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n < 1:
+        raise ValueError(f"kvarn: {SPEC_NAME} max_bytes {v!r} must be at least 1 byte")
+    return n
+
+
 class KvarnFileManager(OffloadingManager):
     """The scheduler's side (vllm/v1/kv_offload/base.py:235): a block is
-    offloaded when its file exists. prepare_load pins each file by a hard
-    link in a directory of this process (ROOT/NS/pins/<pid>) until
-    complete_load, so a file replaced meanwhile still loads whole; keys
-    whose file exists are not stored again. No eviction.
+    offloaded when its file exists; keys whose file exists are not stored
+    again.
+
+    Pins: a lookup that finds a block pins its files (block and sink copy)
+    by hard links in a directory of this process (ROOT/NS/pins/<pid>), so
+    a file evicted or replaced by any process between the lookup and the
+    load still loads whole; complete_load releases a loaded block's pins,
+    on_request_finished the rest of the request's. A new manager removes
+    the pins of processes that are gone.
+
+    Eviction (max_bytes, None for none): before a store, where the files
+    of the directory and the blocks to store (block_bytes each) would pass
+    max_bytes, the least recently used blocks (oldest mtime; a hit sets it)
+    that nobody pins (link count 1) are removed with their sink copies, and
+    reported to vLLM as evicted; where that is not enough, fewer blocks are
+    stored. Sink copies being stored are not counted ahead, so the
+    directory can pass max_bytes by them until the next store.
 
     role: the engine's kv_role. "kv_both" loads and stores;
     "kv_producer" (a prefill instance) stores and never loads;
@@ -198,12 +241,15 @@ class KvarnFileManager(OffloadingManager):
     since the request arrived; then the rest is computed here (a warning
     names the request)."""
 
-    def __init__(self, directory: str, role: str = "kv_both"):
+    def __init__(self, directory: str, role: str = "kv_both", max_bytes=None,
+                 block_bytes: int = 0):
         if role not in ("kv_both", "kv_producer", "kv_consumer"):
             raise ValueError(f"kvarn: unknown kv_role {role!r} (kv_both, kv_producer, "
                              "kv_consumer)")
         self.dir = directory
         self.role = role
+        self.max_bytes = None if max_bytes is None else parse_bytes(max_bytes)
+        self.block_bytes = int(block_bytes)
         self._deadline: dict = {}      # request id -> time.monotonic() to stop waiting
         pins = os.path.join(directory, "pins")
         self.pin_dir = os.path.join(pins, str(os.getpid()))
@@ -224,21 +270,60 @@ class KvarnFileManager(OffloadingManager):
                     except OSError:
                         pass
         os.makedirs(self.pin_dir, exist_ok=True)
-        self._pins: dict = {}          # key -> [list of pinned paths, one per prepare_load]
+        self._looked: dict = {}        # request id -> {key: (block pin, sink pin or None)}
+        self._pins: dict = {}          # key -> [pins of one prepare_load, ...]
         self._n = itertools.count()
         self.stats = {"hit": 0, "miss": 0, "loaded": 0, "stored": 0, "retry": 0,
-                      "gave_up": 0}
+                      "gave_up": 0, "evicted": 0, "not_stored": 0}
 
     def block_path(self, key) -> str:
         return os.path.join(self.dir, bytes(key).hex() + ".blk")
 
+    def _pin(self, key):
+        """(block pin, sink pin or None): hard links of key's files in
+        pin_dir, the block's mtime set to now (a use, for eviction); None
+        where the block file is gone."""
+        src = self.block_path(key)
+        n = next(self._n)
+        blk = os.path.join(self.pin_dir, f"{n}.blk")
+        try:
+            os.link(src, blk)
+        except FileNotFoundError:
+            return None
+        try:
+            os.utime(blk)      # the pin is the block's inode: its mtime
+        except OSError:
+            pass
+        sink = os.path.join(self.pin_dir, f"{n}.sink")
+        try:
+            os.link(src[:-4] + ".sink", sink)
+        except FileNotFoundError:
+            sink = None
+        return blk, sink
+
+    @staticmethod
+    def _unpin(pinned) -> None:
+        for p in pinned:
+            if p is None:
+                continue
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
     def lookup(self, key, req_context) -> LookupResult:
         if self.role == "kv_producer":
             return LookupResult.MISS
-        if os.path.exists(self.block_path(key)):
+        rid = getattr(req_context, "req_id", None)
+        looked = self._looked.setdefault(rid, {})
+        k = bytes(key)
+        if k not in looked:
+            pinned = self._pin(k)
+            if pinned is not None:
+                looked[k] = pinned
+        if k in looked:
             self.stats["hit"] += 1
             return LookupResult.HIT
-        rid = getattr(req_context, "req_id", None)
         deadline = self._deadline.get(rid)
         if deadline is not None:
             if time.monotonic() < deadline:
@@ -253,48 +338,87 @@ class KvarnFileManager(OffloadingManager):
         return LookupResult.MISS
 
     def prepare_load(self, keys, req_context) -> KvarnFileLoadStoreSpec:
+        rid = getattr(req_context, "req_id", None)
+        looked = self._looked.get(rid, {})
         files = []
-        for k in keys:
-            src = self.block_path(k)
-            n = next(self._n)
-            blk = os.path.join(self.pin_dir, f"{n}.blk")
-            os.link(src, blk)    # FileNotFoundError: removed since lookup (no eviction here)
-            pinned = [blk]
-            sink = None
-            if os.path.exists(src[:-4] + ".sink"):
-                sink = os.path.join(self.pin_dir, f"{n}.sink")
-                try:
-                    os.link(src[:-4] + ".sink", sink)
-                    pinned.append(sink)
-                except FileNotFoundError:
-                    sink = None
-            self._pins.setdefault(bytes(k), []).append(pinned)
-            files.append((blk, sink))
+        for key in keys:
+            k = bytes(key)
+            pinned = looked.pop(k, None) or self._pin(k)
+            if pinned is None:      # not looked up by this request, and gone
+                raise FileNotFoundError(f"kvarn: block file {self.block_path(k)} is gone")
+            self._pins.setdefault(k, []).append(pinned)
+            files.append(pinned)
         self.stats["loaded"] += len(files)
         return KvarnFileLoadStoreSpec(files)
 
     def complete_load(self, keys, req_context) -> None:
-        for k in keys:
-            stack = self._pins.get(bytes(k))
+        for key in keys:
+            k = bytes(key)
+            stack = self._pins.get(k)
             if not stack:
                 continue
-            for p in stack.pop(0):
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
+            self._unpin(stack.pop(0))
             if not stack:
-                del self._pins[bytes(k)]
+                del self._pins[k]
+
+    def _make_room(self, todo: list) -> tuple:
+        """(the keys of todo that fit, the keys evicted): see the class
+        comment. One scan of the directory."""
+        blks, sinks, total = {}, {}, 0
+        with os.scandir(self.dir) as it:
+            for e in it:
+                if not e.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                total += st.st_size
+                if e.name.endswith(".blk"):
+                    blks[e.name[:-4]] = st
+                elif e.name.endswith(".sink"):
+                    sinks[e.name[:-5]] = st
+        need = len(todo) * self.block_bytes
+        if total + need <= self.max_bytes:
+            return todo, []
+        storing = {bytes(k).hex() for k in todo}
+        # unpinned blocks, oldest use first; a sink copy without its block
+        # (a writer stopped between the two) goes first
+        cands = [(st.st_mtime_ns, h) for h, st in blks.items()
+                 if st.st_nlink == 1 and h not in storing]
+        cands += [(-1, h) for h, st in sinks.items() if h not in blks and st.st_nlink == 1]
+        evicted = []
+        for _, h in sorted(cands):
+            if total + need <= self.max_bytes:
+                break
+            for ext, table in ((".blk", blks), (".sink", sinks)):
+                if h in table:
+                    try:
+                        os.unlink(os.path.join(self.dir, h + ext))
+                        total -= table[h].st_size
+                    except FileNotFoundError:
+                        pass
+            if h in blks:
+                evicted.append(bytes.fromhex(h))
+        keep = list(todo)
+        while keep and total + len(keep) * self.block_bytes > self.max_bytes:
+            keep.pop()
+        self.stats["evicted"] += len(evicted)
+        self.stats["not_stored"] += len(todo) - len(keep)
+        return keep, evicted
 
     def prepare_store(self, keys, req_context) -> PrepareStoreOutput:
         todo = [] if self.role == "kv_consumer" else \
             [k for k in keys if not os.path.exists(self.block_path(k))]
+        evicted = []
+        if self.max_bytes is not None and todo:
+            todo, evicted = self._make_room(todo)
         self.stats["stored"] += len(todo)
         return PrepareStoreOutput(
             keys_to_store=todo,
             store_spec=KvarnFileLoadStoreSpec(
                 (self.block_path(k), self.block_path(k)[:-4] + ".sink") for k in todo),
-            evicted_keys=[])
+            evicted_keys=evicted)
 
     def on_new_request(self, req_context) -> RequestOffloadingContext:
         rid = req_context.req_id
@@ -308,17 +432,20 @@ class KvarnFileManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context) -> None:
-        self._deadline.pop(req_context.req_id, None)
+        rid = getattr(req_context, "req_id", None)
+        self._deadline.pop(rid, None)
+        for pinned in self._looked.pop(rid, {}).values():
+            self._unpin(pinned)
 
     def shutdown(self) -> None:
         for stack in self._pins.values():
             for pinned in stack:
-                for p in pinned:
-                    try:
-                        os.unlink(p)
-                    except FileNotFoundError:
-                        pass
+                self._unpin(pinned)
         self._pins.clear()
+        for looked in self._looked.values():
+            for pinned in looked.values():
+                self._unpin(pinned)
+        self._looked.clear()
         try:
             os.rmdir(self.pin_dir)
         except OSError:
@@ -443,9 +570,12 @@ class KvarnFileWorker(OffloadingWorker):
 
 class KvarnFileSpec(OffloadingSpec):
     """The spec the connector builds (vllm/v1/kv_offload/base.py:595):
-    extra_config "root" (required: the directory; created if missing). The
+    extra_config "root" (required: the directory; created if missing),
+    "max_bytes" (optional: the size the engine keeps its namespace
+    directory under by evicting, parse_bytes; no eviction without it). The
     files of this engine go to root/namespace(config). Raises ValueError
-    for a configuration check_config refuses or a missing root."""
+    for a configuration check_config refuses, a missing root or a bad
+    max_bytes."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -458,6 +588,8 @@ class KvarnFileSpec(OffloadingSpec):
                              "the directory of the file tier (e.g. /dev/shm/kvarn-kv)")
         self.dir = os.path.join(root, namespace(config, vc))
         ktc = getattr(vc, "kv_transfer_config", None) if vc is not None else None
+        mb = self.extra_config.get("max_bytes")
+        self.max_bytes = None if mb is None else parse_bytes(mb)
         self.role = (self.extra_config.get(ROLE_KEY) or getattr(ktc, "kv_role", None)
                      or "kv_both")
         os.makedirs(self.dir, exist_ok=True)
@@ -473,7 +605,8 @@ class KvarnFileSpec(OffloadingSpec):
 
     def get_manager(self) -> KvarnFileManager:
         if self._manager is None:
-            self._manager = KvarnFileManager(self.dir, self.role)
+            self._manager = KvarnFileManager(self.dir, self.role, self.max_bytes,
+                                             self.config.worker_kv_bytes_per_block)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> KvarnFileWorker:

@@ -266,3 +266,85 @@ def test_file_manager_pins_and_skips(tmp_path):
     (dead / "0.blk").write_bytes(b"x")
     KvarnFileManager(str(tmp_path))
     assert not dead.exists()
+
+
+def test_parse_bytes():
+    from kvarn_vllm.offload import parse_bytes
+    assert parse_bytes(100) == 100 and parse_bytes("100") == 100
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("512 mib") == 512 << 20
+    assert parse_bytes("1.5GB") == 1_500_000_000
+    for bad in (0, -1, True, "abc", "5 parsecs", "-2GiB", "", None):
+        with pytest.raises(ValueError, match="max_bytes"):
+            parse_bytes(bad)
+
+
+def test_file_manager_evicts_least_recently_used(tmp_path):
+    """max_bytes: before a store the oldest-used unpinned blocks go (with
+    their sink copies) and are reported evicted; a block a lookup found
+    stays (pinned) until its request ends, whatever another process
+    evicts; a hit makes a block recent; a file linked elsewhere (another
+    process's pin) is never taken; where nothing can go, fewer blocks are
+    stored."""
+    import types
+    from vllm.v1.kv_offload.base import LookupResult
+    from kvarn_vllm.offload import KvarnFileManager
+    B = 100
+    m = KvarnFileManager(str(tmp_path), max_bytes=3 * B + 50, block_bytes=B)
+    clock = [1_000_000_000_000]
+    ctx = lambda rid: types.SimpleNamespace(req_id=rid, kv_transfer_params=None)
+
+    def store(keys, sink=0):
+        out = m.prepare_store(keys, ctx("s"))
+        for k in out.keys_to_store:
+            clock[0] += 10**9
+            path = m.block_path(k)
+            with open(path, "wb") as f:
+                f.write(b"r" * B)
+            os.utime(path, ns=(clock[0], clock[0]))
+            if sink:
+                with open(path[:-4] + ".sink", "wb") as f:
+                    f.write(b"s" * sink)
+        return out
+
+    k = [bytes([i]) * 8 for i in range(8)]
+    assert store(k[:3]).evicted_keys == []
+    # request a finds k0: pinned, and k0 is now the most recent use
+    assert m.lookup(k[0], ctx("a")) is LookupResult.HIT
+    out = store([k[3]])
+    assert out.keys_to_store == [k[3]] and out.evicted_keys == [k[1]]
+    assert not os.path.exists(m.block_path(k[1]))
+    # another process evicting everything it can: k0 stays (pinned), and
+    # request a still loads it
+    other = KvarnFileManager(str(tmp_path / "x"), max_bytes=1, block_bytes=B)
+    other.dir = m.dir
+    ev = other._make_room([k[7]])[1]
+    assert k[0] not in ev and os.path.exists(m.block_path(k[0])), ev
+    (blk, _), = m.prepare_load([k[0]], ctx("a")).files
+    assert open(blk, "rb").read() == b"r" * B
+    m.complete_load([k[0]], ctx("a"))
+    m.on_request_finished(ctx("a"))
+    # the oldest block goes with its sink copy, which counts in the size
+    for f in glob.glob(os.path.join(m.dir, "*.blk")):
+        os.unlink(f)
+    m.max_bytes = 5 * B + 50
+    for key, sink in ((k[4], 2 * B), (k[5], 0), (k[6], 0)):
+        assert store([key], sink=sink).evicted_keys == []
+    out = store([k[7]])                          # 500 + 100 > 550
+    assert out.evicted_keys == [k[4]] and not glob.glob(os.path.join(m.dir, "*.sink"))
+    # a hit makes a block recent: k6, not k5, goes next
+    assert m.lookup(k[5], ctx("b")) is LookupResult.HIT
+    m.on_request_finished(ctx("b"))
+    assert store([k[0]]).evicted_keys == [] and store([k[1]]).evicted_keys == []
+    assert store([k[2]]).evicted_keys == [k[6]]
+    # every block linked elsewhere too (another process's pins): none is
+    # taken, and fewer blocks are stored
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    for f in glob.glob(os.path.join(m.dir, "*.blk")):
+        os.link(f, keep / os.path.basename(f))
+    out = store([k[3], k[4]])                    # 500 + 200 > 550, 500 + 100 > 550
+    assert out.evicted_keys == [] and out.keys_to_store == [], out
+    m.max_bytes = 6 * B
+    out = store([k[3], k[4]])
+    assert out.evicted_keys == [] and out.keys_to_store == [k[3]], out
+    assert m.stats["not_stored"] == 3

@@ -60,10 +60,12 @@ def _free_port() -> int:
 
 
 def _ktc(role, root):
+    # max_bytes: far above what the test stores (the eviction scan runs at
+    # every store; test_offload checks what it evicts)
     return json.dumps({"kv_connector": "OffloadingConnector", "kv_role": role,
                        "kv_connector_extra_config": {"spec_name": "KvarnFileSpec",
                                                      "spec_module_path": "kvarn_vllm.offload",
-                                                     "root": root}})
+                                                     "root": root, "max_bytes": "1GiB"}})
 
 
 def _up(url, proc, log, t0):
@@ -233,10 +235,14 @@ def test_file_manager_roles_and_waiting(tmp_path, monkeypatch):
         assert m.lookup(key, wait) == (LookupResult.MISS if role == "kv_producer"
                                        else LookupResult.HIT)
         os.unlink(m.block_path(key))
+        if role != "kv_producer":   # a block found stays found (pinned) for the request
+            assert m.lookup(key, wait) == LookupResult.HIT
+        other = b"\x02" * 8
+        assert m.lookup(other, wait) == want
         now[0] += 5.0           # the wait is over: computed here from now on
-        assert m.lookup(key, wait) == LookupResult.MISS
+        assert m.lookup(other, wait) == LookupResult.MISS
         now[0] -= 5.0
-        assert m.lookup(key, wait) == LookupResult.MISS    # not waited for again
+        assert m.lookup(other, wait) == LookupResult.MISS    # not waited for again
         m.on_request_finished(wait)
         m.on_request_finished(plain)
         assert m._deadline == {}
