@@ -259,12 +259,14 @@ def test_file_manager_roles_and_waiting(tmp_path, monkeypatch):
 def test_proxy_bodies_and_errors():
     """The proxy against two fake instances: the prefill body (one token,
     no stream), the decode body (kvarn_pd added, the client's own
-    kv_transfer_params kept), a prefill error returned as it came with the
+    kv_transfer_params kept), a streamed answer relayed as it came, a
+    prefill error returned as it came with the
     decode instance not asked, a body that is not JSON refused."""
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
     from kvarn_vllm.pd_proxy import make_app
 
+    STREAM = [b'data: {"choices": [{"text": "a"}]}\n\n', b"data: [DONE]\n\n"]
     seen = {"prefill": [], "decode": []}
     fail = [False]
 
@@ -274,6 +276,13 @@ def test_proxy_bodies_and_errors():
             seen[name].append(body)
             if name == "prefill" and fail[0]:
                 return web.json_response({"error": {"message": "too long"}}, status=400)
+            if body.get("stream"):
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await out.prepare(request)
+                for chunk in STREAM:
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
             return web.json_response({"choices": [{"text": name}]})
         app = web.Application()
         app.router.add_post("/v1/completions", handle)
@@ -295,10 +304,14 @@ def test_proxy_bodies_and_errors():
             assert pre["max_tokens"] == 1 and pre["stream"] is False and "min_tokens" not in pre
             assert dec["max_tokens"] == 50 and dec["min_tokens"] == 4
             assert dec["kv_transfer_params"] == {"mine": 1, "kvarn_pd": {"wait_s": 7.0}}
+            r = await client.post("/v1/completions", json=dict(body, stream=True))
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            assert await r.read() == b"".join(STREAM)
+            assert seen["prefill"][-1]["stream"] is False and seen["decode"][-1]["stream"]
             fail[0] = True
             r = await client.post("/v1/completions", json=body)
             assert r.status == 400 and "too long" in (await r.text())
-            assert len(seen["decode"]) == 1
+            assert len(seen["decode"]) == 2
             r = await client.post("/v1/completions", data=b"{not json")
             assert r.status == 400 and "not JSON" in (await r.text())
         finally:
