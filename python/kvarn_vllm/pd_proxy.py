@@ -63,13 +63,32 @@ def make_app(prefill: list, decode: list, wait_s: float):
     pre_urls, dec_urls = itertools.cycle(prefill), itertools.cycle(decode)
 
     async def client(app):
-        app["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        # a fresh connection per request (force_close): no pooled
+        # connection an instance has closed meanwhile is written to
+        app["session"] = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None),
+            connector=aiohttp.TCPConnector(force_close=True))
         yield
         await app["session"].close()
 
+    async def post(session, url, body):
+        """The instance's response (headers read; the caller releases it),
+        asked a second time where the connection dropped before any answer
+        (aiohttp.ServerDisconnectedError, ClientOSError: seen once in CI
+        on a loaded machine); an HTTPBadGateway naming the instance where
+        the second try fails too."""
+        for attempt in (1, 2):
+            try:
+                return await session.post(url, json=body)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                err = e
+        raise web.HTTPBadGateway(text=json.dumps({"error": {
+            "message": f"kvarn pd_proxy: {url} did not answer ({type(err).__name__}: {err})"}}),
+            content_type="application/json")
+
     async def relay(request, url, body):
-        s = request.app["session"]
-        async with s.post(url, json=body) as r:
+        r = await post(request.app["session"], url, body)
+        try:
             if not body.get("stream"):
                 return web.Response(status=r.status, body=await r.read(),
                                     content_type=r.content_type)
@@ -81,6 +100,8 @@ def make_app(prefill: list, decode: list, wait_s: float):
                 await out.write(chunk)
             await out.write_eof()
             return out
+        finally:
+            r.release()
 
     async def pd(request):
         try:
@@ -91,12 +112,14 @@ def make_app(prefill: list, decode: list, wait_s: float):
         if not isinstance(body, dict):
             return web.json_response({"error": {"message": "kvarn pd_proxy: the body is "
                                                            "not a JSON object"}}, status=400)
-        s = request.app["session"]
-        async with s.post(next(pre_urls) + request.path, json=prefill_body(body)) as r:
+        r = await post(request.app["session"], next(pre_urls) + request.path,
+                       prefill_body(body))
+        try:
+            data = await r.read()
             if r.status != 200:
-                return web.Response(status=r.status, body=await r.read(),
-                                    content_type=r.content_type)
-            await r.read()
+                return web.Response(status=r.status, body=data, content_type=r.content_type)
+        finally:
+            r.release()
         return await relay(request, next(dec_urls) + request.path, decode_body(body, wait_s))
 
     async def forward_get(request):

@@ -257,7 +257,9 @@ def test_file_manager_roles_and_waiting(tmp_path, monkeypatch):
 
 
 def test_proxy_bodies_and_errors():
-    """The proxy against two fake instances: the prefill body (one token,
+    """The proxy against two fake instances that close idle connections
+    after 0.2 s: a request after that is served; a connection the decode
+    instance drops unanswered is asked again once, then 502; the prefill body (one token,
     no stream), the decode body (kvarn_pd added, the client's own
     kv_transfer_params kept), a streamed answer relayed as it came, a
     prefill error returned as it came with the
@@ -269,11 +271,16 @@ def test_proxy_bodies_and_errors():
     STREAM = [b'data: {"choices": [{"text": "a"}]}\n\n', b"data: [DONE]\n\n"]
     seen = {"prefill": [], "decode": []}
     fail = [False]
+    drop = [0]
 
     def fake(name):
         async def handle(request):
             body = await request.json()
             seen[name].append(body)
+            if name == "decode" and drop[0]:
+                drop[0] -= 1            # this connection dropped with no answer
+                request.transport.close()
+                return web.Response()
             if name == "prefill" and fail[0]:
                 return web.json_response({"error": {"message": "too long"}}, status=400)
             if body.get("stream"):
@@ -284,26 +291,44 @@ def test_proxy_bodies_and_errors():
                 await out.write_eof()
                 return out
             return web.json_response({"choices": [{"text": name}]})
+        async def health(request):
+            return web.Response(text="ok")
         app = web.Application()
         app.router.add_post("/v1/completions", handle)
+        app.router.add_get("/health", health)
         return app
 
     async def run():
         servers = {n: TestServer(fake(n)) for n in seen}
         for s in servers.values():
-            await s.start_server()
+            # idle connections closed soon, as uvicorn does after 5 s
+            await s.start_server(keepalive_timeout=0.2)
         base = {n: str(s.make_url("")).rstrip("/") for n, s in servers.items()}
         client = TestClient(TestServer(make_app([base["prefill"]], [base["decode"]], 7.0)))
         await client.start_server()
         try:
             body = {"prompt": [1, 2, 3], "max_tokens": 50, "stream": False, "min_tokens": 4,
                     "kv_transfer_params": {"mine": 1}}
+            # a request after the instances closed the proxy's idle
+            # connection (its /health check): answered (the proxy opens a
+            # connection per request)
+            r = await client.get("/health")
+            assert r.status == 200
+            await asyncio.sleep(0.6)
             r = await client.post("/v1/completions", json=body)
             assert r.status == 200 and (await r.json())["choices"][0]["text"] == "decode"
             pre, dec = seen["prefill"][-1], seen["decode"][-1]
             assert pre["max_tokens"] == 1 and pre["stream"] is False and "min_tokens" not in pre
             assert dec["max_tokens"] == 50 and dec["min_tokens"] == 4
             assert dec["kv_transfer_params"] == {"mine": 1, "kvarn_pd": {"wait_s": 7.0}}
+            # the decode instance drops a connection: asked again; twice: 502
+            drop[0] = 1
+            r = await client.post("/v1/completions", json=body)
+            assert r.status == 200 and (await r.json())["choices"][0]["text"] == "decode"
+            drop[0] = 2
+            r = await client.post("/v1/completions", json=body)
+            assert r.status == 502 and "did not answer" in (await r.text()), await r.text()
+            n_dec = len(seen["decode"])
             r = await client.post("/v1/completions", json=dict(body, stream=True))
             assert r.status == 200 and r.content_type == "text/event-stream"
             assert await r.read() == b"".join(STREAM)
@@ -311,7 +336,7 @@ def test_proxy_bodies_and_errors():
             fail[0] = True
             r = await client.post("/v1/completions", json=body)
             assert r.status == 400 and "too long" in (await r.text())
-            assert len(seen["decode"]) == 2
+            assert len(seen["decode"]) == n_dec + 1
             r = await client.post("/v1/completions", data=b"{not json")
             assert r.status == 400 and "not JSON" in (await r.text())
         finally:
