@@ -119,6 +119,10 @@ class _KvarnPlatform:
         settings = Settings.from_env()
         settings.record(vllm_config)
         check_model(vllm_config, settings)
+        if getattr(ktc, "kv_connector_module_path", None) == "kvarn_vllm.lmcache_mp":
+            # LMCache's MP server (lmcache_mp.py): what it refuses, before an engine starts
+            from .lmcache_config import check_config as lmcache_check
+            lmcache_check(vllm_config)
         pc, sc = vllm_config.parallel_config, vllm_config.scheduler_config
         own = GPU_WORKER if vllm_config.device_config.device_type == "cuda" else CPU_WORKER
         if pc.worker_cls in ("auto", own):
