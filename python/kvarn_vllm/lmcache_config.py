@@ -44,3 +44,26 @@ def check_config(vllm_config) -> None:
             "be attended from the sink's record instead, logprobs off a cold run's); set "
             "KVARN_SINK_TILES=0 (and leave KVARN_SINK_TOKENS unset), or use the file tier "
             "(kvarn_vllm.offload.KvarnFileSpec), which stores the sink copy")
+
+
+def llvmlite_vars_fix() -> None:
+    """LMCache imports numba, hence llvmlite, whose llvmlite.binding.ffi.lib
+    (a __slots__ object whose __getattr__ wraps any name of its CDLL)
+    answers `__dict__` with a function wrapper. vLLM 0.32's CPU worker scans
+    every module's attributes at init_worker (vllm/triton_utils/
+    dispatcher.py _rebind_kernels: `vars(value).get("kernel")`) and fails
+    with "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'"
+    where LMCache was imported first (vLLM resolves the connector class
+    while it builds the config, so an in-process engine,
+    VLLM_ENABLE_V1_MULTIPROCESSING=0, with any LMCache connector always
+    does). Its function table gets an empty `__dict__` entry, which
+    llvmlite never looks up itself. Called by platform.py for any connector
+    module path naming lmcache, and by lmcache_mp at import."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    tab = getattr(ffi.lib, "_fntab", None)
+    if isinstance(tab, dict):
+        tab.setdefault("__dict__", {})
+

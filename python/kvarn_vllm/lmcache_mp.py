@@ -38,30 +38,10 @@ from lmcache.integration.vllm.lmcache_mp_connector import (LMCacheMPConnector,
                                                            get_dcp_decorated_model_name)
 from vllm.logger import init_logger
 
-from .lmcache_config import _is_kvarn, _tile_format, check_config  # noqa: F401
+from .lmcache_config import _is_kvarn, _tile_format, check_config, llvmlite_vars_fix  # noqa: F401
 
 
-def _llvmlite_vars_fix() -> None:
-    """LMCache imports numba, hence llvmlite, whose llvmlite.binding.ffi.lib
-    (a __slots__ object whose __getattr__ wraps any name of its CDLL)
-    answers `__dict__` with a function wrapper. vLLM 0.32's CPU worker scans
-    every module's attributes at init_worker (vllm/triton_utils/
-    dispatcher.py _rebind_kernels: `vars(value).get("kernel")`) and fails
-    with "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'"
-    where this module was imported first (vLLM resolves the connector class
-    while it builds the config, so an in-process engine,
-    VLLM_ENABLE_V1_MULTIPROCESSING=0, always does). Its function table gets
-    an empty `__dict__` entry, which llvmlite never looks up itself."""
-    try:
-        from llvmlite.binding import ffi
-    except ImportError:
-        return
-    tab = getattr(ffi.lib, "_fntab", None)
-    if isinstance(tab, dict):
-        tab.setdefault("__dict__", {})
-
-
-_llvmlite_vars_fix()
+llvmlite_vars_fix()
 
 log = init_logger("vllm.kvarn_vllm")
 

@@ -104,6 +104,11 @@ class _KvarnPlatform:
         cc = vllm_config.cache_config
         ktc = getattr(vllm_config, "kv_transfer_config", None)
         extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+        if "lmcache" in str(getattr(ktc, "kv_connector_module_path", None) or "") or \
+                "LMCache" in str(getattr(ktc, "kv_connector", None) or ""):
+            # an LMCache connector (kvarn_vllm.lmcache_mp or LMCache's own)
+            from .lmcache_config import llvmlite_vars_fix
+            llvmlite_vars_fix()
         if extra.get("spec_module_path") == "kvarn_vllm.offload":
             # the file tier (offload.py): what it refuses, before an engine starts
             from .offload import ROLE_KEY, check_config
