@@ -136,14 +136,21 @@ def namespace(offloading_config, vllm_config=None) -> str:
              "t" + "-".join(str(g.tokens_per_block) for g in c.groups),
              f"tp{c.parallel.tp_size}pp{c.parallel.pp_size}r{c.parallel.rank}"]
     if c.model.dtype.startswith("kvarn_"):
-        from .settings import STAGING_DEFAULT
-        st = _settings(vllm_config)
-        from vllm.platforms import current_platform
-        dev = "cuda" if current_platform.device_type == "cuda" else "cpu"
-        parts += [f"st-{st.staging or STAGING_DEFAULT[dev]}", f"sink{st.sink_tiles}",
-                  f"commit-{st.prefill_commit or ('staged' if dev == 'cuda' else 'exact')}",
-                  f"sw-{st.sliding_window}"]
+        parts += settings_fields(vllm_config)
     return "_".join(p.replace("/", "-") for p in parts)
+
+
+def settings_fields(vllm_config=None) -> list:
+    """The kvarn settings (settings.py) that decide what a stored block
+    means, as name fields: staging, sink tiles, prefill commit, sliding
+    window (namespace; lmcache_mp.cache_name)."""
+    from .settings import STAGING_DEFAULT
+    st = _settings(vllm_config)
+    from vllm.platforms import current_platform
+    dev = "cuda" if current_platform.device_type == "cuda" else "cpu"
+    return [f"st-{st.staging or STAGING_DEFAULT[dev]}", f"sink{st.sink_tiles}",
+            f"commit-{st.prefill_commit or ('staged' if dev == 'cuda' else 'exact')}",
+            f"sw-{st.sliding_window}"]
 
 
 class KvarnFileLoadStoreSpec(LoadStoreSpec):

@@ -104,6 +104,11 @@ class _KvarnPlatform:
         cc = vllm_config.cache_config
         ktc = getattr(vllm_config, "kv_transfer_config", None)
         extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+        if "lmcache" in str(getattr(ktc, "kv_connector_module_path", None) or "") or \
+                "LMCache" in str(getattr(ktc, "kv_connector", None) or ""):
+            # an LMCache connector (kvarn_vllm.lmcache_mp or LMCache's own)
+            from .lmcache_config import llvmlite_vars_fix
+            llvmlite_vars_fix()
         if extra.get("spec_module_path") == "kvarn_vllm.offload":
             # the file tier (offload.py): what it refuses, before an engine starts
             from .offload import ROLE_KEY, check_config
@@ -119,6 +124,10 @@ class _KvarnPlatform:
         settings = Settings.from_env()
         settings.record(vllm_config)
         check_model(vllm_config, settings)
+        if getattr(ktc, "kv_connector_module_path", None) == "kvarn_vllm.lmcache_mp":
+            # LMCache's MP server (lmcache_mp.py): what it refuses, before an engine starts
+            from .lmcache_config import check_config as lmcache_check
+            lmcache_check(vllm_config)
         pc, sc = vllm_config.parallel_config, vllm_config.scheduler_config
         own = GPU_WORKER if vllm_config.device_config.device_type == "cuda" else CPU_WORKER
         if pc.worker_cls in ("auto", own):
