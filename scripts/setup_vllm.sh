@@ -58,6 +58,15 @@ fi
 if ! "$PY" -c "import gguf, accelerate, pytest, xdist, matplotlib" >/dev/null 2>&1; then
   "$PY" -m pip install -q gguf accelerate pytest pytest-xdist matplotlib
 fi
+# LMCache's multiprocess server and connector (kvarn_vllm.lmcache_mp,
+# docs/vllm-connectors.md "LMCache"): without its dependencies, which would
+# move vLLM's own packages (numpy, protobuf, grpcio, opentelemetry,
+# prometheus_client) and add CUDA ones; the server and the connector run on
+# what vLLM already has plus sortedcontainers (17 MB download)
+if ! "$PY" -c "import lmcache, sortedcontainers" >/dev/null 2>&1; then
+  say "installing lmcache 0.5.6 (--no-deps) and sortedcontainers"
+  "$PY" -m pip install -q --no-deps lmcache==0.5.6 sortedcontainers==2.4.0
+fi
 # (again when the console script kvarn-vllm-ladder is missing: an older
 # install of the plug-in predates it)
 if ! "$PY" -c "import kvarn_vllm" >/dev/null 2>&1 || [ ! -x "$VENV/bin/kvarn-vllm-ladder" ]; then
