@@ -1,7 +1,13 @@
 """Bytes stored per prompt token and time to first token on a file-tier hit
 against recomputing (docs/vllm-connectors.md), one run each, printed.
 
-    PYTHONPATH=python .venv-vllm/bin/python bench/offload_ttft.py [DTYPE] [TOKENS]
+    PYTHONPATH=python .venv-vllm/bin/python bench/offload_ttft.py [DTYPE] [TOKENS] [--lmcache]
+
+--lmcache: the same through LMCache's multiprocess server
+(kvarn_vllm.lmcache_mp; a server started here on loopback, chunk size 256,
+tests/vllm/lmcache_server.py; every run, cold included, with
+KVARN_SINK_TILES=0, which that connector needs); the bytes are the
+server's L1 memory.
 
 For a TOKENS-token prompt (default 2048 - 8, Persuasion) on SmolLM2-135M
 (fp32 model), cache dtype DTYPE (default kvarn_k4v2_g128), each in a fresh
@@ -18,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 MODEL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct-hf")
@@ -34,8 +41,9 @@ def run(cfg: dict) -> dict:
 
 
 def main() -> None:
-    dtype = sys.argv[1] if len(sys.argv) > 1 else "kvarn_k4v2_g128"
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 2040
+    args = [a for a in sys.argv[1:] if a != "--lmcache"]
+    dtype = args[0] if args else "kvarn_k4v2_g128"
+    n = int(args[1]) if len(args) > 1 else 2040
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(MODEL)
     with open(os.path.join(ROOT, "data", "austen", "persuasion.txt"), encoding="utf-8") as f:
@@ -47,6 +55,8 @@ def main() -> None:
                 # a short unrelated prompt first: the engine's first-step costs
                 # (staging pool, thread pools) stay out of the timed request
                 warm_prompts=["The capital of France is"])
+    if "--lmcache" in sys.argv:
+        return lmcache(base, dtype, n)
     with tempfile.TemporaryDirectory(prefix="kvarn-kv-") as root:
         ktc = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"spec_name": "KvarnFileSpec",
@@ -68,6 +78,35 @@ def main() -> None:
           f"{stored} bytes = {stored / toks:.0f} B/token (bf16 {bf16} B/token, "
           f"{bf16 * toks / stored:.2f}x smaller); sink copies {sink_bytes} bytes "
           f"({(stored + sink_bytes) / toks:.0f} B/token with them)")
+    print(f"time to first token: cold {cold['gen_seconds']:.3f} s, store run "
+          f"{store['gen_seconds']:.3f} s, hit {hit['gen_seconds']:.3f} s "
+          f"({h['num_cached_tokens']} tokens loaded); "
+          f"first token equal: {c['token_ids'] == h['token_ids']}")
+
+
+def lmcache(base: dict, dtype: str, n: int) -> None:
+    sys.path.insert(0, os.path.join(ROOT, "tests", "vllm"))
+    from lmcache_server import ENV, Server
+    os.environ.update(ENV)
+    base = dict(base, env={"KVARN_SINK_TILES": "0"})
+    with tempfile.TemporaryDirectory(prefix="kvarn-lmcache-") as tmp:
+        server = Server(os.path.join(tmp, "server.log"), 256)
+        try:
+            cold = run(base)
+            store = run(dict(base, kv_transfer_config=server.ktc()))
+            time.sleep(2)          # stores are asynchronous
+            l1 = server.l1()
+            hit = run(dict(base, kv_transfer_config=server.ktc()))
+        finally:
+            server.stop()
+    toks = l1["total_object_count"] * 256
+    stored = l1["memory_used_bytes"]
+    bf16 = 2 * HK * D * 2 * LAYERS
+    c, h = cold["outputs"][0], hit["outputs"][0]
+    print(f"{dtype} through LMCache (KVARN_SINK_TILES=0), prompt {n} tokens: "
+          f"{l1['total_object_count']} chunks ({toks} tokens), {stored} bytes = "
+          f"{stored / max(toks, 1):.0f} B/token (bf16 {bf16} B/token, "
+          f"{bf16 * toks / max(stored, 1):.2f}x smaller)")
     print(f"time to first token: cold {cold['gen_seconds']:.3f} s, store run "
           f"{store['gen_seconds']:.3f} s, hit {hit['gen_seconds']:.3f} s "
           f"({h['num_cached_tokens']} tokens loaded); "
