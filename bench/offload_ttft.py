@@ -72,16 +72,18 @@ def main() -> None:
         sink_bytes = sum(os.path.getsize(f) for f in sinks)
         hit = run(dict(base, kv_transfer_config=ktc))
     toks = len(files) * 128
+    _report(f"{dtype}, prompt {n} tokens: {len(files)} blocks stored", toks, stored,
+            f"; sink copies {sink_bytes} bytes ({(stored + sink_bytes) / max(toks, 1):.0f} "
+            "B/token with them)", cold, store, hit)
+
+
+def _report(head: str, toks: int, stored: int, tail: str, cold: dict, store: dict,
+            hit: dict) -> None:
+    """Bytes per stored token against bf16's, then the three times."""
     bf16 = 2 * HK * D * 2 * LAYERS
-    print(f"{dtype}, prompt {n} tokens: {len(files)} blocks stored ({toks} tokens), "
-          f"{stored} bytes = {stored / toks:.0f} B/token (bf16 {bf16} B/token, "
-          f"{bf16 * toks / stored:.2f}x smaller); sink copies {sink_bytes} bytes "
-          f"({(stored + sink_bytes) / toks:.0f} B/token with them)")
-    _print_ttft(cold, store, hit)
-
-
-def _print_ttft(cold: dict, store: dict, hit: dict) -> None:
     c, h = cold["outputs"][0], hit["outputs"][0]
+    print(f"{head} ({toks} tokens), {stored} bytes = {stored / max(toks, 1):.0f} B/token "
+          f"(bf16 {bf16} B/token, {bf16 * toks / max(stored, 1):.2f}x smaller){tail}")
     print(f"time to first token: cold {cold['gen_seconds']:.3f} s, store run "
           f"{store['gen_seconds']:.3f} s, hit {hit['gen_seconds']:.3f} s "
           f"({h['num_cached_tokens']} tokens loaded); "
@@ -103,14 +105,9 @@ def lmcache(base: dict, dtype: str, n: int) -> None:
             hit = run(dict(base, kv_transfer_config=server.ktc()))
         finally:
             server.stop()
-    toks = l1["total_object_count"] * 256
-    stored = l1["memory_used_bytes"]
-    bf16 = 2 * HK * D * 2 * LAYERS
-    print(f"{dtype} through LMCache (KVARN_SINK_TILES=0), prompt {n} tokens: "
-          f"{l1['total_object_count']} chunks ({toks} tokens), {stored} bytes = "
-          f"{stored / max(toks, 1):.0f} B/token (bf16 {bf16} B/token, "
-          f"{bf16 * toks / max(stored, 1):.2f}x smaller)")
-    _print_ttft(cold, store, hit)
+    _report(f"{dtype} through LMCache (KVARN_SINK_TILES=0), prompt {n} tokens: "
+            f"{l1['total_object_count']} chunks", l1["total_object_count"] * 256,
+            l1["memory_used_bytes"], "", cold, store, hit)
 
 
 if __name__ == "__main__":
