@@ -5,8 +5,8 @@ against recomputing (docs/vllm-connectors.md), one run each, printed.
 
 --lmcache: the same through LMCache's multiprocess server
 (kvarn_vllm.lmcache_mp; a server started here on loopback, chunk size 256,
-tests/vllm/lmcache_server.py; every run, cold included, with
-KVARN_SINK_TILES=0, which that connector needs); the bytes are the
+tests/vllm/lmcache_server.py; for a KVarN format every run, cold
+included, with KVARN_SINK_TILES=0, which that connector needs); the bytes are the
 server's L1 memory.
 
 For a TOKENS-token prompt (default 2048 - 8, Persuasion) on SmolLM2-135M
@@ -94,7 +94,9 @@ def lmcache(base: dict, dtype: str, n: int) -> None:
     sys.path.insert(0, os.path.join(ROOT, "tests", "vllm"))
     from lmcache_server import ENV, Server
     os.environ.update(ENV)
-    base = dict(base, env={"KVARN_SINK_TILES": "0"})
+    from kvarn_vllm import _lib
+    if dtype.startswith("kvarn_") and _lib.parse_format(dtype).per_tile:
+        base = dict(base, env={"KVARN_SINK_TILES": "0"})   # the connector needs it
     with tempfile.TemporaryDirectory(prefix="kvarn-lmcache-") as tmp:
         server = Server(os.path.join(tmp, "server.log"), 256)
         try:
@@ -105,7 +107,7 @@ def lmcache(base: dict, dtype: str, n: int) -> None:
             hit = run(dict(base, kv_transfer_config=server.ktc()))
         finally:
             server.stop()
-    _report(f"{dtype} through LMCache (KVARN_SINK_TILES=0), prompt {n} tokens: "
+    _report(f"{dtype} through LMCache, prompt {n} tokens: "
             f"{l1['total_object_count']} chunks", l1["total_object_count"] * 256,
             l1["memory_used_bytes"], "", cold, store, hit)
 
