@@ -13,7 +13,7 @@ import urllib.request
 ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -23,7 +23,7 @@ class Server:
     """An `lmcache server` of this venv in a process group of its own."""
 
     def __init__(self, log_path: str, chunk: int = 128):
-        self.port, self.http = _free_port(), _free_port()
+        self.port, self.http = free_port(), free_port()
         exe = os.path.join(os.path.dirname(sys.executable), "lmcache")
         self.log_path = log_path
         self.log = open(log_path, "w")

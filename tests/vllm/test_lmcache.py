@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("lmcache")
 
 from conftest import run_llm                      # noqa: E402
-from lmcache_server import ENV, Server            # noqa: E402
+from lmcache_server import ENV, Server, free_port  # noqa: E402
 from test_offload import BF16_PER_TOKEN, LP_TOL, _block_bytes, _ids  # noqa: E402
 
 CHUNK = 128
@@ -141,7 +141,7 @@ def test_sink_refused(ids, monkeypatch):
     ktc = {"kv_connector": "KvarnLMCacheMPConnector",
            "kv_connector_module_path": "kvarn_vllm.lmcache_mp", "kv_role": "kv_both",
            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                         "lmcache.mp.port": _free_port()}}
+                                         "lmcache.mp.port": free_port()}}
     res, out = run_llm(_cfg("kvarn_k4v2_g128", p[:10], q[:10], ktc), expect_ok=False)
     assert res is None
     assert "STARTUP_ERROR" in out and "KVARN_SINK_TILES=1" in out \
