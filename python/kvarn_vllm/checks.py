@@ -233,3 +233,44 @@ def kv_shared_kvarn_layers(mc, policy: str) -> list:
     keep_sliding = policy == "vllm" and mc.get_sliding_window() is not None
     return [i for i in range(n - k, n)
             if not (keep_sliding and i < len(types) and types[i] == "sliding_attention")]
+
+
+# The KV connectors served with kvarn cache dtypes (docs/vllm-connectors.md):
+# (kv_connector, what else must match in the transfer config) -> the name
+# given in messages. Any other connector moves a kvarn page without the
+# plug-in's staging bookkeeping (loaded blocks adopted as records, sink
+# copies) and untested: vLLM's NixlConnector on CPU moved kvarn_k4v2_g128
+# pages of a prompt into the decode instance's blocks one block off (the
+# kvarn scheduler cut the hit to whole tiles; NIXL kept the tail of the
+# prefill instance's blocks), with no error and other tokens.
+SERVED_CONNECTORS = (
+    ("OffloadingConnector", "spec_module_path", "kvarn_vllm.offload",
+     "OffloadingConnector with spec KvarnFileSpec (kvarn_vllm.offload: file tier, "
+     "prefill/decode)"),
+    ("KvarnLMCacheMPConnector", "kv_connector_module_path", "kvarn_vllm.lmcache_mp",
+     "KvarnLMCacheMPConnector (kvarn_vllm.lmcache_mp: LMCache's multiprocess server)"),
+)
+
+
+def check_kv_connector(vllm_config) -> None:
+    """Raise ValueError where the engine's kv_transfer_config names a KV
+    connector not served with its kvarn cache dtype (SERVED_CONNECTORS),
+    naming it and the served ones. vllm_config: the engine's VllmConfig
+    with a kvarn cache dtype; no transfer config is fine."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    name = getattr(ktc, "kv_connector", None)
+    if not name:
+        return
+    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+    for conn, key, want, _ in SERVED_CONNECTORS:
+        got = extra.get(key) if key != "kv_connector_module_path" else \
+            getattr(ktc, "kv_connector_module_path", None)
+        if name == conn and got == want:
+            return
+    raise ValueError(
+        f"kvarn: the KV connector {name} is not served with --kv-cache-dtype "
+        f"{vllm_config.cache_config.cache_dtype} (it would move kvarn pages without the "
+        "plug-in's staging bookkeeping; vLLM's NixlConnector on CPU moved them misaligned, "
+        "silently giving other tokens); served: "
+        + "; ".join(s[3] for s in SERVED_CONNECTORS)
+        + " (docs/vllm-connectors.md), or use one of vLLM's own cache dtypes with it")

@@ -119,11 +119,12 @@ class _KvarnPlatform:
                 ktc.kv_connector_extra_config[ROLE_KEY] = ktc.kv_role or "kv_both"
         if cc is None or not _is_kvarn(cc.cache_dtype):
             return
-        from .checks import check_model
+        from .checks import check_kv_connector, check_model
         from .settings import Settings
         settings = Settings.from_env()
         settings.record(vllm_config)
         check_model(vllm_config, settings)
+        check_kv_connector(vllm_config)
         if getattr(ktc, "kv_connector_module_path", None) == "kvarn_vllm.lmcache_mp":
             # LMCache's MP server (lmcache_mp.py): what it refuses, before an engine starts
             from .lmcache_config import check_config as lmcache_check

@@ -345,3 +345,38 @@ def test_proxy_bodies_and_errors():
                 await s.close()
 
     asyncio.run(run())
+
+
+def test_other_connectors_refused(tmp_path):
+    """A KV connector other than the file tier's and kvarn's LMCache one,
+    with a kvarn cache dtype: LLM(...) fails naming it and the served ones
+    (checks.check_kv_connector; NixlConnector moved kvarn pages one block
+    off, silently). Without an engine: what the check lets through."""
+    from conftest import run_llm
+    from test_offload import _ids
+    p, _ = _ids()
+    ktc = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    res, out = run_llm(dict(kv_cache_dtype=KV, prompt_ids=[p[:10]], max_tokens=2,
+                            kv_transfer_config=ktc), expect_ok=False)
+    assert res is None
+    assert "STARTUP_ERROR" in out and "KV connector NixlConnector is not served" in out \
+        and "KvarnFileSpec" in out and "KvarnLMCacheMPConnector" in out, out[-3000:]
+    from kvarn_vllm.checks import check_kv_connector
+
+    def cfg(dtype, **t):
+        ktc = types.SimpleNamespace(kv_connector=t.get("name"),
+                                    kv_connector_module_path=t.get("module"),
+                                    kv_connector_extra_config=t.get("extra"))
+        return types.SimpleNamespace(kv_transfer_config=ktc,
+                                     cache_config=types.SimpleNamespace(cache_dtype=dtype))
+    check_kv_connector(types.SimpleNamespace(kv_transfer_config=None))
+    check_kv_connector(cfg(KV))
+    check_kv_connector(cfg(KV, name="OffloadingConnector",
+                           extra={"spec_module_path": "kvarn_vllm.offload"}))
+    check_kv_connector(cfg(KV, name="KvarnLMCacheMPConnector", module="kvarn_vllm.lmcache_mp"))
+    for bad in (dict(name="OffloadingConnector", extra={"spec_name": "CPUOffloadingSpec"}),
+                dict(name="LMCacheMPConnector",
+                     module="lmcache.integration.vllm.lmcache_mp_connector"),
+                dict(name="MultiConnector")):
+        with pytest.raises(ValueError, match=f"KV connector {bad['name']} is not served"):
+            check_kv_connector(cfg("kvarn_int8", **bad))
