@@ -28,7 +28,8 @@ pytest.importorskip("lmcache")
 
 from conftest import run_llm                      # noqa: E402
 from lmcache_server import ENV, Server, free_port  # noqa: E402
-from test_offload import BF16_PER_TOKEN, LP_TOL, _block_bytes, _ids  # noqa: E402
+from test_offload import (BF16_PER_TOKEN, _block_bytes, _ids, _outs,  # noqa: E402
+                          equals_cold)
 
 CHUNK = 128
 
@@ -55,10 +56,6 @@ def _cfg(dtype, p, q, ktc=None, **kw):
         c["kv_transfer_config"] = ktc
     c.update(kw)
     return c
-
-
-def _outs(res):
-    return [res["outputs"][0], res["rounds"][0][0]]
 
 
 def _wait_objects(server, n, timeout=60):
@@ -103,13 +100,7 @@ def test_shared_prefix(dtype, ids, server, monkeypatch):
     # locks of the chunk it does not load)
     assert server.l1()["read_locked_count"] == 0, server.l1()
     cold = run_llm(_cfg(dtype, p, q))[0]
-    for name, x, y in zip("PQ", _outs(b), _outs(cold)):
-        assert x["token_ids"] == y["token_ids"], (name, x["token_ids"], y["token_ids"])
-        d = max(abs(x["logprobs"][i][str(t)] - y["logprobs"][i][str(t)])
-                for i, t in enumerate(y["token_ids"]))
-        print(f"{dtype} {name}: {len(y['token_ids'])} greedy tokens equal, cached "
-              f"{x['num_cached_tokens']}, largest logprob difference {d:.2e}")
-        assert d <= LP_TOL
+    equals_cold(dtype, b, cold)
 
 
 def test_dtypes_do_not_share(ids, server, monkeypatch):

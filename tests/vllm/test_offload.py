@@ -95,6 +95,18 @@ def _block_bytes(dtype) -> int:
     return LAYERS * HK * (rb if fmt.per_tile else 128 * rb)  # tile records or token records
 
 
+def equals_cold(dtype, b, cold):
+    """P's and Q's outputs of run b against the cold run's: greedy tokens
+    equal, logprobs within LP_TOL (also test_lmcache)."""
+    for name, x, y in zip("PQ", _outs(b), _outs(cold)):
+        assert x["token_ids"] == y["token_ids"], (name, x["token_ids"], y["token_ids"])
+        d = max(abs(x["logprobs"][i][str(t)] - y["logprobs"][i][str(t)])
+                for i, t in enumerate(y["token_ids"]))
+        print(f"{dtype} {name}: {len(y['token_ids'])} greedy tokens equal, cached "
+              f"{x['num_cached_tokens']}, largest logprob difference {d:.2e}")
+        assert d <= LP_TOL
+
+
 @pytest.fixture(scope="module")
 def ids(hf_model):
     return _ids()
@@ -135,13 +147,7 @@ def test_shared_prefix(dtype, ids, tmp_path):
         print(f"{dtype}: loaded blocks that held a previous user's slot: {stale}")
         assert sum(stale) >= 1, stale
     cold = a if dtype == "auto" else run_llm(_cfg(dtype, p, q))[0]
-    for name, x, y in zip("PQ", _outs(b), _outs(cold)):
-        assert x["token_ids"] == y["token_ids"], (name, x["token_ids"], y["token_ids"])
-        d = max(abs(x["logprobs"][i][str(t)] - y["logprobs"][i][str(t)])
-                for i, t in enumerate(y["token_ids"]))
-        print(f"{dtype} {name}: {len(y['token_ids'])} greedy tokens equal, cached "
-              f"{x['num_cached_tokens']}, largest logprob difference {d:.2e}")
-        assert d <= LP_TOL
+    equals_cold(dtype, b, cold)
 
 
 @pytest.mark.parametrize("what,kw,env,msg", [
