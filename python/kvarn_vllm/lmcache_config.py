@@ -7,7 +7,8 @@ _rebind_kernels: "AttributeError: '_lib_fn_wrapper' object has no attribute
 
 
 def _is_kvarn(dtype) -> bool:
-    return str(dtype).startswith("kvarn_")
+    from ._lib import is_kvarn_dtype
+    return is_kvarn_dtype(dtype)
 
 
 def _tile_format(vllm_config):
