@@ -48,7 +48,9 @@ after it under --serve, where a variable read at import (the OpenMP
 runtime's OMP_*, vLLM's platform detection) keeps the launcher's value;
 VLLM_ENABLE_V1_MULTIPROCESSING is 0 unless set there), dense_logprobs (N: each position's logprobs as a list of the
 first N token ids' in id order, for logprobs covering the whole
-vocabulary), rounds (after prompts, more generate calls in the same engine,
+vocabulary; such a run does not detokenize, its "text" is empty, and
+takes vLLM's flat logprobs: the token strings of 2048 logprobs a position
+cost an engine ~10 s), rounds (after prompts, more generate calls in the same engine,
 each a dict of prompt_ids, logprobs, prompt_logprobs; their outputs in
 "rounds").
 Prints {"kv_tokens": N, "outputs": [{"text", "token_ids", "logprobs",
@@ -113,23 +115,32 @@ def main() -> None:
     if os.environ.get("KVARN_TEST_COMMIT_LOG"):
         # the engine is up: the plug-in's commit log starts (backend.py)
         open(os.environ["KVARN_TEST_COMMIT_LOG"] + ".go", "w").close()
+    dense = cfg.get("dense_logprobs", False)
+    # dense: ids and values only (FlatLogprobs, no token strings)
+    fast = dict(detokenize=False, flat_logprobs=True) if dense else {}
     sp = SamplingParams(temperature=0, max_tokens=cfg.get("max_tokens", 16),
                         logprobs=cfg.get("logprobs"), prompt_logprobs=cfg.get("prompt_logprobs"),
-                        ignore_eos=cfg.get("ignore_eos", False))
+                        ignore_eos=cfg.get("ignore_eos", False), **fast)
     if "prompt_ids" in cfg:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cfg["prompt_ids"]]
     else:
         prompts = cfg["prompts"]
     for w in cfg.get("warm_prompts", []):
         llm.generate([w], sp, use_tqdm=False)
-    dense = cfg.get("dense_logprobs", False)
 
     def lp(seq):
         if seq is None:
             return None
         if dense:  # every token's logprob, in token-id order
-            return [None if d is None else [v.logprob for _, v in sorted(d.items())][:dense]
-                    for d in seq]
+            import numpy as np
+            ids, vals = np.asarray(seq.token_ids), np.asarray(seq.logprobs)
+            rows = []
+            for a, b in zip(seq.start_indices, seq.end_indices):
+                # a position holds the chosen token and the top ones, the
+                # chosen one possibly twice (same value): unique ids, sorted
+                _, first = np.unique(ids[a:b], return_index=True)
+                rows.append(vals[a:b][first][:dense].tolist() if b > a else None)
+            return rows
         return [None if d is None else {str(t): v.logprob for t, v in d.items()} for d in seq]
 
     def run(prompts, sp):
@@ -148,7 +159,8 @@ def main() -> None:
     rounds = []
     for r in cfg.get("rounds", []):
         rsp = SamplingParams(temperature=0, max_tokens=cfg.get("max_tokens", 16),
-                             logprobs=r.get("logprobs"), prompt_logprobs=r.get("prompt_logprobs"))
+                             logprobs=r.get("logprobs"), prompt_logprobs=r.get("prompt_logprobs"),
+                             **fast)
         rounds.append(run([TokensPrompt(prompt_token_ids=ids) for ids in r["prompt_ids"]], rsp))
     res["rounds"] = rounds
     cc = llm.llm_engine.vllm_config.cache_config
@@ -164,7 +176,14 @@ def main() -> None:
     # Stop the engine, then leave without the interpreter's teardown: vLLM's
     # CPU build can abort there ("terminate called without an active
     # exception", seen once in a CI run) after every result was printed.
-    llm.llm_engine.engine_core.shutdown()
+    # An engine all in this process with no KV connector has nothing to
+    # stop that _exit does not end: its shutdown (a gc.collect of the whole
+    # heap, ~1 s an engine) is skipped.
+    alone = (os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+             and cfg.get("tensor_parallel_size", 1) == 1
+             and cfg.get("pipeline_parallel_size", 1) == 1 and not cfg.get("kv_transfer_config"))
+    if not alone:
+        llm.llm_engine.engine_core.shutdown()
     sys.stderr.flush()
     os._exit(0)
 

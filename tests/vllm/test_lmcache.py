@@ -95,7 +95,11 @@ def test_shared_prefix(dtype, ids, server, monkeypatch):
                              r"\((\d+) held", log_b)
         print(f"{dtype}: adopted (blocks, held a stale slot): {adopted}")
         assert sum(int(n) for n, _ in adopted) == 4, adopted     # P's 2, Q's 2
-        assert sum(int(s) for _, s in adopted) >= 1, adopted
+        # whether Q's blocks are ones P's partial tile staged in (a stale
+        # slot, released) depends on when LMCache's asynchronous store let
+        # vLLM free P's blocks: both happen in CI runs. The stale-slot case
+        # is test_offload's (test_loaded_block_with_stale_slot_reads_its_record,
+        # and its engines, whose stores are synchronous).
     # no lookup lock left behind (the tile format's cut-back hit frees the
     # locks of the chunk it does not load)
     assert server.l1()["read_locked_count"] == 0, server.l1()
