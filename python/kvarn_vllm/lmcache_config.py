@@ -4,20 +4,16 @@ worker starts, and importing lmcache there (numba, llvmlite) makes vLLM
 0.32's CPU worker fail at init_worker (vllm/triton_utils/dispatcher.py
 _rebind_kernels: "AttributeError: '_lib_fn_wrapper' object has no attribute
 'get'", llvmlite.binding.ffi's lib object answering vars())."""
-
-
-def _is_kvarn(dtype) -> bool:
-    from ._lib import is_kvarn_dtype
-    return is_kvarn_dtype(dtype)
+from . import _lib
+from ._lib import is_kvarn_dtype
 
 
 def _tile_format(vllm_config):
     """The parsed kvarn format when the cache dtype is a KVarN tile format
     (per_tile), else None."""
     dtype = vllm_config.cache_config.cache_dtype
-    if not _is_kvarn(dtype):
+    if not is_kvarn_dtype(dtype):
         return None
-    from . import _lib
     fmt = _lib.parse_format(dtype)
     return fmt if fmt.per_tile else None
 
@@ -28,7 +24,7 @@ def check_config(vllm_config) -> None:
     sink (KVARN_SINK_TOKENS). Called by platform.py (before an engine starts)
     and by the connector's constructor."""
     dtype = vllm_config.cache_config.cache_dtype
-    if not _is_kvarn(dtype):
+    if not is_kvarn_dtype(dtype):
         return
     from .offload import _settings
     st = _settings(vllm_config)

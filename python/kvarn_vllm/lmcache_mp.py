@@ -38,7 +38,8 @@ from lmcache.integration.vllm.lmcache_mp_connector import (LMCacheMPConnector,
                                                            get_dcp_decorated_model_name)
 from vllm.logger import init_logger
 
-from .lmcache_config import _is_kvarn, _tile_format, check_config, llvmlite_vars_fix  # noqa: F401
+from ._lib import is_kvarn_dtype
+from .lmcache_config import _tile_format, check_config, llvmlite_vars_fix  # noqa: F401
 
 
 llvmlite_vars_fix()
@@ -59,7 +60,7 @@ def cache_name(vllm_config, kv_cache_config=None) -> str:
     cc = vllm_config.cache_config
     mdtype = str(vllm_config.model_config.dtype).replace("torch.", "")
     parts = [f"v{NAME_VERSION}", str(cc.cache_dtype), mdtype, f"b{cc.block_size}"]
-    if _is_kvarn(cc.cache_dtype):
+    if is_kvarn_dtype(cc.cache_dtype):
         from .offload import settings_fields
         parts += settings_fields(vllm_config)
     return base + NAME_SEPARATOR + "_".join(parts)

@@ -27,6 +27,8 @@ configuration with that reason (patches.py, the name check).
 import functools
 import importlib
 
+from ._lib import is_kvarn_dtype   # ctypes and os only: the library loads on first use
+
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 GPU_WORKER = "vllm.v1.worker.gpu_worker.Worker"
 BACKEND_PATH = "kvarn_vllm.backend.KvarnAttentionBackend"
@@ -117,7 +119,7 @@ class _KvarnPlatform:
             # kv_role (vllm/v1/kv_offload/factory.py create_spec): it rides here
             if isinstance(ktc.kv_connector_extra_config, dict):
                 ktc.kv_connector_extra_config[ROLE_KEY] = ktc.kv_role or "kv_both"
-        if cc is None or not _is_kvarn(cc.cache_dtype):
+        if cc is None or not is_kvarn_dtype(cc.cache_dtype):
             return
         from .checks import check_kv_connector, check_model
         from .settings import Settings
@@ -147,7 +149,7 @@ class _KvarnPlatform:
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        if _is_kvarn(attn_selector_config.kv_cache_dtype):
+        if is_kvarn_dtype(attn_selector_config.kv_cache_dtype):
             if attn_selector_config.use_mla:
                 return MLA_BACKEND_PATH
             from .state import _State
@@ -158,7 +160,7 @@ class _KvarnPlatform:
     @classmethod
     def update_block_size_for_backend(cls, vllm_config) -> None:
         cc = vllm_config.cache_config
-        if _is_kvarn(cc.cache_dtype):
+        if is_kvarn_dtype(cc.cache_dtype):
             from vllm.platforms.interface import PlatformEnum
 
             from .layout import settle_sliding_layers
@@ -166,11 +168,6 @@ class _KvarnPlatform:
             # platform does (update_block_size_for_backend's phase 3)
             settle_sliding_layers(vllm_config, align=cls._enum == PlatformEnum.CPU)
         super().update_block_size_for_backend(vllm_config)
-
-
-def _is_kvarn(name) -> bool:
-    from ._lib import is_kvarn_dtype
-    return is_kvarn_dtype(name)
 
 
 def _make(name: str, base_path: str):
