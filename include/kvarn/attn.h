@@ -221,16 +221,22 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *                           INT16's rounding with 255 for 32767, bounded
  *                           likewise (docs/attention-intdot.md "u8
  *                           weights").
- *   KVARN_ATTN_ARITH_BF16X2 (the matrix kernel: matrix_scores and
- *                           matrix_sums below) the folded query q'_d a_d
- *                           (scores) or the weights p_t a_t (sums) carried
- *                           as two bf16 values, hi = bf16(x) and lo =
- *                           bf16(x - hi) (nearest even: relative error at
- *                           most 2^-16; values below 2^-126 read as 0),
- *                           each times the codes (exact in bf16) on AMX
- *                           tiles with fp32 sums; zero-point terms,
- *                           softmax and output fp32 (src/attn/kernel_amx.c,
+ *   KVARN_ATTN_ARITH_BF16X2 (the matrix kernel's matrix_scores below) the
+ *                           folded query q'_d a_d carried as two bf16
+ *                           values, hi = bf16(x) and lo = bf16(x - hi)
+ *                           (nearest even: relative error at most 2^-16;
+ *                           values below 2^-126 read as 0), each times the
+ *                           codes (exact in bf16) on AMX tiles with fp32
+ *                           sums; zero-point terms, softmax and output
+ *                           fp32 (src/attn/kernel_amx.c,
  *                           docs/attention-matrix.md).
+ *   KVARN_ATTN_ARITH_BF16   (the matrix kernel's matrix_sums) each softmax
+ *                           weight times its value scale, p_t a_t, rounded
+ *                           once to bf16 (nearest even: relative error at
+ *                           most 2^-8; below 2^-126 read as 0), times the
+ *                           codes on AMX tiles with fp32 sums, as vLLM's
+ *                           bf16 attention rounds its weights; the rest
+ *                           fp32 as above.
  * An integer half may still keep fp32 for a call whose run-time conditions
  * it does not meet (KVarN: a tile where any query row's max |q_d a_d| is
  * below 2^-100, or any reaches 2^80; int8: a span over 256 tokens, so
@@ -242,7 +248,8 @@ typedef enum kvarn_attn_arith {
     KVARN_ATTN_ARITH_INT16 = 1,
     KVARN_ATTN_ARITH_INT8 = 2,
     KVARN_ATTN_ARITH_U8 = 3,
-    KVARN_ATTN_ARITH_BF16X2 = 4
+    KVARN_ATTN_ARITH_BF16X2 = 4,
+    KVARN_ATTN_ARITH_BF16 = 5
 } kvarn_attn_arith;
 
 /* Which kernels attention runs for a format on this CPU, and their
@@ -265,7 +272,8 @@ typedef struct kvarn_attn_kernel_info {
                                        item) go through the matrix kernel:
                                        "amx-bf16" (AMX tiles, where
                                        kvarn's level is AVX-512, the CPU
-                                       has AMX-BF16, Linux grants the tile
+                                       has AMX-BF16 and AVX512-BF16, Linux
+                                       grants the tile
                                        state and KVARN_AMX is not "0"),
                                        "amx-bf16-emulated" (the testing
                                        knob amx = 2), or NULL: none */
@@ -273,7 +281,7 @@ typedef struct kvarn_attn_kernel_info {
     kvarn_attn_arith matrix_scores; /* its q.k: KVARN_ATTN_ARITH_BF16X2 (a
                                        tile outside its conditions runs the
                                        level's kernel: scores, sums) */
-    kvarn_attn_arith matrix_sums;   /* its p.v: KVARN_ATTN_ARITH_BF16X2 */
+    kvarn_attn_arith matrix_sums;   /* its p.v: KVARN_ATTN_ARITH_BF16 */
 } kvarn_attn_kernel_info;
 
 /* Fill *out with the kernels and arithmetic a call with these options

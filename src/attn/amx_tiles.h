@@ -27,12 +27,12 @@ typedef struct amx_tilecfg {
     uint8_t rows[16];   /* rows of tile i */
 } amx_tilecfg;
 
-/* Tiles 0..6 as 16 rows x 64 bytes. */
+/* Tiles 0..7 as 16 rows x 64 bytes. */
 static inline void amx_config_16x64(amx_tilecfg *c)
 {
     memset(c, 0, sizeof *c);
     c->palette = 1;
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < 8; i++) {
         c->colsb[i] = 64;
         c->rows[i] = 16;
     }
@@ -152,23 +152,144 @@ static inline void amx_bf16_split(float x, uint16_t *hi, uint16_t *lo)
     *lo = amx_bf16_of(x - hf);
 }
 
+/* The per-tile vector work both matrix kernels do around the products,
+ * on whole vectors of 16 lanes (every n, G and D here is a multiple of 16).
+ * The AVX-512 forms round exactly as the scalar ones (the same fp32
+ * multiply, the same integer round-to-nearest-even of amx_bf16_of), so
+ * the emulated kernel gives the real one's halves bit for bit; only the
+ * order of the fp32 sums of amx_split_scaled's dot product differs. */
+
+/* hi[i], lo[i] = the two bf16 halves of x[i] * a[i] (amx_bf16_split), for
+ * i < n; returns sum_i x[i] * b[i] (fp32; 0 with b NULL). */
+static inline float amx_split_scaled(const float *x, const float *a, const float *b, int n,
+                                     uint16_t *hi, uint16_t *lo)
+{
+#ifdef KVARN_AMX_EMULATE
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        amx_bf16_split(x[i] * a[i], &hi[i], &lo[i]);
+        if (b) sum += x[i] * b[i];
+    }
+    return sum;
+#else
+    const __m512i rnd = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i), v = _mm512_mul_ps(xv, _mm512_loadu_ps(a + i));
+        __m512i u = _mm512_castps_si512(v);
+        u = _mm512_add_epi32(u, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        const __m512i h = _mm512_and_si512(u, top);
+        const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(h));
+        __m512i ul = _mm512_castps_si512(r);
+        ul = _mm512_add_epi32(ul, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(ul, 16), one)));
+        _mm256_storeu_si256((__m256i *)(hi + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+        _mm256_storeu_si256((__m256i *)(lo + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(ul, 16)));
+        if (b) acc = _mm512_fmadd_ps(xv, _mm512_loadu_ps(b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#endif
+}
+
+/* Two rows of n codes (one per byte) as bf16 (exact) in the pair layout
+ * of a B operand: out[2 i] = r0[i], out[2 i + 1] = r1[i]. */
+static inline void amx_pair_codes(const uint8_t *r0, const uint8_t *r1, int n, uint16_t *out)
+{
+#ifdef KVARN_AMX_EMULATE
+    for (int i = 0; i < n; i++) {
+        out[2 * i] = amx_bf16_of((float)r0[i]);
+        out[2 * i + 1] = amx_bf16_of((float)r1[i]);
+    }
+#else
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    for (int i = 0; i < n; i += 16) {
+        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r0 + i))));
+        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r1 + i))));
+        const __m512i w = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(f0), 16),
+                                          _mm512_and_si512(_mm512_castps_si512(f1), top));
+        _mm512_storeu_si512(out + 2 * i, w);
+    }
+#endif
+}
+
+#ifndef KVARN_AMX_EMULATE
+/* Codes i .. i + 15 of a row of packed codes of 2, 4 or 8 bits (record.h:
+ * low bits first), one per 32-bit lane. */
+static inline __m512i amx_codes16(const uint8_t *row, int i, int bits)
+{
+    const uint8_t *p = row + (size_t)i * (size_t)bits / 8;
+    if (bits == 8) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    uint32_t w0, w1 = 0;
+    memcpy(&w0, p, 4);
+    if (bits == 4) memcpy(&w1, p + 4, 4);
+    __m512i v = bits == 4 ? _mm512_mask_blend_epi32((__mmask16)0xff00, _mm512_set1_epi32((int)w0),
+                                                    _mm512_set1_epi32((int)w1))
+                          : _mm512_set1_epi32((int)w0);
+    /* lane j: code j at bit bits * j of the 32-bit word it lies in */
+    const __m512i sh = bits == 4 ? _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), 2)
+                                 : _mm512_slli_epi32(lane, 1);
+    return _mm512_and_si512(_mm512_srlv_epi32(v, sh), _mm512_set1_epi32((1 << bits) - 1));
+}
+#endif
+
+/* Two rows of n packed codes of 2, 4 or 8 bits as bf16 (exact) in the pair
+ * layout of a B operand: out[2 i] = code i of r0, out[2 i + 1] = code i of
+ * r1. */
+static inline void amx_pair_packed(const uint8_t *r0, const uint8_t *r1, int n, int bits,
+                                   uint16_t *out)
+{
+#ifdef KVARN_AMX_EMULATE
+    uint8_t c0[512], c1[512];
+    for (int i = 0; i < n; i++) {
+        c0[i] = (uint8_t)((r0[(size_t)i * bits / 8] >> ((i * bits) % 8)) & ((1 << bits) - 1));
+        c1[i] = (uint8_t)((r1[(size_t)i * bits / 8] >> ((i * bits) % 8)) & ((1 << bits) - 1));
+    }
+    amx_pair_codes(c0, c1, n, out);
+#else
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    for (int i = 0; i < n; i += 16) {
+        const __m512 f0 = _mm512_cvtepi32_ps(amx_codes16(r0, i, bits));
+        const __m512 f1 = _mm512_cvtepi32_ps(amx_codes16(r1, i, bits));
+        const __m512i w = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(f0), 16),
+                                          _mm512_and_si512(_mm512_castps_si512(f1), top));
+        _mm512_storeu_si512(out + 2 * i, w);
+    }
+#endif
+}
+
 /* One step of a product: C_j += (A_hi + A_lo) . B_j for j < nb (tiles
- * 0..3 hold C, 4 and 6 the two halves of A, 5 the B being multiplied);
- * B_j at b + j * 32 bytes. */
-#define DP_COL(J)                                      \
+ * 0..3 hold C, 4 and 6 the two halves of A; B_j at b + j * 32 bytes goes
+ * to tile 5 or 7 in turn, so that a load need not wait for the previous
+ * product to have read its tile: tile registers are not renamed). */
+#define DP_COL(J, T)                                   \
     do {                                               \
-        AMX_LOAD(5, b + 32 * (J), bstride);            \
-        AMX_DPBF16PS(J, 4, 5);                         \
-        AMX_DPBF16PS(J, 6, 5);                         \
+        AMX_LOAD(T, b + 32 * (J), bstride);            \
+        AMX_DPBF16PS(J, 4, T);                         \
+        AMX_DPBF16PS(J, 6, T);                         \
     } while (0)
 static inline void amx_dp_cols(int nb, const uint16_t *b, long bstride)
 {
-    DP_COL(0);
-    if (nb > 1) DP_COL(1);
-    if (nb > 2) DP_COL(2);
-    if (nb > 3) DP_COL(3);
+    DP_COL(0, 5);
+    if (nb > 1) DP_COL(1, 7);
+    if (nb > 2) DP_COL(2, 5);
+    if (nb > 3) DP_COL(3, 7);
 }
 #undef DP_COL
+
+/* The same with A = A_hi alone, in tile A (4 or 6). */
+#define DP1_COL(J, A, T)                               \
+    do {                                               \
+        AMX_LOAD(T, b + 32 * (J), bstride);            \
+        AMX_DPBF16PS(J, A, T);                         \
+    } while (0)
+#define DP1_COLS(A)                                    \
+    do {                                               \
+        DP1_COL(0, A, 5);                              \
+        if (nb > 1) DP1_COL(1, A, 7);                  \
+        if (nb > 2) DP1_COL(2, A, 5);                  \
+        if (nb > 3) DP1_COL(3, A, 7);                  \
+    } while (0)
 
 static inline void amx_zero_cols(int nb)
 {
@@ -187,21 +308,40 @@ static inline void amx_store_cols(int nb, float *c, long stride)
 }
 
 /* out[16][N] = (A_hi + A_lo)[16][K] . B: A's halves bf16 rows of K
- * (stride K), B in the VNNI layout [K / 2][N][2]; K % 32 == 0, N % 16 ==
- * 0; out fp32, stride N. Tiles configured by amx_config_16x64. */
-static inline void amx_product16(const uint16_t *ahi, const uint16_t *alo, int K,
-                                 const uint16_t *b, int N, float *out)
+ * (stride lda elements; alo NULL: A = A_hi alone), B in the VNNI layout
+ * [K / 2][N][2]; K % 32 == 0, N % 16 == 0; out fp32, stride ldo floats.
+ * Tiles configured by amx_config_16x64. */
+static inline void amx_product16(const uint16_t *ahi, const uint16_t *alo, int lda, int K,
+                                 const uint16_t *b, int N, float *out, int ldo)
 {
     for (int c0 = 0; c0 < N; c0 += 64) {
         const int nb = (N - c0) / 16 < 4 ? (N - c0) / 16 : 4;
         amx_zero_cols(nb);
         for (int k0 = 0; k0 < K; k0 += 32) {
-            AMX_LOAD(4, ahi + k0, (long)K * 2);
-            AMX_LOAD(6, alo + k0, (long)K * 2);
-            amx_dp_cols(nb, b + ((size_t)(k0 / 2) * N + c0) * 2, (long)N * 4);
+            const uint16_t *bk = b + ((size_t)(k0 / 2) * N + c0) * 2;
+            if (alo) {
+                AMX_LOAD(4, ahi + k0, (long)lda * 2);
+                AMX_LOAD(6, alo + k0, (long)lda * 2);
+                amx_dp_cols(nb, bk, (long)N * 4);
+            } else {
+                /* A alone: in tile 4 and 6 in turn, as B above */
+                const long bstride = (long)N * 4;
+                const uint16_t *bb = bk;
+#define b bb
+                if ((k0 / 32) % 2 == 0) {
+                    AMX_LOAD(4, ahi + k0, (long)lda * 2);
+                    DP1_COLS(4);
+                } else {
+                    AMX_LOAD(6, ahi + k0, (long)lda * 2);
+                    DP1_COLS(6);
+                }
+#undef b
+            }
         }
-        amx_store_cols(nb, out + c0, (long)N * 4);
+        amx_store_cols(nb, out + c0, (long)ldo * 4);
     }
 }
+#undef DP1_COLS
+#undef DP1_COL
 
 #endif

@@ -47,7 +47,7 @@ static attn_rows rows_of(const attn_run *run, int worker, int n)
 {
     const attn_geom *g = &run->g;
     float *f = run->thread_scratch + (size_t)worker * g->thread_floats;
-    size_t R = (size_t)g->rows_max;
+    size_t R = (size_t)g->rows_alloc;
     attn_rows r;
     r.n = n;
     r.D = g->D;

@@ -117,9 +117,12 @@ typedef struct attn_rows {
     float *meta;        /* scratch: 3D + 4gs floats of tile metadata */
     const uint8_t **tok; /* scratch [gs] per-token record pointers */
     attn_prefetch *pf;   /* the next tiles to prefetch while this one runs */
-    uint16_t *mat;       /* scratch [2][D][G] bf16: a tile's codes unpacked
-                            for the matrix kernel (NULL where the call's
-                            geometry takes none, attn_matrix_geometry) */
+    uint16_t *mat;       /* scratch for the matrix kernel, bf16: a tile's
+                            codes unpacked [2][D][G], then the rows' folded
+                            queries [2][rows][D] and weights [rows][G]
+                            (rows: the row arrays' length, a multiple of
+                            16); NULL where the call's geometry takes none
+                            (attn_matrix_geometry) */
 } attn_rows;
 
 /* Row i's visible positions within a span of nt tokens starting at
@@ -159,21 +162,19 @@ typedef void (*attn_matrix_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
                                     attn_record_tile_fn fallback);
 #define ATTN_MATRIX_MIN_ROWS 16
 #define ATTN_MATRIX_MAX_D 512
+#define ATTN_MATRIX_MAX_G 128
 /* The geometries the matrix kernel takes: head_dim D a multiple of 32 up
  * to ATTN_MATRIX_MAX_D, tiles of G tokens a multiple of 32 (KVarN's 32, 64
  * and 128). The one statement of it (attn_plan.c's geometry, attn_dispatch.c's kernels and kernel info). */
 static inline int attn_matrix_geometry(int D, int G)
 {
-    return D % 32 == 0 && D <= ATTN_MATRIX_MAX_D && G % 32 == 0 && G >= 32 && G <= 128;
+    return D % 32 == 0 && D <= ATTN_MATRIX_MAX_D && G % 32 == 0 && G >= 32 && G <= ATTN_MATRIX_MAX_G;
 }
 void attn_amx_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec, int t0,
                          int nt, attn_record_tile_fn fallback);
 /* The same with the tiles emulated in C (kernel_amx_emu.c): any CPU. */
 void attn_amxemu_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                             int t0, int nt, attn_record_tile_fn fallback);
-/* The AVX-512 online-softmax step (kernel_avx512.c), which the AMX kernel
- * shares. */
-void attn_avx512_softmax_update(attn_rows *r, int t0, int nt);
 
 /* The kernels one attention call runs, picked from the tables of
  * kernel_table.c for its format kind, head_dim and SIMD level
@@ -359,6 +360,9 @@ typedef struct attn_item {
 /* The geometry of a call and the bounds of its workspace (attn_make_geom). */
 typedef struct attn_geom {
     int D, G, Hk, Hq, group, qblock, rows_max;
+    int rows_alloc;        /* rows of each per-row scratch array: rows_max,
+                              rounded up to whole blocks of 16 where the
+                              matrix kernel may run (its tiles take 16) */
     int span_tiles;        /* tiles per kernel call (per-token formats) */
     int gs;                /* row stride of the scores: span tokens, rounded */
     int is_kvarn;

@@ -15,15 +15,21 @@
  * 16 rows:
  *   scores  S = bf16(q' a) . Kcodes            (16 x D) . (D x G)
  *           s_t = s_tok_t (S_t + sum_d q'_d b_d)
- *   sums    O = bf16(p a_t) . Vcodes            (16 x G) . (G x D)
- *           acc_d += s_chan_d (O_d + sum_t p_t b_t)
- with fp32 sums (TDPBF16PS). The rounding this adds, the statement the
- * tests derive their bound from (attn.h KVARN_ATTN_ARITH_BF16X2): each
- * q'_d a_d and each p_t a_t carried as two bf16 values, hi = bf16(x) and
- * lo = bf16(x - hi) (round to nearest even), two products each: relative
- * error <= 2^-16 (one bf16 alone would round to 2^-8, which cost 3-7% of
- * the output on the tests' random data), inputs below 2^-126 read as 0 by
- * the tiles; the zero-point terms, the softmax and acc stay fp32. A tile whose metadata is not
+ *           softmax step, fused: p_t = exp(s_t - m), w_t = bf16(p_t a_t)
+ *   sums    O = w . Vcodes                       (16 x G) . (G x D)
+ *           acc_d = corr acc_d + s_chan_d (O_d + sum_t p_t b_t)
+ * with fp32 sums (TDPBF16PS). The rounding this adds, the statement the
+ * tests derive their bounds from (attn.h): scores KVARN_ATTN_ARITH_BF16X2,
+ * each q'_d a_d carried as two bf16 values, hi = bf16(x) and lo = bf16(x -
+ * hi) (round to nearest even), two products: relative error <= 2^-16 (one
+ * bf16 alone would round to 2^-8, which moved the scores of the tests'
+ * random data by 3-7% of the output); sums KVARN_ATTN_ARITH_BF16, each
+ * weight p_t a_t rounded once to bf16 (nearest even, relative error <=
+ * 2^-8), as vLLM's bf16 attention rounds its softmax weights: the output
+ * moves by at most 2^-8 of the weighted |v|. Inputs below 2^-126 read as 0
+ * by the tiles; the zero-point terms, the softmax and acc stay fp32. The
+ * scores are stored once (16 x G fp32), the softmax step reads them and
+ * writes the bf16 weights in one pass (the row's max first). A tile whose metadata is not
  * finite, or whose rows reach |q'_d a_d| >= 2^80, runs the fallback kernel
  * (the level's own) instead, as the int16 kernels do.
  */
@@ -37,42 +43,147 @@
 
 #ifdef KVARN_AMX_EMULATE
 #define AMX_FN(name) attn_amxemu_##name
-#define AMX_SOFTMAX attn_softmax_update_ref
 #else
+#include <immintrin.h>
 #define AMX_FN(name) attn_amx_##name
-#define AMX_SOFTMAX attn_avx512_softmax_update
 #endif
 
 /* K codes (record.h: channel d's row of G tokens) into the B layout of
  * the score product: kmat[(d / 2) G + t][d % 2], bf16 (exact). */
-static void unpack_k(const uint8_t *kc, int D, int G, int kb, uint16_t *kmat)
+__attribute__((noinline)) static void unpack_k(const uint8_t *kc, int D, int G, int kb, uint16_t *kmat)
 {
     const size_t krow = (size_t)G * kb / 8;
-    uint8_t c[ATTN_MATRIX_MAX_D];
-    for (int d = 0; d < D; d++) {
-        (void)kvarn_unpack_codes(kc + (size_t)d * krow, (size_t)G, kb, c);
-        uint16_t *out = kmat + (size_t)(d >> 1) * G * 2 + (d & 1);
-        for (int t = 0; t < G; t++) out[(size_t)t * 2] = amx_bf16_of((float)c[t]);
-    }
+    for (int d = 0; d < D; d += 2)
+        amx_pair_packed(kc + (size_t)d * krow, kc + (size_t)(d + 1) * krow, G, kb,
+                        kmat + (size_t)d * G);
 }
 
 /* V codes (token t's row of D channels) into the B layout of the value
  * product: vmat[(t / 2) D + d][t % 2]. */
-static void unpack_v(const uint8_t *vc, int D, int G, int vb, uint16_t *vmat)
+__attribute__((noinline)) static void unpack_v(const uint8_t *vc, int D, int G, int vb, uint16_t *vmat)
 {
     const size_t vrow = (size_t)D * vb / 8;
-    uint8_t c[ATTN_MATRIX_MAX_D];
-    for (int t = 0; t < G; t++) {
-        (void)kvarn_unpack_codes(vc + (size_t)t * vrow, (size_t)D, vb, c);
-        uint16_t *out = vmat + (size_t)(t >> 1) * D * 2 + (t & 1);
-        for (int d = 0; d < D; d++) out[(size_t)d * 2] = amx_bf16_of((float)c[d]);
+    for (int t = 0; t < G; t += 2)
+        amx_pair_packed(vc + (size_t)t * vrow, vc + (size_t)(t + 1) * vrow, D, vb,
+                        vmat + (size_t)t * D);
+}
+
+#ifndef KVARN_AMX_EMULATE
+/* 2^x on lanes k (0 on the others), for x <= 0: x = n + r, n the nearest
+ * integer, |r| <= 1/2 exact; 2^r by its degree-6 Taylor polynomial in
+ * r ln 2 (relative error < 2e-7, as exp512's); times 2^n by vscalefps,
+ * which underflows to 0 below 2^-149 (x clamped at -150: no NaN from
+ * -inf). */
+static inline __m512 exp2_512(__mmask16 k, __m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(k, p, n);
+}
+#endif
+
+/* The online-softmax step (attn_internal.h: m, l, psum; acc rescaled) of
+ * row i over its tile's score products c [G] (before s_tok and the bias
+ * term: s_t = s_tok_t (c_t + rc_i)); c is overwritten. Writes the weights
+ * w_t = bf16(p_t a_t) into w [G] (zero where no position is visible) and
+ * z = sum_t p_t b_t into rc_i. */
+static void softmax_row(attn_rows *r, int i, int t0, int G, float *c, const float *stok,
+                        const float *va, const float *vbias, uint16_t *w)
+{
+    int a, b;
+    if (!attn_row_visible(r, i, t0, G, &a, &b)) {
+        memset(w, 0, (size_t)G * sizeof *w);
+        r->rc[i] = 0.0f;
+        return;
     }
+    const float cb = r->rc[i], m_old = r->m[i];
+#ifdef KVARN_AMX_EMULATE
+    float mt = -INFINITY;
+    for (int t = a; t < b; t++) {
+        c[t] = stok[t] * (c[t] + cb);
+        mt = c[t] > mt ? c[t] : mt;
+    }
+    const float m_new = mt > m_old ? mt : m_old;
+    float sum = 0.0f, zz = 0.0f;
+    for (int t = 0; t < G; t++) {
+        const float p = t >= a && t < b ? expf(c[t] - m_new) : 0.0f;
+        sum += p;
+        zz += p * vbias[t];
+        w[t] = amx_bf16_of(p * va[t]);
+    }
+#else
+    /* rows that see the whole tile (most of a chunk's) skip the masks */
+    const int full = a == 0 && b == G;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i vlo = _mm512_set1_epi32(a - 1), vhi = _mm512_set1_epi32(b);
+    const __m512 vcb = _mm512_set1_ps(cb);
+    __mmask16 ok[ATTN_MATRIX_MAX_G / 16];
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < G; t += 16) {
+        __mmask16 k = (__mmask16)0xffff;
+        if (!full) {
+            const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(t));
+            k = _mm512_cmpgt_epi32_mask(idx, vlo) & _mm512_cmpgt_epi32_mask(vhi, idx);
+        }
+        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(stok + t), _mm512_add_ps(_mm512_loadu_ps(c + t), vcb));
+        _mm512_storeu_ps(c + t, s);
+        mx = _mm512_mask_max_ps(mx, k, mx, s);
+        ok[t / 16] = k;
+    }
+    const float mt = _mm512_reduce_max_ps(mx), m_new = mt > m_old ? mt : m_old;
+    /* p = 2^((s - m) log2 e): one FMA forms the exponent */
+    const __m512 l2e = _mm512_set1_ps(1.44269504088896341f), ml2e = _mm512_set1_ps(m_new * 1.44269504088896341f);
+    __m512 vsum = _mm512_setzero_ps(), vz = _mm512_setzero_ps();
+    for (int t = 0; t < G; t += 32) {
+        const __m512 p0 = exp2_512(ok[t / 16], _mm512_fmsub_ps(_mm512_loadu_ps(c + t), l2e, ml2e));
+        const __m512 p1 = exp2_512(ok[t / 16 + 1], _mm512_fmsub_ps(_mm512_loadu_ps(c + t + 16), l2e, ml2e));
+        vsum = _mm512_add_ps(vsum, _mm512_add_ps(p0, p1));
+        vz = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vbias + t), vz);
+        vz = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vbias + t + 16), vz);
+        const __m512bh wb = _mm512_cvtne2ps_pbh(_mm512_mul_ps(p1, _mm512_loadu_ps(va + t + 16)),
+                                                _mm512_mul_ps(p0, _mm512_loadu_ps(va + t)));
+        _mm512_storeu_si512(w + t, (__m512i)wb);
+    }
+    const float sum = _mm512_reduce_add_ps(vsum), zz = _mm512_reduce_add_ps(vz);
+#endif
+    /* an unchanged max skips the call: expf(0) = 1 */
+    const float corr = m_old == -INFINITY ? 0.0f : m_new == m_old ? 1.0f : expf(m_old - m_new);
+    r->m[i] = m_new;
+    r->psum[i] = sum;
+    r->l[i] = r->l[i] * corr + sum;
+    r->rc[i] = zz;
+    if (corr != 1.0f) {
+        float *acc = r->acc + (size_t)i * r->D;
+        for (int d = 0; d < r->D; d++) acc[d] *= corr;
+    }
+}
+
+/* acc[d] += s_chan[d] (o[d] + z), d < D (D % 16 == 0). */
+static void acc_update(float *acc, const float *o, const float *schan, float z, int D)
+{
+#ifdef KVARN_AMX_EMULATE
+    for (int d = 0; d < D; d++) acc[d] += schan[d] * (o[d] + z);
+#else
+    const __m512 vz = _mm512_set1_ps(z);
+    for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_loadu_ps(acc + d),
+                                                _mm512_mul_ps(_mm512_loadu_ps(schan + d),
+                                                              _mm512_add_ps(_mm512_loadu_ps(o + d), vz))));
+#endif
 }
 
 void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec, int t0,
                         int nt, attn_record_tile_fn fallback)
 {
-    const int D = r->D, G = L->tile_tokens, gs = r->gs, n = r->n;
+    const int D = r->D, G = L->tile_tokens, n = r->n, gs = r->gs;
     float *ka = r->meta, *kbias = ka + D, *schan = kbias + D;
     float *stok = schan + D, *va = stok + gs, *vbias = va + gs;
     kvarn__fp16_load(rec + L->k_a_off, D, ka);
@@ -93,67 +204,36 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
         return;
     }
     attn_prefetch_step(r->pf, attn_prefetch_left(r->pf));
-    uint16_t *kmat = r->mat, *vmat = r->mat + (size_t)D * G;
+    /* The scratch (attn_internal.h attn_rows.mat): the codes, then the
+     * halves of every row's folded query and every row's weights, for
+     * whole blocks of 16 rows (rows n .. nr - 1 hold whatever they hold:
+     * they feed only product rows that are never read). */
+    const int nr = (n + 15) & ~15;
+    uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * G;
+    uint16_t *ahi = vmat + (size_t)D * G, *alo = ahi + (size_t)nr * D, *w = alo + (size_t)nr * D;
     unpack_k(rec + L->k_codes_off, D, G, L->key_bits, kmat);
     unpack_v(rec + L->v_codes_off, D, G, L->value_bits, vmat);
+    for (int i = 0; i < n; i++)
+        r->rc[i] = amx_split_scaled(r->q + (size_t)i * D, ka, kbias, D, ahi + (size_t)i * D,
+                                    alo + (size_t)i * D);
 
+    /* In three passes over the rows, so that no tile load reads what the
+     * instructions just before it stored (a tile load waits for those
+     * stores to reach the cache): the scores of every row (into s, stride
+     * gs), the softmax step of every row, then the sums. */
     amx_tilecfg cfg;
     amx_config_16x64(&cfg);
     AMX_CONFIG(&cfg);
-    uint16_t a[16 * ATTN_MATRIX_MAX_D], alo[16 * ATTN_MATRIX_MAX_D];
-    float c[16 * ATTN_MATRIX_MAX_D];
-
-    /* scores, 16 rows at a time */
+    for (int r0 = 0; r0 < n; r0 += 16)
+        amx_product16(ahi + (size_t)r0 * D, alo + (size_t)r0 * D, D, D, kmat, G, r->s + (size_t)r0 * gs, gs);
+    for (int i = 0; i < n; i++)
+        softmax_row(r, i, t0, G, r->s + (size_t)i * gs, stok, va, vbias, w + (size_t)i * G);
+    float o[16 * ATTN_MATRIX_MAX_D];
     for (int r0 = 0; r0 < n; r0 += 16) {
         const int rb = n - r0 < 16 ? n - r0 : 16;
-        for (int i = 0; i < 16; i++) {
-            uint16_t *ai = a + (size_t)i * D, *li = alo + (size_t)i * D;
-            if (i >= rb) {
-                memset(ai, 0, (size_t)D * sizeof *ai);
-                memset(li, 0, (size_t)D * sizeof *li);
-                continue;
-            }
-            const float *q = r->q + (size_t)(r0 + i) * D;
-            float cb = 0.0f;
-            for (int d = 0; d < D; d++) {
-                amx_bf16_split(q[d] * ka[d], &ai[d], &li[d]);
-                cb += q[d] * kbias[d];
-            }
-            r->rc[r0 + i] = cb;
-        }
-        amx_product16(a, alo, D, kmat, G, c);
-        for (int i = 0; i < rb; i++) {
-            float *s = r->s + (size_t)(r0 + i) * gs;
-            const float *ci = c + (size_t)i * G, cb = r->rc[r0 + i];
-            for (int t = 0; t < G; t++) s[t] = stok[t] * (ci[t] + cb);
-        }
-    }
-    AMX_SOFTMAX(r, t0, G);
-    /* weights p_t a_t, then the sums, 16 rows at a time */
-    for (int r0 = 0; r0 < n; r0 += 16) {
-        const int rb = n - r0 < 16 ? n - r0 : 16;
-        float pb[16];
-        for (int i = 0; i < 16; i++) {
-            uint16_t *ai = a + (size_t)i * G, *li = alo + (size_t)i * G;
-            if (i >= rb) {
-                memset(ai, 0, (size_t)G * sizeof *ai);
-                memset(li, 0, (size_t)G * sizeof *li);
-                continue;
-            }
-            const float *p = r->s + (size_t)(r0 + i) * gs;
-            float z = 0.0f;
-            for (int t = 0; t < G; t++) {
-                amx_bf16_split(p[t] * va[t], &ai[t], &li[t]);
-                z += p[t] * vbias[t];
-            }
-            pb[i] = z;
-        }
-        amx_product16(a, alo, G, vmat, D, c);
-        for (int i = 0; i < rb; i++) {
-            float *acc = r->acc + (size_t)(r0 + i) * D;
-            const float *ci = c + (size_t)i * D;
-            for (int d = 0; d < D; d++) acc[d] += schan[d] * (ci[d] + pb[i]);
-        }
+        amx_product16(w + (size_t)r0 * G, NULL, G, G, vmat, D, o, D);
+        for (int i = 0; i < rb; i++)
+            acc_update(r->acc + (size_t)(r0 + i) * D, o + (size_t)i * D, schan, r->rc[r0 + i], D);
     }
     AMX_RELEASE();
 }

@@ -1,18 +1,13 @@
 /*
  * kernel_avx512.c -- the AVX-512 tile kernels in fp32 over token-major
- * rows: the fp16 page kernel (every kind's sink and tail pages), the
- * online-softmax step the AMX kernel shares, and the per-token tiles of
+ * rows: the fp16 page kernel (every kind's sink and tail pages) and the
+ * per-token tiles of
  * the fp16, bf16, fp8 (E4M3, E5M2) and int4 kinds. Their loops are
  * kernel_avx512.h's (the int8 kernel's fp32 path runs them too); the int8
  * per-token kernel is kernel_avx512_int8.c, the KVarN record kernel
  * kernel_avx512_kvarn.c. kernel_avx512.h describes the family.
  */
 #include "attn/kernel_avx512.h"
-
-/* ------------------------------------------------- online softmax step */
-
-/* The step of softmax_update_avx512 (kernel_avx512.h) for kernel_amx.c. */
-void attn_avx512_softmax_update(attn_rows *r, int t0, int nt) { softmax_update_avx512(r, t0, nt); }
 
 /* ---------------------------------------------------------- fp16 pages */
 

@@ -33,10 +33,11 @@
 void MLA_AMX_FN(attn_mla_matrix_prep)(const uint8_t *codes, int D, int G, uint16_t *mat)
 {
     uint16_t *kmat = mat, *vmat = mat + (size_t)D * (size_t)G;
+    for (int d = 0; d < D; d += 2)
+        amx_pair_codes(codes + (size_t)d * (size_t)G, codes + (size_t)(d + 1) * (size_t)G, G,
+                       kmat + (size_t)d * (size_t)G);
     for (int d = 0; d < D; d++) {
         const uint8_t *row = codes + (size_t)d * (size_t)G;
-        uint16_t *ko = kmat + (size_t)(d >> 1) * (size_t)G * 2 + (d & 1);
-        for (int t = 0; t < G; t++) ko[(size_t)t * 2] = amx_bf16_of((float)row[t]);
         for (int t = 0; t < G; t++)
             vmat[((size_t)(t >> 1) * (size_t)D + (size_t)d) * 2 + (t & 1)] = amx_bf16_of((float)row[t]);
     }
@@ -46,6 +47,8 @@ void MLA_AMX_FN(attn_mla_matrix_prep)(const uint8_t *codes, int D, int G, uint16
  * rows nb..15 zero. */
 static void split_rows(const float *x, int nb, int n, uint16_t *hi, uint16_t *lo)
 {
+    float one[512];
+    for (int i = 0; i < n; i++) one[i] = 1.0f;
     for (int k = 0; k < 16; k++) {
         uint16_t *h = hi + (size_t)k * (size_t)n, *l = lo + (size_t)k * (size_t)n;
         if (k >= nb) {
@@ -53,7 +56,7 @@ static void split_rows(const float *x, int nb, int n, uint16_t *hi, uint16_t *lo
             memset(l, 0, (size_t)n * sizeof *l);
             continue;
         }
-        for (int i = 0; i < n; i++) amx_bf16_split(x[(size_t)k * (size_t)n + i], &h[i], &l[i]);
+        (void)amx_split_scaled(x + (size_t)k * (size_t)n, one, NULL, n, h, l);
     }
 }
 
@@ -68,7 +71,7 @@ void MLA_AMX_FN(attn_mla_matrix_scores)(const uint16_t *mat, const float *qa, co
     amx_config_16x64(&cfg);
     split_rows(qa, nb, D, hi, lo);
     AMX_CONFIG(&cfg);
-    amx_product16(hi, lo, D, mat, G, c);
+    amx_product16(hi, lo, D, D, mat, G, c, G);
     AMX_RELEASE();
     for (int k = 0; k < nb; k++)
         for (int t = 0; t < G; t++) {
@@ -90,7 +93,7 @@ void MLA_AMX_FN(attn_mla_matrix_accum)(const uint16_t *mat, const float *a, cons
     amx_config_16x64(&cfg);
     split_rows(w, nb, G, hi, lo);
     AMX_CONFIG(&cfg);
-    amx_product16(hi, lo, G, mat + (size_t)D * (size_t)G, D, c);
+    amx_product16(hi, lo, G, G, mat + (size_t)D * (size_t)G, D, c, D);
     AMX_RELEASE();
     for (int k = 0; k < nb; k++)
         for (int d = 0; d < D; d++) acc[k][d] += a[d] * c[(size_t)k * (size_t)D + d] + b[d] * sw[k];

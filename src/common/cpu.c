@@ -106,7 +106,10 @@ static int amx_granted(void)
     static int state = 0; /* 0 not asked, 1 granted, 2 refused */
     int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
     if (s == 0) {
-        if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) s = 2;
+        /* the kernels convert with AVX512-BF16 (every AMX CPU has it) */
+        if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+            !__builtin_cpu_supports("avx512bf16"))
+            s = 2;
         else s = syscall(SYS_arch_prctl, KVARN_ARCH_REQ_XCOMP_PERM, KVARN_XFEATURE_XTILEDATA) == 0 ? 1 : 2;
         __atomic_store_n(&state, s, __ATOMIC_RELEASE);
     }

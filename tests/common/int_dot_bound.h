@@ -302,7 +302,8 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
     /* the matrix kernel (bf16, items of matrix_rows rows or more) */
     const int mat = info.matrix_rows > 0;
     if ((!kint && !vint && !mat) || hi < lo) return;
-    if (mat && (info.matrix_scores != KVARN_ATTN_ARITH_BF16X2 || info.matrix_sums != KVARN_ATTN_ARITH_BF16X2)) {
+    if (mat && (info.matrix_scores != KVARN_ATTN_ARITH_BF16X2 ||
+                (info.matrix_sums != KVARN_ATTN_ARITH_BF16X2 && info.matrix_sums != KVARN_ATTN_ARITH_BF16))) {
         *delta_out = NAN;
         return;
     }
@@ -389,11 +390,13 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
              * rounding): score t moves by at most
              *   |s_tok_t| sum_d cw_d code_dt,  cw_d = 2^-16 |qa_d| + ea_d + 2^-126
              * (ea_d is the fp32 kernels' own slack, counted here once more).
-             * V: the weights w_t = p_t a_t carried likewise, channel d of
-             * acc moves by at most 2^-16 sum_t p_t |a_t| code_td |s_chan_d|
+             * V: the weights w_t = p_t a_t rounded to one bf16 (BF16: u =
+             * 2^-8) or carried likewise (BF16X2: u = 2^-16), channel d of
+             * acc moves by at most u sum_t p_t |a_t| code_td |s_chan_d|
              * (plus 2^-126 per token), and divided by l (the tiles' shares
              * of l sum to at most 1) by at most the largest over the tiles
-             * of 2^-16 max_t |a_t| (2^vb - 1) |s_chan_d|. */
+             * of u max_t |a_t| (2^vb - 1) |s_chan_d|. */
+            const double u = info.matrix_sums == KVARN_ATTN_ARITH_BF16 ? 0x1p-8 : 0x1p-16;
             const int kb = fmt->key_bits, vb = fmt->value_bits;
             const double lg = log2((double)D) + 3.0;
             double q1 = 0.0, cw[1024];
@@ -415,7 +418,7 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
             for (int t = 0; t < G; t++) amax = fmax(amax, fabs(idb_half(rec + L.v_a_off, t)));
             const double cmax = (double)((1 << vb) - 1);
             for (int d = 0; d < D; d++)
-                ev[d] = fmax(ev[d], (0x1p-16 * amax + G * 0x1p-126) * cmax *
+                ev[d] = fmax(ev[d], (u * amax + G * 0x1p-126) * cmax *
                                         fabs(idb_half(rec + L.v_schan_off, d)));
         }
         if (vint) {
