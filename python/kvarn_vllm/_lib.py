@@ -79,7 +79,7 @@ class AttnKernelInfo(ctypes.Structure):
 
 
 # include/kvarn/attn.h kvarn_attn_arith
-ARITH_NAMES = {0: "fp32", 1: "int16", 2: "int8", 3: "u8", 4: "bf16x2"}
+ARITH_NAMES = {0: "fp32", 1: "int16", 2: "int8", 3: "u8", 4: "bf16x2", 5: "bf16"}
 
 
 class CacheOpts(ctypes.Structure):

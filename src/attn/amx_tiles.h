@@ -160,14 +160,16 @@ static inline void amx_bf16_split(float x, uint16_t *hi, uint16_t *lo)
  * order of the fp32 sums of amx_split_scaled's dot product differs. */
 
 /* hi[i], lo[i] = the two bf16 halves of x[i] * a[i] (amx_bf16_split), for
- * i < n; returns sum_i x[i] * b[i] (fp32; 0 with b NULL). */
+ * i < n (lo NULL: hi alone, bf16(x[i] * a[i])); returns sum_i x[i] * b[i]
+ * (fp32; 0 with b NULL). */
 static inline float amx_split_scaled(const float *x, const float *a, const float *b, int n,
                                      uint16_t *hi, uint16_t *lo)
 {
 #ifdef KVARN_AMX_EMULATE
     float sum = 0.0f;
     for (int i = 0; i < n; i++) {
-        amx_bf16_split(x[i] * a[i], &hi[i], &lo[i]);
+        if (lo) amx_bf16_split(x[i] * a[i], &hi[i], &lo[i]);
+        else hi[i] = amx_bf16_of(x[i] * a[i]);
         if (b) sum += x[i] * b[i];
     }
     return sum;
@@ -180,11 +182,13 @@ static inline float amx_split_scaled(const float *x, const float *a, const float
         __m512i u = _mm512_castps_si512(v);
         u = _mm512_add_epi32(u, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
         const __m512i h = _mm512_and_si512(u, top);
-        const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(h));
-        __m512i ul = _mm512_castps_si512(r);
-        ul = _mm512_add_epi32(ul, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(ul, 16), one)));
         _mm256_storeu_si256((__m256i *)(hi + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
-        _mm256_storeu_si256((__m256i *)(lo + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(ul, 16)));
+        if (lo) {
+            const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(h));
+            __m512i ul = _mm512_castps_si512(r);
+            ul = _mm512_add_epi32(ul, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(ul, 16), one)));
+            _mm256_storeu_si256((__m256i *)(lo + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(ul, 16)));
+        }
         if (b) acc = _mm512_fmadd_ps(xv, _mm512_loadu_ps(b + i), acc);
     }
     return _mm512_reduce_add_ps(acc);
@@ -233,24 +237,26 @@ static inline __m512i amx_codes16(const uint8_t *row, int i, int bits)
 }
 #endif
 
-/* Two rows of n packed codes of 2, 4 or 8 bits as bf16 (exact) in the pair
- * layout of a B operand: out[2 i] = code i of r0, out[2 i + 1] = code i of
+/* Two rows of n packed codes of 2, 4 or 8 bits, centred (code - 2^(bits -
+ * 1), in [-2^(bits - 1), 2^(bits - 1)): exact in bf16), in the pair layout
+ * of a B operand: out[2 i] = centred code i of r0, out[2 i + 1] = that of
  * r1. */
 static inline void amx_pair_packed(const uint8_t *r0, const uint8_t *r1, int n, int bits,
                                    uint16_t *out)
 {
+    const int centre = 1 << (bits - 1);
 #ifdef KVARN_AMX_EMULATE
-    uint8_t c0[512], c1[512];
     for (int i = 0; i < n; i++) {
-        c0[i] = (uint8_t)((r0[(size_t)i * bits / 8] >> ((i * bits) % 8)) & ((1 << bits) - 1));
-        c1[i] = (uint8_t)((r1[(size_t)i * bits / 8] >> ((i * bits) % 8)) & ((1 << bits) - 1));
+        const int c0 = (r0[(size_t)i * bits / 8] >> ((i * bits) % 8)) & ((1 << bits) - 1);
+        const int c1 = (r1[(size_t)i * bits / 8] >> ((i * bits) % 8)) & ((1 << bits) - 1);
+        out[2 * i] = amx_bf16_of((float)(c0 - centre));
+        out[2 * i + 1] = amx_bf16_of((float)(c1 - centre));
     }
-    amx_pair_codes(c0, c1, n, out);
 #else
-    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u), vc = _mm512_set1_epi32(centre);
     for (int i = 0; i < n; i += 16) {
-        const __m512 f0 = _mm512_cvtepi32_ps(amx_codes16(r0, i, bits));
-        const __m512 f1 = _mm512_cvtepi32_ps(amx_codes16(r1, i, bits));
+        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(amx_codes16(r0, i, bits), vc));
+        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(amx_codes16(r1, i, bits), vc));
         const __m512i w = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(f0), 16),
                                           _mm512_and_si512(_mm512_castps_si512(f1), top));
         _mm512_storeu_si512(out + 2 * i, w);

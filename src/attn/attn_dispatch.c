@@ -103,8 +103,7 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
     if (mk != NULL) {
         info.matrix = mk == attn_amxemu_kvarn_tile ? "amx-bf16-emulated" : "amx-bf16";
         info.matrix_rows = ATTN_MATRIX_MIN_ROWS;
-        info.matrix_scores = KVARN_ATTN_ARITH_BF16X2;
-        info.matrix_sums = KVARN_ATTN_ARITH_BF16;
+        info.matrix_scores = info.matrix_sums = KVARN_ATTN_ARITH_BF16;
     }
     if (fmt->kind == KVARN_KIND_KVARN) {
         /* fp16 staging: the fp16 page kernel (fp32 arithmetic) */

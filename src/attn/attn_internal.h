@@ -119,7 +119,7 @@ typedef struct attn_rows {
     attn_prefetch *pf;   /* the next tiles to prefetch while this one runs */
     uint16_t *mat;       /* scratch for the matrix kernel, bf16: a tile's
                             codes unpacked [2][D][G], then the rows' folded
-                            queries [2][rows][D] and weights [rows][G]
+                            queries [rows][D] and weights [rows][G]
                             (rows: the row arrays' length, a multiple of
                             16); NULL where the call's geometry takes none
                             (attn_matrix_geometry) */

@@ -87,10 +87,10 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
      * work item may take it: independent of the CPU, */
     const int mat = g->is_kvarn && g->rows_max >= ATTN_MATRIX_MIN_ROWS && attn_matrix_geometry(g->D, g->G);
     g->rows_alloc = mat ? (g->rows_max + 15) / 16 * 16 : g->rows_max;
-    /* and the rows' folded queries, two bf16 halves [rows][D], and their
-     * weights, bf16 [rows][G] (rows_alloc <= 272, D <= 512, G <= 128) */
+    /* and the rows' folded queries, bf16 [rows][D], and their weights,
+     * bf16 [rows][G] (rows_alloc <= 272, D <= 512, G <= 128) */
     g->mat_floats = mat ? attn_round_f((size_t)g->D * (size_t)g->G +
-                                       (size_t)g->rows_alloc * ((size_t)g->D + (size_t)g->G / 2))
+                                       (size_t)g->rows_alloc * ((size_t)g->D + (size_t)g->G) / 2)
                         : 0;
     int bad = thread_scratch_floats(g->rows_alloc, g->D, g->gs, g->mat_floats, g->tail_floats,
                                     &g->thread_floats);

@@ -48,8 +48,8 @@
 #define AMX_FN(name) attn_amx_##name
 #endif
 
-/* K codes (record.h: channel d's row of G tokens) into the B layout of
- * the score product: kmat[(d / 2) G + t][d % 2], bf16 (exact). */
+/* K codes (record.h: channel d's row of G tokens), centred, into the B
+ * layout of the score product: kmat[(d / 2) G + t][d % 2], bf16 (exact). */
 __attribute__((noinline)) static void unpack_k(const uint8_t *kc, int D, int G, int kb, uint16_t *kmat)
 {
     const size_t krow = (size_t)G * kb / 8;
@@ -58,8 +58,8 @@ __attribute__((noinline)) static void unpack_k(const uint8_t *kc, int D, int G, 
                         kmat + (size_t)d * G);
 }
 
-/* V codes (token t's row of D channels) into the B layout of the value
- * product: vmat[(t / 2) D + d][t % 2]. */
+/* V codes (token t's row of D channels), centred, into the B layout of
+ * the value product: vmat[(t / 2) D + d][t % 2]. */
 __attribute__((noinline)) static void unpack_v(const uint8_t *vc, int D, int G, int vb, uint16_t *vmat)
 {
     const size_t vrow = (size_t)D * vb / 8;
@@ -204,18 +204,24 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
         return;
     }
     attn_prefetch_step(r->pf, attn_prefetch_left(r->pf));
+    /* Centred codes (unpack_k, unpack_v: code - C, C = 2^(bits - 1)): the
+     * zero points take C a (fp32), so that the products' terms are about
+     * as large as the dequantized values' and their rounding relative to
+     * those, not to the uncentred codes' larger sums. */
+    const float ck = (float)(1 << (L->key_bits - 1)), cv = (float)(1 << (L->value_bits - 1));
+    for (int d = 0; d < D; d++) kbias[d] += ck * ka[d];
+    for (int t = 0; t < G; t++) vbias[t] += cv * va[t];
     /* The scratch (attn_internal.h attn_rows.mat): the codes, then the
      * halves of every row's folded query and every row's weights, for
      * whole blocks of 16 rows (rows n .. nr - 1 hold whatever they hold:
      * they feed only product rows that are never read). */
     const int nr = (n + 15) & ~15;
     uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * G;
-    uint16_t *ahi = vmat + (size_t)D * G, *alo = ahi + (size_t)nr * D, *w = alo + (size_t)nr * D;
+    uint16_t *aq = vmat + (size_t)D * G, *w = aq + (size_t)nr * D;
     unpack_k(rec + L->k_codes_off, D, G, L->key_bits, kmat);
     unpack_v(rec + L->v_codes_off, D, G, L->value_bits, vmat);
     for (int i = 0; i < n; i++)
-        r->rc[i] = amx_split_scaled(r->q + (size_t)i * D, ka, kbias, D, ahi + (size_t)i * D,
-                                    alo + (size_t)i * D);
+        r->rc[i] = amx_split_scaled(r->q + (size_t)i * D, ka, kbias, D, aq + (size_t)i * D, NULL);
 
     /* In three passes over the rows, so that no tile load reads what the
      * instructions just before it stored (a tile load waits for those
@@ -225,7 +231,7 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
     amx_config_16x64(&cfg);
     AMX_CONFIG(&cfg);
     for (int r0 = 0; r0 < n; r0 += 16)
-        amx_product16(ahi + (size_t)r0 * D, alo + (size_t)r0 * D, D, D, kmat, G, r->s + (size_t)r0 * gs, gs);
+        amx_product16(aq + (size_t)r0 * D, NULL, D, D, kmat, G, r->s + (size_t)r0 * gs, gs);
     for (int i = 0; i < n; i++)
         softmax_row(r, i, t0, G, r->s + (size_t)i * gs, stok, va, vbias, w + (size_t)i * G);
     float o[16 * ATTN_MATRIX_MAX_D];

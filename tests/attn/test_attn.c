@@ -734,7 +734,7 @@ static void test_matrix_kernel(void **state)
             assert_int_equal(kvarn_attn_kernel_info_get(&fmt, c.D, 0, &eo, &info), KVARN_OK);
             assert_string_equal(info.matrix, "amx-bf16-emulated");
             assert_int_equal(info.matrix_rows, 16);
-            assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16X2);
+            assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16);
             assert_int_equal(info.matrix_sums, KVARN_ATTN_ARITH_BF16);
             case_result res = run_case(&c, 1500 + fi * 2 + causal);
             print_message("%s D=%d causal %d: error / bf16 bound %.3f, rel err %.2e\n", fmts[fi],
@@ -1360,7 +1360,7 @@ static void test_kernel_info(void **state)
                     assert_int_equal(info.matrix_rows, amx_here ? 16 : 0);
                     if (amx_here) {
                         assert_string_equal(info.matrix, "amx-bf16");
-                        assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16X2);
+                        assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16);
                         assert_int_equal(info.matrix_sums, KVARN_ATTN_ARITH_BF16);
                     }
                     /* the knob amx: 1 none, 2 emulated (any level) */

@@ -22,7 +22,7 @@
  *              integer half; and for KVarN the matrix kernel, forced to
  *              its emulation (testing knob amx = 2, attn.h) at every
  *              level, against the same oracle within that allowance plus
- *              its derived BF16X2 bound.
+ *              its derived bf16 bound.
  * The formats are the format table's rows (kvarn_format_name_at) and every
  * KVarN name kvarn_format_accepted_names describes
  * (kvarn_k{2,4,8}v{2,4,8}_g{32,64,128}, with and without the centred "c");
@@ -129,7 +129,7 @@ static double vmax_original(const paged_fixture *f, int s)
 /* Every output row of a call against the oracle's: within 2e-4 of the
  * row's largest output plus the derived integer error of the kernels this
  * level runs (idb_amx says which matrix kernel). Returns the largest
- * error / limit; *max_ib gets the largest integer (or BF16X2) bound. */
+ * error / limit; *max_ib gets the largest integer (or bf16) bound. */
 static double check_rows(const paged_fixture *f, int multi, const int32_t *qsl, const float *q,
                          const float *ref, const float *out, const double *vmax, const char *what,
                          double *max_ib)
@@ -337,7 +337,7 @@ static void test_formats_rows_levels(void **state)
                     snprintf(what, sizeof what, "%s amx-bf16-emulated", it.name);
                     double ib;
                     worst_matrix = fmax(worst_matrix, check_rows(&f, 1, qsl, q, ref[1], out, vmax, what, &ib));
-                    assert_true(ib > 0.0); /* the BF16X2 bound was computed */
+                    assert_true(ib > 0.0); /* the bf16 bound was computed */
                     idb_amx = 1;
                 }
             }

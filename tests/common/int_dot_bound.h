@@ -302,7 +302,7 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
     /* the matrix kernel (bf16, items of matrix_rows rows or more) */
     const int mat = info.matrix_rows > 0;
     if ((!kint && !vint && !mat) || hi < lo) return;
-    if (mat && (info.matrix_scores != KVARN_ATTN_ARITH_BF16X2 ||
+    if (mat && ((info.matrix_scores != KVARN_ATTN_ARITH_BF16X2 && info.matrix_scores != KVARN_ATTN_ARITH_BF16) ||
                 (info.matrix_sums != KVARN_ATTN_ARITH_BF16X2 && info.matrix_sums != KVARN_ATTN_ARITH_BF16))) {
         *delta_out = NAN;
         return;
@@ -381,22 +381,25 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
             }
         }
         if (mat) {
-            /* The matrix kernel (attn.h KVARN_ATTN_ARITH_BF16X2). K: qa_d
-             * carried as hi + lo, two bf16 values: |qa_d - hi - lo| <=
-             * 2^-16 |qa_d| + 2^-126 (a lo the tiles read as 0), on top of
-             * the kernel's fp32 qa_d, off the exact one by at most ea_d
-             * (its rotated query off by (log2 D + 3) 2^-24 sum_i |q_i| /
-             * sqrt(D) per channel as above, the product one more
-             * rounding): score t moves by at most
-             *   |s_tok_t| sum_d cw_d code_dt,  cw_d = 2^-16 |qa_d| + ea_d + 2^-126
+            /* The matrix kernel (attn.h KVARN_ATTN_ARITH_BF16 or _BF16X2).
+             * K: qa_d rounded to one bf16 (BF16: relative error u_k =
+             * 2^-8) or carried as hi + lo (BF16X2: u_k = 2^-16), plus
+             * 2^-126 (a value the tiles read as 0), on top of the kernel's
+             * fp32 qa_d, off the exact one by at most ea_d (its rotated
+             * query off by (log2 D + 3) 2^-24 sum_i |q_i| / sqrt(D) per
+             * channel as above, the product one more rounding), times the
+             * centred codes the kernel multiplies (code - 2^(kb - 1)):
+             * score t moves by at most
+             *   |s_tok_t| sum_d cw_d |code_dt - 2^(kb - 1)|,  cw_d = u_k (|qa_d| + ea_d) + ea_d + 2^-126
              * (ea_d is the fp32 kernels' own slack, counted here once more).
              * V: the weights w_t = p_t a_t rounded to one bf16 (BF16: u =
              * 2^-8) or carried likewise (BF16X2: u = 2^-16), channel d of
-             * acc moves by at most u sum_t p_t |a_t| code_td |s_chan_d|
+             * acc moves by at most u sum_t p_t |a_t| |code_td - 2^(vb - 1)| |s_chan_d|
              * (plus 2^-126 per token), and divided by l (the tiles' shares
              * of l sum to at most 1) by at most the largest over the tiles
-             * of u max_t |a_t| (2^vb - 1) |s_chan_d|. */
+             * of u max_t |a_t| 2^(vb - 1) |s_chan_d| (centred codes). */
             const double u = info.matrix_sums == KVARN_ATTN_ARITH_BF16 ? 0x1p-8 : 0x1p-16;
+            const double uk = info.matrix_scores == KVARN_ATTN_ARITH_BF16 ? 0x1p-8 : 0x1p-16;
             const int kb = fmt->key_bits, vb = fmt->value_bits;
             const double lg = log2((double)D) + 3.0;
             double q1 = 0.0, cw[1024];
@@ -405,18 +408,20 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
                 const double a = fabs(idb_half(rec + L.k_a_off, d));
                 const double x = fabs(scale * qr[d]) * a;
                 const double ea = a * scale * lg * 0x1p-24 * q1 / sqrt((double)D) + x * 0x1p-23;
-                cw[d] = 0x1p-16 * (x + ea) + ea + 0x1p-126;
+                cw[d] = uk * (x + ea) + ea + 0x1p-126;
             }
             const uint8_t *kc = rec + L.k_codes_off;
             const size_t krow = (size_t)G * kb / 8;
             for (int t = 0; t < G; t++) {
                 double wc = 0.0;
-                for (int d = 0; d < D; d++) wc += cw[d] * idb_code(kc + (size_t)d * krow, t, kb);
+                for (int d = 0; d < D; d++)
+                    wc += cw[d] * fabs((double)idb_code(kc + (size_t)d * krow, t, kb) - (double)(1 << (kb - 1)));
                 delta = fmax(delta, fabs(idb_half(rec + L.k_stok_off, t)) * wc);
             }
             double amax = 0.0;
             for (int t = 0; t < G; t++) amax = fmax(amax, fabs(idb_half(rec + L.v_a_off, t)));
-            const double cmax = (double)((1 << vb) - 1);
+            /* the kernel multiplies centred codes, code - 2^(vb - 1): at most 2^(vb - 1) */
+            const double cmax = (double)(1 << (vb - 1));
             for (int d = 0; d < D; d++)
                 ev[d] = fmax(ev[d], (u * amax + G * 0x1p-126) * cmax *
                                         fabs(idb_half(rec + L.v_schan_off, d)));
