@@ -8,30 +8,30 @@
  * logic on any CPU.
  *
  * Per tile (a 128-, 64- or 32-token record, ../shared/spec/KVARN.md
- * "Attention over records"), the codes are unpacked once into bf16 (every
- * code of 2, 4 or 8 bits is exact in bf16), the per-channel key scales a_d
- * folded into the queries and the per-token value scales a_t into the
- * softmax weights, as the spec's per-row algebra does; then, per block of
- * 16 rows:
- *   scores  S = bf16(q' a) . Kcodes            (16 x D) . (D x G)
- *           s_t = s_tok_t (S_t + sum_d q'_d b_d)
- *           softmax step, fused: p_t = exp(s_t - m), w_t = bf16(p_t a_t)
+ * "Attention over records"), the codes are unpacked once into bf16,
+ * centred (code - C, C = 2^(bits - 1): exact in bf16; the zero points take
+ * C a in fp32), the per-channel key scales a_d folded into the queries and
+ * the per-token value scales a_t into the softmax weights, as the spec's
+ * per-row algebra does; then, over all the item's rows, in three passes
+ * (each block of 16 rows on the tiles):
+ *   scores  S = bf16(q' a) . Kcodes            (16 x D) . (D x G), fp32 out
+ *   softmax s_t = s_tok_t (S_t + sum_d q'_d b'_d), the row's max, then
+ *           p_t = 2^((s_t - m) log2 e), w_t = bf16(p_t a_t), in one pass
  *   sums    O = w . Vcodes                       (16 x G) . (G x D)
- *           acc_d = corr acc_d + s_chan_d (O_d + sum_t p_t b_t)
- * with fp32 sums (TDPBF16PS). The rounding this adds, the statement the
- * tests derive their bounds from (attn.h): scores KVARN_ATTN_ARITH_BF16X2,
- * each q'_d a_d carried as two bf16 values, hi = bf16(x) and lo = bf16(x -
- * hi) (round to nearest even), two products: relative error <= 2^-16 (one
- * bf16 alone would round to 2^-8, which moved the scores of the tests'
- * random data by 3-7% of the output); sums KVARN_ATTN_ARITH_BF16, each
- * weight p_t a_t rounded once to bf16 (nearest even, relative error <=
- * 2^-8), as vLLM's bf16 attention rounds its softmax weights: the output
- * moves by at most 2^-8 of the weighted |v|. Inputs below 2^-126 read as 0
- * by the tiles; the zero-point terms, the softmax and acc stay fp32. The
- * scores are stored once (16 x G fp32), the softmax step reads them and
- * writes the bf16 weights in one pass (the row's max first). A tile whose metadata is not
- * finite, or whose rows reach |q'_d a_d| >= 2^80, runs the fallback kernel
- * (the level's own) instead, as the int16 kernels do.
+ *           acc_d = corr acc_d + s_chan_d (O_d + sum_t p_t b'_t)
+ * with fp32 sums (TDPBF16PS). The passes run over all rows in turn so that
+ * no tile load reads what the instructions just before it stored. The
+ * rounding this adds, the statement the tests derive their bounds from
+ * (attn.h KVARN_ATTN_ARITH_BF16, matrix_scores and matrix_sums): each
+ * q'_d a_d and each p_t a_t rounded once to bf16 (nearest even: relative
+ * error <= 2^-8), as vLLM's bf16 attention rounds its queries, keys and
+ * weights, times the exact centred codes (uncentred, one bf16 moved the
+ * output of the tests' random data by 3-7%: the zero-point term cancels
+ * most of the product; centred, 0.7-1.5%, docs/attention-matrix.md).
+ * Inputs below 2^-126 read as 0 by the tiles; the zero-point terms, the
+ * softmax and acc stay fp32. A tile whose metadata is not finite, or whose
+ * rows reach |q'_d a_d| >= 2^80, runs the fallback kernel (the level's
+ * own) instead, as the int16 kernels do.
  */
 #include <math.h>
 #include <string.h>
