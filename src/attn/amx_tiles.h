@@ -159,17 +159,18 @@ static inline void amx_bf16_split(float x, uint16_t *hi, uint16_t *lo)
  * the emulated kernel gives the real one's halves bit for bit; only the
  * order of the fp32 sums of amx_split_scaled's dot product differs. */
 
-/* hi[i], lo[i] = the two bf16 halves of x[i] * a[i] (amx_bf16_split), for
- * i < n (lo NULL: hi alone, bf16(x[i] * a[i])); returns sum_i x[i] * b[i]
- * (fp32; 0 with b NULL). */
+/* hi[i], lo[i] = the two bf16 halves of x[i] * a[i] (amx_bf16_split; a
+ * NULL: of x[i]), for i < n (lo NULL: hi alone, bf16(x[i] * a[i]));
+ * returns sum_i x[i] * b[i] (fp32; 0 with b NULL). */
 static inline float amx_split_scaled(const float *x, const float *a, const float *b, int n,
                                      uint16_t *hi, uint16_t *lo)
 {
 #ifdef KVARN_AMX_EMULATE
     float sum = 0.0f;
     for (int i = 0; i < n; i++) {
-        if (lo) amx_bf16_split(x[i] * a[i], &hi[i], &lo[i]);
-        else hi[i] = amx_bf16_of(x[i] * a[i]);
+        const float v = a ? x[i] * a[i] : x[i];
+        if (lo) amx_bf16_split(v, &hi[i], &lo[i]);
+        else hi[i] = amx_bf16_of(v);
         if (b) sum += x[i] * b[i];
     }
     return sum;
@@ -178,7 +179,7 @@ static inline float amx_split_scaled(const float *x, const float *a, const float
     const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < n; i += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + i), v = _mm512_mul_ps(xv, _mm512_loadu_ps(a + i));
+        const __m512 xv = _mm512_loadu_ps(x + i), v = a ? _mm512_mul_ps(xv, _mm512_loadu_ps(a + i)) : xv;
         __m512i u = _mm512_castps_si512(v);
         u = _mm512_add_epi32(u, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
         const __m512i h = _mm512_and_si512(u, top);
@@ -283,10 +284,11 @@ static inline void amx_dp_cols(int nb, const uint16_t *b, long bstride)
 }
 #undef DP_COL
 
-/* The same with A = A_hi alone, in tile A (4 or 6). */
+/* The same with A = A_hi alone, in tile A (4 or 6) (amx_product16's
+ * locals bk, bstride and nb). */
 #define DP1_COL(J, A, T)                               \
     do {                                               \
-        AMX_LOAD(T, b + 32 * (J), bstride);            \
+        AMX_LOAD(T, bk + 32 * (J), bstride);           \
         AMX_DPBF16PS(J, A, T);                         \
     } while (0)
 #define DP1_COLS(A)                                    \
@@ -332,8 +334,6 @@ static inline void amx_product16(const uint16_t *ahi, const uint16_t *alo, int l
             } else {
                 /* A alone: in tile 4 and 6 in turn, as B above */
                 const long bstride = (long)N * 4;
-                const uint16_t *bb = bk;
-#define b bb
                 if ((k0 / 32) % 2 == 0) {
                     AMX_LOAD(4, ahi + k0, (long)lda * 2);
                     DP1_COLS(4);
@@ -341,7 +341,6 @@ static inline void amx_product16(const uint16_t *ahi, const uint16_t *alo, int l
                     AMX_LOAD(6, ahi + k0, (long)lda * 2);
                     DP1_COLS(6);
                 }
-#undef b
             }
         }
         amx_store_cols(nb, out + c0, (long)ldo * 4);

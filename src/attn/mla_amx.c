@@ -47,8 +47,6 @@ void MLA_AMX_FN(attn_mla_matrix_prep)(const uint8_t *codes, int D, int G, uint16
  * rows nb..15 zero. */
 static void split_rows(const float *x, int nb, int n, uint16_t *hi, uint16_t *lo)
 {
-    float one[512];
-    for (int i = 0; i < n; i++) one[i] = 1.0f;
     for (int k = 0; k < 16; k++) {
         uint16_t *h = hi + (size_t)k * (size_t)n, *l = lo + (size_t)k * (size_t)n;
         if (k >= nb) {
@@ -56,7 +54,7 @@ static void split_rows(const float *x, int nb, int n, uint16_t *hi, uint16_t *lo
             memset(l, 0, (size_t)n * sizeof *l);
             continue;
         }
-        (void)amx_split_scaled(x + (size_t)k * (size_t)n, one, NULL, n, h, l);
+        (void)amx_split_scaled(x + (size_t)k * (size_t)n, NULL, NULL, n, h, l);
     }
 }
 
