@@ -11,7 +11,7 @@ whole-prompt hit; its process group is killed at the end):
   prompts of test_offload); a fresh engine B gets P's 256 tokens and Q's
   (256 for the tile format, whose last tile is recomputed; 383 for
   kvarn_int8), and its greedy tokens and logprobs equal a cold run's
-  without the connector (within LP_TOL); the server's L1 holds the
+  without the connector (within LP_TOL; test_offload.cold_cfg); the server's L1 holds the
   format's bytes per stored token (printed against bf16's);
 - keys: a kvarn engine on a server holding an `auto` engine's entries of
   the same prompt (stock LMCacheMPConnector) gets no hit and runs
@@ -29,7 +29,7 @@ pytest.importorskip("lmcache")
 from conftest import run_llm                      # noqa: E402
 from lmcache_server import ENV, Server, free_port  # noqa: E402
 from test_offload import (BF16_PER_TOKEN, _block_bytes, _ids, _outs,  # noqa: E402
-                          equals_cold)
+                          cold_cfg, equals_cold)
 
 CHUNK = 128
 
@@ -103,7 +103,7 @@ def test_shared_prefix(dtype, ids, server, monkeypatch):
     # no lookup lock left behind (the tile format's cut-back hit frees the
     # locks of the chunk it does not load)
     assert server.l1()["read_locked_count"] == 0, server.l1()
-    cold = run_llm(_cfg(dtype, p, q))[0]
+    cold = run_llm(cold_cfg(dtype, _cfg(dtype, p, q)))[0]
     equals_cold(dtype, b, cold)
 
 
