@@ -221,7 +221,7 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *                           INT16's rounding with 255 for 32767, bounded
  *                           likewise (docs/attention-intdot.md "u8
  *                           weights").
- *   KVARN_ATTN_ARITH_BF16X2 (the matrix kernel's matrix_scores below) the
+ *   KVARN_ATTN_ARITH_BF16X2 (MLA's matrix kernel's scores) the
  *                           folded query q'_d a_d carried as two bf16
  *                           values, hi = bf16(x) and lo = bf16(x - hi)
  *                           (nearest even: relative error at most 2^-16;
@@ -230,13 +230,17 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *                           sums; zero-point terms, softmax and output
  *                           fp32 (src/attn/kernel_amx.c,
  *                           docs/attention-matrix.md).
- *   KVARN_ATTN_ARITH_BF16   (the matrix kernel's matrix_sums) each softmax
- *                           weight times its value scale, p_t a_t, rounded
- *                           once to bf16 (nearest even: relative error at
- *                           most 2^-8; below 2^-126 read as 0), times the
- *                           codes on AMX tiles with fp32 sums, as vLLM's
- *                           bf16 attention rounds its weights; the rest
- *                           fp32 as above.
+ *   KVARN_ATTN_ARITH_BF16   (the matrix kernel's matrix_scores and
+ *                           matrix_sums) the folded query q'_d a_d (scores;
+ *                           staged per-token records: q'_d), or each
+ *                           softmax weight times its value scale, p_t a_t
+ *                           (sums), rounded once to bf16 (nearest even:
+ *                           relative error at most 2^-8; below 2^-126 read
+ *                           as 0), times the centred codes (code -
+ *                           2^(bits - 1), exact in bf16) on AMX tiles with
+ *                           fp32 sums, as vLLM's bf16 attention rounds its
+ *                           queries, keys and weights; zero-point terms,
+ *                           softmax and output fp32.
  * An integer half may still keep fp32 for a call whose run-time conditions
  * it does not meet (KVarN: a tile where any query row's max |q_d a_d| is
  * below 2^-100, or any reaches 2^80; int8: a span over 256 tokens, so
@@ -278,10 +282,17 @@ typedef struct kvarn_attn_kernel_info {
                                        "amx-bf16-emulated" (the testing
                                        knob amx = 2), or NULL: none */
     int matrix_rows;                /* that row count (16); 0 with NULL */
-    kvarn_attn_arith matrix_scores; /* its q.k: KVARN_ATTN_ARITH_BF16X2 (a
+    kvarn_attn_arith matrix_scores; /* its q.k: KVARN_ATTN_ARITH_BF16 (a
                                        tile outside its conditions runs the
                                        level's kernel: scores, sums) */
     kvarn_attn_arith matrix_sums;   /* its p.v: KVARN_ATTN_ARITH_BF16 */
+    int matrix_staged;              /* 1: the staged tokens of those items
+                                       (int8 or int4 staging) go through
+                                       it too, with the same arithmetic
+                                       (q' rounded once to bf16 in place of
+                                       the folded query); 0: the staging's
+                                       token kernel (staged_scores,
+                                       staged_sums) reads them */
 } kvarn_attn_kernel_info;
 
 /* Fill *out with the kernels and arithmetic a call with these options

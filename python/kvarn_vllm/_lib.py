@@ -75,7 +75,8 @@ class AttnKernelInfo(ctypes.Structure):
     _fields_ = [("level", ctypes.c_char_p), ("scores", ctypes.c_int), ("sums", ctypes.c_int),
                 ("staged_scores", ctypes.c_int), ("staged_sums", ctypes.c_int),
                 ("matrix", ctypes.c_char_p), ("matrix_rows", ctypes.c_int),
-                ("matrix_scores", ctypes.c_int), ("matrix_sums", ctypes.c_int)]
+                ("matrix_scores", ctypes.c_int), ("matrix_sums", ctypes.c_int),
+                ("matrix_staged", ctypes.c_int)]
 
 
 # include/kvarn/attn.h kvarn_attn_arith
@@ -305,13 +306,16 @@ def attn_kernel_info(fmt: Format, head_dim: int, staging: int = 0) -> dict:
     staging (a kvarn_staging value) on this CPU, default options
     (kvarn_attn_kernel_info_get): {"level": "avx512" / "avx2" / "scalar",
     "scores", "sums", "staged_scores", "staged_sums": "fp32" / "int16" /
-    "int8" / "u8"}; raises KvarnError if the library refuses."""
+    "int8" / "u8", and the matrix kernel's: "matrix" (None or its name),
+    "matrix_rows", "matrix_scores", "matrix_sums", "matrix_staged" (the
+    staged tokens of its items too)}; raises KvarnError if the library
+    refuses."""
     info = AttnKernelInfo()
     check(lib().kvarn_attn_kernel_info_get(ctypes.byref(fmt), head_dim, staging, None,
                                            ctypes.byref(info)), "attention kernel info")
     out = {"level": info.level.decode(),
            "matrix": info.matrix.decode() if info.matrix else None,
-           "matrix_rows": info.matrix_rows}
+           "matrix_rows": info.matrix_rows, "matrix_staged": bool(info.matrix_staged)}
     for f in ("scores", "sums", "staged_scores", "staged_sums", "matrix_scores", "matrix_sums"):
         out[f] = ARITH_NAMES.get(getattr(info, f), str(getattr(info, f)))
     return out

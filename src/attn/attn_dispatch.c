@@ -56,6 +56,18 @@ static attn_matrix_tile_fn matrix_kernel(const kvarn_attn_opts *o, kvarn_kind ki
     }
 }
 
+/* The matrix kernel of per-token int8 and int4 records (a KVarN view's
+ * staged tokens) at head_dim D (NULL: none). */
+static attn_token_matrix_fn token_matrix_kernel(const kvarn_attn_opts *o, kvarn_kind kind, int D)
+{
+    if ((kind != KVARN_KIND_INT8 && kind != KVARN_KIND_INT4) || !attn_matrix_geometry(D, 32)) return NULL;
+    switch (amx_of(o)) {
+    case 1: return attn_amx_token_tile;
+    case 2: return attn_amxemu_token_tile;
+    default: return NULL;
+    }
+}
+
 void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, int G,
                        attn_kernels *out)
 {
@@ -65,6 +77,7 @@ void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, 
     if (vnni && out->kvarn_tile == attn_avx512_kvarn_tile) out->kvarn_tile = attn_avx512vnni_kvarn_tile;
     if (vnni && out->token_tile == attn_avx512_token_int8) out->token_tile = attn_avx512vnni_token_int8;
     out->kvarn_matrix = matrix_kernel(o, kind, head_dim, G);
+    out->token_matrix = token_matrix_kernel(o, kind, head_dim);
 }
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
@@ -99,6 +112,7 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
     info.matrix = NULL;
     info.matrix_rows = 0;
     info.matrix_scores = info.matrix_sums = KVARN_ATTN_ARITH_FP32;
+    info.matrix_staged = 0;
     const attn_matrix_tile_fn mk = matrix_kernel(&o, fmt->kind, head_dim, fmt->tile_tokens);
     if (mk != NULL) {
         info.matrix = mk == attn_amxemu_kvarn_tile ? "amx-bf16-emulated" : "amx-bf16";
@@ -108,9 +122,13 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
     if (fmt->kind == KVARN_KIND_KVARN) {
         /* fp16 staging: the fp16 page kernel (fp32 arithmetic) */
         info.staged_scores = info.staged_sums = KVARN_ATTN_ARITH_FP32;
-        if (staged > 0)
+        if (staged > 0) {
             attn_select_arith_from(attn_kind_row_of(sf.kind), &sf, head_dim, top, vnni,
                                    &info.staged_scores, &info.staged_sums);
+            /* the staged tokens of the matrix kernel's items take it too
+             * (attn.c staged_tile) */
+            info.matrix_staged = mk != NULL && token_matrix_kernel(&o, sf.kind, head_dim) != NULL;
+        }
     }
     *out = info;
     return KVARN_OK;

@@ -172,6 +172,18 @@ static inline int attn_matrix_geometry(int D, int G)
 }
 void attn_amx_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec, int t0,
                          int nt, attn_record_tile_fn fallback);
+/* The same products over per-token int8 or int4 records (kernel_amx.c:
+ * a KVarN view's staged tokens), token j's record at rec[j], nt <= gs;
+ * fallback (the level's token kernel) runs a span outside its
+ * conditions. */
+typedef void (*attn_token_matrix_fn)(attn_rows *r, const kvarn_record_layout *L,
+                                     const uint8_t *const *rec, int t0, int nt,
+                                     attn_token_tile_fn fallback);
+void attn_amx_token_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *rec,
+                         int t0, int nt, attn_token_tile_fn fallback);
+void attn_amxemu_token_tile(attn_rows *r, const kvarn_record_layout *L,
+                            const uint8_t *const *rec, int t0, int nt,
+                            attn_token_tile_fn fallback);
 /* The same with the tiles emulated in C (kernel_amx_emu.c): any CPU. */
 void attn_amxemu_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                             int t0, int nt, attn_record_tile_fn fallback);
@@ -186,6 +198,8 @@ typedef struct attn_kernels {
     attn_record_tile_fn kvarn_tile;
     attn_token_tile_fn token_tile;
     attn_matrix_tile_fn kvarn_matrix; /* NULL: none (attn_dispatch.c attn_pick_kernels) */
+    attn_token_matrix_fn token_matrix; /* per-token int8/int4 records of a
+                                          KVarN view's staging; NULL: none */
 } attn_kernels;
 
 /* Row-block dispatch of the SIMD kernels: CALL(R) with R = rb as a

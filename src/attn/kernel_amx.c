@@ -91,15 +91,19 @@ static inline __m512 exp2_512(__mmask16 k, __m512 x)
 #endif
 
 /* The online-softmax step (attn_internal.h: m, l, psum; acc rescaled) of
- * row i over its tile's score products c [G] (before s_tok and the bias
- * term: s_t = s_tok_t (c_t + rc_i)); c is overwritten. Writes the weights
- * w_t = bf16(p_t a_t) into w [G] (zero where no position is visible) and
- * z = sum_t p_t b_t into rc_i. */
-static void softmax_row(attn_rows *r, int i, int t0, int G, float *c, const float *stok,
-                        const float *va, const float *vbias, uint16_t *w)
+ * row i over its tile's score products c [G], of which the first nt are
+ * tokens (before s_tok and the bias
+ * term: s_t = s_tok_t (c_t + rc_i) for a KVarN record, kz NULL; s_t =
+ * s_tok_t c_t + kz_t qs for per-token records, s_tok their K scales, kz
+ * their centred K zero points, qs the row's sum_d q'_d); c is overwritten.
+ * Writes the weights w_t = bf16(p_t a_t) into w [G] (zero where no
+ * position is visible) and z = sum_t p_t b_t into rc_i. G % 32 == 0. */
+static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, const float *stok,
+                        const float *kz, float qs, const float *va, const float *vbias,
+                        uint16_t *w)
 {
     int a, b;
-    if (!attn_row_visible(r, i, t0, G, &a, &b)) {
+    if (!attn_row_visible(r, i, t0, nt, &a, &b)) {
         memset(w, 0, (size_t)G * sizeof *w);
         r->rc[i] = 0.0f;
         return;
@@ -108,7 +112,7 @@ static void softmax_row(attn_rows *r, int i, int t0, int G, float *c, const floa
 #ifdef KVARN_AMX_EMULATE
     float mt = -INFINITY;
     for (int t = a; t < b; t++) {
-        c[t] = stok[t] * (c[t] + cb);
+        c[t] = kz ? stok[t] * c[t] + kz[t] * qs : stok[t] * (c[t] + cb);
         mt = c[t] > mt ? c[t] : mt;
     }
     const float m_new = mt > m_old ? mt : m_old;
@@ -124,7 +128,7 @@ static void softmax_row(attn_rows *r, int i, int t0, int G, float *c, const floa
     const int full = a == 0 && b == G;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i vlo = _mm512_set1_epi32(a - 1), vhi = _mm512_set1_epi32(b);
-    const __m512 vcb = _mm512_set1_ps(cb);
+    const __m512 vcb = _mm512_set1_ps(cb), vqs = _mm512_set1_ps(qs);
     __mmask16 ok[ATTN_MATRIX_MAX_G / 16];
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int t = 0; t < G; t += 16) {
@@ -133,7 +137,9 @@ static void softmax_row(attn_rows *r, int i, int t0, int G, float *c, const floa
             const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(t));
             k = _mm512_cmpgt_epi32_mask(idx, vlo) & _mm512_cmpgt_epi32_mask(vhi, idx);
         }
-        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(stok + t), _mm512_add_ps(_mm512_loadu_ps(c + t), vcb));
+        const __m512 s = kz ? _mm512_fmadd_ps(_mm512_loadu_ps(stok + t), _mm512_loadu_ps(c + t),
+                                              _mm512_mul_ps(_mm512_loadu_ps(kz + t), vqs))
+                            : _mm512_mul_ps(_mm512_loadu_ps(stok + t), _mm512_add_ps(_mm512_loadu_ps(c + t), vcb));
         _mm512_storeu_ps(c + t, s);
         mx = _mm512_mask_max_ps(mx, k, mx, s);
         ok[t / 16] = k;
@@ -166,17 +172,19 @@ static void softmax_row(attn_rows *r, int i, int t0, int G, float *c, const floa
     }
 }
 
-/* acc[d] += s_chan[d] (o[d] + z), d < D (D % 16 == 0). */
+/* acc[d] += s_chan[d] (o[d] + z), d < D (D % 16 == 0); schan NULL: acc[d]
+ * += o[d] + z (per-token records: no channel scale). */
 static void acc_update(float *acc, const float *o, const float *schan, float z, int D)
 {
 #ifdef KVARN_AMX_EMULATE
-    for (int d = 0; d < D; d++) acc[d] += schan[d] * (o[d] + z);
+    for (int d = 0; d < D; d++) acc[d] += schan ? schan[d] * (o[d] + z) : o[d] + z;
 #else
     const __m512 vz = _mm512_set1_ps(z);
-    for (int d = 0; d < D; d += 16)
+    for (int d = 0; d < D; d += 16) {
+        const __m512 x = _mm512_add_ps(_mm512_loadu_ps(o + d), vz);
         _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_loadu_ps(acc + d),
-                                                _mm512_mul_ps(_mm512_loadu_ps(schan + d),
-                                                              _mm512_add_ps(_mm512_loadu_ps(o + d), vz))));
+                                                schan ? _mm512_mul_ps(_mm512_loadu_ps(schan + d), x) : x));
+    }
 #endif
 }
 
@@ -233,7 +241,7 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
     for (int r0 = 0; r0 < n; r0 += 16)
         amx_product16(aq + (size_t)r0 * D, NULL, D, D, kmat, G, r->s + (size_t)r0 * gs, gs);
     for (int i = 0; i < n; i++)
-        softmax_row(r, i, t0, G, r->s + (size_t)i * gs, stok, va, vbias, w + (size_t)i * G);
+        softmax_row(r, i, t0, G, G, r->s + (size_t)i * gs, stok, NULL, 0.0f, va, vbias, w + (size_t)i * G);
     float o[16 * ATTN_MATRIX_MAX_D];
     for (int r0 = 0; r0 < n; r0 += 16) {
         const int rb = n - r0 < 16 ? n - r0 : 16;
@@ -242,4 +250,117 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
             acc_update(r->acc + (size_t)(r0 + i) * D, o + (size_t)i * D, schan, r->rc[r0 + i], D);
     }
     AMX_RELEASE();
+}
+
+/* ------------------------------------------------- per-token records
+ *
+ * The staged tokens of a KVarN view with int8 or int4 staging (paged.h
+ * "Staging": per-token records, record.h, K codes [D] and V codes [D] of
+ * 8 or 4 bits with an fp16 scale and zero point each) in the same products:
+ * token t's key is k_td = ks_t c_td + kz_t, so with centred codes c' =
+ * c - C (C = 2^(bits - 1), exact in bf16)
+ *   scores  s_t = ks_t (bf16(q') . c'_t) + (kz_t + C ks_t) sum_d q'_d
+ *   sums    acc_d += sum_t bf16(p_t vs_t) c'_td + sum_t p_t (vz_t + C vs_t)
+ * with the rounding statement of the records' (KVARN_ATTN_ARITH_BF16, the
+ * query rounded once instead of the folded query), in spans of at most
+ * min(G, ATTN_MATRIX_MAX_G) tokens, one online-softmax step each. */
+
+/* Token j's codes (D of `bits`), centred, into column j of the B layout
+ * of the score product: kmat[(d / 2) np + j][d % 2], bf16. */
+static void token_k_column(const uint8_t *kc, int D, int bits, int np, int j, uint16_t *kmat)
+{
+    const int centre = 1 << (bits - 1);
+#ifdef KVARN_AMX_EMULATE
+    for (int d = 0; d < D; d++) {
+        const int c = (kc[(size_t)d * bits / 8] >> ((d * bits) % 8)) & ((1 << bits) - 1);
+        kmat[((size_t)(d / 2) * np + j) * 2 + (d & 1)] = amx_bf16_of((float)(c - centre));
+    }
+#else
+    const __m512i vc = _mm512_set1_epi32(centre);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(np));
+    uint32_t *k32 = (uint32_t *)(void *)kmat + j;
+    for (int d = 0; d < D; d += 32) {
+        const __m512 f0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(amx_codes16(kc, d, bits), vc));
+        const __m512 f1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(amx_codes16(kc, d + 16, bits), vc));
+        /* bf16 of channels d .. d + 31 in order: 32-bit lane m holds the
+         * pair (d + 2m, d + 2m + 1), row d / 2 + m of the B layout */
+        const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+        _mm512_i32scatter_epi32(k32 + (size_t)(d / 2) * np, idx, w, 4);
+    }
+#endif
+}
+
+/* One span of ns <= min(G, ATTN_MATRIX_MAX_G) tokens (see above). */
+static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
+                       int t0, int ns, attn_token_tile_fn fallback)
+{
+    const int D = r->D, n = r->n, gs = r->gs, bits = L->key_bits;
+    const int np = (ns + 31) & ~31;
+    float *ks = r->meta, *kz = ks + gs, *vs = kz + gs, *vz = vs + gs;
+    for (int t = 0; t < ns; t++) {
+        kvarn__fp16_load(tok[t] + L->k_a_off, 1, ks + t);
+        kvarn__fp16_load(tok[t] + L->k_b_off, 1, kz + t);
+        kvarn__fp16_load(tok[t] + L->v_a_off, 1, vs + t);
+        kvarn__fp16_load(tok[t] + L->v_b_off, 1, vz + t);
+    }
+    int ok = kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
+             kvarn__all_finite(vs, (size_t)ns) && kvarn__all_finite(vz, (size_t)ns);
+    for (int i = 0; ok && i < n; i++) {
+        const float *q = r->q + (size_t)i * D;
+        for (int d = 0; d < D; d++) ok &= fabsf(q[d]) < 0x1p80f;
+    }
+    if (!ok) {
+        fallback(r, L, tok, t0, ns);
+        return;
+    }
+    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf));
+    const float c = (float)(1 << (bits - 1));
+    for (int t = 0; t < ns; t++) {
+        kz[t] += c * ks[t];
+        vz[t] += c * vs[t];
+    }
+    for (int t = ns; t < np; t++) ks[t] = kz[t] = vs[t] = vz[t] = 0.0f;
+    /* the scratch as the records' (np <= G columns): codes, query, weights */
+    const int nr = (n + 15) & ~15;
+    uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * np;
+    uint16_t *aq = vmat + (size_t)D * np, *w = aq + (size_t)nr * D;
+    /* the padding tokens [ns, np): codes C (centred 0) */
+    uint8_t zc[ATTN_MATRIX_MAX_D];
+    memset(zc, bits == 8 ? 0x80 : 0x88, (size_t)D * bits / 8);
+    const size_t voff = L->v_codes_off;
+    for (int j = 0; j < np; j++) token_k_column(j < ns ? tok[j] + L->k_codes_off : zc, D, bits, np, j, kmat);
+    for (int j = 0; j < np; j += 2)
+        amx_pair_packed(j < ns ? tok[j] + voff : zc, j + 1 < ns ? tok[j + 1] + voff : zc, D, bits,
+                        vmat + (size_t)j * D);
+    for (int i = 0; i < n; i++) amx_split_scaled(r->q + (size_t)i * D, NULL, NULL, D, aq + (size_t)i * D, NULL);
+
+    amx_tilecfg cfg;
+    amx_config_16x64(&cfg);
+    AMX_CONFIG(&cfg);
+    for (int r0 = 0; r0 < n; r0 += 16)
+        amx_product16(aq + (size_t)r0 * D, NULL, D, D, kmat, np, r->s + (size_t)r0 * gs, gs);
+    for (int i = 0; i < n; i++)
+        softmax_row(r, i, t0, ns, np, r->s + (size_t)i * gs, ks, kz, r->qsum[i], vs, vz, w + (size_t)i * np);
+    float o[16 * ATTN_MATRIX_MAX_D];
+    for (int r0 = 0; r0 < n; r0 += 16) {
+        const int rb = n - r0 < 16 ? n - r0 : 16;
+        amx_product16(w + (size_t)r0 * np, NULL, np, np, vmat, D, o, D);
+        for (int i = 0; i < rb; i++)
+            acc_update(r->acc + (size_t)(r0 + i) * D, o + (size_t)i * D, NULL, r->rc[r0 + i], D);
+    }
+    AMX_RELEASE();
+}
+
+void AMX_FN(token_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
+                        int t0, int nt, attn_token_tile_fn fallback)
+{
+    const int span = r->G < ATTN_MATRIX_MAX_G ? r->G : ATTN_MATRIX_MAX_G;
+    if (span % 32 != 0 || (L->key_bits != 8 && L->key_bits != 4) || L->value_bits != L->key_bits ||
+        L->k_a_bytes != 2 || L->k_b_bytes != 2 || L->v_a_bytes != 2 || L->v_b_bytes != 2) {
+        fallback(r, L, tok, t0, nt);
+        return;
+    }
+    for (int j0 = 0; j0 < nt; j0 += span)
+        token_span(r, L, tok + j0, t0 + j0, nt - j0 < span ? nt - j0 : span, fallback);
 }

@@ -82,7 +82,7 @@ int attn_select_kernels_from(const attn_kind_row *row, int head_dim, int top,
 {
     int lv = top < 0 ? 0 : top >= ATTN_LEVELS ? ATTN_LEVELS - 1 : top;
     while (lv > 0 && head_dim % k_levels[lv].head_dim_multiple != 0) lv--;
-    attn_kernels k = {k_levels[lv].name, k_levels[lv].fp16_tile, NULL, NULL, NULL};
+    attn_kernels k = {k_levels[lv].name, k_levels[lv].fp16_tile, NULL, NULL, NULL, NULL};
     for (int l = lv; l >= 0 && k.token_tile == NULL; l--) k.token_tile = row->token_tile[l];
     for (int l = lv; l >= 0 && k.kvarn_tile == NULL; l--) k.kvarn_tile = row->record_tile[l];
     *out = k;

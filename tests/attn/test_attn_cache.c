@@ -41,9 +41,10 @@ static void check_format_std(const char *name, int sink_tokens, int staging, int
     kvarn_cache *c = NULL;
     assert_int_equal(kvarn_cache_create(&co, &c), KVARN_OK);
 
-    /* Two sequences; the first keeps its last 3 tokens uncommitted (being
-     * verified), as speculative decoding leaves them. */
-    const int lens[2] = {300, 40}, qls[2] = {3, 1};
+    /* Two sequences; the first keeps its last 6 tokens uncommitted (being
+     * verified), as speculative decoding leaves them: 6 x the group = 18
+     * query rows, an item the matrix kernel takes (ATTN_MATRIX_MIN_ROWS). */
+    const int lens[2] = {300, 40}, qls[2] = {6, 1};
     int seq[2];
     test_rng rng;
     test_rng_seed(&rng, 2024);
@@ -89,7 +90,21 @@ static void check_format_std(const char *name, int sink_tokens, int staging, int
     if (test_threads(1) > 1) assert_int_equal(kvarn_thread_pool_create(test_threads(1), &pool), KVARN_OK);
     size_t wsz = kvarn_attn_workspace_bytes(&kv, Hq, 2, qsl[2], kvarn_thread_pool_size(pool), &o);
     void *ws = malloc(wsz);
-    for (int multi = 0; multi < 2; multi++) {
+    /* the library's kernels, then (multi-query) the emulated matrix kernel
+     * (testing knob amx = 2), which also reads the staged tokens of int8
+     * and int4 staging (kernel_amx.c), on any CPU */
+    for (int run = 0; run < 3; run++) {
+        const int multi = run > 0, amx = run == 2 ? 2 : 0;
+        kvarn_attn_testing knobs = {0, 0, 0, amx};
+        o.testing = amx ? &knobs : NULL;
+        idb_amx = amx;
+        if (amx) {
+            kvarn_attn_kernel_info info;
+            assert_int_equal(kvarn_attn_kernel_info_get(&kv.fmt, D, kv.staging, &o, &info), KVARN_OK);
+            assert_int_equal(info.matrix_staged, co.format.kind == KVARN_KIND_KVARN &&
+                                                     (staging == KVARN_STAGING_INT8 ||
+                                                      staging == KVARN_STAGING_INT4));
+        }
         const int32_t dq[3] = {0, 1, 2};
         const int32_t *starts = multi ? qsl : dq;
         kvarn_status st = multi ? kvarn_attn_multi(&kv, views, 2, qsl, Hq, q, out, &o, pool, ws, wsz)
@@ -124,6 +139,9 @@ static void check_format_std(const char *name, int sink_tokens, int staging, int
                 }
         }
     }
+
+    o.testing = NULL;
+    idb_amx = 0;
 
     /* The same layer copied into arenas the caller owns, shaped as a vLLM
      * plug-in hands them over (include/kvarn/paged.h): records
@@ -232,6 +250,165 @@ static void test_cache_sink_tokens(void **state)
     for (int i = 0; i < 4; i++) {
         check_format_s("kvarn_k4v2_g64", S[i]);
         check_format_s("kvarn_k4v4_g128", S[i]);
+    }
+}
+
+/* The matrix kernel over staged per-token records (kernel_amx.c
+ * token_tile; int8 and int4 staging), against a double-precision oracle of
+ * its own arithmetic, so that its bound is tight: a KVarN cache whose
+ * sequence (100 tokens) lies wholly in its staged sink tile, 6 queries x a
+ * GQA group of 3 = 18 rows (an item the matrix kernel takes). In the
+ * rotated basis the kernel computes
+ *   s_t = ks_t sum_d bf16(q'_d) c'_td + (kz_t + C ks_t) sum_d q'_d
+ *   o_d = (sum_t bf16(p_t vs_t) c'_td + sum_t p_t (vz_t + C vs_t)) / l
+ * (c' = code - C, C = 2^(bits - 1)); the oracle computes the same in
+ * double with the weights unrounded, and allows per channel (attn.h
+ * KVARN_ATTN_ARITH_BF16) 2^-8 sum_t p_t |vs_t| |c'_td| / l, plus a score
+ * allowance for channels near a bf16 rounding boundary (idb_bf16_err) and
+ * the fp32 sums, and 1e-5 of the row's largest |o| for the fp32 of the
+ * rest (the queries' rotation, the inverse rotation of the output). Run
+ * emulated (testing knob amx = 2) on every CPU, and on the AMX tiles where
+ * the CPU grants them. Faults tried by hand: a V token pair swapped, V's
+ * zero point off by one step: both fail this (not the looser bound of
+ * test_cache_staging). */
+static void check_staged_matrix(int staging, int amx)
+{
+    const int Hk = 2, group = 3, Hq = Hk * group, D = 64, len = 100, ql = 6;
+    kvarn_cache_opts co = kvarn_cache_default_opts();
+    assert_int_equal(kvarn_format_parse("kvarn_k4v2_g128", &co.format), KVARN_OK);
+    co.n_layers = 1;
+    co.n_kv_heads = Hk;
+    co.head_dim = D;
+    co.max_seqs = 2;
+    co.n_pages = 8;
+    co.budget_bytes = (size_t)8u << 20;
+    co.staging = staging;
+    kvarn_cache *c = NULL;
+    assert_int_equal(kvarn_cache_create(&co, &c), KVARN_OK);
+    int seq;
+    assert_int_equal(kvarn_cache_seq_create(c, &seq), KVARN_OK);
+    assert_int_equal(kvarn_cache_reserve(c, seq, len), KVARN_OK);
+    test_rng rng;
+    test_rng_seed(&rng, 77 + (uint64_t)staging);
+    const size_t n = (size_t)len * Hk * D;
+    float *k = malloc(n * sizeof(float)), *v = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) {
+        k[i] = (float)(1.5 * test_rng_normal(&rng) + 0.3);
+        v[i] = (float)test_rng_normal(&rng);
+    }
+    assert_int_equal(kvarn_cache_write(c, seq, 0, 0, len, k, v), KVARN_OK);
+    assert_int_equal(kvarn_cache_commit(c, seq, len - ql), KVARN_OK);
+    kvarn_paged_kv kv;
+    kvarn_seq_view view;
+    assert_int_equal(kvarn_cache_layer_view(c, 0, &kv), KVARN_OK);
+    assert_int_equal(kvarn_cache_seq_view(c, seq, &view), KVARN_OK);
+    /* every token staged: its record read below (idb_staged_rec) */
+
+    int32_t qsl[2] = {0, ql};
+    const size_t nq = (size_t)ql * Hq * D;
+    float *q = malloc(nq * sizeof(float)), *out = malloc(nq * sizeof(float));
+    for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
+    const double scale = 0.125;
+    kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)scale);
+    kvarn_attn_testing knobs = {0, 0, 0, amx};
+    o.testing = &knobs;
+    kvarn_attn_kernel_info info;
+    assert_int_equal(kvarn_attn_kernel_info_get(&kv.fmt, D, kv.staging, &o, &info), KVARN_OK);
+    assert_int_equal(info.matrix_staged, 1);
+    size_t wsz = kvarn_attn_workspace_bytes(&kv, Hq, 1, ql, 1, &o);
+    void *ws = malloc(wsz);
+    assert_int_equal(kvarn_attn_multi(&kv, &view, 1, qsl, Hq, q, out, &o, NULL, ws, wsz), KVARN_OK);
+
+    kvarn_format sf;
+    kvarn_record_layout L;
+    const int bits = staging == KVARN_STAGING_INT8 ? 8 : 4;
+    assert_int_equal(kvarn_format_parse(bits == 8 ? "int8" : "int4", &sf), KVARN_OK);
+    assert_int_equal(kvarn_record_layout_get(&sf, D, &L), KVARN_OK);
+    const double cen = (double)(1 << (bits - 1)), lg = log2((double)D) + 3.0;
+    double worst = 0.0;
+    for (int qi = 0; qi < ql; qi++)
+        for (int head = 0; head < Hq; head++) {
+            const int h = head / group, pos = len - ql + qi;
+            const float *qq = q + ((size_t)qi * Hq + head) * D;
+            double qp[64], e[64], w[64], q1 = 0.0, qraw1 = 0.0, qs = 0.0;
+            for (int d = 0; d < D; d++) {
+                qp[d] = qq[d] * scale;
+                qraw1 += fabs((double)qq[d]);
+            }
+            pf_hadamard_d(qp, D);
+            for (int d = 0; d < D; d++) {
+                q1 += fabs(qp[d]);
+                qs += qp[d];
+                const double ea = scale * lg * 0x1p-24 * qraw1 / sqrt((double)D) + fabs(qp[d]) * 0x1p-23;
+                idb_bf16_err(qp[d], ea, &e[d], &w[d]);
+            }
+            double sc[128], dl[128], m = -INFINITY;
+            for (int t = 0; t <= pos; t++) {
+                const uint8_t *rec = idb_staged_rec(&kv, &view, h, t);
+                assert_non_null(rec);
+                const double ks = idb_half(rec + L.k_a_off, 0), kz = idb_half(rec + L.k_b_off, 0);
+                double dot = 0.0, wc = 0.0, mag = 0.0;
+                for (int d = 0; d < D; d++) {
+                    const double ck = (double)idb_code(rec + L.k_codes_off, d, bits) - cen;
+                    dot += (qp[d] + e[d]) * ck;
+                    wc += w[d] * fabs(ck);
+                    mag += (fabs(qp[d] + e[d]) + w[d]) * fabs(ck);
+                }
+                sc[t] = ks * dot + (kz + cen * ks) * qs;
+                /* near-tie channels, the tiles' fp32 sums, the zero point's
+                 * and the score's fp32 */
+                dl[t] = fabs(ks) * (wc + D * 0x1p-24 * mag) + 0x1p-22 * (fabs(kz) + cen * fabs(ks)) * q1 +
+                        0x1p-22 * fabs(sc[t]);
+                m = fmax(m, sc[t]);
+            }
+            double l = 0.0, ref[64], ev[64], p[128], dmax = 0.0, vmax = 0.0;
+            for (int d = 0; d < D; d++) ref[d] = ev[d] = 0.0;
+            for (int t = 0; t <= pos; t++) {
+                p[t] = exp(sc[t] - m);
+                l += p[t];
+                dmax = fmax(dmax, dl[t]);
+            }
+            for (int t = 0; t <= pos; t++) {
+                const uint8_t *rec = idb_staged_rec(&kv, &view, h, t);
+                const double vs = idb_half(rec + L.v_a_off, 0), vz = idb_half(rec + L.v_b_off, 0);
+                for (int d = 0; d < D; d++) {
+                    const double cv = (double)idb_code(rec + L.v_codes_off, d, bits) - cen;
+                    const double x = vs * cv + vz + cen * vs;
+                    ref[d] += p[t] / l * x;
+                    ev[d] += 0x1p-8 * p[t] / l * (fabs(vs) * fabs(cv) + 0x1p-126);
+                    vmax = fmax(vmax, fabs(x));
+                }
+            }
+            /* the output back in the rotated basis */
+            double got[64], omax = 0.0;
+            const float *oo = out + ((size_t)qi * Hq + head) * D;
+            for (int d = 0; d < D; d++) {
+                got[d] = oo[d];
+                omax = fmax(omax, fabs((double)oo[d]));
+            }
+            pf_hadamard_d(got, D);
+            for (int d = 0; d < D; d++) {
+                const double bound = ev[d] + (exp(2.0 * dmax) - 1.0) * vmax + 1e-5 * omax;
+                const double err = fabs(got[d] - ref[d]);
+                worst = fmax(worst, err / bound);
+                assert_true(err <= bound);
+            }
+        }
+    print_message("staging %s, matrix %s: error / bound %.3f\n", bits == 8 ? "int8" : "int4",
+                  info.matrix, worst);
+    assert_true(worst > 0.0);
+    free(ws); free(q); free(out); free(k); free(v);
+    kvarn_cache_destroy(c);
+}
+
+static void test_staged_matrix(void **state)
+{
+    (void)state;
+    const int stagings[] = {KVARN_STAGING_INT8, KVARN_STAGING_INT4};
+    for (int i = 0; i < 2; i++) {
+        check_staged_matrix(stagings[i], 2);
+        if (kvarn__cpu_amx() == KVARN_CPU_AMX_TILES) check_staged_matrix(stagings[i], 0);
+        else if (i == 0) print_message("AMX tiles: skipped: no AMX (emulated only)\n");
     }
 }
 
@@ -454,6 +631,7 @@ int main(void)
         cmocka_unit_test(test_cache_staging),
         cmocka_unit_test(test_cache_sink_tokens),
         cmocka_unit_test(test_cache_per_token),
+        cmocka_unit_test(test_staged_matrix),
         cmocka_unit_test_teardown(test_small_tail_pages, levels_teardown),
         cmocka_unit_test(test_small_tail_bad_ids),
     };

@@ -194,14 +194,59 @@ static inline const uint8_t *idb_staged_rec(const kvarn_paged_kv *kv, const kvar
     return NULL;
 }
 
-/* The int8 token kernel on the staged tokens of a KVarN view
- * (KVARN_STAGING_INT8): the derivation of attn_int8_dot_bound above, with
- * the kernel's query q' = H(scale q) / sqrt(D) (rotated in fp32: at most
- * (log2 D + 3) 2^-24 sum_i |q'_i| / sqrt(D) per channel, added to eps in
- * steps of sq as the KVarN part below does). *delta: max_t |ds_t| over the
- * staged visible positions. *ev: sum over channels of the V part, in the
- * rotated basis; one kernel call reads the staged tokens of one tile (or
- * of one sink slot), so the window is a tile's staged tokens. */
+/* The bf16 rounding (nearest even) the matrix kernel applies to a value
+ * whose exact form is X and whose fp32 form in the kernel lies within ea
+ * of it: where no rounding boundary (a midpoint between neighbouring bf16
+ * values, or a power of two) lies within ea of X, the kernel's bf16 value
+ * is bf16(X), so its error *e = bf16(X) - X is known and *w = 0; else it
+ * may round either way: *e = 0, *w = one bf16 step at X's exponent plus
+ * ea. Values whose bf16 is below 2^-126 read as 0 on the tiles: *e = -X
+ * (|X| < 2^-126 + ea: *w = 2^-126 + ea). */
+static inline void idb_bf16_err(double X, double ea, double *e, double *w)
+{
+    const double ax = fabs(X);
+    if (ax < 0x1p-126 + ea) {
+        *e = -X;
+        *w = 0x1p-126 + ea;
+        return;
+    }
+    int ex;
+    frexp(ax, &ex);                     /* ax in [2^(ex-1), 2^ex) */
+    const double ulp = ldexp(1.0, ex - 8); /* 8 significant bits */
+    const double y = ax / ulp, fr = y - floor(y);
+    const double lo2 = ldexp(1.0, ex - 1), hi2 = ldexp(1.0, ex);
+    if (fabs(fr - 0.5) * ulp <= ea || ax - lo2 <= ea || hi2 - ax <= ea) {
+        *e = 0.0;
+        *w = 2.0 * ulp + ea;
+        return;
+    }
+    *e = copysign(nearbyint(y) * ulp, X) - X;
+    *w = 0.0;
+}
+
+/* The staged tokens of a KVarN view (KVARN_STAGING_INT8, or INT4 through
+ * the matrix kernel alone): *delta = the most a staged score moves,
+ * *ev = the sum over channels of the most each output channel moves, in
+ * the rotated basis; both 0 where the library says the staged tokens
+ * keep fp32, NaN where it names arithmetic not derived here. Two kernels
+ * may read them (the one an item takes depends on its rows): the larger
+ * of the two bounds, per channel.
+ * - the int8 token kernel (staged_scores/staged_sums INT16): the
+ *   derivation of attn_int8_dot_bound above, with the kernel's query
+ *   q' = H(scale q) / sqrt(D) (rotated in fp32: at most (log2 D + 3)
+ *   2^-24 sum_i |q'_i| / sqrt(D) per channel, added to eps in steps of sq
+ *   as the KVarN part below does); one kernel call reads the staged tokens
+ *   of one tile (or of one sink slot), so the window is a tile's staged
+ *   tokens.
+ * - the matrix kernel (matrix_staged; attn.h KVARN_ATTN_ARITH_BF16):
+ *   q'_d rounded once to bf16 (u = 2^-8 of |q'_d| plus the kernel's fp32
+ *   slack ea_d, as for the records below), times the centred codes c' =
+ *   c - 2^(bits - 1): score t moves by at most |ks_t| sum_d cw_d |c'_td|
+ *   plus 2^-22 (|kz_t| + 2^(bits - 1) |ks_t|) sum_d |q'_d| (the centred
+ *   zero point kz_t + 2^(bits - 1) ks_t formed in fp32); the weights
+ *   p_t vs_t rounded once to bf16: channel d of acc / l moves by at most
+ *   max_t (u |vs_t| + 2^-126) |c'_td| (the staged tokens' share of l is
+ *   at most 1). */
 static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
                                    const float *q, double scale, int lo, int hi, double *delta,
                                    double *ev)
@@ -214,72 +259,110 @@ static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_vie
         *delta = NAN;
         return;
     }
-    if ((info.staged_scores == KVARN_ATTN_ARITH_FP32 && info.staged_sums == KVARN_ATTN_ARITH_FP32) ||
-        hi < lo)
-        return;
-    if (kv->staging != KVARN_STAGING_INT8) { /* an integer staging kernel not derived below */
-        *delta = NAN;
+    const int ints = info.staged_scores != KVARN_ATTN_ARITH_FP32 || info.staged_sums != KVARN_ATTN_ARITH_FP32;
+    const int mat = info.matrix_staged != 0;
+    if ((!ints && !mat) || hi < lo) return;
+    if ((ints && kv->staging != KVARN_STAGING_INT8) ||
+        (mat && kv->staging != KVARN_STAGING_INT8 && kv->staging != KVARN_STAGING_INT4) ||
+        (mat && (info.matrix_scores != KVARN_ATTN_ARITH_BF16 || info.matrix_sums != KVARN_ATTN_ARITH_BF16))) {
+        *delta = NAN; /* a kernel not derived below */
         return;
     }
-    kvarn_format i8;
+    const int bits = kv->staging == KVARN_STAGING_INT8 ? 8 : 4;
+    kvarn_format sfmt;
     kvarn_record_layout L;
-    if (kvarn_format_parse("int8", &i8) != KVARN_OK ||
-        kvarn_record_layout_get(&i8, D, &L) != KVARN_OK) {
+    if (kvarn_format_parse(bits == 8 ? "int8" : "int4", &sfmt) != KVARN_OK ||
+        kvarn_record_layout_get(&sfmt, D, &L) != KVARN_OK) {
         *delta = INFINITY;
         return;
     }
     const double qmaxi = 32639.0, lg = log2((double)D) + 3.0;
-    double qp[1024], e[1024], cw[1024], qmax = 0.0, q1 = 0.0;
-    for (int d = 0; d < D; d++) qp[d] = (double)q[d] * scale;
+    double qp[1024], e[1024], cw[1024], qmax = 0.0, q1 = 0.0, qraw1 = 0.0;
+    for (int d = 0; d < D; d++) {
+        qp[d] = (double)q[d] * scale;
+        qraw1 += fabs((double)q[d]);
+    }
     pf_hadamard_d(qp, D);
     for (int d = 0; d < D; d++) {
         qmax = fmax(qmax, fabs(qp[d]));
         q1 += fabs(qp[d]);
     }
-    const double sq = qmax >= 0x1p-100 ? qmax / qmaxi : 0.0;
-    for (int d = 0; d < D; d++) {
-        if (sq == 0.0) {
-            e[d] = qp[d];
-            cw[d] = fabs(qp[d]) * 0x1p-20 + q1 * 0x1p-20;
-            continue;
-        }
-        const double eps = lg * 0x1p-24 * q1 / sqrt((double)D) / sq + 0x1p-7;
-        const double x = qp[d] / sq, fr = x - floor(x);
-        if (fabs(fr - 0.5) <= eps) {
-            e[d] = 0.0;
-            cw[d] = sq * (0.5 + eps);
-        } else {
-            e[d] = qp[d] - sq * nearbyint(x);
-            cw[d] = sq * eps;
-        }
-    }
-    double smax = 0.0, evd[1024], wsum[1024];
-    for (int d = 0; d < D; d++) evd[d] = 0.0;
-    for (int t = lo; t <= hi; t++) {
-        const uint8_t *rec = idb_staged_rec(kv, v, h, t);
-        if (rec == NULL) continue;
-        const double ks = fabs(idb_half(rec + L.k_a_off, 0));
-        double sgn = 0.0, wc = 0.0;
+    double evi[1024], evm[1024], wsum[1024], dint = 0.0, dmat = 0.0;
+    for (int d = 0; d < D; d++) evi[d] = evm[d] = 0.0;
+    if (ints) {
+        const double sq = qmax >= 0x1p-100 ? qmax / qmaxi : 0.0;
         for (int d = 0; d < D; d++) {
-            const double c = (double)rec[L.k_codes_off + (size_t)d] - 128.0;
-            sgn += e[d] * c;
-            wc += cw[d] * fabs(c);
+            if (sq == 0.0) {
+                e[d] = qp[d];
+                cw[d] = fabs(qp[d]) * 0x1p-20 + q1 * 0x1p-20;
+                continue;
+            }
+            const double eps = lg * 0x1p-24 * q1 / sqrt((double)D) / sq + 0x1p-7;
+            const double x = qp[d] / sq, fr = x - floor(x);
+            if (fabs(fr - 0.5) <= eps) {
+                e[d] = 0.0;
+                cw[d] = sq * (0.5 + eps);
+            } else {
+                e[d] = qp[d] - sq * nearbyint(x);
+                cw[d] = sq * eps;
+            }
         }
-        *delta = fmax(*delta, ks * (fabs(sgn) + wc));
-        smax = fmax(smax, fabs(idb_half(rec + L.v_a_off, 0)));
-    }
-    for (int ti = lo / G; ti <= hi / G; ti++) {
-        for (int d = 0; d < D; d++) wsum[d] = 0.0;
-        for (int t = ti * G > lo ? ti * G : lo; t <= hi && t < (ti + 1) * G; t++) {
+        double smax = 0.0;
+        for (int t = lo; t <= hi; t++) {
             const uint8_t *rec = idb_staged_rec(kv, v, h, t);
             if (rec == NULL) continue;
-            for (int d = 0; d < D; d++) wsum[d] += fabs((double)rec[L.v_codes_off + (size_t)d] - 128.0);
+            const double ks = fabs(idb_half(rec + L.k_a_off, 0));
+            double sgn = 0.0, wc = 0.0;
+            for (int d = 0; d < D; d++) {
+                const double c = (double)rec[L.k_codes_off + (size_t)d] - 128.0;
+                sgn += e[d] * c;
+                wc += cw[d] * fabs(c);
+            }
+            dint = fmax(dint, ks * (fabs(sgn) + wc));
+            smax = fmax(smax, fabs(idb_half(rec + L.v_a_off, 0)));
         }
-        for (int d = 0; d < D; d++) evd[d] = fmax(evd[d], (0.5 + 0x1p-8) / qmaxi * smax * wsum[d]);
+        for (int ti = lo / G; ti <= hi / G; ti++) {
+            for (int d = 0; d < D; d++) wsum[d] = 0.0;
+            for (int t = ti * G > lo ? ti * G : lo; t <= hi && t < (ti + 1) * G; t++) {
+                const uint8_t *rec = idb_staged_rec(kv, v, h, t);
+                if (rec == NULL) continue;
+                for (int d = 0; d < D; d++) wsum[d] += fabs((double)rec[L.v_codes_off + (size_t)d] - 128.0);
+            }
+            for (int d = 0; d < D; d++) evi[d] = fmax(evi[d], (0.5 + 0x1p-8) / qmaxi * smax * wsum[d]);
+        }
+        if (info.staged_scores == KVARN_ATTN_ARITH_FP32) dint = 0.0;
+        if (info.staged_sums == KVARN_ATTN_ARITH_FP32)
+            for (int d = 0; d < D; d++) evi[d] = 0.0;
     }
-    for (int d = 0; d < D; d++) *ev += evd[d];
-    if (info.staged_scores == KVARN_ATTN_ARITH_FP32) *delta = 0.0;
-    if (info.staged_sums == KVARN_ATTN_ARITH_FP32) *ev = 0.0;
+    if (mat) {
+        const double u = 0x1p-8, cen = (double)(1 << (bits - 1));
+        double rq[1024];
+        for (int d = 0; d < D; d++) {
+            const double ea = scale * lg * 0x1p-24 * qraw1 / sqrt((double)D) + fabs(qp[d]) * 0x1p-23;
+            idb_bf16_err(qp[d], ea, &e[d], &cw[d]);
+            rq[d] = fabs(qp[d] + e[d]) + cw[d];
+        }
+        for (int t = lo; t <= hi; t++) {
+            const uint8_t *rec = idb_staged_rec(kv, v, h, t);
+            if (rec == NULL) continue;
+            const double ks = fabs(idb_half(rec + L.k_a_off, 0)), kz = fabs(idb_half(rec + L.k_b_off, 0));
+            const double vs = fabs(idb_half(rec + L.v_a_off, 0));
+            double sgn = 0.0, wc = 0.0, mag = 0.0;
+            for (int d = 0; d < D; d++) {
+                const double ck = (double)idb_code(rec + L.k_codes_off, d, bits) - cen;
+                sgn += e[d] * ck;
+                wc += cw[d] * fabs(ck);
+                mag += rq[d] * fabs(ck);
+                const double cv = fabs((double)idb_code(rec + L.v_codes_off, d, bits) - cen);
+                evm[d] = fmax(evm[d], (u * vs + 0x1p-126) * cv);
+            }
+            /* the tiles' fp32 sums of exact products: at most D 2^-24 of
+             * the sum of their magnitudes */
+            dmat = fmax(dmat, ks * (fabs(sgn) + wc + D * 0x1p-24 * mag) + 0x1p-22 * (kz + cen * ks) * q1);
+        }
+    }
+    *delta = fmax(dint, dmat);
+    for (int d = 0; d < D; d++) *ev += fmax(evi[d], evm[d]);
 }
 
 /* The KVarN records' part of the AVX-512 integer dot products (the
@@ -390,8 +473,13 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
              * channel as above, the product one more rounding), times the
              * centred codes the kernel multiplies (code - 2^(kb - 1)):
              * score t moves by at most
-             *   |s_tok_t| sum_d cw_d |code_dt - 2^(kb - 1)|,  cw_d = u_k (|qa_d| + ea_d) + ea_d + 2^-126
-             * (ea_d is the fp32 kernels' own slack, counted here once more).
+             *   |s_tok_t| (|sum_d e_d c'_dt| + sum_d cw_d |c'_dt|),  c' = code - 2^(kb - 1),
+             * BF16: e_d the error of bf16(qa_d), known from the data, and
+             * cw_d = 0, but for a channel within ea_d of a rounding
+             * boundary (e_d = 0, cw_d one step: idb_bf16_err); BF16X2:
+             * e_d = 0, cw_d = u_k (|qa_d| + ea_d) + ea_d + 2^-126; plus
+             * the tiles' fp32 sums of the exact products, D 2^-24 of
+             * their magnitudes.
              * V: the weights w_t = p_t a_t rounded to one bf16 (BF16: u =
              * 2^-8) or carried likewise (BF16X2: u = 2^-16), channel d of
              * acc moves by at most u sum_t p_t |a_t| |code_td - 2^(vb - 1)| |s_chan_d|
@@ -404,19 +492,34 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
             const double lg = log2((double)D) + 3.0;
             double q1 = 0.0, cw[1024];
             for (int d = 0; d < D; d++) q1 += fabs(q[d]);
+            double e[1024], rq[1024];
             for (int d = 0; d < D; d++) {
-                const double a = fabs(idb_half(rec + L.k_a_off, d));
-                const double x = fabs(scale * qr[d]) * a;
-                const double ea = a * scale * lg * 0x1p-24 * q1 / sqrt((double)D) + x * 0x1p-23;
-                cw[d] = uk * (x + ea) + ea + 0x1p-126;
+                const double a = idb_half(rec + L.k_a_off, d);
+                const double x = scale * qr[d] * a;
+                const double ea = fabs(a) * scale * lg * 0x1p-24 * q1 / sqrt((double)D) + fabs(x) * 0x1p-23;
+                if (uk == 0x1p-8) {
+                    /* one bf16: its error known from the data but near a
+                     * rounding boundary (idb_bf16_err) */
+                    idb_bf16_err(x, ea, &e[d], &cw[d]);
+                } else {
+                    e[d] = 0.0;
+                    cw[d] = uk * (fabs(x) + ea) + ea + 0x1p-126;
+                }
+                rq[d] = fabs(x + e[d]) + cw[d];
             }
             const uint8_t *kc = rec + L.k_codes_off;
             const size_t krow = (size_t)G * kb / 8;
             for (int t = 0; t < G; t++) {
-                double wc = 0.0;
-                for (int d = 0; d < D; d++)
-                    wc += cw[d] * fabs((double)idb_code(kc + (size_t)d * krow, t, kb) - (double)(1 << (kb - 1)));
-                delta = fmax(delta, fabs(idb_half(rec + L.k_stok_off, t)) * wc);
+                double sgn = 0.0, wc = 0.0, mag = 0.0;
+                for (int d = 0; d < D; d++) {
+                    const double ck = (double)idb_code(kc + (size_t)d * krow, t, kb) - (double)(1 << (kb - 1));
+                    sgn += e[d] * ck;
+                    wc += cw[d] * fabs(ck);
+                    mag += rq[d] * fabs(ck);
+                }
+                /* plus the tiles' fp32 sums of exact products (D 2^-24 of
+                 * their magnitudes) */
+                delta = fmax(delta, fabs(idb_half(rec + L.k_stok_off, t)) * (fabs(sgn) + wc + D * 0x1p-24 * mag));
             }
             double amax = 0.0;
             for (int t = 0; t < G; t++) amax = fmax(amax, fabs(idb_half(rec + L.v_a_off, t)));
