@@ -15,6 +15,7 @@
 #ifndef KVARN_AMX_TILES_H
 #define KVARN_AMX_TILES_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -154,45 +155,56 @@ static inline void amx_bf16_split(float x, uint16_t *hi, uint16_t *lo)
 
 /* The per-tile vector work both matrix kernels do around the products,
  * on whole vectors of 16 lanes (every n, G and D here is a multiple of 16).
- * The AVX-512 forms round exactly as the scalar ones (the same fp32
- * multiply, the same integer round-to-nearest-even of amx_bf16_of), so
- * the emulated kernel gives the real one's halves bit for bit; only the
- * order of the fp32 sums of amx_split_scaled's dot product differs. */
+ * The AVX-512 forms round as the scalar ones (the same fp32 multiply,
+ * round-to-nearest-even), so the emulated kernel gives the real one's
+ * halves bit for bit but for values below 2^-126 (which the tiles read as
+ * 0 either way); the order of the fp32 sums of amx_split_scaled's dot
+ * product differs. */
 
 /* hi[i], lo[i] = the two bf16 halves of x[i] * a[i] (amx_bf16_split; a
  * NULL: of x[i]), for i < n (lo NULL: hi alone, bf16(x[i] * a[i]));
- * returns sum_i x[i] * b[i] (fp32; 0 with b NULL). */
+ * returns sum_i x[i] * b[i] (fp32; 0 with b NULL). amax (NULL: not
+ * wanted) gets max_i |x[i] a[i]| (the caller's range check). The
+ * AVX-512 form of hi alone is vcvtneps2bf16 (nearest even, as
+ * amx_bf16_of, but a product below 2^-126 gives 0: the tiles read
+ * amx_bf16_of's value there as 0 too). */
 static inline float amx_split_scaled(const float *x, const float *a, const float *b, int n,
-                                     uint16_t *hi, uint16_t *lo)
+                                     uint16_t *hi, uint16_t *lo, float *amax)
 {
 #ifdef KVARN_AMX_EMULATE
-    float sum = 0.0f;
+    float sum = 0.0f, mx = 0.0f;
     for (int i = 0; i < n; i++) {
         const float v = a ? x[i] * a[i] : x[i];
         if (lo) amx_bf16_split(v, &hi[i], &lo[i]);
         else hi[i] = amx_bf16_of(v);
         if (b) sum += x[i] * b[i];
+        mx = fabsf(v) > mx ? fabsf(v) : mx;
     }
+    if (amax) *amax = mx;
     return sum;
 #else
     const __m512i rnd = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
     const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 acc = _mm512_setzero_ps();
+    __m512 acc = _mm512_setzero_ps(), mx = _mm512_setzero_ps();
     for (int i = 0; i < n; i += 16) {
         const __m512 xv = _mm512_loadu_ps(x + i), v = a ? _mm512_mul_ps(xv, _mm512_loadu_ps(a + i)) : xv;
-        __m512i u = _mm512_castps_si512(v);
-        u = _mm512_add_epi32(u, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-        const __m512i h = _mm512_and_si512(u, top);
-        _mm256_storeu_si256((__m256i *)(hi + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
         if (lo) {
+            __m512i u = _mm512_castps_si512(v);
+            u = _mm512_add_epi32(u, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+            const __m512i h = _mm512_and_si512(u, top);
+            _mm256_storeu_si256((__m256i *)(hi + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
             const __m512 r = _mm512_sub_ps(v, _mm512_castsi512_ps(h));
             __m512i ul = _mm512_castps_si512(r);
             ul = _mm512_add_epi32(ul, _mm512_add_epi32(rnd, _mm512_and_si512(_mm512_srli_epi32(ul, 16), one)));
             _mm256_storeu_si256((__m256i *)(lo + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(ul, 16)));
+        } else {
+            _mm256_storeu_si256((__m256i *)(hi + i), (__m256i)_mm512_cvtneps_pbh(v));
         }
         if (b) acc = _mm512_fmadd_ps(xv, _mm512_loadu_ps(b + i), acc);
     }
-    return _mm512_reduce_add_ps(acc);
+    if (amax) *amax = _mm512_reduce_max_ps(mx);
+    return b ? _mm512_reduce_add_ps(acc) : 0.0f;
 #endif
 }
 

@@ -70,22 +70,21 @@ __attribute__((noinline)) static void unpack_v(const uint8_t *vc, int D, int G, 
 
 #ifndef KVARN_AMX_EMULATE
 /* 2^x on lanes k (0 on the others), for x <= 0: x = n + r, n the nearest
- * integer, |r| <= 1/2 exact; 2^r by its degree-6 Taylor polynomial in
- * r ln 2 (relative error < 2e-7, as exp512's); times 2^n by vscalefps,
- * which underflows to 0 below 2^-149 (x clamped at -150: no NaN from
- * -inf). */
+ * integer, |r| <= 1/2 exact; 2^r by a degree-5 polynomial fitted to it on
+ * [-1/2, 1/2] (relative error < 2.4e-7 evaluated in fp32, about exp512's
+ * 2e-7); times 2^n by vscalefps, which underflows to 0 below 2^-149 (x
+ * clamped at -150: no NaN from -inf). */
 static inline __m512 exp2_512(__mmask16 k, __m512 x)
 {
     x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(1.32764654699713e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.675540961325169e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550713464617729e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022120237350464e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931469440460205e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0000001192092896f));
     return _mm512_maskz_scalef_ps(k, p, n);
 }
 #endif
@@ -200,36 +199,42 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
     kvarn__fp16_load(rec + L->v_schan_off, D, schan);
     kvarn__fp16_load(rec + L->v_a_off, G, va);
     kvarn__fp16_load(rec + L->v_b_off, G, vbias);
-    int ok = kvarn__all_finite(ka, (size_t)D) && kvarn__all_finite(kbias, (size_t)D) &&
-             kvarn__all_finite(schan, (size_t)D) && kvarn__all_finite(stok, (size_t)G) &&
-             kvarn__all_finite(va, (size_t)G) && kvarn__all_finite(vbias, (size_t)G);
-    for (int i = 0; ok && i < n; i++) {
-        const float *q = r->q + (size_t)i * D;
-        for (int d = 0; d < D; d++) ok &= fabsf(q[d] * ka[d]) < 0x1p80f;
-    }
-    if (!ok) {
+    if (!(kvarn__all_finite(ka, (size_t)D) && kvarn__all_finite(kbias, (size_t)D) &&
+          kvarn__all_finite(schan, (size_t)D) && kvarn__all_finite(stok, (size_t)G) &&
+          kvarn__all_finite(va, (size_t)G) && kvarn__all_finite(vbias, (size_t)G))) {
         fallback(r, L, rec, t0, nt);
         return;
     }
-    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf));
     /* Centred codes (unpack_k, unpack_v: code - C, C = 2^(bits - 1)): the
      * zero points take C a (fp32), so that the products' terms are about
      * as large as the dequantized values' and their rounding relative to
      * those, not to the uncentred codes' larger sums. */
     const float ck = (float)(1 << (L->key_bits - 1)), cv = (float)(1 << (L->value_bits - 1));
     for (int d = 0; d < D; d++) kbias[d] += ck * ka[d];
-    for (int t = 0; t < G; t++) vbias[t] += cv * va[t];
     /* The scratch (attn_internal.h attn_rows.mat): the codes, then the
      * halves of every row's folded query and every row's weights, for
      * whole blocks of 16 rows (rows n .. nr - 1 hold whatever they hold:
-     * they feed only product rows that are never read). */
+     * they feed only product rows that are never read). The folded
+     * queries first, with their range check: a row reaching 2^80 sends
+     * the tile to the fallback (which sets rc itself). */
     const int nr = (n + 15) & ~15;
     uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * G;
     uint16_t *aq = vmat + (size_t)D * G, *w = aq + (size_t)nr * D;
+    float qmax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float m;
+        r->rc[i] = amx_split_scaled(r->q + (size_t)i * D, ka, kbias, D, aq + (size_t)i * D, NULL, &m);
+        qmax = m > qmax ? m : qmax;
+    }
+    if (!(qmax < 0x1p80f)) {
+        for (int d = 0; d < D; d++) kbias[d] -= ck * ka[d]; /* (unused: the fallback reloads) */
+        fallback(r, L, rec, t0, nt);
+        return;
+    }
+    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf));
+    for (int t = 0; t < G; t++) vbias[t] += cv * va[t];
     unpack_k(rec + L->k_codes_off, D, G, L->key_bits, kmat);
     unpack_v(rec + L->v_codes_off, D, G, L->value_bits, vmat);
-    for (int i = 0; i < n; i++)
-        r->rc[i] = amx_split_scaled(r->q + (size_t)i * D, ka, kbias, D, aq + (size_t)i * D, NULL);
 
     /* In three passes over the rows, so that no tile load reads what the
      * instructions just before it stored (a tile load waits for those
@@ -304,13 +309,17 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
         kvarn__fp16_load(tok[t] + L->v_a_off, 1, vs + t);
         kvarn__fp16_load(tok[t] + L->v_b_off, 1, vz + t);
     }
-    int ok = kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
-             kvarn__all_finite(vs, (size_t)ns) && kvarn__all_finite(vz, (size_t)ns);
-    for (int i = 0; ok && i < n; i++) {
-        const float *q = r->q + (size_t)i * D;
-        for (int d = 0; d < D; d++) ok &= fabsf(q[d]) < 0x1p80f;
+    const int nr = (n + 15) & ~15;
+    uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * np;
+    uint16_t *aq = vmat + (size_t)D * np, *w = aq + (size_t)nr * D;
+    float qmax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float m;
+        amx_split_scaled(r->q + (size_t)i * D, NULL, NULL, D, aq + (size_t)i * D, NULL, &m);
+        qmax = m > qmax ? m : qmax;
     }
-    if (!ok) {
+    if (!(qmax < 0x1p80f && kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
+          kvarn__all_finite(vs, (size_t)ns) && kvarn__all_finite(vz, (size_t)ns))) {
         fallback(r, L, tok, t0, ns);
         return;
     }
@@ -321,10 +330,7 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
         vz[t] += c * vs[t];
     }
     for (int t = ns; t < np; t++) ks[t] = kz[t] = vs[t] = vz[t] = 0.0f;
-    /* the scratch as the records' (np <= G columns): codes, query, weights */
-    const int nr = (n + 15) & ~15;
-    uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * np;
-    uint16_t *aq = vmat + (size_t)D * np, *w = aq + (size_t)nr * D;
+    /* the scratch as the records' (np <= G columns): codes, query (above), weights */
     /* the padding tokens [ns, np): codes C (centred 0) */
     uint8_t zc[ATTN_MATRIX_MAX_D];
     memset(zc, bits == 8 ? 0x80 : 0x88, (size_t)D * bits / 8);
@@ -333,7 +339,6 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
     for (int j = 0; j < np; j += 2)
         amx_pair_packed(j < ns ? tok[j] + voff : zc, j + 1 < ns ? tok[j + 1] + voff : zc, D, bits,
                         vmat + (size_t)j * D);
-    for (int i = 0; i < n; i++) amx_split_scaled(r->q + (size_t)i * D, NULL, NULL, D, aq + (size_t)i * D, NULL);
 
     amx_tilecfg cfg;
     amx_config_16x64(&cfg);

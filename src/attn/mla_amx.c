@@ -54,7 +54,7 @@ static void split_rows(const float *x, int nb, int n, uint16_t *hi, uint16_t *lo
             memset(l, 0, (size_t)n * sizeof *l);
             continue;
         }
-        (void)amx_split_scaled(x + (size_t)k * (size_t)n, NULL, NULL, n, h, l);
+        (void)amx_split_scaled(x + (size_t)k * (size_t)n, NULL, NULL, n, h, l, NULL);
     }
 }
 
