@@ -187,6 +187,39 @@ static void acc_update(float *acc, const float *o, const float *schan, float z, 
 #endif
 }
 
+/* The products and the softmax over a tile of G columns (nt of them
+ * tokens) for all r->n rows, in three passes over the rows, so that no
+ * tile load reads what the instructions just before it stored (a tile load
+ * waits for those stores to reach the cache): the scores of every row
+ * (into s, stride gs), the softmax step of every row (softmax_row: kz NULL
+ * for a KVarN record, else per-token records with the rows' qsum), then
+ * the sums (acc_update with schan). aq: the rows' bf16 queries [nr][D];
+ * kmat, vmat: the B layouts of the codes; w: the weights' scratch
+ * [nr][G]. */
+static void three_passes(attn_rows *r, int t0, int nt, int G, const uint16_t *aq,
+                         const uint16_t *kmat, const uint16_t *vmat, uint16_t *w,
+                         const float *stok, const float *kz, const float *va, const float *vbias,
+                         const float *schan)
+{
+    const int D = r->D, n = r->n, gs = r->gs;
+    amx_tilecfg cfg;
+    amx_config_16x64(&cfg);
+    AMX_CONFIG(&cfg);
+    for (int r0 = 0; r0 < n; r0 += 16)
+        amx_product16(aq + (size_t)r0 * D, NULL, D, D, kmat, G, r->s + (size_t)r0 * gs, gs);
+    for (int i = 0; i < n; i++)
+        softmax_row(r, i, t0, nt, G, r->s + (size_t)i * gs, stok, kz, kz ? r->qsum[i] : 0.0f, va, vbias,
+                    w + (size_t)i * G);
+    float o[16 * ATTN_MATRIX_MAX_D];
+    for (int r0 = 0; r0 < n; r0 += 16) {
+        const int rb = n - r0 < 16 ? n - r0 : 16;
+        amx_product16(w + (size_t)r0 * G, NULL, G, G, vmat, D, o, D);
+        for (int i = 0; i < rb; i++)
+            acc_update(r->acc + (size_t)(r0 + i) * D, o + (size_t)i * D, schan, r->rc[r0 + i], D);
+    }
+    AMX_RELEASE();
+}
+
 void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec, int t0,
                         int nt, attn_record_tile_fn fallback)
 {
@@ -227,7 +260,6 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
         qmax = m > qmax ? m : qmax;
     }
     if (!(qmax < 0x1p80f)) {
-        for (int d = 0; d < D; d++) kbias[d] -= ck * ka[d]; /* (unused: the fallback reloads) */
         fallback(r, L, rec, t0, nt);
         return;
     }
@@ -235,26 +267,7 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
     for (int t = 0; t < G; t++) vbias[t] += cv * va[t];
     unpack_k(rec + L->k_codes_off, D, G, L->key_bits, kmat);
     unpack_v(rec + L->v_codes_off, D, G, L->value_bits, vmat);
-
-    /* In three passes over the rows, so that no tile load reads what the
-     * instructions just before it stored (a tile load waits for those
-     * stores to reach the cache): the scores of every row (into s, stride
-     * gs), the softmax step of every row, then the sums. */
-    amx_tilecfg cfg;
-    amx_config_16x64(&cfg);
-    AMX_CONFIG(&cfg);
-    for (int r0 = 0; r0 < n; r0 += 16)
-        amx_product16(aq + (size_t)r0 * D, NULL, D, D, kmat, G, r->s + (size_t)r0 * gs, gs);
-    for (int i = 0; i < n; i++)
-        softmax_row(r, i, t0, G, G, r->s + (size_t)i * gs, stok, NULL, 0.0f, va, vbias, w + (size_t)i * G);
-    float o[16 * ATTN_MATRIX_MAX_D];
-    for (int r0 = 0; r0 < n; r0 += 16) {
-        const int rb = n - r0 < 16 ? n - r0 : 16;
-        amx_product16(w + (size_t)r0 * G, NULL, G, G, vmat, D, o, D);
-        for (int i = 0; i < rb; i++)
-            acc_update(r->acc + (size_t)(r0 + i) * D, o + (size_t)i * D, schan, r->rc[r0 + i], D);
-    }
-    AMX_RELEASE();
+    three_passes(r, t0, G, G, aq, kmat, vmat, w, stok, NULL, va, vbias, schan);
 }
 
 /* ------------------------------------------------- per-token records
@@ -330,8 +343,8 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
         vz[t] += c * vs[t];
     }
     for (int t = ns; t < np; t++) ks[t] = kz[t] = vs[t] = vz[t] = 0.0f;
-    /* the scratch as the records' (np <= G columns): codes, query (above), weights */
-    /* the padding tokens [ns, np): codes C (centred 0) */
+    /* the scratch as the records' (np <= G columns): codes, query (above),
+     * weights; the padding tokens [ns, np) get codes C (centred 0) */
     uint8_t zc[ATTN_MATRIX_MAX_D];
     memset(zc, bits == 8 ? 0x80 : 0x88, (size_t)D * bits / 8);
     const size_t voff = L->v_codes_off;
@@ -339,22 +352,7 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
     for (int j = 0; j < np; j += 2)
         amx_pair_packed(j < ns ? tok[j] + voff : zc, j + 1 < ns ? tok[j + 1] + voff : zc, D, bits,
                         vmat + (size_t)j * D);
-
-    amx_tilecfg cfg;
-    amx_config_16x64(&cfg);
-    AMX_CONFIG(&cfg);
-    for (int r0 = 0; r0 < n; r0 += 16)
-        amx_product16(aq + (size_t)r0 * D, NULL, D, D, kmat, np, r->s + (size_t)r0 * gs, gs);
-    for (int i = 0; i < n; i++)
-        softmax_row(r, i, t0, ns, np, r->s + (size_t)i * gs, ks, kz, r->qsum[i], vs, vz, w + (size_t)i * np);
-    float o[16 * ATTN_MATRIX_MAX_D];
-    for (int r0 = 0; r0 < n; r0 += 16) {
-        const int rb = n - r0 < 16 ? n - r0 : 16;
-        amx_product16(w + (size_t)r0 * np, NULL, np, np, vmat, D, o, D);
-        for (int i = 0; i < rb; i++)
-            acc_update(r->acc + (size_t)(r0 + i) * D, o + (size_t)i * D, NULL, r->rc[r0 + i], D);
-    }
-    AMX_RELEASE();
+    three_passes(r, t0, ns, np, aq, kmat, vmat, w, ks, kz, vs, vz, NULL);
 }
 
 void AMX_FN(token_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,

@@ -88,6 +88,31 @@ static inline double idb_half(const uint8_t *p, int i)
  *         consecutive visible positions of sum_{t in W} |c_td - 128|.
  * The int32 sums are exact; the fp32 rest is the 1e-4 / 1e-5 the tests
  * add. */
+/* The int8 kernel's query rounding, qi_d = rne(q'_d / sq), per channel:
+ * the error e_d = q'_d - sq qi_d known from the data, cw_d = sq eps, but
+ * within eps (in steps of sq) of a rounding boundary, where it may round
+ * either way (e_d = 0, cw_d = sq (1/2 + eps)); sq = 0 (the kernel's qi =
+ * 0): e_d = q'_d, cw_d = |q'_d| 2^-20 + zslack (up to fp32). */
+static inline void idb_int16_query(const double *qp, int D, double sq, double eps, double zslack,
+                                   double *e, double *cw)
+{
+    for (int d = 0; d < D; d++) {
+        if (sq == 0.0) {
+            e[d] = qp[d];
+            cw[d] = fabs(qp[d]) * 0x1p-20 + zslack;
+            continue;
+        }
+        const double x = qp[d] / sq, fr = x - floor(x);
+        if (fabs(fr - 0.5) <= eps) {
+            e[d] = 0.0;
+            cw[d] = sq * (0.5 + eps);
+        } else {
+            e[d] = qp[d] - sq * nearbyint(x);
+            cw[d] = sq * eps;
+        }
+    }
+}
+
 /* delta = max_t |ds_t| over positions [lo, hi] (the K half above); also
  * the most the kernel's log-sum-exp of the row can move (every score by at
  * most delta). 0 where the library says the int8 kernel's scores are fp32
@@ -108,21 +133,7 @@ static inline double attn_int8_k_delta(const kvarn_paged_kv *kv, const kvarn_seq
         qmax = fmax(qmax, fabs(qp[d]));
     }
     const double sq = qmax >= 0x1p-100 ? qmax / qmaxi : 0.0;
-    for (int d = 0; d < D; d++) {
-        if (sq == 0.0) { /* the kernel's qi = 0: e_d = q'_d, up to fp32 */
-            e[d] = qp[d];
-            cw[d] = fabs(qp[d]) * 0x1p-20;
-            continue;
-        }
-        const double x = qp[d] / sq, fr = x - floor(x);
-        if (fabs(fr - 0.5) <= eps) {
-            e[d] = 0.0;
-            cw[d] = sq * (0.5 + eps);
-        } else {
-            e[d] = qp[d] - sq * nearbyint(x);
-            cw[d] = sq * eps;
-        }
-    }
+    idb_int16_query(qp, D, sq, eps, 0.0, e, cw);
     double delta = 0.0;
     for (int t = lo; t <= hi; t++) {
         const uint8_t *rec = kvarn_paged_token_record(kv, v->block_table[t / G], h, t % G);
@@ -291,22 +302,8 @@ static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_vie
     for (int d = 0; d < D; d++) evi[d] = evm[d] = 0.0;
     if (ints) {
         const double sq = qmax >= 0x1p-100 ? qmax / qmaxi : 0.0;
-        for (int d = 0; d < D; d++) {
-            if (sq == 0.0) {
-                e[d] = qp[d];
-                cw[d] = fabs(qp[d]) * 0x1p-20 + q1 * 0x1p-20;
-                continue;
-            }
-            const double eps = lg * 0x1p-24 * q1 / sqrt((double)D) / sq + 0x1p-7;
-            const double x = qp[d] / sq, fr = x - floor(x);
-            if (fabs(fr - 0.5) <= eps) {
-                e[d] = 0.0;
-                cw[d] = sq * (0.5 + eps);
-            } else {
-                e[d] = qp[d] - sq * nearbyint(x);
-                cw[d] = sq * eps;
-            }
-        }
+        const double eps = sq > 0.0 ? lg * 0x1p-24 * q1 / sqrt((double)D) / sq + 0x1p-7 : 0.0;
+        idb_int16_query(qp, D, sq, eps, q1 * 0x1p-20, e, cw);
         double smax = 0.0;
         for (int t = lo; t <= hi; t++) {
             const uint8_t *rec = idb_staged_rec(kv, v, h, t);
