@@ -187,6 +187,22 @@ static void acc_update(float *acc, const float *o, const float *schan, float z, 
 #endif
 }
 
+/* Every row's query q'_d a_d (a NULL: q'_d) as one bf16 into aq [n][D];
+ * with kbias, rc_i = sum_d q'_d kbias_d (the records' zero-point term).
+ * Returns the largest |q'_d a_d| (the callers' range check). */
+static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint16_t *aq)
+{
+    const int D = r->D;
+    float qmax = 0.0f;
+    for (int i = 0; i < r->n; i++) {
+        float m;
+        const float z = amx_split_scaled(r->q + (size_t)i * D, a, kbias, D, aq + (size_t)i * D, NULL, &m);
+        if (kbias) r->rc[i] = z;
+        qmax = m > qmax ? m : qmax;
+    }
+    return qmax;
+}
+
 /* The products and the softmax over a tile of G columns (nt of them
  * tokens) for all r->n rows, in three passes over the rows, so that no
  * tile load reads what the instructions just before it stored (a tile load
@@ -253,13 +269,7 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const int nr = (n + 15) & ~15;
     uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * G;
     uint16_t *aq = vmat + (size_t)D * G, *w = aq + (size_t)nr * D;
-    float qmax = 0.0f;
-    for (int i = 0; i < n; i++) {
-        float m;
-        r->rc[i] = amx_split_scaled(r->q + (size_t)i * D, ka, kbias, D, aq + (size_t)i * D, NULL, &m);
-        qmax = m > qmax ? m : qmax;
-    }
-    if (!(qmax < 0x1p80f)) {
+    if (!(fold_queries(r, ka, kbias, aq) < 0x1p80f)) {
         fallback(r, L, rec, t0, nt);
         return;
     }
@@ -325,13 +335,7 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
     const int nr = (n + 15) & ~15;
     uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * np;
     uint16_t *aq = vmat + (size_t)D * np, *w = aq + (size_t)nr * D;
-    float qmax = 0.0f;
-    for (int i = 0; i < n; i++) {
-        float m;
-        amx_split_scaled(r->q + (size_t)i * D, NULL, NULL, D, aq + (size_t)i * D, NULL, &m);
-        qmax = m > qmax ? m : qmax;
-    }
-    if (!(qmax < 0x1p80f && kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
+    if (!(fold_queries(r, NULL, NULL, aq) < 0x1p80f && kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
           kvarn__all_finite(vs, (size_t)ns) && kvarn__all_finite(vz, (size_t)ns))) {
         fallback(r, L, tok, t0, ns);
         return;

@@ -113,6 +113,22 @@ static inline void idb_int16_query(const double *qp, int D, double sq, double ep
     }
 }
 
+/* The most the int8 kernel's query rounding (idb_int16_query: e, cw)
+ * moves the score of the int8 token record rec: |ks| (|sum_d e_d c_d| +
+ * sum_d cw_d |c_d|), c_d = code - 128. */
+static inline double idb_int8_score_err(const uint8_t *rec, const kvarn_record_layout *L, int D,
+                                        const double *e, const double *cw)
+{
+    const double ks = fabs(idb_half(rec + L->k_a_off, 0));
+    double sgn = 0.0, wc = 0.0;
+    for (int d = 0; d < D; d++) {
+        const double c = (double)rec[L->k_codes_off + (size_t)d] - 128.0;
+        sgn += e[d] * c;
+        wc += cw[d] * fabs(c);
+    }
+    return ks * (fabs(sgn) + wc);
+}
+
 /* delta = max_t |ds_t| over positions [lo, hi] (the K half above); also
  * the most the kernel's log-sum-exp of the row can move (every score by at
  * most delta). 0 where the library says the int8 kernel's scores are fp32
@@ -137,14 +153,7 @@ static inline double attn_int8_k_delta(const kvarn_paged_kv *kv, const kvarn_seq
     double delta = 0.0;
     for (int t = lo; t <= hi; t++) {
         const uint8_t *rec = kvarn_paged_token_record(kv, v->block_table[t / G], h, t % G);
-        const double ks = fabs(idb_half(rec + L.k_a_off, 0));
-        double sgn = 0.0, wc = 0.0;
-        for (int d = 0; d < D; d++) {
-            const double c = (double)rec[L.k_codes_off + (size_t)d] - 128.0;
-            sgn += e[d] * c;
-            wc += cw[d] * fabs(c);
-        }
-        delta = fmax(delta, ks * (fabs(sgn) + wc));
+        delta = fmax(delta, idb_int8_score_err(rec, &L, D, e, cw));
     }
     return delta;
 }
@@ -308,14 +317,7 @@ static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_vie
         for (int t = lo; t <= hi; t++) {
             const uint8_t *rec = idb_staged_rec(kv, v, h, t);
             if (rec == NULL) continue;
-            const double ks = fabs(idb_half(rec + L.k_a_off, 0));
-            double sgn = 0.0, wc = 0.0;
-            for (int d = 0; d < D; d++) {
-                const double c = (double)rec[L.k_codes_off + (size_t)d] - 128.0;
-                sgn += e[d] * c;
-                wc += cw[d] * fabs(c);
-            }
-            dint = fmax(dint, ks * (fabs(sgn) + wc));
+            dint = fmax(dint, idb_int8_score_err(rec, &L, D, e, cw));
             smax = fmax(smax, fabs(idb_half(rec + L.v_a_off, 0)));
         }
         for (int ti = lo / G; ti <= hi / G; ti++) {
