@@ -69,14 +69,15 @@ __attribute__((noinline)) static void unpack_v(const uint8_t *vc, int D, int G, 
 }
 
 #ifndef KVARN_AMX_EMULATE
-/* 2^x on lanes k (0 on the others), for x <= 0: x = n + r, n the nearest
- * integer, |r| <= 1/2 exact; 2^r by a degree-5 polynomial fitted to it on
- * [-1/2, 1/2] (relative error < 2.4e-7 evaluated in fp32, about exp512's
- * 2e-7); times 2^n by vscalefps, which underflows to 0 below 2^-149 (x
- * clamped at -150: no NaN from -inf). */
+/* 2^x on lanes k (0 on the others), for finite x <= 0: x = n + r, n the
+ * nearest integer, |r| <= 1/2 exact (x itself when |x| >= 2^23: r = 0);
+ * 2^r by a degree-5 polynomial fitted to it on [-1/2, 1/2] (relative
+ * error < 2.4e-7 evaluated in fp32, about exp512's 2e-7); times 2^n by
+ * vscalefps, which underflows to 0 below 2^-149 however large -n is. The
+ * scores are finite (finite metadata, |q' a| < 2^80: the kernels' range
+ * checks), so x is: no -inf to clamp. */
 static inline __m512 exp2_512(__mmask16 k, __m512 x)
 {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(1.32764654699713e-3f);
@@ -86,6 +87,22 @@ static inline __m512 exp2_512(__mmask16 k, __m512 x)
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931469440460205e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0000001192092896f));
     return _mm512_maskz_scalef_ps(k, p, n);
+}
+#endif
+
+#ifndef KVARN_AMX_EMULATE
+/* The sums of the 16 lanes of x and of y, reduced together (the 256- and
+ * 128-bit halves of both in one shuffle each). */
+static inline void reduce_add2(__m512 x, __m512 y, float *sx, float *sy)
+{
+    /* [x0 + x2, x1 + x3, y0 + y2, y1 + y3] in 128-bit lanes */
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xee));
+    /* lanes 0 and 2: x's and y's 4-float partial sums */
+    s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xb1));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4e));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xb1));
+    *sx = _mm512_cvtss_f32(s);
+    *sy = _mm_cvtss_f32(_mm512_extractf32x4_ps(s, 2));
 }
 #endif
 
@@ -157,7 +174,8 @@ static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, co
                                                 _mm512_mul_ps(p0, _mm512_loadu_ps(va + t)));
         _mm512_storeu_si512(w + t, (__m512i)wb);
     }
-    const float sum = _mm512_reduce_add_ps(vsum), zz = _mm512_reduce_add_ps(vz);
+    float sum, zz;
+    reduce_add2(vsum, vz, &sum, &zz);
 #endif
     /* an unchanged max skips the call: expf(0) = 1 */
     const float corr = m_old == -INFINITY ? 0.0f : m_new == m_old ? 1.0f : expf(m_old - m_new);
