@@ -74,8 +74,8 @@ __attribute__((noinline)) static void unpack_v(const uint8_t *vc, int D, int G, 
  * 2^r by a degree-5 polynomial fitted to it on [-1/2, 1/2] (relative
  * error < 2.4e-7 evaluated in fp32, about exp512's 2e-7); times 2^n by
  * vscalefps, which underflows to 0 below 2^-149 however large -n is. The
- * scores are finite (finite metadata, |q' a| < 2^80: the kernels' range
- * checks), so x is: no -inf to clamp. */
+ * scores are finite (finite metadata, fold_queries' range check), so x
+ * is: no -inf to clamp. */
 static inline __m512 exp2_512(__mmask16 k, __m512 x)
 {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -207,7 +207,9 @@ static void acc_update(float *acc, const float *o, const float *schan, float z, 
 
 /* Every row's query q'_d a_d (a NULL: q'_d) as one bf16 into aq [n][D];
  * with kbias, rc_i = sum_d q'_d kbias_d (the records' zero-point term).
- * Returns the largest |q'_d a_d| (the callers' range check). */
+ * Returns the largest |q'_d a_d| (the callers' range check: below 2^80),
+ * or +inf where some rc_i is not below 2^100 in magnitude, so that every
+ * score the kernel forms is finite (|s| < 2^16 (2^80 2^3 2^9 + 2^100)). */
 static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint16_t *aq)
 {
     const int D = r->D;
@@ -217,6 +219,7 @@ static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint
         const float z = amx_split_scaled(r->q + (size_t)i * D, a, kbias, D, aq + (size_t)i * D, NULL, &m);
         if (kbias) r->rc[i] = z;
         qmax = m > qmax ? m : qmax;
+        if (kbias && !(fabsf(z) < 0x1p100f)) qmax = INFINITY;
     }
     return qmax;
 }
