@@ -269,11 +269,13 @@ typedef struct kvarn_attn_kernel_info {
                                        per-token format (fp16 staging:
                                        FP32); per-token formats: = scores */
     kvarn_attn_arith staged_sums;   /* the same for p.v */
-    const char *matrix;             /* KVarN records of work items with at
-                                       least matrix_rows query rows (prefill
-                                       chunks, verification: query tokens x
-                                       the GQA group, up to 256 a work
-                                       item) go through the matrix kernel:
+    const char *matrix;             /* KVarN records, and the int4
+                                       format's per-token blocks, of work
+                                       items with at least matrix_rows
+                                       query rows (prefill chunks,
+                                       verification: query tokens x the GQA
+                                       group, up to 256 a work item) go
+                                       through the matrix kernel:
                                        "amx-bf16" (AMX tiles, where
                                        kvarn's level is AVX-512, the CPU
                                        has AMX-BF16 and AVX512-BF16, Linux

@@ -318,10 +318,11 @@ class KvarnAttentionImpl(AttentionImpl):
             _State.ops = make_ops(kv_cache.device)
             from vllm.logger import init_logger
             ki = _lib.attn_kernel_info(self.fmt, self.head_size, 0)
+            mat = f", items of {ki['matrix_rows']}+ rows on {ki['matrix']}" if ki["matrix"] else ""
             init_logger("vllm.kvarn_vllm").info(
-                "kvarn: cpu kernels (attention %s), cache %s per-token records of %d bytes "
+                "kvarn: cpu kernels (attention %s%s), cache %s per-token records of %d bytes "
                 "per token and KV head, blocks of %d tokens; no staging pool",
-                ki["level"], self.fmt.name.decode(), int(kv_cache.stride(2)),
+                ki["level"], mat, self.fmt.name.decode(), int(kv_cache.stride(2)),
                 int(kv_cache.shape[2]))
         self.pool_tensor = kv_cache   # marks the layer set up
         _State.ops.check(self._token_view(kv_cache))

@@ -272,7 +272,10 @@ static void item_task(void *ctx, int task, int worker)
                 for (int j = 0; j < cnt; j++)
                     r.tok[span++] = kvarn_paged_token_record(kv, sv->block_table[i], it->kvh, j);
             }
-            run->kern->token_tile(&r, &run->L, r.tok, t0, span);
+            if (run->kern->token_matrix && n >= ATTN_MATRIX_MIN_ROWS && r.mat)
+                run->kern->token_matrix(&r, &run->L, r.tok, t0, span, run->kern->token_tile);
+            else
+                run->kern->token_tile(&r, &run->L, r.tok, t0, span);
             tile = end;
             continue;
         }
@@ -386,7 +389,7 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
     run.groups = (int *)f;
     f += attn_round_f(run.g.max_groups + 1);
     run.partials = f;
-    attn_pick_kernels(&run.o, kv->fmt.kind, kv->head_dim, kv->block_size, &run.kern_set);
+    attn_pick_kernels(&run.o, kv->fmt.kind, kv->head_dim, kv->block_size, 0, &run.kern_set);
     run.kern = &run.kern_set;
     kvarn_format sf;
     if (kvarn__staging_format(kv->staging, &sf) > 0) {
@@ -394,7 +397,7 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
          * per-token format per staged token */
         st = kvarn_record_layout_get(&sf, kv->head_dim, &run.Ls);
         if (st != KVARN_OK) return st;
-        attn_pick_kernels(&run.o, sf.kind, kv->head_dim, kv->block_size, &run.stage_set);
+        attn_pick_kernels(&run.o, sf.kind, kv->head_dim, kv->block_size, 1, &run.stage_set);
         run.staged = 1;
     }
 

@@ -56,11 +56,16 @@ static attn_matrix_tile_fn matrix_kernel(const kvarn_attn_opts *o, kvarn_kind ki
     }
 }
 
-/* The matrix kernel of per-token int8 and int4 records (a KVarN view's
- * staged tokens) at head_dim D (NULL: none). */
-static attn_token_matrix_fn token_matrix_kernel(const kvarn_attn_opts *o, kvarn_kind kind, int D)
+/* The matrix kernel of per-token records at head_dim D (NULL: none): a
+ * KVarN view's staged tokens (staged: int8 and int4 staging), and the
+ * int4 format's blocks. Not the int8 format's own blocks: its error, KLD
+ * 0.0005 on SmolLM2, is of the order of what the bf16 query adds (vLLM's
+ * bf16 cache), so its prefill keeps the integer and fp32 kernels. */
+static attn_token_matrix_fn token_matrix_kernel(const kvarn_attn_opts *o, kvarn_kind kind, int D,
+                                                int staged)
 {
-    if ((kind != KVARN_KIND_INT8 && kind != KVARN_KIND_INT4) || !attn_matrix_geometry(D, 32)) return NULL;
+    if (!(kind == KVARN_KIND_INT4 || (staged && kind == KVARN_KIND_INT8)) || !attn_matrix_geometry(D, 32))
+        return NULL;
     switch (amx_of(o)) {
     case 1: return attn_amx_token_tile;
     case 2: return attn_amxemu_token_tile;
@@ -68,7 +73,7 @@ static attn_token_matrix_fn token_matrix_kernel(const kvarn_attn_opts *o, kvarn_
     }
 }
 
-void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, int G,
+void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, int G, int staged,
                        attn_kernels *out)
 {
     /* kind checked by attn_make_geom */
@@ -77,7 +82,7 @@ void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, 
     if (vnni && out->kvarn_tile == attn_avx512_kvarn_tile) out->kvarn_tile = attn_avx512vnni_kvarn_tile;
     if (vnni && out->token_tile == attn_avx512_token_int8) out->token_tile = attn_avx512vnni_token_int8;
     out->kvarn_matrix = matrix_kernel(o, kind, head_dim, G);
-    out->token_matrix = token_matrix_kernel(o, kind, head_dim);
+    out->token_matrix = token_matrix_kernel(o, kind, head_dim, staged);
 }
 
 const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts)
@@ -114,8 +119,11 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
     info.matrix_scores = info.matrix_sums = KVARN_ATTN_ARITH_FP32;
     info.matrix_staged = 0;
     const attn_matrix_tile_fn mk = matrix_kernel(&o, fmt->kind, head_dim, fmt->tile_tokens);
-    if (mk != NULL) {
-        info.matrix = mk == attn_amxemu_kvarn_tile ? "amx-bf16-emulated" : "amx-bf16";
+    const attn_token_matrix_fn tk = token_matrix_kernel(&o, fmt->kind, head_dim, 0);
+    if (mk != NULL || tk != NULL) {
+        /* KVarN records, or the int4 format's per-token blocks */
+        info.matrix = mk == attn_amxemu_kvarn_tile || tk == attn_amxemu_token_tile ? "amx-bf16-emulated"
+                                                                                  : "amx-bf16";
         info.matrix_rows = ATTN_MATRIX_MIN_ROWS;
         info.matrix_scores = info.matrix_sums = KVARN_ATTN_ARITH_BF16;
     }
@@ -127,7 +135,7 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
                                    &info.staged_scores, &info.staged_sums);
             /* the staged tokens of the matrix kernel's items take it too
              * (attn.c staged_tile) */
-            info.matrix_staged = mk != NULL && token_matrix_kernel(&o, sf.kind, head_dim) != NULL;
+            info.matrix_staged = mk != NULL && token_matrix_kernel(&o, sf.kind, head_dim, 1) != NULL;
         }
     }
     *out = info;

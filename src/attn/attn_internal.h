@@ -173,12 +173,21 @@ static inline int attn_matrix_geometry(int D, int G)
 void attn_amx_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec, int t0,
                          int nt, attn_record_tile_fn fallback);
 /* The same products over per-token int8 or int4 records (kernel_amx.c:
- * a KVarN view's staged tokens), token j's record at rec[j], nt <= gs;
+ * a KVarN view's staged tokens, the int4 format's blocks), token j's
+ * record at rec[j], nt <= gs, in spans of attn_token_matrix_span(gs);
  * fallback (the level's token kernel) runs a span outside its
  * conditions. */
 typedef void (*attn_token_matrix_fn)(attn_rows *r, const kvarn_record_layout *L,
                                      const uint8_t *const *rec, int t0, int nt,
                                      attn_token_tile_fn fallback);
+/* Tokens per span of the per-token matrix kernel for a call whose scores
+ * have row stride gs: a multiple of 32 up to ATTN_MATRIX_MAX_G (0: none;
+ * attn_plan.c sizes its scratch by it). */
+static inline int attn_token_matrix_span(int gs)
+{
+    const int g = gs & ~31;
+    return g < ATTN_MATRIX_MAX_G ? g : ATTN_MATRIX_MAX_G;
+}
 void attn_amx_token_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *rec,
                          int t0, int nt, attn_token_tile_fn fallback);
 void attn_amxemu_token_tile(attn_rows *r, const kvarn_record_layout *L,
@@ -198,8 +207,9 @@ typedef struct attn_kernels {
     attn_record_tile_fn kvarn_tile;
     attn_token_tile_fn token_tile;
     attn_matrix_tile_fn kvarn_matrix; /* NULL: none (attn_dispatch.c attn_pick_kernels) */
-    attn_token_matrix_fn token_matrix; /* per-token int8/int4 records of a
-                                          KVarN view's staging; NULL: none */
+    attn_token_matrix_fn token_matrix; /* per-token records: a KVarN view's
+                                          int8/int4 staging, the int4
+                                          format's blocks; NULL: none */
 } attn_kernels;
 
 /* Row-block dispatch of the SIMD kernels: CALL(R) with R = rb as a
@@ -484,7 +494,7 @@ int attn_plan(attn_run *run, int n_seqs, int n_threads);
 
 /* The kernels of format kind `kind` at head_dim and tile G a call with
  * options o runs, into *out (attn_dispatch.c). */
-void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, int G,
+void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, int G, int staged,
                        attn_kernels *out);
 
 #endif

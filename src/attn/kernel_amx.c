@@ -311,8 +311,9 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
  *   scores  s_t = ks_t (bf16(q') . c'_t) + (kz_t + C ks_t) sum_d q'_d
  *   sums    acc_d += sum_t bf16(p_t vs_t) c'_td + sum_t p_t (vz_t + C vs_t)
  * with the rounding statement of the records' (KVARN_ATTN_ARITH_BF16, the
- * query rounded once instead of the folded query), in spans of at most
- * min(G, ATTN_MATRIX_MAX_G) tokens, one online-softmax step each. */
+ * query rounded once instead of the folded query), in spans of
+ * attn_token_matrix_span(gs) tokens, one online-softmax step each; also
+ * the int4 format's blocks (attn_dispatch.c). */
 
 /* Token j's codes (D of `bits`), centred, into column j of the B layout
  * of the score product: kmat[(d / 2) np + j][d % 2], bf16. */
@@ -340,7 +341,7 @@ static void token_k_column(const uint8_t *kc, int D, int bits, int np, int j, ui
 #endif
 }
 
-/* One span of ns <= min(G, ATTN_MATRIX_MAX_G) tokens (see above). */
+/* One span of ns <= attn_token_matrix_span(gs) tokens (see above). */
 static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
                        int t0, int ns, attn_token_tile_fn fallback)
 {
@@ -383,8 +384,8 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
 void AMX_FN(token_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
                         int t0, int nt, attn_token_tile_fn fallback)
 {
-    const int span = r->G < ATTN_MATRIX_MAX_G ? r->G : ATTN_MATRIX_MAX_G;
-    if (span % 32 != 0 || (L->key_bits != 8 && L->key_bits != 4) || L->value_bits != L->key_bits ||
+    const int span = attn_token_matrix_span(r->gs);
+    if (span < 32 || (L->key_bits != 8 && L->key_bits != 4) || L->value_bits != L->key_bits ||
         L->k_a_bytes != 2 || L->k_b_bytes != 2 || L->v_a_bytes != 2 || L->v_b_bytes != 2) {
         fallback(r, L, tok, t0, nt);
         return;

@@ -1350,14 +1350,19 @@ static void test_kernel_info(void **state)
                         assert_int_equal(info.staged_scores, info.scores);
                         assert_int_equal(info.staged_sums, info.sums);
                     }
-                    /* the matrix kernel: KVarN tiles of 32-128 tokens at
-                     * head_dim a multiple of 32 up to 512, where the CPU
-                     * grants AMX-BF16 at the AVX-512 level (cpu.h) */
-                    const int amx_here = kvarn__cpu_amx() == KVARN_CPU_AMX_TILES &&
-                                         fmt.kind == KVARN_KIND_KVARN &&
-                                         D % 32 == 0 && D <= 512;
+                    /* the matrix kernel: KVarN tiles of 32-128 tokens and
+                     * the int4 format's blocks, at head_dim a multiple of
+                     * 32 up to 512, where the CPU grants AMX-BF16 at the
+                     * AVX-512 level (cpu.h); with it, the staged tokens of
+                     * int8 and int4 staging */
+                    const int mat_fmt = (fmt.kind == KVARN_KIND_KVARN || fmt.kind == KVARN_KIND_INT4) &&
+                                        D % 32 == 0 && D <= 512;
+                    const int amx_here = kvarn__cpu_amx() == KVARN_CPU_AMX_TILES && mat_fmt;
+                    const int staged_mat = fmt.kind == KVARN_KIND_KVARN &&
+                                           (st == KVARN_STAGING_INT8 || st == KVARN_STAGING_INT4);
                     assert_int_equal(info.matrix != NULL, amx_here);
                     assert_int_equal(info.matrix_rows, amx_here ? 16 : 0);
+                    assert_int_equal(info.matrix_staged, amx_here && staged_mat);
                     if (amx_here) {
                         assert_string_equal(info.matrix, "amx-bf16");
                         assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16);
@@ -1368,9 +1373,9 @@ static void test_kernel_info(void **state)
                         kvarn_attn_testing ak = {0, 0, 0, knob};
                         o.testing = &ak;
                         assert_int_equal(kvarn_attn_kernel_info_get(&fmt, D, st, &o, &info), KVARN_OK);
-                        const int emu = knob == 2 && fmt.kind == KVARN_KIND_KVARN && D % 32 == 0 &&
-                                        D <= 512;
+                        const int emu = knob == 2 && mat_fmt;
                         assert_int_equal(info.matrix != NULL, emu);
+                        assert_int_equal(info.matrix_staged, emu && staged_mat);
                         if (emu) assert_string_equal(info.matrix, "amx-bf16-emulated");
                         o.testing = NULL;
                     }

@@ -253,12 +253,13 @@ static void test_cache_sink_tokens(void **state)
     }
 }
 
-/* The matrix kernel over staged per-token records (kernel_amx.c
- * token_tile; int8 and int4 staging), against a double-precision oracle of
- * its own arithmetic, so that its bound is tight: a KVarN cache whose
- * sequence (100 tokens) lies wholly in its staged sink tile, 6 queries x a
- * GQA group of 3 = 18 rows (an item the matrix kernel takes). In the
- * rotated basis the kernel computes
+/* The matrix kernel over per-token records (kernel_amx.c token_tile: a
+ * KVarN view's int8 and int4 staging, the int4 format's blocks), against a
+ * double-precision oracle of its own arithmetic, so that its bound is
+ * tight: a KVarN cache whose sequence (100 tokens) lies wholly in its
+ * staged sink tile, or an int4 cache of 100 tokens, 6 queries x a GQA
+ * group of 3 = 18 rows (an item the matrix kernel takes). In the
+ * kernel's basis (rotated for KVarN) it computes
  *   s_t = ks_t sum_d bf16(q'_d) c'_td + (kz_t + C ks_t) sum_d q'_d
  *   o_d = (sum_t bf16(p_t vs_t) c'_td + sum_t p_t (vz_t + C vs_t)) / l
  * (c' = code - C, C = 2^(bits - 1)); the oracle computes the same in
@@ -271,16 +272,17 @@ static void test_cache_sink_tokens(void **state)
  * the CPU grants them. Faults tried by hand: a V token pair swapped, V's
  * zero point off by one step: both fail this (not the looser bound of
  * test_cache_staging). */
-static void check_staged_matrix(int staging, int amx)
+static void check_token_matrix(const char *fmt, int staging, int amx)
 {
     const int Hk = 2, group = 3, Hq = Hk * group, D = 64, len = 100, ql = 6;
     kvarn_cache_opts co = kvarn_cache_default_opts();
-    assert_int_equal(kvarn_format_parse("kvarn_k4v2_g128", &co.format), KVARN_OK);
+    assert_int_equal(kvarn_format_parse(fmt, &co.format), KVARN_OK);
+    const int kvarn = co.format.kind == KVARN_KIND_KVARN;
     co.n_layers = 1;
     co.n_kv_heads = Hk;
     co.head_dim = D;
     co.max_seqs = 2;
-    co.n_pages = 8;
+    co.n_pages = kvarn ? 8 : 0;
     co.budget_bytes = (size_t)8u << 20;
     co.staging = staging;
     kvarn_cache *c = NULL;
@@ -314,15 +316,17 @@ static void check_staged_matrix(int staging, int amx)
     o.testing = &knobs;
     kvarn_attn_kernel_info info;
     assert_int_equal(kvarn_attn_kernel_info_get(&kv.fmt, D, kv.staging, &o, &info), KVARN_OK);
-    assert_int_equal(info.matrix_staged, 1);
+    assert_int_equal(kvarn ? info.matrix_staged : info.matrix_rows, kvarn ? 1 : 16);
     size_t wsz = kvarn_attn_workspace_bytes(&kv, Hq, 1, ql, 1, &o);
     void *ws = malloc(wsz);
     assert_int_equal(kvarn_attn_multi(&kv, &view, 1, qsl, Hq, q, out, &o, NULL, ws, wsz), KVARN_OK);
 
     kvarn_format sf;
     kvarn_record_layout L;
-    const int bits = staging == KVARN_STAGING_INT8 ? 8 : 4;
+    const int bits = kvarn && staging == KVARN_STAGING_INT8 ? 8 : 4;
     assert_int_equal(kvarn_format_parse(bits == 8 ? "int8" : "int4", &sf), KVARN_OK);
+    /* the staged tokens of the KVarN view, or the int4 format's blocks */
+    const idb_rec_fn rec_of = kvarn ? idb_staged_rec : idb_block_rec;
     assert_int_equal(kvarn_record_layout_get(&sf, D, &L), KVARN_OK);
     const double cen = (double)(1 << (bits - 1)), lg = log2((double)D) + 3.0;
     double worst = 0.0;
@@ -335,7 +339,7 @@ static void check_staged_matrix(int staging, int amx)
                 qp[d] = qq[d] * scale;
                 qraw1 += fabs((double)qq[d]);
             }
-            pf_hadamard_d(qp, D);
+            if (kvarn) pf_hadamard_d(qp, D);
             for (int d = 0; d < D; d++) {
                 q1 += fabs(qp[d]);
                 qs += qp[d];
@@ -344,7 +348,7 @@ static void check_staged_matrix(int staging, int amx)
             }
             double sc[128], dl[128], m = -INFINITY;
             for (int t = 0; t <= pos; t++) {
-                const uint8_t *rec = idb_staged_rec(&kv, &view, h, t);
+                const uint8_t *rec = rec_of(&kv, &view, h, t);
                 assert_non_null(rec);
                 const double ks = idb_half(rec + L.k_a_off, 0), kz = idb_half(rec + L.k_b_off, 0);
                 double dot = 0.0, wc = 0.0, mag = 0.0;
@@ -369,7 +373,7 @@ static void check_staged_matrix(int staging, int amx)
                 dmax = fmax(dmax, dl[t]);
             }
             for (int t = 0; t <= pos; t++) {
-                const uint8_t *rec = idb_staged_rec(&kv, &view, h, t);
+                const uint8_t *rec = rec_of(&kv, &view, h, t);
                 const double vs = idb_half(rec + L.v_a_off, 0), vz = idb_half(rec + L.v_b_off, 0);
                 for (int d = 0; d < D; d++) {
                     const double cv = (double)idb_code(rec + L.v_codes_off, d, bits) - cen;
@@ -379,14 +383,14 @@ static void check_staged_matrix(int staging, int amx)
                     vmax = fmax(vmax, fabs(x));
                 }
             }
-            /* the output back in the rotated basis */
+            /* the output back in the rotated basis (KVarN) */
             double got[64], omax = 0.0;
             const float *oo = out + ((size_t)qi * Hq + head) * D;
             for (int d = 0; d < D; d++) {
                 got[d] = oo[d];
                 omax = fmax(omax, fabs((double)oo[d]));
             }
-            pf_hadamard_d(got, D);
+            if (kvarn) pf_hadamard_d(got, D);
             for (int d = 0; d < D; d++) {
                 const double bound = ev[d] + (exp(2.0 * dmax) - 1.0) * vmax + 1e-5 * omax;
                 const double err = fabs(got[d] - ref[d]);
@@ -394,8 +398,8 @@ static void check_staged_matrix(int staging, int amx)
                 assert_true(err <= bound);
             }
         }
-    print_message("staging %s, matrix %s: error / bound %.3f\n", bits == 8 ? "int8" : "int4",
-                  info.matrix, worst);
+    print_message("%s%s, matrix %s: error / bound %.3f\n", fmt,
+                  kvarn ? (bits == 8 ? " staging int8" : " staging int4") : "", info.matrix, worst);
     assert_true(worst > 0.0);
     free(ws); free(q); free(out); free(k); free(v);
     kvarn_cache_destroy(c);
@@ -404,10 +408,11 @@ static void check_staged_matrix(int staging, int amx)
 static void test_staged_matrix(void **state)
 {
     (void)state;
-    const int stagings[] = {KVARN_STAGING_INT8, KVARN_STAGING_INT4};
-    for (int i = 0; i < 2; i++) {
-        check_staged_matrix(stagings[i], 2);
-        if (kvarn__cpu_amx() == KVARN_CPU_AMX_TILES) check_staged_matrix(stagings[i], 0);
+    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v2_g128", "int4"};
+    const int stagings[] = {KVARN_STAGING_INT8, KVARN_STAGING_INT4, KVARN_STAGING_FP16};
+    for (int i = 0; i < 3; i++) {
+        check_token_matrix(fmts[i], stagings[i], 2);
+        if (kvarn__cpu_amx() == KVARN_CPU_AMX_TILES) check_token_matrix(fmts[i], stagings[i], 0);
         else if (i == 0) print_message("AMX tiles: skipped: no AMX (emulated only)\n");
     }
 }

@@ -244,6 +244,90 @@ static inline void idb_bf16_err(double X, double ea, double *e, double *w)
     *w = 0.0;
 }
 
+/* The matrix kernel over per-token records of `bits` (kernel_amx.c
+ * token_tile; attn.h KVARN_ATTN_ARITH_BF16): the most a score moves, and
+ * per channel the most acc / l moves (evm[d], max with what it holds),
+ * over the positions [lo, hi] whose record rec_of gives (NULL: none);
+ * qp: the kernel's query q' in double (scaled; rotated for KVarN), qraw1:
+ * sum_d |q_d| before. q'_d rounded once to bf16 (its error known from the
+ * data but near a rounding boundary, idb_bf16_err, on top of the fp32
+ * slack ea_d as for the records), times the centred codes c' = c -
+ * 2^(bits - 1): score t moves by at most |ks_t| (|sum_d e_d c'_td| + sum_d
+ * cw_d |c'_td| + D 2^-24 sum_d |bf16(q'_d) c'_td|) (the tiles' fp32 sums)
+ * plus 2^-22 (|kz_t| + 2^(bits - 1) |ks_t|) sum_d |q'_d| (the centred zero
+ * point formed in fp32); the weights p_t vs_t rounded once to bf16:
+ * channel d of acc / l moves by at most max_t (2^-8 |vs_t| + 2^-126)
+ * |c'_td| (their share of l is at most 1). */
+typedef const uint8_t *(*idb_rec_fn)(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h, int t);
+static inline double idb_token_matrix(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                      const double *qp, double qraw1, double scale, int lo, int hi,
+                                      int bits, const kvarn_record_layout *L, idb_rec_fn rec_of,
+                                      double *evm)
+{
+    const int D = kv->head_dim;
+    const double u = 0x1p-8, cen = (double)(1 << (bits - 1)), lg = log2((double)D) + 3.0;
+    double e[1024], cw[1024], rq[1024], q1 = 0.0, dmat = 0.0;
+    for (int d = 0; d < D; d++) {
+        q1 += fabs(qp[d]);
+        const double ea = scale * lg * 0x1p-24 * qraw1 / sqrt((double)D) + fabs(qp[d]) * 0x1p-23;
+        idb_bf16_err(qp[d], ea, &e[d], &cw[d]);
+        rq[d] = fabs(qp[d] + e[d]) + cw[d];
+    }
+    for (int t = lo; t <= hi; t++) {
+        const uint8_t *rec = rec_of(kv, v, h, t);
+        if (rec == NULL) continue;
+        const double ks = fabs(idb_half(rec + L->k_a_off, 0)), kz = fabs(idb_half(rec + L->k_b_off, 0));
+        const double vs = fabs(idb_half(rec + L->v_a_off, 0));
+        double sgn = 0.0, wc = 0.0, mag = 0.0;
+        for (int d = 0; d < D; d++) {
+            const double ck = (double)idb_code(rec + L->k_codes_off, d, bits) - cen;
+            sgn += e[d] * ck;
+            wc += cw[d] * fabs(ck);
+            mag += rq[d] * fabs(ck);
+            const double cv = fabs((double)idb_code(rec + L->v_codes_off, d, bits) - cen);
+            evm[d] = fmax(evm[d], (u * vs + 0x1p-126) * cv);
+        }
+        dmat = fmax(dmat, ks * (fabs(sgn) + wc + D * 0x1p-24 * mag) + 0x1p-22 * (kz + cen * ks) * q1);
+    }
+    return dmat;
+}
+
+/* Token t's record of a per-token format's view. */
+static inline const uint8_t *idb_block_rec(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h, int t)
+{
+    return kvarn_paged_token_record(kv, v->block_table[t / kv->block_size], h, t % kv->block_size);
+}
+
+/* The int4 format's blocks through the matrix kernel (info.matrix: items of
+ * matrix_rows rows or more; the per-token kernels keep fp32): *delta, and
+ * *ev = max_d of the most output channel d moves (no rotation); 0 without
+ * the kernel. */
+static inline void idb_int4_matrix(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                   const float *q, double scale, int lo, int hi, double *delta,
+                                   double *ev)
+{
+    *delta = *ev = 0.0;
+    kvarn_attn_kernel_info info;
+    if (!idb_info(kv, &info)) {
+        *delta = NAN;
+        return;
+    }
+    if (info.matrix_rows == 0 || hi < lo) return;
+    kvarn_record_layout L;
+    if (kvarn_record_layout_get(&kv->fmt, kv->head_dim, &L) != KVARN_OK) {
+        *delta = INFINITY;
+        return;
+    }
+    double qp[1024], evm[1024], qraw1 = 0.0;
+    for (int d = 0; d < kv->head_dim; d++) {
+        qp[d] = (double)q[d] * scale;
+        qraw1 += fabs((double)q[d]);
+        evm[d] = 0.0;
+    }
+    *delta = idb_token_matrix(kv, v, h, qp, qraw1, scale, lo, hi, 4, &L, idb_block_rec, evm);
+    for (int d = 0; d < kv->head_dim; d++) *ev = fmax(*ev, evm[d]);
+}
+
 /* The staged tokens of a KVarN view (KVARN_STAGING_INT8, or INT4 through
  * the matrix kernel alone): *delta = the most a staged score moves,
  * *ev = the sum over channels of the most each output channel moves, in
@@ -333,33 +417,7 @@ static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_vie
         if (info.staged_sums == KVARN_ATTN_ARITH_FP32)
             for (int d = 0; d < D; d++) evi[d] = 0.0;
     }
-    if (mat) {
-        const double u = 0x1p-8, cen = (double)(1 << (bits - 1));
-        double rq[1024];
-        for (int d = 0; d < D; d++) {
-            const double ea = scale * lg * 0x1p-24 * qraw1 / sqrt((double)D) + fabs(qp[d]) * 0x1p-23;
-            idb_bf16_err(qp[d], ea, &e[d], &cw[d]);
-            rq[d] = fabs(qp[d] + e[d]) + cw[d];
-        }
-        for (int t = lo; t <= hi; t++) {
-            const uint8_t *rec = idb_staged_rec(kv, v, h, t);
-            if (rec == NULL) continue;
-            const double ks = fabs(idb_half(rec + L.k_a_off, 0)), kz = fabs(idb_half(rec + L.k_b_off, 0));
-            const double vs = fabs(idb_half(rec + L.v_a_off, 0));
-            double sgn = 0.0, wc = 0.0, mag = 0.0;
-            for (int d = 0; d < D; d++) {
-                const double ck = (double)idb_code(rec + L.k_codes_off, d, bits) - cen;
-                sgn += e[d] * ck;
-                wc += cw[d] * fabs(ck);
-                mag += rq[d] * fabs(ck);
-                const double cv = fabs((double)idb_code(rec + L.v_codes_off, d, bits) - cen);
-                evm[d] = fmax(evm[d], (u * vs + 0x1p-126) * cv);
-            }
-            /* the tiles' fp32 sums of exact products: at most D 2^-24 of
-             * the sum of their magnitudes */
-            dmat = fmax(dmat, ks * (fabs(sgn) + wc + D * 0x1p-24 * mag) + 0x1p-22 * (kz + cen * ks) * q1);
-        }
-    }
+    if (mat) dmat = idb_token_matrix(kv, v, h, qp, qraw1, scale, lo, hi, bits, &L, idb_staged_rec, evm);
     *delta = fmax(dint, dmat);
     for (int d = 0; d < D; d++) *ev += fmax(evi[d], evm[d]);
 }
@@ -560,7 +618,8 @@ static inline int idb_unknown_int(const kvarn_paged_kv *kv)
     kvarn_attn_kernel_info info;
     if (!idb_info(kv, &info)) return 1;
     return kv->fmt.kind != KVARN_KIND_INT8 && kv->fmt.kind != KVARN_KIND_KVARN &&
-           (info.scores != KVARN_ATTN_ARITH_FP32 || info.sums != KVARN_ATTN_ARITH_FP32);
+           (info.scores != KVARN_ATTN_ARITH_FP32 || info.sums != KVARN_ATTN_ARITH_FP32 ||
+            (info.matrix_rows > 0 && kv->fmt.kind != KVARN_KIND_INT4));
 }
 
 /* The most the integer dot products move any score of the row with query
@@ -572,6 +631,11 @@ static inline double attn_int_score_delta(const kvarn_paged_kv *kv, const kvarn_
 {
     if (idb_unknown_int(kv)) return NAN;
     if (kv->fmt.kind == KVARN_KIND_INT8) return attn_int8_k_delta(kv, v, h, q, scale, lo, hi);
+    if (kv->fmt.kind == KVARN_KIND_INT4) {
+        double d4, e4;
+        idb_int4_matrix(kv, v, h, q, scale, lo, hi, &d4, &e4);
+        return d4;
+    }
     if (kv->fmt.kind != KVARN_KIND_KVARN) return 0.0;
     double sdelta, sev, delta, esum;
     idb_staged_int8(kv, v, h, q, scale, lo, hi, &sdelta, &sev);
@@ -587,6 +651,11 @@ static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_se
 {
     if (idb_unknown_int(kv)) return NAN;
     if (kv->fmt.kind == KVARN_KIND_INT8) return attn_int8_dot_bound(kv, v, h, q, scale, lo, hi, vmax);
+    if (kv->fmt.kind == KVARN_KIND_INT4) {
+        double d4, e4;
+        idb_int4_matrix(kv, v, h, q, scale, lo, hi, &d4, &e4);
+        return isnan(d4) ? NAN : (exp(2.0 * d4) - 1.0) * vmax + e4;
+    }
     if (kv->fmt.kind != KVARN_KIND_KVARN) return 0.0;
     /* staged int8 tokens (their scores move by at most sdelta, like the
      * records' by delta: the softmax sees the max of the two) */

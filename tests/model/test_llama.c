@@ -478,9 +478,10 @@ static void test_kernels_match_exact_chunk(void **state)
         kvarn_format fmt;
         assert_int_equal(kvarn_format_parse(name, &fmt), KVARN_OK);
         const double tol = 1e-5;
-        /* Kernels that multiply in integers (the library says which:
-         * kvarn_attn_kernel_info_get; docs/attention-intdot.md) are more
-         * than fp32 summation order apart from the exact path; tests/attn
+        /* Kernels that multiply in integers or bf16 (the library says which:
+         * kvarn_attn_kernel_info_get; docs/attention-intdot.md,
+         * attention-matrix.md) are more than fp32 summation order apart
+         * from the exact path; tests/attn
          * (test_attn, test_attn_cache, test_attn_lse) hold them to their
          * derived bounds. Here such a format runs capped at AVX2, whose
          * kernels, the library says, read the same records in fp32
@@ -489,12 +490,14 @@ static void test_kernels_match_exact_chunk(void **state)
         const int staging = kvarn_cache_default_opts().staging; /* the session's (-1) */
         kvarn_attn_kernel_info ki;
         assert_int_equal(kvarn_attn_kernel_info_get(&fmt, HD, staging, NULL, &ki), KVARN_OK);
-        if (ki.scores | ki.sums | ki.staged_scores | ki.staged_sums) {
+        if ((ki.scores | ki.sums | ki.staged_scores | ki.staged_sums) || ki.matrix != NULL) {
             cap = levels_hold(levels_index_of("avx2"));
             assert_int_equal(kvarn_attn_kernel_info_get(&fmt, HD, staging, NULL, &ki), KVARN_OK);
-            print_message("%-16s runs at %s here: the integer kernels are tests/attn's\n", name, ki.level);
+            print_message("%-16s runs at %s here: the integer and matrix kernels are tests/attn's\n",
+                          name, ki.level);
             assert_int_equal(ki.scores | ki.sums | ki.staged_scores | ki.staged_sums,
                              KVARN_ATTN_ARITH_FP32);
+            assert_null(ki.matrix);
         }
         kvarn_llama_session_opts oa_opts = KVARN_LLAMA_SESSION_OPTS_DEFAULT;
         oa_opts.attn_threads = test_threads(1);
