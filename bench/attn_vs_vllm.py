@@ -489,7 +489,8 @@ def header(d: dict) -> str:
         st = f", staging {f['staging']} ({k['staged_scores']}/{k['staged_sums']}), " \
              f"sink tiles {f['sink_tiles']}" if f["staging"] else ""
         mat = f", matrix {k['matrix']} ({k['matrix_scores']}/{k['matrix_sums']}) for items of " \
-              f"{k['matrix_rows']}+ rows" + (", their staged tokens too" if k.get("matrix_staged") else "") \
+              f"{k['matrix_rows']}+ rows" + (f", their staged tokens too in items of {k['matrix_staged']}+ queries"
+                                          if k.get("matrix_staged") else "") \
             if k.get("matrix") else ""
         lines.append(f"kvarn {name}: {k['level']} kernels, scores {k['scores']}, "
                      f"sums {k['sums']}{st}{mat}")

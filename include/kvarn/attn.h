@@ -288,13 +288,16 @@ typedef struct kvarn_attn_kernel_info {
                                        tile outside its conditions runs the
                                        level's kernel: scores, sums) */
     kvarn_attn_arith matrix_sums;   /* its p.v: KVARN_ATTN_ARITH_BF16 */
-    int matrix_staged;              /* 1: the staged tokens of those items
-                                       (int8 or int4 staging) go through
-                                       it too, with the same arithmetic
-                                       (q' rounded once to bf16 in place of
-                                       the folded query); 0: the staging's
-                                       token kernel (staged_scores,
-                                       staged_sums) reads them */
+    int matrix_staged;              /* > 0: the staged tokens (int8 or
+                                       int4 staging) of those items that
+                                       hold at least this many query tokens
+                                       (32: prefill chunks, not
+                                       verification's 1 + K) go through it
+                                       too, with the same arithmetic (q'
+                                       rounded once to bf16 in place of the
+                                       folded query); 0, and in the other
+                                       items: the staging's token kernel
+                                       (staged_scores, staged_sums) */
 } kvarn_attn_kernel_info;
 
 /* Fill *out with the kernels and arithmetic a call with these options

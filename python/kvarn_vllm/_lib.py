@@ -308,14 +308,15 @@ def attn_kernel_info(fmt: Format, head_dim: int, staging: int = 0) -> dict:
     "scores", "sums", "staged_scores", "staged_sums": "fp32" / "int16" /
     "int8" / "u8", and the matrix kernel's: "matrix" (None or its name),
     "matrix_rows", "matrix_scores", "matrix_sums", "matrix_staged" (the
-    staged tokens of its items too)}; raises KvarnError if the library
+    query tokens from which its items' staged tokens take it too; 0:
+    never)}; raises KvarnError if the library
     refuses."""
     info = AttnKernelInfo()
     check(lib().kvarn_attn_kernel_info_get(ctypes.byref(fmt), head_dim, staging, None,
                                            ctypes.byref(info)), "attention kernel info")
     out = {"level": info.level.decode(),
            "matrix": info.matrix.decode() if info.matrix else None,
-           "matrix_rows": info.matrix_rows, "matrix_staged": bool(info.matrix_staged)}
+           "matrix_rows": info.matrix_rows, "matrix_staged": info.matrix_staged}
     for f in ("scores", "sums", "staged_scores", "staged_sums", "matrix_scores", "matrix_sums"):
         out[f] = ARITH_NAMES.get(getattr(info, f), str(getattr(info, f)))
     return out

@@ -127,15 +127,17 @@ static float *lse_at(const attn_run *run, int s, int qi, int head)
 
 /* Staged token records (paged.h "Staging"), pointers in r->tok[0, nt) for
  * positions [t0, t0 + nt): one token-kernel call of the staging's
- * per-token format, as for a block of that format, or, for the items the
- * records' matrix kernel takes (ATTN_MATRIX_MIN_ROWS rows or more), its
- * per-token form (kernel_amx.c). The AVX-512 int8 kernel keeps its rounded
- * query in r->qa across calls (qa_ready), where the KVarN kernels keep
- * theirs: the flag is cleared on both sides of the call. */
+ * per-token format, as for a block of that format, or, for items of
+ * ATTN_STAGED_MATRIX_MIN_QUERIES query tokens or more (prefill chunks)
+ * where the records' matrix kernel runs, its per-token form
+ * (kernel_amx.c). The AVX-512 int8 kernel keeps its rounded query in r->qa
+ * across calls (qa_ready), where the KVarN kernels keep theirs: the flag
+ * is cleared on both sides of the call. */
 static void staged_tile(const attn_run *run, attn_rows *r, int t0, int nt)
 {
     r->qa_ready = 0;
-    if (run->kern->kvarn_matrix && run->stage_set.token_matrix && r->n >= ATTN_MATRIX_MIN_ROWS && r->mat)
+    if (run->kern->kvarn_matrix && run->stage_set.token_matrix && r->mat &&
+        r->n >= ATTN_MATRIX_MIN_ROWS && r->n / run->g.group >= ATTN_STAGED_MATRIX_MIN_QUERIES)
         run->stage_set.token_matrix(r, &run->Ls, r->tok, t0, nt, run->stage_set.token_tile);
     else
         run->stage_set.token_tile(r, &run->Ls, r->tok, t0, nt);

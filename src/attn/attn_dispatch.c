@@ -135,7 +135,8 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
                                    &info.staged_scores, &info.staged_sums);
             /* the staged tokens of the matrix kernel's items take it too
              * (attn.c staged_tile) */
-            info.matrix_staged = mk != NULL && token_matrix_kernel(&o, sf.kind, head_dim, 1) != NULL;
+            info.matrix_staged = mk != NULL && token_matrix_kernel(&o, sf.kind, head_dim, 1) != NULL
+                                     ? ATTN_STAGED_MATRIX_MIN_QUERIES : 0;
         }
     }
     *out = info;

@@ -161,6 +161,14 @@ typedef void (*attn_matrix_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
                                     const uint8_t *rec, int t0, int nt,
                                     attn_record_tile_fn fallback);
 #define ATTN_MATRIX_MIN_ROWS 16
+/* The staged tokens of a KVarN view take the matrix kernel in items of at
+ * least this many query tokens (prefill chunks: 256 rows / the GQA group,
+ * 32 or more up to a group of 8), not in verification's 1 + K: there the
+ * staged tail holds most of the attention, and the int16 kernel's query
+ * (2^-16 of the row's largest) keeps verification as close to plain decode
+ * as before (test_spec_decode's near-tie rule; one bf16, 2^-8, moved a
+ * k4v4_g64 run past it). */
+#define ATTN_STAGED_MATRIX_MIN_QUERIES 32
 #define ATTN_MATRIX_MAX_D 512
 #define ATTN_MATRIX_MAX_G 128
 /* The geometries the matrix kernel takes: head_dim D a multiple of 32 up

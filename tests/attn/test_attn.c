@@ -1362,7 +1362,7 @@ static void test_kernel_info(void **state)
                                            (st == KVARN_STAGING_INT8 || st == KVARN_STAGING_INT4);
                     assert_int_equal(info.matrix != NULL, amx_here);
                     assert_int_equal(info.matrix_rows, amx_here ? 16 : 0);
-                    assert_int_equal(info.matrix_staged, amx_here && staged_mat);
+                    assert_int_equal(info.matrix_staged, amx_here && staged_mat ? 32 : 0);
                     if (amx_here) {
                         assert_string_equal(info.matrix, "amx-bf16");
                         assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16);
@@ -1375,7 +1375,7 @@ static void test_kernel_info(void **state)
                         assert_int_equal(kvarn_attn_kernel_info_get(&fmt, D, st, &o, &info), KVARN_OK);
                         const int emu = knob == 2 && mat_fmt;
                         assert_int_equal(info.matrix != NULL, emu);
-                        assert_int_equal(info.matrix_staged, emu && staged_mat);
+                        assert_int_equal(info.matrix_staged, emu && staged_mat ? 32 : 0);
                         if (emu) assert_string_equal(info.matrix, "amx-bf16-emulated");
                         o.testing = NULL;
                     }

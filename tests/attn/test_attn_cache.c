@@ -101,9 +101,9 @@ static void check_format_std(const char *name, int sink_tokens, int staging, int
         if (amx) {
             kvarn_attn_kernel_info info;
             assert_int_equal(kvarn_attn_kernel_info_get(&kv.fmt, D, kv.staging, &o, &info), KVARN_OK);
-            assert_int_equal(info.matrix_staged, co.format.kind == KVARN_KIND_KVARN &&
-                                                     (staging == KVARN_STAGING_INT8 ||
-                                                      staging == KVARN_STAGING_INT4));
+            assert_int_equal(info.matrix_staged != 0, co.format.kind == KVARN_KIND_KVARN &&
+                                                          (staging == KVARN_STAGING_INT8 ||
+                                                           staging == KVARN_STAGING_INT4));
         }
         const int32_t dq[3] = {0, 1, 2};
         const int32_t *starts = multi ? qsl : dq;
@@ -257,8 +257,9 @@ static void test_cache_sink_tokens(void **state)
  * KVarN view's int8 and int4 staging, the int4 format's blocks), against a
  * double-precision oracle of its own arithmetic, so that its bound is
  * tight: a KVarN cache whose sequence (100 tokens) lies wholly in its
- * staged sink tile, or an int4 cache of 100 tokens, 6 queries x a GQA
- * group of 3 = 18 rows (an item the matrix kernel takes). In the
+ * staged sink tile, or an int4 cache of 100 tokens, 32 queries x a GQA
+ * group of 3 = 96 rows (an item the matrix kernel takes, its staged tokens
+ * too: ATTN_STAGED_MATRIX_MIN_QUERIES). In the
  * kernel's basis (rotated for KVarN) it computes
  *   s_t = ks_t sum_d bf16(q'_d) c'_td + (kz_t + C ks_t) sum_d q'_d
  *   o_d = (sum_t bf16(p_t vs_t) c'_td + sum_t p_t (vz_t + C vs_t)) / l
@@ -274,7 +275,7 @@ static void test_cache_sink_tokens(void **state)
  * test_cache_staging). */
 static void check_token_matrix(const char *fmt, int staging, int amx)
 {
-    const int Hk = 2, group = 3, Hq = Hk * group, D = 64, len = 100, ql = 6;
+    const int Hk = 2, group = 3, Hq = Hk * group, D = 64, len = 100, ql = 32;
     kvarn_cache_opts co = kvarn_cache_default_opts();
     assert_int_equal(kvarn_format_parse(fmt, &co.format), KVARN_OK);
     const int kvarn = co.format.kind == KVARN_KIND_KVARN;
@@ -316,7 +317,7 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
     o.testing = &knobs;
     kvarn_attn_kernel_info info;
     assert_int_equal(kvarn_attn_kernel_info_get(&kv.fmt, D, kv.staging, &o, &info), KVARN_OK);
-    assert_int_equal(kvarn ? info.matrix_staged : info.matrix_rows, kvarn ? 1 : 16);
+    assert_int_equal(kvarn ? info.matrix_staged : info.matrix_rows, kvarn ? ql : 16);
     size_t wsz = kvarn_attn_workspace_bytes(&kv, Hq, 1, ql, 1, &o);
     void *ws = malloc(wsz);
     assert_int_equal(kvarn_attn_multi(&kv, &view, 1, qsl, Hq, q, out, &o, NULL, ws, wsz), KVARN_OK);
