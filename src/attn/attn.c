@@ -136,8 +136,10 @@ static float *lse_at(const attn_run *run, int s, int qi, int head)
 static void staged_tile(const attn_run *run, attn_rows *r, int t0, int nt)
 {
     r->qa_ready = 0;
+    /* (that many query tokens are ATTN_MATRIX_MIN_ROWS rows or more:
+     * attn_internal.h) */
     if (run->kern->kvarn_matrix && run->stage_set.token_matrix && r->mat &&
-        r->n >= ATTN_MATRIX_MIN_ROWS && r->n / run->g.group >= ATTN_STAGED_MATRIX_MIN_QUERIES)
+        r->n / run->g.group >= ATTN_STAGED_MATRIX_MIN_QUERIES)
         run->stage_set.token_matrix(r, &run->Ls, r->tok, t0, nt, run->stage_set.token_tile);
     else
         run->stage_set.token_tile(r, &run->Ls, r->tok, t0, nt);

@@ -169,6 +169,8 @@ typedef void (*attn_matrix_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
  * as before (test_spec_decode's near-tie rule; one bf16, 2^-8, moved a
  * k4v4_g64 run past it). */
 #define ATTN_STAGED_MATRIX_MIN_QUERIES 32
+_Static_assert(ATTN_STAGED_MATRIX_MIN_QUERIES >= ATTN_MATRIX_MIN_ROWS,
+               "attn.c staged_tile: the query count implies the matrix kernel's rows");
 #define ATTN_MATRIX_MAX_D 512
 #define ATTN_MATRIX_MAX_G 128
 /* The geometries the matrix kernel takes: head_dim D a multiple of 32 up

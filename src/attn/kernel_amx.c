@@ -88,9 +88,7 @@ static inline __m512 exp2_512(__mmask16 k, __m512 x)
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0000001192092896f));
     return _mm512_maskz_scalef_ps(k, p, n);
 }
-#endif
 
-#ifndef KVARN_AMX_EMULATE
 /* The sums of the 16 lanes of x and of y, reduced together (the 256- and
  * 128-bit halves of both in one shuffle each). */
 static inline void reduce_add2(__m512 x, __m512 y, float *sx, float *sy)

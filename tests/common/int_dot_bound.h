@@ -93,6 +93,19 @@ static inline double idb_half(const uint8_t *p, int i)
  * within eps (in steps of sq) of a rounding boundary, where it may round
  * either way (e_d = 0, cw_d = sq (1/2 + eps)); sq = 0 (the kernel's qi =
  * 0): e_d = q'_d, cw_d = |q'_d| 2^-20 + zslack (up to fp32). */
+/* One channel of it, sq > 0: q rounded in steps of sq, eps in steps. */
+static inline void idb_int16_round(double q, double sq, double eps, double *e, double *cw)
+{
+    const double x = q / sq, fr = x - floor(x);
+    if (fabs(fr - 0.5) <= eps) {
+        *e = 0.0;
+        *cw = sq * (0.5 + eps);
+    } else {
+        *e = q - sq * nearbyint(x);
+        *cw = sq * eps;
+    }
+}
+
 static inline void idb_int16_query(const double *qp, int D, double sq, double eps, double zslack,
                                    double *e, double *cw)
 {
@@ -100,15 +113,8 @@ static inline void idb_int16_query(const double *qp, int D, double sq, double ep
         if (sq == 0.0) {
             e[d] = qp[d];
             cw[d] = fabs(qp[d]) * 0x1p-20 + zslack;
-            continue;
-        }
-        const double x = qp[d] / sq, fr = x - floor(x);
-        if (fabs(fr - 0.5) <= eps) {
-            e[d] = 0.0;
-            cw[d] = sq * (0.5 + eps);
         } else {
-            e[d] = qp[d] - sq * nearbyint(x);
-            cw[d] = sq * eps;
+            idb_int16_round(qp[d], sq, eps, &e[d], &cw[d]);
         }
     }
 }
@@ -497,16 +503,9 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
             if (qmax >= 0x1p-100) {
                 const double sq = qmax / 32767.0, lg = log2((double)D) + 3.0;
                 for (int d = 0; d < D; d++) {
-                    double eps = fabs(idb_half(rec + L.k_a_off, d)) * scale * lg * 0x1p-24 * q1 /
-                                     sqrt((double)D) / sq + 0x1p-7;
-                    double x = qa[d] / sq, fr = x - floor(x);
-                    if (fabs(fr - 0.5) <= eps) {
-                        e[d] = 0.0;
-                        cw[d] = sq * (0.5 + eps);
-                    } else {
-                        e[d] = qa[d] - sq * nearbyint(x);
-                        cw[d] = sq * eps;
-                    }
+                    const double eps = fabs(idb_half(rec + L.k_a_off, d)) * scale * lg * 0x1p-24 * q1 /
+                                           sqrt((double)D) / sq + 0x1p-7;
+                    idb_int16_round(qa[d], sq, eps, &e[d], &cw[d]);
                 }
                 const uint8_t *kc = rec + L.k_codes_off;
                 for (int t = 0; t < G; t++) {
