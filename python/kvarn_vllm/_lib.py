@@ -309,8 +309,7 @@ def attn_kernel_info(fmt: Format, head_dim: int, staging: int = 0) -> dict:
     "int8" / "u8", and the matrix kernel's: "matrix" (None or its name),
     "matrix_rows", "matrix_scores", "matrix_sums", "matrix_staged" (the
     query tokens from which its items' staged tokens take it too; 0:
-    never)}; raises KvarnError if the library
-    refuses."""
+    never)}; raises KvarnError if the library refuses."""
     info = AttnKernelInfo()
     check(lib().kvarn_attn_kernel_info_get(ctypes.byref(fmt), head_dim, staging, None,
                                            ctypes.byref(info)), "attention kernel info")

@@ -107,15 +107,11 @@ def cold_cfg(dtype, cfg):
     alone differs from it among 16 or more by ~1e-6 relative), and
     kvarn_int8's per-token rounding of that row's K and V moved Q's
     logprobs by up to 1.9e-2 against a cold run that prefilled Q whole."""
+    from kvarn_vllm import _lib
     c = {k: v for k, v in cfg.items() if k != "kv_transfer_config"}
-    if not _lib_parse(dtype).per_tile:
+    if _lib.is_per_token_dtype(dtype):
         c["max_num_batched_tokens"] = len(cfg["rounds"][0]["prompt_ids"][0]) - 1
     return c
-
-
-def _lib_parse(dtype):
-    from kvarn_vllm import _lib
-    return _lib.parse_format(dtype, D)
 
 
 def equals_cold(dtype, b, cold):
