@@ -61,6 +61,26 @@ static int rotated_fits(const float *x, int D)
     return 1;
 }
 
+/* Whether the n_vec vectors of x (D floats each, contiguous) are finite
+ * and each, rotated, fits fp16: one max |x| over them all first (the
+ * integer max of the bit patterns with the sign cleared: Inf and NaN lie
+ * above every finite value, and the loop vectorizes), and rotated_fits
+ * per vector only when sqrt(D) max|x| may pass fp16's largest value. */
+static int rows_fit(const float *x, size_t n_vec, int D)
+{
+    const size_t n = n_vec * (size_t)D;
+    uint32_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        const uint32_t u = kvarn__f32_bits(x[i]) & 0x7fffffffu;
+        m = u > m ? u : m;
+    }
+    if (m >= 0x7f800000u) return 0;
+    if ((double)kvarn__bits_f32(m) * sqrt((double)D) <= 65504.0) return 1;
+    for (size_t i = 0; i < n_vec; i++)
+        if (!rotated_fits(x + i * (size_t)D, D)) return 0;
+    return 1;
+}
+
 static kvarn_status check_store(const kvarn_paged_kv *kv, const float *k, const float *v,
                                 const int64_t *slots, int n)
 {
@@ -82,14 +102,15 @@ static kvarn_status check_store(const kvarn_paged_kv *kv, const float *k, const 
     for (int j = 0; j < n; j++) {
         if (slots[j] < 0) continue;
         const size_t row = (size_t)j * (size_t)H * (size_t)D;
+        if (is_kvarn) {
+            if (!(rows_fit(k + row, (size_t)H, D) && rows_fit(v + row, (size_t)H, D)))
+                return KVARN_ERR_NONFINITE;
+            continue;
+        }
         for (int h = 0; h < H; h++) {
             const float *kx = k + row + (size_t)h * D, *vx = v + row + (size_t)h * D;
-            if (is_kvarn) {
-                if (!(rotated_fits(kx, D) && rotated_fits(vx, D))) return KVARN_ERR_NONFINITE;
-            } else {
-                kvarn_status st = kvarn_encode(&kv->fmt, D, kx, vx, scratch, rec_bytes, NULL, 0, NULL);
-                if (st != KVARN_OK) return st;
-            }
+            kvarn_status st = kvarn_encode(&kv->fmt, D, kx, vx, scratch, rec_bytes, NULL, 0, NULL);
+            if (st != KVARN_OK) return st;
         }
     }
     return KVARN_OK;
@@ -114,6 +135,8 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
      * accepted the value) */
     kvarn_format sf;
     const int staged = kv->fmt.kind == KVARN_KIND_KVARN && kvarn__staging_format(kv->staging, &sf) > 0;
+    kvarn_stager stager;
+    if (staged) kvarn__stager_init(&stager, &sf, D);
     float vec[MAX_KVARN_D], vec2[MAX_KVARN_D];
     for (int j = 0; j < n_tokens; j++) {
         if (slot_mapping[j] < 0) continue;
@@ -125,7 +148,7 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
             if (staged) {
                 /* the rotated values fit fp16 (check_store), so the
                  * record's scale and zero-point do */
-                st = kvarn__stage_token(&sf, D, kx, vx, vec, vec2,
+                st = kvarn__stage_token(&stager, kx, vx, vec, vec2,
                                         kvarn_paged_page_rec(kv, id, h, off),
                                         kv->staging_record_bytes);
                 if (st != KVARN_OK) return st;
@@ -248,9 +271,8 @@ kvarn_status kvarn_paged_commit_exact(const kvarn_paged_kv *kv, const float *k, 
     for (int i = 0; i < n_tiles; i++) {
         if (first_rows[i] < 0 || dst_blocks[i] < 0) continue;
         const size_t r0 = (size_t)first_rows[i] * (size_t)H * (size_t)D;
-        for (size_t e = 0; e < (size_t)G * (size_t)H; e++)
-            if (!(rotated_fits(k + r0 + e * (size_t)D, D) && rotated_fits(v + r0 + e * (size_t)D, D)))
-                return KVARN_ERR_NONFINITE;
+        if (!(rows_fit(k + r0, (size_t)G * (size_t)H, D) && rows_fit(v + r0, (size_t)G * (size_t)H, D)))
+            return KVARN_ERR_NONFINITE;
     }
     const size_t GD = (size_t)G * (size_t)D;
     float *tk = (float *)workspace, *tv = tk + GD;

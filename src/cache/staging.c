@@ -2,12 +2,16 @@
  * staging.c -- the staging formats of a KVarN cache (kvarn_staging,
  * include/kvarn/paged.h "Staging"): their names (kvarn_cache_staging_parse,
  * kvarn_cache_staging_name, include/kvarn/cache.h) and the per-token format
- * each record staging stands for (kvarn__staging_format, staging.h).
+ * each record staging stands for (kvarn__staging_format, staging.h); the
+ * write of one staged token-head (kvarn__stager_init, kvarn__stage_token).
  */
 #include <string.h>
 
 #include "cache/staging.h"
+#include "codec/codec_internal.h"
+#include "common/cpu.h"
 #include "kvarn/cache.h"
+#include "kvarn/record.h"
 
 /* Indexed by kvarn_staging. A record staging is named after its per-token
  * format: the name is also the format's name in kvarn_format_parse. */
@@ -52,4 +56,40 @@ kvarn_status kvarn_cache_staging_parse(const char *name, int *out)
             return KVARN_OK;
         }
     return KVARN_ERR_INVALID_ARG;
+}
+
+void kvarn__stager_init(kvarn_stager *st, const kvarn_format *sf, int D)
+{
+    const kvarn_cpu_level level = kvarn__cpu_level();
+    st->sf = *sf;
+    st->D = D;
+    st->rtn_bits = sf->kind == KVARN_KIND_INT8 ? 8 : sf->kind == KVARN_KIND_INT4 ? 4 : 0;
+    if (st->rtn_bits && kvarn_record_layout_get(sf, D, &st->L) != KVARN_OK) st->rtn_bits = 0;
+#ifdef KVARN_HADAMARD_HAVE_AVX2
+    st->avx2 = level >= KVARN_CPU_AVX2 && D >= 8 && (D & (D - 1)) == 0;
+#else
+    st->avx2 = 0;
+#endif
+    st->avx512 = level == KVARN_CPU_AVX512;
+}
+
+kvarn_status kvarn__stage_token(const kvarn_stager *st, const float *k, const float *v, float *rk,
+                                float *rv, uint8_t *rec, size_t rb)
+{
+    const int D = st->D;
+    memcpy(rk, k, (size_t)D * sizeof(float));
+    memcpy(rv, v, (size_t)D * sizeof(float));
+#ifdef KVARN_HADAMARD_HAVE_AVX2
+    if (st->avx2) {
+        kvarn_hadamard_avx2(rk, D);
+        kvarn_hadamard_avx2(rv, D);
+    } else
+#endif
+    {
+        kvarn_hadamard_scalar(rk, D);
+        kvarn_hadamard_scalar(rv, D);
+    }
+    if (st->rtn_bits && rb >= st->L.record_bytes)
+        return kvarn__rtn_record_encode(st->rtn_bits, &st->L, rk, rv, rec, st->avx512);
+    return kvarn_encode(&st->sf, D, rk, rv, rec, rb, NULL, 0, NULL);
 }

@@ -16,6 +16,7 @@
 #include "codec/hadamard.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/paged.h"
+#include "kvarn/record.h"
 
 /* The per-token format whose records hold the tokens staged under
  * `staging` (a kvarn_staging value): for KVARN_STAGING_INT8, _FP8_E4M3 and
@@ -24,23 +25,33 @@
  * for any other value (*fmt untouched). staging.c. */
 int kvarn__staging_format(int staging, kvarn_format *fmt);
 
-/* k, v: fp32 [D] in the model's basis; rk, rv: fp32 [D] scratch that gets
- * the rotated vectors (x H / sqrt(D)); rec: rb bytes, written with
- * kvarn_encode of the staging's per-token format sf on (rk, rv). Returns
- * kvarn_encode's status: KVARN_OK whenever the rotated values fit fp16 (the
- * callers check that first), since the per-token scale (fp8: max|x| / 448,
- * int8 / int4: (max - min) / (2^bits - 1), rounded up) and zero-point (the
- * minimum) of such values fit fp16 too. */
-static inline kvarn_status kvarn__stage_token(const kvarn_format *sf, int D, const float *k,
-                                              const float *v, float *rk, float *rv,
-                                              uint8_t *rec, size_t rb)
-{
-    memcpy(rk, k, (size_t)D * sizeof(float));
-    memcpy(rv, v, (size_t)D * sizeof(float));
-    kvarn_hadamard(rk, D);
-    kvarn_hadamard(rv, D);
-    return kvarn_encode(sf, D, rk, rv, rec, rb, NULL, 0, NULL);
-}
+/* How the token-heads of one batch are staged (kvarn__stager_init, then
+ * kvarn__stage_token per token-head): the staging's per-token format sf,
+ * its record layout at head_dim D, and which Hadamard and RTN variants the
+ * CPU runs (kvarn__cpu_level(), asked once per batch: it reads
+ * KVARN_SIMD on every call). Every variant gives the same bytes. */
+typedef struct kvarn_stager {
+    kvarn_format sf;
+    kvarn_record_layout L; /* sf's layout at D (when rtn_bits) */
+    int D;
+    int rtn_bits; /* 8 or 4 for int8/int4 staging (kvarn__rtn_record_encode), 0: kvarn_encode */
+    int avx2;     /* rotate with kvarn_hadamard_avx2 */
+    int avx512;   /* the RTN rows with AVX-512 */
+} kvarn_stager;
+
+/* sf: a record staging's per-token format (kvarn__staging_format), D its
+ * head_dim (KVarN: 64..512, a power of two). Cannot fail for those. */
+void kvarn__stager_init(kvarn_stager *st, const kvarn_format *sf, int D);
+
+/* k, v: fp32 [st->D] in the model's basis; rk, rv: fp32 [D] scratch that
+ * gets the rotated vectors (x H / sqrt(D)); rec: rb bytes, written as
+ * kvarn_encode of the staging's per-token format writes (rk, rv). Returns
+ * KVARN_OK whenever the rotated values fit fp16 (the callers check that
+ * first), since the per-token scale (fp8: max|x| / 448, int8 / int4:
+ * (max - min) / (2^bits - 1), rounded up) and zero-point (the minimum) of
+ * such values fit fp16 too; else kvarn_encode's status. staging.c. */
+kvarn_status kvarn__stage_token(const kvarn_stager *st, const float *k, const float *v, float *rk,
+                                float *rv, uint8_t *rec, size_t rb);
 
 /* The direct path of a whole tile (../shared/spec/KVARN.md "Store pipeline
  * for one full tile" on the exact K/V, not on a staged copy): KV head h of

@@ -123,6 +123,8 @@ static kvarn_status cache_write(kvarn_cache *c, int seq, int layer, int pos, int
         st = write_records(c, s, layer, pos, n, k, v, exact);
         if (st != KVARN_OK) return st;
     }
+    kvarn_stager stager;
+    if (kvarn__staged_records(c)) kvarn__stager_init(&stager, &c->stage_fmt, D);
     for (int j = 0; j < n; j++) {
         const int p = pos + j, t = p / G, off = p % G;
         for (int h = 0; h < H; h++) {
@@ -131,7 +133,7 @@ static kvarn_status cache_write(kvarn_cache *c, int seq, int layer, int pos, int
             if (kvarn__staged_records(c)) {
                 /* rotated into scratch rows of the commit tile (unused
                  * between commits), then the staging's token codec */
-                st = kvarn__stage_token(&c->stage_fmt, D, kx, vx, c->tile_k, c->tile_v,
+                st = kvarn__stage_token(&stager, kx, vx, c->tile_k, c->tile_v,
                                         kvarn__row_rec(c, s, layer, p, h),
                                         c->info.staging_record_bytes);
                 /* the rotated values fit fp16 (check_input), so the

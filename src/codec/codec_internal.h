@@ -49,4 +49,22 @@ kvarn_status kvarn__rtn_row_encode(const float *x, int D, int bits, uint8_t *cod
 void kvarn__rtn_row_decode(const uint8_t *codes, int D, uint16_t scale, uint16_t zero,
                            float *out);
 
+/* kvarn__rtn_row_encode compiled with AVX-512 (rtn_row_avx512.c; plain C
+ * where the build has no AVX-512 flags): the same bytes. Only where
+ * kvarn__cpu_level() is KVARN_CPU_AVX512. */
+kvarn_status kvarn__rtn_row_encode_avx512(const float *x, int D, int bits, uint8_t *codes,
+                                          uint16_t *scale, uint16_t *zero);
+
+/* One int8 (bits 8) or int4 (bits 4) per-token record (include/kvarn/
+ * record.h) of the K row k and V row v (fp32 [L->head_dim], finite), as
+ * kvarn_encode writes it; L: that format's layout at this head_dim.
+ * avx512: the rows through kvarn__rtn_row_encode_avx512 (the caller has
+ * seen kvarn__cpu_level() == KVARN_CPU_AVX512; the same bytes either way).
+ * KVARN_ERR_INVALID_ARG for other bits; KVARN_ERR_NONFINITE (nothing
+ * written) when a scale or zero point would overflow fp16. For batches of
+ * tokens (staging: cache/staging.c) without kvarn_encode's per-call
+ * checks and dispatch. */
+kvarn_status kvarn__rtn_record_encode(int bits, const kvarn_record_layout *L, const float *k,
+                                      const float *v, void *record, int avx512);
+
 #endif

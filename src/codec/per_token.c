@@ -30,6 +30,7 @@
 #include "codec/codec_internal.h"
 #include "codec/fp_convert.h"
 #include "codec/pack.h"
+#include "codec/rtn_row.h"
 
 /* Largest head_dim a per-token format serves (kvarn_format_check_head_dim);
  * the row scratch buffers below live on the stack at this size. */
@@ -38,8 +39,6 @@
 #define FP8_E4M3_MAX 448.0f
 #define FP8_E5M2_MAX 57344.0f
 
-static inline int fp16_is_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
-
 static inline void store_u16(unsigned char *p, uint16_t v) { memcpy(p, &v, 2); }
 
 static inline uint16_t load_u16(const unsigned char *p)
@@ -47,34 +46,6 @@ static inline uint16_t load_u16(const unsigned char *p)
     uint16_t v;
     memcpy(&v, p, 2);
     return v;
-}
-
-/* Smallest fp16 >= x, for finite x >= 0 (may return Inf = 0x7c00). */
-static uint16_t fp16_round_up(float x)
-{
-    uint16_t h = kvarn_fp32_to_fp16(x);
-    if (fp16_is_finite(h) && kvarn_fp16_to_fp32(h) < x) h++;
-    return h;
-}
-
-/* Largest fp16 <= x, for finite x (may return -Inf = 0xfc00). */
-static uint16_t fp16_round_down(float x)
-{
-    uint16_t h = kvarn_fp32_to_fp16(x);
-    if (fp16_is_finite(h) && kvarn_fp16_to_fp32(h) > x) {
-        if (h & 0x8000u) h++;            /* negative: one step away from 0 */
-        else h--;                        /* positive (h > 0 since x < h)   */
-    }
-    if (h == 0x8000u) h = 0;             /* -0 and +0 mean the same; keep +0 */
-    return h;
-}
-
-/* Round half to even for 0 <= q < 2^22: adding 1.5 * 2^23 leaves no
- * fraction bits in the fp32 sum, so the adder rounds (RNE). */
-static inline float round_half_even(float q)
-{
-    const float magic = 12582912.0f;
-    return (q + magic) - magic;
 }
 
 /* ------------------------------------------------------------ fp16/bf16 */
@@ -173,58 +144,6 @@ static void fp8_row_decode(int e4m3, const unsigned char *restrict codes, int D,
 
 /* --------------------------------------------------------- int8 / int4 */
 
-typedef struct rtn_params { uint16_t scale, zero; } rtn_params;
-
-/* Scale and zero-point of one row; KVARN_ERR_NONFINITE if either would
- * overflow fp16. */
-static kvarn_status rtn_row_params(const float *restrict x, int D, int bits, rtn_params *p)
-{
-    /* min and max of a finite row as an integer reduction: flipping the
-     * magnitude bits of negative floats makes the int32 order the float
-     * order (-0 sorts just below +0, which is harmless here). */
-    int32_t lo_key = INT32_MAX, hi_key = INT32_MIN;
-    for (int i = 0; i < D; i++) {
-        int32_t b = (int32_t)kvarn__f32_bits(x[i]);
-        int32_t key = b ^ (int32_t)((uint32_t)(b >> 31) & 0x7fffffffu);
-        lo_key = key < lo_key ? key : lo_key;
-        hi_key = key > hi_key ? key : hi_key;
-    }
-    const float lo = kvarn__bits_f32((uint32_t)(lo_key ^ (int32_t)((uint32_t)(lo_key >> 31) & 0x7fffffffu)));
-    const float hi = kvarn__bits_f32((uint32_t)(hi_key ^ (int32_t)((uint32_t)(hi_key >> 31) & 0x7fffffffu)));
-    uint16_t z16 = fp16_round_down(lo);
-    if (!fp16_is_finite(z16)) return KVARN_ERR_NONFINITE;
-    /* hi - zero >= 0; should the fp32 subtraction round down, the top code
-     * may land a hair above 2^bits - 1 and is clamped (error still tiny). */
-    float range = hi - kvarn_fp16_to_fp32(z16);
-    uint16_t s16 = range > 0.0f ? fp16_round_up(range / (float)((1 << bits) - 1))
-                                : 0x3c00u; /* constant fp16 row: scale 1.0 */
-    if (!fp16_is_finite(s16)) return KVARN_ERR_NONFINITE;
-    p->scale = s16;
-    p->zero = z16;
-    return KVARN_OK;
-}
-
-/* codes[i] = clamp(rne((x[i] - zero) / scale), 0, 2^bits - 1), one code per
- * byte (packed afterwards for int4). */
-static void rtn_row_codes(const float *restrict x, int D, int bits, rtn_params p,
-                          unsigned char *restrict codes)
-{
-    const float s = kvarn__fp16_to_f32(p.scale), z = kvarn__fp16_to_f32(p.zero);
-    const int32_t qmax = (1 << bits) - 1;
-    /* zero <= x makes q >= 0, and the scale rounded up makes q <= qmax but
-     * for the fp32 roundings of hi - zero (q <= qmax (1 + 2^-22)), so q is
-     * always a small non-negative number and the int conversion is safe; a
-     * tiny excess is clamped. The clamps are integer ones so that the loop
-     * vectorizes (no conditional fp32 operation). */
-    for (int i = 0; i < D; i++) {
-        float q = (x[i] - z) / s;
-        int32_t c = (int32_t)round_half_even(q);
-        c = c < 0 ? 0 : c;
-        c = c > qmax ? qmax : c;
-        codes[i] = (unsigned char)c;
-    }
-}
-
 static void rtn_row_decode(const unsigned char *restrict codes, int D, rtn_params p,
                            float *restrict out)
 {
@@ -284,33 +203,46 @@ static kvarn_status record_decode_fp8(int e4m3, const kvarn_record_layout *L, co
     return KVARN_OK;
 }
 
-static kvarn_status record_encode_rtn(int bits, const kvarn_record_layout *L, const float *k,
-                                      const float *v, void *record)
+/* One RTN row (kvarn__rtn_row_encode or its AVX-512 twin: the same bytes). */
+typedef kvarn_status (*rtn_row_fn)(const float *x, int D, int bits, uint8_t *codes,
+                                   uint16_t *scale, uint16_t *zero);
+
+static kvarn_status record_encode_rtn_with(int bits, const kvarn_record_layout *L, const float *k,
+                                           const float *v, void *record, rtn_row_fn row)
 {
     unsigned char *rec = record;
     const int D = L->head_dim;
     if (bad_d(D)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
-    rtn_params kp, vp;
-    if (rtn_row_params(k, D, bits, &kp) != KVARN_OK ||
-        rtn_row_params(v, D, bits, &vp) != KVARN_OK)
+    /* both rows' codes before the first byte is stored */
+    unsigned char codes[2][KVARN_PER_TOKEN_MAX_D];
+    uint16_t scale[2], zero[2];
+    if (row(k, D, bits, codes[0], &scale[0], &zero[0]) != KVARN_OK ||
+        row(v, D, bits, codes[1], &scale[1], &zero[1]) != KVARN_OK)
         return KVARN_ERR_NONFINITE;
-    const float *rows[2] = {k, v};
-    const rtn_params ps[2] = {kp, vp};
     const size_t codes_off[2] = {L->k_codes_off, L->v_codes_off};
     const size_t a_off[2] = {L->k_a_off, L->v_a_off};
     const size_t b_off[2] = {L->k_b_off, L->v_b_off};
     for (int r = 0; r < 2; r++) {
-        if (bits == 8) {
-            rtn_row_codes(rows[r], D, 8, ps[r], rec + codes_off[r]);
-        } else {
-            unsigned char tmp[KVARN_PER_TOKEN_MAX_D];
-            rtn_row_codes(rows[r], D, 4, ps[r], tmp);
-            (void)kvarn_pack_codes(tmp, (size_t)D, 4, rec + codes_off[r]);
-        }
-        store_u16(rec + a_off[r], ps[r].scale);
-        store_u16(rec + b_off[r], ps[r].zero);
+        if (bits == 8) memcpy(rec + codes_off[r], codes[r], (size_t)D);
+        else (void)kvarn_pack_codes(codes[r], (size_t)D, 4, rec + codes_off[r]);
+        store_u16(rec + a_off[r], scale[r]);
+        store_u16(rec + b_off[r], zero[r]);
     }
     return KVARN_OK;
+}
+
+static kvarn_status record_encode_rtn(int bits, const kvarn_record_layout *L, const float *k,
+                                      const float *v, void *record)
+{
+    return record_encode_rtn_with(bits, L, k, v, record, kvarn__rtn_row_encode);
+}
+
+kvarn_status kvarn__rtn_record_encode(int bits, const kvarn_record_layout *L, const float *k,
+                                      const float *v, void *record, int avx512)
+{
+    if (bits != 4 && bits != 8) return KVARN_ERR_INVALID_ARG;
+    if (avx512) return record_encode_rtn_with(bits, L, k, v, record, kvarn__rtn_row_encode_avx512);
+    return record_encode_rtn_with(bits, L, k, v, record, kvarn__rtn_row_encode);
 }
 
 static kvarn_status record_decode_rtn(int bits, const kvarn_record_layout *L, const void *record,
@@ -368,12 +300,7 @@ kvarn_status kvarn__rtn_row_encode(const float *x, int D, int bits, uint8_t *cod
                                    uint16_t *scale, uint16_t *zero)
 {
     if (bad_d(D) || (bits != 4 && bits != 8)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
-    rtn_params p;
-    if (rtn_row_params(x, D, bits, &p) != KVARN_OK) return KVARN_ERR_NONFINITE;
-    rtn_row_codes(x, D, bits, p, codes);
-    *scale = p.scale;
-    *zero = p.zero;
-    return KVARN_OK;
+    return rtn_row(x, D, bits, codes, scale, zero);
 }
 
 void kvarn__rtn_row_decode(const uint8_t *codes, int D, uint16_t scale, uint16_t zero, float *out)

@@ -21,6 +21,8 @@
 
 #include "kvarn/kvarn.h"
 #include "kvarn/record.h"
+#include "codec/codec_internal.h"
+#include "common/cpu.h"
 #include "common/testutil.h"
 
 #define MAXD 1024
@@ -243,6 +245,62 @@ static void test_int_round_half_even(void **state)
     }
 }
 
+/* The batch entry of the staging (kvarn__rtn_record_encode, both row
+ * variants: the baseline C and its AVX-512 build) writes kvarn_encode's
+ * bytes: rows of Gaussians, constant rows, rows of ties (x - zero) / scale
+ * = c + 1/2, rows whose range rounds the scale up, every D the format
+ * serves from 2 to 1024 in steps. The AVX-512 variant runs only where the
+ * CPU level is AVX-512 (it says so otherwise). The staging's error cases
+ * (an fp16 overflow) give kvarn_encode's status and write nothing. */
+static void test_rtn_batch_entry(void **state)
+{
+    (void)state;
+    const int wide_ok = kvarn__cpu_level() == KVARN_CPU_AVX512;
+    if (!wide_ok) print_message("test_rtn_batch_entry: AVX-512 rows skipped (CPU level below AVX-512)\n");
+    test_rng r;
+    test_rng_seed(&r, 0x2b);
+    static float k[MAXD], v[MAXD];
+    static unsigned char want[4 * MAXD], got[4 * MAXD];
+    const int dims[] = {2, 8, 62, 64, 96, 128, 256, 512, 1024};
+    for (int b = 0; b < 2; b++) {
+        kvarn_format f = parse_ok(b ? "int8" : "int4");
+        const int bits = b ? 8 : 4;
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+            const int D = dims[di];
+            kvarn_record_layout L;
+            assert_int_equal(kvarn_record_layout_get(&f, D, &L), KVARN_OK);
+            for (int trial = 0; trial < 40; trial++) {
+                const int kind = trial % 4;
+                for (int i = 0; i < D; i++) {
+                    if (kind == 1) k[i] = 0.375f; /* constant, an fp16 */
+                    else if (kind == 2) k[i] = (float)(test_rng_below(&r, 15)) + 0.5f; /* ties */
+                    else k[i] = 0.0f;
+                }
+                if (kind == 2) { k[0] = 0.0f; k[1] = 15.0f; }
+                if (kind == 0 || kind == 3) fill_row(&r, k, D, kind == 3 ? 400.0 : 1.0);
+                fill_row(&r, v, D, 0.1 + trial);
+                memset(want, POISON, L.record_bytes);
+                assert_int_equal(kvarn_encode(&f, D, k, v, want, L.record_bytes, NULL, 0, NULL), KVARN_OK);
+                for (int wide = 0; wide <= wide_ok; wide++) {
+                    memset(got, POISON, L.record_bytes);
+                    assert_int_equal(kvarn__rtn_record_encode(bits, &L, k, v, got, wide), KVARN_OK);
+                    assert_memory_equal(want, got, L.record_bytes);
+                }
+            }
+            /* a zero point below -65504: refused, nothing written */
+            fill_row(&r, k, D, 1.0);
+            fill_row(&r, v, D, 1.0);
+            k[D / 2] = -70000.0f;
+            for (int wide = 0; wide <= wide_ok; wide++) {
+                memset(got, POISON, L.record_bytes);
+                assert_int_equal(kvarn__rtn_record_encode(bits, &L, k, v, got, wide), KVARN_ERR_NONFINITE);
+                assert_true(all_bytes(got, L.record_bytes, POISON));
+            }
+        }
+        assert_int_equal(kvarn__rtn_record_encode(6, NULL, k, v, got, 0), KVARN_ERR_INVALID_ARG);
+    }
+}
+
 /* ------------------------------------------------------------ errors */
 
 static void test_errors(void **state)
@@ -336,6 +394,7 @@ int main(void)
         cmocka_unit_test(test_fields_and_formula),
         cmocka_unit_test(test_exact),
         cmocka_unit_test(test_int_round_half_even),
+        cmocka_unit_test(test_rtn_batch_entry),
         cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
