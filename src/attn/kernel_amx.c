@@ -89,18 +89,23 @@ static inline __m512 exp2_512(__mmask16 k, __m512 x)
     return _mm512_maskz_scalef_ps(k, p, n);
 }
 
-/* The sums of the 16 lanes of x and of y, reduced together (the 256- and
- * 128-bit halves of both in one shuffle each). */
-static inline void reduce_add2(__m512 x, __m512 y, float *sx, float *sy)
+/* The lane sums (mx 0) or lane maxima (mx 1) of x[0..15] as one vector:
+ * lane j = the sum or max of x[j]'s 16 lanes (in pairs within 128-bit
+ * lanes, then across them: 45 operations for 16 rows instead of a
+ * reduction of 16 steps each). */
+static inline __m512 tree16(const __m512 *x, int mx)
 {
-    /* [x0 + x2, x1 + x3, y0 + y2, y1 + y3] in 128-bit lanes */
-    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xee));
-    /* lanes 0 and 2: x's and y's 4-float partial sums */
-    s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, 0xb1));
-    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4e));
-    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xb1));
-    *sx = _mm512_cvtss_f32(s);
-    *sy = _mm_cvtss_f32(_mm512_extractf32x4_ps(s, 2));
+#define TREE_OP(a, b) (mx ? _mm512_max_ps((a), (b)) : _mm512_add_ps((a), (b)))
+    __m512 p[8], q[4];
+    for (int k = 0; k < 8; k++) /* per 128-bit lane: [a0.a2, b0.b2, a1.a3, b1.b3] */
+        p[k] = TREE_OP(_mm512_unpacklo_ps(x[2 * k], x[2 * k + 1]), _mm512_unpackhi_ps(x[2 * k], x[2 * k + 1]));
+    for (int k = 0; k < 4; k++) /* per 128-bit lane: that lane's results of x[4k .. 4k+3] */
+        q[k] = TREE_OP(_mm512_shuffle_ps(p[2 * k], p[2 * k + 1], 0x44),
+                       _mm512_shuffle_ps(p[2 * k], p[2 * k + 1], 0xee));
+    const __m512 w01 = TREE_OP(_mm512_shuffle_f32x4(q[0], q[1], 0x88), _mm512_shuffle_f32x4(q[0], q[1], 0xdd));
+    const __m512 w23 = TREE_OP(_mm512_shuffle_f32x4(q[2], q[3], 0x88), _mm512_shuffle_f32x4(q[2], q[3], 0xdd));
+    return TREE_OP(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xdd));
+#undef TREE_OP
 }
 #endif
 
@@ -112,6 +117,7 @@ static inline void reduce_add2(__m512 x, __m512 y, float *sx, float *sy)
  * their centred K zero points, qs the row's sum_d q'_d); c is overwritten.
  * Writes the weights w_t = bf16(p_t a_t) into w [G] (zero where no
  * position is visible) and z = sum_t p_t b_t into rc_i. G % 32 == 0. */
+#ifdef KVARN_AMX_EMULATE
 static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, const float *stok,
                         const float *kz, float qs, const float *va, const float *vbias,
                         uint16_t *w)
@@ -123,7 +129,6 @@ static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, co
         return;
     }
     const float cb = r->rc[i], m_old = r->m[i];
-#ifdef KVARN_AMX_EMULATE
     float mt = -INFINITY;
     for (int t = a; t < b; t++) {
         c[t] = kz ? stok[t] * c[t] + kz[t] * qs : stok[t] * (c[t] + cb);
@@ -137,44 +142,6 @@ static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, co
         zz += p * vbias[t];
         w[t] = amx_bf16_of(p * va[t]);
     }
-#else
-    /* rows that see the whole tile (most of a chunk's) skip the masks */
-    const int full = a == 0 && b == G;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i vlo = _mm512_set1_epi32(a - 1), vhi = _mm512_set1_epi32(b);
-    const __m512 vcb = _mm512_set1_ps(cb), vqs = _mm512_set1_ps(qs);
-    __mmask16 ok[ATTN_MATRIX_MAX_G / 16];
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int t = 0; t < G; t += 16) {
-        __mmask16 k = (__mmask16)0xffff;
-        if (!full) {
-            const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(t));
-            k = _mm512_cmpgt_epi32_mask(idx, vlo) & _mm512_cmpgt_epi32_mask(vhi, idx);
-        }
-        const __m512 s = kz ? _mm512_fmadd_ps(_mm512_loadu_ps(stok + t), _mm512_loadu_ps(c + t),
-                                              _mm512_mul_ps(_mm512_loadu_ps(kz + t), vqs))
-                            : _mm512_mul_ps(_mm512_loadu_ps(stok + t), _mm512_add_ps(_mm512_loadu_ps(c + t), vcb));
-        _mm512_storeu_ps(c + t, s);
-        mx = _mm512_mask_max_ps(mx, k, mx, s);
-        ok[t / 16] = k;
-    }
-    const float mt = _mm512_reduce_max_ps(mx), m_new = mt > m_old ? mt : m_old;
-    /* p = 2^((s - m) log2 e): one FMA forms the exponent */
-    const __m512 l2e = _mm512_set1_ps(1.44269504088896341f), ml2e = _mm512_set1_ps(m_new * 1.44269504088896341f);
-    __m512 vsum = _mm512_setzero_ps(), vz = _mm512_setzero_ps();
-    for (int t = 0; t < G; t += 32) {
-        const __m512 p0 = exp2_512(ok[t / 16], _mm512_fmsub_ps(_mm512_loadu_ps(c + t), l2e, ml2e));
-        const __m512 p1 = exp2_512(ok[t / 16 + 1], _mm512_fmsub_ps(_mm512_loadu_ps(c + t + 16), l2e, ml2e));
-        vsum = _mm512_add_ps(vsum, _mm512_add_ps(p0, p1));
-        vz = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vbias + t), vz);
-        vz = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vbias + t + 16), vz);
-        const __m512bh wb = _mm512_cvtne2ps_pbh(_mm512_mul_ps(p1, _mm512_loadu_ps(va + t + 16)),
-                                                _mm512_mul_ps(p0, _mm512_loadu_ps(va + t)));
-        _mm512_storeu_si512(w + t, (__m512i)wb);
-    }
-    float sum, zz;
-    reduce_add2(vsum, vz, &sum, &zz);
-#endif
     /* an unchanged max skips the call: expf(0) = 1 */
     const float corr = m_old == -INFINITY ? 0.0f : m_new == m_old ? 1.0f : expf(m_old - m_new);
     r->m[i] = m_new;
@@ -186,6 +153,105 @@ static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, co
         for (int d = 0; d < r->D; d++) acc[d] *= corr;
     }
 }
+#endif
+
+#ifndef KVARN_AMX_EMULATE
+/* softmax_row for rows [i0, i0 + rb) (rb <= 16) at once, with the same
+ * arithmetic but for the order of the row sums: each row's scores and
+ * its vector of maxima, the 16 rows' maxima together (tree16), each row's
+ * weights and its vectors of sums, the 16 rows' sums together; m, l,
+ * psum and rc of the block as vectors, the rescale factor
+ * 2^((m_old - m_new) log2 e) of all 16 rows in one exp2_512. c: the
+ * block's first row of scores (stride gs), w its weights (stride G). */
+static void softmax_block(attn_rows *r, int i0, int rb, int t0, int nt, int G, float *c, int gs,
+                          const float *stok, const float *kz, const float *va, const float *vbias,
+                          uint16_t *w)
+{
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 l2e = _mm512_set1_ps(1.44269504088896341f), ninf = _mm512_set1_ps(-INFINITY);
+    const __mmask16 valid = (__mmask16)((1u << rb) - 1u);
+    __mmask16 ok[16][ATTN_MATRIX_MAX_G / 16];
+    __m512 vm[16], vs[16], vz[16];
+    __mmask16 seen = 0;
+    for (int j = 0; j < 16; j++) {
+        vm[j] = ninf;
+        vs[j] = vz[j] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < rb; j++) {
+        const int i = i0 + j;
+        float *cj = c + (size_t)j * gs;
+        int a, b;
+        if (!attn_row_visible(r, i, t0, nt, &a, &b)) {
+            memset(w + (size_t)j * G, 0, (size_t)G * sizeof *w);
+            continue;
+        }
+        seen |= (__mmask16)(1u << j);
+        const int full = a == 0 && b == G;
+        const __m512i vlo = _mm512_set1_epi32(a - 1), vhi = _mm512_set1_epi32(b);
+        const __m512 vcb = _mm512_set1_ps(r->rc[i]), vqs = _mm512_set1_ps(kz ? r->qsum[i] : 0.0f);
+        __m512 mx = ninf;
+        for (int t = 0; t < G; t += 16) {
+            __mmask16 k = (__mmask16)0xffff;
+            if (!full) {
+                const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(t));
+                k = _mm512_cmpgt_epi32_mask(idx, vlo) & _mm512_cmpgt_epi32_mask(vhi, idx);
+            }
+            const __m512 sv = kz ? _mm512_fmadd_ps(_mm512_loadu_ps(stok + t), _mm512_loadu_ps(cj + t),
+                                                   _mm512_mul_ps(_mm512_loadu_ps(kz + t), vqs))
+                                 : _mm512_mul_ps(_mm512_loadu_ps(stok + t), _mm512_add_ps(_mm512_loadu_ps(cj + t), vcb));
+            _mm512_storeu_ps(cj + t, sv);
+            mx = _mm512_mask_max_ps(mx, k, mx, sv);
+            ok[j][t / 16] = k;
+        }
+        vm[j] = mx;
+    }
+    const __m512 m_old = _mm512_mask_loadu_ps(ninf, valid, r->m + i0);
+    const __m512 m_new = _mm512_max_ps(tree16(vm, 1), m_old);
+    float mn[16];
+    _mm512_storeu_ps(mn, _mm512_mul_ps(m_new, l2e));
+    for (int j = 0; j < rb; j++) {
+        if (!(seen >> j & 1)) continue;
+        const float *cj = c + (size_t)j * gs;
+        uint16_t *wj = w + (size_t)j * G;
+        /* p = 2^((s - m) log2 e): one FMA forms the exponent */
+        const __m512 ml2e = _mm512_set1_ps(mn[j]);
+        __m512 sum = _mm512_setzero_ps(), z = _mm512_setzero_ps();
+        for (int t = 0; t < G; t += 32) {
+            const __m512 p0 = exp2_512(ok[j][t / 16], _mm512_fmsub_ps(_mm512_loadu_ps(cj + t), l2e, ml2e));
+            const __m512 p1 = exp2_512(ok[j][t / 16 + 1], _mm512_fmsub_ps(_mm512_loadu_ps(cj + t + 16), l2e, ml2e));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            z = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vbias + t), z);
+            z = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vbias + t + 16), z);
+            const __m512bh wb = _mm512_cvtne2ps_pbh(_mm512_mul_ps(p1, _mm512_loadu_ps(va + t + 16)),
+                                                    _mm512_mul_ps(p0, _mm512_loadu_ps(va + t)));
+            _mm512_storeu_si512(wj + t, (__m512i)wb);
+        }
+        vs[j] = sum;
+        vz[j] = z;
+    }
+    const __m512 sum = tree16(vs, 0), zz = tree16(vz, 0);
+    /* corr: 0 where no score came before (m_old = -inf), 1 where the max
+     * did not move (and for rows that see nothing here: m_new = m_old) */
+    const __mmask16 moved = _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_OQ) & _mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ);
+    __m512 corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_old, ninf, _CMP_EQ_OQ), _mm512_set1_ps(1.0f),
+                                       _mm512_setzero_ps());
+    corr = _mm512_mask_mov_ps(corr, moved, exp2_512(moved, _mm512_mul_ps(_mm512_sub_ps(m_old, m_new), l2e)));
+    const __m512 l_old = _mm512_mask_loadu_ps(_mm512_setzero_ps(), valid, r->l + i0);
+    /* rows that see nothing keep m, l and psum, and get rc 0 */
+    _mm512_mask_storeu_ps(r->m + i0, valid & seen, m_new);
+    _mm512_mask_storeu_ps(r->l + i0, valid & seen, _mm512_fmadd_ps(l_old, corr, sum));
+    _mm512_mask_storeu_ps(r->psum + i0, valid & seen, sum);
+    _mm512_mask_storeu_ps(r->rc + i0, valid, _mm512_maskz_mov_ps(seen, zz));
+    float cf[16];
+    _mm512_storeu_ps(cf, corr);
+    for (int j = 0; j < rb; j++) {
+        if (!(seen >> j & 1) || cf[j] == 1.0f) continue;
+        float *acc = r->acc + (size_t)(i0 + j) * r->D;
+        const __m512 cv = _mm512_set1_ps(cf[j]);
+        for (int d = 0; d < r->D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), cv));
+    }
+}
+#endif
 
 /* acc[d] += s_chan[d] (o[d] + z), d < D (D % 16 == 0); schan NULL: acc[d]
  * += o[d] + z (per-token records: no channel scale). */
@@ -203,25 +269,6 @@ static void acc_update(float *acc, const float *o, const float *schan, float z, 
 #endif
 }
 
-#ifndef KVARN_AMX_EMULATE
-/* The lane sums of x[0..15] as one vector: lane j = the sum of x[j]'s 16
- * lanes (in pairs within 128-bit lanes, then across them: 45 operations
- * for 16 rows instead of a reduction of 16 steps each). */
-static inline __m512 sums16(const __m512 *x)
-{
-    __m512 p[8], q[4];
-    for (int k = 0; k < 8; k++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
-        p[k] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * k], x[2 * k + 1]),
-                             _mm512_unpackhi_ps(x[2 * k], x[2 * k + 1]));
-    for (int k = 0; k < 4; k++) /* per 128-bit lane: that lane's sums of x[4k .. 4k+3] */
-        q[k] = _mm512_add_ps(_mm512_shuffle_ps(p[2 * k], p[2 * k + 1], 0x44),
-                             _mm512_shuffle_ps(p[2 * k], p[2 * k + 1], 0xee));
-    const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], 0x88), _mm512_shuffle_f32x4(q[0], q[1], 0xdd));
-    const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], 0x88), _mm512_shuffle_f32x4(q[2], q[3], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xdd));
-}
-#endif
-
 /* Every row's query q'_d a_d (a NULL: q'_d) as one bf16 into aq [n][D];
  * with kbias, rc_i = sum_d q'_d kbias_d (the records' zero-point term).
  * Returns the largest |q'_d a_d| (the callers' range check: below 2^80),
@@ -229,7 +276,7 @@ static inline __m512 sums16(const __m512 *x)
  * score the kernel forms is finite (|s| < 2^16 (2^80 2^3 2^9 + 2^100)).
  * The AVX-512 form takes 16 rows at a time: the bf16 conversion of each
  * row, its dot product's partial sums per lane, then the 16 rows' sums
- * together (sums16) and one running max for all rows. */
+ * together (tree16) and one running max for all rows. */
 static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint16_t *aq)
 {
     const int D = r->D;
@@ -264,7 +311,7 @@ static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint
         if (!kbias) continue;
         for (int j = rb; j < 16; j++) dots[j] = _mm512_setzero_ps();
         const __mmask16 valid = (__mmask16)((1u << rb) - 1u);
-        const __m512 z = sums16(dots);
+        const __m512 z = tree16(dots, 0);
         _mm512_mask_storeu_ps(r->rc + r0, valid, z);
         bad |= _mm512_mask_cmp_ps_mask(valid, _mm512_abs_ps(z), _mm512_set1_ps(0x1p100f), _CMP_NLT_UQ);
     }
@@ -276,7 +323,8 @@ static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint
  * tokens) for all r->n rows, in three passes over the rows, so that no
  * tile load reads what the instructions just before it stored (a tile load
  * waits for those stores to reach the cache): the scores of every row
- * (into s, stride gs), the softmax step of every row (softmax_row: kz NULL
+ * (into s, stride gs), the softmax step of every row (softmax_block, 16
+ * rows at a time; softmax_row where the tiles are emulated: kz NULL
  * for a KVarN record, else per-token records with the rows' qsum), then
  * the sums (acc_update with schan). aq: the rows' bf16 queries [nr][D];
  * kmat, vmat: the B layouts of the codes; w: the weights' scratch
@@ -292,9 +340,15 @@ static void three_passes(attn_rows *r, int t0, int nt, int G, const uint16_t *aq
     AMX_CONFIG(&cfg);
     for (int r0 = 0; r0 < n; r0 += 16)
         amx_product16(aq + (size_t)r0 * D, NULL, D, D, kmat, G, r->s + (size_t)r0 * gs, gs);
+#ifdef KVARN_AMX_EMULATE
     for (int i = 0; i < n; i++)
         softmax_row(r, i, t0, nt, G, r->s + (size_t)i * gs, stok, kz, kz ? r->qsum[i] : 0.0f, va, vbias,
                     w + (size_t)i * G);
+#else
+    for (int r0 = 0; r0 < n; r0 += 16)
+        softmax_block(r, r0, n - r0 < 16 ? n - r0 : 16, t0, nt, G, r->s + (size_t)r0 * gs, gs, stok, kz, va,
+                      vbias, w + (size_t)r0 * G);
+#endif
     float o[16 * ATTN_MATRIX_MAX_D];
     for (int r0 = 0; r0 < n; r0 += 16) {
         const int rb = n - r0 < 16 ? n - r0 : 16;
