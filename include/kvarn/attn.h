@@ -98,9 +98,21 @@ typedef struct kvarn_attn_opts {
                             is then the plain call's, bit for bit); NaN or
                             +INFINITY: KVARN_ERR_NONFINITE. Borrowed for
                             the call; docs/attention.md "Learned sinks". */
+    int io_bf16;         /* 0 (default): q and out are fp32, as the calls'
+                            signatures say. 1: they are bfloat16 (16-bit
+                            patterns, the same shapes in elements; pass the
+                            pointers cast to float *): q read exactly
+                            (bf16 -> fp32), each output element rounded
+                            once to bf16 (nearest even) from the fp32 value
+                            the fp32 call writes, what a bf16 model's layer
+                            passes and wants without converting whole
+                            tensors around the call. lse stays fp32. Other
+                            values: KVARN_ERR_INVALID_ARG. Read by
+                            kvarn_attn_decode, kvarn_attn_multi and their
+                            _lse forms. */
 } kvarn_attn_opts;
 
-#define KVARN_ATTN_OPTS_DEFAULT(scale) { (scale), 0, 1, NULL, NULL }
+#define KVARN_ATTN_OPTS_DEFAULT(scale) { (scale), 0, 1, NULL, NULL, 0 }
 
 /* Bytes of workspace a call needs, an upper bound for any call with at most
  * max_seqs sequences and max_total_q query tokens in all (decode:

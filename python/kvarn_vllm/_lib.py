@@ -66,7 +66,7 @@ class SeqView(ctypes.Structure):
 class AttnOpts(ctypes.Structure):
     _fields_ = [("softmax_scale", ctypes.c_float), ("sliding_window", ctypes.c_int),
                 ("causal", ctypes.c_int), ("testing", ctypes.c_void_p),
-                ("sinks", ctypes.c_void_p)]
+                ("sinks", ctypes.c_void_p), ("io_bf16", ctypes.c_int)]
 
 
 class AttnKernelInfo(ctypes.Structure):

@@ -434,18 +434,22 @@ class KvarnAttentionImpl(AttentionImpl):
         p = _State.plan
         n = md.num_actual_tokens
         Hq, D = self.num_heads, self.head_size
-        q = query[:n].reshape(n, Hq, D).float().contiguous()
+        io = self._io_dtype(query)
+        q = query[:n].reshape(n, Hq, D).to(io).contiguous()
         # full tiles first: the queries of later tiles read their records
         self._commit(kv_cache, p)
         out = output[:n].view(n, Hq, D)
-        res = torch.empty((n, Hq, D), dtype=torch.float32, device=q.device)
+        # the kernels write the model's bf16 themselves where they can
+        direct = out.dtype == io and out.is_contiguous()
+        res = out if direct else torch.empty((n, Hq, D), dtype=io, device=q.device)
         self._attend(kv_cache, p, q, res)
         for page, slot in self._ids(p)["handoffs"]:
             # the tile started in scratch this step moves into the slot of
             # the tile it followed, read for the last time just now
             # (staging.py _hand_over)
             self.pool_tensor[slot].copy_(self.pool_tensor[page])
-        out.copy_(res)  # converts to the model's dtype
+        if not direct:
+            out.copy_(res)  # converts to the model's dtype
         if self.layer_index == len(_State.layers) - 1:
             # the last layer so far: in the first step the layers register as
             # they run (_setup), so each one is the last when it runs; the
@@ -472,13 +476,23 @@ class KvarnAttentionImpl(AttentionImpl):
             return output
         tables = np.ascontiguousarray(md.block_table.cpu().numpy(), dtype=np.int32)
         m = int(qsl[-1])   # the requests' query rows (n, unless vLLM padded the batch)
-        q = query[:m].reshape(m, Hq, D).float().contiguous()
-        res = torch.empty((m, Hq, D), dtype=torch.float32, device=q.device)
+        io = self._io_dtype(query)
+        q = query[:m].reshape(m, Hq, D).to(io).contiguous()
+        out = output[:m].view(m, Hq, D)
+        direct = out.dtype == io and out.is_contiguous()
+        res = out if direct else torch.empty((m, Hq, D), dtype=io, device=q.device)
         zeros = np.zeros(ns, dtype=np.int32)
         _State.ops.attend(self._token_view(kv_cache), tables, lens, zeros, zeros, qsl, q, res,
                           Hq, self.scale, self.sliding_window, self._sink_logits())
-        output[:m].view(m, Hq, D).copy_(res)   # converts to the model's dtype
+        if not direct:
+            out.copy_(res)   # converts to the model's dtype
         return output
+
+    @staticmethod
+    def _io_dtype(query):
+        """The dtype attend takes q and out in: the model's where the ops
+        read and write it themselves (CpuOps: bf16), else fp32."""
+        return query.dtype if query.dtype in _State.ops.io_dtypes else torch.float32
 
     def _attend(self, kv_cache, p, q, res) -> None:
         """Every query group through the fused kernels, causal: records for

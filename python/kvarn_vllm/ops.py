@@ -27,6 +27,12 @@ class CpuOps:
     """The CPU kernels (the path the tests run end to end)."""
     name = "cpu"
     exact_commit = True   # store(..., exact=) commits whole tiles from the exact K/V
+    # attend's q/out dtypes: bf16 read and written by the C call itself
+    # (kvarn_attn_opts.io_bf16), no fp32 copies around it;
+    # KVARN_ATTN_IO=fp32 keeps fp32 with torch's conversions around the
+    # call (the same numbers: tests/vllm/test_serve.py checks it)
+    io_dtypes = ((torch.float32,) if os.environ.get("KVARN_ATTN_IO", "") == "fp32"
+                 else (torch.float32, torch.bfloat16))
 
     def __init__(self, device):
         L = _lib.lib()
@@ -81,8 +87,11 @@ class CpuOps:
                num_heads: int, scale: float, window: int, sinks=None) -> None:
         """tables int32 [ng, W]; lens, committed, sink_slots int32 [ng]
         (sink_slots read only when view.sink_partial > 0); qsl int32 [ng+1]
-        (from 0); q, out fp32 [qsl[-1], Hq, D] contiguous; sinks None or
-        fp32 [Hq] contiguous, the learned sink logits (attn.h)."""
+        (from 0); q, out [qsl[-1], Hq, D] contiguous, both fp32 or both
+        bf16 (io_dtypes); sinks None or fp32 [Hq] contiguous, the learned
+        sink logits (attn.h)."""
+        if q.dtype != out.dtype or q.dtype not in self.io_dtypes:
+            raise _lib.KvarnError(f"kvarn: attention q/out dtypes {q.dtype}/{out.dtype}")
         L = _lib.lib()
         ng = len(lens)
         seqs = (_lib.SeqView * ng)()
@@ -92,7 +101,8 @@ class CpuOps:
             seqs[j].committed_tiles = int(committed[j])
             seqs[j].sink_slot = int(sink_slots[j])
         opts = _lib.AttnOpts(scale, window, 1, None,
-                             None if sinks is None else sinks.data_ptr())
+                             None if sinks is None else sinks.data_ptr(),
+                             1 if q.dtype == torch.bfloat16 else 0)
         nthr = L.kvarn_thread_pool_size(self.pool)
         ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), num_heads, ng,
                                                 int(q.shape[0]), nthr, ctypes.byref(opts))
@@ -115,6 +125,7 @@ class CudaOps:
     # direct commit of a prefill chunk's whole tiles (settings.Settings.exact_commit)
     exact_commit = False
     _DTYPES = {torch.float16: _lib.CUDA_F16, torch.bfloat16: _lib.CUDA_BF16}
+    io_dtypes = (torch.float32,)   # attend's q/out
 
     def __init__(self, device):
         self.device = torch.device(device)

@@ -90,11 +90,12 @@ static float sink_of(const attn_run *run, int head)
  * + e^(s - m'), o = acc e^(m - m') / l', lse = m' + ln l' (s alone, and o
  * zero, for a row that saw no token). Without one (-inf) the arithmetic
  * is the plain call's. */
-static void finish_row(const attn_run *run, int head, const float *acc, float m, float l,
-                       float *o, float *lse)
+static void finish_row(const attn_run *run, int head, float *acc, float m, float l, size_t out,
+                       float *lse)
 {
     const int D = run->g.D;
     const float s = sink_of(run, head);
+    float *o = acc; /* o in place of acc (free after this) */
     if (s != -INFINITY) {
         const float mm = l > 0.0f && m > s ? m : s;
         const float w = l > 0.0f ? expf(m - mm) : 0.0f;
@@ -103,21 +104,29 @@ static void finish_row(const attn_run *run, int head, const float *acc, float m,
         const float c = w / ls;
         for (int d = 0; d < D; d++) o[d] = acc[d] * c;
         if (run->g.is_kvarn && l > 0.0f) kvarn_hadamard(o, D);
-        return;
-    }
-    if (lse) *lse = l > 0.0f ? m + logf(l) : -INFINITY;
-    if (l > 0.0f) {
-        float inv = 1.0f / l;
-        for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
-        if (run->g.is_kvarn) kvarn_hadamard(o, D);
     } else {
-        for (int d = 0; d < D; d++) o[d] = 0.0f;
+        if (lse) *lse = l > 0.0f ? m + logf(l) : -INFINITY;
+        if (l > 0.0f) {
+            float inv = 1.0f / l;
+            for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+            if (run->g.is_kvarn) kvarn_hadamard(o, D);
+        } else {
+            for (int d = 0; d < D; d++) o[d] = 0.0f;
+        }
+    }
+    /* the caller's out: fp32, or bf16 rounded once (opts.io_bf16) */
+    if (run->o.io_bf16) {
+        uint16_t *dst = (uint16_t *)run->out + out;
+        for (int d = 0; d < D; d++) dst[d] = kvarn__bf16_from_f32(o[d]);
+    } else {
+        memcpy((float *)run->out + out, o, (size_t)D * sizeof(float));
     }
 }
 
-static float *out_row(const attn_run *run, int s, int qi, int head)
+/* Element offset of output row (sequence s, query qi, head) in out. */
+static size_t out_row(const attn_run *run, int s, int qi, int head)
 {
-    return run->out + ((size_t)(attn_q_start(run, s) + qi) * run->g.Hq + head) * run->g.D;
+    return ((size_t)(attn_q_start(run, s) + qi) * run->g.Hq + head) * run->g.D;
 }
 
 static float *lse_at(const attn_run *run, int s, int qi, int head)
@@ -162,10 +171,15 @@ static void item_task(void *ctx, int task, int worker)
     for (int qi = 0; qi < it->nq; qi++) {
         for (int j = 0; j < g->group; j++) {
             int row = qi * g->group + j, head = it->kvh * g->group + j;
-            const float *src =
-                run->q + ((size_t)(attn_q_start(run, it->seq) + it->q0 + qi) * g->Hq + head) * D;
+            const size_t src = ((size_t)(attn_q_start(run, it->seq) + it->q0 + qi) * g->Hq + head) * D;
             float *dst = q + (size_t)row * D, sum = 0.0f;
-            for (int d = 0; d < D; d++) dst[d] = src[d] * run->o.softmax_scale;
+            if (run->o.io_bf16) {
+                const uint16_t *q16 = (const uint16_t *)run->q + src;
+                for (int d = 0; d < D; d++) dst[d] = kvarn__bf16_to_f32(q16[d]) * run->o.softmax_scale;
+            } else {
+                const float *q32 = run->q + src;
+                for (int d = 0; d < D; d++) dst[d] = q32[d] * run->o.softmax_scale;
+            }
             if (g->is_kvarn) kvarn_hadamard(dst, D);
             for (int d = 0; d < D; d++) sum += dst[d];
             qsum[row] = sum;
@@ -336,6 +350,14 @@ static void merge_task(void *ctx, int task, int worker)
     }
 }
 
+/* Whether none of the n bf16 values is NaN or Inf (exponent all ones). */
+static int bf16_all_finite(const uint16_t *x, size_t n)
+{
+    int ok = 1;
+    for (size_t i = 0; i < n; i++) ok &= (x[i] & 0x7f80u) != 0x7f80u;
+    return ok;
+}
+
 static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *seqs,
                                 int n_seqs, const int32_t *qsl, int n_q_heads,
                                 const float *q, float *out, float *lse,
@@ -376,7 +398,11 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
         if (qsl && run.o.causal && attn_q_len(&run, s) > seqs[s].seq_len)
             return KVARN_ERR_INVALID_ARG;
     }
-    if (!kvarn__all_finite(q, (size_t)total_q * n_q_heads * kv->head_dim)) return KVARN_ERR_NONFINITE;
+    const size_t q_elems = (size_t)total_q * n_q_heads * kv->head_dim;
+    if (run.o.io_bf16 != 0 && run.o.io_bf16 != 1) return KVARN_ERR_INVALID_ARG;
+    if (run.o.io_bf16 ? !bf16_all_finite((const uint16_t *)(const void *)q, q_elems)
+                      : !kvarn__all_finite(q, q_elems))
+        return KVARN_ERR_NONFINITE;
     if (run.o.sinks) /* -inf: no sink; NaN, +inf: refused */
         for (int h = 0; h < n_q_heads; h++)
             if (isnan(run.o.sinks[h]) || run.o.sinks[h] == INFINITY) return KVARN_ERR_NONFINITE;
@@ -413,8 +439,9 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
     for (int s = 0; s < n_seqs; s++) {
         if (seqs[s].seq_len != 0) continue;
         size_t rows = (size_t)attn_q_len(&run, s) * n_q_heads;
-        memset(out + (size_t)attn_q_start(&run, s) * n_q_heads * kv->head_dim, 0,
-               rows * kv->head_dim * sizeof(float));
+        const size_t esz = run.o.io_bf16 ? sizeof(uint16_t) : sizeof(float);
+        memset((char *)out + (size_t)attn_q_start(&run, s) * n_q_heads * kv->head_dim * esz, 0,
+               rows * kv->head_dim * esz);
         if (lse)
             for (size_t i = 0; i < rows; i++)
                 lse[(size_t)attn_q_start(&run, s) * n_q_heads + i] = sink_of(&run, (int)(i % n_q_heads));

@@ -197,6 +197,24 @@ def test_kld_matches_kvarn_eval_decode(hf_model, eval_c):
     assert k_v >= k_c / 4
 
 
+def test_bf16_model_attends_in_bf16_as_in_fp32(hf_model):
+    """A bf16 model: the CPU ops hand q and the output to the C call as
+    bf16 (kvarn_attn_opts.io_bf16), and the output lands in vLLM's tensor
+    directly; with KVARN_ATTN_IO=fp32 the backend converts around the call
+    as before. The call reads bf16 exactly and rounds its fp32 output once
+    to bf16, as torch's copy does, so the two engines give the same tokens
+    and log-probabilities, bit for bit (prompts of several tiles, a shared
+    prefix, chunks that end mid-tile)."""
+    base = dict(prompts=PROMPTS + SHARED, max_tokens=8, logprobs=2, dtype="bfloat16",
+                kv_cache_dtype=KV, max_num_batched_tokens=200)
+    a, _ = run_llm(base)
+    b, _ = run_llm(dict(base, env={"KVARN_ATTN_IO": "fp32"}))
+    for x, y in zip(a["outputs"], b["outputs"]):
+        assert x["token_ids"] == y["token_ids"]
+        assert x["logprobs"] == y["logprobs"]
+    assert len(a["outputs"]) == len(PROMPTS + SHARED)
+
+
 def test_capacity_counts_staging(hf_model, runs):
     """At a fixed VLLM_CPU_KVCACHE_SPACE (1 GiB) and max_num_seqs 8, the KV
     tokens vLLM reports with the plug-in are those of the arithmetic (budget
