@@ -103,13 +103,13 @@ static void finish_row(const attn_run *run, int head, float *acc, float m, float
         if (lse) *lse = mm + logf(ls);
         const float c = w / ls;
         for (int d = 0; d < D; d++) o[d] = acc[d] * c;
-        if (run->g.is_kvarn && l > 0.0f) kvarn_hadamard(o, D);
+        if (run->g.is_kvarn && l > 0.0f) run->rotate(o, D);
     } else {
         if (lse) *lse = l > 0.0f ? m + logf(l) : -INFINITY;
         if (l > 0.0f) {
             float inv = 1.0f / l;
             for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
-            if (run->g.is_kvarn) kvarn_hadamard(o, D);
+            if (run->g.is_kvarn) run->rotate(o, D);
         } else {
             for (int d = 0; d < D; d++) o[d] = 0.0f;
         }
@@ -180,7 +180,7 @@ static void item_task(void *ctx, int task, int worker)
                 const float *q32 = run->q + src;
                 for (int d = 0; d < D; d++) dst[d] = q32[d] * run->o.softmax_scale;
             }
-            if (g->is_kvarn) kvarn_hadamard(dst, D);
+            if (g->is_kvarn) run->rotate(dst, D);
             for (int d = 0; d < D; d++) sum += dst[d];
             qsum[row] = sum;
             attn_query_limits(run, sv->seq_len, ql, it->q0 + qi, &lo[row], &hi[row]);
@@ -419,6 +419,7 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
     run.groups = (int *)f;
     f += attn_round_f(run.g.max_groups + 1);
     run.partials = f;
+    run.rotate = kvarn__hadamard_pick(kv->head_dim);
     attn_pick_kernels(&run.o, kv->fmt.kind, kv->head_dim, kv->block_size, 0, &run.kern_set);
     run.kern = &run.kern_set;
     kvarn_format sf;

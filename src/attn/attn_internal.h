@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "codec/hadamard.h"
 #include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/paged.h"
@@ -430,6 +431,8 @@ typedef struct attn_run {
     attn_kernels stage_set;
     kvarn_record_layout Ls;
     int staged;                /* 1: staged tokens are records (stage_set) */
+    kvarn_hadamard_fn rotate;  /* KVarN: the query's and output's rotation
+                                  (kvarn__hadamard_pick, once a call) */
     float *thread_scratch;
     attn_item *items;
     int n_items;

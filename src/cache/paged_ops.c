@@ -137,6 +137,7 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
     const int staged = kv->fmt.kind == KVARN_KIND_KVARN && kvarn__staging_format(kv->staging, &sf) > 0;
     kvarn_stager stager;
     if (staged) kvarn__stager_init(&stager, &sf, D);
+    const kvarn_hadamard_fn rotate = kvarn__hadamard_pick(D);
     float vec[MAX_KVARN_D], vec2[MAX_KVARN_D];
     for (int j = 0; j < n_tokens; j++) {
         if (slot_mapping[j] < 0) continue;
@@ -157,7 +158,7 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
                 uint16_t *dv = kvarn_paged_page_v(kv, id, h) + (size_t)off * D;
                 for (int which = 0; which < 2; which++) {
                     memcpy(vec, which ? vx : kx, (size_t)D * sizeof(float));
-                    kvarn_hadamard(vec, D);
+                    rotate(vec, D);
                     uint16_t *dst = which ? dv : dk;
                     for (int d = 0; d < D; d++) dst[d] = kvarn__fp16_from_f32(vec[d]);
                 }

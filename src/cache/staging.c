@@ -65,11 +65,7 @@ void kvarn__stager_init(kvarn_stager *st, const kvarn_format *sf, int D)
     st->D = D;
     st->rtn_bits = sf->kind == KVARN_KIND_INT8 ? 8 : sf->kind == KVARN_KIND_INT4 ? 4 : 0;
     if (st->rtn_bits && kvarn_record_layout_get(sf, D, &st->L) != KVARN_OK) st->rtn_bits = 0;
-#ifdef KVARN_HADAMARD_HAVE_AVX2
-    st->avx2 = level >= KVARN_CPU_AVX2 && D >= 8 && (D & (D - 1)) == 0;
-#else
-    st->avx2 = 0;
-#endif
+    st->rotate = kvarn__hadamard_pick(D);
     st->avx512 = level == KVARN_CPU_AVX512;
 }
 
@@ -79,16 +75,8 @@ kvarn_status kvarn__stage_token(const kvarn_stager *st, const float *k, const fl
     const int D = st->D;
     memcpy(rk, k, (size_t)D * sizeof(float));
     memcpy(rv, v, (size_t)D * sizeof(float));
-#ifdef KVARN_HADAMARD_HAVE_AVX2
-    if (st->avx2) {
-        kvarn_hadamard_avx2(rk, D);
-        kvarn_hadamard_avx2(rv, D);
-    } else
-#endif
-    {
-        kvarn_hadamard_scalar(rk, D);
-        kvarn_hadamard_scalar(rv, D);
-    }
+    st->rotate(rk, D);
+    st->rotate(rv, D);
     if (st->rtn_bits && rb >= st->L.record_bytes)
         return kvarn__rtn_record_encode(st->rtn_bits, &st->L, rk, rv, rec, st->avx512);
     return kvarn_encode(&st->sf, D, rk, rv, rec, rb, NULL, 0, NULL);

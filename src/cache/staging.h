@@ -35,7 +35,7 @@ typedef struct kvarn_stager {
     kvarn_record_layout L; /* sf's layout at D (when rtn_bits) */
     int D;
     int rtn_bits; /* 8 or 4 for int8/int4 staging (kvarn__rtn_record_encode), 0: kvarn_encode */
-    int avx2;     /* rotate with kvarn_hadamard_avx2 */
+    kvarn_hadamard_fn rotate; /* kvarn__hadamard_pick(D) */
     int avx512;   /* the RTN rows with AVX-512 */
 } kvarn_stager;
 

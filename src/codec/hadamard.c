@@ -53,3 +53,11 @@ void kvarn_hadamard_rows(float *x, int rows, int d)
 #endif
     for (int r = 0; r < rows; r++) kvarn_hadamard_scalar(x + (size_t)r * (size_t)d, d);
 }
+
+kvarn_hadamard_fn kvarn__hadamard_pick(int d)
+{
+#ifdef KVARN_HADAMARD_HAVE_AVX2
+    if (use_avx2(d)) return kvarn_hadamard_avx2;
+#endif
+    return kvarn_hadamard_scalar;
+}

@@ -39,6 +39,14 @@ void kvarn_hadamard(float *x, int d);
  * tile. rows <= 0 does nothing. */
 void kvarn_hadamard_rows(float *x, int rows, int d);
 
+/* kvarn_hadamard's choice for vectors of length d, made once: the
+ * function it would call now (the CPU level, KVARN_SIMD read once), for a
+ * caller that rotates many vectors (attention's query and output rows, a
+ * store's token-heads) and would otherwise ask the level, and read the
+ * environment, for every one. Never NULL. */
+typedef void (*kvarn_hadamard_fn)(float *x, int d);
+kvarn_hadamard_fn kvarn__hadamard_pick(int d);
+
 /* The portable reference (oracle) version of kvarn_hadamard. */
 void kvarn_hadamard_scalar(float *x, int d);
 

@@ -143,6 +143,13 @@ static void test_simd_equals_scalar(void **state)
             memcpy(b, c, sizeof(float) * (size_t)n);
             for (int i = 0; i < rows; i++) kvarn_hadamard(b + i * d, d);
             assert_memory_equal(a, b, sizeof(float) * (size_t)n);
+            /* the choice made once (kvarn__hadamard_pick): the same bits */
+            const kvarn_hadamard_fn f = kvarn__hadamard_pick(d);
+            assert_non_null(f);
+            memcpy(b, c, sizeof(float) * (size_t)n);
+            for (int i = 0; i < rows; i++) f(b + i * d, d);
+            assert_memory_equal(a, b, sizeof(float) * (size_t)n);
+            if (it.index == 0) assert_true(f == kvarn_hadamard_scalar);
         }
 #ifdef KVARN_HADAMARD_HAVE_AVX2
         if (levels_top() >= levels_index_of("avx2")) {
