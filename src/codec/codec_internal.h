@@ -55,6 +55,15 @@ void kvarn__rtn_row_decode(const uint8_t *codes, int D, uint16_t scale, uint16_t
 kvarn_status kvarn__rtn_row_encode_avx512(const float *x, int D, int bits, uint8_t *codes,
                                           uint16_t *scale, uint16_t *zero);
 
+/* Whether the K row k and V row v (fp32 [D]) are finite and their int8
+ * (bits 8) / int4 (bits 4) scale and zero point fit fp16, i.e. whether
+ * kvarn_encode of that per-token format would accept them, without
+ * forming the codes; 0 for other bits or D outside 2..1024 (even). avx512:
+ * the AVX-512 build (rtn_row_avx512.c, the caller has seen the level; the
+ * same answer either way). */
+int kvarn__rtn_rows_fit(const float *k, const float *v, int D, int bits, int avx512);
+int kvarn__rtn_rows_fit_avx512(const float *k, const float *v, int D, int bits);
+
 /* One int8 (bits 8) or int4 (bits 4) per-token record (include/kvarn/
  * record.h) of the K row k and V row v (fp32 [L->head_dim], finite), as
  * kvarn_encode writes it; L: that format's layout at this head_dim.

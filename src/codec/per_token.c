@@ -296,6 +296,12 @@ KVARN_TOKEN_CODEC(int4, rtn, 4)
 /* ------------------------------------------ one RTN row for other records
  * (the int8 rope part of an MLA record, src/codec/mla_record.c) */
 
+int kvarn__rtn_rows_fit(const float *k, const float *v, int D, int bits, int avx512)
+{
+    if (bad_d(D) || (bits != 4 && bits != 8)) return 0;
+    return avx512 ? kvarn__rtn_rows_fit_avx512(k, v, D, bits) : rtn_rows_fit(k, v, D, bits);
+}
+
 kvarn_status kvarn__rtn_row_encode(const float *x, int D, int bits, uint8_t *codes,
                                    uint16_t *scale, uint16_t *zero)
 {

@@ -112,4 +112,21 @@ static inline kvarn_status rtn_row(const float *restrict x, int D, int bits, uin
     return KVARN_OK;
 }
 
+/* Whether rows k and v (D floats each) are finite and their RTN scale and
+ * zero point fit fp16: what rtn_row would refuse (KVARN_ERR_NONFINITE),
+ * without forming the codes (a batch's check before any record of it is
+ * written). */
+static inline int rtn_rows_fit(const float *restrict k, const float *restrict v, int D, int bits)
+{
+    uint32_t m = 0;
+    for (int i = 0; i < D; i++) {
+        const uint32_t a = kvarn__f32_bits(k[i]) & 0x7fffffffu, b = kvarn__f32_bits(v[i]) & 0x7fffffffu;
+        m = a > m ? a : m;
+        m = b > m ? b : m;
+    }
+    rtn_params p;
+    return m < 0x7f800000u && rtn_row_params(k, D, bits, &p) == KVARN_OK &&
+           rtn_row_params(v, D, bits, &p) == KVARN_OK;
+}
+
 #endif /* KVARN_CODEC_RTN_ROW_H */

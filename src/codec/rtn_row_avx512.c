@@ -14,3 +14,8 @@ kvarn_status kvarn__rtn_row_encode_avx512(const float *x, int D, int bits, uint8
     if (D < 1 || (bits != 4 && bits != 8)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
     return rtn_row(x, D, bits, codes, scale, zero);
 }
+
+int kvarn__rtn_rows_fit_avx512(const float *k, const float *v, int D, int bits)
+{
+    return D >= 1 && (bits == 4 || bits == 8) && rtn_rows_fit(k, v, D, bits);
+}

@@ -301,6 +301,44 @@ static void test_rtn_batch_entry(void **state)
     }
 }
 
+/* kvarn__rtn_rows_fit (the batch check of kvarn_paged_store) accepts
+ * exactly the rows kvarn_encode of int8 / int4 accepts: ordinary rows,
+ * NaN, +-Inf, a zero point below -65504, a range whose scale overflows
+ * fp16, values just inside; both builds. */
+static void test_rtn_rows_fit_matches_encode(void **state)
+{
+    (void)state;
+    const int wide_ok = kvarn__cpu_level() == KVARN_CPU_AVX512;
+    test_rng r;
+    test_rng_seed(&r, 0x3c);
+    float k[128], v[128];
+    unsigned char rec[4 * 128];
+    const float specials[] = {NAN, INFINITY, -INFINITY, -70000.0f, -65504.0f, 1e30f, -1e30f,
+                              65504.0f * 255.0f, 3.4e38f, 0.0f};
+    const int n_sp = (int)(sizeof specials / sizeof specials[0]);
+    int refused = 0, accepted = 0;
+    for (int b = 0; b < 2; b++) {
+        kvarn_format f = parse_ok(b ? "int8" : "int4");
+        const int bits = b ? 8 : 4, D = 64;
+        for (int trial = 0; trial < 400; trial++) {
+            fill_row(&r, k, D, 1.0 + trial % 7);
+            fill_row(&r, v, D, 1.0);
+            if (trial % 2) {
+                float *x = trial % 4 == 1 ? k : v;
+                x[test_rng_below(&r, (uint32_t)D)] = specials[trial / 4 % n_sp];
+            }
+            const int want = kvarn_encode(&f, D, k, v, rec, sizeof rec, NULL, 0, NULL) == KVARN_OK;
+            refused += !want;
+            accepted += want;
+            for (int wide = 0; wide <= wide_ok; wide++)
+                assert_int_equal(kvarn__rtn_rows_fit(k, v, D, bits, wide), want);
+        }
+        assert_int_equal(kvarn__rtn_rows_fit(k, v, 3, bits, 0), 0); /* odd D */
+        assert_int_equal(kvarn__rtn_rows_fit(k, v, D, 6, 0), 0);
+    }
+    assert_true(refused > 100 && accepted > 100); /* both answers were asked for */
+}
+
 /* ------------------------------------------------------------ errors */
 
 static void test_errors(void **state)
@@ -395,6 +433,7 @@ int main(void)
         cmocka_unit_test(test_exact),
         cmocka_unit_test(test_int_round_half_even),
         cmocka_unit_test(test_rtn_batch_entry),
+        cmocka_unit_test(test_rtn_rows_fit_matches_encode),
         cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
