@@ -43,8 +43,10 @@ kvarn_status kvarn_paged_check(const kvarn_paged_kv *kv);
  * (KVARN_STAGING_INT8, _FP8_E4M3, _INT4), as one token record of the
  * rotated K and V (kvarn_encode of the staging's per-token format,
  * staging_record_bytes; paged.h "Staging"). Per-token formats: the
- * token record is encoded in place with kvarn_encode (each token-head is
- * encoded twice: once into scratch by the checks, once in place).
+ * token record is encoded in place, the bytes of kvarn_encode (int8 and
+ * int4 checked first by their rows' scale and zero point alone; the other
+ * formats' token-heads encoded twice: once into scratch by the checks,
+ * once in place).
  * Everything is checked before anything is written: on any error nothing
  * was stored. No allocation; n_tokens == 0 is a no-op.
  * Slots address whole fp16 pages only: a view with small tail pages
