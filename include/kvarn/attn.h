@@ -252,7 +252,10 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *                           2^(bits - 1), exact in bf16) on AMX tiles with
  *                           fp32 sums, as vLLM's bf16 attention rounds its
  *                           queries, keys and weights; zero-point terms,
- *                           softmax and output fp32.
+ *                           softmax and output fp32, the softmax's 2^x by
+ *                           a degree-3 fit (relative error below 7.5e-5,
+ *                           src/attn/kernel_amx.c; the emulated build:
+ *                           expf).
  * An integer half may still keep fp32 for a call whose run-time conditions
  * it does not meet (KVarN: a tile where any query row's max |q_d a_d| is
  * below 2^-100, or any reaches 2^80; int8: a span over 256 tokens, so

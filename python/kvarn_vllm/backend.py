@@ -434,7 +434,7 @@ class KvarnAttentionImpl(AttentionImpl):
         p = _State.plan
         n = md.num_actual_tokens
         Hq, D = self.num_heads, self.head_size
-        io = self._io_dtype(query)
+        io = self._io_dtype(query, output)
         q = query[:n].reshape(n, Hq, D).to(io).contiguous()
         # full tiles first: the queries of later tiles read their records
         self._commit(kv_cache, p)
@@ -476,7 +476,7 @@ class KvarnAttentionImpl(AttentionImpl):
             return output
         tables = np.ascontiguousarray(md.block_table.cpu().numpy(), dtype=np.int32)
         m = int(qsl[-1])   # the requests' query rows (n, unless vLLM padded the batch)
-        io = self._io_dtype(query)
+        io = self._io_dtype(query, output)
         q = query[:m].reshape(m, Hq, D).to(io).contiguous()
         out = output[:m].view(m, Hq, D)
         direct = out.dtype == io and out.is_contiguous()
@@ -489,10 +489,13 @@ class KvarnAttentionImpl(AttentionImpl):
         return output
 
     @staticmethod
-    def _io_dtype(query):
+    def _io_dtype(query, output):
         """The dtype attend takes q and out in: the model's where the ops
-        read and write it themselves (CpuOps: bf16), else fp32."""
-        return query.dtype if query.dtype in _State.ops.io_dtypes else torch.float32
+        read and write it themselves (CpuOps: bf16) and query and output
+        share it, else fp32 (an fp32 result is then copied exactly)."""
+        if query.dtype == output.dtype and query.dtype in _State.ops.io_dtypes:
+            return query.dtype
+        return torch.float32
 
     def _attend(self, kv_cache, p, q, res) -> None:
         """Every query group through the fused kernels, causal: records for

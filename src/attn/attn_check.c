@@ -28,7 +28,8 @@ int attn_opts_valid(const kvarn_attn_opts *o)
            attn_split_k_of(o) >= 0 && attn_split_k_of(o) <= 1024 &&
            (attn_force_scalar_of(o) == 0 || attn_force_scalar_of(o) == 1) &&
            (o->testing == NULL || o->testing->no_vnni == 0 || o->testing->no_vnni == 1) &&
-           (o->testing == NULL || (o->testing->amx >= 0 && o->testing->amx <= 2));
+           (o->testing == NULL || (o->testing->amx >= 0 && o->testing->amx <= 2)) &&
+           (o->io_bf16 == 0 || o->io_bf16 == 1);
 }
 
 static int n_tiles_of(int seq_len, int G) { return (seq_len + G - 1) / G; }

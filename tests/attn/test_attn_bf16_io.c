@@ -39,8 +39,9 @@ static kvarn_status run(const paged_fixture *f, int n_seqs, const int32_t *qsl, 
     kvarn_thread_pool *pool = NULL;
     if (test_threads(1) > 1) assert_int_equal(kvarn_thread_pool_create(test_threads(1), &pool), KVARN_OK);
     size_t wsz = kvarn_attn_workspace_bytes(&f->kv, Hq, n_seqs, total_q, kvarn_thread_pool_size(pool), &o);
-    assert_true(wsz > 0);
-    void *ws = malloc(wsz);
+    /* refused options size no workspace: the call itself must refuse them */
+    assert_true(wsz > 0 || (io_bf16 != 0 && io_bf16 != 1));
+    void *ws = malloc(wsz ? wsz : 64);
     kvarn_status st = c->multi
         ? kvarn_attn_multi_lse(&f->kv, f->views, n_seqs, qsl, Hq, q, out, lse, &o, pool, ws, wsz)
         : kvarn_attn_decode_lse(&f->kv, f->views, n_seqs, Hq, q, out, lse, &o, pool, ws, wsz);
@@ -126,6 +127,14 @@ static void test_bf16_bad_inputs(void **state)
     memset(out, 0x5a, sizeof out);
     assert_int_equal(run(&f, 1, qsl, Hq, &c, 2, q, out, lse), KVARN_ERR_INVALID_ARG);
     assert_int_equal(run(&f, 1, qsl, Hq, &c, -1, q, out, lse), KVARN_ERR_INVALID_ARG);
+    /* and the sizing and kernel-info calls refuse those options too */
+    kvarn_attn_opts bad_o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
+    bad_o.io_bf16 = 2;
+    assert_int_equal(kvarn_attn_workspace_bytes(&f.kv, Hq, 1, nq, 1, &bad_o), 0);
+    kvarn_attn_kernel_info info;
+    assert_int_equal(kvarn_attn_kernel_info_get(&f.kv.fmt, D, 0, &bad_o, &info), KVARN_ERR_INVALID_ARG);
+    bad_o.io_bf16 = 1;
+    assert_true(kvarn_attn_workspace_bytes(&f.kv, Hq, 1, nq, 1, &bad_o) > 0);
     for (size_t i = 0; i < sizeof out / sizeof out[0]; i++) assert_int_equal(out[i], 0x5a5a);
     /* the same bits read as fp32 are another query: io_bf16 is what says
      * which (a valid bf16 query passes) */
