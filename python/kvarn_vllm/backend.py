@@ -433,22 +433,16 @@ class KvarnAttentionImpl(AttentionImpl):
             return self._forward_per_token(query, kv_cache, md, output)
         p = _State.plan
         n = md.num_actual_tokens
-        Hq, D = self.num_heads, self.head_size
-        io = self._io_dtype(query, output)
-        q = query[:n].reshape(n, Hq, D).to(io).contiguous()
+        q, out, res = self._io(query, output, n)
         # full tiles first: the queries of later tiles read their records
         self._commit(kv_cache, p)
-        out = output[:n].view(n, Hq, D)
-        # the kernels write the model's bf16 themselves where they can
-        direct = out.dtype == io and out.is_contiguous()
-        res = out if direct else torch.empty((n, Hq, D), dtype=io, device=q.device)
         self._attend(kv_cache, p, q, res)
         for page, slot in self._ids(p)["handoffs"]:
             # the tile started in scratch this step moves into the slot of
             # the tile it followed, read for the last time just now
             # (staging.py _hand_over)
             self.pool_tensor[slot].copy_(self.pool_tensor[page])
-        if not direct:
+        if res is not out:
             out.copy_(res)  # converts to the model's dtype
         if self.layer_index == len(_State.layers) - 1:
             # the last layer so far: in the first step the layers register as
@@ -467,7 +461,7 @@ class KvarnAttentionImpl(AttentionImpl):
         queries of request i are its last q_len positions, each seeing the
         records of positions <= itself (its own stored just before)."""
         n = md.num_actual_tokens
-        Hq, D = self.num_heads, self.head_size
+        Hq = self.num_heads
         qsl = np.ascontiguousarray(md.query_start_loc.cpu().numpy(), dtype=np.int32)
         qsl = qsl - qsl[0]
         lens = np.ascontiguousarray(md.seq_lens.cpu().numpy(), dtype=np.int32)
@@ -476,26 +470,29 @@ class KvarnAttentionImpl(AttentionImpl):
             return output
         tables = np.ascontiguousarray(md.block_table.cpu().numpy(), dtype=np.int32)
         m = int(qsl[-1])   # the requests' query rows (n, unless vLLM padded the batch)
-        io = self._io_dtype(query, output)
-        q = query[:m].reshape(m, Hq, D).to(io).contiguous()
-        out = output[:m].view(m, Hq, D)
-        direct = out.dtype == io and out.is_contiguous()
-        res = out if direct else torch.empty((m, Hq, D), dtype=io, device=q.device)
+        q, out, res = self._io(query, output, m)
         zeros = np.zeros(ns, dtype=np.int32)
         _State.ops.attend(self._token_view(kv_cache), tables, lens, zeros, zeros, qsl, q, res,
                           Hq, self.scale, self.sliding_window, self._sink_logits())
-        if not direct:
+        if res is not out:
             out.copy_(res)   # converts to the model's dtype
         return output
 
-    @staticmethod
-    def _io_dtype(query, output):
-        """The dtype attend takes q and out in: the model's where the ops
-        read and write it themselves (CpuOps: bf16) and query and output
-        share it, else fp32 (an fp32 result is then copied exactly)."""
-        if query.dtype == output.dtype and query.dtype in _State.ops.io_dtypes:
-            return query.dtype
-        return torch.float32
+    def _io(self, query, output, n):
+        """attend's q and result buffer for the first n tokens, and the
+        output view [n, Hq, D] they end in. Their dtype: the model's where
+        the ops read and write it themselves (CpuOps: bf16) and query and
+        output share it, else fp32 (the result then copied, exactly or
+        rounded, into out). The result buffer is out itself where it can
+        be: the kernels then write the model's tensor directly."""
+        Hq, D = self.num_heads, self.head_size
+        io = (query.dtype if query.dtype == output.dtype and query.dtype in _State.ops.io_dtypes
+              else torch.float32)
+        q = query[:n].reshape(n, Hq, D).to(io).contiguous()
+        out = output[:n].view(n, Hq, D)
+        res = (out if out.dtype == io and out.is_contiguous()
+               else torch.empty((n, Hq, D), dtype=io, device=q.device))
+        return q, out, res
 
     def _attend(self, kv_cache, p, q, res) -> None:
         """Every query group through the fused kernels, causal: records for

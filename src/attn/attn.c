@@ -399,7 +399,7 @@ static kvarn_status attn_common(const kvarn_paged_kv *kv, const kvarn_seq_view *
             return KVARN_ERR_INVALID_ARG;
     }
     const size_t q_elems = (size_t)total_q * n_q_heads * kv->head_dim;
-    if (run.o.io_bf16 != 0 && run.o.io_bf16 != 1) return KVARN_ERR_INVALID_ARG;
+    /* (io_bf16 is 0 or 1: attn_make_geom checked the options) */
     if (run.o.io_bf16 ? !bf16_all_finite((const uint16_t *)(const void *)q, q_elems)
                       : !kvarn__all_finite(q, q_elems))
         return KVARN_ERR_NONFINITE;

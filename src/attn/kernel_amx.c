@@ -75,9 +75,9 @@ __attribute__((noinline)) static void unpack_v(const uint8_t *vc, int D, int G, 
  * error < 7.5e-5 evaluated in fp32: 26 times below the 2^-9 of the
  * weights' bf16 rounding, which the products take anyway, and the same
  * rounding in the row sums l, so the weights' ratios move by less than
- * 1.5e-4); times 2^n by vscalefps, which underflows to 0 below 2^-149 however large -n is. The
- * scores are finite (finite metadata, fold_queries' range check), so x
- * is: no -inf to clamp. */
+ * 1.5e-4); times 2^n by vscalefps, which underflows to 0 below 2^-149
+ * however large -n is. The scores are finite (finite metadata,
+ * fold_queries' range check), so x is: no -inf to clamp. */
 static inline __m512 exp2_512(__mmask16 k, __m512 x)
 {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

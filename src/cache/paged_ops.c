@@ -14,7 +14,6 @@
 #include "codec/fp_convert.h"
 #include "codec/hadamard.h"
 #include "common/checked.h"
-#include "common/cpu.h"
 #include "kvarn/record.h"
 
 #define MAX_KVARN_D 512 /* KVarN serves D in {64, 128, 256, 512} */
@@ -83,24 +82,8 @@ static int rows_fit(const float *x, size_t n_vec, int D)
     return 1;
 }
 
-/* How a per-token format's records are written in a batch: int8 and int4
- * through kvarn__rtn_record_encode (the CPU level asked once), the other
- * formats through kvarn_encode (rtn_bits 0). */
-typedef struct token_writer {
-    int rtn_bits, avx512;
-    kvarn_record_layout L;
-} token_writer;
-
-static void token_writer_init(token_writer *tw, const kvarn_paged_kv *kv)
-{
-    tw->rtn_bits = kv->fmt.kind == KVARN_KIND_INT8 ? 8 : kv->fmt.kind == KVARN_KIND_INT4 ? 4 : 0;
-    if (tw->rtn_bits && kvarn_record_layout_get(&kv->fmt, kv->head_dim, &tw->L) != KVARN_OK)
-        tw->rtn_bits = 0;
-    tw->avx512 = tw->rtn_bits && kvarn__cpu_level() == KVARN_CPU_AVX512;
-}
-
-static kvarn_status check_store(const kvarn_paged_kv *kv, const token_writer *tw, const float *k,
-                                const float *v, const int64_t *slots, int n)
+static kvarn_status check_store(const kvarn_paged_kv *kv, const kvarn_token_writer *tw,
+                                const float *k, const float *v, const int64_t *slots, int n)
 {
     const int G = kv->block_size, H = kv->n_kv_heads, D = kv->head_dim;
     const int is_kvarn = kv->fmt.kind == KVARN_KIND_KVARN;
@@ -129,8 +112,8 @@ static kvarn_status check_store(const kvarn_paged_kv *kv, const token_writer *tw
         }
         for (int h = 0; h < H; h++) {
             const float *kx = k + row + (size_t)h * D, *vx = v + row + (size_t)h * D;
-            if (tw->rtn_bits) { /* int8/int4: the rows' scale and zero point, no codes */
-                if (!kvarn__rtn_rows_fit(kx, vx, D, tw->rtn_bits, tw->avx512)) return KVARN_ERR_NONFINITE;
+            if (tw->bits) { /* int8/int4: the rows' scale and zero point, no codes */
+                if (!kvarn__rtn_rows_fit(kx, vx, D, tw->bits, tw->avx512)) return KVARN_ERR_NONFINITE;
                 continue;
             }
             kvarn_status st = kvarn_encode(&kv->fmt, D, kx, vx, scratch, rec_bytes, NULL, 0, NULL);
@@ -151,8 +134,8 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
      * lives in small pages has no slot numbering for them */
     if (kvarn_paged_small_tail(kv)) return KVARN_ERR_INVALID_ARG;
     if (n_tokens == 0) return KVARN_OK;
-    token_writer tw;
-    token_writer_init(&tw, kv);
+    kvarn_token_writer tw; /* per-token formats' records (the KVarN view's: unused) */
+    kvarn__token_writer_init(&tw, &kv->fmt, kv->head_dim);
     st = check_store(kv, &tw, k, v, slot_mapping, n_tokens);
     if (st != KVARN_OK) return st;
 
@@ -188,14 +171,9 @@ kvarn_status kvarn_paged_store(const kvarn_paged_kv *kv, const float *k, const f
                     uint16_t *dst = which ? dv : dk;
                     for (int d = 0; d < D; d++) dst[d] = kvarn__fp16_from_f32(vec[d]);
                 }
-            } else if (tw.rtn_bits && kv->token_record_bytes >= tw.L.record_bytes) {
-                st = kvarn__rtn_record_encode(tw.rtn_bits, &tw.L, kx, vx,
-                                              kvarn_paged_token_record(kv, id, h, off), tw.avx512);
-                if (st != KVARN_OK) return st; /* cannot happen after the checks */
             } else {
-                st = kvarn_encode(&kv->fmt, D, kx, vx,
-                                  kvarn_paged_token_record(kv, id, h, off),
-                                  kv->token_record_bytes, NULL, 0, NULL);
+                st = kvarn__token_writer_encode(&tw, kx, vx, kvarn_paged_token_record(kv, id, h, off),
+                                                kv->token_record_bytes);
                 if (st != KVARN_OK) return st; /* cannot happen after the checks */
             }
         }

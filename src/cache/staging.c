@@ -8,10 +8,7 @@
 #include <string.h>
 
 #include "cache/staging.h"
-#include "codec/codec_internal.h"
-#include "common/cpu.h"
 #include "kvarn/cache.h"
-#include "kvarn/record.h"
 
 /* Indexed by kvarn_staging. A record staging is named after its per-token
  * format: the name is also the format's name in kvarn_format_parse. */
@@ -60,24 +57,17 @@ kvarn_status kvarn_cache_staging_parse(const char *name, int *out)
 
 void kvarn__stager_init(kvarn_stager *st, const kvarn_format *sf, int D)
 {
-    const kvarn_cpu_level level = kvarn__cpu_level();
-    st->sf = *sf;
-    st->D = D;
-    st->rtn_bits = sf->kind == KVARN_KIND_INT8 ? 8 : sf->kind == KVARN_KIND_INT4 ? 4 : 0;
-    if (st->rtn_bits && kvarn_record_layout_get(sf, D, &st->L) != KVARN_OK) st->rtn_bits = 0;
     st->rotate = kvarn__hadamard_pick(D);
-    st->avx512 = level == KVARN_CPU_AVX512;
+    kvarn__token_writer_init(&st->w, sf, D);
 }
 
 kvarn_status kvarn__stage_token(const kvarn_stager *st, const float *k, const float *v, float *rk,
                                 float *rv, uint8_t *rec, size_t rb)
 {
-    const int D = st->D;
+    const int D = st->w.D;
     memcpy(rk, k, (size_t)D * sizeof(float));
     memcpy(rv, v, (size_t)D * sizeof(float));
     st->rotate(rk, D);
     st->rotate(rv, D);
-    if (st->rtn_bits && rb >= st->L.record_bytes)
-        return kvarn__rtn_record_encode(st->rtn_bits, &st->L, rk, rv, rec, st->avx512);
-    return kvarn_encode(&st->sf, D, rk, rv, rec, rb, NULL, 0, NULL);
+    return kvarn__token_writer_encode(&st->w, rk, rv, rec, rb);
 }

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "codec/codec_internal.h"
 #include "codec/hadamard.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/paged.h"
@@ -26,24 +27,19 @@
 int kvarn__staging_format(int staging, kvarn_format *fmt);
 
 /* How the token-heads of one batch are staged (kvarn__stager_init, then
- * kvarn__stage_token per token-head): the staging's per-token format sf,
- * its record layout at head_dim D, and which Hadamard and RTN variants the
- * CPU runs (kvarn__cpu_level(), asked once per batch: it reads
- * KVARN_SIMD on every call). Every variant gives the same bytes. */
+ * kvarn__stage_token per token-head): the rotation and the records of the
+ * staging's per-token format, chosen once a batch (kvarn__hadamard_pick,
+ * kvarn__token_writer_init). Every choice gives the same bytes. */
 typedef struct kvarn_stager {
-    kvarn_format sf;
-    kvarn_record_layout L; /* sf's layout at D (when rtn_bits) */
-    int D;
-    int rtn_bits; /* 8 or 4 for int8/int4 staging (kvarn__rtn_record_encode), 0: kvarn_encode */
-    kvarn_hadamard_fn rotate; /* kvarn__hadamard_pick(D) */
-    int avx512;   /* the RTN rows with AVX-512 */
+    kvarn_hadamard_fn rotate;
+    kvarn_token_writer w; /* the staging's per-token format at head_dim D */
 } kvarn_stager;
 
 /* sf: a record staging's per-token format (kvarn__staging_format), D its
- * head_dim (KVarN: 64..512, a power of two). Cannot fail for those. */
+ * head_dim (KVarN: 64..512, a power of two). Cannot fail. */
 void kvarn__stager_init(kvarn_stager *st, const kvarn_format *sf, int D);
 
-/* k, v: fp32 [st->D] in the model's basis; rk, rv: fp32 [D] scratch that
+/* k, v: fp32 [D] in the model's basis; rk, rv: fp32 [D] scratch that
  * gets the rotated vectors (x H / sqrt(D)); rec: rb bytes, written as
  * kvarn_encode of the staging's per-token format writes (rk, rv). Returns
  * KVARN_OK whenever the rotated values fit fp16 (the callers check that

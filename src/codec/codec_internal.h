@@ -71,9 +71,28 @@ int kvarn__rtn_rows_fit_avx512(const float *k, const float *v, int D, int bits);
  * seen kvarn__cpu_level() == KVARN_CPU_AVX512; the same bytes either way).
  * KVARN_ERR_INVALID_ARG for other bits; KVARN_ERR_NONFINITE (nothing
  * written) when a scale or zero point would overflow fp16. For batches of
- * tokens (staging: cache/staging.c) without kvarn_encode's per-call
- * checks and dispatch. */
+ * tokens (kvarn__token_writer_encode, below) without kvarn_encode's
+ * per-call checks and dispatch. */
 kvarn_status kvarn__rtn_record_encode(int bits, const kvarn_record_layout *L, const float *k,
                                       const float *v, void *record, int avx512);
+
+/* The records of one batch of token-heads of a per-token format, as
+ * kvarn_encode writes them, with the choices made once a batch: int8 and
+ * int4 through kvarn__rtn_record_encode (bits 8 or 4, their layout L, the
+ * CPU level asked once: it reads KVARN_SIMD on every call), the other
+ * formats through kvarn_encode (bits 0). kvarn__token_writer_init: fmt a
+ * per-token format, D its head_dim. kvarn__token_writer_encode: k, v fp32
+ * [D], rec rb bytes; kvarn_encode's status (int8/int4 with rb below the
+ * record size go through kvarn_encode too). per_token.c. */
+typedef struct kvarn_token_writer {
+    kvarn_format fmt;
+    int D;
+    int bits;
+    int avx512;
+    kvarn_record_layout L;
+} kvarn_token_writer;
+void kvarn__token_writer_init(kvarn_token_writer *w, const kvarn_format *fmt, int D);
+kvarn_status kvarn__token_writer_encode(const kvarn_token_writer *w, const float *k, const float *v,
+                                        void *rec, size_t rb);
 
 #endif

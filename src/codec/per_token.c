@@ -31,6 +31,7 @@
 #include "codec/fp_convert.h"
 #include "codec/pack.h"
 #include "codec/rtn_row.h"
+#include "common/cpu.h"
 
 /* Largest head_dim a per-token format serves (kvarn_format_check_head_dim);
  * the row scratch buffers below live on the stack at this size. */
@@ -295,6 +296,23 @@ KVARN_TOKEN_CODEC(int4, rtn, 4)
 
 /* ------------------------------------------ one RTN row for other records
  * (the int8 rope part of an MLA record, src/codec/mla_record.c) */
+
+void kvarn__token_writer_init(kvarn_token_writer *w, const kvarn_format *fmt, int D)
+{
+    w->fmt = *fmt;
+    w->D = D;
+    w->bits = fmt->kind == KVARN_KIND_INT8 ? 8 : fmt->kind == KVARN_KIND_INT4 ? 4 : 0;
+    if (w->bits && kvarn_record_layout_get(fmt, D, &w->L) != KVARN_OK) w->bits = 0;
+    w->avx512 = w->bits && kvarn__cpu_level() == KVARN_CPU_AVX512;
+}
+
+kvarn_status kvarn__token_writer_encode(const kvarn_token_writer *w, const float *k, const float *v,
+                                        void *rec, size_t rb)
+{
+    if (w->bits && rb >= w->L.record_bytes)
+        return kvarn__rtn_record_encode(w->bits, &w->L, k, v, rec, w->avx512);
+    return kvarn_encode(&w->fmt, w->D, k, v, rec, rb, NULL, 0, NULL);
+}
 
 int kvarn__rtn_rows_fit(const float *k, const float *v, int D, int bits, int avx512)
 {
