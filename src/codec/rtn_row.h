@@ -21,16 +21,16 @@ static inline int fp16_is_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; 
 /* Smallest fp16 >= x, for finite x >= 0 (may return Inf = 0x7c00). */
 static inline uint16_t fp16_round_up(float x)
 {
-    uint16_t h = kvarn_fp32_to_fp16(x);
-    if (fp16_is_finite(h) && kvarn_fp16_to_fp32(h) < x) h++;
+    uint16_t h = kvarn__fp16_from_f32(x);
+    if (fp16_is_finite(h) && kvarn__fp16_to_f32(h) < x) h++;
     return h;
 }
 
 /* Largest fp16 <= x, for finite x (may return -Inf = 0xfc00). */
 static inline uint16_t fp16_round_down(float x)
 {
-    uint16_t h = kvarn_fp32_to_fp16(x);
-    if (fp16_is_finite(h) && kvarn_fp16_to_fp32(h) > x) {
+    uint16_t h = kvarn__fp16_from_f32(x);
+    if (fp16_is_finite(h) && kvarn__fp16_to_f32(h) > x) {
         if (h & 0x8000u) h++;            /* negative: one step away from 0 */
         else h--;                        /* positive (h > 0 since x < h)   */
     }
@@ -68,7 +68,7 @@ static inline kvarn_status rtn_row_params(const float *restrict x, int D, int bi
     if (!fp16_is_finite(z16)) return KVARN_ERR_NONFINITE;
     /* hi - zero >= 0; should the fp32 subtraction round down, the top code
      * may land a hair above 2^bits - 1 and is clamped (error still tiny). */
-    float range = hi - kvarn_fp16_to_fp32(z16);
+    float range = hi - kvarn__fp16_to_f32(z16);
     uint16_t s16 = range > 0.0f ? fp16_round_up(range / (float)((1 << bits) - 1))
                                 : 0x3c00u; /* constant fp16 row: scale 1.0 */
     if (!fp16_is_finite(s16)) return KVARN_ERR_NONFINITE;
