@@ -233,14 +233,19 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *                           INT16's rounding with 255 for 32767, bounded
  *                           likewise (docs/attention-intdot.md "u8
  *                           weights").
- *   KVARN_ATTN_ARITH_BF16X2 (MLA's matrix kernel's scores) the
- *                           folded query q'_d a_d carried as two bf16
+ *   KVARN_ATTN_ARITH_BF16X2 (MLA's matrix kernel's scores; the matrix
+ *                           kernel's scores and sums over the int8
+ *                           format's blocks) the folded query q'_d a_d
+ *                           (int8: q'_d; sums: each softmax weight times
+ *                           its value scale, p_t a_t) carried as two bf16
  *                           values, hi = bf16(x) and lo = bf16(x - hi)
  *                           (nearest even: relative error at most 2^-16;
  *                           values below 2^-126 read as 0), each times the
  *                           codes (exact in bf16) on AMX tiles with fp32
  *                           sums; zero-point terms, softmax and output
- *                           fp32 (src/attn/kernel_amx.c,
+ *                           fp32, the softmax's 2^x by a degree-5 fit
+ *                           (relative error below 2.2e-7)
+ *                           (src/attn/kernel_amx.c,
  *                           docs/attention-matrix.md).
  *   KVARN_ATTN_ARITH_BF16   (the matrix kernel's matrix_scores and
  *                           matrix_sums) the folded query q'_d a_d (scores;
@@ -284,8 +289,8 @@ typedef struct kvarn_attn_kernel_info {
                                        per-token format (fp16 staging:
                                        FP32); per-token formats: = scores */
     kvarn_attn_arith staged_sums;   /* the same for p.v */
-    const char *matrix;             /* KVarN records, and the int4
-                                       format's per-token blocks, of work
+    const char *matrix;             /* KVarN records, and the int4 and
+                                       int8 formats' per-token blocks, of work
                                        items with at least matrix_rows
                                        query rows (prefill chunks,
                                        verification: query tokens x the GQA
@@ -299,10 +304,11 @@ typedef struct kvarn_attn_kernel_info {
                                        "amx-bf16-emulated" (the testing
                                        knob amx = 2), or NULL: none */
     int matrix_rows;                /* that row count (16); 0 with NULL */
-    kvarn_attn_arith matrix_scores; /* its q.k: KVARN_ATTN_ARITH_BF16 (a
+    kvarn_attn_arith matrix_scores; /* its q.k: KVARN_ATTN_ARITH_BF16
+                                       (the int8 format: _BF16X2) (a
                                        tile outside its conditions runs the
                                        level's kernel: scores, sums) */
-    kvarn_attn_arith matrix_sums;   /* its p.v: KVARN_ATTN_ARITH_BF16 */
+    kvarn_attn_arith matrix_sums;   /* its p.v: as matrix_scores */
     int matrix_staged;              /* > 0: the staged tokens (int8 or
                                        int4 staging) of those items that
                                        hold at least this many query tokens

@@ -57,18 +57,19 @@ static attn_matrix_tile_fn matrix_kernel(const kvarn_attn_opts *o, kvarn_kind ki
 }
 
 /* The matrix kernel of per-token records at head_dim D (NULL: none): a
- * KVarN view's staged tokens (staged: int8 and int4 staging), and the
- * int4 format's blocks. Not the int8 format's own blocks: its error, KLD
- * 0.0005 on SmolLM2, is of the order of what the bf16 query adds (vLLM's
- * bf16 cache), so its prefill keeps the integer and fp32 kernels. */
+ * KVarN view's staged tokens (staged: int8 and int4 staging) and the int4
+ * format's blocks with one bf16 query and weights; the int8 format's
+ * blocks with two each (_x2): its own error is small enough (KLD
+ * 0.00007 on SmolLM2, `kvarn eval`) that one bf16 would be of its
+ * order. */
 static attn_token_matrix_fn token_matrix_kernel(const kvarn_attn_opts *o, kvarn_kind kind, int D,
                                                 int staged)
 {
-    if (!(kind == KVARN_KIND_INT4 || (staged && kind == KVARN_KIND_INT8)) || !attn_matrix_geometry(D, 32))
-        return NULL;
+    if (!(kind == KVARN_KIND_INT4 || kind == KVARN_KIND_INT8) || !attn_matrix_geometry(D, 32)) return NULL;
+    const int x2 = kind == KVARN_KIND_INT8 && !staged;
     switch (amx_of(o)) {
-    case 1: return attn_amx_token_tile;
-    case 2: return attn_amxemu_token_tile;
+    case 1: return x2 ? attn_amx_token_tile_x2 : attn_amx_token_tile;
+    case 2: return x2 ? attn_amxemu_token_tile_x2 : attn_amxemu_token_tile;
     default: return NULL;
     }
 }
@@ -121,11 +122,11 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
     const attn_matrix_tile_fn mk = matrix_kernel(&o, fmt->kind, head_dim, fmt->tile_tokens);
     const attn_token_matrix_fn tk = token_matrix_kernel(&o, fmt->kind, head_dim, 0);
     if (mk != NULL || tk != NULL) {
-        /* KVarN records, or the int4 format's per-token blocks */
-        info.matrix = mk == attn_amxemu_kvarn_tile || tk == attn_amxemu_token_tile ? "amx-bf16-emulated"
-                                                                                  : "amx-bf16";
+        /* KVarN records, or the int4 and int8 formats' per-token blocks */
+        info.matrix = amx_of(&o) == 2 ? "amx-bf16-emulated" : "amx-bf16";
         info.matrix_rows = ATTN_MATRIX_MIN_ROWS;
-        info.matrix_scores = info.matrix_sums = KVARN_ATTN_ARITH_BF16;
+        info.matrix_scores = info.matrix_sums =
+            fmt->kind == KVARN_KIND_INT8 ? KVARN_ATTN_ARITH_BF16X2 : KVARN_ATTN_ARITH_BF16;
     }
     if (fmt->kind == KVARN_KIND_KVARN) {
         /* fp16 staging: the fp16 page kernel (fp32 arithmetic) */

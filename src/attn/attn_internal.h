@@ -122,7 +122,9 @@ typedef struct attn_rows {
                             codes unpacked [2][D][G], then the rows' folded
                             queries [rows][D] and weights [rows][G]
                             (rows: the row arrays' length, a multiple of
-                            16); NULL where the call's geometry takes none
+                            16), and for the int8 format's blocks their
+                            second bf16 halves after them, of the same
+                            shapes (kernel_amx.c token_span); NULL where the call's geometry takes none
                             (attn_matrix_geometry) */
 } attn_rows;
 
@@ -184,7 +186,7 @@ static inline int attn_matrix_geometry(int D, int G)
 void attn_amx_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec, int t0,
                          int nt, attn_record_tile_fn fallback);
 /* The same products over per-token int8 or int4 records (kernel_amx.c:
- * a KVarN view's staged tokens, the int4 format's blocks), token j's
+ * a KVarN view's staged tokens, the int4 and int8 formats' blocks), token j's
  * record at rec[j], nt <= gs, in spans of attn_token_matrix_span(gs);
  * fallback (the level's token kernel) runs a span outside its
  * conditions. */
@@ -204,6 +206,14 @@ void attn_amx_token_tile(attn_rows *r, const kvarn_record_layout *L, const uint8
 void attn_amxemu_token_tile(attn_rows *r, const kvarn_record_layout *L,
                             const uint8_t *const *rec, int t0, int nt,
                             attn_token_tile_fn fallback);
+/* The same with the query and the weights as two bf16 each
+ * (KVARN_ATTN_ARITH_BF16X2): the int8 format's blocks; its scratch
+ * (attn_plan.c) holds the second halves too. */
+void attn_amx_token_tile_x2(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *rec,
+                            int t0, int nt, attn_token_tile_fn fallback);
+void attn_amxemu_token_tile_x2(attn_rows *r, const kvarn_record_layout *L,
+                               const uint8_t *const *rec, int t0, int nt,
+                               attn_token_tile_fn fallback);
 /* The same with the tiles emulated in C (kernel_amx_emu.c): any CPU. */
 void attn_amxemu_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                             int t0, int nt, attn_record_tile_fn fallback);

@@ -85,16 +85,18 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
     g->tail_floats = kvarn_paged_small_tail(kv) ? attn_round_f((size_t)g->G * (size_t)g->D) : 0;
     /* the matrix kernel's codes, bf16 [2][D][G] (D G floats), wherever a
      * work item may take it: independent of the CPU, */
-    /* (KVarN: G tokens a tile; the int4 format's per-token blocks: spans of
-     * attn_token_matrix_span(gs)) */
+    /* (KVarN: G tokens a tile; the int4 and int8 formats' per-token blocks:
+     * spans of attn_token_matrix_span(gs)) */
     const int mG = g->is_kvarn ? g->G : attn_token_matrix_span(g->gs);
-    const int mat = (g->is_kvarn || kv->fmt.kind == KVARN_KIND_INT4) && g->rows_max >= ATTN_MATRIX_MIN_ROWS &&
-                    attn_matrix_geometry(g->D, mG);
+    const int x2 = kv->fmt.kind == KVARN_KIND_INT8; /* two bf16 halves */
+    const int mat = (g->is_kvarn || kv->fmt.kind == KVARN_KIND_INT4 || x2) &&
+                    g->rows_max >= ATTN_MATRIX_MIN_ROWS && attn_matrix_geometry(g->D, mG);
     g->rows_alloc = mat ? (g->rows_max + 15) / 16 * 16 : g->rows_max;
     /* and the rows' folded queries, bf16 [rows][D], and their weights,
-     * bf16 [rows][G] (rows_alloc <= 272, D <= 512, G <= 128) */
-    g->mat_floats = mat ? attn_round_f((size_t)g->D * (size_t)mG +
-                                       (size_t)g->rows_alloc * ((size_t)g->D + (size_t)mG) / 2)
+     * bf16 [rows][G] (rows_alloc <= 272, D <= 512, G <= 128), twice for
+     * the int8 format (kernel_amx.c token_span) */
+    g->mat_floats = mat ? attn_round_f((size_t)g->D * (size_t)mG + (size_t)(x2 ? 2 : 1) * (size_t)g->rows_alloc *
+                                                                       ((size_t)g->D + (size_t)mG) / 2)
                         : 0;
     int bad = thread_scratch_floats(g->rows_alloc, g->D, g->gs, g->mat_floats, g->tail_floats,
                                     &g->thread_floats);

@@ -78,15 +78,36 @@ __attribute__((noinline)) static void unpack_v(const uint8_t *vc, int D, int G, 
  * 1.5e-4); times 2^n by vscalefps, which underflows to 0 below 2^-149
  * however large -n is. The scores are finite (finite metadata,
  * fold_queries' range check), so x is: no -inf to clamp. */
-static inline __m512 exp2_512(__mmask16 k, __m512 x)
+static inline __m512 exp2_512(__mmask16 k, __m512 x, int fine)
 {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(5.5171627551317215e-2f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.426111400127411e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.932609677314758e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999280571937561e-1f));
+    __m512 p;
+    if (fine) {
+        /* fine: a degree-5 fit, relative error < 2.2e-7 (below 2^-22,
+         * evaluated in fp32 with FMA over every r), for the weights of the
+         * two-bf16 products (KVARN_ATTN_ARITH_BF16X2, 2^-16), where the
+         * degree-3 fit's 7.5e-5 would be the larger rounding */
+        p = _mm512_set1_ps(1.3276457320898771e-3f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.675540961325169e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550713464617729e-2f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022120237350464e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931469440460205e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0000001192092896f));
+    } else {
+        p = _mm512_set1_ps(5.5171627551317215e-2f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.426111400127411e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.932609677314758e-1f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999280571937561e-1f));
+    }
     return _mm512_maskz_scalef_ps(k, p, n);
+}
+
+/* bf16 values 16 h .. 16 h + 15 of the 32 in b, as fp32 (exact). */
+static inline __m512 amx_bf16_hi_ps(__m512i b, int h)
+{
+    const __m256i x = h ? _mm512_extracti64x4_epi64(b, 1) : _mm512_castsi512_si256(b);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
 /* The lane sums (mx 0) or lane maxima (mx 1) of x[0..15] as one vector:
@@ -116,15 +137,18 @@ static inline __m512 tree16(const __m512 *x, int mx)
  * s_tok_t c_t + kz_t qs for per-token records, s_tok their K scales, kz
  * their centred K zero points, qs the row's sum_d q'_d); c is overwritten.
  * Writes the weights w_t = bf16(p_t a_t) into w [G] (zero where no
- * position is visible) and z = sum_t p_t b_t into rc_i. G % 32 == 0. */
+ * position is visible; wlo non-NULL: the two bf16 halves of p_t a_t,
+ * amx_bf16_split, into w and wlo) and z = sum_t p_t b_t into rc_i.
+ * G % 32 == 0. */
 #ifdef KVARN_AMX_EMULATE
 static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, const float *stok,
                         const float *kz, float qs, const float *va, const float *vbias,
-                        uint16_t *w)
+                        uint16_t *w, uint16_t *wlo)
 {
     int a, b;
     if (!attn_row_visible(r, i, t0, nt, &a, &b)) {
         memset(w, 0, (size_t)G * sizeof *w);
+        if (wlo) memset(wlo, 0, (size_t)G * sizeof *wlo);
         r->rc[i] = 0.0f;
         return;
     }
@@ -140,7 +164,8 @@ static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, co
         const float p = t >= a && t < b ? expf(c[t] - m_new) : 0.0f;
         sum += p;
         zz += p * vbias[t];
-        w[t] = amx_bf16_of(p * va[t]);
+        if (wlo) amx_bf16_split(p * va[t], &w[t], &wlo[t]);
+        else w[t] = amx_bf16_of(p * va[t]);
     }
     /* an unchanged max skips the call: expf(0) = 1 */
     const float corr = m_old == -INFINITY ? 0.0f : m_new == m_old ? 1.0f : expf(m_old - m_new);
@@ -162,14 +187,17 @@ static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, co
  * weights and its vectors of sums, the 16 rows' sums together; m, l,
  * psum and rc of the block as vectors, the rescale factor
  * 2^((m_old - m_new) log2 e) of all 16 rows in one exp2_512. c: the
- * block's first row of scores (stride gs), w its weights (stride G). */
+ * block's first row of scores (stride gs), w its weights (stride G; wlo
+ * non-NULL: their second bf16 halves, stride G, as softmax_row, and every
+ * 2^x by exp2_512's finer fit). */
 static void softmax_block(attn_rows *r, int i0, int rb, int t0, int nt, int G, float *c, int gs,
                           const float *stok, const float *kz, const float *va, const float *vbias,
-                          uint16_t *w)
+                          uint16_t *w, uint16_t *wlo)
 {
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 l2e = _mm512_set1_ps(1.44269504088896341f), ninf = _mm512_set1_ps(-INFINITY);
     const __mmask16 valid = (__mmask16)((1u << rb) - 1u);
+    const int fine = wlo != NULL;
     __mmask16 ok[16][ATTN_MATRIX_MAX_G / 16];
     __m512 vm[16], vs[16], vz[16];
     __mmask16 seen = 0;
@@ -183,6 +211,7 @@ static void softmax_block(attn_rows *r, int i0, int rb, int t0, int nt, int G, f
         int a, b;
         if (!attn_row_visible(r, i, t0, nt, &a, &b)) {
             memset(w + (size_t)j * G, 0, (size_t)G * sizeof *w);
+            if (wlo) memset(wlo + (size_t)j * G, 0, (size_t)G * sizeof *wlo);
             continue;
         }
         seen |= (__mmask16)(1u << j);
@@ -217,14 +246,20 @@ static void softmax_block(attn_rows *r, int i0, int rb, int t0, int nt, int G, f
         const __m512 ml2e = _mm512_set1_ps(mn[j]);
         __m512 sum = _mm512_setzero_ps(), z = _mm512_setzero_ps();
         for (int t = 0; t < G; t += 32) {
-            const __m512 p0 = exp2_512(ok[j][t / 16], _mm512_fmsub_ps(_mm512_loadu_ps(cj + t), l2e, ml2e));
-            const __m512 p1 = exp2_512(ok[j][t / 16 + 1], _mm512_fmsub_ps(_mm512_loadu_ps(cj + t + 16), l2e, ml2e));
+            const __m512 p0 = exp2_512(ok[j][t / 16], _mm512_fmsub_ps(_mm512_loadu_ps(cj + t), l2e, ml2e), fine);
+            const __m512 p1 =
+                exp2_512(ok[j][t / 16 + 1], _mm512_fmsub_ps(_mm512_loadu_ps(cj + t + 16), l2e, ml2e), fine);
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
             z = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vbias + t), z);
             z = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vbias + t + 16), z);
-            const __m512bh wb = _mm512_cvtne2ps_pbh(_mm512_mul_ps(p1, _mm512_loadu_ps(va + t + 16)),
-                                                    _mm512_mul_ps(p0, _mm512_loadu_ps(va + t)));
-            _mm512_storeu_si512(wj + t, (__m512i)wb);
+            const __m512 x0 = _mm512_mul_ps(p0, _mm512_loadu_ps(va + t));
+            const __m512 x1 = _mm512_mul_ps(p1, _mm512_loadu_ps(va + t + 16));
+            const __m512i wb = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+            _mm512_storeu_si512(wj + t, wb);
+            if (wlo) /* x - bf16(x) (exact in fp32), rounded to bf16 */
+                _mm512_storeu_si512(wlo + (size_t)j * G + t,
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, amx_bf16_hi_ps(wb, 1)),
+                                                                 _mm512_sub_ps(x0, amx_bf16_hi_ps(wb, 0))));
         }
         vs[j] = sum;
         vz[j] = z;
@@ -235,7 +270,7 @@ static void softmax_block(attn_rows *r, int i0, int rb, int t0, int nt, int G, f
     const __mmask16 moved = _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_OQ) & _mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ);
     __m512 corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_old, ninf, _CMP_EQ_OQ), _mm512_set1_ps(1.0f),
                                        _mm512_setzero_ps());
-    corr = _mm512_mask_mov_ps(corr, moved, exp2_512(moved, _mm512_mul_ps(_mm512_sub_ps(m_old, m_new), l2e)));
+    corr = _mm512_mask_mov_ps(corr, moved, exp2_512(moved, _mm512_mul_ps(_mm512_sub_ps(m_old, m_new), l2e), fine));
     const __m512 l_old = _mm512_mask_loadu_ps(_mm512_setzero_ps(), valid, r->l + i0);
     /* rows that see nothing keep m, l and psum, and get rc 0 */
     _mm512_mask_storeu_ps(r->m + i0, valid & seen, m_new);
@@ -269,7 +304,8 @@ static void acc_update(float *acc, const float *o, const float *schan, float z, 
 #endif
 }
 
-/* Every row's query q'_d a_d (a NULL: q'_d) as one bf16 into aq [n][D];
+/* Every row's query q'_d a_d (a NULL: q'_d) as one bf16 into aq [n][D]
+ * (aqlo non-NULL: as two, amx_bf16_split, the second halves into aqlo);
  * with kbias, rc_i = sum_d q'_d kbias_d (the records' zero-point term).
  * Returns the largest |q'_d a_d| (the callers' range check: below 2^80),
  * or +inf where some rc_i is not below 2^100 in magnitude, so that every
@@ -277,14 +313,15 @@ static void acc_update(float *acc, const float *o, const float *schan, float z, 
  * The AVX-512 form takes 16 rows at a time: the bf16 conversion of each
  * row, its dot product's partial sums per lane, then the 16 rows' sums
  * together (tree16) and one running max for all rows. */
-static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint16_t *aq)
+static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint16_t *aq, uint16_t *aqlo)
 {
     const int D = r->D;
 #ifdef KVARN_AMX_EMULATE
     float qmax = 0.0f;
     for (int i = 0; i < r->n; i++) {
         float m;
-        const float z = amx_split_scaled(r->q + (size_t)i * D, a, kbias, D, aq + (size_t)i * D, NULL, &m);
+        const float z = amx_split_scaled(r->q + (size_t)i * D, a, kbias, D, aq + (size_t)i * D,
+                                         aqlo ? aqlo + (size_t)i * D : NULL, &m);
         if (kbias) r->rc[i] = z;
         qmax = m > qmax ? m : qmax;
         if (kbias && !(fabsf(z) < 0x1p100f)) qmax = INFINITY;
@@ -303,7 +340,12 @@ static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint
                 const __m512 xv = _mm512_loadu_ps(x + d);
                 const __m512 v = a ? _mm512_mul_ps(xv, _mm512_loadu_ps(a + d)) : xv;
                 mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-                _mm256_storeu_si256((__m256i *)(h + d), (__m256i)_mm512_cvtneps_pbh(v));
+                const __m256i hb = (__m256i)_mm512_cvtneps_pbh(v);
+                _mm256_storeu_si256((__m256i *)(h + d), hb);
+                if (aqlo) /* v - bf16(v) (exact in fp32), rounded to bf16 */
+                    _mm256_storeu_si256((__m256i *)(aqlo + (size_t)(r0 + j) * D + d),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(
+                                            v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16)))));
                 if (kbias) acc = _mm512_fmadd_ps(xv, _mm512_loadu_ps(kbias + d), acc);
             }
             dots[j] = acc;
@@ -328,9 +370,11 @@ static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint
  * for a KVarN record, else per-token records with the rows' qsum), then
  * the sums (acc_update with schan). aq: the rows' bf16 queries [nr][D];
  * kmat, vmat: the B layouts of the codes; w: the weights' scratch
- * [nr][G]. */
-static void three_passes(attn_rows *r, int t0, int nt, int G, const uint16_t *aq,
-                         const uint16_t *kmat, const uint16_t *vmat, uint16_t *w,
+ * [nr][G]; aqlo, wlo (both NULL, or both scratch of the same shapes):
+ * the second bf16 halves of the queries and of the weights, each product
+ * then taking both halves (KVARN_ATTN_ARITH_BF16X2). */
+static void three_passes(attn_rows *r, int t0, int nt, int G, const uint16_t *aq, const uint16_t *aqlo,
+                         const uint16_t *kmat, const uint16_t *vmat, uint16_t *w, uint16_t *wlo,
                          const float *stok, const float *kz, const float *va, const float *vbias,
                          const float *schan)
 {
@@ -339,20 +383,21 @@ static void three_passes(attn_rows *r, int t0, int nt, int G, const uint16_t *aq
     amx_config_16x64(&cfg);
     AMX_CONFIG(&cfg);
     for (int r0 = 0; r0 < n; r0 += 16)
-        amx_product16(aq + (size_t)r0 * D, NULL, D, D, kmat, G, r->s + (size_t)r0 * gs, gs);
+        amx_product16(aq + (size_t)r0 * D, aqlo ? aqlo + (size_t)r0 * D : NULL, D, D, kmat, G,
+                      r->s + (size_t)r0 * gs, gs);
 #ifdef KVARN_AMX_EMULATE
     for (int i = 0; i < n; i++)
         softmax_row(r, i, t0, nt, G, r->s + (size_t)i * gs, stok, kz, kz ? r->qsum[i] : 0.0f, va, vbias,
-                    w + (size_t)i * G);
+                    w + (size_t)i * G, wlo ? wlo + (size_t)i * G : NULL);
 #else
     for (int r0 = 0; r0 < n; r0 += 16)
         softmax_block(r, r0, n - r0 < 16 ? n - r0 : 16, t0, nt, G, r->s + (size_t)r0 * gs, gs, stok, kz, va,
-                      vbias, w + (size_t)r0 * G);
+                      vbias, w + (size_t)r0 * G, wlo ? wlo + (size_t)r0 * G : NULL);
 #endif
     float o[16 * ATTN_MATRIX_MAX_D];
     for (int r0 = 0; r0 < n; r0 += 16) {
         const int rb = n - r0 < 16 ? n - r0 : 16;
-        amx_product16(w + (size_t)r0 * G, NULL, G, G, vmat, D, o, D);
+        amx_product16(w + (size_t)r0 * G, wlo ? wlo + (size_t)r0 * G : NULL, G, G, vmat, D, o, D);
         for (int i = 0; i < rb; i++)
             acc_update(r->acc + (size_t)(r0 + i) * D, o + (size_t)i * D, schan, r->rc[r0 + i], D);
     }
@@ -392,7 +437,7 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const int nr = (n + 15) & ~15;
     uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * G;
     uint16_t *aq = vmat + (size_t)D * G, *w = aq + (size_t)nr * D;
-    if (!(fold_queries(r, ka, kbias, aq) < 0x1p80f)) {
+    if (!(fold_queries(r, ka, kbias, aq, NULL) < 0x1p80f)) {
         fallback(r, L, rec, t0, nt);
         return;
     }
@@ -400,7 +445,7 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
     for (int t = 0; t < G; t++) vbias[t] += cv * va[t];
     unpack_k(rec + L->k_codes_off, D, G, L->key_bits, kmat);
     unpack_v(rec + L->v_codes_off, D, G, L->value_bits, vmat);
-    three_passes(r, t0, G, G, aq, kmat, vmat, w, stok, NULL, va, vbias, schan);
+    three_passes(r, t0, G, G, aq, NULL, kmat, vmat, w, NULL, stok, NULL, va, vbias, schan);
 }
 
 /* ------------------------------------------------- per-token records
@@ -415,7 +460,11 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
  * with the rounding statement of the records' (KVARN_ATTN_ARITH_BF16, the
  * query rounded once instead of the folded query), in spans of
  * attn_token_matrix_span(gs) tokens, one online-softmax step each; also
- * the int4 format's blocks (attn_dispatch.c). */
+ * the int4 format's blocks (attn_dispatch.c). The int8 format's blocks
+ * (token_tile_x2) take q' and the weights p_t vs_t as two bf16 each
+ * (KVARN_ATTN_ARITH_BF16X2: relative error at most 2^-16, far below the
+ * format's own; one bf16, 2^-8, would be of its order), each product
+ * twice. */
 
 /* Token j's codes (D of `bits`), centred, into column j of the B layout
  * of the score product: kmat[(d / 2) np + j][d % 2], bf16. */
@@ -443,9 +492,10 @@ static void token_k_column(const uint8_t *kc, int D, int bits, int np, int j, ui
 #endif
 }
 
-/* One span of ns <= attn_token_matrix_span(gs) tokens (see above). */
+/* One span of ns <= attn_token_matrix_span(gs) tokens (see above); x2:
+ * the query and the weights as two bf16 each. */
 static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
-                       int t0, int ns, attn_token_tile_fn fallback)
+                       int t0, int ns, attn_token_tile_fn fallback, int x2)
 {
     const int D = r->D, n = r->n, gs = r->gs, bits = L->key_bits;
     const int np = (ns + 31) & ~31;
@@ -459,7 +509,9 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
     const int nr = (n + 15) & ~15;
     uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * np;
     uint16_t *aq = vmat + (size_t)D * np, *w = aq + (size_t)nr * D;
-    if (!(fold_queries(r, NULL, NULL, aq) < 0x1p80f && kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
+    /* x2: the second halves after them (attn_plan.c sizes the scratch) */
+    uint16_t *aqlo = x2 ? w + (size_t)nr * np : NULL, *wlo = x2 ? aqlo + (size_t)nr * D : NULL;
+    if (!(fold_queries(r, NULL, NULL, aq, aqlo) < 0x1p80f && kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
           kvarn__all_finite(vs, (size_t)ns) && kvarn__all_finite(vz, (size_t)ns))) {
         fallback(r, L, tok, t0, ns);
         return;
@@ -480,11 +532,11 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
     for (int j = 0; j < np; j += 2)
         amx_pair_packed(j < ns ? tok[j] + voff : zc, j + 1 < ns ? tok[j + 1] + voff : zc, D, bits,
                         vmat + (size_t)j * D);
-    three_passes(r, t0, ns, np, aq, kmat, vmat, w, ks, kz, vs, vz, NULL);
+    three_passes(r, t0, ns, np, aq, aqlo, kmat, vmat, w, wlo, ks, kz, vs, vz, NULL);
 }
 
-void AMX_FN(token_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
-                        int t0, int nt, attn_token_tile_fn fallback)
+static void token_spans(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok, int t0,
+                        int nt, attn_token_tile_fn fallback, int x2)
 {
     const int span = attn_token_matrix_span(r->gs);
     if (span < 32 || (L->key_bits != 8 && L->key_bits != 4) || L->value_bits != L->key_bits ||
@@ -493,5 +545,17 @@ void AMX_FN(token_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
         return;
     }
     for (int j0 = 0; j0 < nt; j0 += span)
-        token_span(r, L, tok + j0, t0 + j0, nt - j0 < span ? nt - j0 : span, fallback);
+        token_span(r, L, tok + j0, t0 + j0, nt - j0 < span ? nt - j0 : span, fallback, x2);
+}
+
+void AMX_FN(token_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
+                        int t0, int nt, attn_token_tile_fn fallback)
+{
+    token_spans(r, L, tok, t0, nt, fallback, 0);
+}
+
+void AMX_FN(token_tile_x2)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
+                           int t0, int nt, attn_token_tile_fn fallback)
+{
+    token_spans(r, L, tok, t0, nt, fallback, 1);
 }

@@ -1351,12 +1351,16 @@ static void test_kernel_info(void **state)
                         assert_int_equal(info.staged_sums, info.sums);
                     }
                     /* the matrix kernel: KVarN tiles of 32-128 tokens and
-                     * the int4 format's blocks, at head_dim a multiple of
-                     * 32 up to 512, where the CPU grants AMX-BF16 at the
-                     * AVX-512 level (cpu.h); with it, the staged tokens of
-                     * int8 and int4 staging */
-                    const int mat_fmt = (fmt.kind == KVARN_KIND_KVARN || fmt.kind == KVARN_KIND_INT4) &&
+                     * the int4 and int8 formats' blocks (int8: two bf16
+                     * halves), at head_dim a multiple of 32 up to 512,
+                     * where the CPU grants AMX-BF16 at the AVX-512 level
+                     * (cpu.h); with it, the staged tokens of int8 and int4
+                     * staging */
+                    const int mat_fmt = (fmt.kind == KVARN_KIND_KVARN || fmt.kind == KVARN_KIND_INT4 ||
+                                         fmt.kind == KVARN_KIND_INT8) &&
                                         D % 32 == 0 && D <= 512;
+                    const kvarn_attn_arith mat_arith =
+                        fmt.kind == KVARN_KIND_INT8 ? KVARN_ATTN_ARITH_BF16X2 : KVARN_ATTN_ARITH_BF16;
                     const int amx_here = kvarn__cpu_amx() == KVARN_CPU_AMX_TILES && mat_fmt;
                     const int staged_mat = fmt.kind == KVARN_KIND_KVARN &&
                                            (st == KVARN_STAGING_INT8 || st == KVARN_STAGING_INT4);
@@ -1365,8 +1369,8 @@ static void test_kernel_info(void **state)
                     assert_int_equal(info.matrix_staged, amx_here && staged_mat ? 32 : 0);
                     if (amx_here) {
                         assert_string_equal(info.matrix, "amx-bf16");
-                        assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16);
-                        assert_int_equal(info.matrix_sums, KVARN_ATTN_ARITH_BF16);
+                        assert_int_equal(info.matrix_scores, mat_arith);
+                        assert_int_equal(info.matrix_sums, mat_arith);
                     }
                     /* the knob amx: 1 none, 2 emulated (any level) */
                     for (int knob = 1; knob <= 2; knob++) {
@@ -1376,7 +1380,10 @@ static void test_kernel_info(void **state)
                         const int emu = knob == 2 && mat_fmt;
                         assert_int_equal(info.matrix != NULL, emu);
                         assert_int_equal(info.matrix_staged, emu && staged_mat ? 32 : 0);
-                        if (emu) assert_string_equal(info.matrix, "amx-bf16-emulated");
+                        if (emu) {
+                            assert_string_equal(info.matrix, "amx-bf16-emulated");
+                            assert_int_equal(info.matrix_sums, mat_arith);
+                        }
                         o.testing = NULL;
                     }
                     /* the force_scalar knob: the reference kernels */

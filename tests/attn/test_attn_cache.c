@@ -254,7 +254,8 @@ static void test_cache_sink_tokens(void **state)
 }
 
 /* The matrix kernel over per-token records (kernel_amx.c token_tile: a
- * KVarN view's int8 and int4 staging, the int4 format's blocks), against a
+ * KVarN view's int8 and int4 staging, the int4 format's blocks; and
+ * token_tile_x2: the int8 format's blocks), against a
  * double-precision oracle of its own arithmetic, so that its bound is
  * tight: a KVarN cache whose sequence (100 tokens) lies wholly in its
  * staged sink tile, or an int4 cache of 100 tokens, 32 queries x a GQA
@@ -268,7 +269,11 @@ static void test_cache_sink_tokens(void **state)
  * KVARN_ATTN_ARITH_BF16) 2^-8 sum_t p_t |vs_t| |c'_td| / l, plus a score
  * allowance for channels near a bf16 rounding boundary (idb_bf16_err) and
  * the fp32 sums, and 1e-5 of the row's largest |o| for the fp32 of the
- * rest (the queries' rotation, the inverse rotation of the output). Run
+ * rest (the queries' rotation, the inverse rotation of the output; the
+ * real tiles' 2^x: the degree-3 fit's 7.5e-5 lies within the weights'
+ * 2^-8, the degree-5 fit's 2.2e-7 within this). The int8 format's
+ * two bf16 halves (KVARN_ATTN_ARITH_BF16X2): 2^-16 of each query element
+ * and each weight in place of 2^-8 and the near-tie allowance. Run
  * emulated (testing knob amx = 2) on every CPU, and on the AMX tiles where
  * the CPU grants them. Faults tried by hand: a V token pair swapped, V's
  * zero point off by one step: both fail this (not the looser bound of
@@ -324,9 +329,12 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
 
     kvarn_format sf;
     kvarn_record_layout L;
-    const int bits = kvarn && staging == KVARN_STAGING_INT8 ? 8 : 4;
+    const int x2 = co.format.kind == KVARN_KIND_INT8; /* the int8 format's blocks */
+    const int bits = (kvarn && staging == KVARN_STAGING_INT8) || x2 ? 8 : 4;
+    assert_int_equal(info.matrix_scores, x2 ? KVARN_ATTN_ARITH_BF16X2 : KVARN_ATTN_ARITH_BF16);
     assert_int_equal(kvarn_format_parse(bits == 8 ? "int8" : "int4", &sf), KVARN_OK);
-    /* the staged tokens of the KVarN view, or the int4 format's blocks */
+    /* the staged tokens of the KVarN view, or the int4 and int8 formats'
+     * blocks */
     const idb_rec_fn rec_of = kvarn ? idb_staged_rec : idb_block_rec;
     assert_int_equal(kvarn_record_layout_get(&sf, D, &L), KVARN_OK);
     const double cen = (double)(1 << (bits - 1)), lg = log2((double)D) + 3.0;
@@ -345,7 +353,12 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
                 q1 += fabs(qp[d]);
                 qs += qp[d];
                 const double ea = scale * lg * 0x1p-24 * qraw1 / sqrt((double)D) + fabs(qp[d]) * 0x1p-23;
-                idb_bf16_err(qp[d], ea, &e[d], &w[d]);
+                if (x2) { /* two bf16 halves: 2^-16 of the fp32 value, the low half's flush */
+                    e[d] = 0.0;
+                    w[d] = ea + 0x1p-16 * (fabs(qp[d]) + ea) + 0x1p-126;
+                } else {
+                    idb_bf16_err(qp[d], ea, &e[d], &w[d]);
+                }
             }
             double sc[128], dl[128], m = -INFINITY;
             for (int t = 0; t <= pos; t++) {
@@ -362,7 +375,7 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
                 sc[t] = ks * dot + (kz + cen * ks) * qs;
                 /* near-tie channels, the tiles' fp32 sums, the zero point's
                  * and the score's fp32 */
-                dl[t] = fabs(ks) * (wc + D * 0x1p-24 * mag) + 0x1p-22 * (fabs(kz) + cen * fabs(ks)) * q1 +
+                dl[t] = fabs(ks) * (wc + (x2 ? 2 : 1) * D * 0x1p-24 * mag) + 0x1p-22 * (fabs(kz) + cen * fabs(ks)) * q1 +
                         0x1p-22 * fabs(sc[t]);
                 m = fmax(m, sc[t]);
             }
@@ -380,7 +393,8 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
                     const double cv = (double)idb_code(rec + L.v_codes_off, d, bits) - cen;
                     const double x = vs * cv + vz + cen * vs;
                     ref[d] += p[t] / l * x;
-                    ev[d] += 0x1p-8 * p[t] / l * (fabs(vs) * fabs(cv) + 0x1p-126);
+                    ev[d] += x2 ? (0x1p-16 * p[t] * fabs(vs) + 0x1p-126) / l * fabs(cv) + 0x1p-24 * p[t] / l * fabs(cv * vs)
+                                : 0x1p-8 * p[t] / l * (fabs(vs) * fabs(cv) + 0x1p-126);
                     vmax = fmax(vmax, fabs(x));
                 }
             }
@@ -409,9 +423,9 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
 static void test_staged_matrix(void **state)
 {
     (void)state;
-    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v2_g128", "int4"};
-    const int stagings[] = {KVARN_STAGING_INT8, KVARN_STAGING_INT4, KVARN_STAGING_FP16};
-    for (int i = 0; i < 3; i++) {
+    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v2_g128", "int4", "int8"};
+    const int stagings[] = {KVARN_STAGING_INT8, KVARN_STAGING_INT4, KVARN_STAGING_FP16, KVARN_STAGING_FP16};
+    for (int i = 0; i < 4; i++) {
         check_token_matrix(fmts[i], stagings[i], 2);
         if (kvarn__cpu_amx() == KVARN_CPU_AMX_TILES) check_token_matrix(fmts[i], stagings[i], 0);
         else if (i == 0) print_message("AMX tiles: skipped: no AMX (emulated only)\n");
