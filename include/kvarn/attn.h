@@ -243,9 +243,10 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *                           values below 2^-126 read as 0), each times the
  *                           codes (exact in bf16) on AMX tiles with fp32
  *                           sums; zero-point terms, softmax and output
- *                           fp32, the softmax's 2^x by a degree-5 fit
- *                           (relative error below 2.2e-7)
- *                           (src/attn/kernel_amx.c,
+ *                           fp32, the softmax's 2^x (int8 blocks on the
+ *                           tiles) by a degree-5 fit (relative error
+ *                           below 2.2e-7; MLA and the emulated build:
+ *                           expf) (src/attn/kernel_amx.c,
  *                           docs/attention-matrix.md).
  *   KVARN_ATTN_ARITH_BF16   (the matrix kernel's matrix_scores and
  *                           matrix_sums) the folded query q'_d a_d (scores;
@@ -302,7 +303,8 @@ typedef struct kvarn_attn_kernel_info {
                                        grants the tile
                                        state and KVARN_AMX is not "0"),
                                        "amx-bf16-emulated" (the testing
-                                       knob amx = 2), or NULL: none */
+                                       knob amx = 2, or the environment's
+                                       KVARN_AMX=emulate), or NULL: none */
     int matrix_rows;                /* that row count (16); 0 with NULL */
     kvarn_attn_arith matrix_scores; /* its q.k: KVARN_ATTN_ARITH_BF16
                                        (the int8 format: _BF16X2) (a

@@ -1382,6 +1382,7 @@ static void test_kernel_info(void **state)
                         assert_int_equal(info.matrix_staged, emu && staged_mat ? 32 : 0);
                         if (emu) {
                             assert_string_equal(info.matrix, "amx-bf16-emulated");
+                            assert_int_equal(info.matrix_scores, mat_arith);
                             assert_int_equal(info.matrix_sums, mat_arith);
                         }
                         o.testing = NULL;

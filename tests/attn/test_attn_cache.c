@@ -258,9 +258,10 @@ static void test_cache_sink_tokens(void **state)
  * token_tile_x2: the int8 format's blocks), against a
  * double-precision oracle of its own arithmetic, so that its bound is
  * tight: a KVarN cache whose sequence (100 tokens) lies wholly in its
- * staged sink tile, or an int4 cache of 100 tokens, 32 queries x a GQA
- * group of 3 = 96 rows (an item the matrix kernel takes, its staged tokens
- * too: ATTN_STAGED_MATRIX_MIN_QUERIES). In the
+ * staged sink tile, 32 queries x a GQA group of 3 = 96 rows (an item the
+ * matrix kernel takes, its staged tokens too:
+ * ATTN_STAGED_MATRIX_MIN_QUERIES), or an int4 or int8 cache of 300 tokens
+ * (three spans, each a softmax step), 30 queries (90 rows). In the
  * kernel's basis (rotated for KVarN) it computes
  *   s_t = ks_t sum_d bf16(q'_d) c'_td + (kz_t + C ks_t) sum_d q'_d
  *   o_d = (sum_t bf16(p_t vs_t) c'_td + sum_t p_t (vz_t + C vs_t)) / l
@@ -280,10 +281,13 @@ static void test_cache_sink_tokens(void **state)
  * test_cache_staging). */
 static void check_token_matrix(const char *fmt, int staging, int amx)
 {
-    const int Hk = 2, group = 3, Hq = Hk * group, D = 64, len = 100, ql = 32;
     kvarn_cache_opts co = kvarn_cache_default_opts();
     assert_int_equal(kvarn_format_parse(fmt, &co.format), KVARN_OK);
     const int kvarn = co.format.kind == KVARN_KIND_KVARN;
+    /* KVarN: within its staged sink tile; per-token formats: 300 tokens,
+     * spans of 128, 128 and 44 (a last span narrower than the scores'
+     * stride), and 30 x 3 = 90 rows (a last block of 10 rows) */
+    const int Hk = 2, group = 3, Hq = Hk * group, D = 64, len = kvarn ? 100 : 300, ql = kvarn ? 32 : 30;
     co.n_layers = 1;
     co.n_kv_heads = Hk;
     co.head_dim = D;
@@ -360,7 +364,7 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
                     idb_bf16_err(qp[d], ea, &e[d], &w[d]);
                 }
             }
-            double sc[128], dl[128], m = -INFINITY;
+            double sc[300], dl[300], m = -INFINITY;
             for (int t = 0; t <= pos; t++) {
                 const uint8_t *rec = rec_of(&kv, &view, h, t);
                 assert_non_null(rec);
@@ -379,7 +383,7 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
                         0x1p-22 * fabs(sc[t]);
                 m = fmax(m, sc[t]);
             }
-            double l = 0.0, ref[64], ev[64], p[128], dmax = 0.0, vmax = 0.0;
+            double l = 0.0, ref[64], ev[64], p[300], dmax = 0.0, vmax = 0.0;
             for (int d = 0; d < D; d++) ref[d] = ev[d] = 0.0;
             for (int t = 0; t <= pos; t++) {
                 p[t] = exp(sc[t] - m);
