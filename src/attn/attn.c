@@ -57,7 +57,7 @@ static attn_rows rows_of(const attn_run *run, int worker, int n)
     r.q = q;
     r.acc = f; f += attn_round_f(R * g->D);
     r.qa = f; f += attn_round_f(R * g->D);
-    r.qa_ready = 0;
+    r.qa_ready = ATTN_QA_NONE;
     r.s = f; f += attn_round_f(R * (size_t)r.gs);
     float *qsum = f; f += attn_round_f(R);
     r.qsum = qsum;
@@ -144,7 +144,7 @@ static float *lse_at(const attn_run *run, int s, int qi, int head)
  * is cleared on both sides of the call. */
 static void staged_tile(const attn_run *run, attn_rows *r, int t0, int nt)
 {
-    r->qa_ready = 0;
+    r->qa_ready = ATTN_QA_NONE;
     /* (that many query tokens are ATTN_MATRIX_MIN_ROWS rows or more:
      * attn_internal.h) */
     if (run->kern->kvarn_matrix && run->stage_set.token_matrix && r->mat &&
@@ -152,7 +152,7 @@ static void staged_tile(const attn_run *run, attn_rows *r, int t0, int nt)
         run->stage_set.token_matrix(r, &run->Ls, r->tok, t0, nt, run->stage_set.token_tile);
     else
         run->stage_set.token_tile(r, &run->Ls, r->tok, t0, nt);
-    r->qa_ready = 0;
+    r->qa_ready = ATTN_QA_NONE;
 }
 
 static void item_task(void *ctx, int task, int worker)

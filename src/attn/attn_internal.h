@@ -87,6 +87,9 @@ static inline int attn_prefetch_left(const attn_prefetch *p)
     return p->tile >= p->n ? 0 : (p->n - p->tile) * p->lines - p->line;
 }
 
+/* attn_rows.qa_ready's values. */
+enum { ATTN_QA_NONE = 0, ATTN_QA_INT8 = 1, ATTN_QA_BF16 = 2, ATTN_QA_BF16X2 = 3 };
+
 /* ---- the running state of one work item ----
  * n query rows (row = one query token of one query head of the GQA group)
  * against one KV head. The kernels process one tile at a time: scores into
@@ -107,8 +110,12 @@ typedef struct attn_rows {
     float *m;           /* [n] running max score (-inf before any token) */
     float *l;           /* [n] running sum of exp(score - m) */
     float *qa;          /* scratch [n][D] (query with a_d folded in) */
-    int qa_ready;       /* the AVX-512 int8 kernel's rounded query is in qa
-                           (set by that kernel; 0 from rows_of, per item) */
+    int qa_ready;       /* what qa holds for the rest of the item, set by
+                           the kernel that wrote it (0 from rows_of, per
+                           item: nothing): ATTN_QA_INT8 the AVX-512 int8
+                           kernel's rounded query, ATTN_QA_BF16 /
+                           ATTN_QA_BF16X2 the per-token matrix kernel's
+                           bf16 query (kernel_amx.c token_span) */
     float *s;           /* scratch [n][gs] scores, then weights */
     float *rc;          /* scratch [n] a per-row constant */
     float *psum;        /* [n] each row's sum of the last tile's softmax
@@ -122,9 +129,10 @@ typedef struct attn_rows {
                             codes unpacked [2][D][G], then the rows' folded
                             queries [rows][D] and weights [rows][G]
                             (rows: the row arrays' length, a multiple of
-                            16), and for the int8 format's blocks their
-                            second bf16 halves after them, of the same
-                            shapes (kernel_amx.c token_span); NULL where the call's geometry takes none
+                            16), and for the int8 format's blocks the
+                            weights' second bf16 halves after them, of the
+                            same shape (per-token spans keep their query
+                            in qa: kernel_amx.c token_span); NULL where the call's geometry takes none
                             (attn_matrix_geometry) */
 } attn_rows;
 

@@ -507,12 +507,23 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
         kvarn__fp16_load(tok[t] + L->v_b_off, 1, vz + t);
     }
     const int nr = (n + 15) & ~15;
-    uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * np;
-    uint16_t *aq = vmat + (size_t)D * np, *w = aq + (size_t)nr * D;
-    /* x2: the second halves after them (attn_plan.c sizes the scratch) */
-    uint16_t *aqlo = x2 ? w + (size_t)nr * np : NULL, *wlo = x2 ? aqlo + (size_t)nr * D : NULL;
-    if (!(fold_queries(r, NULL, NULL, aq, aqlo) < 0x1p80f && kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
+    /* The rows' bf16 query (x2: and its second halves after it), the same
+     * for every span of the item: formed once into r->qa (R x D floats
+     * hold 2 nr D halves) and kept there while qa_ready says so; a query
+     * reaching 2^80 is never kept (each span then runs the fallback). */
+    const int want = x2 ? ATTN_QA_BF16X2 : ATTN_QA_BF16;
+    uint16_t *aq = (uint16_t *)(void *)r->qa, *aqlo = x2 ? aq + (size_t)nr * D : NULL;
+    if (r->qa_ready != want) {
+        r->qa_ready = ATTN_QA_NONE;
+        if (fold_queries(r, NULL, NULL, aq, aqlo) < 0x1p80f) r->qa_ready = want;
+    }
+    /* the scratch: codes, weights (x2: their second halves after them;
+     * attn_plan.c sizes it) */
+    uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * np, *w = vmat + (size_t)D * np;
+    uint16_t *wlo = x2 ? w + (size_t)nr * np : NULL;
+    if (!(r->qa_ready == want && kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
           kvarn__all_finite(vs, (size_t)ns) && kvarn__all_finite(vz, (size_t)ns))) {
+        r->qa_ready = ATTN_QA_NONE; /* the fallback may use qa */
         fallback(r, L, tok, t0, ns);
         return;
     }
@@ -523,8 +534,8 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
         vz[t] += c * vs[t];
     }
     for (int t = ns; t < np; t++) ks[t] = kz[t] = vs[t] = vz[t] = 0.0f;
-    /* the scratch as the records' (np <= G columns): codes, query (above),
-     * weights; the padding tokens [ns, np) get codes C (centred 0) */
+    /* np <= G columns; the padding tokens [ns, np) get codes C (centred
+     * 0) */
     uint8_t zc[ATTN_MATRIX_MAX_D];
     memset(zc, bits == 8 ? 0x80 : 0x88, (size_t)D * bits / 8);
     const size_t voff = L->v_codes_off;
@@ -541,6 +552,7 @@ static void token_spans(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const int span = attn_token_matrix_span(r->gs);
     if (span < 32 || (L->key_bits != 8 && L->key_bits != 4) || L->value_bits != L->key_bits ||
         L->k_a_bytes != 2 || L->k_b_bytes != 2 || L->v_a_bytes != 2 || L->v_b_bytes != 2) {
+        r->qa_ready = ATTN_QA_NONE;
         fallback(r, L, tok, t0, nt);
         return;
     }

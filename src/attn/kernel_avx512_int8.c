@@ -539,9 +539,9 @@ AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const int gs = r->gs, D = r->D;
     float *vs = r->meta + 2 * gs, *vz = vs + gs;
     /* the query does not change over the item's spans: rounded once */
-    if (!r->qa_ready) {
+    if (r->qa_ready != ATTN_QA_INT8) {
         for (int i = 0; i < r->n; i++) i8_round_query(r, i);
-        r->qa_ready = 1;
+        r->qa_ready = ATTN_QA_INT8;
     }
     i8_pf pf;
     i8_pf_init(&pf, r->pf);
@@ -596,7 +596,7 @@ void attn_avx512_token_int8(attn_rows *r, const kvarn_record_layout *L,
                             const uint8_t *const *rec, int t0, int nt)
 {
     if (!i8_ok(r, nt)) {
-        r->qa_ready = 0; /* (the fp32 path may use qa) */
+        r->qa_ready = ATTN_QA_NONE; /* (the fp32 path may use qa) */
         token_tile_body(r, KVARN_KIND_INT8, L, rec, t0, nt);
         return;
     }
