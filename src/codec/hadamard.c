@@ -25,28 +25,26 @@ void kvarn_hadamard_scalar(float *x, int d)
 }
 
 #ifdef KVARN_HADAMARD_HAVE_AVX2
-/* The AVX2 path works on whole 8-float vectors, so it needs d >= 8. */
-static int use_avx2(int d)
-{
-    return d >= 8 && is_pow2(d) && kvarn__cpu_level() >= KVARN_CPU_AVX2;
-}
+/* The AVX2 path works on whole 8-float vectors, so it needs d >= 8; the
+ * AVX-512 path on 16-float ones, d >= 16. level: kvarn__cpu_level(). */
+static int use_avx2(int d, int level) { return d >= 8 && is_pow2(d) && level >= KVARN_CPU_AVX2; }
+static int use_avx512(int d, int level) { return d >= 16 && is_pow2(d) && level >= KVARN_CPU_AVX512; }
 #endif
 
 void kvarn_hadamard(float *x, int d)
 {
-#ifdef KVARN_HADAMARD_HAVE_AVX2
-    if (use_avx2(d)) {
-        kvarn_hadamard_avx2(x, d);
-        return;
-    }
-#endif
-    kvarn_hadamard_scalar(x, d);
+    kvarn__hadamard_pick(d)(x, d);
 }
 
 void kvarn_hadamard_rows(float *x, int rows, int d)
 {
 #ifdef KVARN_HADAMARD_HAVE_AVX2
-    if (use_avx2(d)) {
+    const int level = (int)kvarn__cpu_level();
+    if (use_avx512(d, level)) {
+        kvarn_hadamard_rows_avx512(x, rows, d);
+        return;
+    }
+    if (use_avx2(d, level)) {
         kvarn_hadamard_rows_avx2(x, rows, d);
         return;
     }
@@ -57,7 +55,9 @@ void kvarn_hadamard_rows(float *x, int rows, int d)
 kvarn_hadamard_fn kvarn__hadamard_pick(int d)
 {
 #ifdef KVARN_HADAMARD_HAVE_AVX2
-    if (use_avx2(d)) return kvarn_hadamard_avx2;
+    const int level = (int)kvarn__cpu_level();
+    if (use_avx512(d, level)) return kvarn_hadamard_avx512;
+    if (use_avx2(d, level)) return kvarn_hadamard_avx2;
 #endif
     return kvarn_hadamard_scalar;
 }

@@ -10,7 +10,7 @@
  * D/2; x[j], x[j+h] <- x[j] + x[j+h], x[j] - x[j+h]) followed by one multiply
  * by kvarn_hadamard_scale(D).
  *
- * Every variant (scalar, AVX2) performs the same fp32 operations in the same
+ * Every variant (scalar, AVX2, AVX-512) performs the same fp32 operations in the same
  * order, so they give bit-identical results; the scalar one is the oracle
  * the tests hold the others to. kvarn_hadamard and kvarn_hadamard_rows pick
  * the fastest variant the CPU supports at run time.
@@ -57,6 +57,11 @@ void kvarn_hadamard_scalar(float *x, int d);
  * checked). */
 void kvarn_hadamard_avx2(float *x, int d);
 void kvarn_hadamard_rows_avx2(float *x, int rows, int d);
+/* AVX-512 version (src/codec/hadamard_avx512.c). Only call it when
+ * kvarn__cpu_level() >= KVARN_CPU_AVX512; d must be a power of two >= 16
+ * (not checked). */
+void kvarn_hadamard_avx512(float *x, int d);
+void kvarn_hadamard_rows_avx512(float *x, int rows, int d);
 #endif
 
 #endif /* KVARN_CODEC_HADAMARD_H */

@@ -152,6 +152,18 @@ static void test_simd_equals_scalar(void **state)
             if (it.index == 0) assert_true(f == kvarn_hadamard_scalar);
         }
 #ifdef KVARN_HADAMARD_HAVE_AVX2
+        if (levels_top() >= levels_index_of("avx512")) {
+            fill_normal(&r, a, n, 3.0);
+            memcpy(b, a, sizeof(float) * (size_t)n);
+            for (int i = 0; i < rows; i++) kvarn_hadamard_scalar(a + i * d, d);
+            kvarn_hadamard_rows_avx512(b, rows, d);
+            assert_memory_equal(a, b, sizeof(float) * (size_t)n);
+            fill_normal(&r, a, d, 1.0);
+            memcpy(b, a, sizeof(float) * (size_t)d);
+            kvarn_hadamard_scalar(a, d);
+            kvarn_hadamard_avx512(b, d);
+            assert_memory_equal(a, b, sizeof(float) * (size_t)d);
+        }
         if (levels_top() >= levels_index_of("avx2")) {
             fill_normal(&r, a, n, 3.0);
             memcpy(b, a, sizeof(float) * (size_t)n);
@@ -167,13 +179,19 @@ static void test_simd_equals_scalar(void **state)
 #endif
     }
 #ifdef KVARN_HADAMARD_HAVE_AVX2
-    /* the AVX2 block sizes below 64 as well */
+    /* the AVX2 and AVX-512 block sizes below 64 as well */
     if (levels_top() >= levels_index_of("avx2"))
         for (int d = 8; d <= 32; d <<= 1) {
             fill_normal(&r, a, d, 2.0);
             memcpy(b, a, sizeof(float) * (size_t)d);
             kvarn_hadamard_scalar(a, d);
             kvarn_hadamard_avx2(b, d);
+            assert_memory_equal(a, b, sizeof(float) * (size_t)d);
+            if (d < 16 || levels_top() < levels_index_of("avx512")) continue;
+            fill_normal(&r, a, d, 2.0);
+            memcpy(b, a, sizeof(float) * (size_t)d);
+            kvarn_hadamard_scalar(a, d);
+            kvarn_hadamard_avx512(b, d);
             assert_memory_equal(a, b, sizeof(float) * (size_t)d);
         }
 #endif
