@@ -124,6 +124,27 @@ static void test_matches_matrix(void **state)
  * process runs: the walk of tests/common/levels.h) equal the scalar oracle
  * bit for bit, one vector and many rows at a time. The AVX2 kernels run
  * where the library runs AVX2 (levels_top). */
+#ifdef KVARN_HADAMARD_HAVE_AVX2
+/* One SIMD variant against the scalar oracle, bit for bit: rows vectors
+ * of d through its rows entry, then one vector through the single one
+ * (a, b: scratch of rows * d floats). */
+static void check_variant(test_rng *r, void (*rows_fn)(float *, int, int), void (*one)(float *, int),
+                          int d, int rows, float *a, float *b)
+{
+    const int n = rows * d;
+    fill_normal(r, a, n, 3.0);
+    memcpy(b, a, sizeof(float) * (size_t)n);
+    for (int i = 0; i < rows; i++) kvarn_hadamard_scalar(a + i * d, d);
+    rows_fn(b, rows, d);
+    assert_memory_equal(a, b, sizeof(float) * (size_t)n);
+    fill_normal(r, a, d, 1.0);
+    memcpy(b, a, sizeof(float) * (size_t)d);
+    kvarn_hadamard_scalar(a, d);
+    one(b, d);
+    assert_memory_equal(a, b, sizeof(float) * (size_t)d);
+}
+#endif
+
 static void test_simd_equals_scalar(void **state)
 {
     (void)state;
@@ -152,30 +173,10 @@ static void test_simd_equals_scalar(void **state)
             if (it.index == 0) assert_true(f == kvarn_hadamard_scalar);
         }
 #ifdef KVARN_HADAMARD_HAVE_AVX2
-        if (levels_top() >= levels_index_of("avx512")) {
-            fill_normal(&r, a, n, 3.0);
-            memcpy(b, a, sizeof(float) * (size_t)n);
-            for (int i = 0; i < rows; i++) kvarn_hadamard_scalar(a + i * d, d);
-            kvarn_hadamard_rows_avx512(b, rows, d);
-            assert_memory_equal(a, b, sizeof(float) * (size_t)n);
-            fill_normal(&r, a, d, 1.0);
-            memcpy(b, a, sizeof(float) * (size_t)d);
-            kvarn_hadamard_scalar(a, d);
-            kvarn_hadamard_avx512(b, d);
-            assert_memory_equal(a, b, sizeof(float) * (size_t)d);
-        }
-        if (levels_top() >= levels_index_of("avx2")) {
-            fill_normal(&r, a, n, 3.0);
-            memcpy(b, a, sizeof(float) * (size_t)n);
-            for (int i = 0; i < rows; i++) kvarn_hadamard_scalar(a + i * d, d);
-            kvarn_hadamard_rows_avx2(b, rows, d);
-            assert_memory_equal(a, b, sizeof(float) * (size_t)n);
-            fill_normal(&r, a, d, 1.0);
-            memcpy(b, a, sizeof(float) * (size_t)d);
-            kvarn_hadamard_scalar(a, d);
-            kvarn_hadamard_avx2(b, d);
-            assert_memory_equal(a, b, sizeof(float) * (size_t)d);
-        }
+        if (levels_top() >= levels_index_of("avx512"))
+            check_variant(&r, kvarn_hadamard_rows_avx512, kvarn_hadamard_avx512, d, rows, a, b);
+        if (levels_top() >= levels_index_of("avx2"))
+            check_variant(&r, kvarn_hadamard_rows_avx2, kvarn_hadamard_avx2, d, rows, a, b);
 #endif
     }
 #ifdef KVARN_HADAMARD_HAVE_AVX2
