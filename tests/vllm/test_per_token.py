@@ -116,12 +116,20 @@ def test_int8_follows_fp32_cache(smol, smol_k_e):
         assert r["token_ids"][:2] == k["token_ids"][:2]
 
 
-def test_int8_prefix_caching_warm_equals_cold(smol):
+def test_int8_prefix_caching_warm_follows_cold(smol, smol_k_e):
+    """LONG again with its two full blocks from the prefix cache: the warm
+    run reads the records the cold run wrote and computes only the rest.
+    The two are not the same computation bit for bit (the cold prompt was
+    prefilled in one batch with the short ones, the warm one alone: other
+    row counts in the weight matmuls and in attention's work items), so the
+    warm tokens follow the cold run's by the near-tie rule, whose bound a
+    wrong block (another prompt's records, a stale slot) far exceeds."""
     cold = smol["int8"]["outputs"][-1]
     warm, = smol["int8"]["rounds"][0]
     assert cold["num_cached_tokens"] == 0
     assert warm["num_cached_tokens"] >= 256, warm["num_cached_tokens"]
-    assert warm["token_ids"] == cold["token_ids"]
+    first = _near_tie(cold, warm, float(smol_k_e[1:].max()))
+    assert first >= 2 and warm["token_ids"][:2] == cold["token_ids"][:2]
 
 
 def test_int8_ngram_speculation_follows_fp32_cache(smol_ref):
