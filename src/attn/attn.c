@@ -156,19 +156,6 @@ static void staged_tile(const attn_run *run, attn_rows *r, int t0, int nt)
     r->qa_ready = ATTN_QA_NONE;
 }
 
-/* sum_d x[d] as 8 interleaved partial sums added pairwise at the end:
- * the compiler vectorizes it, where one serial fp32 chain took D
- * dependent additions a row (4% of a short prefill's attention). */
-static float row_sum(const float *x, int D)
-{
-    float p[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    int d = 0;
-    for (; d + 8 <= D; d += 8)
-        for (int k = 0; k < 8; k++) p[k] += x[d + k];
-    for (; d < D; d++) p[0] += x[d];
-    return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
-}
-
 static void item_task(void *ctx, int task, int worker)
 {
     const attn_run *run = ctx;
@@ -186,7 +173,7 @@ static void item_task(void *ctx, int task, int worker)
         for (int j = 0; j < g->group; j++) {
             int row = qi * g->group + j, head = it->kvh * g->group + j;
             const size_t src = ((size_t)(attn_q_start(run, it->seq) + it->q0 + qi) * g->Hq + head) * D;
-            float *dst = q + (size_t)row * D;
+            float *dst = q + (size_t)row * D, sum = 0.0f;
             if (run->o.io_bf16) {
                 const uint16_t *q16 = (const uint16_t *)run->q + src;
                 for (int d = 0; d < D; d++) dst[d] = kvarn__bf16_to_f32(q16[d]) * run->o.softmax_scale;
@@ -195,7 +182,8 @@ static void item_task(void *ctx, int task, int worker)
                 for (int d = 0; d < D; d++) dst[d] = q32[d] * run->o.softmax_scale;
             }
             if (g->is_kvarn) run->rotate(dst, D);
-            qsum[row] = row_sum(dst, D);
+            for (int d = 0; d < D; d++) sum += dst[d];
+            qsum[row] = sum;
             attn_query_limits(run, sv->seq_len, ql, it->q0 + qi, &lo[row], &hi[row]);
             r.m[row] = -INFINITY;
             r.l[row] = 0.0f;
