@@ -222,6 +222,9 @@ class KvarnError(RuntimeError):
     status = 0
 
 
+ERR_BUFFER_TOO_SMALL = -5   # kvarn.h KVARN_ERR_BUFFER_TOO_SMALL
+
+
 def check(status: int, what: str) -> None:
     if status != 0:
         msg = lib().kvarn_strerror(status).decode()

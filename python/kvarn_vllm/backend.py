@@ -73,6 +73,30 @@ class KvarnMetadata:
     num_draft: np.ndarray | None = None   # int32 [num_reqs] or None (no speculation)
 
 
+def _token_step(md: KvarnMetadata):
+    """A per-token step's attention arguments, (qsl, lens, tables, zeros,
+    m, seqs): query_start_loc from 0, seq_lens, block tables (int32
+    numpy), m the requests' query rows (num_actual_tokens, unless vLLM
+    padded the batch) and the kvarn_seq_view array (ops.seq_views); None
+    for a step without requests. Made by the step's first layer and kept
+    on its metadata for the others (they all read the same one)."""
+    step = md.__dict__.get("_kvarn_token_step")
+    if step is None:
+        qsl = np.ascontiguousarray(md.query_start_loc.cpu().numpy(), dtype=np.int32)
+        qsl = qsl - qsl[0]
+        lens = np.ascontiguousarray(md.seq_lens.cpu().numpy(), dtype=np.int32)
+        ns = len(lens)
+        if ns == 0:
+            step = ()
+        else:
+            tables = np.ascontiguousarray(md.block_table.cpu().numpy(), dtype=np.int32)
+            zeros = np.zeros(ns, dtype=np.int32)
+            step = (qsl, lens, tables, zeros, int(qsl[-1]),
+                    _State.ops.seq_views(tables, lens, zeros, zeros))
+        md._kvarn_token_step = step
+    return step or None
+
+
 class KvarnMetadataBuilder(AttentionMetadataBuilder[KvarnMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -250,7 +274,12 @@ class KvarnAttentionImpl(AttentionImpl):
         """A per-token format's view of the layer's cache tensor [blocks,
         Hk, N, record_bytes] (uint8; N = vLLM's kernel block): block b,
         KV head h, token j at blocks + b * stride(0) + h * stride(1) + j *
-        stride(2) (paged.h kvarn_paged_token_record); no pages."""
+        stride(2) (paged.h kvarn_paged_token_record); no pages. Kept for
+        the tensor it was made of (the layer's cache is allocated once)."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride())
+        cached = self.__dict__.get("_tview")
+        if cached is not None and cached[0] == key:
+            return cached[1]
         v = _lib.PagedKV()
         v.fmt = self.fmt
         v.head_dim, v.n_kv_heads = self.head_size, self.num_kv_heads
@@ -263,9 +292,24 @@ class KvarnAttentionImpl(AttentionImpl):
         v.token_record_bytes = kv_cache.stride(2) * es
         v.n_blocks = kv_cache.shape[0]
         v.staging = _lib.STAGING_FP16   # read for KVarN only; per-token views take 0
+        self._tview = (key, v)
         return v
 
-    def _view(self, kv_cache: torch.Tensor, pages: torch.Tensor) -> _lib.PagedKV:
+    def _view(self, kv_cache: torch.Tensor, pages: torch.Tensor,
+              has_sink: bool = True) -> _lib.PagedKV:
+        """The KVarN layer's view: its records (kv_cache), the staging
+        pool's pages and the fp16 sinks; has_sink False: the same without
+        sink tiles (for the groups whose sequence has none yet). Kept per
+        has_sink for the tensors it was made of, so callers read it and
+        never change it."""
+        sk = self.sinks if self.sink_partial > 0 else None
+        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), pages.data_ptr(),
+               pages.shape, pages.stride(), _State.staging_kind,
+               None if sk is None else (sk.data_ptr(), sk.shape, sk.stride()))
+        cache = self.__dict__.setdefault("_views", {})
+        cached = cache.get(has_sink)
+        if cached is not None and cached[0] == key:
+            return cached[1]
         v = _lib.PagedKV()
         v.fmt = self.fmt
         v.head_dim, v.n_kv_heads, v.block_size = self.head_size, self.num_kv_heads, self.G
@@ -288,6 +332,10 @@ class KvarnAttentionImpl(AttentionImpl):
         v.n_fp16_pages = pages.shape[0]
         v.staging = _State.staging_kind
         v.staging_record_bytes = _State.pool_size["record_bytes"]
+        if not has_sink:
+            v.sink_tiles = 0
+            v.sink_partial = 0
+        cache[has_sink] = (key, v)
         return v
 
     def _page_shape(self, tokens: int = 0) -> tuple:
@@ -400,8 +448,14 @@ class KvarnAttentionImpl(AttentionImpl):
         n = md.num_actual_tokens
         if self.per_token:
             # each token's record straight into its slot (a slot written
-            # before, a rejected draft's, is overwritten)
-            slots = np.ascontiguousarray(slot_mapping[:n].cpu().numpy(), dtype=np.int64)
+            # before, a rejected draft's, is overwritten); the slots
+            # converted once a step (every layer gets the same mapping)
+            c = md.__dict__.get("_kvarn_slots")
+            if c is None or c[0] is not slot_mapping or c[1] != n:
+                c = (slot_mapping, n,
+                     np.ascontiguousarray(slot_mapping[:n].cpu().numpy(), dtype=np.int64))
+                md._kvarn_slots = c
+            slots = c[2]
             _State.ops.store(self._token_view(kv_cache), key, value, slots, n,
                              self.num_kv_heads, self.head_size)
             return
@@ -460,20 +514,16 @@ class KvarnAttentionImpl(AttentionImpl):
         """One causal kvarn_attn_multi call over the per-token records: the
         queries of request i are its last q_len positions, each seeing the
         records of positions <= itself (its own stored just before)."""
-        n = md.num_actual_tokens
-        Hq = self.num_heads
-        qsl = np.ascontiguousarray(md.query_start_loc.cpu().numpy(), dtype=np.int32)
-        qsl = qsl - qsl[0]
-        lens = np.ascontiguousarray(md.seq_lens.cpu().numpy(), dtype=np.int32)
-        ns = len(lens)
-        if ns == 0 or n == 0:
+        if md.num_actual_tokens == 0:
             return output
-        tables = np.ascontiguousarray(md.block_table.cpu().numpy(), dtype=np.int32)
-        m = int(qsl[-1])   # the requests' query rows (n, unless vLLM padded the batch)
+        step = _token_step(md)
+        if step is None:
+            return output
+        qsl, lens, tables, zeros, m, seqs = step
         q, out, res = self._io(query, output, m)
-        zeros = np.zeros(ns, dtype=np.int32)
         _State.ops.attend(self._token_view(kv_cache), tables, lens, zeros, zeros, qsl, q, res,
-                          Hq, self.scale, self.sliding_window, self._sink_logits())
+                          self.num_heads, self.scale, self.sliding_window, self._sink_logits(),
+                          seqs=seqs)
         if res is not out:
             out.copy_(res)   # converts to the model's dtype
         return output
@@ -502,28 +552,39 @@ class KvarnAttentionImpl(AttentionImpl):
         if ng == 0:
             return
         sinks = self._sink_logits()
-        for has_sink in ((True,) if p.g_sink.all() else (True, False)):
-            sel = np.nonzero(p.g_sink == has_sink)[0]
-            if len(sel) == 0:
-                continue
-            view = self._view(kv_cache, self.pool_tensor)
-            if not has_sink:
-                view.sink_tiles = 0
-                view.sink_partial = 0
-            whole = len(sel) == ng
-            rows = [(p.groups[j][2], p.groups[j][3]) for j in sel]
+        ids = self._ids(p)
+        calls = ids.get("attend")
+        if calls is None:
+            # this step's arguments of the groups with (and without) a sink,
+            # made by the first layer and kept with the plan's ids
+            calls = []
+            for has_sink in ((True,) if p.g_sink.all() else (True, False)):
+                sel = np.nonzero(p.g_sink == has_sink)[0]
+                if len(sel) == 0:
+                    continue
+                rows = [(p.groups[j][2], p.groups[j][3]) for j in sel]
+                if len(sel) == ng:
+                    qsl = (p.g_qsl - p.g_qsl[0]).astype(np.int32)
+                else:
+                    qsl = np.zeros(len(sel) + 1, dtype=np.int32)
+                    qsl[1:] = np.cumsum([b - a for a, b in rows])
+                tables = np.ascontiguousarray(ids["g_tables"][sel])
+                lens, comm, sslot = (np.ascontiguousarray(x[sel]) for x in
+                                     (p.g_len, p.g_committed, p.g_sink_slot))
+                calls.append((has_sink, len(sel), rows, qsl, tables, lens, comm, sslot,
+                              _State.ops.seq_views(tables, lens, comm, sslot)))
+            ids["attend"] = calls
+        for has_sink, n_sel, rows, qsl, tables, lens, comm, sslot, seqs in calls:
+            view = self._view(kv_cache, self.pool_tensor, has_sink)
+            whole = n_sel == ng
             if whole:
-                qsel, qsl = q, (p.g_qsl - p.g_qsl[0]).astype(np.int32)
-                osel = res
+                qsel, osel = q, res
             else:
                 qsel = torch.cat([q[a:b] for a, b in rows]).contiguous()
-                qsl = np.zeros(len(sel) + 1, dtype=np.int32)
-                qsl[1:] = np.cumsum([b - a for a, b in rows])
                 osel = torch.empty_like(qsel)
-            _State.ops.attend(view, np.ascontiguousarray(self._ids(p)["g_tables"][sel]),
-                              p.g_len[sel],
-                              p.g_committed[sel], p.g_sink_slot[sel], qsl, qsel, osel,
-                              self.num_heads, self.scale, self.sliding_window, sinks)
+            _State.ops.attend(view, tables, lens, comm, sslot, qsl, qsel, osel,
+                              self.num_heads, self.scale, self.sliding_window, sinks,
+                              seqs=seqs)
             if not whole:
                 off = 0
                 for a, b in rows:
@@ -548,15 +609,16 @@ class KvarnAttentionImpl(AttentionImpl):
         """The plan's page ids as this layer's view numbers them: its slots
         are pages [0, n_slots), the shared scratch tile k is page n_slots +
         k + scratch_shift (module docstring; the plan numbers it n_slots + k,
-        the last layer's view). Cached on the plan per shift."""
-        d = self.scratch_shift
+        the last layer's view). Cached on the plan per shift (one entry for
+        every layer when the step has no scratch tile: no page to shift)."""
+        d = self.scratch_shift if p.n_scratch else 0
         cache = p.__dict__.setdefault("_ids_by_shift", {})
         if d in cache:
             return cache[d]
         ns = _State.staging.n_slots
         slots = p.store_slots
         tables = p.g_tables
-        if d and p.n_scratch:
+        if d:
             slots = slots.copy()
             slots[slots >= ns * self.G] += d * self.G
             tables = tables.copy()

@@ -82,38 +82,59 @@ class CpuOps:
         _lib.check(L.kvarn_paged_commit(ctypes.byref(view), src.ctypes.data, dst.ctypes.data,
                                         len(src), None, self.cws.data_ptr(), ws_bytes), "commit")
 
+    @staticmethod
+    def seq_views(tables: np.ndarray, lens: np.ndarray, committed: np.ndarray,
+                  sink_slots: np.ndarray):
+        """The kvarn_seq_view array (attn.h) of one attention call: tables
+        int32 [ng, W] contiguous, lens, committed, sink_slots int32 [ng].
+        Built once a step and shared by the step's layers (backend.py): it
+        keeps tables alive (the views point into it)."""
+        ng = len(lens)
+        seqs = (_lib.SeqView * ng)()
+        base, row = tables.ctypes.data, tables.strides[0] if ng else 0
+        for j in range(ng):
+            sv = seqs[j]
+            sv.block_table = base + j * row
+            sv.seq_len = int(lens[j])
+            sv.committed_tiles = int(committed[j])
+            sv.sink_slot = int(sink_slots[j])
+        seqs._tables = tables
+        return seqs
+
     def attend(self, view, tables: np.ndarray, lens: np.ndarray, committed: np.ndarray,
                sink_slots: np.ndarray, qsl: np.ndarray, q: torch.Tensor, out: torch.Tensor,
-               num_heads: int, scale: float, window: int, sinks=None) -> None:
-        """tables int32 [ng, W]; lens, committed, sink_slots int32 [ng]
+               num_heads: int, scale: float, window: int, sinks=None, seqs=None) -> None:
+        """tables int32 [ng, W] contiguous; lens, committed, sink_slots int32 [ng]
         (sink_slots read only when view.sink_partial > 0); qsl int32 [ng+1]
         (from 0); q, out [qsl[-1], Hq, D] contiguous, both fp32 or both
         bf16 (io_dtypes); sinks None or fp32 [Hq] contiguous, the learned
-        sink logits (attn.h)."""
+        sink logits (attn.h); seqs None or seq_views() of these arrays.
+        The workspace is grown only when the call finds it too small
+        (kvarn_attn_multi checks it before it writes anything)."""
         if q.dtype != out.dtype or q.dtype not in self.io_dtypes:
             raise _lib.KvarnError(f"kvarn: attention q/out dtypes {q.dtype}/{out.dtype}")
         L = _lib.lib()
         ng = len(lens)
-        seqs = (_lib.SeqView * ng)()
-        for j in range(ng):
-            seqs[j].block_table = tables[j].ctypes.data
-            seqs[j].seq_len = int(lens[j])
-            seqs[j].committed_tiles = int(committed[j])
-            seqs[j].sink_slot = int(sink_slots[j])
+        if seqs is None:
+            seqs = self.seq_views(tables, lens, committed, sink_slots)
         opts = _lib.AttnOpts(scale, window, 1, None,
                              None if sinks is None else sinks.data_ptr(),
                              1 if q.dtype == torch.bfloat16 else 0)
-        nthr = L.kvarn_thread_pool_size(self.pool)
-        ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), num_heads, ng,
-                                                int(q.shape[0]), nthr, ctypes.byref(opts))
-        if ws_bytes == 0:
-            raise _lib.KvarnError("kvarn: attention workspace size refused")
-        if self.ws is None or self.ws.numel() < ws_bytes:
-            self.ws = torch.empty(ws_bytes, dtype=torch.uint8)
-        _lib.check(L.kvarn_attn_multi(ctypes.byref(view), ctypes.addressof(seqs), ng,
-                                      qsl.ctypes.data, num_heads, q.data_ptr(), out.data_ptr(),
-                                      ctypes.byref(opts), self.pool, self.ws.data_ptr(),
-                                      self.ws.numel()), "attention")
+        args = (ctypes.byref(view), ctypes.addressof(seqs), ng, qsl.ctypes.data, num_heads,
+                q.data_ptr(), out.data_ptr(), ctypes.byref(opts), self.pool)
+        st = (_lib.ERR_BUFFER_TOO_SMALL if self.ws is None
+              else L.kvarn_attn_multi(*args, self.ws.data_ptr(), self.ws.numel()))
+        if st == _lib.ERR_BUFFER_TOO_SMALL:
+            ws_bytes = L.kvarn_attn_workspace_bytes(ctypes.byref(view), num_heads, ng,
+                                                    int(q.shape[0]),
+                                                    L.kvarn_thread_pool_size(self.pool),
+                                                    ctypes.byref(opts))
+            if ws_bytes == 0:
+                raise _lib.KvarnError("kvarn: attention workspace size refused")
+            if self.ws is None or self.ws.numel() < ws_bytes:
+                self.ws = torch.empty(ws_bytes, dtype=torch.uint8)
+            st = L.kvarn_attn_multi(*args, self.ws.data_ptr(), self.ws.numel())
+        _lib.check(st, "attention")
 
 
 class CudaOps:
@@ -168,8 +189,10 @@ class CudaOps:
         _lib.check(self.C.kvarn_cuda_commit(ctypes.byref(view), s.data_ptr(), d.data_ptr(),
                                             len(src), None, self._stream()), "CUDA commit")
 
+    seq_views = staticmethod(lambda *a: None)   # CpuOps' host array: not used here
+
     def attend(self, view, tables, lens, committed, sink_slots, qsl, q, out, num_heads, scale,
-               window, sinks=None) -> None:
+               window, sinks=None, seqs=None) -> None:
         # sink_slots: never read, cuda.h refuses sink_partial > 0 (check())
         ng = len(lens)
         shape = _lib.CudaAttnShape(ng, num_heads, int(tables.shape[1]), int(lens.max()),
