@@ -1361,14 +1361,18 @@ static void test_kernel_info(void **state)
                                         D % 32 == 0 && D <= 512;
                     const kvarn_attn_arith mat_arith =
                         fmt.kind == KVARN_KIND_INT8 ? KVARN_ATTN_ARITH_BF16X2 : KVARN_ATTN_ARITH_BF16;
-                    const int amx_here = kvarn__cpu_amx() == KVARN_CPU_AMX_TILES && mat_fmt;
+                    /* the tiles, or their emulation where KVARN_AMX=emulate
+                     * asks for it (cpu.h) */
+                    const kvarn_cpu_amx amx = kvarn__cpu_amx();
+                    const int amx_here = amx != KVARN_CPU_AMX_NONE && mat_fmt;
                     const int staged_mat = fmt.kind == KVARN_KIND_KVARN &&
                                            (st == KVARN_STAGING_INT8 || st == KVARN_STAGING_INT4);
                     assert_int_equal(info.matrix != NULL, amx_here);
                     assert_int_equal(info.matrix_rows, amx_here ? 16 : 0);
                     assert_int_equal(info.matrix_staged, amx_here && staged_mat ? 32 : 0);
                     if (amx_here) {
-                        assert_string_equal(info.matrix, "amx-bf16");
+                        assert_string_equal(info.matrix,
+                                            amx == KVARN_CPU_AMX_TILES ? "amx-bf16" : "amx-bf16-emulated");
                         assert_int_equal(info.matrix_scores, mat_arith);
                         assert_int_equal(info.matrix_sums, mat_arith);
                     }
