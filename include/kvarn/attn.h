@@ -249,22 +249,28 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *                           expf) (src/attn/kernel_amx.c,
  *                           docs/attention-matrix.md).
  *   KVARN_ATTN_ARITH_BF16   (the matrix kernel's matrix_scores and
- *                           matrix_sums) the folded query q'_d a_d (scores;
- *                           staged per-token records: q'_d), or each
- *                           softmax weight times its value scale, p_t a_t
- *                           (sums), rounded once to bf16 (nearest even:
- *                           relative error at most 2^-8; below 2^-126 read
- *                           as 0), times the centred codes (code -
- *                           2^(bits - 1), exact in bf16) on AMX tiles with
- *                           fp32 sums, as vLLM's bf16 attention rounds its
- *                           queries, keys and weights; zero-point terms,
+ *                           matrix_sums) KVarN records: the query q'_d,
+ *                           each key s_tok_t (a_d c_td + b_d) and each
+ *                           value s_chan_d (a_t c_td + b_t) (formed in
+ *                           fp32: one FMA, then the product) and each
+ *                           softmax weight p_t rounded to bf16, as vLLM's
+ *                           bf16 cache holds its keys and values and its
+ *                           attention rounds queries and weights; staged
+ *                           per-token records and the int4 format's
+ *                           blocks: q'_d and each p_t a_t (a_t the value
+ *                           scale) rounded once to bf16, times the centred
+ *                           codes (code - 2^(bits - 1), exact in bf16),
+ *                           zero-point terms fp32. Nearest even: relative
+ *                           error at most 2^-8 a rounding; below 2^-126
+ *                           read as 0. On AMX tiles with fp32 sums;
  *                           softmax and output fp32, the softmax's 2^x by
  *                           a degree-3 fit (relative error below 7.5e-5,
  *                           src/attn/kernel_amx.c; the emulated build:
  *                           expf).
  * An integer half may still keep fp32 for a call whose run-time conditions
  * it does not meet (KVarN: a tile where any query row's max |q_d a_d| is
- * below 2^-100, or any reaches 2^80; int8: a span over 256 tokens, so
+ * below 2^-100, or any reaches 2^80, and for the matrix kernel a row's
+ * |q'_d| reaching 2^80 or a key bound of 2^36; int8: a span over 256 tokens, so
  * every span where the cache's block_size exceeds 256), and U8 keeps INT16
  * for a tile with a negative or NaN value scale a_t (which no encoder
  * writes); FP32 means it never rounds. */
@@ -316,9 +322,9 @@ typedef struct kvarn_attn_kernel_info {
                                        hold at least this many query tokens
                                        (32: prefill chunks, not
                                        verification's 1 + K) go through it
-                                       too, with the same arithmetic (q'
-                                       rounded once to bf16 in place of the
-                                       folded query); 0, and in the other
+                                       too, with the same rounding of q'
+                                       and the weights (the codes exact,
+                                       centred); 0, and in the other
                                        items: the staging's token kernel
                                        (staged_scores, staged_sums) */
 } kvarn_attn_kernel_info;

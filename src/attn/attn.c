@@ -139,10 +139,11 @@ static float *lse_at(const attn_run *run, int s, int qi, int head)
  * per-token format, as for a block of that format, or, for items of
  * ATTN_STAGED_MATRIX_MIN_QUERIES query tokens or more (prefill chunks)
  * where the records' matrix kernel runs, its per-token form
- * (kernel_amx.c). The AVX-512 int8 kernel and the per-token matrix kernel
- * keep their rounded query in r->qa across calls (qa_ready says whose),
- * where the KVarN kernels keep theirs: the flag is cleared on both sides
- * of the call. */
+ * (kernel_amx.c). The AVX-512 int8 kernel and the matrix kernels keep
+ * their rounded query in r->qa across calls (qa_ready says whose), where
+ * the KVarN vector kernels keep theirs per tile: the flag is cleared on
+ * both sides of the call (the records' matrix kernel then forms its bf16
+ * query again). */
 static void staged_tile(const attn_run *run, attn_rows *r, int t0, int nt)
 {
     r->qa_ready = ATTN_QA_NONE;

@@ -114,8 +114,9 @@ typedef struct attn_rows {
                            the kernel that wrote it (0 from rows_of, per
                            item: nothing): ATTN_QA_INT8 the AVX-512 int8
                            kernel's rounded query, ATTN_QA_BF16 /
-                           ATTN_QA_BF16X2 the per-token matrix kernel's
-                           bf16 query (kernel_amx.c token_span) */
+                           ATTN_QA_BF16X2 the matrix kernels' bf16
+                           query (kernel_amx.c rows_query: the records'
+                           and the per-token spans') */
     float *s;           /* scratch [n][gs] scores, then weights */
     float *rc;          /* scratch [n] a per-row constant */
     float *psum;        /* [n] each row's sum of the last tile's softmax

@@ -92,9 +92,11 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
     const int mat = (g->is_kvarn || kv->fmt.kind == KVARN_KIND_INT4 || x2) &&
                     g->rows_max >= ATTN_MATRIX_MIN_ROWS && attn_matrix_geometry(g->D, mG);
     g->rows_alloc = mat ? (g->rows_max + 15) / 16 * 16 : g->rows_max;
-    /* and the rows' folded queries, bf16 [rows][D], and their weights,
-     * bf16 [rows][G] (rows_alloc <= 272, D <= 512, G <= 128), twice for
-     * the int8 format (kernel_amx.c token_span) */
+    /* and the rows' weights, bf16 [rows][G] (rows_alloc <= 272, D <= 512,
+     * G <= 128), twice for the int8 format (kernel_amx.c token_span),
+     * beside room for bf16 [rows][D] that no kernel uses since the
+     * queries moved into the rows' qa (kernel_amx.c rows_query): kept, so
+     * that kvarn_attn_workspace_bytes did not change with it */
     g->mat_floats = mat ? attn_round_f((size_t)g->D * (size_t)mG + (size_t)(x2 ? 2 : 1) * (size_t)g->rows_alloc *
                                                                        ((size_t)g->D + (size_t)mG) / 2)
                         : 0;

@@ -8,30 +8,33 @@
  * logic on any CPU.
  *
  * Per tile (a 128-, 64- or 32-token record, ../shared/spec/KVARN.md
- * "Attention over records"), the codes are unpacked once into bf16,
- * centred (code - C, C = 2^(bits - 1): exact in bf16; the zero points take
- * C a in fp32), the per-channel key scales a_d folded into the queries and
- * the per-token value scales a_t into the softmax weights, as the spec's
- * per-row algebra does; then, over all the item's rows, in three passes
- * (each block of 16 rows on the tiles):
- *   scores  S = bf16(q' a) . Kcodes            (16 x D) . (D x G), fp32 out
- *   softmax s_t = s_tok_t (S_t + sum_d q'_d b'_d), the row's max, then
- *           p_t = 2^((s_t - m) log2 e), w_t = bf16(p_t a_t), in one pass
- *   sums    O = w . Vcodes                       (16 x G) . (G x D)
- *           acc_d = corr acc_d + s_chan_d (O_d + sum_t p_t b'_t)
+ * "Attention over records"), the keys and values are dequantized once
+ * into bf16, k_td = s_tok_t (a_d c_td + b_d) and v_td = s_chan_d (a_t c_td
+ * + b_t), each formed in fp32 (one FMA, then the product) and rounded to
+ * bf16 (nearest even), as vLLM's bf16 cache holds them; the rows' query is
+ * rounded to bf16 once an item (rows_query, shared with the staged
+ * tokens' per-token kernel). Then, over all the item's rows, in three
+ * passes (each block of 16 rows on the tiles):
+ *   scores  S = bf16(q') . bf16(K)              (16 x D) . (D x G), fp32 out
+ *   softmax the row's max, then p_t = 2^((S_t - m) log2 e), w_t = bf16(p_t)
+ *   sums    O = w . bf16(V)                     (16 x G) . (G x D)
+ *           acc_d = corr acc_d + O_d
  * with fp32 sums (TDPBF16PS). The passes run over all rows in turn so that
  * no tile load reads what the instructions just before it stored. The
  * rounding this adds, the statement the tests derive their bounds from
- * (attn.h KVARN_ATTN_ARITH_BF16, matrix_scores and matrix_sums): each
- * q'_d a_d and each p_t a_t rounded once to bf16 (nearest even: relative
- * error <= 2^-8), as vLLM's bf16 attention rounds its queries, keys and
- * weights, times the exact centred codes (uncentred, one bf16 moved the
- * output of the tests' random data by 3-7%: the zero-point term cancels
- * most of the product; centred, 0.7-1.5%, docs/attention-matrix.md).
- * Inputs below 2^-126 read as 0 by the tiles; the zero-point terms, the
- * softmax and acc stay fp32. A tile whose metadata is not finite, or whose
- * rows reach |q'_d a_d| >= 2^80, runs the fallback kernel (the level's
- * own) instead, as the int16 kernels do.
+ * (attn.h KVARN_ATTN_ARITH_BF16, matrix_scores and matrix_sums): the
+ * query, each key and value and each weight rounded once to bf16
+ * (relative error <= 2^-8 each), vLLM's bf16 attention's roundings. An
+ * earlier form folded the per-channel key scales into the query per tile
+ * and the per-token scales and zero points into the softmax per score
+ * (the centred codes exact): its per-score work made the softmax pass the
+ * kernel's largest part; dequantizing once per tile moves that work out
+ * of the rows' loop (docs/attention-matrix.md). Inputs below 2^-126 read
+ * as 0 by the tiles; the softmax and acc stay fp32. A tile whose metadata
+ * is not finite, whose keys' bound s_tok (a (2^kb - 1) + b) reaches 2^36,
+ * or whose rows reach |q'_d| >= 2^80, runs the fallback kernel (the
+ * level's own) instead, as the int16 kernels do: every score then stays
+ * below 2^125.
  */
 #include <math.h>
 #include <string.h>
@@ -48,24 +51,74 @@
 #define AMX_FN(name) attn_amx_##name
 #endif
 
-/* K codes (record.h: channel d's row of G tokens), centred, into the B
- * layout of the score product: kmat[(d / 2) G + t][d % 2], bf16 (exact). */
-__attribute__((noinline)) static void unpack_k(const uint8_t *kc, int D, int G, int kb, uint16_t *kmat)
+/* Two rows of 16 fp32 values, x0 and x1, as bf16 (nearest even) in the
+ * pair layout of a B operand: out[2 i] = bf16(x0[i]), out[2 i + 1] =
+ * bf16(x1[i]), i < 16. */
+#ifndef KVARN_AMX_EMULATE
+static inline void pair_bf16_store(__m512 x0, __m512 x1, uint16_t *out)
+{
+    static const int16_t idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)idx),
+                                                      (__m512i)_mm512_cvtne2ps_pbh(x1, x0)));
+}
+#endif
+
+/* The record's keys k_td = s_tok_t (a_d c_td + b_d) (c the K codes,
+ * record.h: channel d's row of G tokens; the multiply-add one fp32 FMA,
+ * then the product), rounded to bf16, into the B layout of the score
+ * product: kmat[(d / 2) G + t][d % 2]. */
+__attribute__((noinline)) static void dequant_k(const uint8_t *kc, int D, int G, int kb, const float *ka,
+                                                const float *kbias, const float *stok, uint16_t *kmat)
 {
     const size_t krow = (size_t)G * kb / 8;
-    for (int d = 0; d < D; d += 2)
-        amx_pair_packed(kc + (size_t)d * krow, kc + (size_t)(d + 1) * krow, G, kb,
-                        kmat + (size_t)d * G);
+#ifdef KVARN_AMX_EMULATE
+    for (int d = 0; d < D; d++)
+        for (int t = 0; t < G; t++) {
+            const int c = (kc[(size_t)d * krow + (size_t)t * kb / 8] >> ((t * kb) % 8)) & ((1 << kb) - 1);
+            kmat[((size_t)(d / 2) * G + t) * 2 + (d & 1)] = amx_bf16_of(fmaf(ka[d], (float)c, kbias[d]) * stok[t]);
+        }
+#else
+    for (int d = 0; d < D; d += 2) {
+        const __m512 a0 = _mm512_set1_ps(ka[d]), b0 = _mm512_set1_ps(kbias[d]);
+        const __m512 a1 = _mm512_set1_ps(ka[d + 1]), b1 = _mm512_set1_ps(kbias[d + 1]);
+        const uint8_t *r0 = kc + (size_t)d * krow, *r1 = r0 + krow;
+        for (int t = 0; t < G; t += 16) {
+            const __m512 st = _mm512_loadu_ps(stok + t);
+            const __m512 x0 = _mm512_mul_ps(_mm512_fmadd_ps(a0, _mm512_cvtepi32_ps(amx_codes16(r0, t, kb)), b0), st);
+            const __m512 x1 = _mm512_mul_ps(_mm512_fmadd_ps(a1, _mm512_cvtepi32_ps(amx_codes16(r1, t, kb)), b1), st);
+            pair_bf16_store(x0, x1, kmat + (size_t)d * G + 2 * (size_t)t);
+        }
+    }
+#endif
 }
 
-/* V codes (token t's row of D channels), centred, into the B layout of
- * the value product: vmat[(t / 2) D + d][t % 2]. */
-__attribute__((noinline)) static void unpack_v(const uint8_t *vc, int D, int G, int vb, uint16_t *vmat)
+/* The record's values v_td = s_chan_d (a_t c_td + b_t) (c the V codes,
+ * token t's row of D channels; FMA, then the product), rounded to bf16,
+ * into the B layout of the value product: vmat[(t / 2) D + d][t % 2]. */
+__attribute__((noinline)) static void dequant_v(const uint8_t *vc, int D, int G, int vb, const float *schan,
+                                                const float *va, const float *vbias, uint16_t *vmat)
 {
     const size_t vrow = (size_t)D * vb / 8;
-    for (int t = 0; t < G; t += 2)
-        amx_pair_packed(vc + (size_t)t * vrow, vc + (size_t)(t + 1) * vrow, D, vb,
-                        vmat + (size_t)t * D);
+#ifdef KVARN_AMX_EMULATE
+    for (int t = 0; t < G; t++)
+        for (int d = 0; d < D; d++) {
+            const int c = (vc[(size_t)t * vrow + (size_t)d * vb / 8] >> ((d * vb) % 8)) & ((1 << vb) - 1);
+            vmat[((size_t)(t / 2) * D + d) * 2 + (t & 1)] = amx_bf16_of(schan[d] * fmaf(va[t], (float)c, vbias[t]));
+        }
+#else
+    for (int t = 0; t < G; t += 2) {
+        const __m512 a0 = _mm512_set1_ps(va[t]), b0 = _mm512_set1_ps(vbias[t]);
+        const __m512 a1 = _mm512_set1_ps(va[t + 1]), b1 = _mm512_set1_ps(vbias[t + 1]);
+        const uint8_t *r0 = vc + (size_t)t * vrow, *r1 = r0 + vrow;
+        for (int d = 0; d < D; d += 16) {
+            const __m512 sc = _mm512_loadu_ps(schan + d);
+            const __m512 x0 = _mm512_mul_ps(sc, _mm512_fmadd_ps(a0, _mm512_cvtepi32_ps(amx_codes16(r0, d, vb)), b0));
+            const __m512 x1 = _mm512_mul_ps(sc, _mm512_fmadd_ps(a1, _mm512_cvtepi32_ps(amx_codes16(r1, d, vb)), b1));
+            pair_bf16_store(x0, x1, vmat + (size_t)t * D + 2 * (size_t)d);
+        }
+    }
+#endif
 }
 
 #ifndef KVARN_AMX_EMULATE
@@ -132,13 +185,13 @@ static inline __m512 tree16(const __m512 *x, int mx)
 
 /* The online-softmax step (attn_internal.h: m, l, psum; acc rescaled) of
  * row i over its tile's score products c [G], of which the first nt are
- * tokens (before s_tok and the bias
- * term: s_t = s_tok_t (c_t + rc_i) for a KVarN record, kz NULL; s_t =
- * s_tok_t c_t + kz_t qs for per-token records, s_tok their K scales, kz
- * their centred K zero points, qs the row's sum_d q'_d); c is overwritten.
- * Writes the weights w_t = bf16(p_t a_t) into w [G] (zero where no
- * position is visible; wlo non-NULL: the two bf16 halves of p_t a_t,
- * amx_bf16_split, into w and wlo) and z = sum_t p_t b_t into rc_i.
+ * tokens: the scores themselves for a KVarN record (its keys dequantized:
+ * stok, kz, va, vbias NULL), else (per-token records) s_t = s_tok_t c_t +
+ * kz_t qs, s_tok their K scales, kz their centred K zero points, qs the
+ * row's sum_d q'_d (c is overwritten). Writes the weights w_t = bf16(p_t
+ * a_t) (a KVarN record: bf16(p_t)) into w [G] (zero where no position is
+ * visible; wlo non-NULL: the two bf16 halves of p_t a_t, amx_bf16_split,
+ * into w and wlo) and z = sum_t p_t b_t (a KVarN record: 0) into rc_i.
  * G % 32 == 0. */
 #ifdef KVARN_AMX_EMULATE
 static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, const float *stok,
@@ -152,10 +205,10 @@ static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, co
         r->rc[i] = 0.0f;
         return;
     }
-    const float cb = r->rc[i], m_old = r->m[i];
+    const float m_old = r->m[i];
     float mt = -INFINITY;
     for (int t = a; t < b; t++) {
-        c[t] = kz ? stok[t] * c[t] + kz[t] * qs : stok[t] * (c[t] + cb);
+        if (stok) c[t] = stok[t] * c[t] + kz[t] * qs;
         mt = c[t] > mt ? c[t] : mt;
     }
     const float m_new = mt > m_old ? mt : m_old;
@@ -163,9 +216,10 @@ static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, co
     for (int t = 0; t < G; t++) {
         const float p = t >= a && t < b ? expf(c[t] - m_new) : 0.0f;
         sum += p;
-        zz += p * vbias[t];
-        if (wlo) amx_bf16_split(p * va[t], &w[t], &wlo[t]);
-        else w[t] = amx_bf16_of(p * va[t]);
+        if (vbias) zz += p * vbias[t];
+        const float x = va ? p * va[t] : p;
+        if (wlo) amx_bf16_split(x, &w[t], &wlo[t]);
+        else w[t] = amx_bf16_of(x);
     }
     /* an unchanged max skips the call: expf(0) = 1 */
     const float corr = m_old == -INFINITY ? 0.0f : m_new == m_old ? 1.0f : expf(m_old - m_new);
@@ -217,7 +271,7 @@ static void softmax_block(attn_rows *r, int i0, int rb, int t0, int nt, int G, f
         seen |= (__mmask16)(1u << j);
         const int full = a == 0 && b == G;
         const __m512i vlo = _mm512_set1_epi32(a - 1), vhi = _mm512_set1_epi32(b);
-        const __m512 vcb = _mm512_set1_ps(r->rc[i]), vqs = _mm512_set1_ps(kz ? r->qsum[i] : 0.0f);
+        const __m512 vqs = _mm512_set1_ps(stok ? r->qsum[i] : 0.0f);
         __m512 mx = ninf;
         for (int t = 0; t < G; t += 16) {
             __mmask16 k = (__mmask16)0xffff;
@@ -225,10 +279,11 @@ static void softmax_block(attn_rows *r, int i0, int rb, int t0, int nt, int G, f
                 const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(t));
                 k = _mm512_cmpgt_epi32_mask(idx, vlo) & _mm512_cmpgt_epi32_mask(vhi, idx);
             }
-            const __m512 sv = kz ? _mm512_fmadd_ps(_mm512_loadu_ps(stok + t), _mm512_loadu_ps(cj + t),
-                                                   _mm512_mul_ps(_mm512_loadu_ps(kz + t), vqs))
-                                 : _mm512_mul_ps(_mm512_loadu_ps(stok + t), _mm512_add_ps(_mm512_loadu_ps(cj + t), vcb));
-            _mm512_storeu_ps(cj + t, sv);
+            __m512 sv = _mm512_loadu_ps(cj + t);
+            if (stok) {
+                sv = _mm512_fmadd_ps(_mm512_loadu_ps(stok + t), sv, _mm512_mul_ps(_mm512_loadu_ps(kz + t), vqs));
+                _mm512_storeu_ps(cj + t, sv);
+            }
             mx = _mm512_mask_max_ps(mx, k, mx, sv);
             ok[j][t / 16] = k;
         }
@@ -250,10 +305,13 @@ static void softmax_block(attn_rows *r, int i0, int rb, int t0, int nt, int G, f
             const __m512 p1 =
                 exp2_512(ok[j][t / 16 + 1], _mm512_fmsub_ps(_mm512_loadu_ps(cj + t + 16), l2e, ml2e), fine);
             sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            z = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vbias + t), z);
-            z = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vbias + t + 16), z);
-            const __m512 x0 = _mm512_mul_ps(p0, _mm512_loadu_ps(va + t));
-            const __m512 x1 = _mm512_mul_ps(p1, _mm512_loadu_ps(va + t + 16));
+            __m512 x0 = p0, x1 = p1;
+            if (va) {
+                z = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vbias + t), z);
+                z = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vbias + t + 16), z);
+                x0 = _mm512_mul_ps(p0, _mm512_loadu_ps(va + t));
+                x1 = _mm512_mul_ps(p1, _mm512_loadu_ps(va + t + 16));
+            }
             const __m512i wb = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
             _mm512_storeu_si512(wj + t, wb);
             if (wlo) /* x - bf16(x) (exact in fp32), rounded to bf16 */
@@ -304,61 +362,55 @@ static void acc_update(float *acc, const float *o, const float *schan, float z, 
 #endif
 }
 
-/* Every row's query q'_d a_d (a NULL: q'_d) as one bf16 into aq [n][D]
- * (aqlo non-NULL: as two, amx_bf16_split, the second halves into aqlo);
- * with kbias, rc_i = sum_d q'_d kbias_d (the records' zero-point term).
- * Returns the largest |q'_d a_d| (the callers' range check: below 2^80),
- * or +inf where some rc_i is not below 2^100 in magnitude, so that every
- * score the kernel forms is finite (|s| < 2^16 (2^80 2^3 2^9 + 2^100)).
- * The AVX-512 form takes 16 rows at a time: the bf16 conversion of each
- * row, its dot product's partial sums per lane, then the 16 rows' sums
- * together (tree16) and one running max for all rows. */
-static float fold_queries(attn_rows *r, const float *a, const float *kbias, uint16_t *aq, uint16_t *aqlo)
+/* Every row's query q'_d as one bf16 into aq [n][D] (aqlo non-NULL: as
+ * two, amx_bf16_split, the second halves into aqlo). Returns the largest
+ * |q'_d| (the callers' range check: below 2^80). */
+static float fold_queries(attn_rows *r, uint16_t *aq, uint16_t *aqlo)
 {
     const int D = r->D;
 #ifdef KVARN_AMX_EMULATE
     float qmax = 0.0f;
     for (int i = 0; i < r->n; i++) {
         float m;
-        const float z = amx_split_scaled(r->q + (size_t)i * D, a, kbias, D, aq + (size_t)i * D,
-                                         aqlo ? aqlo + (size_t)i * D : NULL, &m);
-        if (kbias) r->rc[i] = z;
+        (void)amx_split_scaled(r->q + (size_t)i * D, NULL, NULL, D, aq + (size_t)i * D,
+                               aqlo ? aqlo + (size_t)i * D : NULL, &m);
         qmax = m > qmax ? m : qmax;
-        if (kbias && !(fabsf(z) < 0x1p100f)) qmax = INFINITY;
     }
     return qmax;
 #else
-    __m512 mx = _mm512_setzero_ps(), dots[16];
-    __mmask16 bad = 0;
-    for (int r0 = 0; r0 < r->n; r0 += 16) {
-        const int rb = r->n - r0 < 16 ? r->n - r0 : 16;
-        for (int j = 0; j < rb; j++) {
-            const float *x = r->q + (size_t)(r0 + j) * D;
-            uint16_t *h = aq + (size_t)(r0 + j) * D;
-            __m512 acc = _mm512_setzero_ps();
-            for (int d = 0; d < D; d += 16) {
-                const __m512 xv = _mm512_loadu_ps(x + d);
-                const __m512 v = a ? _mm512_mul_ps(xv, _mm512_loadu_ps(a + d)) : xv;
-                mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-                const __m256i hb = (__m256i)_mm512_cvtneps_pbh(v);
-                _mm256_storeu_si256((__m256i *)(h + d), hb);
-                if (aqlo) /* v - bf16(v) (exact in fp32), rounded to bf16 */
-                    _mm256_storeu_si256((__m256i *)(aqlo + (size_t)(r0 + j) * D + d),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(
-                                            v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16)))));
-                if (kbias) acc = _mm512_fmadd_ps(xv, _mm512_loadu_ps(kbias + d), acc);
-            }
-            dots[j] = acc;
+    __m512 mx = _mm512_setzero_ps();
+    for (int i = 0; i < r->n; i++) {
+        const float *x = r->q + (size_t)i * D;
+        uint16_t *h = aq + (size_t)i * D;
+        for (int d = 0; d < D; d += 16) {
+            const __m512 v = _mm512_loadu_ps(x + d);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+            const __m256i hb = (__m256i)_mm512_cvtneps_pbh(v);
+            _mm256_storeu_si256((__m256i *)(h + d), hb);
+            if (aqlo) /* v - bf16(v) (exact in fp32), rounded to bf16 */
+                _mm256_storeu_si256((__m256i *)(aqlo + (size_t)i * D + d),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(
+                                        v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16)))));
         }
-        if (!kbias) continue;
-        for (int j = rb; j < 16; j++) dots[j] = _mm512_setzero_ps();
-        const __mmask16 valid = (__mmask16)((1u << rb) - 1u);
-        const __m512 z = tree16(dots, 0);
-        _mm512_mask_storeu_ps(r->rc + r0, valid, z);
-        bad |= _mm512_mask_cmp_ps_mask(valid, _mm512_abs_ps(z), _mm512_set1_ps(0x1p100f), _CMP_NLT_UQ);
     }
-    return bad ? INFINITY : _mm512_reduce_max_ps(mx);
+    return _mm512_reduce_max_ps(mx);
 #endif
+}
+
+/* The rows' bf16 query (x2: and its second halves after it) in r->qa,
+ * formed once an item (R x D floats hold 2 nr D halves) and kept while
+ * qa_ready says so; a query reaching 2^80 is never kept. Returns whether
+ * it is there. */
+static int rows_query(attn_rows *r, int x2)
+{
+    const int want = x2 ? ATTN_QA_BF16X2 : ATTN_QA_BF16;
+    if (r->qa_ready == want) return 1;
+    r->qa_ready = ATTN_QA_NONE;
+    uint16_t *aq = (uint16_t *)(void *)r->qa;
+    const float qmax = fold_queries(r, aq, x2 ? aq + (size_t)((r->n + 15) & ~15) * r->D : NULL);
+    if (!(qmax < 0x1p80f)) return 0;
+    r->qa_ready = want;
+    return 1;
 }
 
 /* The products and the softmax over a tile of G columns (nt of them
@@ -407,7 +459,7 @@ static void three_passes(attn_rows *r, int t0, int nt, int G, const uint16_t *aq
 void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec, int t0,
                         int nt, attn_record_tile_fn fallback)
 {
-    const int D = r->D, G = L->tile_tokens, n = r->n, gs = r->gs;
+    const int D = r->D, G = L->tile_tokens, gs = r->gs;
     float *ka = r->meta, *kbias = ka + D, *schan = kbias + D;
     float *stok = schan + D, *va = stok + gs, *vbias = va + gs;
     kvarn__fp16_load(rec + L->k_a_off, D, ka);
@@ -419,33 +471,38 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
     if (!(kvarn__all_finite(ka, (size_t)D) && kvarn__all_finite(kbias, (size_t)D) &&
           kvarn__all_finite(schan, (size_t)D) && kvarn__all_finite(stok, (size_t)G) &&
           kvarn__all_finite(va, (size_t)G) && kvarn__all_finite(vbias, (size_t)G))) {
+        r->qa_ready = ATTN_QA_NONE; /* the fallback may use qa */
         fallback(r, L, rec, t0, nt);
         return;
     }
-    /* Centred codes (unpack_k, unpack_v: code - C, C = 2^(bits - 1)): the
-     * zero points take C a (fp32), so that the products' terms are about
-     * as large as the dequantized values' and their rounding relative to
-     * those, not to the uncentred codes' larger sums. */
-    const float ck = (float)(1 << (L->key_bits - 1)), cv = (float)(1 << (L->value_bits - 1));
-    for (int d = 0; d < D; d++) kbias[d] += ck * ka[d];
-    /* The scratch (attn_internal.h attn_rows.mat): the codes, then the
-     * halves of every row's folded query and every row's weights, for
-     * whole blocks of 16 rows (rows n .. nr - 1 hold whatever they hold:
-     * they feed only product rows that are never read). The folded
-     * queries first, with their range check: a row reaching 2^80 sends
-     * the tile to the fallback (which sets rc itself). */
-    const int nr = (n + 15) & ~15;
-    uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * G;
-    uint16_t *aq = vmat + (size_t)D * G, *w = aq + (size_t)nr * D;
-    if (!(fold_queries(r, ka, kbias, aq, NULL) < 0x1p80f)) {
+    /* The keys' largest magnitude, bounded by the metadata: with the
+     * query below 2^80 and D <= 2^9 every score stays below 2^125 (and
+     * every product's bf16 operand finite) */
+    float smax = 0.0f, amax = 0.0f, bmax = 0.0f;
+    for (int t = 0; t < G; t++) smax = fmaxf(smax, fabsf(stok[t]));
+    for (int d = 0; d < D; d++) {
+        amax = fmaxf(amax, fabsf(ka[d]));
+        bmax = fmaxf(bmax, fabsf(kbias[d]));
+    }
+    const float kmax = smax * (amax * (float)((1 << L->key_bits) - 1) + bmax);
+    /* the rows' bf16 query, once an item (shared with the staged tokens'
+     * kernel, token_span); a row reaching 2^80, or keys reaching 2^36,
+     * send the tile to the fallback */
+    if (!(kmax < 0x1p36f) || !rows_query(r, 0)) {
+        r->qa_ready = ATTN_QA_NONE; /* the fallback may use qa */
         fallback(r, L, rec, t0, nt);
         return;
     }
+    /* The scratch (attn_internal.h attn_rows.mat): the keys and values in
+     * bf16, then every row's weights, for whole blocks of 16 rows (rows n
+     * .. nr - 1 hold whatever they hold: they feed only product rows
+     * that are never read). */
+    uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * G, *w = vmat + (size_t)D * G;
     attn_prefetch_step(r->pf, attn_prefetch_left(r->pf));
-    for (int t = 0; t < G; t++) vbias[t] += cv * va[t];
-    unpack_k(rec + L->k_codes_off, D, G, L->key_bits, kmat);
-    unpack_v(rec + L->v_codes_off, D, G, L->value_bits, vmat);
-    three_passes(r, t0, G, G, aq, NULL, kmat, vmat, w, NULL, stok, NULL, va, vbias, schan);
+    dequant_k(rec + L->k_codes_off, D, G, L->key_bits, ka, kbias, stok, kmat);
+    dequant_v(rec + L->v_codes_off, D, G, L->value_bits, schan, va, vbias, vmat);
+    three_passes(r, t0, G, G, (const uint16_t *)(const void *)r->qa, NULL, kmat, vmat, w, NULL, NULL, NULL, NULL,
+                 NULL, NULL);
 }
 
 /* ------------------------------------------------- per-token records
@@ -508,20 +565,16 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
     }
     const int nr = (n + 15) & ~15;
     /* The rows' bf16 query (x2: and its second halves after it), the same
-     * for every span of the item: formed once into r->qa (R x D floats
-     * hold 2 nr D halves) and kept there while qa_ready says so; a query
-     * reaching 2^80 is never kept (each span then runs the fallback). */
-    const int want = x2 ? ATTN_QA_BF16X2 : ATTN_QA_BF16;
+     * for every span of the item (and the item's records, kvarn_tile):
+     * formed once (rows_query); a query reaching 2^80 is never kept (each
+     * span then runs the fallback). */
+    const int have = rows_query(r, x2);
     uint16_t *aq = (uint16_t *)(void *)r->qa, *aqlo = x2 ? aq + (size_t)nr * D : NULL;
-    if (r->qa_ready != want) {
-        r->qa_ready = ATTN_QA_NONE;
-        if (fold_queries(r, NULL, NULL, aq, aqlo) < 0x1p80f) r->qa_ready = want;
-    }
     /* the scratch: codes, weights (x2: their second halves after them;
      * attn_plan.c sizes it) */
     uint16_t *kmat = r->mat, *vmat = kmat + (size_t)D * np, *w = vmat + (size_t)D * np;
     uint16_t *wlo = x2 ? w + (size_t)nr * np : NULL;
-    if (!(r->qa_ready == want && kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
+    if (!(have && kvarn__all_finite(ks, (size_t)ns) && kvarn__all_finite(kz, (size_t)ns) &&
           kvarn__all_finite(vs, (size_t)ns) && kvarn__all_finite(vz, (size_t)ns))) {
         r->qa_ready = ATTN_QA_NONE; /* the fallback may use qa */
         fallback(r, L, tok, t0, ns);

@@ -220,6 +220,21 @@ static inline const uint8_t *idb_staged_rec(const kvarn_paged_kv *kv, const kvar
     return NULL;
 }
 
+/* A KVarN key or value as the matrix kernel dequantizes it (kernel_amx.c
+ * dequant_k, dequant_v): bf16 (nearest even) of the fp32 s (a c + b), the
+ * multiply-add one FMA; values the tiles read as 0 (below 2^-126) as 0. */
+static inline double idb_dequant_bf16(float s, float a, int c, float b)
+{
+    const float x = s * fmaf(a, (float)c, b);
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    u &= 0xffff0000u;
+    float y;
+    memcpy(&y, &u, 4);
+    return fabsf(y) < 0x1p-126f ? 0.0 : (double)y;
+}
+
 /* The bf16 rounding (nearest even) the matrix kernel applies to a value
  * whose exact form is X and whose fp32 form in the kernel lies within ea
  * of it: where no rounding boundary (a midpoint between neighbouring bf16
@@ -520,70 +535,62 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
             }
         }
         if (mat) {
-            /* The matrix kernel (attn.h KVARN_ATTN_ARITH_BF16 or _BF16X2).
-             * K: qa_d rounded to one bf16 (BF16: relative error u_k =
-             * 2^-8) or carried as hi + lo (BF16X2: u_k = 2^-16), plus
-             * 2^-126 (a value the tiles read as 0), on top of the kernel's
-             * fp32 qa_d, off the exact one by at most ea_d (its rotated
-             * query off by (log2 D + 3) 2^-24 sum_i |q_i| / sqrt(D) per
-             * channel as above, the product one more rounding), times the
-             * centred codes the kernel multiplies (code - 2^(kb - 1)):
-             * score t moves by at most
-             *   |s_tok_t| (|sum_d e_d c'_dt| + sum_d cw_d |c'_dt|),  c' = code - 2^(kb - 1),
-             * BF16: e_d the error of bf16(qa_d), known from the data, and
-             * cw_d = 0, but for a channel within ea_d of a rounding
-             * boundary (e_d = 0, cw_d one step: idb_bf16_err); BF16X2:
-             * e_d = 0, cw_d = u_k (|qa_d| + ea_d) + ea_d + 2^-126; plus
-             * the tiles' fp32 sums of the exact products, D 2^-24 of
-             * their magnitudes.
-             * V: the weights w_t = p_t a_t rounded to one bf16 (BF16: u =
-             * 2^-8) or carried likewise (BF16X2: u = 2^-16), channel d of
-             * acc moves by at most u sum_t p_t |a_t| |code_td - 2^(vb - 1)| |s_chan_d|
-             * (plus 2^-126 per token), and divided by l (the tiles' shares
-             * of l sum to at most 1) by at most the largest over the tiles
-             * of u max_t |a_t| 2^(vb - 1) |s_chan_d| (centred codes). */
-            const double u = info.matrix_sums == KVARN_ATTN_ARITH_BF16 ? 0x1p-8 : 0x1p-16;
-            const double uk = info.matrix_scores == KVARN_ATTN_ARITH_BF16 ? 0x1p-8 : 0x1p-16;
+            /* The matrix kernel (attn.h KVARN_ATTN_ARITH_BF16): the query
+             * q'_d rounded to bf16 (its error e_d known from the data but
+             * near a rounding boundary, idb_bf16_err, on top of the
+             * kernel's fp32 q'_d, off the exact one by at most ea_d: its
+             * rotation (log2 D + 3) 2^-24 sum_i |q_i| / sqrt(D) per
+             * channel, the scale one more rounding), each key formed as
+             * the kernel forms it, K_td = bf16(fl(s_tok_t fl(a_d c_td +
+             * b_d))) (idb_dequant_bf16: exactly), so that score t moves by at
+             * most
+             *   |sum_d e_d K_td + sum_d q'_d (K_td - k_td)| + sum_d cw_d |K_td|
+             *   + sum_d ea_d |K_td - k_td| + D 2^-24 sum_d |bf16(q'_d) K_td|
+             * (k_td = s_tok_t (a_d c_td + b_d) exact; the last term the
+             * tiles' fp32 sums). V: each value formed likewise, V_td =
+             * bf16(fl(s_chan_d fl(a_t c_td + b_t))) (exactly), the weights
+             * p_t rounded to bf16 (2^-8, plus 2^-126 a token for the ones
+             * the tiles read as 0): channel d of acc / l moves by at most
+             * the largest over the tiles of 2^-8 max_t |V_td| + max_t
+             * |V_td - v_td| + G 2^-126 max_t |V_td| (the tiles' shares of
+             * l sum to at most 1). */
             const int kb = fmt->key_bits, vb = fmt->value_bits;
             const double lg = log2((double)D) + 3.0;
-            double q1 = 0.0, cw[1024];
+            double q1 = 0.0, e[1024], cw[1024], ea[1024];
             for (int d = 0; d < D; d++) q1 += fabs(q[d]);
-            double e[1024], rq[1024];
             for (int d = 0; d < D; d++) {
-                const double a = idb_half(rec + L.k_a_off, d);
-                const double x = scale * qr[d] * a;
-                const double ea = fabs(a) * scale * lg * 0x1p-24 * q1 / sqrt((double)D) + fabs(x) * 0x1p-23;
-                if (uk == 0x1p-8) {
-                    /* one bf16: its error known from the data but near a
-                     * rounding boundary (idb_bf16_err) */
-                    idb_bf16_err(x, ea, &e[d], &cw[d]);
-                } else {
-                    e[d] = 0.0;
-                    cw[d] = uk * (fabs(x) + ea) + ea + 0x1p-126;
-                }
-                rq[d] = fabs(x + e[d]) + cw[d];
+                const double x = scale * qr[d];
+                ea[d] = scale * lg * 0x1p-24 * q1 / sqrt((double)D) + fabs(x) * 0x1p-23;
+                idb_bf16_err(x, ea[d], &e[d], &cw[d]);
             }
-            const uint8_t *kc = rec + L.k_codes_off;
-            const size_t krow = (size_t)G * kb / 8;
+            const uint8_t *kc = rec + L.k_codes_off, *vc = rec + L.v_codes_off;
+            const size_t krow = (size_t)G * kb / 8, vrow = (size_t)D * vb / 8;
             for (int t = 0; t < G; t++) {
+                const float st = (float)idb_half(rec + L.k_stok_off, t);
                 double sgn = 0.0, wc = 0.0, mag = 0.0;
                 for (int d = 0; d < D; d++) {
-                    const double ck = (double)idb_code(kc + (size_t)d * krow, t, kb) - (double)(1 << (kb - 1));
-                    sgn += e[d] * ck;
-                    wc += cw[d] * fabs(ck);
-                    mag += rq[d] * fabs(ck);
+                    const float a = (float)idb_half(rec + L.k_a_off, d), b = (float)idb_half(rec + L.k_b_off, d);
+                    const int c = idb_code(kc + (size_t)d * krow, t, kb);
+                    const double K = idb_dequant_bf16(st, a, c, b), k = (double)st * ((double)a * c + (double)b);
+                    const double x = scale * qr[d];
+                    sgn += e[d] * K + x * (K - k);
+                    wc += cw[d] * fabs(K) + ea[d] * fabs(K - k);
+                    mag += (fabs(x + e[d]) + cw[d]) * fabs(K);
                 }
-                /* plus the tiles' fp32 sums of exact products (D 2^-24 of
-                 * their magnitudes) */
-                delta = fmax(delta, fabs(idb_half(rec + L.k_stok_off, t)) * (fabs(sgn) + wc + D * 0x1p-24 * mag));
+                delta = fmax(delta, fabs(sgn) + wc + D * 0x1p-24 * mag);
             }
-            double amax = 0.0;
-            for (int t = 0; t < G; t++) amax = fmax(amax, fabs(idb_half(rec + L.v_a_off, t)));
-            /* the kernel multiplies centred codes, code - 2^(vb - 1): at most 2^(vb - 1) */
-            const double cmax = (double)(1 << (vb - 1));
-            for (int d = 0; d < D; d++)
-                ev[d] = fmax(ev[d], (u * amax + G * 0x1p-126) * cmax *
-                                        fabs(idb_half(rec + L.v_schan_off, d)));
+            for (int d = 0; d < D; d++) {
+                const float sc = (float)idb_half(rec + L.v_schan_off, d);
+                double vmax = 0.0, dv = 0.0;
+                for (int t = 0; t < G; t++) {
+                    const float a = (float)idb_half(rec + L.v_a_off, t), b = (float)idb_half(rec + L.v_b_off, t);
+                    const int c = idb_code(vc + (size_t)t * vrow, d, vb);
+                    const double V = idb_dequant_bf16(sc, a, c, b), vx = (double)sc * ((double)a * c + (double)b);
+                    vmax = fmax(vmax, fabs(V));
+                    dv = fmax(dv, fabs(V - vx));
+                }
+                ev[d] = fmax(ev[d], 0x1p-8 * vmax + dv + G * 0x1p-126 * vmax);
+            }
         }
         if (vint) {
             /* weights rounded in 32767 steps of the row's largest (INT16),
