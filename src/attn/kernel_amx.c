@@ -244,7 +244,7 @@ static void softmax_row(attn_rows *r, int i, int t0, int nt, int G, float *c, co
  * block's first row of scores (stride gs), w its weights (stride G; wlo
  * non-NULL: their second bf16 halves, stride G, as softmax_row, and every
  * 2^x by exp2_512's finer fit). */
-static void softmax_block(attn_rows *r, int i0, int rb, int t0, int nt, int G, float *c, int gs,
+static inline __attribute__((always_inline)) void softmax_block(attn_rows *r, int i0, int rb, int t0, int nt, int G, float *c, int gs,
                           const float *stok, const float *kz, const float *va, const float *vbias,
                           uint16_t *w, uint16_t *wlo)
 {
@@ -425,7 +425,7 @@ static int rows_query(attn_rows *r, int x2)
  * [nr][G]; aqlo, wlo (both NULL, or both scratch of the same shapes):
  * the second bf16 halves of the queries and of the weights, each product
  * then taking both halves (KVARN_ATTN_ARITH_BF16X2). */
-static void three_passes(attn_rows *r, int t0, int nt, int G, const uint16_t *aq, const uint16_t *aqlo,
+static inline __attribute__((always_inline)) void three_passes(attn_rows *r, int t0, int nt, int G, const uint16_t *aq, const uint16_t *aqlo,
                          const uint16_t *kmat, const uint16_t *vmat, uint16_t *w, uint16_t *wlo,
                          const float *stok, const float *kz, const float *va, const float *vbias,
                          const float *schan)
