@@ -514,8 +514,9 @@ void AMX_FN(kvarn_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_
  * c - C (C = 2^(bits - 1), exact in bf16)
  *   scores  s_t = ks_t (bf16(q') . c'_t) + (kz_t + C ks_t) sum_d q'_d
  *   sums    acc_d += sum_t bf16(p_t vs_t) c'_td + sum_t p_t (vz_t + C vs_t)
- * with the rounding statement of the records' (KVARN_ATTN_ARITH_BF16, the
- * query rounded once instead of the folded query), in spans of
+ * with KVARN_ATTN_ARITH_BF16's per-token form (q' and each p_t vs_t
+ * rounded once to bf16, the centred codes exact; the records' keys and
+ * values are dequantized instead, kvarn_tile above), in spans of
  * attn_token_matrix_span(gs) tokens, one online-softmax step each; also
  * the int4 format's blocks (attn_dispatch.c). The int8 format's blocks
  * (token_tile_x2) take q' and the weights p_t vs_t as two bf16 each
