@@ -51,74 +51,59 @@
 #define AMX_FN(name) attn_amx_##name
 #endif
 
-/* Two rows of 16 fp32 values, x0 and x1, as bf16 (nearest even) in the
- * pair layout of a B operand: out[2 i] = bf16(x0[i]), out[2 i + 1] =
- * bf16(x1[i]), i < 16. */
-#ifndef KVARN_AMX_EMULATE
-static inline void pair_bf16_store(__m512 x0, __m512 x1, uint16_t *out)
+/* Two rows of n packed codes of `bits` (record.h: low bits first), each
+ * with its own scale and zero point, dequantized with per-column scales
+ * s: x_ji = s_i fl(a_j c_ji + b_j) (one FMA, then the product), rounded to
+ * bf16 (nearest even) in the pair layout of a B operand: out[2 i] = x_0i,
+ * out[2 i + 1] = x_1i. n % 16 == 0. */
+static void pair_dequant(const uint8_t *r0, const uint8_t *r1, float a0, float b0, float a1, float b1,
+                         const float *s, int n, int bits, uint16_t *out)
 {
+#ifdef KVARN_AMX_EMULATE
+    for (int i = 0; i < n; i++) {
+        const int sh = (i * bits) % 8, mask = (1 << bits) - 1;
+        const int c0 = (r0[(size_t)i * bits / 8] >> sh) & mask, c1 = (r1[(size_t)i * bits / 8] >> sh) & mask;
+        out[2 * i] = amx_bf16_of(s[i] * fmaf(a0, (float)c0, b0));
+        out[2 * i + 1] = amx_bf16_of(s[i] * fmaf(a1, (float)c1, b1));
+    }
+#else
     static const int16_t idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(_mm512_loadu_si512((const void *)idx),
-                                                      (__m512i)_mm512_cvtne2ps_pbh(x1, x0)));
-}
+    const __m512i perm = _mm512_loadu_si512((const void *)idx);
+    const __m512 va0 = _mm512_set1_ps(a0), vb0 = _mm512_set1_ps(b0);
+    const __m512 va1 = _mm512_set1_ps(a1), vb1 = _mm512_set1_ps(b1);
+    for (int i = 0; i < n; i += 16) {
+        const __m512 sv = _mm512_loadu_ps(s + i);
+        const __m512 x0 = _mm512_mul_ps(sv, _mm512_fmadd_ps(va0, _mm512_cvtepi32_ps(amx_codes16(r0, i, bits)), vb0));
+        const __m512 x1 = _mm512_mul_ps(sv, _mm512_fmadd_ps(va1, _mm512_cvtepi32_ps(amx_codes16(r1, i, bits)), vb1));
+        /* bf16 of x0 then x1 (16 each), interleaved into pairs */
+        _mm512_storeu_si512(out + 2 * i, _mm512_permutexvar_epi16(perm, (__m512i)_mm512_cvtne2ps_pbh(x1, x0)));
+    }
 #endif
+}
 
 /* The record's keys k_td = s_tok_t (a_d c_td + b_d) (c the K codes,
- * record.h: channel d's row of G tokens; the multiply-add one fp32 FMA,
- * then the product), rounded to bf16, into the B layout of the score
- * product: kmat[(d / 2) G + t][d % 2]. */
+ * record.h: channel d's row of G tokens), rounded to bf16, into the B
+ * layout of the score product: kmat[(d / 2) G + t][d % 2]. */
 __attribute__((noinline)) static void dequant_k(const uint8_t *kc, int D, int G, int kb, const float *ka,
                                                 const float *kbias, const float *stok, uint16_t *kmat)
 {
     const size_t krow = (size_t)G * kb / 8;
-#ifdef KVARN_AMX_EMULATE
-    for (int d = 0; d < D; d++)
-        for (int t = 0; t < G; t++) {
-            const int c = (kc[(size_t)d * krow + (size_t)t * kb / 8] >> ((t * kb) % 8)) & ((1 << kb) - 1);
-            kmat[((size_t)(d / 2) * G + t) * 2 + (d & 1)] = amx_bf16_of(fmaf(ka[d], (float)c, kbias[d]) * stok[t]);
-        }
-#else
-    for (int d = 0; d < D; d += 2) {
-        const __m512 a0 = _mm512_set1_ps(ka[d]), b0 = _mm512_set1_ps(kbias[d]);
-        const __m512 a1 = _mm512_set1_ps(ka[d + 1]), b1 = _mm512_set1_ps(kbias[d + 1]);
-        const uint8_t *r0 = kc + (size_t)d * krow, *r1 = r0 + krow;
-        for (int t = 0; t < G; t += 16) {
-            const __m512 st = _mm512_loadu_ps(stok + t);
-            const __m512 x0 = _mm512_mul_ps(_mm512_fmadd_ps(a0, _mm512_cvtepi32_ps(amx_codes16(r0, t, kb)), b0), st);
-            const __m512 x1 = _mm512_mul_ps(_mm512_fmadd_ps(a1, _mm512_cvtepi32_ps(amx_codes16(r1, t, kb)), b1), st);
-            pair_bf16_store(x0, x1, kmat + (size_t)d * G + 2 * (size_t)t);
-        }
-    }
-#endif
+    for (int d = 0; d < D; d += 2)
+        pair_dequant(kc + (size_t)d * krow, kc + (size_t)(d + 1) * krow, ka[d], kbias[d], ka[d + 1],
+                     kbias[d + 1], stok, G, kb, kmat + (size_t)d * G);
 }
 
 /* The record's values v_td = s_chan_d (a_t c_td + b_t) (c the V codes,
- * token t's row of D channels; FMA, then the product), rounded to bf16,
- * into the B layout of the value product: vmat[(t / 2) D + d][t % 2]. */
+ * token t's row of D channels), rounded to bf16, into the B layout of the
+ * value product: vmat[(t / 2) D + d][t % 2]. */
 __attribute__((noinline)) static void dequant_v(const uint8_t *vc, int D, int G, int vb, const float *schan,
                                                 const float *va, const float *vbias, uint16_t *vmat)
 {
     const size_t vrow = (size_t)D * vb / 8;
-#ifdef KVARN_AMX_EMULATE
-    for (int t = 0; t < G; t++)
-        for (int d = 0; d < D; d++) {
-            const int c = (vc[(size_t)t * vrow + (size_t)d * vb / 8] >> ((d * vb) % 8)) & ((1 << vb) - 1);
-            vmat[((size_t)(t / 2) * D + d) * 2 + (t & 1)] = amx_bf16_of(schan[d] * fmaf(va[t], (float)c, vbias[t]));
-        }
-#else
-    for (int t = 0; t < G; t += 2) {
-        const __m512 a0 = _mm512_set1_ps(va[t]), b0 = _mm512_set1_ps(vbias[t]);
-        const __m512 a1 = _mm512_set1_ps(va[t + 1]), b1 = _mm512_set1_ps(vbias[t + 1]);
-        const uint8_t *r0 = vc + (size_t)t * vrow, *r1 = r0 + vrow;
-        for (int d = 0; d < D; d += 16) {
-            const __m512 sc = _mm512_loadu_ps(schan + d);
-            const __m512 x0 = _mm512_mul_ps(sc, _mm512_fmadd_ps(a0, _mm512_cvtepi32_ps(amx_codes16(r0, d, vb)), b0));
-            const __m512 x1 = _mm512_mul_ps(sc, _mm512_fmadd_ps(a1, _mm512_cvtepi32_ps(amx_codes16(r1, d, vb)), b1));
-            pair_bf16_store(x0, x1, vmat + (size_t)t * D + 2 * (size_t)d);
-        }
-    }
-#endif
+    for (int t = 0; t < G; t += 2)
+        pair_dequant(vc + (size_t)t * vrow, vc + (size_t)(t + 1) * vrow, va[t], vbias[t], va[t + 1],
+                     vbias[t + 1], schan, D, vb, vmat + (size_t)t * D);
 }
 
 #ifndef KVARN_AMX_EMULATE
