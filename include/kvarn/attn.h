@@ -16,7 +16,7 @@
  *
  * Threads: the caller creates one kvarn_thread_pool and passes it to every
  * call (NULL: run on the calling thread only). Work items are (sequence, KV
- * head, block of up to 256 query rows, context chunk); long contexts with
+ * head, block of up to 512 query rows, context chunk); long contexts with
  * few items are split into chunks (split-K) merged by log-sum-exp in a fixed
  * order, so a call is bit-for-bit deterministic for a given thread count
  * and options. Memory: the caller passes a workspace of

@@ -42,6 +42,7 @@ class CpuOps:
         self.pool = p
         self.ws = None
         self.cws = None
+        self.kv32 = None     # store's fp32 K/V, grown to the largest step
 
     def check(self, view) -> None:
         _lib.check(_lib.lib().kvarn_paged_check(ctypes.byref(view)), "page layout check")
@@ -54,8 +55,7 @@ class CpuOps:
         into block blocks[i] straight from these K/V as given (fp32, or
         bf16/fp16 widened exactly) by kvarn_paged_commit_exact, after they
         are staged for attention (kvarn_paged_store)."""
-        k = key[:n].reshape(n, Hk, D).float().contiguous()
-        v = value[:n].reshape(n, Hk, D).float().contiguous()
+        k, v = self._fp32(key, value, n, Hk, D)
         L = _lib.lib()
         _lib.check(L.kvarn_paged_store(ctypes.byref(view), k.data_ptr(), v.data_ptr(),
                                        slots.ctypes.data, n), "store")
@@ -67,6 +67,25 @@ class CpuOps:
                                               n, rows.ctypes.data, blocks.ctypes.data,
                                               len(rows), None, self.cws.data_ptr(), ws_bytes),
                    "exact commit")
+
+    def _fp32(self, key, value, n: int, Hk: int, D: int):
+        """key[:n], value[:n] as contiguous fp32 [n, Hk, D]: the tensors
+        themselves when they are that already, else converted into a
+        buffer kept for the next store (a prefill step's fresh 2 x n x Hk x
+        D floats would cost page faults and zeroing on top of the
+        conversion, each layer). The values are used before the next
+        store (kvarn_paged_store and the exact commit copy them)."""
+        k, v = key[:n].reshape(n, Hk, D), value[:n].reshape(n, Hk, D)
+        if k.dtype == torch.float32 and v.dtype == torch.float32:
+            return k.contiguous(), v.contiguous()
+        m = n * Hk * D
+        if self.kv32 is None or self.kv32.shape[1] < m:
+            self.kv32 = torch.empty(2, m, dtype=torch.float32)
+        k32 = self.kv32[0, :m].view(n, Hk, D)
+        v32 = self.kv32[1, :m].view(n, Hk, D)
+        k32.copy_(k)
+        v32.copy_(v)
+        return k32, v32
 
     def _commit_ws(self, view) -> int:
         """Bytes of the commit workspace, self.cws grown to hold them."""

@@ -174,8 +174,8 @@ typedef void (*attn_matrix_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
                                     attn_record_tile_fn fallback);
 #define ATTN_MATRIX_MIN_ROWS 16
 /* The staged tokens of a KVarN view take the matrix kernel in items of at
- * least this many query tokens (prefill chunks: 256 rows / the GQA group,
- * 32 or more up to a group of 8), not in verification's 1 + K: there the
+ * least this many query tokens (prefill chunks: 512 rows / the GQA group,
+ * 32 or more up to a group of 16), not in verification's 1 + K: there the
  * staged tail holds most of the attention, and the int16 kernel's query
  * (2^-16 of the row's largest) keeps verification as close to plain decode
  * as before (test_spec_decode's near-tie rule; one bf16, 2^-8, moved a

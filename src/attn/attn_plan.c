@@ -13,8 +13,13 @@
 #include "attn/attn_internal.h"
 #include "common/checked.h"
 
-/* Query rows (query tokens x GQA heads) one work item carries at most. */
-#define ROWS_TARGET 256
+/* Query rows (query tokens x GQA heads) one work item carries at most
+ * (for a GQA group of at most 512 heads). 512 rows keep a 128-query chunk
+ * (the vLLM plug-in's per-tile groups, docs/vllm.md "A step") one item
+ * for groups up to 4: each record tile is then dequantized and its
+ * metadata read once per chunk and KV head, not twice as with 256 rows
+ * (docs/attention-matrix.md "Speed and quality"). */
+#define ROWS_TARGET 512
 /* Per-token formats: one kernel call takes a span of whole blocks of at
  * least this many tokens, to spread the per-call softmax work. */
 #define SPAN_TOKENS 128 /* and SPAN_TOKENS <= ATTN_PREFETCH_MAX */
@@ -92,7 +97,7 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
     const int mat = (g->is_kvarn || kv->fmt.kind == KVARN_KIND_INT4 || x2) &&
                     g->rows_max >= ATTN_MATRIX_MIN_ROWS && attn_matrix_geometry(g->D, mG);
     g->rows_alloc = mat ? (g->rows_max + 15) / 16 * 16 : g->rows_max;
-    /* and the rows' weights, bf16 [rows][G] (rows_alloc <= 272, D <= 512,
+    /* and the rows' weights, bf16 [rows][G] (rows_alloc <= 528 for groups up to 512, D <= 512,
      * G <= 128), twice for the int8 format (kernel_amx.c token_span),
      * beside room for bf16 [rows][D] that no kernel uses since the
      * queries moved into the rows' qa (kernel_amx.c rows_query): kept, so
