@@ -20,6 +20,14 @@
  * metadata read once per chunk and KV head, not twice as with 256 rows
  * (docs/attention-matrix.md "Speed and quality"). */
 #define ROWS_TARGET 512
+/* Automatic split-K counts a call's work in units of this many rows (the
+ * items' size before ROWS_TARGET grew to 512), so that it splits the same
+ * calls as it did then: larger items did not make more work to share out,
+ * and a call's rows must not take another summation order because a
+ * neighbouring request's chunk changed the item count (tests/vllm
+ * test_serve's resumed-prompt test compares a chunked prefill with a
+ * whole one, token for token). */
+#define SPLIT_UNIT_ROWS 256
 /* Per-token formats: one kernel call takes a span of whole blocks of at
  * least this many tokens, to spread the per-call softmax work. */
 #define SPAN_TOKENS 128 /* and SPAN_TOKENS <= ATTN_PREFETCH_MAX */
@@ -114,8 +122,9 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
                                                                    (uint64_t)g->qblock),
                           &base);
     /* Items: forced split s: at most base * s. Auto (attn_plan()): unsplit,
-     * at most base; split only when n_base < 4 * threads, into fewer than
-     * n_base + 4 * threads < 8 * threads chunks. */
+     * at most base; split only when n_base (the call's units of
+     * SPLIT_UNIT_ROWS rows, at least its items) < 4 * threads, into fewer
+     * than n_base + 4 * threads < 8 * threads chunks. */
     const int split_k = attn_split_k_of(o);
     if (split_k >= 2) bad |= kvarn__mul_u64(base, (uint64_t)split_k, &split_chunks);
     else if (split_k == 0) split_chunks = 8 * (uint64_t)n_threads;
@@ -191,16 +200,19 @@ static void item_tiles(const attn_run *run, int s, int q0, int nq, int *t0, int 
 int attn_plan(attn_run *run, int n_seqs, int n_threads)
 {
     const attn_geom *g = &run->g;
+    /* the call's work in units of SPLIT_UNIT_ROWS rows (query tokens x the
+     * GQA group), per KV head */
+    const int unit_q = g->group >= SPLIT_UNIT_ROWS ? 1 : SPLIT_UNIT_ROWS / g->group;
     int n_base = 0;
     for (int s = 0; s < n_seqs; s++) {
         int ql = attn_q_len(run, s);
-        if (ql > 0 && run->seqs[s].seq_len > 0) n_base += g->Hk * ((ql + g->qblock - 1) / g->qblock);
+        if (ql > 0 && run->seqs[s].seq_len > 0) n_base += g->Hk * ((ql + unit_q - 1) / unit_q);
     }
     int want = 1;
     const int split_k = attn_split_k_of(&run->o);
     if (split_k >= 2) want = split_k;
     else if (split_k == 0 && n_threads > 1 && n_base > 0 && n_base < 4 * n_threads)
-        want = (4 * n_threads + n_base - 1) / n_base; /* ~4 chunks per worker */
+        want = (4 * n_threads + n_base - 1) / n_base; /* ~4 chunks per unit */
     int min_tiles = split_k >= 2 ? 1 : (SPLIT_MIN_TOKENS + g->G - 1) / g->G;
 
     int n = 0, ng = 0;
