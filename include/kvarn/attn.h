@@ -81,11 +81,9 @@ typedef struct kvarn_attn_opts {
                             q_len sees positions <= seq_len - q_len + i;
                             0: every query sees the whole sequence */
     const struct kvarn_attn_testing *testing; /* NULL (default): split-K
-                            automatic (with fewer than 4 work units per
-                            thread, a unit being a KV head's block of up to
-                            256 query rows, contexts are split into chunks
-                            of >= 512 tokens, ~4 per thread in all), the
-                            best kernels
+                            automatic (with fewer than 4 work items per
+                            thread, contexts are split into chunks of >= 512
+                            tokens, ~4 per thread in all), the best kernels
                             KVARN_SIMD allows. Else the experimental knobs
                             (KVARN_EXPERIMENTAL_API, below); borrowed for
                             the call. */
@@ -303,7 +301,7 @@ typedef struct kvarn_attn_kernel_info {
                                        items with at least matrix_rows
                                        query rows (prefill chunks,
                                        verification: query tokens x the GQA
-                                       group, up to 256 a work item) go
+                                       group, up to 512 a work item) go
                                        through the matrix kernel:
                                        "amx-bf16" (AMX tiles, where
                                        kvarn's level is AVX-512, the CPU

@@ -414,6 +414,8 @@ typedef struct attn_item {
 /* The geometry of a call and the bounds of its workspace (attn_make_geom). */
 typedef struct attn_geom {
     int D, G, Hk, Hq, group, qblock, rows_max;
+    int qblock_few;        /* queries of an item where a call has few
+                              (attn_plan.c ROWS_FEW), <= qblock */
     int rows_alloc;        /* rows of each per-row scratch array: rows_max,
                               rounded up to whole blocks of 16 where the
                               matrix kernel may run (its tiles take 16) */

@@ -14,20 +14,18 @@
 #include "common/checked.h"
 
 /* Query rows (query tokens x GQA heads) one work item carries at most
- * (for a GQA group of at most 512 heads). 512 rows keep a 128-query chunk
- * (the vLLM plug-in's per-tile groups, docs/vllm.md "A step") one item
- * for groups up to 4: each record tile is then dequantized and its
- * metadata read once per chunk and KV head, not twice as with 256 rows
+ * (for a GQA group of at most 512 heads), where a call has enough items for
+ * its threads (attn_plan). 512 rows keep a 128-query chunk (the vLLM
+ * plug-in's per-tile groups, docs/vllm.md "A step") one item for groups
+ * up to 4: each record tile is then dequantized and its metadata read once
+ * per chunk and KV head, not twice as with 256 rows
  * (docs/attention-matrix.md "Speed and quality"). */
 #define ROWS_TARGET 512
-/* Automatic split-K counts a call's work in units of this many rows (the
- * items' size before ROWS_TARGET grew to 512), so that it splits the same
- * calls as it did then: larger items did not make more work to share out,
- * and a call's rows must not take another summation order because a
- * neighbouring request's chunk changed the item count (tests/vllm
- * test_serve's resumed-prompt test compares a chunked prefill with a
- * whole one, token for token). */
-#define SPLIT_UNIT_ROWS 256
+/* ... and in a call with fewer than 4 such items per thread (more than one
+ * thread): the items of ROWS_TARGET's earlier value, so that such a call
+ * is planned as before (its items, their split-K chunks), the work shared
+ * out over more items. */
+#define ROWS_FEW 256
 /* Per-token formats: one kernel call takes a span of whole blocks of at
  * least this many tokens, to spread the per-call softmax work. */
 #define SPAN_TOKENS 128 /* and SPAN_TOKENS <= ATTN_PREFETCH_MAX */
@@ -87,6 +85,7 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
     g->span_tiles = g->is_kvarn || g->G >= SPAN_TOKENS ? 1 : SPAN_TOKENS / g->G;
     g->gs = (g->span_tiles * g->G + 7) / 8 * 8;
     g->qblock = g->group >= ROWS_TARGET ? 1 : ROWS_TARGET / g->group;
+    g->qblock_few = g->group >= ROWS_FEW ? 1 : ROWS_FEW / g->group; /* <= qblock */
     int qb = g->qblock < (max_total_q > 0 ? max_total_q : 1) ? g->qblock
                                                             : (max_total_q > 0 ? max_total_q : 1);
     g->rows_max = qb * g->group;
@@ -105,7 +104,7 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
     const int mat = (g->is_kvarn || kv->fmt.kind == KVARN_KIND_INT4 || x2) &&
                     g->rows_max >= ATTN_MATRIX_MIN_ROWS && attn_matrix_geometry(g->D, mG);
     g->rows_alloc = mat ? (g->rows_max + 15) / 16 * 16 : g->rows_max;
-    /* and the rows' weights, bf16 [rows][G] (rows_alloc <= 528 for groups up to 512, D <= 512,
+    /* and the rows' weights, bf16 [rows][G] (rows_alloc <= 512 for groups up to 512, D <= 512,
      * G <= 128), twice for the int8 format (kernel_amx.c token_span),
      * beside room for bf16 [rows][D] that no kernel uses since the
      * queries moved into the rows' qa (kernel_amx.c rows_query): kept, so
@@ -119,12 +118,12 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
     bad |= kvarn__mul3_u64((uint64_t)max_total_q, (uint64_t)n_q_heads, (uint64_t)g->D, &q_floats);
     bad |= kvarn__mul_u64((uint64_t)g->Hk,
                           (uint64_t)max_seqs + kvarn__ceil_div_u64((uint64_t)max_total_q,
-                                                                   (uint64_t)g->qblock),
+                                                                   (uint64_t)g->qblock_few),
                           &base);
     /* Items: forced split s: at most base * s. Auto (attn_plan()): unsplit,
-     * at most base; split only when n_base (the call's units of
-     * SPLIT_UNIT_ROWS rows, at least its items) < 4 * threads, into fewer
-     * than n_base + 4 * threads < 8 * threads chunks. */
+     * at most base (counted with qblock_few <= qblock, the smaller of the
+     * items attn_plan may take); split only when n_base < 4 * threads,
+     * into fewer than n_base + 4 * threads < 8 * threads chunks. */
     const int split_k = attn_split_k_of(o);
     if (split_k >= 2) bad |= kvarn__mul_u64(base, (uint64_t)split_k, &split_chunks);
     else if (split_k == 0) split_chunks = 8 * (uint64_t)n_threads;
@@ -200,19 +199,23 @@ static void item_tiles(const attn_run *run, int s, int q0, int nq, int *t0, int 
 int attn_plan(attn_run *run, int n_seqs, int n_threads)
 {
     const attn_geom *g = &run->g;
-    /* the call's work in units of SPLIT_UNIT_ROWS rows (query tokens x the
-     * GQA group), per KV head */
-    const int unit_q = g->group >= SPLIT_UNIT_ROWS ? 1 : SPLIT_UNIT_ROWS / g->group;
-    int n_base = 0;
+    /* Items of g->qblock queries, or of g->qblock_few where the larger
+     * ones are fewer than 4 per thread (ROWS_FEW); counted in 64 bits */
+    int64_t n_big = 0, n_base = 0;
     for (int s = 0; s < n_seqs; s++) {
-        int ql = attn_q_len(run, s);
-        if (ql > 0 && run->seqs[s].seq_len > 0) n_base += g->Hk * ((ql + unit_q - 1) / unit_q);
+        int64_t ql = attn_q_len(run, s);
+        if (ql > 0 && run->seqs[s].seq_len > 0) n_big += (int64_t)g->Hk * ((ql + g->qblock - 1) / g->qblock);
+    }
+    const int qblock = n_threads == 1 || n_big >= 4 * (int64_t)n_threads ? g->qblock : g->qblock_few;
+    for (int s = 0; s < n_seqs; s++) {
+        int64_t ql = attn_q_len(run, s);
+        if (ql > 0 && run->seqs[s].seq_len > 0) n_base += (int64_t)g->Hk * ((ql + qblock - 1) / qblock);
     }
     int want = 1;
     const int split_k = attn_split_k_of(&run->o);
     if (split_k >= 2) want = split_k;
-    else if (split_k == 0 && n_threads > 1 && n_base > 0 && n_base < 4 * n_threads)
-        want = (4 * n_threads + n_base - 1) / n_base; /* ~4 chunks per unit */
+    else if (split_k == 0 && n_threads > 1 && n_base > 0 && n_base < 4 * (int64_t)n_threads)
+        want = (int)((4 * (int64_t)n_threads + n_base - 1) / n_base); /* ~4 chunks per worker */
     int min_tiles = split_k >= 2 ? 1 : (SPLIT_MIN_TOKENS + g->G - 1) / g->G;
 
     int n = 0, ng = 0;
@@ -220,8 +223,9 @@ int attn_plan(attn_run *run, int n_seqs, int n_threads)
     for (int s = 0; s < n_seqs; s++) {
         int ql = attn_q_len(run, s);
         if (ql <= 0 || run->seqs[s].seq_len <= 0) continue;
-        for (int q0 = 0; q0 < ql; q0 += g->qblock) {
-            int nq = ql - q0 < g->qblock ? ql - q0 : g->qblock;
+        for (int64_t q0l = 0; q0l < ql; q0l += qblock) { /* 64 bits: ql near 2^31 */
+            const int q0 = (int)q0l;
+            int nq = ql - q0 < qblock ? ql - q0 : qblock;
             int t0, t1;
             item_tiles(run, s, q0, nq, &t0, &t1);
             int span = t1 - t0, nc = want;

@@ -293,51 +293,33 @@ def test_request_reusing_freed_blocks_equals_it_alone(hf_model):
     assert after["outputs"][0]["token_ids"] == alone["outputs"][0]["token_ids"]
 
 
-def test_prompt_resumed_mid_tile_beside_a_decoding_one(hf_model, eval_c):
+def test_prompt_resumed_mid_tile_beside_a_decoding_one(hf_model):
     """max_num_seqs 2, 200 tokens a step: a 130-token prompt decodes while a
     600-token one is prefilled in chunks that start mid-tile; the chunk
     that completes tile 2 also starts tile 3, so for a step that sequence
     stages its sink, tile 2 and tile 3 while the other holds its sink and
     tail: 5 tiles of a 4-slot pool (the pool ran out, "staging pool (4
     tiles) is exhausted", until the new tile took over the completed one's
-    slot: staging.py _hand_over). Both served, and their tokens follow
-    those of the same requests prefilled whole, both with
-    KVARN_PREFILL_COMMIT=staged (by default a tile cut by a chunk boundary
-    commits from its staged copy and a whole one from the exact K/V, so
-    records differ with the chunking by design: docs/vllm.md "Prefill
-    tiles from the exact K/V"): equal, or parted at a near-tie. The two
-    runs are not one computation: a query's work item holds other
-    queries in the two runs, and the kernel an item takes depends on its
-    size (the staged tile on the AMX tiles from 32 queries, in bf16; the
-    vector kernel below, in int16: docs/attention-matrix.md "Staged
-    tokens"), so a near-tie may go either way (it did, at the 7th token of
-    the second prompt, 2291 against 198, on AVX-512 Xeons twice). Rule:
-    where they first part, whole's probability margin between its token
-    and cut's is at most 2 sqrt(2 k), k the largest per-position KL of
-    kvarn eval on Austen (eval_c): each run is within total variation
-    sqrt(k / 2) of the exact distribution (Pinsker), so the two within
-    twice that, and a flip needs the margin <= 2 TV; the first two tokens
-    of each prompt equal."""
+    slot: staging.py _hand_over). Tokens equal those of the same requests
+    prefilled whole, both with KVARN_PREFILL_COMMIT=staged (by default a
+    tile cut by a chunk boundary commits from its staged copy and a whole
+    one from the exact K/V, so records differ with the chunking by
+    design: docs/vllm.md "Prefill tiles from the exact K/V") and
+    KVARN_AMX=0: the two runs put a query in work items of different
+    sizes, and on an AMX host the kernel an item takes depends on its size
+    (the staged tile on the tiles, in bf16, from 32 queries; the vector
+    kernel, in int16, below: docs/attention-matrix.md "Speed and
+    quality"), which flipped a near-tie (the 7th token of the second
+    prompt, 2291 against 198, margin 0.0088). The vector kernels give
+    every row the same arithmetic in any item, so the runs must agree."""
     from transformers import AutoTokenizer
     ids = AutoTokenizer.from_pretrained(hf_model)(_austen(6000, 50000))["input_ids"]
     prompts = [ids[:130], ids[1000:1600]]
-    cfg = dict(kv_cache_dtype=KV, prompt_ids=prompts, max_tokens=8, max_num_seqs=2, logprobs=20,
-               env={"KVARN_PREFILL_COMMIT": "staged"})
+    cfg = dict(kv_cache_dtype=KV, prompt_ids=prompts, max_tokens=8, max_num_seqs=2,
+               env={"KVARN_PREFILL_COMMIT": "staged", "KVARN_AMX": "0"})
     cut, _ = run_llm(dict(cfg, max_num_batched_tokens=200))
     whole, _ = run_llm(cfg)
-    k = eval_c[1]["kld_max"]
-    for w, c in zip(whole["outputs"], cut["outputs"]):
-        assert len(c["token_ids"]) == len(w["token_ids"]) == 8
-        assert c["token_ids"][:2] == w["token_ids"][:2]
-        i = _first_divergence(w["token_ids"], c["token_ids"])
-        if i == len(w["token_ids"]):
-            continue
-        lp = w["logprobs"][i]
-        a, b = str(w["token_ids"][i]), str(c["token_ids"][i])
-        pb = math.exp(lp[b]) if b in lp else min(math.exp(v) for v in lp.values())
-        margin = math.exp(lp[a]) - pb
-        print(f"first divergence at token {i}: margin {margin:.4f}, bound {2 * math.sqrt(2 * k):.4f}")
-        assert margin <= 2 * math.sqrt(2 * k), (i, margin)
+    assert [o["token_ids"] for o in cut["outputs"]] == [o["token_ids"] for o in whole["outputs"]]
 
 
 @pytest.mark.parametrize("cfg,needle", [
