@@ -104,8 +104,8 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
     const int mat = (g->is_kvarn || kv->fmt.kind == KVARN_KIND_INT4 || x2) &&
                     g->rows_max >= ATTN_MATRIX_MIN_ROWS && attn_matrix_geometry(g->D, mG);
     g->rows_alloc = mat ? (g->rows_max + 15) / 16 * 16 : g->rows_max;
-    /* and the rows' weights, bf16 [rows][G] (rows_alloc <= 512 for groups up to 512, D <= 512,
-     * G <= 128), twice for the int8 format (kernel_amx.c token_span),
+    /* and the rows' weights, bf16 [rows][G] (rows_alloc <= 512 for
+     * groups up to 512, D <= 512, G <= 128), twice for the int8 format (kernel_amx.c token_span),
      * beside room for bf16 [rows][D] that no kernel uses since the
      * queries moved into the rows' qa (kernel_amx.c rows_query): kept, so
      * that kvarn_attn_workspace_bytes did not change with it */
@@ -193,6 +193,18 @@ static void item_tiles(const attn_run *run, int s, int q0, int nq, int *t0, int 
     *t1 = hi / run->g.G + 1;
 }
 
+/* The call's base items (sequence, KV head, block of qblock queries),
+ * counted in 64 bits. */
+static int64_t base_items(const attn_run *run, int n_seqs, int qblock)
+{
+    int64_t n = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const int64_t ql = attn_q_len(run, s);
+        if (ql > 0 && run->seqs[s].seq_len > 0) n += (int64_t)run->g.Hk * ((ql + qblock - 1) / qblock);
+    }
+    return n;
+}
+
 /* Build the item list: (sequence, KV head, query block) base items, each
  * split into chunks of whole tiles when split-K applies. Deterministic:
  * depends only on the shapes, the options and the thread count. */
@@ -200,17 +212,10 @@ int attn_plan(attn_run *run, int n_seqs, int n_threads)
 {
     const attn_geom *g = &run->g;
     /* Items of g->qblock queries, or of g->qblock_few where the larger
-     * ones are fewer than 4 per thread (ROWS_FEW); counted in 64 bits */
-    int64_t n_big = 0, n_base = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        int64_t ql = attn_q_len(run, s);
-        if (ql > 0 && run->seqs[s].seq_len > 0) n_big += (int64_t)g->Hk * ((ql + g->qblock - 1) / g->qblock);
-    }
+     * ones are fewer than 4 per thread (ROWS_FEW) */
+    const int64_t n_big = base_items(run, n_seqs, g->qblock);
     const int qblock = n_threads == 1 || n_big >= 4 * (int64_t)n_threads ? g->qblock : g->qblock_few;
-    for (int s = 0; s < n_seqs; s++) {
-        int64_t ql = attn_q_len(run, s);
-        if (ql > 0 && run->seqs[s].seq_len > 0) n_base += (int64_t)g->Hk * ((ql + qblock - 1) / qblock);
-    }
+    const int64_t n_base = qblock == g->qblock ? n_big : base_items(run, n_seqs, qblock);
     int want = 1;
     const int split_k = attn_split_k_of(&run->o);
     if (split_k >= 2) want = split_k;

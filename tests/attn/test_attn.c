@@ -654,8 +654,8 @@ static void test_multi_query(void **state)
             }
 }
 
-/* A chunk longer than one work item's query block (512 rows / GQA group, attn_plan.c ROWS_TARGET),
- * so that one sequence's queries span several items; with and without
+/* A chunk longer than one work item's query block (512 rows / GQA
+ * group, attn_plan.c ROWS_TARGET), so that one sequence's queries span several items; with and without
  * forced split-K. */
 static void test_long_chunk(void **state)
 {
