@@ -14,6 +14,9 @@
  *     for all rows (the GQA group shares one pass over the tile);
  *   V (all formats, token-major): 16 channels x up to 6 rows, one broadcast
  *     weight per row and token.
+ * Each block of up to 6 rows goes through a tile (or span) start to end,
+ * scores, softmax and values, before the next block (kv_rows, tm_rows):
+ * its queries, scores and accumulators stay in L1 with the tile's codes.
  * Codes are unpacked in registers (broadcast, variable shift, mask,
  * int -> float); fp16 goes through F16C; FP8 E5M2 is the top byte of an
  * fp16, FP8 E4M3 becomes an fp16 of 2^-8 times its value by moving its bits
@@ -151,12 +154,15 @@ AI int block_rows(int n, int max_rb, int r0)
 
 /* ------------------------------------------------- online softmax step */
 
-static void softmax_update_avx2(attn_rows *r, int t0, int nt)
+/* Rows [i0, i1) of the span's scores: the running max, sum and acc
+ * rescale, s becoming the weights exp(s - m) (0 outside each row's
+ * visible positions). */
+static void softmax_rows_avx2(attn_rows *r, int t0, int nt, int i0, int i1)
 {
     const int D = r->D, gs = r->gs;
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    for (int i = 0; i < r->n; i++) {
+    for (int i = i0; i < i1; i++) {
         float *s = r->s + (size_t)i * gs;
         int a, b;
         if (!attn_row_visible(r, i, t0, nt, &a, &b)) {
@@ -261,40 +267,6 @@ AI void tm_block(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_
     }
 }
 
-/* s[r][t] = kscale[t] * (q . code_t) + kzero[t] * qsum[r] for t < nt
- * (kscale NULL: 1, kzero NULL: 0). 1 or 2 rows take 4 tokens per pass,
- * more rows go 2 tokens at a time in blocks of up to 6 (measured faster
- * than 4 tokens x 3 rows, which needs 17 registers), so that each code is
- * converted once per block of rows. */
-AI void tm_scores(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff, int nt,
-                  const float *kscale, const float *kzero)
-{
-    if (r->n <= 2) {
-        switch (r->n) {
-        case 2: tm_block(r, kind, tok, koff, nt, 0, 2, 4); break;
-        default: tm_block(r, kind, tok, koff, nt, 0, 1, 4); break;
-        }
-    } else {
-        for (int r0 = 0; r0 < r->n;) {
-            int rb = block_rows(r->n, 6, r0);
-#define TCALL(N) tm_block(r, kind, tok, koff, nt, r0, N, 2)
-            ATTN_RB_SWITCH6(rb, TCALL)
-#undef TCALL
-            r0 += rb;
-        }
-    }
-    if (kscale == NULL) return;
-    /* Whole vectors: kscale/kzero are zero past nt, the softmax masks s there. */
-    for (int i = 0; i < r->n; i++) {
-        float *s = r->s + (size_t)i * r->gs;
-        const __m256 qs = _mm256_set1_ps(kzero ? r->qsum[i] : 0.0f);
-        for (int t = 0; t < nt; t += 8) {
-            __m256 z = kzero ? _mm256_mul_ps(_mm256_loadu_ps(kzero + t), qs) : _mm256_setzero_ps();
-            _mm256_storeu_ps(s + t, _mm256_fmadd_ps(_mm256_loadu_ps(kscale + t), _mm256_loadu_ps(s + t), z));
-        }
-    }
-}
-
 /* ------------------------------------------------ token-major V: sums */
 
 /* acc[r][d0..d0+16) += sum_t w[r][t] * v_t[d0..d0+16) (+ bias[r]) for rows
@@ -325,22 +297,74 @@ AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t
     }
 }
 
-AI void tm_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff, int nt,
-                  const float *bias)
+/* Rows [r0, r0 + RB) of a span of nt token-major tokens, start to end:
+ * the scores (tm_block: TB tokens a pass), s = kscale_t (q . code_t) +
+ * kzero_t qsum (ks NULL: raw dots; kz NULL: no zero point), the
+ * online-softmax update, the weights p_t vs_t with the zero-point sum
+ * pz = sum_t p_t vz_t as one constant per row (vs NULL: weights as they
+ * are; bias: vz's pz, or none), then acc += the value sums. One block at a
+ * time, so that its rows' scores and accumulators and the span's codes stay
+ * in L1 through all four steps: passes over all rows of an item (up to
+ * 512 rows in prefill: 256 KiB of scores alone) streamed them through L2
+ * once per pass. Every row's operations are those of the per-pass order. */
+AI void tm_rows(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff,
+                size_t voff, int t0, int nt, int r0, int RB, int TB, const float *ks,
+                const float *kz, const float *vs, const float *vz, int bias)
 {
-    for (int d0 = 0; d0 < r->D; d0 += 16)
-        for (int r0 = 0; r0 < r->n;) {
-            int rb = block_rows(r->n, 6, r0);
-            switch (rb) {
-            case 6: tm_vsum(r, kind, tok, voff, nt, r0, 6, d0, bias); break;
-            case 5: tm_vsum(r, kind, tok, voff, nt, r0, 5, d0, bias); break;
-            case 4: tm_vsum(r, kind, tok, voff, nt, r0, 4, d0, bias); break;
-            case 3: tm_vsum(r, kind, tok, voff, nt, r0, 3, d0, bias); break;
-            case 2: tm_vsum(r, kind, tok, voff, nt, r0, 2, d0, bias); break;
-            default: tm_vsum(r, kind, tok, voff, nt, r0, 1, d0, bias); break;
+    const int gs = r->gs;
+    tm_block(r, kind, tok, koff, nt, r0, RB, TB);
+    if (ks) {
+        /* Whole vectors: ks/kz are zero past nt, the softmax masks s there. */
+        for (int i = r0; i < r0 + RB; i++) {
+            float *s = r->s + (size_t)i * gs;
+            const __m256 qs = _mm256_set1_ps(kz ? r->qsum[i] : 0.0f);
+            for (int t = 0; t < nt; t += 8) {
+                __m256 z = kz ? _mm256_mul_ps(_mm256_loadu_ps(kz + t), qs) : _mm256_setzero_ps();
+                _mm256_storeu_ps(s + t, _mm256_fmadd_ps(_mm256_loadu_ps(ks + t), _mm256_loadu_ps(s + t), z));
             }
-            r0 += rb;
         }
+    }
+    softmax_rows_avx2(r, t0, nt, r0, r0 + RB);
+    float *pz = r->rc;
+    if (vs) {
+        /* p is 0 past nt, and so are the scales. */
+        for (int i = r0; i < r0 + RB; i++) {
+            float *p = r->s + (size_t)i * gs;
+            __m256 z = _mm256_setzero_ps();
+            for (int t = 0; t < nt; t += 8) {
+                __m256 pv = _mm256_loadu_ps(p + t);
+                z = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vz + t), z);
+                _mm256_storeu_ps(p + t, _mm256_mul_ps(pv, _mm256_loadu_ps(vs + t)));
+            }
+            pz[i] = hsum8(z);
+        }
+    }
+    for (int d0 = 0; d0 < r->D; d0 += 16)
+        tm_vsum(r, kind, tok, voff, nt, r0, RB, d0, bias ? pz : NULL);
+}
+
+/* A span of nt token-major tokens for all rows: 1 or 2 rows take 4 tokens
+ * per score pass, more rows go 2 tokens at a time in blocks of up to 6
+ * (measured faster than 4 tokens x 3 rows, which needs 17 registers), so
+ * that each code is converted once per block of rows. */
+AI void tm_span(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff,
+                size_t voff, int t0, int nt, const float *ks, const float *kz, const float *vs,
+                const float *vz, int bias)
+{
+    if (r->n <= 2) {
+        if (r->n == 2)
+            tm_rows(r, kind, tok, koff, voff, t0, nt, 0, 2, 4, ks, kz, vs, vz, bias);
+        else
+            tm_rows(r, kind, tok, koff, voff, t0, nt, 0, 1, 4, ks, kz, vs, vz, bias);
+        return;
+    }
+    for (int r0 = 0; r0 < r->n;) {
+        int rb = block_rows(r->n, 6, r0);
+#define TCALL(N) tm_rows(r, kind, tok, koff, voff, t0, nt, r0, N, 2, ks, kz, vs, vz, bias)
+        ATTN_RB_SWITCH6(rb, TCALL)
+#undef TCALL
+        r0 += rb;
+    }
 }
 
 /* ---------------------------------------------------------- fp16 pages */
@@ -349,9 +373,8 @@ void attn_avx2_fp16_tile(attn_rows *r, const uint16_t *k, const uint16_t *v, int
 {
     /* Token t's K row; its V row is at the same place in the V half. */
     for (int t = 0; t < nt; t++) r->tok[t] = (const uint8_t *)(k + (size_t)t * r->D);
-    tm_scores(r, KVARN_KIND_FP16, r->tok, 0, nt, NULL, NULL);
-    softmax_update_avx2(r, t0, nt);
-    tm_values(r, KVARN_KIND_FP16, r->tok, (size_t)((const uint8_t *)v - (const uint8_t *)k), nt, NULL);
+    tm_span(r, KVARN_KIND_FP16, r->tok, 0, (size_t)((const uint8_t *)v - (const uint8_t *)k), t0,
+            nt, NULL, NULL, NULL, NULL, 0);
 }
 
 /* ----------------------------------------------------- per-token blocks */
@@ -392,25 +415,8 @@ AI void token_tile_body(attn_rows *r, kvarn_kind kind, const kvarn_record_layout
         }
         for (int t = nt; t < gs; t++) ks[t] = kz[t] = vs[t] = vz[t] = 0.0f;
     }
-    tm_scores(r, kind, recs, L->k_codes_off, nt, has_scale ? ks : NULL,
-              has_zero ? kz : NULL);
-    softmax_update_avx2(r, t0, nt);
-    float *pz = r->rc;
-    if (has_scale) {
-        /* Weights p_t * scale_t; the zero-point sum is one constant per row
-         * (p is 0 past nt, and so are the scales). */
-        for (int i = 0; i < r->n; i++) {
-            float *p = r->s + (size_t)i * gs;
-            __m256 z = _mm256_setzero_ps();
-            for (int t = 0; t < nt; t += 8) {
-                __m256 pv = _mm256_loadu_ps(p + t);
-                z = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vz + t), z);
-                _mm256_storeu_ps(p + t, _mm256_mul_ps(pv, _mm256_loadu_ps(vs + t)));
-            }
-            pz[i] = hsum8(z);
-        }
-    }
-    tm_values(r, kind, recs, L->v_codes_off, nt, has_zero ? pz : NULL);
+    tm_span(r, kind, recs, L->k_codes_off, L->v_codes_off, t0, nt, has_scale ? ks : NULL,
+            has_scale && has_zero ? kz : NULL, has_scale ? vs : NULL, vz, has_zero);
 }
 
 TOKEN_TILE(fp16, KVARN_KIND_FP16)
@@ -479,6 +485,52 @@ AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
     }
 }
 
+/* Rows [r0, r0 + RB) of one tile, start to end: a_d folded into the
+ * query (the b_d sum one constant per row), the scores of 16 tokens a pass,
+ * the online-softmax update, the weights p_t a_t (the b_t sum one constant
+ * per row), then acc += the value sums, 16 channels a pass. One block at a
+ * time, so that its rows' queries, scores and accumulators and the tile's
+ * codes stay in L1 through all of it: passes over all rows of an item (up
+ * to 512 rows in prefill: 256 KiB of scores alone) streamed them through L2
+ * once per pass. Every row's operations are those of the per-pass order.
+ * meta: the tile's metadata as kvarn_tile_body laid it out; per: prefetch
+ * lines per score pass. */
+AI void kv_rows(attn_rows *r, int t0, int G, const uint8_t *kc, size_t krow, int kb,
+                const uint8_t *vc, size_t vrow, int vb, const float *meta, int per, int r0, int RB)
+{
+    const int D = r->D, gs = r->gs;
+    const float *ka = meta, *kbias = ka + D, *schan = kbias + D;
+    const float *stok = schan + D, *va = stok + gs, *vbias = va + gs;
+    for (int i = r0; i < r0 + RB; i++) {
+        const float *q = r->q + (size_t)i * D;
+        float *qa = r->qa + (size_t)i * D;
+        __m256 c = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+            __m256 qv = _mm256_loadu_ps(q + d);
+            _mm256_storeu_ps(qa + d, _mm256_mul_ps(qv, _mm256_loadu_ps(ka + d)));
+            c = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kbias + d), c);
+        }
+        r->rc[i] = hsum8(c);
+    }
+    for (int tb = 0; tb < G; tb += 16) {
+        attn_prefetch_step(r->pf, per);
+        kv_kdots(r, kc, krow, kb, stok, r0, RB, tb);
+    }
+    softmax_rows_avx2(r, t0, G, r0, r0 + RB);
+    float *pb = r->rc;
+    for (int i = r0; i < r0 + RB; i++) {
+        float *p = r->s + (size_t)i * gs;
+        __m256 z = _mm256_setzero_ps();
+        for (int t = 0; t < G; t += 8) {
+            __m256 pv = _mm256_loadu_ps(p + t);
+            z = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vbias + t), z);
+            _mm256_storeu_ps(p + t, _mm256_mul_ps(pv, _mm256_loadu_ps(va + t)));
+        }
+        pb[i] = hsum8(z);
+    }
+    for (int d0 = 0; d0 < D; d0 += 16) kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, RB, d0);
+}
+
 AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                         int t0, int kb, int vb)
 {
@@ -494,50 +546,18 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const uint8_t *kc = rec + L->k_codes_off, *vc = rec + L->v_codes_off;
     const size_t krow = (size_t)G * kb / 8, vrow = (size_t)D * vb / 8;
 
-    /* Fold a_d into the query once per tile; the b_d sum is one constant. */
-    for (int i = 0; i < r->n; i++) {
-        const float *q = r->q + (size_t)i * D;
-        float *qa = r->qa + (size_t)i * D;
-        __m256 c = _mm256_setzero_ps();
-        for (int d = 0; d < D; d += 8) {
-            __m256 qv = _mm256_loadu_ps(q + d);
-            _mm256_storeu_ps(qa + d, _mm256_mul_ps(qv, _mm256_loadu_ps(ka + d)));
-            c = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kbias + d), c);
-        }
-        r->rc[i] = hsum8(c);
+    /* One block of rows at a time through scores, softmax and values
+     * (kv_rows); the next tiles' prefetches spread over every block's
+     * score steps. */
+    const int nblk = (r->n + 5) / 6, steps = nblk * (G / 16);
+    const int per = (attn_prefetch_left(r->pf) + steps - 1) / steps;
+    for (int r0 = 0; r0 < r->n;) {
+        int rb = block_rows(r->n, 6, r0);
+#define RCALL(N) kv_rows(r, t0, G, kc, krow, kb, vc, vrow, vb, r->meta, per, r0, N)
+        ATTN_RB_SWITCH6(rb, RCALL)
+#undef RCALL
+        r0 += rb;
     }
-    const int per = (attn_prefetch_left(r->pf) * 16 + G - 1) / G;
-    for (int tb = 0; tb < G; tb += 16) {
-        attn_prefetch_step(r->pf, per);
-        for (int r0 = 0; r0 < r->n;) {
-            int rb = block_rows(r->n, 6, r0);
-#define KCALL(N) kv_kdots(r, kc, krow, kb, stok, r0, N, tb)
-            ATTN_RB_SWITCH6(rb, KCALL)
-#undef KCALL
-            r0 += rb;
-        }
-    }
-    softmax_update_avx2(r, t0, G);
-    /* Weights p_t * a_t; the b_t sum is one constant per row. */
-    float *pb = r->rc;
-    for (int i = 0; i < r->n; i++) {
-        float *p = r->s + (size_t)i * gs;
-        __m256 z = _mm256_setzero_ps();
-        for (int t = 0; t < G; t += 8) {
-            __m256 pv = _mm256_loadu_ps(p + t);
-            z = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vbias + t), z);
-            _mm256_storeu_ps(p + t, _mm256_mul_ps(pv, _mm256_loadu_ps(va + t)));
-        }
-        pb[i] = hsum8(z);
-    }
-    for (int d0 = 0; d0 < D; d0 += 16)
-        for (int r0 = 0; r0 < r->n;) {
-            int rb = block_rows(r->n, 6, r0);
-#define VCALL(N) kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0)
-            ATTN_RB_SWITCH6(rb, VCALL)
-#undef VCALL
-            r0 += rb;
-        }
 }
 
 /* Specializations on the bit widths, so unpack16's branches fold away. */
