@@ -11,7 +11,8 @@
  *     with hadd at the end;
  *   KVarN K (channel-major codes): 16 tokens x up to 6 rows, one broadcast
  *     of (q_d * a_d) per row and channel, codes unpacked once per channel
- *     for all rows (the GQA group shares one pass over the tile);
+ *     for each block of rows (a decode step's GQA group of up to 6 shares
+ *     one pass over the tile);
  *   V (all formats, token-major): 16 channels x up to 6 rows, one broadcast
  *     weight per row and token.
  * Each block of up to 6 rows goes through a tile (or span) start to end,

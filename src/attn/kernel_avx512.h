@@ -175,7 +175,7 @@ AI int block_rows(int n, int max_rb, int r0)
 
 /* ------------------------------------------------- online softmax step */
 
-/* As softmax_update_avx2: s holds whole 8-float vectors up to nt rounded
+/* As softmax_rows_avx2 (kernel_avx2.c): s holds whole 8-float vectors up to nt rounded
  * up to 8 (the row stride gs is a multiple of 8), so the last 16-lane step
  * is masked to that length. */
 NI void softmax_row_avx512(attn_rows *r, int i, int t0, int nt)
