@@ -203,6 +203,25 @@ static void softmax_rows_avx2(attn_rows *r, int t0, int nt, int i0, int i1)
     }
 }
 
+/* Rows [i0, i1) of the weights: p_t scale_t in place, and out[i] =
+ * sum_t p_t bias_t (the zero point's or b_t's sum, one constant per row),
+ * over whole 8-float vectors of t < nt (past nt the caller's p, scales and
+ * biases are 0, or nt % 8 == 0). */
+AI void fold_weights(attn_rows *r, int i0, int i1, int nt, const float *scale, const float *bias,
+                     float *out)
+{
+    for (int i = i0; i < i1; i++) {
+        float *p = r->s + (size_t)i * r->gs;
+        __m256 z = _mm256_setzero_ps();
+        for (int t = 0; t < nt; t += 8) {
+            __m256 pv = _mm256_loadu_ps(p + t);
+            z = _mm256_fmadd_ps(pv, _mm256_loadu_ps(bias + t), z);
+            _mm256_storeu_ps(p + t, _mm256_mul_ps(pv, _mm256_loadu_ps(scale + t)));
+        }
+        out[i] = hsum8(z);
+    }
+}
+
 /* ------------------------------------------- token-major K: dot products */
 
 /* Scores of tokens [t, t + TB) for rows [r0, r0 + RB): raw q . code.
@@ -327,19 +346,7 @@ AI void tm_rows(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t
     }
     softmax_rows_avx2(r, t0, nt, r0, r0 + RB);
     float *pz = r->rc;
-    if (vs) {
-        /* p is 0 past nt, and so are the scales. */
-        for (int i = r0; i < r0 + RB; i++) {
-            float *p = r->s + (size_t)i * gs;
-            __m256 z = _mm256_setzero_ps();
-            for (int t = 0; t < nt; t += 8) {
-                __m256 pv = _mm256_loadu_ps(p + t);
-                z = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vz + t), z);
-                _mm256_storeu_ps(p + t, _mm256_mul_ps(pv, _mm256_loadu_ps(vs + t)));
-            }
-            pz[i] = hsum8(z);
-        }
-    }
+    if (vs) fold_weights(r, r0, r0 + RB, nt, vs, vz, pz); /* p, vs, vz 0 past nt */
     for (int d0 = 0; d0 < r->D; d0 += 16)
         tm_vsum(r, kind, tok, voff, nt, r0, RB, d0, bias ? pz : NULL);
 }
@@ -519,16 +526,7 @@ AI void kv_rows(attn_rows *r, int t0, int G, const uint8_t *kc, size_t krow, int
     }
     softmax_rows_avx2(r, t0, G, r0, r0 + RB);
     float *pb = r->rc;
-    for (int i = r0; i < r0 + RB; i++) {
-        float *p = r->s + (size_t)i * gs;
-        __m256 z = _mm256_setzero_ps();
-        for (int t = 0; t < G; t += 8) {
-            __m256 pv = _mm256_loadu_ps(p + t);
-            z = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vbias + t), z);
-            _mm256_storeu_ps(p + t, _mm256_mul_ps(pv, _mm256_loadu_ps(va + t)));
-        }
-        pb[i] = hsum8(z);
-    }
+    fold_weights(r, r0, r0 + RB, G, va, vbias, pb);
     for (int d0 = 0; d0 < D; d0 += 16) kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, RB, d0);
 }
 
