@@ -501,13 +501,13 @@ AI void kv_vsum(attn_rows *r, const uint8_t *vc, size_t vrow, int vb, int G,
  * codes stay in L1 through all of it: passes over all rows of an item (up
  * to 512 rows in prefill: 256 KiB of scores alone) streamed them through L2
  * once per pass. Every row's operations are those of the per-pass order.
- * meta: the tile's metadata as kvarn_tile_body laid it out; per: prefetch
- * lines per score pass. */
+ * r->meta: the tile's metadata as kvarn_tile_body laid it out; per:
+ * prefetch lines per score pass. */
 AI void kv_rows(attn_rows *r, int t0, int G, const uint8_t *kc, size_t krow, int kb,
-                const uint8_t *vc, size_t vrow, int vb, const float *meta, int per, int r0, int RB)
+                const uint8_t *vc, size_t vrow, int vb, int per, int r0, int RB)
 {
     const int D = r->D, gs = r->gs;
-    const float *ka = meta, *kbias = ka + D, *schan = kbias + D;
+    const float *ka = r->meta, *kbias = ka + D, *schan = kbias + D;
     const float *stok = schan + D, *va = stok + gs, *vbias = va + gs;
     for (int i = r0; i < r0 + RB; i++) {
         const float *q = r->q + (size_t)i * D;
@@ -552,7 +552,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const int per = (attn_prefetch_left(r->pf) + steps - 1) / steps;
     for (int r0 = 0; r0 < r->n;) {
         int rb = block_rows(r->n, 6, r0);
-#define RCALL(N) kv_rows(r, t0, G, kc, krow, kb, vc, vrow, vb, r->meta, per, r0, N)
+#define RCALL(N) kv_rows(r, t0, G, kc, krow, kb, vc, vrow, vb, per, r0, N)
         ATTN_RB_SWITCH6(rb, RCALL)
 #undef RCALL
         r0 += rb;
