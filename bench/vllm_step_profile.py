@@ -4,7 +4,8 @@ plug-in, the same requests (docs/vllm.md "Where a step's time goes").
 
     .venv-vllm/bin/python bench/vllm_step_profile.py [--requests 4]
         [--prompt-tokens 4096] [--gen 64] [--speculative K]
-        [--dtypes bfloat16,kvarn_k4v2_g128] [--repeat N] [--json FILE]
+        [--dtypes bfloat16,kvarn_k4v2_g128] [--repeat N] [--model-dtype bfloat16]
+        [--json FILE]
 
 Each format runs in a fresh process with the engine in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, prefix caching off), greedy, EOS
@@ -97,7 +98,7 @@ def one(cfg: dict) -> dict:
         extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec,
                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     P, n = cfg["prompt_tokens"], cfg["requests"]
-    llm = LLM(model=MODEL, dtype="bfloat16", enforce_eager=True, seed=0, **extra,
+    llm = LLM(model=MODEL, dtype=cfg.get("model_dtype", "bfloat16"), enforce_eager=True, seed=0, **extra,
               kv_cache_dtype=cfg["dtype"], block_size=128, enable_prefix_caching=False,
               kv_cache_memory_bytes=cfg["kv_bytes"], max_num_seqs=n,
               max_model_len=P + cfg["gen"] + 128)
@@ -151,6 +152,9 @@ def main() -> None:
                     help="also run each format with n-gram speculation of K tokens")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="each prompt one passage said N times (speculation at equal acceptance)")
+    ap.add_argument("--model-dtype", default="bfloat16",
+                    help="the model's weights and activations (float32: the weights' products "
+                         "without bf16 conversions on CPUs that lack bf16 instructions)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -161,12 +165,12 @@ def main() -> None:
     for d in a.dtypes.split(","):
         for k in ((0, a.speculative) if a.speculative else (0,)):
             cfg = dict(dtype=d, spec=k, requests=a.requests, prompt_tokens=a.prompt_tokens,
-                       gen=a.gen, kv_bytes=a.kv_bytes, repeat=a.repeat)
+                       gen=a.gen, kv_bytes=a.kv_bytes, repeat=a.repeat, model_dtype=a.model_dtype)
             r = run_fresh(__file__, cfg, d)
             if r is not None:
                 rows.append(r)
     print(f"{a.requests} requests x {a.prompt_tokens} prompt + {a.gen} generated tokens, "
-          f"prefix caching off, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, "
+          f"model {a.model_dtype}, prefix caching off, torch threads {os.environ.get('OMP_NUM_THREADS', 'default')}, "
           f"kvarn attention threads {os.environ.get('KVARN_ATTN_THREADS', 'default')}")
     report(rows)
     if a.json:

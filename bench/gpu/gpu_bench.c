@@ -5,13 +5,18 @@
  *       host only: the split-K plan, workspace and bytes one decode step
  *       reads, for the shapes given (no GPU needed).
  *   gpu_bench time  --format F --batch B --ctx C [--hq 32] [--hk 8] [--d 128]
- *                   [--warmup 10] [--iters 50]
+ *                   [--warmup 10] [--iters 50] [--queries 1]
  *       builds a paged cache of B sequences of C tokens (KVarN: one fp16
  *       sink tile per sequence, every other tile committed; ids shuffled),
  *       times decode attention with CUDA events (median of --iters after
  *       --warmup) and a device-to-device copy of the bytes attention reads;
  *       prints one CSV line:
  *       time,format,batch,ctx,splits,attn_ms,bytes_read,attn_GBps,copy_ms
+ *       With --queries Q > 1: a prefill chunk instead, the last Q tokens of
+ *       each sequence as queries (causal), timed with the tensor-core
+ *       kernel where it serves and again with KVARN_CUDA_MATRIX=0 (the
+ *       vector kernel), one CSV line:
+ *       prefill,format,batch,ctx,queries,splits,matrix_ms,vector_ms,vector/matrix
  *   gpu_bench dump  --dump FILE --format F [--layers 4] [--gqa 3]
  *       real K/V (docs/kv-dump.md): every layer asked for is stored and
  *       committed on the GPU; records are compared with kvarn_encode
@@ -35,7 +40,7 @@
 
 typedef struct opts {
     const char *mode, *format, *dump;
-    int batch, ctx, hq, hk, d, warmup, iters, layers, gqa;
+    int batch, ctx, hq, hk, d, warmup, iters, layers, gqa, queries;
 } opts;
 
 static int die(const char *what)
@@ -173,6 +178,22 @@ static double median(float *v, int n)
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* Median ms of o->iters attention calls after o->warmup, CUDA events
+ * around each (ms: scratch [o->iters]). */
+static double time_attention(const opts *o, const kvarn_paged_kv *kv, const kvarn_cuda_attn_plan *plan,
+                             const kvarn_cuda_attn_args *args, void *ws, cudaStream_t stream,
+                             cudaEvent_t e0, cudaEvent_t e1, float *ms)
+{
+    for (int i = 0; i < o->warmup + o->iters; i++) {
+        CK(cudaEventRecord(e0, stream));
+        KV(kvarn_cuda_attention(kv, plan, args, ws, plan->workspace_bytes, stream));
+        CK(cudaEventRecord(e1, stream));
+        CK(cudaEventSynchronize(e1));
+        if (i >= o->warmup) CK(cudaEventElapsedTime(&ms[i - o->warmup], e0, e1));
+    }
+    return median(ms, o->iters);
+}
+
 static int cmd_time(const opts *o)
 {
     kvarn_format f;
@@ -251,23 +272,27 @@ static int cmd_time(const opts *o)
         lens[s] = C;
         committed[s] = kvarn ? C / G : tiles;
     }
-    float *hq = xmalloc(sizeof(float) * B * Hq * D);
-    for (int i = 0; i < B * Hq * D; i++) hq[i] = (float)rng_normal();
+    const int Q = o->queries, nq = B * Q; /* Q > 1: a prefill chunk per sequence */
+    float *hq = xmalloc(sizeof(float) * nq * Hq * D);
+    for (int i = 0; i < nq * Hq * D; i++) hq[i] = (float)rng_normal();
+    int32_t *qsl = xmalloc(sizeof(int32_t) * (B + 1));
+    for (int s = 0; s <= B; s++) qsl[s] = s * Q;
     int32_t *dtab = dmalloc(sizeof(int32_t) * B * MB), *dlens = dmalloc(sizeof(int32_t) * B);
-    int32_t *dcom = dmalloc(sizeof(int32_t) * B);
-    float *dq = dmalloc(sizeof(float) * B * Hq * D), *dout = dmalloc(sizeof(float) * B * Hq * D);
+    int32_t *dcom = dmalloc(sizeof(int32_t) * B), *dqsl = dmalloc(sizeof(int32_t) * (B + 1));
+    float *dq = dmalloc(sizeof(float) * nq * Hq * D), *dout = dmalloc(sizeof(float) * nq * Hq * D);
     CK(cudaMemcpy(dtab, table, sizeof(int32_t) * B * MB, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dlens, lens, sizeof(int32_t) * B, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(dcom, committed, sizeof(int32_t) * B, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dq, hq, sizeof(float) * B * Hq * D, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dqsl, qsl, sizeof(int32_t) * (B + 1), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dq, hq, sizeof(float) * nq * Hq * D, cudaMemcpyHostToDevice));
 
     int sms = 0;
     KV(kvarn_cuda_sm_count(0, &sms));
-    kvarn_cuda_attn_shape sh = {B, Hq, MB, C, 1, 0, 1.0f / sqrtf((float)D)};
+    kvarn_cuda_attn_shape sh = {B, Hq, MB, C, Q, 0, 1.0f / sqrtf((float)D)};
     kvarn_cuda_attn_plan plan;
     KV(kvarn_cuda_attn_plan_make(&kv, &sh, sms, &plan));
     void *ws = plan.workspace_bytes ? dmalloc(plan.workspace_bytes) : NULL;
-    kvarn_cuda_attn_args args = {dq, dout, dtab, dlens, kvarn ? dcom : NULL, NULL, NULL};
+    kvarn_cuda_attn_args args = {dq, dout, dtab, dlens, kvarn ? dcom : NULL, Q > 1 ? dqsl : NULL, NULL};
 
     cudaStream_t stream;
     CK(cudaStreamCreate(&stream));
@@ -275,13 +300,26 @@ static int cmd_time(const opts *o)
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
     float *ms = xmalloc(sizeof(float) * o->iters), *cms = xmalloc(sizeof(float) * o->iters);
-    for (int i = 0; i < o->warmup + o->iters; i++) {
-        CK(cudaEventRecord(e0, stream));
-        KV(kvarn_cuda_attention(&kv, &plan, &args, ws, plan.workspace_bytes, stream));
-        CK(cudaEventRecord(e1, stream));
-        CK(cudaEventSynchronize(e1));
-        if (i >= o->warmup) CK(cudaEventElapsedTime(&ms[i - o->warmup], e0, e1));
+    if (Q > 1) {
+        /* the same call on each kernel, in one process */
+        double t[2];
+        int finite = 1;
+        for (int k = 0; k < 2; k++) {
+            if (k == 1) setenv("KVARN_CUDA_MATRIX", "0", 1);
+            t[k] = time_attention(o, &kv, &plan, &args, ws, stream, e0, e1, ms);
+            /* each kernel's output finite */
+            CK(cudaMemcpy(hq, dout, sizeof(float) * nq * Hq * D, cudaMemcpyDeviceToHost));
+            for (int i = 0; i < nq * Hq * D; i++) finite &= isfinite(hq[i]) != 0;
+        }
+        unsetenv("KVARN_CUDA_MATRIX");
+        kvarn_cuda_attn_kernel_info info;
+        KV(kvarn_cuda_attn_kernel_info_get(&kv, &plan, &info));
+        printf("prefill,%s,%d,%d,%d,%d,%.4f,%.4f,%.2f%s%s\n", f.name, B, C, Q, plan.num_splits, t[0],
+               t[1], t[1] / t[0], info.matrix ? "" : ",NO_MATRIX_KERNEL", finite ? "" : ",BAD_OUTPUT");
+        fflush(stdout);
+        return finite ? 0 : 1; /* the process ends: the OS frees the rest */
     }
+    const double t_attn = time_attention(o, &kv, &plan, &args, ws, stream, e0, e1, ms);
     const double bytes = step_bytes(&kv, B, C, Hq);
     /* A plain copy of the same number of bytes (it reads and writes them). */
     void *csrc = dmalloc((size_t)bytes), *cdst = dmalloc((size_t)bytes);
@@ -298,13 +336,15 @@ static int cmd_time(const opts *o)
     int finite = 1;
     double norm = 0.0;
     for (int i = 0; i < B * Hq * D; i++) { finite &= isfinite(hq[i]) != 0; norm += (double)hq[i] * hq[i]; }
-    const double t_attn = median(ms, o->iters), t_copy = median(cms, o->iters);
+    const double t_copy = median(cms, o->iters);
     printf("time,%s,%d,%d,%d,%.4f,%.0f,%.1f,%.4f%s\n", f.name, B, C, plan.num_splits, t_attn, bytes,
            bytes / (t_attn * 1e-3) / 1e9, t_copy, finite && norm > 0 ? "" : ",BAD_OUTPUT");
     fflush(stdout);
 
     CK(cudaFree(csrc)); CK(cudaFree(cdst)); CK(cudaFree(dk)); CK(cudaFree(dv)); CK(cudaFree(dslots));
     CK(cudaFree(dtab)); CK(cudaFree(dlens)); CK(cudaFree(dcom)); CK(cudaFree(dq)); CK(cudaFree(dout));
+    CK(cudaFree(dqsl));
+    free(qsl);
     if (ws) CK(cudaFree(ws));
     CK(cudaFree(kv.blocks));
     if (kv.fp16_pages) CK(cudaFree(kv.fp16_pages));
@@ -552,7 +592,7 @@ static int cmd_dump(const opts *o)
 
 int main(int argc, char **argv)
 {
-    opts o = {NULL, "kvarn_k4v2_g128", NULL, 1, 4096, 32, 8, 128, 10, 50, 4, 3};
+    opts o = {NULL, "kvarn_k4v2_g128", NULL, 1, 4096, 32, 8, 128, 10, 50, 4, 3, 1};
     if (argc < 2) return die("usage: gpu_bench plan|time|dump [options] (see the top of bench/gpu/gpu_bench.c)");
     o.mode = argv[1];
     for (int i = 2; i < argc; i++) {
@@ -570,10 +610,11 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--iters")) o.iters = atoi(v);
         else if (!strcmp(a, "--layers")) o.layers = atoi(v);
         else if (!strcmp(a, "--gqa")) o.gqa = atoi(v);
+        else if (!strcmp(a, "--queries")) o.queries = atoi(v);
         else return die("unknown option");
     }
     if (o.batch < 1 || o.ctx < 1 || o.hq < 1 || o.hk < 1 || o.hq % o.hk || o.warmup < 0 ||
-        o.iters < 1 || o.layers < 1 || o.gqa < 1)
+        o.iters < 1 || o.layers < 1 || o.gqa < 1 || o.queries < 1 || o.queries > o.ctx)
         return die("bad option value");
     if (!strcmp(o.mode, "plan")) return cmd_plan(&o);
     int n = 0;

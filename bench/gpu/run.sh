@@ -16,7 +16,9 @@
 #   4. times decode attention (Llama-3-8B shapes: 32 query heads, 8 KV heads,
 #      D = 128) for every format, batch and context with CUDA events, next to
 #      a device-to-device copy of the bytes read and PyTorch's fp16 SDPA over
-#      unpaged K/V, and prints the ratios.
+#      unpaged K/V, and prints the ratios; then prefill chunks of 512 and
+#      2,048 queries (KVarN presets, contexts up to 32k) on the tensor-core
+#      kernel and on the vector kernel (prefill.csv).
 # Results go to --out (default $OUT/gpu if $OUT is set, else build-gpu/results).
 #
 # --dry-run: what can run without a GPU: builds (nvcc if present, else the
@@ -134,6 +136,18 @@ for f in $formats; do
   for b in $batches; do
     for c in $ctxs; do
       ./build-gpu/gpu_bench time --format "$f" --batch "$b" --ctx "$c" --iters "$iters" | tee -a "$csv" || status=1
+    done
+  done
+done
+echo "== prefill chunks: tensor-core kernel against the vector kernel (KVARN_CUDA_MATRIX=0)" >&2
+pcsv="$out/prefill.csv"
+echo "kind,format,batch,ctx,queries,splits,matrix_ms,vector_ms,vector_over_matrix" > "$pcsv"
+for f in kvarn_k4v2_g128 kvarn_k4v4_g128; do
+  for c in $ctxs; do
+    [ "$c" -gt 32768 ] && continue
+    for qn in 512 2048; do
+      ./build-gpu/gpu_bench time --format "$f" --batch 1 --ctx "$c" --queries "$qn" --iters "$iters" \
+        | tee -a "$pcsv" || status=1
     done
   done
 done

@@ -47,6 +47,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/paged.h"
 
@@ -235,6 +236,13 @@ typedef struct kvarn_cuda_attn_args {
  * output is rotated back once. One pass over each tile serves up to 8 query
  * rows (the GQA group, times queries) of one KV head; with num_splits > 1
  * partial results go to the workspace and a second kernel merges them.
+ * Prefill chunks over KVarN formats at D 64 or 128 (in a multi-query call
+ * whose plan has max_query_len >= 32, each sequence with 32 or more queries,
+ * on a device of compute capability 8.0 or later) take the tensor-core
+ * kernel instead: 64 rows a thread block, each
+ * tile's keys and values dequantized once to bf16, the scores and the
+ * weighted values as bf16 matrix products with fp32 sums
+ * (kvarn_cuda_attn_kernel_info_get says which kernel and its rounding).
  * A query that sees no key (seq_len 0) gets zeros. With args->sinks each
  * head's softmax denominator gets exp(s_h) more (the merge's last step).
  *   workspace  device, >= plan->workspace_bytes, 16-byte aligned (NULL if 0).
@@ -246,6 +254,59 @@ kvarn_status kvarn_cuda_attention(const kvarn_paged_kv *kv,
                                   const kvarn_cuda_attn_args *args,
                                   void *workspace, size_t workspace_bytes,
                                   void *stream);
+
+/* Which kernel kvarn_cuda_attention runs for a plan, and its arithmetic
+ * (attn.h kvarn_attn_arith), so that a caller or a test can bound the
+ * rounding. */
+typedef struct kvarn_cuda_attn_kernel_info {
+    kvarn_attn_arith scores;        /* the vector kernel (decode, verification,
+                                       every per-token format, sequences of
+                                       fewer than matrix_min_queries queries):
+                                       KVARN_ATTN_ARITH_FP32 -- codes and fp16
+                                       values converted to fp32, fp32 products
+                                       and sums */
+    kvarn_attn_arith sums;          /* the same for p.v */
+    int matrix;                     /* 1: in a multi-query call (args->query_start_loc
+                                       non-NULL) with this plan, every sequence
+                                       with matrix_min_queries queries or more
+                                       runs on the tensor-core kernel
+                                       (src/cuda/attn_mma.cu), the others on
+                                       the vector kernel, so a sequence's
+                                       result does not depend on the rest of
+                                       the batch; on a device of compute
+                                       capability 8.0 or later with code built
+                                       for it (otherwise the vector kernel
+                                       runs, and the fields below overstate
+                                       the rounding); 0: never (also when the
+                                       environment's KVARN_CUDA_MATRIX is "0",
+                                       read at each call) */
+    int matrix_min_queries;         /* 32: a sequence's queries from which it
+                                       takes the tensor-core kernel; 0 */
+    int matrix_rows;                /* query rows per thread block there (64); 0 */
+    kvarn_attn_arith matrix_scores; /* KVARN_ATTN_ARITH_BF16: the rotated query
+                                       (softmax scale and log2(e) folded in)
+                                       and every key rounded once to bf16
+                                       (nearest even, relative error <= 2^-8;
+                                       a record's key formed in fp32 as
+                                       s_tok_t (a_d c_td + b_d), one FMA then
+                                       the product; an fp16 page's key from
+                                       fp16), exact products, fp32 sums;
+                                       FP32 where matrix is 0 */
+    kvarn_attn_arith matrix_sums;   /* KVARN_ATTN_ARITH_BF16: every weight
+                                       p_t = 2^(s_t - m) and every value
+                                       (s_chan_d (a_t c_td + b_t), or from
+                                       fp16) rounded once to bf16, fp32 sums;
+                                       the softmax denominator sums the
+                                       unrounded p_t in fp32 */
+} kvarn_cuda_attn_kernel_info;
+
+/* Fill *info for attention calls with this plan over kv. Host only; works
+ * without a GPU. Errors: KVARN_ERR_INVALID_ARG (NULL, plan not made for
+ * kv), KVARN_ERR_UNSUPPORTED(_HEAD_DIM) as kvarn_cuda_attn_plan_make; *info
+ * untouched on error. */
+kvarn_status kvarn_cuda_attn_kernel_info_get(const kvarn_paged_kv *kv,
+                                             const kvarn_cuda_attn_plan *plan,
+                                             kvarn_cuda_attn_kernel_info *info);
 
 #ifdef __cplusplus
 }

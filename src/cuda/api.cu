@@ -6,6 +6,7 @@
  * without a GPU.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cache/paged_check.h"
@@ -97,6 +98,33 @@ kc_geom make_geom(const kvarn_paged_kv *kv)
 }
 
 bool aligned(const void *p, size_t a) { return ((uintptr_t)p % a) == 0; }
+
+/* Whether the tensor-core kernel (attn_mma.cu) serves this geometry and plan
+ * (dispatch.h KVARN_CUDA_MMA_*) and the environment's KVARN_CUDA_MATRIX is
+ * not "0" (the kernel off, for a comparison or a suspicion); a multi-query
+ * call also needs a device of compute capability 8.0 or later
+ * (device_has_bf16_mma). */
+bool matrix_serves(const kvarn_paged_kv *kv, const kvarn_cuda_attn_shape *shape)
+{
+    const char *env = getenv("KVARN_CUDA_MATRIX");
+    if (env != NULL && strcmp(env, "0") == 0) return false;
+    bool d = false;
+#define KC_D(D_) d = d || kv->head_dim == D_;
+    KVARN_CUDA_MMA_HEAD_DIMS(KC_D)
+#undef KC_D
+    return d && kv->fmt.kind == KVARN_KIND_KVARN &&
+           shape->max_query_len >= KVARN_CUDA_MMA_MIN_QUERIES;
+}
+
+/* The current device's compute capability is 8.0 or later (bf16 mma.sync). */
+bool device_has_bf16_mma(void)
+{
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+        return false;
+    return major >= 8;
+}
 
 } // namespace
 
@@ -233,11 +261,14 @@ kvarn_status kvarn_cuda_attn_plan_make(const kvarn_paged_kv *kv,
     if (chunks * Hk > 0x7fffffff) return KVARN_ERR_INVALID_ARG;
 
     /* Split the context when the grid alone would leave SMs idle: aim at
-     * two thread blocks per SM, each split at least 256 tokens long. */
+     * two thread blocks per SM, each split at least 256 tokens long. The
+     * tensor-core kernel's blocks serve 8 chunks each. */
+    const int64_t per_block = matrix_serves(kv, s) ? KVARN_CUDA_MMA_ROWS / KVARN_CUDA_ROWS : 1;
+    const int64_t blocks = (int64_t)s->num_seqs * Hk * ((chunks + per_block - 1) / per_block);
     const int64_t base = (int64_t)s->num_seqs * Hk * chunks;
     int64_t splits = 1;
-    if (num_sms > 0 && base < 2 * (int64_t)num_sms) {
-        splits = (2 * (int64_t)num_sms + base - 1) / base;
+    if (num_sms > 0 && blocks < 2 * (int64_t)num_sms) {
+        splits = (2 * (int64_t)num_sms + blocks - 1) / blocks;
         int64_t cap = s->max_seq_len / 256;
         if (cap < 1) cap = 1;
         if (splits > cap) splits = cap;
@@ -301,7 +332,34 @@ kvarn_status kvarn_cuda_attention(const kvarn_paged_kv *kv,
     a.scale_log2 = plan->shape.softmax_scale * 1.4426950408889634f;
     a.ws = plan->num_splits > 1 ? static_cast<float *>(workspace) : nullptr;
     a.sinks = args->sinks;
+    a.matrix = args->query_start_loc != NULL && matrix_serves(kv, &plan->shape) &&
+               device_has_bf16_mma() && kc_attn_mma_compiled();
     return map_cuda_error(kc_launch_attn(a, plan->shape.num_seqs, (cudaStream_t)stream));
+}
+
+kvarn_status kvarn_cuda_attn_kernel_info_get(const kvarn_paged_kv *kv,
+                                             const kvarn_cuda_attn_plan *plan,
+                                             kvarn_cuda_attn_kernel_info *info)
+{
+    if (plan == NULL || info == NULL) return KVARN_ERR_INVALID_ARG;
+    kvarn_cuda_attn_plan check;
+    kvarn_status st = kvarn_cuda_attn_plan_make(kv, &plan->shape, 0, &check);
+    if (st != KVARN_OK) return st;
+    if (plan->group_size != check.group_size || plan->row_chunks != check.row_chunks)
+        return KVARN_ERR_INVALID_ARG;
+    kvarn_cuda_attn_kernel_info r;
+    memset(&r, 0, sizeof r);
+    r.scores = r.sums = KVARN_ATTN_ARITH_FP32;
+    if (matrix_serves(kv, &plan->shape)) {
+        r.matrix = 1;
+        r.matrix_rows = KVARN_CUDA_MMA_ROWS;
+        r.matrix_min_queries = KVARN_CUDA_MMA_MIN_QUERIES;
+        r.matrix_scores = r.matrix_sums = KVARN_ATTN_ARITH_BF16;
+    } else {
+        r.matrix_scores = r.matrix_sums = KVARN_ATTN_ARITH_FP32;
+    }
+    *info = r;
+    return KVARN_OK;
 }
 
 } // extern "C"

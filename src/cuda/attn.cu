@@ -20,6 +20,9 @@
  * by row. With num_splits > 1 each block writes (m, l, acc) to the
  * workspace and combine_kernel merges the splits. A learned sink
  * (kc_attn.sinks) enters once, in the final normalization (kc_out_scale).
+ * Prefill chunks over KVarN tiles (kc_attn.matrix: a sequence's 32 or
+ * more queries) take attn_mma.cu's tensor-core kernel instead, launched
+ * first; its split-K partials are merged here too.
  */
 #include <limits.h>
 
@@ -337,16 +340,11 @@ __global__ void __launch_bounds__(NT) attn_kernel(kc_attn a)
     }
     const int gs = a.group_size, row0 = chunk * ROWS;
     const int nr = min(ROWS, nq * gs - row0);
-    if (nr <= 0) return;
+    if (nr <= 0 || (a.matrix && nq >= KVARN_CUDA_MMA_MIN_QUERIES)) return; /* attn_mma.cu's */
 
     if (tid < ROWS) {
         int lo = 0, hi = 0;
-        if (tid < nr) {
-            const int qpos = seq_len - nq + (row0 + tid) / gs;
-            hi = min(qpos + 1, seq_len);
-            lo = a.window > 0 ? max(0, qpos - a.window + 1) : 0;
-            if (hi < lo) hi = lo;
-        }
+        if (tid < nr) kc_row_keys(a, seq_len, nq, row0 + tid, &lo, &hi);
         sm.klo[tid] = lo;
         sm.khi[tid] = hi;
         sm.m[tid] = -INFINITY;
@@ -355,11 +353,7 @@ __global__ void __launch_bounds__(NT) attn_kernel(kc_attn a)
     for (int r = warp; r < ROWS; r += NW) {
         float x[E];
         if (r < nr) {
-            const int rr = row0 + r, head = hk * gs + rr % gs;
-            const float *qp = a.q + ((size_t)(q0 + rr / gs) * a.Hq + head) * D + (size_t)lane * E;
-#pragma unroll
-            for (int e = 0; e < E; e++) x[e] = qp[e] * a.scale_log2;
-            if (KVARN) kc_warp_fwht<D>(x);
+            kc_load_query<D>(a, q0, hk, row0 + r, KVARN, x);
         } else {
 #pragma unroll
             for (int e = 0; e < E; e++) x[e] = 0.0f;
@@ -385,9 +379,8 @@ __global__ void __launch_bounds__(NT) attn_kernel(kc_attn a)
         for (int e = 0; e < 8; e++) oacc[r][e] = 0.0f;
 
     if (uhi > ulo) {
-        const int tb = ulo / G, te = min((uhi + G - 1) / G, a.max_blocks);
-        const int per = (te - tb + a.num_splits - 1) / a.num_splits;
-        const int my_b = tb + split * per, my_e = min(te, my_b + per);
+        int my_b, my_e;
+        kc_split_tiles(a, ulo, uhi, G, split, &my_b, &my_e);
         const int32_t *bt = a.block_tables + (size_t)seq * a.max_blocks;
         const int committed = KVARN ? a.committed_tiles[seq] : 0;
         for (int i = my_b; i < my_e; i++) {
@@ -465,15 +458,12 @@ __global__ void __launch_bounds__(NT) attn_kernel(kc_attn a)
 
     if (a.num_splits == 1) {
         for (int r = warp; r < nr; r += NW) {
-            const int rr = row0 + r, head = hk * gs + rr % gs;
-            const float inv = kc_out_scale(a.sinks, head, sm.m[r], sm.l[r]);
+            const int rr = row0 + r;
+            const float inv = kc_out_scale(a.sinks, hk * gs + rr % gs, sm.m[r], sm.l[r]);
             float x[E];
 #pragma unroll
             for (int e = 0; e < E; e++) x[e] = sm.q[r][lane * E + e] * inv;
-            if (KVARN) kc_warp_fwht<D>(x);
-            float *op = a.out + ((size_t)(q0 + rr / gs) * a.Hq + head) * D + (size_t)lane * E;
-#pragma unroll
-            for (int e = 0; e < E; e++) op[e] = x[e];
+            kc_store_out<D>(a, q0, hk, rr, KVARN, x);
         }
     } else {
         const size_t entry = ((size_t)seq * gridDim.x + blockIdx.x) * a.num_splits + split;
@@ -519,14 +509,10 @@ __global__ void __launch_bounds__(32 * ROWS) combine_kernel(kc_attn a)
             for (int e = 0; e < E; e++) x[e] += w * p[2 * ROWS + r * D + lane * E + e];
         }
     }
-    const int head = hk * gs + rr % gs;
-    const float inv = kc_out_scale(a.sinks, head, M, L);
+    const float inv = kc_out_scale(a.sinks, hk * gs + rr % gs, M, L);
 #pragma unroll
     for (int e = 0; e < E; e++) x[e] *= inv;
-    if (ROT) kc_warp_fwht<D>(x);
-    float *op = a.out + ((size_t)(q0 + rr / gs) * a.Hq + head) * D + (size_t)lane * E;
-#pragma unroll
-    for (int e = 0; e < E; e++) op[e] = x[e];
+    kc_store_out<D>(a, q0, hk, rr, ROT, x);
 }
 
 template <int D, int KIND, int G, int KB, int VB>
@@ -542,18 +528,28 @@ cudaError_t launch_attn(const kc_attn &a, int num_seqs, cudaStream_t s)
         if (e != cudaSuccess) return e;
     }
     KC_LAUNCH(kernel, grid, NT, smem, s, a);
-    cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess || a.num_splits == 1) return e;
-    auto combine = combine_kernel<D, KIND == KVARN_KIND_KVARN>;
-    KC_LAUNCH(combine, dim3(grid.x, grid.y), 32 * ROWS, 0, s, a);
     return cudaGetLastError();
 }
 
-} // namespace
+/* The split-K merge of either kernel's partials: one block per (sequence,
+ * KV head, 8-row chunk). */
+template <int D, bool ROT>
+cudaError_t launch_combine(const kc_attn &a, int num_seqs, cudaStream_t s)
+{
+    auto combine = combine_kernel<D, ROT>;
+    KC_LAUNCH(combine, dim3((unsigned)(a.g.Hk * a.row_chunks), (unsigned)num_seqs), 32 * ROWS, 0,
+              s, a);
+    return cudaGetLastError();
+}
 
-cudaError_t kc_launch_attn(const kc_attn &a, int num_seqs, cudaStream_t s)
+cudaError_t launch_main(const kc_attn &a, int num_seqs, cudaStream_t s)
 {
     const kc_geom &g = a.g;
+    if (a.matrix) {
+        /* the long sequences on the tensor cores, then the rest here */
+        cudaError_t e = kc_launch_attn_mma(a, num_seqs, s);
+        if (e != cudaSuccess) return e;
+    }
     if (g.kind == KVARN_KIND_KVARN) {
 #define KC_ATTN_KVARN(D_, G_, KB_, VB_)                                           \
     if (g.D == D_ && g.G == G_ && g.key_bits == KB_ && g.value_bits == VB_)      \
@@ -570,5 +566,21 @@ cudaError_t kc_launch_attn(const kc_attn &a, int num_seqs, cudaStream_t s)
     KVARN_CUDA_HEAD_DIMS(KC_ATTN_TOKEN_D)
 #undef KC_ATTN_TOKEN_D
 #undef KC_ATTN_TOKEN
+    return cudaErrorInvalidValue;
+}
+
+} // namespace
+
+cudaError_t kc_launch_attn(const kc_attn &a, int num_seqs, cudaStream_t s)
+{
+    cudaError_t e = launch_main(a, num_seqs, s);
+    if (e != cudaSuccess || a.num_splits == 1) return e;
+    const bool rot = a.g.kind == KVARN_KIND_KVARN;
+#define KC_COMBINE(D_)                                                       \
+    if (a.g.D == D_)                                                         \
+        return rot ? launch_combine<D_, true>(a, num_seqs, s)                \
+                   : launch_combine<D_, false>(a, num_seqs, s);
+    KVARN_CUDA_HEAD_DIMS(KC_COMBINE)
+#undef KC_COMBINE
     return cudaErrorInvalidValue;
 }

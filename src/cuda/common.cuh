@@ -54,6 +54,8 @@ struct kc_attn {
     float scale_log2; /* softmax_scale * log2(e): scores are kept in base 2 */
     float *ws;        /* split-K partials, NULL when num_splits == 1 */
     const float *sinks; /* [Hq] learned sink logits (natural log), NULL: none */
+    int matrix;         /* 1: the tensor-core kernel (attn_mma.cu) takes the call's
+                           sequences of KVARN_CUDA_MMA_MIN_QUERIES queries or more */
 };
 
 /* The factor that turns a row's unnormalized accumulator into its output:
@@ -79,6 +81,12 @@ cudaError_t kc_launch_commit(const kc_geom &g, const int32_t *src_pages,
                              const int32_t *dst_blocks, int num_tiles, int iters,
                              cudaStream_t s);
 cudaError_t kc_launch_attn(const kc_attn &a, int num_seqs, cudaStream_t s);
+/* attn_mma.cu: the main kernel only, for the sequences with at least
+ * KVARN_CUDA_MMA_MIN_QUERIES queries (kc_launch_attn adds the vector kernel
+ * for the others and the split-K merge); and whether the code this device
+ * runs of it was built for compute capability 8.0 or later (host). */
+cudaError_t kc_launch_attn_mma(const kc_attn &a, int num_seqs, cudaStream_t s);
+bool kc_attn_mma_compiled(void);
 
 /* Floats of one split-K partial entry: m[ROWS], l[ROWS], acc[ROWS][D]. */
 __host__ __device__ inline size_t kc_partial_floats(int D)
@@ -116,6 +124,28 @@ __device__ __forceinline__ uint16_t kc_ld16(const uint8_t *p)
 __device__ __forceinline__ uint32_t kc_ld32(const uint8_t *p)
 {
     return *reinterpret_cast<const uint32_t *>(p);
+}
+
+/* D += A . B on the tensor cores, one warp: mma.sync m16n8k16, A 16 x 16
+ * bf16 (row), B 16 x 8 bf16 (col), D 16 x 8 fp32, in the PTX ISA's fragment
+ * layout (g = lane / 4, c = lane % 4): a[0] = A[g][2c, 2c+1], a[1] =
+ * A[g+8][2c, 2c+1], a[2] = A[g][2c+8, 2c+9], a[3] = A[g+8][2c+8, 2c+9];
+ * b[0] = B[2c, 2c+1][g], b[1] = B[2c+8, 2c+9][g]; d = D[g][2c, 2c+1],
+ * D[g+8][2c, 2c+1]; the lower-numbered element in the low 16 bits.
+ * Compute capability 8.0 or later; tests/cuda/emu emulates it. */
+__device__ __forceinline__ void kc_mma_bf16(float (&d)[4], const uint32_t (&a)[4],
+                                            const uint32_t (&b)[2])
+{
+#if defined(KC_EMULATE)
+    kc_emu_mma_bf16(d, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__)
+    __trap(); /* never launched below 8.0 (api.cu asks the device) */
+#endif
 }
 
 /* 8 codes of `B` bits starting at p (low bits first), as floats. */
@@ -200,6 +230,66 @@ __device__ __forceinline__ float kc_warp_min(float v)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fminf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+/* ------------------------------------------------------------ attention rows */
+
+/* Row bookkeeping both attention kernels share (attn.cu, attn_mma.cu). A
+ * row is one query head of a KV head's GQA group for one query: row rr of
+ * a sequence's nq queries is query rr / gs, head hk * gs + rr % gs. */
+
+/* The key positions [*lo, *hi) row rr of a sequence of seq_len tokens (its
+ * last nq the queries) may see: causal, and the sliding window. */
+__device__ __forceinline__ void kc_row_keys(const kc_attn &a, int seq_len, int nq, int rr,
+                                            int *lo, int *hi)
+{
+    const int qpos = seq_len - nq + rr / a.group_size;
+    int h = min(qpos + 1, seq_len);
+    const int l = a.window > 0 ? max(0, qpos - a.window + 1) : 0;
+    *lo = l;
+    *hi = h < l ? l : h;
+}
+
+/* Row rr's query (queries q0.. of the sequence, KV head hk) times
+ * softmax_scale * log2(e), rotated by H/sqrt(D) for KVarN (rot); lane l
+ * holds elements [l E, l E + E), E = D / 32. The multiply is not
+ * contracted into the rotation's first butterfly, so the fp32 result is
+ * the CPU's rotation of the same products. */
+template <int D>
+__device__ __forceinline__ void kc_load_query(const kc_attn &a, int q0, int hk, int rr, bool rot,
+                                              float (&x)[D / 32])
+{
+    constexpr int E = D / 32;
+    const int lane = threadIdx.x & 31, head = hk * a.group_size + rr % a.group_size;
+    const float *qp = a.q + ((size_t)(q0 + rr / a.group_size) * a.Hq + head) * D + (size_t)lane * E;
+#pragma unroll
+    for (int e = 0; e < E; e++) x[e] = __fmul_rn(qp[e], a.scale_log2);
+    if (rot) kc_warp_fwht<D>(x);
+}
+
+/* Write row rr's output, lane l's elements [l E, l E + E) of x (rotated
+ * back first for KVarN: rot). */
+template <int D>
+__device__ __forceinline__ void kc_store_out(const kc_attn &a, int q0, int hk, int rr, bool rot,
+                                             float (&x)[D / 32])
+{
+    constexpr int E = D / 32;
+    const int lane = threadIdx.x & 31, head = hk * a.group_size + rr % a.group_size;
+    if (rot) kc_warp_fwht<D>(x);
+    float *op = a.out + ((size_t)(q0 + rr / a.group_size) * a.Hq + head) * D + (size_t)lane * E;
+#pragma unroll
+    for (int e = 0; e < E; e++) op[e] = x[e];
+}
+
+/* This split's tiles [*b, *e) of the tiles holding key positions [ulo,
+ * uhi) (the union over a thread block's rows), G tokens a tile. */
+__device__ __forceinline__ void kc_split_tiles(const kc_attn &a, int ulo, int uhi, int G, int split,
+                                               int *b, int *e)
+{
+    const int tb = ulo / G, te = min((uhi + G - 1) / G, a.max_blocks);
+    const int per = (te - tb + a.num_splits - 1) / a.num_splits;
+    *b = tb + split * per;
+    *e = min(te, *b + per);
 }
 
 #endif

@@ -37,6 +37,14 @@
 /* Threads of one attention thread block. */
 #define KVARN_CUDA_ATTN_THREADS 128
 
+/* The tensor-core kernel (src/cuda/attn_mma.cu): the head_dim values it is
+ * compiled for (KVarN presets only), the query rows one thread block serves
+ * (16 per warp), and from how many queries of a sequence (the plan's
+ * max_query_len: prefill chunks) a multi-query call takes it. */
+#define KVARN_CUDA_MMA_HEAD_DIMS(X) X(64) X(128)
+#define KVARN_CUDA_MMA_ROWS 64
+#define KVARN_CUDA_MMA_MIN_QUERIES 32
+
 /* Most split-K partitions a plan uses. */
 #define KVARN_CUDA_MAX_SPLITS 64
 

@@ -108,6 +108,16 @@ static int have_gpu(void)
 
 #define CK(call) assert_int_equal((int)(call), (int)cudaSuccess)
 
+/* The current device's compute capability (major); 0 if it cannot be read. */
+static int device_major(void)
+{
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+        return 0;
+    return major;
+}
+
 static void *dev_alloc(size_t n)
 {
     void *p = NULL;
@@ -335,6 +345,65 @@ static void test_plan(void **state)
     }
     assert_int_equal(kvarn_cuda_attn_plan_make(&kv, NULL, 132, &p), KVARN_ERR_INVALID_ARG);
     assert_int_equal(kvarn_cuda_attn_plan_make(&kv, &s, 132, NULL), KVARN_ERR_INVALID_ARG);
+
+    /* Which kernel a plan runs (kvarn_cuda_attn_kernel_info_get): the
+     * tensor-core kernel from 32 queries a sequence, KVarN at D 64 and 128
+     * only; its rounding stated as bf16, the vector kernel's as fp32. */
+    kvarn_cuda_attn_kernel_info info;
+    unsetenv("KVARN_CUDA_MATRIX");
+    s = shape_of(2, 32, 4096, 128, 32);
+    assert_int_equal(kvarn_cuda_attn_plan_make(&kv, &s, 0, &p), KVARN_OK);
+    assert_int_equal(kvarn_cuda_attn_kernel_info_get(&kv, &p, &info), KVARN_OK);
+    assert_int_equal(info.matrix, 1);
+    assert_int_equal(info.matrix_min_queries, 32);
+    assert_int_equal(info.matrix_rows, 64);
+    assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16);
+    assert_int_equal(info.matrix_sums, KVARN_ATTN_ARITH_BF16);
+    assert_int_equal(info.scores, KVARN_ATTN_ARITH_FP32);
+    assert_int_equal(info.sums, KVARN_ATTN_ARITH_FP32);
+    /* split-K sized for the tensor-core kernel's blocks (8 chunks each):
+     * 1 sequence x 8 KV heads x 16 chunks = 16 blocks -> ceil(264 / 16) =
+     * 17 splits; with the kernel off, 128 blocks -> 3 */
+    s = shape_of(1, 32, 32768, 128, 32);
+    assert_int_equal(kvarn_cuda_attn_plan_make(&kv, &s, 132, &p), KVARN_OK);
+    assert_int_equal(p.row_chunks, 16);
+    assert_int_equal(p.num_splits, 17);
+    assert_int_equal(p.workspace_bytes, (size_t)8 * 16 * 17 * 8 * (128 + 2) * 4);
+    setenv("KVARN_CUDA_MATRIX", "0", 1);
+    assert_int_equal(kvarn_cuda_attn_plan_make(&kv, &s, 132, &p), KVARN_OK);
+    assert_int_equal(p.num_splits, 3);
+    assert_int_equal(kvarn_cuda_attn_kernel_info_get(&kv, &p, &info), KVARN_OK);
+    assert_int_equal(info.matrix, 0);
+    assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_FP32);
+    unsetenv("KVARN_CUDA_MATRIX");
+    s = shape_of(2, 32, 4096, 128, 31); /* verification-sized: the vector kernel */
+    assert_int_equal(kvarn_cuda_attn_plan_make(&kv, &s, 0, &p), KVARN_OK);
+    assert_int_equal(kvarn_cuda_attn_kernel_info_get(&kv, &p, &info), KVARN_OK);
+    assert_int_equal(info.matrix, 0);
+    assert_int_equal(info.matrix_rows, 0);
+    assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_FP32);
+    const char *no_matrix[] = {"int8", "kvarn_k4v2_g128"}; /* a per-token format; D 256 */
+    for (int i = 0; i < 2; i++) {
+        kvarn_paged_kv o = i == 0 ? make_kv("int8", 128, 8, 16, fake_arena, 10, NULL, 0)
+                                  : make_kv(no_matrix[i], 256, 8, 0, fake_arena, 10, fake_arena, 4);
+        s = shape_of(2, 32, 4096, o.block_size, 64);
+        assert_int_equal(kvarn_cuda_attn_plan_make(&o, &s, 0, &p), KVARN_OK);
+        assert_int_equal(kvarn_cuda_attn_kernel_info_get(&o, &p, &info), KVARN_OK);
+        assert_int_equal(info.matrix, 0);
+    }
+    s = shape_of(2, 32, 4096, 128, 64);
+    assert_int_equal(kvarn_cuda_attn_plan_make(&kv, &s, 0, &p), KVARN_OK);
+    kvarn_cuda_attn_kernel_info kept;
+    memset(&kept, 0x3c, sizeof kept);
+    info = kept;
+    kvarn_cuda_attn_plan other = p;
+    other.row_chunks = 1; /* not made for this kv and shape */
+    assert_int_equal(kvarn_cuda_attn_kernel_info_get(&kv, &other, &info), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cuda_attn_kernel_info_get(&kv, NULL, &info), KVARN_ERR_INVALID_ARG);
+    assert_int_equal(kvarn_cuda_attn_kernel_info_get(NULL, &p, &info), KVARN_ERR_INVALID_ARG);
+    assert_memory_equal(&info, &kept, sizeof info);
+    assert_int_equal(kvarn_cuda_attn_kernel_info_get(&kv, &p, NULL), KVARN_ERR_INVALID_ARG);
+
     kvarn_paged_kv u = kv;
     u.fmt = fmt_of("kvarn_k2v2_g32");
     u.block_size = 32;
@@ -681,9 +750,16 @@ static void test_gpu_store_commit_kvarn(void **state)
 
 /* --------------------------------------------- attention vs reference */
 
-/* K and V (attention basis) of token pos of one sequence, in double. */
+/* K and V (attention basis) of token pos of one sequence, in double:
+ * exact (bf16 0), or as the tensor-core kernel holds them (bf16 1:
+ * attn_mma.cu, cuda.h kvarn_cuda_attn_kernel_info): a record's key s_tok_t *
+ * fmaf(a_d, c_td, b_d) and value fmaf(a_t, c_td, b_t) * s_chan_d in fp32,
+ * an fp16 page's rows as fp32, each then rounded to bf16 (nearest even). */
+static double bf16_of(float x) { return kvarn_bf16_to_fp32(kvarn_fp32_to_bf16(x)); }
+
 static void ref_kv_at(const kvarn_paged_kv *kv, const uint8_t *blocks, const uint16_t *pages,
-                      const int32_t *table, int committed, int h, int pos, double *k, double *v)
+                      const int32_t *table, int committed, int h, int pos, int bf16, double *k,
+                      double *v)
 {
     const int D = kv->head_dim, G = kv->block_size, i = pos / G, t = pos % G;
     const int id = table[i];
@@ -694,8 +770,9 @@ static void ref_kv_at(const kvarn_paged_kv *kv, const uint8_t *blocks, const uin
         const uint16_t *pk = kvarn_paged_page_k(&host, id, h) + (size_t)t * D;
         const uint16_t *pv = kvarn_paged_page_v(&host, id, h) + (size_t)t * D;
         for (int d = 0; d < D; d++) {
-            k[d] = kvarn_fp16_to_fp32(pk[d]);
-            v[d] = kvarn_fp16_to_fp32(pv[d]);
+            const float kf = kvarn_fp16_to_fp32(pk[d]), vf = kvarn_fp16_to_fp32(pv[d]);
+            k[d] = bf16 ? bf16_of(kf) : kf;
+            v[d] = bf16 ? bf16_of(vf) : vf;
         }
         return;
     }
@@ -712,20 +789,27 @@ static void ref_kv_at(const kvarn_paged_kv *kv, const uint8_t *blocks, const uin
     assert_int_equal(kvarn_record_layout_get(&kv->fmt, D, &L), KVARN_OK);
     uint16_t u;
     memcpy(&u, rec + L.k_stok_off + 2 * t, 2);
-    const double stok = kvarn_fp16_to_fp32(u);
+    const float stok = kvarn_fp16_to_fp32(u);
     memcpy(&u, rec + L.v_a_off + 2 * t, 2);
-    const double at = kvarn_fp16_to_fp32(u);
+    const float at = kvarn_fp16_to_fp32(u);
     memcpy(&u, rec + L.v_b_off + 2 * t, 2);
-    const double bt = kvarn_fp16_to_fp32(u);
+    const float bt = kvarn_fp16_to_fp32(u);
     for (int d = 0; d < D; d++) {
-        uint16_t a, b, s;
-        memcpy(&a, rec + L.k_a_off + 2 * d, 2);
-        memcpy(&b, rec + L.k_b_off + 2 * d, 2);
-        memcpy(&s, rec + L.v_schan_off + 2 * d, 2);
-        k[d] = (code_at(rec, L.k_codes_off, G, L.key_bits, d, t) * (double)kvarn_fp16_to_fp32(a) +
-                kvarn_fp16_to_fp32(b)) * stok;
-        v[d] = (code_at(rec, L.v_codes_off, D, L.value_bits, t, d) * at + bt) *
-               (double)kvarn_fp16_to_fp32(s);
+        uint16_t a16, b16, s16;
+        memcpy(&a16, rec + L.k_a_off + 2 * d, 2);
+        memcpy(&b16, rec + L.k_b_off + 2 * d, 2);
+        memcpy(&s16, rec + L.v_schan_off + 2 * d, 2);
+        const float a = kvarn_fp16_to_fp32(a16), b = kvarn_fp16_to_fp32(b16);
+        const float sc = kvarn_fp16_to_fp32(s16);
+        const unsigned ck = code_at(rec, L.k_codes_off, G, L.key_bits, d, t);
+        const unsigned cv = code_at(rec, L.v_codes_off, D, L.value_bits, t, d);
+        if (bf16) {
+            k[d] = bf16_of(fmaf(a, (float)ck, b) * stok);
+            v[d] = bf16_of(fmaf(at, (float)cv, bt) * sc);
+        } else {
+            k[d] = (ck * (double)a + b) * stok;
+            v[d] = (cv * (double)at + bt) * sc;
+        }
     }
 }
 
@@ -741,6 +825,73 @@ static void fwht_d(double *x, int n)
     for (int j = 0; j < n; j++) x[j] /= sqrt((double)n);
 }
 
+/* The tensor-core kernel's output for one query row against an oracle of
+ * its stated arithmetic, in the rotated basis. The oracle forms what the
+ * kernel forms exactly: q' = bf16(H (q * scale * log2 e)) in fp32 (the
+ * store's rotation, bit-identical on the device), keys and values as
+ * ref_kv_at (bf16); then scores, weights 2^(s - m) and the output in double.
+ * What the kernel does differently, bounded: its fp32 score sums (|err| <=
+ * (D + 2) 2^-22 sum_d |q'_d k_td| = delta_t, base 2, allowing for the tensor
+ * cores' truncating sums; so a weight's ratio to
+ * the sum moves by a factor within 2^(+-2 max delta)); each weight rounded
+ * to bf16 for the value product (relative 2^-8); its fp32 exp2 and token
+ * sums ((n + 8) 2^-23). Per channel |err_d| <= (2^-8 + 2^(2 max delta) - 1
+ * + (n + 8) 2^-23) sum_t w_t |v_td| = B_d. *err and *bound: the norms of the
+ * error and of B (the rotation back keeps norms: 2^-20 of the output's norm
+ * added for its fp32 rounding). */
+static void bf16_oracle(const kvarn_paged_kv *kv, const uint8_t *blocks, const uint16_t *pages,
+                        const int32_t *table, int committed, int h, int lo, int pos,
+                        const float *q, float softmax_scale, float sink, const float *got,
+                        double *err, double *bound)
+{
+    const int D = kv->head_dim, n = pos - lo + 1;
+    float qf[512];
+    double kf[512], vf[512];
+    const float sl2 = softmax_scale * 1.4426950408889634f; /* api.cu's scale_log2 */
+    for (int d = 0; d < D; d++) qf[d] = q[d] * sl2;
+    kvarn_hadamard(qf, D);
+    for (int d = 0; d < D; d++) qf[d] = kvarn_bf16_to_fp32(kvarn_fp32_to_bf16(qf[d]));
+    double *sc = malloc(sizeof(double) * (size_t)n);
+    assert_non_null(sc);
+    double mx = sink == -INFINITY ? -INFINITY : (double)(sink * 1.4426950408889634f), dmax = 0.0;
+    for (int p = lo; p <= pos; p++) {
+        ref_kv_at(kv, blocks, pages, table, committed, h, p, 1, kf, vf);
+        double dot = 0.0, dabs = 0.0;
+        for (int d = 0; d < D; d++) {
+            dot += qf[d] * kf[d];
+            dabs += fabs(qf[d] * kf[d]);
+        }
+        sc[p - lo] = dot;
+        mx = dot > mx ? dot : mx;
+        dmax = dabs > dmax ? dabs : dmax;
+    }
+    double o[512], wv[512], sum = sink == -INFINITY ? 0.0 : exp2((double)(sink * 1.4426950408889634f) - mx);
+    for (int d = 0; d < D; d++) o[d] = wv[d] = 0.0;
+    for (int p = lo; p <= pos; p++) {
+        ref_kv_at(kv, blocks, pages, table, committed, h, p, 1, kf, vf);
+        const double w = exp2(sc[p - lo] - mx);
+        sum += w;
+        for (int d = 0; d < D; d++) {
+            o[d] += w * vf[d];
+            wv[d] += w * fabs(vf[d]);
+        }
+    }
+    free(sc);
+    const double delta = (D + 2) * ldexp(dmax, -22); /* tensor-core sums may truncate */
+    const double f = ldexp(1.0, -8) + (exp2(2 * delta) - 1) + (n + 8) * ldexp(1.0, -23);
+    double x[512], e2 = 0.0, b2 = 0.0, o2 = 0.0;
+    for (int d = 0; d < D; d++) x[d] = got[d];
+    fwht_d(x, D); /* the kernel's output, back into the rotated basis */
+    for (int d = 0; d < D; d++) {
+        const double od = o[d] / sum, bd = f * wv[d] / sum;
+        e2 += (x[d] - od) * (x[d] - od);
+        b2 += bd * bd;
+        o2 += od * od;
+    }
+    *err = isfinite(e2) ? sqrt(e2) : INFINITY;
+    *bound = sqrt(b2) + ldexp(sqrt(o2), -20);
+}
+
 typedef struct attn_case { const char *name; int D, Hk, Hq, G; } attn_case;
 
 static void test_gpu_attention(void **state)
@@ -753,7 +904,8 @@ static void test_gpu_attention(void **state)
         {"int8", 128, 2, 8, 16},           {"fp8_e4m3", 64, 3, 9, 32},
         {"int4", 256, 1, 4, 16},           {"fp16", 128, 2, 4, 16},
         {"bf16", 64, 1, 1, 64},            {"fp8_e5m2", 128, 4, 8, 128},
-        {"kvarn_k4v2_g128", 512, 2, 4, 0}, {"int8", 512, 1, 2, 16}};
+        {"kvarn_k4v2_g128", 512, 2, 4, 0}, {"int8", 512, 1, 2, 16},
+        {"kvarn_k4v2_g64", 128, 2, 6, 0}};
     test_rng rng;
     test_rng_seed(&rng, 13);
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
@@ -836,19 +988,31 @@ static void test_gpu_attention(void **state)
         CK(cudaMemcpy(blocks, kv.blocks, arena, cudaMemcpyDeviceToHost));
         if (kvarn) CK(cudaMemcpy(pages, kv.fp16_pages, pages_bytes, cudaMemcpyDeviceToHost));
 
-        int32_t lens32[S], qsl[S + 1];
-        qsl[0] = 0;
-        for (int s = 0; s < S; s++) { lens32[s] = lens[s]; qsl[s + 1] = qsl[s] + qlens[s]; }
-        const int total_q = qsl[S];
+        /* modes 4 and 5 are prefill chunks (32 or more queries in a
+         * sequence: the tensor-core kernel where it serves) */
+        const int chunk_want[S] = {1, 40, 70, 36, 2};
+        int qlens_chunk[S], max_chunk = 0;
+        int32_t lens32[S], qsl[S + 1], qsl_chunk[S + 1];
+        qsl[0] = qsl_chunk[0] = 0;
+        for (int s = 0; s < S; s++) {
+            lens32[s] = lens[s];
+            qlens_chunk[s] = chunk_want[s] < lens[s] ? chunk_want[s] : lens[s];
+            max_chunk = qlens_chunk[s] > max_chunk ? qlens_chunk[s] : max_chunk;
+            qsl[s + 1] = qsl[s] + qlens[s];
+            qsl_chunk[s + 1] = qsl_chunk[s] + qlens_chunk[s];
+        }
+        const int total_q = qsl_chunk[S] > qsl[S] ? qsl_chunk[S] : qsl[S];
         float *q = host_alloc(sizeof(float) * total_q * Hq * D), *out = host_alloc(sizeof(float) * total_q * Hq * D);
         for (int i = 0; i < total_q * Hq * D; i++) q[i] = (float)test_rng_normal(&rng);
         void *dtab = dev_alloc(sizeof(int32_t) * S * MB), *dlens = dev_alloc(sizeof lens32);
         void *dcom = dev_alloc(sizeof committed), *dqsl = dev_alloc(sizeof qsl);
+        void *dqsl_chunk = dev_alloc(sizeof qsl_chunk);
         float *dq = dev_alloc(sizeof(float) * total_q * Hq * D), *dout = dev_alloc(sizeof(float) * total_q * Hq * D);
         CK(cudaMemcpy(dtab, table, sizeof(int32_t) * S * MB, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(dlens, lens32, sizeof lens32, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(dcom, committed, sizeof committed, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(dqsl, qsl, sizeof qsl, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dqsl_chunk, qsl_chunk, sizeof qsl_chunk, cudaMemcpyHostToDevice));
         CK(cudaMemcpy(dq, q, sizeof(float) * total_q * Hq * D, cudaMemcpyHostToDevice));
         /* learned sinks (attn.h kvarn_attn_opts.sinks): none on every third
          * head, else 1..5 (the scores' log-sum-exp is a few units) */
@@ -858,43 +1022,60 @@ static void test_gpu_attention(void **state)
         CK(cudaMemcpy(dsinks, sinks, sizeof(float) * Hq, cudaMemcpyHostToDevice));
 
         /* mode 0: decode, no split; 1: decode, split-K, sinks; 2:
-         * multi-query, sinks; 3: multi-query, sliding window, split-K */
-        for (int mode = 0; mode < 4; mode++) {
-            const int multi = mode >= 2, window = mode == 3 ? G + 7 : 0;
-            const int with_sinks = mode == 1 || mode == 2;
+         * multi-query, sinks; 3: multi-query, sliding window, split-K; 4:
+         * prefill chunks, sinks; 5: prefill chunks, sliding window, split-K
+         * (4 and 5 where the tensor-core kernel serves the format) */
+        for (int mode = 0; mode < 6; mode++) {
+            const int multi = mode >= 2, window = mode == 3 || mode == 5 ? G + 7 : 0;
+            const int with_sinks = mode == 1 || mode == 2 || mode == 4;
+            const int chunk = mode >= 4;
+            const int *ql = chunk ? qlens_chunk : qlens, *qs = chunk ? qsl_chunk : qsl;
             kvarn_cuda_attn_shape sh;
             memset(&sh, 0, sizeof sh);
             sh.num_seqs = S;
             sh.num_heads = Hq;
             sh.max_blocks_per_seq = MB;
             sh.max_seq_len = max_len;
-            sh.max_query_len = multi ? 5 : 1;
+            sh.max_query_len = chunk ? max_chunk : multi ? 5 : 1;
             sh.sliding_window = window;
             sh.softmax_scale = 1.0f / sqrtf((float)D);
             kvarn_cuda_attn_plan plan;
             assert_int_equal(kvarn_cuda_attn_plan_make(&kv, &sh, (mode & 1) ? 132 : 0, &plan), KVARN_OK);
+            kvarn_cuda_attn_kernel_info info;
+            assert_int_equal(kvarn_cuda_attn_kernel_info_get(&kv, &plan, &info), KVARN_OK);
+            if (chunk && !info.matrix) continue; /* the vector kernel: modes 2 and 3 */
+            if (chunk) assert_true(max_chunk >= 32);
+            /* a multi-query call on the tensor cores for its sequences of
+             * matrix_min_queries or more: bf16 operands
+             * (kvarn_cuda_attn_kernel_info); the error bound below follows */
+            const int bf16 = chunk && info.matrix_scores == KVARN_ATTN_ARITH_BF16 &&
+                             info.matrix_sums == KVARN_ATTN_ARITH_BF16 && device_major() >= 8;
+            double min_cos_m = 1.0, max_rel_m = 0.0; /* the tensor-core rows */
+            int rows_m = 0;
             if ((mode & 1) && plan.num_splits == 1) { /* short contexts: split anyway */
                 plan.num_splits = mode == 1 ? 3 : 5;
                 plan.workspace_bytes = (size_t)S * Hk * plan.row_chunks * plan.num_splits * 8 * (D + 2) * 4;
             }
             assert_true((mode & 1) ? plan.num_splits > 1 : plan.num_splits == 1);
             void *ws = plan.workspace_bytes ? dev_alloc(plan.workspace_bytes) : NULL;
-            kvarn_cuda_attn_args args = {dq, dout, dtab, dlens, kvarn ? dcom : NULL, multi ? dqsl : NULL,
+            kvarn_cuda_attn_args args = {dq, dout, dtab, dlens, kvarn ? dcom : NULL,
+                                         multi ? (chunk ? dqsl_chunk : dqsl) : NULL,
                                          with_sinks ? dsinks : NULL};
-            const int nq_rows = multi ? total_q : S;
+            const int nq_rows = multi ? qs[S] : S;
             CK(cudaMemset(dout, 0xff, sizeof(float) * total_q * Hq * D)); /* NaN poison */
             assert_int_equal(kvarn_cuda_attention(&kv, &plan, &args, ws, plan.workspace_bytes, NULL), KVARN_OK);
             CK(cudaDeviceSynchronize());
             CK(cudaMemcpy(out, dout, sizeof(float) * nq_rows * Hq * D, cudaMemcpyDeviceToHost));
 
-            double min_cos = 1.0, max_rel = 0.0;
+            double min_cos = 1.0, max_rel = 0.0, max_ratio = 0.0;
             double *qr = host_alloc(sizeof(double) * D), *o = host_alloc(sizeof(double) * D);
             double *kd = host_alloc(sizeof(double) * D), *vd = host_alloc(sizeof(double) * D);
             double *sc = host_alloc(sizeof(double) * max_len);
             for (int s = 0; s < S; s++) {
-                const int nq = multi ? qlens[s] : 1;
+                const int nq = multi ? ql[s] : 1;
+                const int on_mma = bf16 && nq >= info.matrix_min_queries;
                 for (int j = 0; j < nq; j++) {
-                    const int qi = multi ? qsl[s] + j : s, pos = lens[s] - nq + j;
+                    const int qi = multi ? qs[s] + j : s, pos = lens[s] - nq + j;
                     const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
                     for (int h = 0; h < Hq; h++) {
                         const int hk = h / (Hq / Hk);
@@ -903,7 +1084,7 @@ static void test_gpu_attention(void **state)
                         const double sk = with_sinks ? sinks[h] : -INFINITY;
                         double mx = sk, sum = 0.0;
                         for (int p = lo; p <= pos; p++) {
-                            ref_kv_at(&kv, blocks, pages, table + s * MB, committed[s], hk, p, kd, vd);
+                            ref_kv_at(&kv, blocks, pages, table + s * MB, committed[s], hk, p, 0, kd, vd);
                             double dot = 0.0;
                             for (int d = 0; d < D; d++) dot += qr[d] * kd[d];
                             sc[p] = dot / sqrt((double)D);
@@ -912,12 +1093,20 @@ static void test_gpu_attention(void **state)
                         for (int d = 0; d < D; d++) o[d] = 0.0;
                         if (sk != -INFINITY) sum = exp(sk - mx); /* the sink: no value */
                         for (int p = lo; p <= pos; p++) {
-                            ref_kv_at(&kv, blocks, pages, table + s * MB, committed[s], hk, p, kd, vd);
+                            ref_kv_at(&kv, blocks, pages, table + s * MB, committed[s], hk, p, 0, kd, vd);
                             const double w = exp(sc[p] - mx);
                             sum += w;
                             for (int d = 0; d < D; d++) o[d] += w * vd[d];
                         }
                         for (int d = 0; d < D; d++) o[d] /= sum;
+                        /* The tensor-core kernel: an oracle of its stated
+                         * arithmetic (kvarn_cuda_attn_kernel_info) and a bound */
+                        double err_rot = 0.0, bound_rot = 0.0;
+                        if (on_mma)
+                            bf16_oracle(&kv, blocks, pages, table + s * MB, committed[s], hk, lo, pos,
+                                        q + ((size_t)qi * Hq + h) * D, sh.softmax_scale,
+                                        with_sinks ? sinks[h] : -INFINITY,
+                                        out + ((size_t)qi * Hq + h) * D, &err_rot, &bound_rot);
                         if (kvarn) fwht_d(o, D);
                         const float *g = out + ((size_t)qi * Hq + h) * D;
                         double dot = 0.0, ng = 0.0, nr = 0.0, ne = 0.0;
@@ -930,8 +1119,16 @@ static void test_gpu_attention(void **state)
                         assert_true(nr > 0.0); /* never compare zeros */
                         const double cosv = ng > 0.0 ? dot / sqrt(ng * nr) : 0.0;
                         const double rel = isfinite(ne) ? sqrt(ne / nr) : INFINITY;
-                        min_cos = cosv < min_cos || cosv != cosv ? cosv : min_cos;
-                        max_rel = !(rel <= max_rel) ? rel : max_rel;
+                        if (on_mma) {
+                            const double ratio = err_rot / bound_rot;
+                            max_ratio = !(ratio <= max_ratio) ? ratio : max_ratio;
+                            min_cos_m = cosv < min_cos_m || cosv != cosv ? cosv : min_cos_m;
+                            max_rel_m = !(rel <= max_rel_m) ? rel : max_rel_m;
+                            rows_m++;
+                        } else {
+                            min_cos = cosv < min_cos || cosv != cosv ? cosv : min_cos;
+                            max_rel = !(rel <= max_rel) ? rel : max_rel;
+                        }
                     }
                 }
             }
@@ -961,6 +1158,13 @@ static void test_gpu_attention(void **state)
                           c->name, D, Hq, Hk, mode, plan.num_splits, min_cos, max_rel);
             assert_true(min_cos >= 0.9999);
             assert_true(max_rel < 1e-3);
+            if (bf16) {
+                print_message("  %d rows on the tensor cores: min cosine %.7f, max rel err %.2e "
+                              "against the exact reference; max err / bound %.3f against the "
+                              "oracle of its arithmetic\n", rows_m, min_cos_m, max_rel_m, max_ratio);
+                assert_true(rows_m > 0);
+                assert_true(max_ratio <= 1.0);
+            }
             free(qr); free(o); free(kd); free(vd); free(sc);
             if (ws) CK(cudaFree(ws));
         }
@@ -969,6 +1173,7 @@ static void test_gpu_attention(void **state)
         CK(cudaFree(dsinks));
         CK(cudaFree(dk)); CK(cudaFree(dv)); CK(cudaFree(ds)); CK(cudaFree(dsrc)); CK(cudaFree(ddst));
         CK(cudaFree(dtab)); CK(cudaFree(dlens)); CK(cudaFree(dcom)); CK(cudaFree(dqsl));
+        CK(cudaFree(dqsl_chunk));
         CK(cudaFree(dq)); CK(cudaFree(dout)); CK(cudaFree(kv.blocks));
         if (kvarn) CK(cudaFree(kv.fp16_pages));
     }
@@ -985,6 +1190,7 @@ int main(void)
         cmocka_unit_test(test_gpu_store_commit_kvarn),
         cmocka_unit_test(test_gpu_attention),
     };
+    if (getenv("KVARN_TEST_FILTER")) cmocka_set_test_filter(getenv("KVARN_TEST_FILTER"));
     int fails = cmocka_run_group_tests(tests, NULL, NULL);
     /* The host checks passed but the device ones skipped: say so to ctest. */
     return fails == 0 && !have_gpu() ? TEST_SKIPPED : fails;

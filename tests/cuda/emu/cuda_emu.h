@@ -3,7 +3,8 @@
  * (tests/cuda/emu/run.sh). Not a simulator of timing or of memory faults:
  * every GPU thread is an OS thread, __syncthreads is a barrier over the
  * thread block, a warp shuffle is an exchange through a buffer between two
- * barriers over the warp, thread blocks run one after another, and
+ * barriers over the warp, a tensor-core mma a warp collective of the same
+ * kind, thread blocks run one after another, and
  * __shared__ variables are function statics (one block at a time).
  * Included by src/cuda/common.cuh when KC_EMULATE is defined, after the
  * CUDA headers; compiled by g++ as C++20. */
@@ -36,7 +37,13 @@ extern kc_emu_dim kc_emu_grid_dim, kc_emu_block_dim;
 void __syncthreads(void);
 float kc_emu_shfl_xor(float v, int lane_mask);
 static inline float __shfl_xor_sync(unsigned, float v, int m) { return kc_emu_shfl_xor(v, m); }
+/* mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d += a . b, a warp
+ * collective: every lane posts its fragments, then computes its own four
+ * outputs from all of them in the PTX ISA's layout (common.cuh
+ * kc_mma_bf16); bf16 products exact in fp32, summed in k order. */
+void kc_emu_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __fmul_rn(float a, float b) { return a * b; } /* g++ -O2: no contraction on x86-64 without FMA */
 using std::max;
 using std::min;
 

@@ -2,7 +2,7 @@
  * served on the CPU for the kernel emulation (cuda_emu.h): "device" memory
  * is host memory, copies are memcpy, every launch runs to completion before
  * it returns, and stream capture records launches for replay by
- * cudaGraphLaunch. One fake device with 132 SMs. */
+ * cudaGraphLaunch. One fake device with 132 SMs, compute capability 9.x. */
 #include <barrier>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +25,7 @@ struct block_state {
     std::unique_ptr<std::barrier<>> block_bar;
     std::vector<std::unique_ptr<std::barrier<>>> warp_bar;
     std::vector<float> shfl;
+    std::vector<unsigned> mma_a, mma_b; /* [warps * 32][4], [warps * 32][2] */
     std::vector<unsigned char> smem;
 };
 block_state *g_block = nullptr;
@@ -39,6 +40,8 @@ void run_launch(dim3 grid, unsigned block, size_t smem, const std::function<void
     const unsigned warps = (block + 31) / 32;
     for (unsigned w = 0; w < warps; w++) st.warp_bar.push_back(std::make_unique<std::barrier<>>(32));
     st.shfl.assign(warps * 32, 0.0f);
+    st.mma_a.assign(warps * 32 * 4, 0u);
+    st.mma_b.assign(warps * 32 * 2, 0u);
     st.smem.assign(smem + 16, 0);
     g_block = &st;
     kc_emu_grid_dim = {grid.x, grid.y, grid.z};
@@ -80,6 +83,36 @@ float kc_emu_shfl_xor(float v, int lane_mask)
     return r;
 }
 
+void kc_emu_mma_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2])
+{
+    const unsigned t = kc_emu_thread_idx.x, w = t / 32, lane = t % 32;
+    unsigned *wa = &g_block->mma_a[w * 32 * 4], *wb = &g_block->mma_b[w * 32 * 2];
+    for (int i = 0; i < 4; i++) wa[lane * 4 + i] = a[i];
+    for (int i = 0; i < 2; i++) wb[lane * 2 + i] = b[i];
+    g_block->warp_bar[w]->arrive_and_wait();
+    auto bf = [](unsigned reg, int k) {
+        const unsigned u = (k & 1 ? reg >> 16 : reg) & 0xffffu;
+        float f;
+        const unsigned x = u << 16;
+        std::memcpy(&f, &x, 4);
+        return f;
+    };
+    /* A[row][k]: lane (row % 8) * 4 + (k % 8) / 2, register (row >= 8) + 2 (k >= 8);
+     * B[k][col]: lane col * 4 + (k % 8) / 2, register (k >= 8) */
+    const int g = (int)lane / 4, c = (int)lane % 4;
+    for (int i = 0; i < 4; i++) {
+        const int row = g + (i >= 2 ? 8 : 0), col = 2 * c + (i & 1);
+        float s = 0.0f;
+        for (int k = 0; k < 16; k++) {
+            const float x = bf(wa[((row % 8) * 4 + (k % 8) / 2) * 4 + (row >= 8) + 2 * (k >= 8)], k);
+            const float y = bf(wb[(col * 4 + (k % 8) / 2) * 2 + (k >= 8)], k);
+            s += x * y;
+        }
+        d[i] += s;
+    }
+    g_block->warp_bar[w]->arrive_and_wait();
+}
+
 void *kc_emu_dynamic_smem(void) { return g_block->smem.data(); }
 
 void kc_emu_launch(dim3 grid, unsigned block, size_t smem, std::function<void()> body)
@@ -96,9 +129,12 @@ void kc_emu_launch(dim3 grid, unsigned block, size_t smem, std::function<void()>
 extern "C" {
 
 cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return cudaSuccess; }
+cudaError_t cudaGetDevice(int *d) { *d = 0; return cudaSuccess; }
 cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr attr, int)
 {
-    *v = attr == cudaDevAttrMultiProcessorCount ? 132 : 0;
+    *v = attr == cudaDevAttrMultiProcessorCount      ? 132
+         : attr == cudaDevAttrComputeCapabilityMajor ? 9 /* an H100/H200: bf16 mma */
+                                                     : 0;
     return cudaSuccess;
 }
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
