@@ -116,6 +116,21 @@ bool matrix_serves(const kvarn_paged_kv *kv, const kvarn_cuda_attn_shape *shape)
            shape->max_query_len >= KVARN_CUDA_MMA_MIN_QUERIES;
 }
 
+/* Whether plan is one kvarn_cuda_attn_plan_make made for kv: KVARN_OK, the
+ * plan's own error (kv or shape), or KVARN_ERR_INVALID_ARG when its group
+ * size or row chunks are not those of its shape (num_splits is the
+ * caller's to change, within [1, KVARN_CUDA_MAX_SPLITS]). */
+kvarn_status plan_matches(const kvarn_paged_kv *kv, const kvarn_cuda_attn_plan *plan)
+{
+    kvarn_cuda_attn_plan check;
+    const kvarn_status st = kvarn_cuda_attn_plan_make(kv, &plan->shape, 0, &check);
+    if (st != KVARN_OK) return st;
+    if (plan->group_size != check.group_size || plan->row_chunks != check.row_chunks ||
+        plan->num_splits < 1 || plan->num_splits > KVARN_CUDA_MAX_SPLITS)
+        return KVARN_ERR_INVALID_ARG;
+    return KVARN_OK;
+}
+
 /* The current device's compute capability is 8.0 or later (bf16 mma.sync). */
 bool device_has_bf16_mma(void)
 {
@@ -295,13 +310,8 @@ kvarn_status kvarn_cuda_attention(const kvarn_paged_kv *kv,
     if (plan == NULL || args == NULL) return KVARN_ERR_INVALID_ARG;
     kvarn_status st = kvarn_cuda_check_kv(kv);
     if (st != KVARN_OK) return st;
-    /* The plan must be one kvarn_cuda_attn_plan made for this kv. */
-    kvarn_cuda_attn_plan check;
-    st = kvarn_cuda_attn_plan_make(kv, &plan->shape, 0, &check);
+    st = plan_matches(kv, plan);
     if (st != KVARN_OK) return st;
-    if (plan->group_size != check.group_size || plan->row_chunks != check.row_chunks ||
-        plan->num_splits < 1 || plan->num_splits > KVARN_CUDA_MAX_SPLITS)
-        return KVARN_ERR_INVALID_ARG;
     const size_t need = plan->num_splits > 1
                             ? (size_t)plan->shape.num_seqs * kv->n_kv_heads * plan->row_chunks *
                                   plan->num_splits * kc_partial_floats(kv->head_dim) * sizeof(float)
@@ -342,11 +352,8 @@ kvarn_status kvarn_cuda_attn_kernel_info_get(const kvarn_paged_kv *kv,
                                              kvarn_cuda_attn_kernel_info *info)
 {
     if (plan == NULL || info == NULL) return KVARN_ERR_INVALID_ARG;
-    kvarn_cuda_attn_plan check;
-    kvarn_status st = kvarn_cuda_attn_plan_make(kv, &plan->shape, 0, &check);
+    const kvarn_status st = plan_matches(kv, plan);
     if (st != KVARN_OK) return st;
-    if (plan->group_size != check.group_size || plan->row_chunks != check.row_chunks)
-        return KVARN_ERR_INVALID_ARG;
     kvarn_cuda_attn_kernel_info r;
     memset(&r, 0, sizeof r);
     r.scores = r.sums = KVARN_ATTN_ARITH_FP32;
