@@ -173,6 +173,12 @@ typedef void (*attn_matrix_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
                                     const uint8_t *rec, int t0, int nt,
                                     attn_record_tile_fn fallback);
 #define ATTN_MATRIX_MIN_ROWS 16
+/* The AVX-512 KVarN kernel forms a tile's code vectors once for items of
+ * at least this many rows (kernel_avx512_kvarn.c kv_pack_k, kv_pack_v: in
+ * r->mat, there from ATTN_MATRIX_MIN_ROWS rows). Measured there: below it
+ * the packing costs more than it saves. */
+#define ATTN_PACK_MIN_ROWS 40
+_Static_assert(ATTN_PACK_MIN_ROWS >= ATTN_MATRIX_MIN_ROWS, "r->mat exists from ATTN_MATRIX_MIN_ROWS rows");
 /* The staged tokens of a KVarN view take the matrix kernel in items of at
  * least this many query tokens (prefill chunks: 512 rows / the GQA group,
  * 32 or more up to a group of 16), not in verification's 1 + K: there the

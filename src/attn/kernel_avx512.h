@@ -246,15 +246,30 @@ AI float fold_weights(float *p, const float *scale, const float *bias, int nv)
 /* acc + the pairwise sums of a x b (16-bit lanes, int32 sums; exact in the
  * kernels' ranges): vpmaddwd + vpaddd, or one vpdpwssd in the VNNI build
  * (kernel_avx512_vnni.c, run when the CPU has AVX512-VNNI; the same
- * results bit for bit). */
+ * results bit for bit). The VNNI instructions go through inline asm: with
+ * GCC 12's builtins (_mm512_dpwssd_epi32, _mm512_dpbusd_epi32) a loop of
+ * 24 accumulators copied every accumulator before its dot product and
+ * stored it to the stack after, every step (objdump of kv_kdots4_128_pk:
+ * 24 stores a step); the asm operand "+v" keeps each in its register. */
 AI __m512i dot_i16(__m512i acc, __m512i a, __m512i b)
 {
 #ifdef KVARN_AVX512_VNNI
-    return _mm512_dpwssd_epi32(acc, a, b);
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
 #else
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 #endif
 }
+
+#ifdef KVARN_AVX512_VNNI
+/* acc + the sums of 4 products u8 x s8 per 32-bit lane (vpdpbusd, exact:
+ * _mm512_dpbusd_epi32(acc, u, s)), through inline asm as dot_i16. */
+AI __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s)
+{
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+#endif
 
 /* ------------------------------------------- token-major K: dot products */
 

@@ -295,8 +295,8 @@ AI void i8v_kdots16(const attn_rows *r, i8_pf *f, const uint8_t *const *k, int r
 #pragma GCC unroll 4
             for (int i = 0; i < RB; i++) {
                 const uint8_t *dg = (const uint8_t *)(const void *)(r->qa + (size_t)(r0 + i) * D);
-                hi[i] = _mm512_dpbusd_epi32(hi[i], x[kk], _mm512_set1_epi32((int)load_u32(dg + d + 4 * kk)));
-                lo[i] = _mm512_dpbusd_epi32(lo[i], x[kk], _mm512_set1_epi32((int)load_u32(dg + D + d + 4 * kk)));
+                hi[i] = dot_u8s8(hi[i], x[kk], _mm512_set1_epi32((int)load_u32(dg + d + 4 * kk)));
+                lo[i] = dot_u8s8(lo[i], x[kk], _mm512_set1_epi32((int)load_u32(dg + D + d + 4 * kk)));
             }
         }
     }

@@ -7,6 +7,10 @@
  * with KVARN_AVX512_VNNI defined (attn_avx512vnni_kvarn_tile: vpdpwssd,
  * and u8 weights for 2-bit V); the #ifdef KVARN_AVX512_VNNI blocks hold
  * what only that build has. kernel_avx512.h describes the family.
+ * Rows go through a tile in blocks of up to 6 (kv_block), start to end;
+ * items of ATTN_PACK_MIN_ROWS rows or more (prefill chunks) first form the
+ * tile's 4-bit K and 2-bit V code vectors once (kv_pack_k, kv_pack_v), so
+ * each block only multiplies. The same bits either way.
  */
 #include "attn/kernel_avx512.h"
 
@@ -323,6 +327,42 @@ AI void kv_round_query(attn_rows *r, int i)
     qa[D / 2] = qmax / 32767.0f;
 }
 
+/* The four code vectors kv_kdots4_128_i16 multiplies for channels d,
+ * d + 1 (d even) of half h: lane m of c[j] holds, as (low, high) int16,
+ * the codes of token 8m + 4h + j of channels d and d + 1, times 16 for
+ * j = 1 (nibble 1 masked in place). */
+AI void kv_k4pair_codes(const uint8_t *kc, int d, int h, __m512i c[4])
+{
+    const __m512i m0 = _mm512_set1_epi32(0x000f000f), m1 = _mm512_set1_epi32(0x00f000f0);
+    const __m512i w0 = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64));
+    const __m512i w1 = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64 + 64));
+    const __m512i x = h == 0 ? _mm512_mask_blend_epi16(0xaaaaaaaau, w0, _mm512_slli_epi32(w1, 16))
+                             : _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(w0, 16), w1);
+    c[0] = _mm512_and_si512(x, m0);
+    c[1] = _mm512_and_si512(x, m1);
+    c[2] = _mm512_and_si512(_mm512_srli_epi16(x, 8), m0);
+    c[3] = _mm512_srli_epi16(x, 12);
+}
+
+/* The end of kv_kdots4_128_i16 and kv_kdots4_128_pk for row i of half h:
+ * the int32 sums a[j] times sq (and 1/16 for j = 1) to s in kv_kdots4_128's
+ * order, for kv_kfinish128. The sums come by value: an accumulator array
+ * passed by address stays in memory through the loop (GCC 12). */
+AI void kv_kstore_i16(attn_rows *r, int i, int h, __m512i a0, __m512i a1, __m512i a2, __m512i a3)
+{
+    const int D = r->D;
+    const float sq = r->qa[(size_t)i * D + D / 2];
+    float *s = r->s + (size_t)i * r->gs + 64 * h;
+    const __m512 v0 = _mm512_set1_ps(sq), v1 = _mm512_set1_ps(sq * 0.0625f);
+    _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(a0), v0));
+    _mm512_storeu_ps(s + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(a1), v1));
+    _mm512_storeu_ps(s + 32, _mm512_mul_ps(_mm512_cvtepi32_ps(a2), v0));
+    _mm512_storeu_ps(s + 48, _mm512_mul_ps(_mm512_cvtepi32_ps(a3), v0));
+}
+#define KV_KSTORE_ROWS(r, acc, r0, RB, h)                                                     \
+    _Pragma("GCC unroll 6") for (int i_ = 0; i_ < (RB); i_++)                                 \
+        kv_kstore_i16(r, (r0) + i_, h, acc[i_][0], acc[i_][1], acc[i_][2], acc[i_][3])
+
 /* kv_kdots4_128 with the int16 query of kv_round_query: half h of the tile
  * (tokens 8m + 4h + j, j = 0..3, lane m of vector j), two channels per
  * step. With w0, w1 the 64-byte rows of channels d, d + 1 (32-bit lane m:
@@ -340,8 +380,7 @@ AI void kv_round_query(attn_rows *r, int i)
 AI void kv_kdots4_128_i16(attn_rows *r, const uint8_t *kc, int r0, int RB, int h, int pf_shift,
                           int pf_l2)
 {
-    const int D = r->D, gs = r->gs;
-    const __m512i m0 = _mm512_set1_epi32(0x000f000f), m1 = _mm512_set1_epi32(0x00f000f0);
+    const int D = r->D;
     __m512i acc[6][4];
 #pragma GCC unroll 6
     for (int i = 0; i < RB; i++)
@@ -354,15 +393,8 @@ AI void kv_kdots4_128_i16(attn_rows *r, const uint8_t *kc, int r0, int RB, int h
             else
                 attn_prefetch_step(r->pf, 1);
         }
-        const __m512i w0 = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64));
-        const __m512i w1 = _mm512_loadu_si512((const void *)(kc + (size_t)d * 64 + 64));
-        const __m512i x = h == 0 ? _mm512_mask_blend_epi16(0xaaaaaaaau, w0, _mm512_slli_epi32(w1, 16))
-                                 : _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(w0, 16), w1);
         __m512i c[4];
-        c[0] = _mm512_and_si512(x, m0);
-        c[1] = _mm512_and_si512(x, m1);
-        c[2] = _mm512_and_si512(_mm512_srli_epi16(x, 8), m0);
-        c[3] = _mm512_srli_epi16(x, 12);
+        kv_k4pair_codes(kc, d, h, c);
 #pragma GCC unroll 6
         for (int i = 0; i < RB; i++) {
             int32_t qp;
@@ -372,15 +404,7 @@ AI void kv_kdots4_128_i16(attn_rows *r, const uint8_t *kc, int r0, int RB, int h
             for (int j = 0; j < 4; j++) acc[i][j] = dot_i16(acc[i][j], c[j], q);
         }
     }
-#pragma GCC unroll 6
-    for (int i = 0; i < RB; i++) {
-        const float sq = r->qa[(size_t)(r0 + i) * D + D / 2];
-        float *s = r->s + (size_t)(r0 + i) * gs + 64 * h;
-        const __m512 v0 = _mm512_set1_ps(sq), v1 = _mm512_set1_ps(sq * 0.0625f);
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++)
-            _mm512_storeu_ps(s + 16 * j, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), j == 1 ? v1 : v0));
-    }
+    KV_KSTORE_ROWS(r, acc, r0, RB, h);
 }
 
 /* Round row i's weights (fp32 s[i][0..G), G even) to int16 in place: wi_t
@@ -404,45 +428,46 @@ AI void kv_round_weights(attn_rows *r, int i, int G)
     w[G / 2] = ok ? wmax / 32767.0f : 0.0f;
 }
 
-/* The end of kv_vsum2_i16 and kv_vsum2_u8 for rows [r0, r0 + RB): lane k
- * of acc[i][j] holds the int32 sum of channel d0 + 4k + j (times 4^j where
+/* The end of kv_vsum2_i16, kv_vsum2_u8 and kv_vsum2_u8_pk for row i: lane
+ * k of a[j] holds the int32 sum of channel d0 + 4k + j (times 4^j where
  * pow4: codes masked in place); times sw (the row's float at G / 2 of s),
  * 4^-j where pow4, two rounds of 4 x 4 transposes (inside 128-bit lanes,
  * then of 128-bit lanes) put channels d0 + 16b.. in vector b; then acc +=
- * s_chan (sum + pb), as kv_vsum. */
-AI void kv_vsum_epilogue(attn_rows *r, __m512i acc[6][4], const float *schan, const float *pb,
-                         int r0, int RB, int d0, int G, int pow4)
+ * s_chan (sum + pb), as kv_vsum. The sums come by value (kv_kstore_i16). */
+AI void kv_vsum_epilogue(attn_rows *r, int i, const __m512i a[4], const float *schan,
+                         const float *pb, int d0, int G, int pow4)
 {
-    const int D = r->D, gs = r->gs;
-#pragma GCC unroll 6
-    for (int i = 0; i < RB; i++) {
-        const float sw = r->s[(size_t)(r0 + i) * gs + G / 2];
-        __m512 v[4];
+    const float sw = r->s[(size_t)i * r->gs + G / 2];
+    __m512 v[4];
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++)
-            v[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), _mm512_set1_ps(pow4 ? sw / (float)(1 << (2 * j)) : sw));
-        __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
-        __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
-        __m512 u0 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
-        __m512 u1 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
-        __m512 u2 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
-        __m512 u3 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
-        /* u_k, 128-bit lane b: channels 16b + 4k .. 16b + 4k + 3 */
-        __m512 x0 = _mm512_shuffle_f32x4(u0, u1, 0x44), x1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
-        __m512 x2 = _mm512_shuffle_f32x4(u0, u1, 0xee), x3 = _mm512_shuffle_f32x4(u2, u3, 0xee);
-        __m512 o[4];
-        o[0] = _mm512_shuffle_f32x4(x0, x1, 0x88);
-        o[1] = _mm512_shuffle_f32x4(x0, x1, 0xdd);
-        o[2] = _mm512_shuffle_f32x4(x2, x3, 0x88);
-        o[3] = _mm512_shuffle_f32x4(x2, x3, 0xdd);
-        float *acc_o = r->acc + (size_t)(r0 + i) * D + d0;
-        const __m512 b = _mm512_set1_ps(pb[r0 + i]);
+    for (int j = 0; j < 4; j++)
+        v[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(a[j]), _mm512_set1_ps(pow4 ? sw / (float)(1 << (2 * j)) : sw));
+    __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
+    __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
+    __m512 u0 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+    __m512 u1 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t2)));
+    __m512 u2 = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+    __m512 u3 = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t1), _mm512_castps_pd(t3)));
+    /* u_k, 128-bit lane b: channels 16b + 4k .. 16b + 4k + 3 */
+    __m512 x0 = _mm512_shuffle_f32x4(u0, u1, 0x44), x1 = _mm512_shuffle_f32x4(u2, u3, 0x44);
+    __m512 x2 = _mm512_shuffle_f32x4(u0, u1, 0xee), x3 = _mm512_shuffle_f32x4(u2, u3, 0xee);
+    __m512 o[4];
+    o[0] = _mm512_shuffle_f32x4(x0, x1, 0x88);
+    o[1] = _mm512_shuffle_f32x4(x0, x1, 0xdd);
+    o[2] = _mm512_shuffle_f32x4(x2, x3, 0x88);
+    o[3] = _mm512_shuffle_f32x4(x2, x3, 0xdd);
+    float *acc_o = r->acc + (size_t)i * r->D + d0;
+    const __m512 b = _mm512_set1_ps(pb[i]);
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-            _mm512_storeu_ps(acc_o + 16 * k, _mm512_fmadd_ps(_mm512_loadu_ps(schan + d0 + 16 * k),
-                                                             _mm512_add_ps(o[k], b), _mm512_loadu_ps(acc_o + 16 * k)));
-    }
+    for (int k = 0; k < 4; k++)
+        _mm512_storeu_ps(acc_o + 16 * k, _mm512_fmadd_ps(_mm512_loadu_ps(schan + d0 + 16 * k),
+                                                         _mm512_add_ps(o[k], b), _mm512_loadu_ps(acc_o + 16 * k)));
 }
+#define KV_VSUM_EPILOGUE_ROWS(acc, pow4)                                                          \
+    _Pragma("GCC unroll 6") for (int i_ = 0; i_ < RB; i_++) {                                     \
+        const __m512i a_[4] = {acc[i_][0], acc[i_][1], acc[i_][2], acc[i_][3]};                   \
+        kv_vsum_epilogue(r, r0 + i_, a_, schan, pb, d0, G, pow4);                                 \
+    }
 
 /* kv_vsum for 2-bit V codes with the int16 weights of kv_round_weights:
  * channels d0..d0+63 (16 bytes of each token row), two tokens per step.
@@ -482,7 +507,7 @@ AI void kv_vsum2_i16(attn_rows *r, const uint8_t *vc, size_t vrow, int G, const 
             for (int j = 0; j < 4; j++) acc[i][j] = dot_i16(acc[i][j], c[j], w);
         }
     }
-    kv_vsum_epilogue(r, acc, schan, pb, r0, RB, d0, G, 1);
+    KV_VSUM_EPILOGUE_ROWS(acc, 1)
 }
 
 #ifdef KVARN_AVX512_VNNI
@@ -520,6 +545,30 @@ AI void kv_round_weights_u8(attn_rows *r, int i, int G)
     w[G / 2] = ok ? wmax / 255.0f : 0.0f;
 }
 
+/* The four code vectors kv_vsum2_u8 multiplies for tokens t..t+3 and
+ * channels d0..d0+63: byte k' of 32-bit lane k of c[j] is the code (0..3)
+ * of token t + k' at channel d0 + 4k + j. */
+AI void kv_v2quad_codes(const uint8_t *vc, size_t vrow, int t, int d0, __m512i c[4])
+{
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const uint8_t *row = vc + (size_t)t * vrow + d0 / 4;
+    const __m128i a = _mm_loadu_si128((const __m128i *)(const void *)row);
+    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(row + vrow));
+    const __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(row + 2 * vrow));
+    const __m128i f = _mm_loadu_si128((const __m128i *)(const void *)(row + 3 * vrow));
+    const __m128i ablo = _mm_unpacklo_epi8(a, b), abhi = _mm_unpackhi_epi8(a, b);
+    const __m128i eflo = _mm_unpacklo_epi8(e, f), efhi = _mm_unpackhi_epi8(e, f);
+    const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(ablo, eflo)),
+                                               _mm_unpackhi_epi16(ablo, eflo), 1);
+    const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(abhi, efhi)),
+                                               _mm_unpackhi_epi16(abhi, efhi), 1);
+    const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    c[0] = _mm512_and_si512(x, m3);
+    c[1] = _mm512_and_si512(_mm512_srli_epi32(x, 2), m3);
+    c[2] = _mm512_and_si512(_mm512_srli_epi32(x, 4), m3);
+    c[3] = _mm512_and_si512(_mm512_srli_epi32(x, 6), m3);
+}
+
 /* kv_vsum2_i16 with the u8 weights of kv_round_weights_u8, four tokens a
  * step: the 16 code bytes (channels d0..d0+63) of tokens t..t+3
  * interleaved byte by byte (vpunpck{l,h}bw, then {l,h}wd), so 32-bit lane
@@ -531,7 +580,6 @@ AI void kv_vsum2_u8(attn_rows *r, const uint8_t *vc, size_t vrow, int G, const f
                     const float *pb, int r0, int RB, int d0)
 {
     const int gs = r->gs;
-    const __m512i m3 = _mm512_set1_epi8(3);
     __m512i acc[6][4];
 #pragma GCC unroll 6
     for (int i = 0; i < RB; i++)
@@ -539,33 +587,18 @@ AI void kv_vsum2_u8(attn_rows *r, const uint8_t *vc, size_t vrow, int G, const f
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
     for (int t = 0; t < G; t += 4) {
         attn_prefetch_step_l2(r->pf, 4); /* kv_vsum2_i16's 2 per token pair */
-        const uint8_t *row = vc + (size_t)t * vrow + d0 / 4;
-        const __m128i a = _mm_loadu_si128((const __m128i *)(const void *)row);
-        const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(row + vrow));
-        const __m128i e = _mm_loadu_si128((const __m128i *)(const void *)(row + 2 * vrow));
-        const __m128i f = _mm_loadu_si128((const __m128i *)(const void *)(row + 3 * vrow));
-        const __m128i ablo = _mm_unpacklo_epi8(a, b), abhi = _mm_unpackhi_epi8(a, b);
-        const __m128i eflo = _mm_unpacklo_epi8(e, f), efhi = _mm_unpackhi_epi8(e, f);
-        const __m256i lo = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(ablo, eflo)),
-                                                   _mm_unpackhi_epi16(ablo, eflo), 1);
-        const __m256i hi = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi16(abhi, efhi)),
-                                                   _mm_unpackhi_epi16(abhi, efhi), 1);
-        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
         __m512i c[4];
-        c[0] = _mm512_and_si512(x, m3);
-        c[1] = _mm512_and_si512(_mm512_srli_epi32(x, 2), m3);
-        c[2] = _mm512_and_si512(_mm512_srli_epi32(x, 4), m3);
-        c[3] = _mm512_and_si512(_mm512_srli_epi32(x, 6), m3);
+        kv_v2quad_codes(vc, vrow, t, d0, c);
 #pragma GCC unroll 6
         for (int i = 0; i < RB; i++) {
             int32_t wp;
             memcpy(&wp, (const uint8_t *)(const void *)(r->s + (size_t)(r0 + i) * gs) + t, 4);
             const __m512i w = _mm512_set1_epi32(wp);
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], w, c[j]);
+            for (int j = 0; j < 4; j++) acc[i][j] = dot_u8s8(acc[i][j], w, c[j]);
         }
     }
-    kv_vsum_epilogue(r, acc, schan, pb, r0, RB, d0, G, 0);
+    KV_VSUM_EPILOGUE_ROWS(acc, 0)
 }
 
 /* 1 when every a_t of the tile (va, fp32 [G], G % 16 == 0) is >= 0 (false
@@ -580,12 +613,232 @@ AI int kv_va_nonneg(const float *va, int G)
 #define KV_U8_OK(va, G) kv_va_nonneg(va, G)
 #define KV_ROUND_U8(i) kv_round_weights_u8(r, i, G)
 #define KV_VSUM_U8(N) kv_vsum2_u8(r, vc, vrow, G, schan, pb, r0, N, d0)
+#define KV_VSUM_U8_PK(N) kv_vsum2_u8_pk##N(r, t->vp, G, schan, pb, r0, d0)
+#define KV_PACK_V(vp) kv_pack_v(vc, vrow, G, D, vp)
 #else
 /* the vpmaddwd build has no vpdpbusd: int16 weights throughout */
 #define KV_U8_OK(va, G) 0
 #define KV_ROUND_U8(i) ((void)0)
 #define KV_VSUM_U8(N) ((void)0)
+#define KV_VSUM_U8_PK(N) ((void)0)
+#define KV_PACK_V(vp) ((void)(vp))
 #endif
+
+/* ---------------------------------- packed codes (items of many rows)
+ * Items of ATTN_PACK_MIN_ROWS rows or more (prefill chunks, verification of
+ * wide GQA groups) form the code vectors of kv_kdots4_128_i16 and
+ * kv_vsum2_u8 once per tile, into r->mat (kv_pack_k, kv_pack_v); each
+ * block of rows then multiplies them with broadcast queries / weights
+ * alone (kv_kdots4_128_pk, kv_vsum2_u8_pk): per step 4 loads and 24 dot
+ * products, the broadcast folded into the dot product where the ISA
+ * allows, instead of the loads, unpacking and separate broadcasts of every
+ * block. The int32 sums are exact, so scores and sums are the same bits
+ * as the unpacked loops'. */
+
+/* Where packing pays (ATTN_PACK_MIN_ROWS): bench_attn --contexts 4096
+ * --batches 1 --staging int8, kvarn_k4v2_g128, one thread on AMD Zen 4:
+ * packed against unpacked 5-6% slower at 18-24 rows (6 queries, SmolLM2
+ * and Llama heads), even at 33-44, 1-4% faster from 48 rows up, 3-5% at
+ * 384-2048. */
+
+AI int32_t load_i32(const void *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* K: kp[h][p][j] = kv_k4pair_codes(kc, 2p, h)[j], h < 2, p < D / 2 (256 D
+ * bytes); the next tiles' prefetches spread over the D steps. */
+AI void kv_pack_k(attn_rows *r, const uint8_t *kc, __m512i *kp)
+{
+    const int D = r->D, per = (attn_prefetch_left(r->pf) + D - 1) / D;
+    for (int h = 0; h < 2; h++)
+        for (int d = 0; d < D; d += 2) {
+            attn_prefetch_step_l2(r->pf, per);
+            __m512i c[4];
+            kv_k4pair_codes(kc, d, h, c);
+            __m512i *o = kp + ((size_t)h * (size_t)(D / 2) + (size_t)(d / 2)) * 4;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) _mm512_storeu_si512((void *)(o + j), c[j]);
+        }
+}
+
+/* kv_kdots4_128_i16 on kv_pack_k's vectors (half h). */
+AI void kv_kdots4_128_pk(attn_rows *r, const __m512i *kp, int r0, int RB, int h)
+{
+    const int D = r->D;
+    const uint8_t *q[6];
+    __m512i acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) {
+        q[i] = (const uint8_t *)(const void *)(r->qa + (size_t)(r0 + i) * D);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
+    }
+    const __m512i *k = kp + (size_t)h * (size_t)(D / 2) * 4;
+    for (int p = 0; p < D / 2; p++, k += 4) {
+        __m512i c[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) c[j] = _mm512_loadu_si512((const void *)(k + j));
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) {
+            const __m512i qb = _mm512_set1_epi32(load_i32(q[i] + 4 * p)); /* (qi_2p, qi_2p+1) */
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[i][j] = dot_i16(acc[i][j], c[j], qb);
+        }
+    }
+    KV_KSTORE_ROWS(r, acc, r0, RB, h);
+}
+
+#ifdef KVARN_AVX512_VNNI
+/* V: vp[g][u][j] = kv_v2quad_codes(vc, vrow, 4u, 64g)[j], g < D / 64, u <
+ * G / 4 (G D bytes). */
+AI void kv_pack_v(const uint8_t *vc, size_t vrow, int G, int D, __m512i *vp)
+{
+    for (int d0 = 0; d0 < D; d0 += 64)
+        for (int t = 0; t < G; t += 4) {
+            __m512i c[4];
+            kv_v2quad_codes(vc, vrow, t, d0, c);
+            __m512i *o = vp + ((size_t)(d0 / 64) * (size_t)(G / 4) + (size_t)(t / 4)) * 4;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) _mm512_storeu_si512((void *)(o + j), c[j]);
+        }
+}
+
+/* kv_vsum2_u8 on kv_pack_v's vectors (channels d0..d0+63). */
+AI void kv_vsum2_u8_pk(attn_rows *r, const __m512i *vp, int G, const float *schan, const float *pb,
+                       int r0, int RB, int d0)
+{
+    const int gs = r->gs;
+    const uint8_t *w[6];
+    __m512i acc[6][4];
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) {
+        w[i] = (const uint8_t *)(const void *)(r->s + (size_t)(r0 + i) * gs);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_si512();
+    }
+    const __m512i *v = vp + (size_t)(d0 / 64) * (size_t)(G / 4) * 4;
+    for (int t = 0; t < G; t += 4, v += 4) {
+        __m512i c[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) c[j] = _mm512_loadu_si512((const void *)(v + j));
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) {
+            const __m512i wb = _mm512_set1_epi32(load_i32(w[i] + t)); /* (wi_t..wi_t+3) */
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[i][j] = dot_u8s8(acc[i][j], wb, c[j]);
+        }
+    }
+    KV_VSUM_EPILOGUE_ROWS(acc, 0)
+}
+#endif
+
+/* The packed loops out of line, one per row count (the tile body is tens
+ * of kilobytes of code; inlined there the loops took 1-3% more time in
+ * bench_attn --queries 512 on AMD Zen 4). */
+#ifdef KVARN_AVX512_VNNI
+#define KV_PK_V_FN(N)                                                                                \
+    static __attribute__((noinline)) void kv_vsum2_u8_pk##N(attn_rows *r, const __m512i *vp, int G,  \
+                                                            const float *schan, const float *pb,     \
+                                                            int r0, int d0)                          \
+    {                                                                                                \
+        kv_vsum2_u8_pk(r, vp, G, schan, pb, r0, N, d0);                                              \
+    }
+#else
+#define KV_PK_V_FN(N)
+#endif
+#define KV_PK_FN(N)                                                                                  \
+    static __attribute__((noinline)) void kv_kdots4_128_pk##N(attn_rows *r, const __m512i *kp,       \
+                                                              int r0, int h)                         \
+    {                                                                                                \
+        kv_kdots4_128_pk(r, kp, r0, N, h);                                                           \
+    }                                                                                                \
+    KV_PK_V_FN(N)
+KV_PK_FN(1)
+KV_PK_FN(2)
+KV_PK_FN(3)
+KV_PK_FN(4)
+KV_PK_FN(5)
+KV_PK_FN(6)
+#undef KV_PK_FN
+#undef KV_PK_V_FN
+
+/* One tile's record fields and the kernel's choices for it
+ * (kvarn_tile_body), for kv_block. */
+typedef struct kv_tile {
+    const uint8_t *kc, *vc; /* K codes (channel-major), V codes (token-major) */
+    size_t krow, vrow;      /* bytes per K channel row, per V token row */
+    int kb, vb, G, t0;      /* bit widths, tile tokens, the tile's first position */
+    int k128, kint, vint, u8, nv, pf_shift;
+    const __m512i *kp, *vp; /* kv_pack_k's, kv_pack_v's vectors, or NULL */
+} kv_tile;
+
+/* Rows [r0, r0 + RB) through one tile: int16 query (kint), scores
+ * (kv_kdots4_128[_i16] then kv_kfinish128, or kv_kdots), the online
+ * softmax and weights p_t a_t for rows kv_kfinish128 left, the weights'
+ * int16/u8 rounding (vint) and the value sums, 64 channels (or 32) a pass.
+ * The metadata in r->meta, qa and rc of the rows are kvarn_tile_body's.
+ * RB <= 6 (<= 8 where !k128, !vint and nv == 2). */
+AI void kv_block(attn_rows *r, const kv_tile *t, int r0, int RB)
+{
+    const int D = r->D, G = t->G, gs = r->gs;
+    const float *schan = r->meta + 2 * D, *stok = schan + D, *va = stok + gs, *vbias = va + gs;
+    const uint8_t *vc = t->vc; /* for KV_VSUM_U8 */
+    const size_t vrow = t->vrow;
+    (void)vc, (void)vrow;
+    /* 7 and 8 rows only where !k128, !vint and nv == 2 (kvarn_tile_body);
+     * R6 keeps the 6-row loops' instances in bounds */
+    const int R6 = RB > 6 ? 6 : RB;
+    for (int i = r0; t->kint && i < r0 + RB; i++) kv_round_query(r, i);
+    if (t->k128) {
+        for (int h = 0; h < 2; h++) {
+            if (t->kp) {
+#define KPK(N) kv_kdots4_128_pk##N(r, t->kp, r0, h)
+                ATTN_RB_SWITCH6(R6, KPK)
+#undef KPK
+            } else if (t->kint)
+                kv_kdots4_128_i16(r, t->kc, r0, R6, h, t->pf_shift, t->vint);
+            else
+                kv_kdots4_128(r, t->kc, r0, R6, h, t->pf_shift);
+        }
+        for (int i = r0; i < r0 + RB; i++) kv_kfinish128(r, i, t->t0, stok, va, vbias);
+    } else {
+        for (int tb = 0; tb < G; tb += 32) kv_kdots(r, t->kc, t->krow, t->kb, stok, r0, RB, tb, t->pf_shift);
+    }
+    /* Weights p_t * a_t; the b_t sum is one constant per row. */
+    float *pb = r->rc;
+    for (int i = r0; i < r0 + RB; i++) {
+        if (t->k128 && kv_sees_tile(r, i, t->t0)) continue; /* done by kv_kfinish128 */
+        softmax_row_avx512(r, i, t->t0, G);
+        pb[i] = fold_weights(r->s + (size_t)i * gs, va, vbias, G);
+    }
+    if (t->vint) {
+        for (int i = r0; i < r0 + RB; i++) {
+            if (t->u8)
+                KV_ROUND_U8(i);
+            else
+                kv_round_weights(r, i, G);
+        }
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            if (t->vp) {
+                ATTN_RB_SWITCH6(R6, KV_VSUM_U8_PK)
+            }
+            else if (t->u8)
+                KV_VSUM_U8(R6);
+            else
+                kv_vsum2_i16(r, t->vc, t->vrow, G, schan, pb, r0, R6, d0);
+        }
+        return;
+    }
+    for (int d0 = 0; d0 < D; d0 += 16 * t->nv) {
+        if (t->nv == 4)
+            kv_vsum(r, t->vc, t->vrow, t->vb, G, schan, pb, r0, R6, d0, 4);
+        else
+            kv_vsum(r, t->vc, t->vrow, t->vb, G, schan, pb, r0, RB, d0, 2);
+    }
+}
 
 AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                         int t0, int kb, int vb)
@@ -630,9 +883,7 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
         attn_avx2_kvarn_tile(r, L, rec, t0, G);
         return;
     }
-    /* One prefetch every 2^pf_shift channels of the first row block's
-     * score loop: half the next tiles' lines spread over the G/32 x D
-     * steps; kv_vsum issues the rest, one per token. Where both loops run
+    /* The next tiles' prefetches (kv_block): where both loops run
      * in int16 (kint and vint: the k4v2 g128 presets) the prefetches go to
      * L2 (prefetcht1, attn_prefetch_step_l2): the Llama-3-8B call at 8k
      * took 3-5% less time than with prefetcht0 on AMD Zen 4, while the fp32
@@ -646,69 +897,50 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     /* int16 weights (kv_vsum2_i16): 2-bit V of 128-token tiles, 64
      * channels per pass */
     const int vint = attn_avx512_kvarn_v_int16(vb, G, D);
-    for (int i = 0; kint && i < r->n; i++) kv_round_query(r, i);
-    const int steps = (k128 ? 2 : G / 32) * D, left = attn_prefetch_left(r->pf);
+    /* u8 weights (kv_vsum2_u8) in the VNNI build where every a_t >= 0 */
+    const int u8 = vint && KV_U8_OK(va, G);
+    /* Blocks of up to 6 rows (8 where every loop takes 8: fp32 K of other
+     * tiles and 32 channels a V pass) go through the tile start to end
+     * (kv_block): the rows' int16 query, scores, softmax, weights and
+     * sums, so that their scores and accumulators stay in L1 with the
+     * tile's codes. Every row's operations are those of one pass per step
+     * over all rows (the earlier order), so the same bits. The next tiles'
+     * prefetches: one every 2^pf_shift channels of every block's score
+     * loop (about half of them), the rest in the V loops. */
+    const int nv = D % 64 == 0 ? 4 : 2;
+    const int max_rb = !k128 && !vint && nv == 2 ? 8 : 6;
+    const int nblk = (r->n + max_rb - 1) / max_rb;
+    const int steps = nblk * (k128 ? 2 : G / 32) * D, left = attn_prefetch_left(r->pf);
     int pf_shift = 0;
     while (pf_shift < 6 && (steps >> (pf_shift + 1)) >= (left + 1) / 2) pf_shift++;
-    for (int h = 0; k128 && h < 2; h++)
-        for (int r0 = 0; r0 < r->n;) {
-            int rb = block_rows(r->n, 6, r0);
-#define K4CALL(N) (kint ? kv_kdots4_128_i16(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30, vint) \
-                       : kv_kdots4_128(r, kc, r0, N, h, r0 == 0 ? pf_shift : 30))
-            ATTN_RB_SWITCH6(rb, K4CALL)
-#undef K4CALL
-            r0 += rb;
+    /* packed codes (kv_pack_k, kv_pack_v) for items of ATTN_PACK_MIN_ROWS
+     * rows or more, in the matrix kernels' scratch (r->mat, there for
+     * items of ATTN_MATRIX_MIN_ROWS rows or more: at least 4 D G bytes; K
+     * takes 2 D G, V D G) */
+    __m512i *kp = NULL, *vp = NULL;
+    if (r->mat && r->n >= ATTN_PACK_MIN_ROWS) {
+        __m512i *m = (__m512i *)(void *)r->mat;
+        if (k128 && kint) {
+            kp = m;
+            kv_pack_k(r, kc, kp);
         }
-    for (int i = 0; k128 && i < r->n; i++) kv_kfinish128(r, i, t0, stok, va, vbias);
-    for (int tb = 0; !k128 && tb < G; tb += 32) {
-        for (int r0 = 0; r0 < r->n;) {
-            int rb = block_rows(r->n, 8, r0);
-#define KCALL(N) kv_kdots(r, kc, krow, kb, stok, r0, N, tb, r0 == 0 ? pf_shift : 30)
-            ATTN_RB_SWITCH8(rb, KCALL)
-#undef KCALL
-            r0 += rb;
+        if (u8) {
+            vp = m + (size_t)D * (size_t)G / 32;
+            KV_PACK_V(vp);
         }
     }
-    /* Weights p_t * a_t; the b_t sum is one constant per row. */
-    float *pb = r->rc;
-    for (int i = 0; i < r->n; i++) {
-        if (k128 && kv_sees_tile(r, i, t0)) continue; /* done by kv_kfinish128 */
-        softmax_row_avx512(r, i, t0, G);
-        pb[i] = fold_weights(r->s + (size_t)i * gs, va, vbias, G);
+    kv_tile t = {kc, vc, krow, vrow, kb, vb, G, t0, k128, kint, vint, u8, nv, pf_shift, kp, vp};
+    for (int r0 = 0; r0 < r->n;) {
+        int rb = block_rows(r->n, max_rb, r0);
+#define BCALL(N) kv_block(r, &t, r0, N)
+        ATTN_RB_SWITCH8(rb, BCALL)
+#undef BCALL
+        r0 += rb;
     }
-    if (vint) {
-        /* u8 weights (kv_vsum2_u8) in the VNNI build where every a_t >= 0 */
-        const int u8 = KV_U8_OK(va, G);
-        for (int i = 0; i < r->n; i++) {
-            if (u8)
-                KV_ROUND_U8(i);
-            else
-                kv_round_weights(r, i, G);
-        }
-        for (int d0 = 0; d0 < D; d0 += 64)
-            for (int r0 = 0; r0 < r->n;) {
-                int rb = block_rows(r->n, 6, r0);
-#define VICALL(N) (u8 ? KV_VSUM_U8(N) : kv_vsum2_i16(r, vc, vrow, G, schan, pb, r0, N, d0))
-                ATTN_RB_SWITCH6(rb, VICALL)
-#undef VICALL
-                r0 += rb;
-            }
+    if (vint)
         attn_prefetch_step_l2(r->pf, attn_prefetch_left(r->pf)); /* any left over */
-        return;
-    }
-    /* 64 channels per pass (up to 6 rows, 24 accumulators) where D allows,
-     * else 32 (up to 8 rows). */
-    const int nv = D % 64 == 0 ? 4 : 2;
-    for (int d0 = 0; d0 < D; d0 += 16 * nv)
-        for (int r0 = 0; r0 < r->n;) {
-            int rb = block_rows(r->n, nv == 4 ? 6 : 8, r0);
-#define VCALL(N) (nv == 4 ? kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0, 4) \
-                          : kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, N, d0, 2))
-            ATTN_RB_SWITCH8(rb, VCALL)
-#undef VCALL
-            r0 += rb;
-        }
-    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
+    else
+        attn_prefetch_step(r->pf, attn_prefetch_left(r->pf));
 }
 
 /* Specializations on the bit widths, so the unpacking's branches fold away. */

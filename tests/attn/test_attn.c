@@ -1282,6 +1282,60 @@ static void test_value_weights_u8(void **state)
     }
 }
 
+/* Items of many rows (ATTN_PACK_MIN_ROWS or more) take the AVX-512 KVarN
+ * kernel's packed codes (kernel_avx512_kvarn.c kv_pack_k, kv_pack_v: the
+ * code vectors formed once per tile), items of few rows unpack them per
+ * block of rows; both sum the same exact int32 products, so a row's output
+ * must be the same bits either way. ATTN_PACK_MIN_ROWS / 3 + 1 queries of
+ * a sequence in one call (one work item of 3 rows each; not causal, so
+ * that each sees what it sees alone) against each query in a call of its
+ * own (3 rows). Split-K off and
+ * no AMX matrix kernel, so that the vector kernels run both; at the best
+ * level this CPU runs (on AVX2 both calls take the AVX2 kernel, whose rows
+ * are likewise independent). kvarn_k4v2_g128: packed K and u8 V;
+ * kvarn_k4v4_g128: packed K, fp32 V. */
+static void test_many_rows_same_bits(void **state)
+{
+    (void)state;
+    const char *fmts[2] = {"kvarn_k4v2_g128", "kvarn_k4v4_g128"};
+    const int dims[2] = {64, 128};
+    for (int fi = 0; fi < 2; fi++)
+        for (int di = 0; di < 2; di++) {
+            attn_case c;
+            memset(&c, 0, sizeof c);
+            c.fmt = fmts[fi];
+            c.D = dims[di];
+            c.Hk = 2;
+            c.group = 3;
+            c.G = 128;
+            c.multi = 1;
+            c.split = 1;
+            c.amx = 1;
+            c.n_seqs = 1;
+            c.seqs[0].seq_len = 3 * 128 + 5; /* 3 records and 5 staged tokens */
+            paged_fixture f;
+            assert_int_equal(pf_build(&f, c.fmt, c.D, c.Hk, c.G, 0, c.seqs, 1, 1700 + 2 * fi + di), 0);
+            const int nq = ATTN_PACK_MIN_ROWS / 3 + 1, Hq = c.Hk * c.group;
+            const size_t per_q = (size_t)Hq * c.D;
+            float *q = malloc(sizeof(float) * nq * per_q), *out = malloc(sizeof(float) * nq * per_q);
+            float *one = malloc(sizeof(float) * per_q);
+            test_rng rng;
+            test_rng_seed(&rng, 1717 + fi * 2 + di);
+            for (size_t i = 0; i < nq * per_q; i++) q[i] = (float)(2.0 * test_rng_normal(&rng));
+            int32_t qsl[2] = {0, nq};
+            assert_int_equal(run_attn(&f, &c, qsl, q, out, NULL), KVARN_OK);
+            qsl[1] = 1;
+            for (int i = 0; i < nq; i++) {
+                assert_int_equal(run_attn(&f, &c, qsl, q + i * per_q, one, NULL), KVARN_OK);
+                if (memcmp(one, out + i * per_q, sizeof(float) * per_q) != 0)
+                    print_error("%s D=%d query %d: many-row call differs from the query alone\n", c.fmt, c.D, i);
+                assert_memory_equal(one, out + i * per_q, sizeof(float) * per_q);
+            }
+            free(q); free(out); free(one);
+            pf_free(&f);
+        }
+}
+
 /* kvarn_attn_kernel_info_get (attn.h): errors leave *out untouched; the
  * scalar kernels and the AVX2 ones compute in fp32 (the kernel files'
  * contract, which test_attn's cases hold to 1e-5 of the reference); the
@@ -1558,6 +1612,7 @@ int main(void)
         cmocka_unit_test_teardown(test_large_head_dim, levels_teardown), cmocka_unit_test_teardown(test_matrix_kernel, levels_teardown),
         cmocka_unit_test_teardown(test_odd_head_dim, levels_teardown), cmocka_unit_test_teardown(test_empty, levels_teardown),
         cmocka_unit_test_teardown(test_simd_threads, levels_teardown), cmocka_unit_test_teardown(test_value_weights_u8, levels_teardown),
+        cmocka_unit_test_teardown(test_many_rows_same_bits, levels_teardown),
         cmocka_unit_test_teardown(test_extreme_query, levels_teardown),
         cmocka_unit_test_teardown(test_bad_inputs, levels_teardown),
         cmocka_unit_test_teardown(test_kernel_table, levels_teardown), cmocka_unit_test_teardown(test_kernel_info, levels_teardown), cmocka_unit_test_teardown(test_prefetch_lines, levels_teardown),
