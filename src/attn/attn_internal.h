@@ -133,7 +133,11 @@ typedef struct attn_rows {
                             16), and for the int8 format's blocks the
                             weights' second bf16 halves after them, of the
                             same shape (per-token spans keep their query
-                            in qa: kernel_amx.c token_span); NULL where the call's geometry takes none
+                            in qa: kernel_amx.c token_span); the AVX-512
+                            KVarN kernel's packed code vectors of a tile
+                            (3 D G bytes, kernel_avx512_kvarn.c kv_pack_k,
+                            kv_pack_v), so no kernel may keep anything
+                            there across a tile kernel's call; NULL where the call's geometry takes none
                             (attn_matrix_geometry) */
 } attn_rows;
 

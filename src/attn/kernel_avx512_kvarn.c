@@ -629,10 +629,9 @@ AI int kv_va_nonneg(const float *va, int G)
  * wide GQA groups) form the code vectors of kv_kdots4_128_i16 and
  * kv_vsum2_u8 once per tile, into r->mat (kv_pack_k, kv_pack_v); each
  * block of rows then multiplies them with broadcast queries / weights
- * alone (kv_kdots4_128_pk, kv_vsum2_u8_pk): per step 4 loads and 24 dot
- * products, the broadcast folded into the dot product where the ISA
- * allows, instead of the loads, unpacking and separate broadcasts of every
- * block. The int32 sums are exact, so scores and sums are the same bits
+ * alone (kv_kdots4_128_pk, kv_vsum2_u8_pk): per step 4 loads, 6
+ * broadcasts and 24 dot products, without the loads and unpacking of the
+ * codes in every block. The int32 sums are exact, so scores and sums are the same bits
  * as the unpacked loops'. */
 
 /* Where packing pays (ATTN_PACK_MIN_ROWS): bench_attn --contexts 4096
@@ -649,13 +648,17 @@ AI int32_t load_i32(const void *p)
 }
 
 /* K: kp[h][p][j] = kv_k4pair_codes(kc, 2p, h)[j], h < 2, p < D / 2 (256 D
- * bytes); the next tiles' prefetches spread over the D steps. */
-AI void kv_pack_k(attn_rows *r, const uint8_t *kc, __m512i *kp)
+ * bytes); the next tiles' prefetches spread over the D steps, into L2
+ * where pf_l2 (as kv_kdots4_128_i16's), else into every level. */
+AI void kv_pack_k(attn_rows *r, const uint8_t *kc, __m512i *kp, int pf_l2)
 {
     const int D = r->D, per = (attn_prefetch_left(r->pf) + D - 1) / D;
     for (int h = 0; h < 2; h++)
         for (int d = 0; d < D; d += 2) {
-            attn_prefetch_step_l2(r->pf, per);
+            if (pf_l2)
+                attn_prefetch_step_l2(r->pf, per);
+            else
+                attn_prefetch_step(r->pf, per);
             __m512i c[4];
             kv_k4pair_codes(kc, d, h, c);
             __m512i *o = kp + ((size_t)h * (size_t)(D / 2) + (size_t)(d / 2)) * 4;
@@ -737,7 +740,10 @@ AI void kv_vsum2_u8_pk(attn_rows *r, const __m512i *vp, int G, const float *scha
 
 /* The packed loops out of line, one per row count (the tile body is tens
  * of kilobytes of code; inlined there the loops took 1-3% more time in
- * bench_attn --queries 512 on AMD Zen 4). */
+ * bench_attn --queries 512 on AMD Zen 4). Items of ATTN_PACK_MIN_ROWS
+ * rows come in balanced blocks of 5 or 6 (block_rows), so only those two;
+ * kv_block takes the unpacked loops for any other count. */
+_Static_assert(ATTN_PACK_MIN_ROWS >= 20, "blocks of 5 or 6 rows: ceil(n / 6) blocks of n >= 20 rows");
 #ifdef KVARN_AVX512_VNNI
 #define KV_PK_V_FN(N)                                                                                \
     static __attribute__((noinline)) void kv_vsum2_u8_pk##N(attn_rows *r, const __m512i *vp, int G,  \
@@ -756,10 +762,6 @@ AI void kv_vsum2_u8_pk(attn_rows *r, const __m512i *vp, int G, const float *scha
         kv_kdots4_128_pk(r, kp, r0, N, h);                                                           \
     }                                                                                                \
     KV_PK_V_FN(N)
-KV_PK_FN(1)
-KV_PK_FN(2)
-KV_PK_FN(3)
-KV_PK_FN(4)
 KV_PK_FN(5)
 KV_PK_FN(6)
 #undef KV_PK_FN
@@ -794,11 +796,11 @@ AI void kv_block(attn_rows *r, const kv_tile *t, int r0, int RB)
     for (int i = r0; t->kint && i < r0 + RB; i++) kv_round_query(r, i);
     if (t->k128) {
         for (int h = 0; h < 2; h++) {
-            if (t->kp) {
-#define KPK(N) kv_kdots4_128_pk##N(r, t->kp, r0, h)
-                ATTN_RB_SWITCH6(R6, KPK)
-#undef KPK
-            } else if (t->kint)
+            if (t->kp && R6 == 6)
+                kv_kdots4_128_pk6(r, t->kp, r0, h);
+            else if (t->kp && R6 == 5)
+                kv_kdots4_128_pk5(r, t->kp, r0, h);
+            else if (t->kint)
                 kv_kdots4_128_i16(r, t->kc, r0, R6, h, t->pf_shift, t->vint);
             else
                 kv_kdots4_128(r, t->kc, r0, R6, h, t->pf_shift);
@@ -822,9 +824,10 @@ AI void kv_block(attn_rows *r, const kv_tile *t, int r0, int RB)
                 kv_round_weights(r, i, G);
         }
         for (int d0 = 0; d0 < D; d0 += 64) {
-            if (t->vp) {
-                ATTN_RB_SWITCH6(R6, KV_VSUM_U8_PK)
-            }
+            if (t->vp && R6 == 6)
+                KV_VSUM_U8_PK(6);
+            else if (t->vp && R6 == 5)
+                KV_VSUM_U8_PK(5);
             else if (t->u8)
                 KV_VSUM_U8(R6);
             else
@@ -906,7 +909,9 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
      * tile's codes. Every row's operations are those of one pass per step
      * over all rows (the earlier order), so the same bits. The next tiles'
      * prefetches: one every 2^pf_shift channels of every block's score
-     * loop (about half of them), the rest in the V loops. */
+     * loop (about half of them), the rest in the V loops; with packed K
+     * codes all of them in kv_pack_k, with packed V codes alone (tiles of
+     * 2- or 8-bit K) the V half at the tile's end. */
     const int nv = D % 64 == 0 ? 4 : 2;
     const int max_rb = !k128 && !vint && nv == 2 ? 8 : 6;
     const int nblk = (r->n + max_rb - 1) / max_rb;
@@ -914,15 +919,16 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     int pf_shift = 0;
     while (pf_shift < 6 && (steps >> (pf_shift + 1)) >= (left + 1) / 2) pf_shift++;
     /* packed codes (kv_pack_k, kv_pack_v) for items of ATTN_PACK_MIN_ROWS
-     * rows or more, in the matrix kernels' scratch (r->mat, there for
-     * items of ATTN_MATRIX_MIN_ROWS rows or more: at least 4 D G bytes; K
-     * takes 2 D G, V D G) */
+     * rows or more, in the matrix kernels' scratch (r->mat: there where the
+     * call may have items of ATTN_MATRIX_MIN_ROWS rows and its geometry
+     * takes the matrix kernel, attn_plan.c; at least 4 D G bytes; K takes
+     * 2 D G, V D G, G = 128 both) */
     __m512i *kp = NULL, *vp = NULL;
     if (r->mat && r->n >= ATTN_PACK_MIN_ROWS) {
         __m512i *m = (__m512i *)(void *)r->mat;
         if (k128 && kint) {
             kp = m;
-            kv_pack_k(r, kc, kp);
+            kv_pack_k(r, kc, kp, vint);
         }
         if (u8) {
             vp = m + (size_t)D * (size_t)G / 32;

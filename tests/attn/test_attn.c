@@ -1286,10 +1286,10 @@ static void test_value_weights_u8(void **state)
  * kernel's packed codes (kernel_avx512_kvarn.c kv_pack_k, kv_pack_v: the
  * code vectors formed once per tile), items of few rows unpack them per
  * block of rows; both sum the same exact int32 products, so a row's output
- * must be the same bits either way. ATTN_PACK_MIN_ROWS / 3 + 1 queries of
- * a sequence in one call (one work item of 3 rows each; not causal, so
- * that each sees what it sees alone) against each query in a call of its
- * own (3 rows). Split-K off and
+ * must be the same bits either way. ATTN_PACK_MIN_ROWS / 3 + 2 queries of
+ * a sequence in one call (one work item of 3 rows a query per KV head;
+ * not causal, so that each sees what it sees alone) against each query in
+ * a call of its own (3 rows), in both AVX-512 builds. Split-K off and
  * no AMX matrix kernel, so that the vector kernels run both; at the best
  * level this CPU runs (on AVX2 both calls take the AVX2 kernel, whose rows
  * are likewise independent). kvarn_k4v2_g128: packed K and u8 V;
@@ -1315,21 +1315,27 @@ static void test_many_rows_same_bits(void **state)
             c.seqs[0].seq_len = 3 * 128 + 5; /* 3 records and 5 staged tokens */
             paged_fixture f;
             assert_int_equal(pf_build(&f, c.fmt, c.D, c.Hk, c.G, 0, c.seqs, 1, 1700 + 2 * fi + di), 0);
-            const int nq = ATTN_PACK_MIN_ROWS / 3 + 1, Hq = c.Hk * c.group;
+            /* rows in blocks of 6 and 5 (both packed loops) */
+            const int nq = ATTN_PACK_MIN_ROWS / 3 + 2, Hq = c.Hk * c.group;
             const size_t per_q = (size_t)Hq * c.D;
             float *q = malloc(sizeof(float) * nq * per_q), *out = malloc(sizeof(float) * nq * per_q);
             float *one = malloc(sizeof(float) * per_q);
             test_rng rng;
             test_rng_seed(&rng, 1717 + fi * 2 + di);
             for (size_t i = 0; i < nq * per_q; i++) q[i] = (float)(2.0 * test_rng_normal(&rng));
-            int32_t qsl[2] = {0, nq};
-            assert_int_equal(run_attn(&f, &c, qsl, q, out, NULL), KVARN_OK);
-            qsl[1] = 1;
-            for (int i = 0; i < nq; i++) {
-                assert_int_equal(run_attn(&f, &c, qsl, q + i * per_q, one, NULL), KVARN_OK);
-                if (memcmp(one, out + i * per_q, sizeof(float) * per_q) != 0)
-                    print_error("%s D=%d query %d: many-row call differs from the query alone\n", c.fmt, c.D, i);
-                assert_memory_equal(one, out + i * per_q, sizeof(float) * per_q);
+            /* the VNNI build, then the vpmaddwd one (packed K, int16 V) */
+            for (int nv = 0; nv < 2; nv++) {
+                c.no_vnni = nv;
+                int32_t qsl[2] = {0, nq};
+                assert_int_equal(run_attn(&f, &c, qsl, q, out, NULL), KVARN_OK);
+                qsl[1] = 1;
+                for (int i = 0; i < nq; i++) {
+                    assert_int_equal(run_attn(&f, &c, qsl, q + i * per_q, one, NULL), KVARN_OK);
+                    if (memcmp(one, out + i * per_q, sizeof(float) * per_q) != 0)
+                        print_error("%s D=%d no_vnni %d query %d: many-row call differs from the query alone\n",
+                                    c.fmt, c.D, nv, i);
+                    assert_memory_equal(one, out + i * per_q, sizeof(float) * per_q);
+                }
             }
             free(q); free(out); free(one);
             pf_free(&f);
