@@ -530,29 +530,26 @@ AI void kv_rows(attn_rows *r, int t0, int G, const uint8_t *kc, size_t krow, int
     for (int d0 = 0; d0 < D; d0 += 16) kv_vsum(r, vc, vrow, vb, G, schan, pb, r0, RB, d0);
 }
 
-/* kv_rows out of line, one per row count: inlined into the tile body (one
- * function per pair of bit widths), GCC 12 kept one of the 6-row K loop's
- * 12 accumulators on the stack, a load, FMA and store every channel with
- * a register free (objdump), and that chain bounded the loop; alone it
- * keeps them in registers: the same operations, so the same bits, 25-27%
- * less time at bench_attn --queries 512 (KVARN_SIMD=avx2 on AMD Zen 4). */
-#define KV_ROWS_FN(N)                                                                               \
-    static __attribute__((noinline)) void kv_rows_##N(attn_rows *r, int t0, int G, const uint8_t *kc, \
-                                                      size_t krow, int kb, const uint8_t *vc,        \
-                                                      size_t vrow, int vb, int per, int r0)          \
-    {                                                                                               \
-        kv_rows(r, t0, G, kc, krow, kb, vc, vrow, vb, per, r0, N);                                   \
+/* kv_rows out of line, one per pair of bit widths and row count (the
+ * bit widths stay constants, so unpack16's branches fold away): inlined
+ * into the tile body, GCC 12 kept one of the 6-row K loop's 12
+ * accumulators on the stack, a load, FMA and store every channel with a
+ * register free (objdump), and that chain bounded the loop; alone it keeps
+ * them in registers: the same operations, so the same bits, 25-27% less
+ * time at bench_attn --queries 512 (KVARN_SIMD=avx2 on AMD Zen 4). */
+typedef void (*kv_rows_fn)(attn_rows *r, int t0, int G, const uint8_t *kc, size_t krow,
+                           const uint8_t *vc, size_t vrow, int per, int r0);
+#define KV_ROWS_FN(KB, VB, N)                                                                      \
+    static __attribute__((noinline)) void kv_rows_k##KB##v##VB##_##N(                              \
+        attn_rows *r, int t0, int G, const uint8_t *kc, size_t krow, const uint8_t *vc,           \
+        size_t vrow, int per, int r0)                                                             \
+    {                                                                                             \
+        kv_rows(r, t0, G, kc, krow, KB, vc, vrow, VB, per, r0, N);                                 \
     }
-KV_ROWS_FN(1)
-KV_ROWS_FN(2)
-KV_ROWS_FN(3)
-KV_ROWS_FN(4)
-KV_ROWS_FN(5)
-KV_ROWS_FN(6)
-#undef KV_ROWS_FN
 
+/* rows[n]: kv_rows for blocks of n rows (1..6) at this tile's bit widths. */
 AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
-                        int t0, int kb, int vb)
+                        int t0, int kb, int vb, const kv_rows_fn *rows)
 {
     const int D = r->D, G = L->tile_tokens, gs = r->gs;
     float *ka = r->meta, *kbias = ka + D, *schan = kbias + D;
@@ -573,19 +570,26 @@ AI void kvarn_tile_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     const int per = (attn_prefetch_left(r->pf) + steps - 1) / steps;
     for (int r0 = 0; r0 < r->n;) {
         int rb = block_rows(r->n, 6, r0);
-#define RCALL(N) kv_rows_##N(r, t0, G, kc, krow, kb, vc, vrow, vb, per, r0)
-        ATTN_RB_SWITCH6(rb, RCALL)
-#undef RCALL
+        rows[rb](r, t0, G, kc, krow, vc, vrow, per, r0);
         r0 += rb;
     }
 }
 
 /* Specializations on the bit widths, so unpack16's branches fold away. */
 #define KVARN_TILE(KB, VB)                                                                  \
+    KV_ROWS_FN(KB, VB, 1)                                                                   \
+    KV_ROWS_FN(KB, VB, 2)                                                                   \
+    KV_ROWS_FN(KB, VB, 3)                                                                   \
+    KV_ROWS_FN(KB, VB, 4)                                                                   \
+    KV_ROWS_FN(KB, VB, 5)                                                                   \
+    KV_ROWS_FN(KB, VB, 6)                                                                   \
+    static const kv_rows_fn kv_rows_k##KB##v##VB[7] = {                                     \
+        NULL, kv_rows_k##KB##v##VB##_1, kv_rows_k##KB##v##VB##_2, kv_rows_k##KB##v##VB##_3, \
+        kv_rows_k##KB##v##VB##_4, kv_rows_k##KB##v##VB##_5, kv_rows_k##KB##v##VB##_6};     \
     static void kvarn_tile_k##KB##v##VB(attn_rows *r, const kvarn_record_layout *L,         \
                                         const uint8_t *rec, int t0)                         \
     {                                                                                       \
-        kvarn_tile_body(r, L, rec, t0, KB, VB);                                             \
+        kvarn_tile_body(r, L, rec, t0, KB, VB, kv_rows_k##KB##v##VB);                       \
     }
 KVARN_TILE(4, 2)
 KVARN_TILE(4, 4)
