@@ -221,7 +221,9 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  *   KVARN_ATTN_ARITH_INT16  the query (scores) or the softmax weights
  *                           (sums) rounded to int16 per row and tile or
  *                           span, multiplied with the integer codes in
- *                           int16 (vpmaddwd / vpdpwssd), exact int32 sums:
+ *                           int16 (vpmaddwd / vpdpwssd), exact int32 sums
+ *                           (int4 per-token codes c as the bytes 16 c + 8,
+ *                           with scale / 16: exactly the same values):
  *                           off the reference by the rounding of that
  *                           operand, bounded in docs/attention-intdot.md.
  *   KVARN_ATTN_ARITH_INT8   the same int16 query as two int8 digits times
@@ -270,7 +272,7 @@ const char *kvarn_attn_kernel_name(const kvarn_attn_opts *opts);
  * An integer half may still keep fp32 for a call whose run-time conditions
  * it does not meet (KVarN: a tile where any query row's max |q_d a_d| is
  * below 2^-100, or any reaches 2^80, and for the matrix kernel a row's
- * |q'_d| reaching 2^80 or a key bound of 2^36; int8: a span over 256 tokens, so
+ * |q'_d| reaching 2^80 or a key bound of 2^36; int8 and int4: a span over 256 tokens, so
  * every span where the cache's block_size exceeds 256), and U8 keeps INT16
  * for a tile with a negative or NaN value scale a_t (which no encoder
  * writes); FP32 means it never rounds. */

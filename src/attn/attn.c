@@ -71,6 +71,8 @@ static attn_rows rows_of(const attn_run *run, int worker, int n)
     r.tok = (const uint8_t **)f;
     f += attn_round_f((size_t)g->gs * sizeof(void *) / sizeof(float));
     r.mat = g->mat_floats ? (uint16_t *)f : NULL;
+    f += g->mat_floats;
+    r.x8 = g->x8_floats ? (uint8_t *)f : NULL;
     r.pf = NULL; /* set by item_task */
     return r;
 }

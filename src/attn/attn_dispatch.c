@@ -82,6 +82,7 @@ void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, 
     const int vnni = vnni_of(o);
     if (vnni && out->kvarn_tile == attn_avx512_kvarn_tile) out->kvarn_tile = attn_avx512vnni_kvarn_tile;
     if (vnni && out->token_tile == attn_avx512_token_int8) out->token_tile = attn_avx512vnni_token_int8;
+    if (vnni && out->token_tile == attn_avx512_token_int4) out->token_tile = attn_avx512vnni_token_int4;
     out->kvarn_matrix = matrix_kernel(o, kind, head_dim, G);
     out->token_matrix = token_matrix_kernel(o, kind, head_dim, staged);
 }

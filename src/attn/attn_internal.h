@@ -139,6 +139,11 @@ typedef struct attn_rows {
                             kv_pack_v), so no kernel may keep anything
                             there across a tile kernel's call; NULL where the call's geometry takes none
                             (attn_matrix_geometry) */
+    uint8_t *x8;         /* scratch for the AVX-512 int8 and int4
+                            integer path (kernel_avx512_int8.c; parts:
+                            I8_X8_KT, I8_X8_WIDE): NULL where the call
+                            reads no int8 or int4 records, or D > 256
+                            (attn_plan.c) */
 } attn_rows;
 
 /* Row i's visible positions within a span of nt tokens starting at
@@ -316,9 +321,21 @@ typedef struct attn_kind_row {
  *   KVarN V (kv_vsum2_i16): 2-bit codes of 128-token tiles, D % 64 == 0
  *     (64 channels a pass); the VNNI build's weights are u8 (kv_vsum2_u8)
  *     where every a_t of the tile is >= 0.
- *   int8 per-token K and V (token_int8_body): D <= 256 and spans of at most
+ *   int8 per-token K and V (token_int_body): D <= 256 and spans of at most
  *     256 tokens (exact int32 sums); the VNNI build's K is vpdpbusd on
- *     int8 digits where D % 64 == 0 (i8v_kdots16). */
+ *     int8 digits where D % 64 == 0 (i8v_kdots16).
+ *   int4 per-token K and V (token_int_body): the int8 conditions, on the
+ *     codes widened to bytes 16 c + 8 (i4_widen). */
+/* The longest span the int8 kernel's integer path takes (and the int4
+ * path's widened codes hold: attn_rows.x8). */
+#define I8_SPAN_MAX 256
+/* attn_rows.x8's parts (byte offsets): a span's record pointers
+ * [I8_SPAN_MAX], then the VNNI build's K codes transposed once per span
+ * (kernel_avx512_int8.c i8v_transpose_span: I8_SPAN_MAX D bytes), then
+ * the int4 codes widened to bytes ([nt][2][D], i4_widen; int4 records
+ * only). */
+#define I8_X8_KT ((size_t)I8_SPAN_MAX * sizeof(void *))
+#define I8_X8_WIDE(D) (I8_X8_KT + (size_t)I8_SPAN_MAX * (size_t)(D))
 static inline int attn_avx512_kvarn_k_int16(int key_bits, int tile_tokens, int D)
 {
     return key_bits == 4 && tile_tokens == 128 && D <= 256;
@@ -329,7 +346,7 @@ static inline int attn_avx512_kvarn_v_int16(int value_bits, int tile_tokens, int
 }
 static inline int attn_avx512_int8_int16(int D, int span_tokens)
 {
-    return D <= 256 && span_tokens <= 256;
+    return D <= 256 && span_tokens <= I8_SPAN_MAX;
 }
 static inline int attn_avx512_int8_vnni_k(int D) { return D % 64 == 0; }
 
@@ -373,7 +390,7 @@ ATTN_DECLARE_KERNELS(ref)
 /* AVX2/FMA/F16C kernels (kernel_avx2.c); they need D % 16 == 0. */
 ATTN_DECLARE_KERNELS(avx2)
 /* AVX-512 F/BW/VL (+FMA/F16C) kernels (kernel_avx512.c, KVarN:
- * kernel_avx512_kvarn.c, int8: kernel_avx512_int8.c); they need
+ * kernel_avx512_kvarn.c, int8 and int4: kernel_avx512_int8.c); they need
  * D % 32 == 0 (KVarN tiles of a length not a multiple of 32 go to the AVX2
  * kernel). */
 ATTN_DECLARE_KERNELS(avx512)
@@ -390,6 +407,10 @@ void attn_avx512vnni_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, cons
  * contract and the same bits as attn_avx512_token_int8; only on CPUs with
  * VNNI. */
 void attn_avx512vnni_token_int8(attn_rows *r, const kvarn_record_layout *L,
+                                const uint8_t *const *rec, int t0, int nt);
+/* The same for the int4 per-token kernel (attn_avx512_token_int4: the
+ * int8 kernel's loops over the codes widened to bytes). */
+void attn_avx512vnni_token_int4(attn_rows *r, const kvarn_record_layout *L,
                                 const uint8_t *const *rec, int t0, int nt);
 
 /* Scalar online-softmax step shared by the reference kernels: mask s[r][t]
@@ -434,6 +455,8 @@ typedef struct attn_geom {
     int is_kvarn;
     size_t thread_floats;  /* per-worker scratch */
     size_t mat_floats;     /* its part for the matrix kernel (0: none) */
+    size_t x8_floats;      /* its part for the int8 / int4 integer path
+                              (attn_rows.x8; 0: none) */
     size_t tail_floats;    /* its last part: K and V fp16 [G][D] of a tail
                               tile gathered from small tail pages (0 when the
                               view has none) */

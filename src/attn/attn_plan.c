@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "attn/attn_internal.h"
+#include "cache/staging.h"
 #include "common/checked.h"
 
 /* Query rows (query tokens x GQA heads) one work item carries at most
@@ -40,8 +41,8 @@ static uint64_t round_u64(uint64_t n)
 
 /* Per-worker scratch in floats, checked (common/checked.h): 0 when the sum
  * fits, 1 when it overflows. */
-static int thread_scratch_floats(int rows, int D, int gs_, uint64_t mat, uint64_t tail,
-                                 size_t *out)
+static int thread_scratch_floats(int rows, int D, int gs_, uint64_t mat, uint64_t x8,
+                                 uint64_t tail, size_t *out)
 {
     /* rows < 2^31, D <= 1024 (format check), gs <= 4103: no term can come
      * near 2^63, so the roundings cannot wrap; the products and the sum are
@@ -50,16 +51,17 @@ static int thread_scratch_floats(int rows, int D, int gs_, uint64_t mat, uint64_
     uint64_t rd, rs, sum = 0;
     int bad = kvarn__mul_u64(R, (uint64_t)D, &rd) | kvarn__mul_u64(R, gs, &rs);
     if (bad) return 1;
-    const uint64_t t[7] = {
+    const uint64_t t[8] = {
         3 * round_u64(rd),                                /* q, acc, qa */
         round_u64(rs),                                    /* s */
         7 * round_u64(R),                  /* qsum, m, l, rc, lo, hi, psum */
         round_u64(3 * (uint64_t)D + 4 * gs),              /* tile metadata */
         round_u64(gs * sizeof(void *) / sizeof(float)),   /* token pointers */
         mat,                          /* the matrix kernel's unpacked codes */
+        x8,                                  /* int4 codes widened to bytes */
         tail,                                  /* gathered tail tile, last */
     };
-    for (int i = 0; i < 7; i++) bad |= kvarn__add_u64(sum, t[i], &sum);
+    for (int i = 0; i < 8; i++) bad |= kvarn__add_u64(sum, t[i], &sum);
     return bad | kvarn__u64_to_size(sum, out);
 }
 
@@ -112,8 +114,21 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
     g->mat_floats = mat ? attn_round_f((size_t)g->D * (size_t)mG + (size_t)(x2 ? 2 : 1) * (size_t)g->rows_alloc *
                                                                        ((size_t)g->D + (size_t)mG) / 2)
                         : 0;
-    int bad = thread_scratch_floats(g->rows_alloc, g->D, g->gs, g->mat_floats, g->tail_floats,
-                                    &g->thread_floats);
+    /* The AVX-512 int8 / int4 integer path's scratch (attn_rows.x8),
+     * wherever int8 or int4 records are read (the formats' blocks, a KVarN
+     * view's int8 or int4 staging), independent of the CPU: a span's
+     * record pointers and K codes transposed once, and for int4 its
+     * tokens' K and V codes widened to bytes, for spans of up to
+     * I8_SPAN_MAX tokens at the head_dim the integer path takes */
+    kvarn_format sf;
+    const kvarn_kind rk = g->is_kvarn ? (kvarn__staging_format(kv->staging, &sf) > 0 ? sf.kind : KVARN_KIND_FP16)
+                                      : kv->fmt.kind;
+    const size_t xs = (size_t)(g->gs < I8_SPAN_MAX ? g->gs : I8_SPAN_MAX);
+    g->x8_floats = (rk == KVARN_KIND_INT8 || rk == KVARN_KIND_INT4) && attn_avx512_int8_int16(g->D, 1)
+                       ? attn_round_f((I8_X8_WIDE(g->D) + (rk == KVARN_KIND_INT4 ? 2 * (size_t)g->D * xs : 0) + 3) / 4)
+                       : 0;
+    int bad = thread_scratch_floats(g->rows_alloc, g->D, g->gs, g->mat_floats, g->x8_floats,
+                                    g->tail_floats, &g->thread_floats);
     uint64_t q_floats, base, split_chunks = 0, partial;
     bad |= kvarn__mul3_u64((uint64_t)max_total_q, (uint64_t)n_q_heads, (uint64_t)g->D, &q_floats);
     bad |= kvarn__mul_u64((uint64_t)g->Hk,

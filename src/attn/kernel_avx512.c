@@ -2,9 +2,9 @@
  * kernel_avx512.c -- the AVX-512 tile kernels in fp32 over token-major
  * rows: the fp16 page kernel (every kind's sink and tail pages) and the
  * per-token tiles of
- * the fp16, bf16, fp8 (E4M3, E5M2) and int4 kinds. Their loops are
- * kernel_avx512.h's (the int8 kernel's fp32 path runs them too); the int8
- * per-token kernel is kernel_avx512_int8.c, the KVarN record kernel
+ * the fp16, bf16 and fp8 (E4M3, E5M2) kinds. Their loops are
+ * kernel_avx512.h's (the int8 / int4 kernel's fp32 path runs them too); the
+ * int8 and int4 per-token kernel is kernel_avx512_int8.c, the KVarN record kernel
  * kernel_avx512_kvarn.c. kernel_avx512.h describes the family.
  */
 #include "attn/kernel_avx512.h"
@@ -33,5 +33,5 @@ TOKEN_TILE(fp16, KVARN_KIND_FP16)
 TOKEN_TILE(bf16, KVARN_KIND_BF16)
 TOKEN_TILE(fp8_e4m3, KVARN_KIND_FP8_E4M3)
 TOKEN_TILE(fp8_e5m2, KVARN_KIND_FP8_E5M2)
-/* int8: attn_avx512_token_int8 in kernel_avx512_int8.c (integer dot products) */
-TOKEN_TILE(int4, KVARN_KIND_INT4)
+/* int8 and int4: attn_avx512_token_int8 / _int4 in kernel_avx512_int8.c
+ * (integer dot products) */

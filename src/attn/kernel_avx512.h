@@ -32,17 +32,19 @@
  * each lane masks its code in place in a broadcast word and converts
  * code * 2^(bits * k), the power of two undone once per row and tile, so
  * the conversion runs on the FP add pipes beside the FMAs. Per-token int4
- * codes use a table lookup (vpermps reads the low 4 bits of each lane)
- * after a broadcast and a variable shift; 8-bit codes zero-extension and
+ * codes in the fp32 loop (a span the integer path does not take) use a
+ * table lookup (vpermps reads the low 4 bits of each lane) after a
+ * broadcast and a variable shift; 8-bit codes zero-extension and
  * conversion.
  * fp16/bf16/fp8 as in kernel_avx2.c.
  * The online-softmax step masks positions with 16-bit lane masks.
  * 4-bit K and 2-bit V of 128-token KVarN tiles are multiplied in int16
  * (vpmaddwd; one vpdpwssd in the VNNI build, kernel_avx512_vnni.c, whose
  * V takes vpdpbusd against u8 weights instead) against a query / weights
- * rounded to int16 (u8) per row and tile, and so are the int8
- * per-token codes (token_int8_body, kernel_avx512_int8.c; vpdpbusd on transposed K
- * codes in the VNNI build): the only places the SIMD kernels' arithmetic
+ * rounded to int16 (u8) per row and tile, and so are the int8 and int4
+ * per-token codes (token_int_body, kernel_avx512_int8.c; int4 widened to
+ * bytes; vpdpbusd on transposed K codes in the VNNI build): the only
+ * places the SIMD kernels' arithmetic
  * differs from the reference by more than the order of fp32 sums;
  * docs/attention-intdot.md "Integer (int16) dot products" and "int8: integer dot
  * products" bound the error.

@@ -1,13 +1,15 @@
 /*
- * kernel_avx512_int8.c -- the AVX-512 int8 per-token tile kernel
- * (attn_avx512_token_int8): K and V in int16 dot products against a query
- * and weights rounded per row (docs/attention-intdot.md "int8: integer dot
- * products"), the fp32 per-token loop (kernel_avx512.h token_tile_body)
- * where the int32 sums could overflow. Built twice: alone, and by
- * kernel_avx512_vnni.c with KVARN_AVX512_VNNI defined
- * (attn_avx512vnni_token_int8: vpdpwssd, and vpdpbusd K on int8 digits);
- * the #ifdef KVARN_AVX512_VNNI blocks hold what only that build has.
- * kernel_avx512.h describes the family.
+ * kernel_avx512_int8.c -- the AVX-512 int8 and int4 per-token tile kernels
+ * (attn_avx512_token_int8, attn_avx512_token_int4): K and V in int16 dot
+ * products against a query and weights rounded per row
+ * (docs/attention-intdot.md "int8: integer dot products"; int4's codes
+ * widened to bytes 16 c + 8 first, "int4: its codes widened"), the fp32
+ * per-token loop (kernel_avx512.h token_tile_body) where the int32 sums
+ * could overflow. Built twice: alone, and by kernel_avx512_vnni.c with
+ * KVARN_AVX512_VNNI defined (attn_avx512vnni_token_int8 / _int4:
+ * vpdpwssd, and vpdpbusd K on int8 digits); the #ifdef KVARN_AVX512_VNNI
+ * blocks hold what only that build has. kernel_avx512.h describes the
+ * family.
  */
 #include "attn/kernel_avx512.h"
 
@@ -34,7 +36,14 @@
  * Int32 sums: |qi|, |wi| <= 32767 and codes <= 255 give |sum| <= 255 x
  * 32767 x n for n products, < 2^31 - 1 for n <= 257: K needs D <= 256 and
  * V spans of nt <= 256 tokens (i8_ok); the centred sums are smaller still.
- * Exact either way, so the two builds give the same bits. */
+ * Exact either way, so the two builds give the same bits.
+ *   int4 records: each span's codes c widened to bytes 16 c + 8 (i4_widen)
+ *     and taken as int8 codes with scale_t / 16 and zero_t + 7.5 scale_t
+ *     (the same values: 16 c + 8 - 128 = 16 (c - 7.5)); bytes <= 248, so
+ *     the bounds above hold.
+ *   Items of more than one row block (prefill, verification): the VNNI
+ *     build transposes a span's K codes once (i8v_transpose_span) instead
+ *     of once per row block: the same vectors, the same bits. */
 
 /* The largest int16 query / weight magnitude: 127 x 256 + 127, so that a
  * value also splits into two signed bytes, (v + 128) >> 8 and the rest,
@@ -274,10 +283,41 @@ AI void i8_transpose16(__m512i *x)
     }
 }
 
+/* The K codes of the 16 tokens k[0..15] (a token past the span repeats
+ * the last), channels [d, d + 64), transposed (i8_transpose16) into
+ * x[0..15]. */
+AI void i8v_load16(const uint8_t *const *k, int d, __m512i *x)
+{
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) x[j] = _mm512_loadu_si512((const void *)(k[j] + d));
+    i8_transpose16(x);
+}
+
+/* The span's K codes transposed once (items of more than one row block:
+ * each block would transpose them again): 16 tokens' channels [d, d +
+ * 64) as i8v_load16 forms them, at kt + (g D + d) 16 bytes for the tokens'
+ * group g (tokens 16 g .. 16 g + 15), vector kk 64 bytes further per kk;
+ * nt rounded up to 16 tokens of D bytes. */
+AI void i8v_transpose_span(const uint8_t *const *ctok, size_t koff, int nt, int D, uint8_t *kt)
+{
+    for (int t = 0; t < nt; t += 16) {
+        const uint8_t *k[16];
+        for (int j = 0; j < 16; j++) k[j] = ctok[t + j < nt ? t + j : nt - 1] + koff;
+        for (int d = 0; d < D; d += 64) {
+            __m512i x[16];
+            i8v_load16(k, d, x);
+            uint8_t *o = kt + ((size_t)t * D + (size_t)d * 16);
+#pragma GCC unroll 16
+            for (int kk = 0; kk < 16; kk++) _mm512_storeu_si512((void *)(o + 64 * kk), x[kk]);
+        }
+    }
+}
+
 /* int32 q . code of the 16 tokens k[0..15] for rows [r0, r0 + RB), lane j
- * = token j. */
-AI void i8v_kdots16(const attn_rows *r, i8_pf *f, const uint8_t *const *k, int r0, int RB, int pf,
-                    __m512i *out)
+ * = token j; kt: NULL, or their codes as i8v_transpose_span left them (the
+ * 16 tokens' group). */
+AI void i8v_kdots16(const attn_rows *r, i8_pf *f, const uint8_t *const *k, const uint8_t *kt, int r0,
+                    int RB, int pf, __m512i *out)
 {
     const int D = r->D;
     __m512i hi[4], lo[4];
@@ -286,9 +326,13 @@ AI void i8v_kdots16(const attn_rows *r, i8_pf *f, const uint8_t *const *k, int r
     const int pf4 = (pf + 3) / 4; /* spread over the step: a burst stalls */
     for (int d = 0; d < D; d += 64) {
         __m512i x[16];
+        if (kt != NULL) {
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; j++) x[j] = _mm512_loadu_si512((const void *)(k[j] + d));
-        i8_transpose16(x);
+            for (int kk = 0; kk < 16; kk++)
+                x[kk] = _mm512_loadu_si512((const void *)(kt + (size_t)d * 16 + 64 * kk));
+        } else {
+            i8v_load16(k, d, x);
+        }
 #pragma GCC unroll 16
         for (int kk = 0; kk < 16; kk++) {
             if ((kk & 3) == 0) i8_pf_step(f, pf4);
@@ -317,21 +361,27 @@ AI void i8_meta_words(const uint8_t *const *tok, const kvarn_record_layout *L, i
     }
 }
 
-/* Scores of rows [r0, r0 + RB) (RB <= 4) over the span's nt tokens:
- * s[i][t] = scale_t sq_i (acc_t - 128 sum qi) + zc_t qsum_i, zc_t = zero_t
- * + 128 scale_t, and the largest score of each row's visible positions
+/* Scores of rows [r0, r0 + RB) (RB <= 4) over the span's nt tokens, the
+ * codes of token t at ctok[t] + koff, its scale and zero-point in the
+ * record tok[t] (L): s[i][t] = scale_t sq_i (acc_t - 128 sum qi) + zc_t
+ * qsum_i, zc_t = zero_t + 128 scale_t (int4, codes widened to 16 c + 8:
+ * scale_t / 16 for scale_t, zc_t = zero_t + 7.5 scale_t), and the
+ * largest score of each row's visible positions
  * (I8_MX of its qa scratch, -inf where none). 16 tokens per step (a token
  * past nt repeats the last one; its score is not stored). The first row
  * block (first != 0) also converts the tokens' scales and zero-points:
  * their raw words, read one step ahead (i8_meta_words, into the zc and vz
  * arrays), become ks = scale_K, zc, vs = scale_V and vz = zero_V + 128
- * scale_V, zero past nt (up to nt rounded up to 8); later blocks read ks
+ * scale_V (int4: as zc), zero past nt (up to nt rounded up to 8); later blocks read ks
  * and zc back. */
-AI void i8_kblock(attn_rows *r, i8_pf *f, const uint8_t *const *tok, const kvarn_record_layout *L,
-                  int t0, int nt, int r0, int RB, float *meta, int first)
+AI void i8_kblock(attn_rows *r, i8_pf *f, const uint8_t *const *tok, const uint8_t *const *ctok,
+                  size_t koff, const uint8_t *kt, const kvarn_record_layout *L, int t0, int nt,
+                  int r0, int RB, float *meta, int first, int int4)
 {
     const int D = r->D, gs = r->gs, nv = (nt + 7) & ~7;
-    const size_t koff = L->k_codes_off;
+    /* int4: codes widened to 16 c + 8 (i4_widen), so scale c + zero =
+     * (scale / 16) (16 c + 8 - 128) + (zero + 7.5 scale) */
+    const __m512 cm = _mm512_set1_ps(int4 ? 0.0625f : 1.0f), cz = _mm512_set1_ps(int4 ? 7.5f : 128.0f);
     float *ks = meta, *zc = ks + gs, *vs = zc + gs, *vz = vs + gs;
     uint32_t *kw = (uint32_t *)(void *)zc, *vw = (uint32_t *)(void *)vz;
     /* half the next span's prefetches, spread over every 32-channel step;
@@ -354,17 +404,17 @@ AI void i8_kblock(attn_rows *r, i8_pf *f, const uint8_t *const *tok, const kvarn
         if (first) {
             const __m512i k32 = _mm512_maskz_loadu_epi32(in, kw + t), v32 = _mm512_maskz_loadu_epi32(in, vw + t);
             i8_meta_words(tok, L, t + 16, nt, kw, vw); /* the next step's */
-            const __m512 c128 = _mm512_set1_ps(128.0f);
+            const __m512 ka = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(k32));
             const __m512 kb = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(k32, 16)));
             const __m512 sa = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v32));
             const __m512 sb = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v32, 16)));
             const __mmask16 keep = lanes(nv - t);
-            kst = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(k32));
-            zct = _mm512_fmadd_ps(kst, c128, kb);
+            kst = _mm512_mul_ps(ka, cm); /* exact: a power of two */
+            zct = _mm512_fmadd_ps(ka, cz, kb);
             _mm512_mask_storeu_ps(ks + t, keep, kst);
             _mm512_mask_storeu_ps(zc + t, keep, zct);
-            _mm512_mask_storeu_ps(vs + t, keep, sa);
-            _mm512_mask_storeu_ps(vz + t, keep, _mm512_fmadd_ps(sa, c128, sb));
+            _mm512_mask_storeu_ps(vs + t, keep, _mm512_mul_ps(sa, cm));
+            _mm512_mask_storeu_ps(vz + t, keep, _mm512_fmadd_ps(sa, cz, sb));
         } else {
             kst = _mm512_maskz_loadu_ps(in, ks + t);
             zct = _mm512_maskz_loadu_ps(in, zc + t);
@@ -373,8 +423,8 @@ AI void i8_kblock(attn_rows *r, i8_pf *f, const uint8_t *const *tok, const kvarn
 #ifdef KVARN_AVX512_VNNI
         if (I8_VNNI_K(D)) {
             const uint8_t *k[16];
-            for (int j = 0; j < 16; j++) k[j] = tok[t + j < nt ? t + j : nt - 1] + koff;
-            i8v_kdots16(r, f, k, r0, RB, per, sums);
+            for (int j = 0; j < 16; j++) k[j] = ctok[t + j < nt ? t + j : nt - 1] + koff;
+            i8v_kdots16(r, f, k, kt ? kt + (size_t)t * D : NULL, r0, RB, per, sums);
         } else
 #endif
         {
@@ -386,7 +436,7 @@ AI void i8_kblock(attn_rows *r, i8_pf *f, const uint8_t *const *tok, const kvarn
             for (int b = 0; b < 2; b++) {
                 const int tb = t + 8 * half + 4 * b;
                 const uint8_t *k[4];
-                for (int j = 0; j < 4; j++) k[j] = tok[tb + j < nt ? tb + j : nt - 1] + koff;
+                for (int j = 0; j < 4; j++) k[j] = ctok[tb + j < nt ? tb + j : nt - 1] + koff;
                 if (tb < nt) {
                     i8_kdots4(r, f, k, r0, RB, per, g[b]);
                 } else {
@@ -533,8 +583,46 @@ AI int i8_ok(const attn_rows *r, int nt)
     return attn_avx512_int8_int16(r->D, nt);
 }
 
-AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *recs,
-                        int t0, int nt)
+/* The int4 records' codes of tokens [0, nt) widened to bytes 16 c + 8 in
+ * r->x8 (attn_rows.x8: nt <= I8_SPAN_MAX, D <= 256), token t's K codes
+ * at ctok[t], its V codes D bytes after them; returns ctok. Codes are
+ * packed low nibble first (record.h): byte j of a row holds codes 2j and
+ * 2j + 1; each byte, zero-extended to a word, becomes the byte pair
+ * (16 c_2j + 8, 16 c_2j+1 + 8). 16 c + 8 - 128 = 16 (c - 7.5): the int8
+ * kernel's centred codes are the int4 codes centred at 7.5, times 16, and
+ * |16 c + 8| <= 248 keeps its sums' bounds. */
+AI const uint8_t *const *i4_widen(attn_rows *r, const kvarn_record_layout *L,
+                                  const uint8_t *const *recs, int nt)
+{
+    const int D = r->D;
+    const uint8_t **ctok = (const uint8_t **)(void *)r->x8;
+    uint8_t *x = r->x8 + I8_X8_WIDE(D);
+    const __m256i lo4 = _mm256_set1_epi16(0x000f), hi4 = _mm256_set1_epi16(0x00f0);
+    const __m256i eight = _mm256_set1_epi16(0x0808);
+    for (int t = 0; t < nt; t++) {
+        uint8_t *o = x + (size_t)t * 2 * D;
+        ctok[t] = o;
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *c = recs[t] + (h ? L->v_codes_off : L->k_codes_off);
+            for (int d = 0; d < D; d += 32) {
+                const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(c + d / 2)));
+                const __m256i y = _mm256_or_si256(
+                    _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, lo4), 4),
+                                    _mm256_slli_epi16(_mm256_and_si256(w, hi4), 8)),
+                    eight);
+                _mm256_storeu_si256((__m256i *)(void *)(o + (size_t)h * D + d), y);
+            }
+        }
+    }
+    return ctok;
+}
+
+/* One span through the integer path: the int8 format's records (codes in
+ * place: ctok = recs, koff, voff their offsets), or the int4 format's
+ * (int4 = 1: widened by i4_widen, ctok its rows, koff 0, voff D). */
+AI void token_int_body(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *recs,
+                       const uint8_t *const *ctok, size_t koff, size_t voff, int t0, int nt,
+                       int int4)
 {
     const int gs = r->gs, D = r->D;
     float *vs = r->meta + 2 * gs, *vz = vs + gs;
@@ -545,14 +633,26 @@ AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     }
     i8_pf pf;
     i8_pf_init(&pf, r->pf);
+    /* the VNNI build's K codes transposed once for items of more than one
+     * row block (i8v_transpose_span), where the scratch exists */
+    const uint8_t *kt = NULL;
+#ifdef KVARN_AVX512_VNNI
+    if (I8_VNNI_K(D) && r->n > 4 && r->x8 != NULL) {
+        uint8_t *o = r->x8 + I8_X8_KT;
+        i8v_transpose_span(ctok, koff, nt, D, o);
+        kt = o;
+    }
+#endif
     for (int r0 = 0; r0 < r->n;) {
         const int rb = block_rows(r->n, 4, r0), first = r0 == 0;
+#define I8KCALL(N) i8_kblock(r, &pf, recs, ctok, koff, kt, L, t0, nt, r0, N, r->meta, first, int4)
         switch (rb) {
-        case 4: i8_kblock(r, &pf, recs, L, t0, nt, r0, 4, r->meta, first); break;
-        case 3: i8_kblock(r, &pf, recs, L, t0, nt, r0, 3, r->meta, first); break;
-        case 2: i8_kblock(r, &pf, recs, L, t0, nt, r0, 2, r->meta, first); break;
-        default: i8_kblock(r, &pf, recs, L, t0, nt, r0, 1, r->meta, first); break;
+        case 4: I8KCALL(4); break;
+        case 3: I8KCALL(3); break;
+        case 2: I8KCALL(2); break;
+        default: I8KCALL(1); break;
         }
+#undef I8KCALL
         r0 += rb;
     }
     /* softmax and the weights p_t scale_t, rounded to int16; the (zero +
@@ -564,8 +664,8 @@ AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     for (int d0 = 0; d0 < D; d0 += 32 * NH)
         for (int r0 = 0; r0 < r->n;) {
             const int rb = block_rows(r->n, 5, r0);
-#define I8VCALL(N) (NH == 2 ? i8_vsum(r, &pf, recs, L->v_codes_off, nt, r0, N, d0, 2) \
-                            : i8_vsum(r, &pf, recs, L->v_codes_off, nt, r0, N, d0, 1))
+#define I8VCALL(N) (NH == 2 ? i8_vsum(r, &pf, ctok, voff, nt, r0, N, d0, 2) \
+                            : i8_vsum(r, &pf, ctok, voff, nt, r0, N, d0, 1))
             switch (rb) {
             case 5: I8VCALL(5); break;
             case 4: I8VCALL(4); break;
@@ -581,25 +681,41 @@ AI void token_int8_body(attn_rows *r, const kvarn_record_layout *L, const uint8_
     r->pf->line = 0;
 }
 
+/* The int8 and int4 kernels of this build: the integer path where its
+ * conditions hold (i8_ok; int4 also needs the widening scratch r->x8),
+ * else the fp32 per-token loop (kernel_avx512.h token_tile_body; the
+ * VNNI build's fall back to the plain build's entry, which runs it). */
 #ifdef KVARN_AVX512_VNNI
-void attn_avx512vnni_token_int8(attn_rows *r, const kvarn_record_layout *L,
-                                const uint8_t *const *rec, int t0, int nt)
-{
-    if (!i8_ok(r, nt)) {
-        attn_avx512_token_int8(r, L, rec, t0, nt); /* the fp32 path */
-        return;
-    }
-    token_int8_body(r, L, rec, t0, nt);
-}
+#define I8_ENTRY(NAME) attn_avx512vnni_token_##NAME
 #else
-void attn_avx512_token_int8(attn_rows *r, const kvarn_record_layout *L,
-                            const uint8_t *const *rec, int t0, int nt)
-{
-    if (!i8_ok(r, nt)) {
-        r->qa_ready = ATTN_QA_NONE; /* (the fp32 path may use qa) */
-        token_tile_body(r, KVARN_KIND_INT8, L, rec, t0, nt);
-        return;
-    }
-    token_int8_body(r, L, rec, t0, nt);
-}
+#define I8_ENTRY(NAME) attn_avx512_token_##NAME
 #endif
+
+/* A span the integer path does not take, in fp32: the plain build's
+ * entry runs token_tile_body (the VNNI build calls that entry, so both
+ * builds give its bits). */
+AI void i8_fp32_span(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
+                     const uint8_t *const *rec, int t0, int nt)
+{
+#ifdef KVARN_AVX512_VNNI
+    if (kind == KVARN_KIND_INT8) attn_avx512_token_int8(r, L, rec, t0, nt);
+    else attn_avx512_token_int4(r, L, rec, t0, nt);
+#else
+    r->qa_ready = ATTN_QA_NONE; /* (the fp32 path may use qa) */
+    token_tile_body(r, kind, L, rec, t0, nt);
+#endif
+}
+
+void I8_ENTRY(int8)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *rec, int t0,
+                    int nt)
+{
+    if (!i8_ok(r, nt)) i8_fp32_span(r, KVARN_KIND_INT8, L, rec, t0, nt);
+    else token_int_body(r, L, rec, rec, L->k_codes_off, L->v_codes_off, t0, nt, 0);
+}
+
+void I8_ENTRY(int4)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *rec, int t0,
+                    int nt)
+{
+    if (!i8_ok(r, nt) || r->x8 == NULL) i8_fp32_span(r, KVARN_KIND_INT4, L, rec, t0, nt);
+    else token_int_body(r, L, rec, i4_widen(r, L, rec, nt), 0, (size_t)r->D, t0, nt, 1);
+}

@@ -35,7 +35,9 @@ static void avx512_kvarn_arith(const kvarn_format *f, int D, int vnni, kvarn_att
                                                                         : KVARN_ATTN_ARITH_INT16;
 }
 
-static void avx512_int8_arith(const kvarn_format *f, int D, int vnni, kvarn_attn_arith *scores,
+/* The int8 and int4 formats' per-token kernel (kernel_avx512_int8.c: int4
+ * codes widened to bytes) */
+static void avx512_token_int_arith(const kvarn_format *f, int D, int vnni, kvarn_attn_arith *scores,
                               kvarn_attn_arith *sums)
 {
     (void)f;
@@ -59,8 +61,8 @@ static const attn_kind_row k_kinds[KVARN_KIND_COUNT] = {
     TOKEN_ROW(KVARN_KIND_BF16, bf16, NULL),
     TOKEN_ROW(KVARN_KIND_FP8_E4M3, fp8_e4m3, NULL),
     TOKEN_ROW(KVARN_KIND_FP8_E5M2, fp8_e5m2, NULL),
-    TOKEN_ROW(KVARN_KIND_INT8, int8, avx512_int8_arith),
-    TOKEN_ROW(KVARN_KIND_INT4, int4, NULL),
+    TOKEN_ROW(KVARN_KIND_INT8, int8, avx512_token_int_arith),
+    TOKEN_ROW(KVARN_KIND_INT4, int4, avx512_token_int_arith),
     [KVARN_KIND_KVARN] = {KVARN_KIND_KVARN,
                           {NULL, NULL, NULL},
                           {attn_ref_kvarn_tile, attn_avx2_kvarn_tile, attn_avx512_kvarn_tile},

@@ -367,6 +367,9 @@ static kvarn_status paged_sizes_get(const llama_kv_shape *sh, const kvarn_cache_
         view.n_kv_heads = ci->n_kv_heads;
         view.block_size = ci->block_size;
         view.sink_tiles = ci->sink_tiles;
+        /* the staged tokens' format: int8 / int4 staging need the integer
+         * path's scratch (attn_internal.h attn_rows.x8) */
+        view.staging = ci->staging;
         /* small tail pages: the workspace gathers a tail tile (attn.h) */
         view.tail_page_tokens = ci->n_tail_pages > 0 ? ci->tail_page_tokens : 0;
         kvarn_attn_opts ao = KVARN_ATTN_OPTS_DEFAULT(1.0f / sqrtf((float)sh->head_dim));

@@ -440,24 +440,34 @@ static void test_gqa(void **state)
             }
 }
 
-/* The int8 AVX-512 kernel's integer path and its fp32 fallback: head_dim
- * 64, 96 (32 channels per V pass), 256 (the largest the int32 K sums
- * allow) and 320 (fp32 path); blocks of 16 (spans of 8 blocks), 256 (one
- * block, the longest span the int32 V sums allow) and 512 tokens (fp32
- * path); odd lengths (the last token pair and 4-token group partial);
- * every level, and the AVX-512 level's vpmaddwd build. */
+/* The int8 and int4 AVX-512 kernel's integer path (int4: its codes
+ * widened to bytes) and its fp32 fallback: head_dim 64, 96 (32 channels
+ * per V pass), 256 (the largest the int32 K sums allow) and 320 (fp32
+ * path); blocks of 16 (spans of 8 blocks), 256 (one block, the longest
+ * span the int32 V sums allow) and 512 tokens (fp32 path); odd lengths
+ * (the last token pair and 4-token group partial); decode, and prefill
+ * chunks of 20 queries (60 rows a work item: the VNNI build's K codes
+ * transposed once per span) where the integer path takes them, the matrix
+ * kernel off so that the vector kernels run on a CPU with AMX too; every
+ * level, and the AVX-512 level's vpmaddwd build. */
 static void test_int8_paths(void **state)
 {
     (void)state;
     const int dims[] = {64, 96, 256, 320}, blocks[] = {16, 256, 512};
+    const char *fmts[] = {"int8", "int4"};
+    for (int fi = 0; fi < 2; fi++)
     for (int di = 0; di < 4; di++)
         for (int bi = 0; bi < 3; bi++)
+            for (int multi = 0; multi <= 1; multi++)
             LEVELS_FOR(it) /* and the AVX-512 level twice: its vpmaddwd build */
             for (int vp = 0; vp <= (it.index == LV_AVX512); vp++) {
                 const int pass = vp ? LV_COUNT : it.index;
+                /* prefill chunks where the integer path may take them (the
+                 * fp32 fallbacks and the reference are decode's loops) */
+                if (multi && (di == 3 || bi == 2 || it.index == LV_SCALAR)) continue;
                 attn_case c;
                 memset(&c, 0, sizeof c);
-                c.fmt = "int8";
+                c.fmt = fmts[fi];
                 c.D = dims[di];
                 c.Hk = 2;
                 c.group = 3;
@@ -466,19 +476,27 @@ static void test_int8_paths(void **state)
                 c.level = pass == LV_COUNT ? LV_AVX512 : pass;
                 c.force_scalar = c.level == LV_SCALAR;
                 c.no_vnni = pass == LV_COUNT;
+                c.amx = 1;
                 c.n_seqs = 3;
                 c.seqs[0].seq_len = 1;
                 c.seqs[1].seq_len = 301;
                 c.seqs[2].seq_len = 2 * c.G + 7;
-                run_case(&c, 1400 + di * 5 + bi);
+                if (multi) {
+                    c.multi = 1;
+                    c.q_lens[0] = 1;
+                    c.q_lens[1] = 20;
+                    c.q_lens[2] = 20;
+                }
+                run_case(&c, 1400 + fi * 100 + di * 5 + bi + 50 * multi);
             }
     /* the VNNI build (K by vpdpbusd on transposed codes where D % 64 == 0,
      * else as the other build) and the vpmaddwd build: the same exact
      * int32 sums, the same bits (test_simd_threads checks D = 128) */
+    for (int fi = 0; fi < 2; fi++)
     for (int di = 0; di < 4; di++) {
         attn_case c;
         memset(&c, 0, sizeof c);
-        c.fmt = "int8";
+        c.fmt = fmts[fi];
         c.D = dims[di];
         c.Hk = 2;
         c.group = 3;
@@ -489,12 +507,12 @@ static void test_int8_paths(void **state)
         c.seqs[0].seq_len = 301;
         c.seqs[1].seq_len = 45;
         paged_fixture f;
-        assert_int_equal(pf_build(&f, c.fmt, c.D, c.Hk, c.G, 0, c.seqs, c.n_seqs, 1450 + di), 0);
+        assert_int_equal(pf_build(&f, c.fmt, c.D, c.Hk, c.G, 0, c.seqs, c.n_seqs, 1650 + fi * 10 + di), 0);
         int32_t qsl[3] = {0, 1, 2};
         const size_t nq = (size_t)2 * c.Hk * c.group * c.D;
         float *q = malloc(nq * sizeof(float)), *a = malloc(nq * sizeof(float)), *b = malloc(nq * sizeof(float));
         test_rng rng;
-        test_rng_seed(&rng, 1460 + di);
+        test_rng_seed(&rng, 1680 + fi * 10 + di);
         for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
         assert_int_equal(run_attn(&f, &c, qsl, q, a, NULL), KVARN_OK);
         c.no_vnni = 1;
@@ -976,9 +994,9 @@ static void test_simd_threads(void **state)
 static void test_extreme_query(void **state)
 {
     (void)state;
-    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v2_g32", "kvarn_k8v2_g64", "int8"};
+    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v2_g32", "kvarn_k8v2_g64", "int8", "int4"};
     const double mags[] = {1e30, 1e-30, 0.0};
-    for (int fi = 0; fi < 5; fi++)
+    for (int fi = 0; fi < 6; fi++)
         for (int D = 64; D <= 128; D += 64)
             for (int mi = 0; mi < 3; mi++) {
                 attn_case c;

@@ -211,8 +211,9 @@ static void check_format(const char *name)
  * (cache.h staging: int8, fp8_e4m3, int4): that format's token kernels
  * read the sink tiles, the tail (whole pages and small pages of 16) and
  * the sink slots, against kvarn_cache_read's decoded values (with the
- * AVX-512 int8 kernel's derived bound for int8, tests/common/
- * int_dot_bound.h; the fp8 and int4 kernels compute in fp32), and the same
+ * AVX-512 int8 kernel's derived bound for int8 and int4, whose codes it
+ * takes widened, tests/common/int_dot_bound.h; the fp8 kernels compute
+ * in fp32), and the same
  * bytes in padded caller-owned arenas give the same outputs. */
 static void test_cache_staging(void **state)
 {

@@ -1,6 +1,7 @@
 /*
  * int_dot_bound.h -- the derived error bound of the attention kernels'
- * integer (int16) dot products (the AVX-512 KVarN and int8 kernels),
+ * integer (int16) dot products (the AVX-512 KVarN kernel, and the int8
+ * kernel over int8 records and int4 records widened to bytes),
  * computed from a case's own records and query, for the attention tests
  * (test_attn.c, test_attn_cache.c, test_attn_lse.c, test_attn_paged_ops.c).
  * Where a kernel multiplies in integers is read from the library
@@ -119,16 +120,31 @@ static inline void idb_int16_query(const double *qp, int D, double sq, double ep
     }
 }
 
+/* The centre of the int8 kernel's codes in units of the record's own
+ * codes: int8 codes c - 128; int4 codes, widened to 16 c + 8 with scale
+ * / 16 (kernel_avx512_int8.c i4_widen), scale (16 c + 8 - 128) / 16 =
+ * scale (c - 7.5). */
+static inline double idb_centre(int bits)
+{
+    return bits == 8 ? 128.0 : 7.5;
+}
+
+/* Code d of a per-token row of 8- or 4-bit codes. */
+static inline double idb_tcode(const uint8_t *row, int d, int bits)
+{
+    return bits == 8 ? (double)row[d] : (double)idb_code(row, d, 4);
+}
+
 /* The most the int8 kernel's query rounding (idb_int16_query: e, cw)
- * moves the score of the int8 token record rec: |ks| (|sum_d e_d c_d| +
- * sum_d cw_d |c_d|), c_d = code - 128. */
+ * moves the score of the int8 or int4 (bits) token record rec: |ks|
+ * (|sum_d e_d c_d| + sum_d cw_d |c_d|), c_d = code - idb_centre(bits). */
 static inline double idb_int8_score_err(const uint8_t *rec, const kvarn_record_layout *L, int D,
-                                        const double *e, const double *cw)
+                                        int bits, const double *e, const double *cw)
 {
     const double ks = fabs(idb_half(rec + L->k_a_off, 0));
     double sgn = 0.0, wc = 0.0;
     for (int d = 0; d < D; d++) {
-        const double c = (double)rec[L->k_codes_off + (size_t)d] - 128.0;
+        const double c = idb_tcode(rec + L->k_codes_off, d, bits) - idb_centre(bits);
         sgn += e[d] * c;
         wc += cw[d] * fabs(c);
     }
@@ -144,7 +160,9 @@ static inline double attn_int8_k_delta(const kvarn_paged_kv *kv, const kvarn_seq
 {
     const int D = kv->head_dim, G = kv->block_size;
     kvarn_attn_kernel_info info;
-    if (!idb_info(kv, &info) || kv->fmt.kind != KVARN_KIND_INT8) return NAN;
+    if (!idb_info(kv, &info) || (kv->fmt.kind != KVARN_KIND_INT8 && kv->fmt.kind != KVARN_KIND_INT4))
+        return NAN;
+    const int bits = kv->fmt.kind == KVARN_KIND_INT8 ? 8 : 4;
     if (info.scores == KVARN_ATTN_ARITH_FP32 || hi < lo) return 0.0;
     kvarn_record_layout L;
     if (kvarn_record_layout_get(&kv->fmt, D, &L) != KVARN_OK) return INFINITY;
@@ -159,23 +177,24 @@ static inline double attn_int8_k_delta(const kvarn_paged_kv *kv, const kvarn_seq
     double delta = 0.0;
     for (int t = lo; t <= hi; t++) {
         const uint8_t *rec = kvarn_paged_token_record(kv, v->block_table[t / G], h, t % G);
-        delta = fmax(delta, idb_int8_score_err(rec, &L, D, e, cw));
+        delta = fmax(delta, idb_int8_score_err(rec, &L, D, bits, e, cw));
     }
     return delta;
 }
 
-static inline double attn_int8_dot_bound(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
-                                         const float *q, double scale, int lo, int hi, double vmax)
+/* The V half alone: the most any output channel moves by the rounding of
+ * the weights (0 where the library says the sums are fp32). */
+static inline double attn_int8_v_err(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h, int lo,
+                                     int hi)
 {
     const int D = kv->head_dim, G = kv->block_size;
     kvarn_attn_kernel_info info;
     if (!idb_info(kv, &info)) return NAN;
-    if (hi < lo) return 0.0;
+    if (hi < lo || info.sums == KVARN_ATTN_ARITH_FP32) return 0.0;
     kvarn_record_layout L;
     if (kvarn_record_layout_get(&kv->fmt, D, &L) != KVARN_OK) return INFINITY;
-    const double qmaxi = 32639.0;
-    const double delta = attn_int8_k_delta(kv, v, h, q, scale, lo, hi);
-    if (info.sums == KVARN_ATTN_ARITH_FP32) return (exp(2.0 * delta) - 1.0) * vmax;
+    const double qmaxi = 32639.0, c0 = idb_centre(kv->fmt.kind == KVARN_KIND_INT8 ? 8 : 4);
+    const int bits = kv->fmt.kind == KVARN_KIND_INT8 ? 8 : 4;
     const int S = G >= 128 ? G : 128 / G * G;
     double ev = 0.0, smax = 0.0;
     double *wsum = calloc((size_t)D, sizeof(double)); /* window sums per channel */
@@ -189,20 +208,27 @@ static inline double attn_int8_dot_bound(const kvarn_paged_kv *kv, const kvarn_s
      * scale of all visible positions stands for each window's */
     for (int t = lo; t <= hi; t++) {
         const uint8_t *rec = kvarn_paged_token_record(kv, v->block_table[t / G], h, t % G);
-        for (int d = 0; d < D; d++) wsum[d] += fabs((double)rec[L.v_codes_off + (size_t)d] - 128.0);
+        for (int d = 0; d < D; d++) wsum[d] += fabs(idb_tcode(rec + L.v_codes_off, d, bits) - c0);
         if (t - S >= lo) {
             const int u = t - S;
             const uint8_t *old = kvarn_paged_token_record(kv, v->block_table[u / G], h, u % G);
-            for (int d = 0; d < D; d++) wsum[d] -= fabs((double)old[L.v_codes_off + (size_t)d] - 128.0);
+            for (int d = 0; d < D; d++) wsum[d] -= fabs(idb_tcode(old + L.v_codes_off, d, bits) - c0);
         }
         for (int d = 0; d < D; d++) ev = fmax(ev, (0.5 + 0x1p-8) / qmaxi * smax * wsum[d]);
     }
     free(wsum);
-    return (exp(2.0 * delta) - 1.0) * vmax + ev;
+    return ev;
 }
 
-/* The staged int8 token record of position t of view v, KV head h
- * (KVARN_STAGING_INT8, paged.h "Staging"), or NULL when t is read from a
+static inline double attn_int8_dot_bound(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                         const float *q, double scale, int lo, int hi, double vmax)
+{
+    const double delta = attn_int8_k_delta(kv, v, h, q, scale, lo, hi);
+    return (exp(2.0 * delta) - 1.0) * vmax + attn_int8_v_err(kv, v, h, lo, hi);
+}
+
+/* The staged int8 or int4 token record of position t of view v, KV head h
+ * (KVARN_STAGING_INT8 / _INT4, paged.h "Staging"), or NULL when t is read from a
  * KVarN record. */
 static inline const uint8_t *idb_staged_rec(const kvarn_paged_kv *kv, const kvarn_seq_view *v,
                                             int h, int t)
@@ -320,7 +346,8 @@ static inline const uint8_t *idb_block_rec(const kvarn_paged_kv *kv, const kvarn
 }
 
 /* The int4 format's blocks through the matrix kernel (info.matrix: items of
- * matrix_rows rows or more; the per-token kernels keep fp32): *delta, and
+ * matrix_rows rows or more; the token kernel's part is attn_int8_k_delta
+ * and attn_int8_v_err): *delta, and
  * *ev = max_d of the most output channel d moves (no rotation); 0 without
  * the kernel. */
 static inline void idb_int4_matrix(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
@@ -349,14 +376,14 @@ static inline void idb_int4_matrix(const kvarn_paged_kv *kv, const kvarn_seq_vie
     for (int d = 0; d < kv->head_dim; d++) *ev = fmax(*ev, evm[d]);
 }
 
-/* The staged tokens of a KVarN view (KVARN_STAGING_INT8, or INT4 through
- * the matrix kernel alone): *delta = the most a staged score moves,
+/* The staged tokens of a KVarN view (KVARN_STAGING_INT8 or _INT4): *delta = the most a staged score moves,
  * *ev = the sum over channels of the most each output channel moves, in
  * the rotated basis; both 0 where the library says the staged tokens
  * keep fp32, NaN where it names arithmetic not derived here. Two kernels
  * may read them (the one an item takes depends on its rows): the larger
  * of the two bounds, per channel.
- * - the int8 token kernel (staged_scores/staged_sums INT16): the
+ * - the int8 token kernel (staged_scores/staged_sums INT16; int4 codes
+ *   widened, centred at 7.5: idb_centre): the
  *   derivation of attn_int8_dot_bound above, with the kernel's query
  *   q' = H(scale q) / sqrt(D) (rotated in fp32: at most (log2 D + 3)
  *   2^-24 sum_i |q'_i| / sqrt(D) per channel, added to eps in steps of sq
@@ -387,7 +414,7 @@ static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_vie
     const int ints = info.staged_scores != KVARN_ATTN_ARITH_FP32 || info.staged_sums != KVARN_ATTN_ARITH_FP32;
     const int mat = info.matrix_staged != 0;
     if ((!ints && !mat) || hi < lo) return;
-    if ((ints && kv->staging != KVARN_STAGING_INT8) ||
+    if ((ints && kv->staging != KVARN_STAGING_INT8 && kv->staging != KVARN_STAGING_INT4) ||
         (mat && kv->staging != KVARN_STAGING_INT8 && kv->staging != KVARN_STAGING_INT4) ||
         (mat && (info.matrix_scores != KVARN_ATTN_ARITH_BF16 || info.matrix_sums != KVARN_ATTN_ARITH_BF16))) {
         *delta = NAN; /* a kernel not derived below */
@@ -422,7 +449,7 @@ static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_vie
         for (int t = lo; t <= hi; t++) {
             const uint8_t *rec = idb_staged_rec(kv, v, h, t);
             if (rec == NULL) continue;
-            dint = fmax(dint, idb_int8_score_err(rec, &L, D, e, cw));
+            dint = fmax(dint, idb_int8_score_err(rec, &L, D, bits, e, cw));
             smax = fmax(smax, fabs(idb_half(rec + L.v_a_off, 0)));
         }
         for (int ti = lo / G; ti <= hi / G; ti++) {
@@ -430,7 +457,8 @@ static inline void idb_staged_int8(const kvarn_paged_kv *kv, const kvarn_seq_vie
             for (int t = ti * G > lo ? ti * G : lo; t <= hi && t < (ti + 1) * G; t++) {
                 const uint8_t *rec = idb_staged_rec(kv, v, h, t);
                 if (rec == NULL) continue;
-                for (int d = 0; d < D; d++) wsum[d] += fabs((double)rec[L.v_codes_off + (size_t)d] - 128.0);
+                for (int d = 0; d < D; d++)
+                    wsum[d] += fabs(idb_tcode(rec + L.v_codes_off, d, bits) - idb_centre(bits));
             }
             for (int d = 0; d < D; d++) evi[d] = fmax(evi[d], (0.5 + 0x1p-8) / qmaxi * smax * wsum[d]);
         }
@@ -618,14 +646,15 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
 
 
 /* 1 where the library names an integer half for kv's per-token format (not
- * int8, not KVarN), which no derivation here covers. */
+ * int8, int4 or KVarN), which no derivation here covers. */
 static inline int idb_unknown_int(const kvarn_paged_kv *kv)
 {
     kvarn_attn_kernel_info info;
     if (!idb_info(kv, &info)) return 1;
-    return kv->fmt.kind != KVARN_KIND_INT8 && kv->fmt.kind != KVARN_KIND_KVARN &&
+    return kv->fmt.kind != KVARN_KIND_INT8 && kv->fmt.kind != KVARN_KIND_INT4 &&
+           kv->fmt.kind != KVARN_KIND_KVARN &&
            (info.scores != KVARN_ATTN_ARITH_FP32 || info.sums != KVARN_ATTN_ARITH_FP32 ||
-            (info.matrix_rows > 0 && kv->fmt.kind != KVARN_KIND_INT4));
+            info.matrix_rows > 0);
 }
 
 /* The most the integer dot products move any score of the row with query
@@ -638,9 +667,12 @@ static inline double attn_int_score_delta(const kvarn_paged_kv *kv, const kvarn_
     if (idb_unknown_int(kv)) return NAN;
     if (kv->fmt.kind == KVARN_KIND_INT8) return attn_int8_k_delta(kv, v, h, q, scale, lo, hi);
     if (kv->fmt.kind == KVARN_KIND_INT4) {
+        /* an item takes the token kernel or the matrix kernel (a row may
+         * mix them): the larger */
         double d4, e4;
         idb_int4_matrix(kv, v, h, q, scale, lo, hi, &d4, &e4);
-        return d4;
+        const double dk = attn_int8_k_delta(kv, v, h, q, scale, lo, hi);
+        return isnan(d4) || isnan(dk) ? NAN : fmax(d4, dk);
     }
     if (kv->fmt.kind != KVARN_KIND_KVARN) return 0.0;
     double sdelta, sev, delta, esum;
@@ -658,9 +690,14 @@ static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_se
     if (idb_unknown_int(kv)) return NAN;
     if (kv->fmt.kind == KVARN_KIND_INT8) return attn_int8_dot_bound(kv, v, h, q, scale, lo, hi, vmax);
     if (kv->fmt.kind == KVARN_KIND_INT4) {
+        /* an item takes the token kernel or the matrix kernel (whose
+         * fallback, a span outside its conditions, is the token kernel: a
+         * row may mix them): every score moves by at most the larger
+         * delta, and the two kernels' V errors add at most */
         double d4, e4;
         idb_int4_matrix(kv, v, h, q, scale, lo, hi, &d4, &e4);
-        return isnan(d4) ? NAN : (exp(2.0 * d4) - 1.0) * vmax + e4;
+        const double dk = attn_int8_k_delta(kv, v, h, q, scale, lo, hi), ek = attn_int8_v_err(kv, v, h, lo, hi);
+        return isnan(d4) || isnan(dk) || isnan(ek) ? NAN : (exp(2.0 * fmax(d4, dk)) - 1.0) * vmax + e4 + ek;
     }
     if (kv->fmt.kind != KVARN_KIND_KVARN) return 0.0;
     /* staged int8 tokens (their scores move by at most sdelta, like the
