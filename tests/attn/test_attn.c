@@ -1392,6 +1392,10 @@ static void test_kernel_info(void **state)
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
     kvarn_attn_testing scalar_knob = {0, 1, 0, 0};
     const int dims[] = {64, 128, 256, 512, 48};
+    /* the walk below starts from the level the process runs: an earlier
+     * test's run_attn leaves KVARN_SIMD at its last case's level (the
+     * scalar one), and the walk would then cover that level alone */
+    set_level(g_max_level);
     LEVELS_FOR(it) {
         const int lv = it.index;
         for (int i = 0; i < kvarn_format_count(); i++) {
