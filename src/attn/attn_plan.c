@@ -58,7 +58,7 @@ static int thread_scratch_floats(int rows, int D, int gs_, uint64_t mat, uint64_
         round_u64(3 * (uint64_t)D + 4 * gs),              /* tile metadata */
         round_u64(gs * sizeof(void *) / sizeof(float)),   /* token pointers */
         mat,                          /* the matrix kernel's unpacked codes */
-        x8,                                  /* int4 codes widened to bytes */
+        x8,                /* the int8 / int4 integer path's (attn_rows.x8) */
         tail,                                  /* gathered tail tile, last */
     };
     for (int i = 0; i < 8; i++) bad |= kvarn__add_u64(sum, t[i], &sum);

@@ -38,7 +38,7 @@ static void avx512_kvarn_arith(const kvarn_format *f, int D, int vnni, kvarn_att
 /* The int8 and int4 formats' per-token kernel (kernel_avx512_int8.c: int4
  * codes widened to bytes) */
 static void avx512_token_int_arith(const kvarn_format *f, int D, int vnni, kvarn_attn_arith *scores,
-                              kvarn_attn_arith *sums)
+                                   kvarn_attn_arith *sums)
 {
     (void)f;
     /* spans: 128 tokens of whole blocks or one block; the kernel keeps
