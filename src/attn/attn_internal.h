@@ -136,7 +136,12 @@ typedef struct attn_rows {
                             in qa: kernel_amx.c token_span); the AVX-512
                             KVarN kernel's packed code vectors of a tile
                             (3 D G bytes, kernel_avx512_kvarn.c kv_pack_k,
-                            kv_pack_v), so no kernel may keep anything
+                            kv_pack_v); the vector kernels' fp32 codes of
+                            a per-token span or fp16 page, [2][D][up to
+                            attn_token_matrix_span(gs)] floats
+                            (kernel_avx2.c tm_span, kernel_avx512.h
+                            tm_span_f32; every format kind's calls of 16
+                            rows or more, attn_plan.c), so no kernel may keep anything
                             there across a tile kernel's call; NULL where the call's geometry takes none
                             (attn_matrix_geometry) */
     uint8_t *x8;         /* scratch for the AVX-512 int8 and int4
@@ -188,6 +193,13 @@ typedef void (*attn_matrix_tile_fn)(attn_rows *r, const kvarn_record_layout *L,
  * the packing costs more than it saves. */
 #define ATTN_PACK_MIN_ROWS 40
 _Static_assert(ATTN_PACK_MIN_ROWS >= ATTN_MATRIX_MIN_ROWS, "r->mat exists from ATTN_MATRIX_MIN_ROWS rows");
+/* The vector kernels convert a per-token span's (or fp16 page's) codes to
+ * fp32 once, K channel-major, for items of at least this many rows
+ * (kernel_avx2.c tm_span, kernel_avx512.h tm_span_f32; in r->mat).
+ * Measured (docs/attention-simd.md): 6 queries in GQA groups of 3 and 4
+ * (18 and 24 rows) gain from it already. */
+#define ATTN_SPAN_F32_MIN_ROWS 16
+_Static_assert(ATTN_SPAN_F32_MIN_ROWS >= ATTN_MATRIX_MIN_ROWS, "r->mat exists from ATTN_MATRIX_MIN_ROWS rows");
 /* The staged tokens of a KVarN view take the matrix kernel in items of at
  * least this many query tokens (prefill chunks: 512 rows / the GQA group,
  * 32 or more up to a group of 16), not in verification's 1 + K: there the

@@ -103,17 +103,24 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
      * spans of attn_token_matrix_span(gs)) */
     const int mG = g->is_kvarn ? g->G : attn_token_matrix_span(g->gs);
     const int x2 = kv->fmt.kind == KVARN_KIND_INT8; /* two bf16 halves */
-    const int mat = (g->is_kvarn || kv->fmt.kind == KVARN_KIND_INT4 || x2) &&
-                    g->rows_max >= ATTN_MATRIX_MIN_ROWS && attn_matrix_geometry(g->D, mG);
-    g->rows_alloc = mat ? (g->rows_max + 15) / 16 * 16 : g->rows_max;
+    /* (every kind's items of that many rows take r->mat: the vector
+     * kernels' span codes as fp32, below; the matrix kernels' kinds) */
+    const int mat = g->rows_max >= ATTN_MATRIX_MIN_ROWS && attn_matrix_geometry(g->D, mG);
+    const int mat_kind = g->is_kvarn || kv->fmt.kind == KVARN_KIND_INT4 || x2;
+    g->rows_alloc = mat && mat_kind ? (g->rows_max + 15) / 16 * 16 : g->rows_max;
     /* and the rows' weights, bf16 [rows][G] (rows_alloc <= 512 for
      * groups up to 512, D <= 512, G <= 128), twice for the int8 format (kernel_amx.c token_span),
      * beside room for bf16 [rows][D] that no kernel uses since the
      * queries moved into the rows' qa (kernel_amx.c rows_query): kept, so
      * that kvarn_attn_workspace_bytes did not change with it */
-    g->mat_floats = mat ? attn_round_f((size_t)g->D * (size_t)mG + (size_t)(x2 ? 2 : 1) * (size_t)g->rows_alloc *
+    g->mat_floats = mat && mat_kind ? attn_round_f((size_t)g->D * (size_t)mG + (size_t)(x2 ? 2 : 1) * (size_t)g->rows_alloc *
                                                                        ((size_t)g->D + (size_t)mG) / 2)
                         : 0;
+    /* the vector kernels' K and V codes of a per-token span as fp32,
+     * [2][D][mG] (kernel_avx2.c tm_span, kernel_avx512.h token_tile_body),
+     * in the same scratch */
+    if (mat && g->mat_floats < attn_round_f(2 * (size_t)g->D * (size_t)mG))
+        g->mat_floats = attn_round_f(2 * (size_t)g->D * (size_t)mG);
     /* The AVX-512 int8 / int4 integer path's scratch (attn_rows.x8),
      * wherever int8 or int4 records are read (the formats' blocks, a KVarN
      * view's int8 or int4 staging), independent of the CPU: a span's

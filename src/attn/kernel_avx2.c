@@ -21,7 +21,10 @@
  * Codes are unpacked in registers (broadcast, variable shift, mask,
  * int -> float); fp16 goes through F16C; FP8 E5M2 is the top byte of an
  * fp16, FP8 E4M3 becomes an fp16 of 2^-8 times its value by moving its bits
- * (the 2^8 is folded into the scale). Nothing is expanded to memory.
+ * (the 2^8 is folded into the scale). Nothing is expanded to memory,
+ * except for items of ATTN_SPAN_F32_MIN_ROWS rows or more: a per-token span's (or
+ * fp16 page's) codes converted to fp32 once, K channel-major, in r->mat
+ * (tm_span: 16 tokens x up to 6 rows, no horizontal sums).
  * The score loops also issue the software prefetches of the next tiles
  * (attn_prefetch_step, attn_internal.h).
  */
@@ -30,6 +33,7 @@
 #include <string.h>
 
 #include "attn/attn_internal.h"
+#include "attn/transpose8.h"
 
 #define AI static inline __attribute__((always_inline))
 
@@ -290,17 +294,24 @@ AI void tm_block(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_
 /* ------------------------------------------------ token-major V: sums */
 
 /* acc[r][d0..d0+16) += sum_t w[r][t] * v_t[d0..d0+16) (+ bias[r]) for rows
- * [r0, r0 + RB), tokens t < nt. */
-AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff, int nt,
-                int r0, int RB, int d0, const float *bias)
+ * [r0, r0 + RB), tokens t < nt; the codes from the records, or (vf not
+ * NULL) already fp32, vf[nt][D] (tm_span). */
+AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff,
+                const float *vf, int nt, int r0, int RB, int d0, const float *bias)
 {
     const int D = r->D, gs = r->gs;
     __m256 acc[6][2];
 #pragma GCC unroll 6
     for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int t = 0; t < nt; t++) {
-        const uint8_t *vp = tok[t] + voff;
-        __m256 c0 = load8(kind, vp, d0), c1 = load8(kind, vp, d0 + 8);
+        __m256 c0, c1;
+        if (vf) {
+            c0 = _mm256_loadu_ps(vf + (size_t)t * D + d0);
+            c1 = _mm256_loadu_ps(vf + (size_t)t * D + d0 + 8);
+        } else {
+            c0 = load8(kind, tok[t] + voff, d0);
+            c1 = load8(kind, tok[t] + voff, d0 + 8);
+        }
 #pragma GCC unroll 6
         for (int i = 0; i < RB; i++) {
             __m256 w = _mm256_broadcast_ss(r->s + (size_t)(r0 + i) * gs + t);
@@ -348,13 +359,114 @@ AI void tm_rows(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t
     float *pz = r->rc;
     if (vs) fold_weights(r, r0, r0 + RB, nt, vs, vz, pz); /* p, vs, vz 0 past nt */
     for (int d0 = 0; d0 < r->D; d0 += 16)
-        tm_vsum(r, kind, tok, voff, nt, r0, RB, d0, bias ? pz : NULL);
+        tm_vsum(r, kind, tok, voff, NULL, nt, r0, RB, d0, bias ? pz : NULL);
+}
+
+/* ------------------------- channel-major K: items of many rows (prefill) */
+
+/* A span's codes (before scale and zero-point, as load8 gives them) as
+ * fp32: K channel-major, kf[d][np] for tokens [0, np), np = nt rounded up
+ * to 8, the tokens past nt 0 (8 tokens x 8 channels a step); V as they
+ * are, vf[nt][D]. */
+AI void tm_codes_f32(kvarn_kind kind, const uint8_t *const *tok, size_t koff, size_t voff, int nt,
+                     int D, int np, float *kf, float *vf)
+{
+    for (int t = 0; t < nt; t++)
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(vf + (size_t)t * D + d, load8(kind, tok[t] + voff, d));
+    for (int t = 0; t < np; t += 8) {
+        for (int d = 0; d < D; d += 8) {
+            __m256 x[8];
+            for (int j = 0; j < 8; j++)
+                x[j] = t + j < nt ? load8(kind, tok[t + j] + koff, d) : _mm256_setzero_ps();
+            attn_transpose8(x);
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(kf + (size_t)(d + j) * np + t, x[j]);
+        }
+    }
+}
+
+/* Scores of tokens [tb, tb + 8 TW) for rows [r0, r0 + RB) from the
+ * channel-major codes: s = ks_t (q . code_t) + kz_t qsum (ks NULL: the raw
+ * dots; kz NULL: no zero point), 8 TW tokens x up to 6 rows of
+ * accumulators, one broadcast of q[r][d] per row and channel. */
+AI void kc_dots(attn_rows *r, const float *kf, int np, int r0, int RB, int tb, int TW,
+                const float *ks, const float *kz)
+{
+    const int D = r->D, gs = r->gs;
+    __m256 acc[6][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    const float *kp = kf + tb;
+    for (int d = 0; d < D; d++, kp += np) {
+        __m256 c0 = _mm256_loadu_ps(kp), c1 = TW == 2 ? _mm256_loadu_ps(kp + 8) : c0;
+#pragma GCC unroll 6
+        for (int i = 0; i < RB; i++) {
+            __m256 w = _mm256_broadcast_ss(r->q + (size_t)(r0 + i) * D + d);
+            acc[i][0] = _mm256_fmadd_ps(w, c0, acc[i][0]);
+            if (TW == 2) acc[i][1] = _mm256_fmadd_ps(w, c1, acc[i][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < RB; i++) {
+        float *s = r->s + (size_t)(r0 + i) * gs + tb;
+        const __m256 qs = _mm256_set1_ps(kz ? r->qsum[r0 + i] : 0.0f);
+        for (int h = 0; h < TW; h++) {
+            __m256 a = acc[i][h];
+            if (ks) {
+                __m256 z = kz ? _mm256_mul_ps(_mm256_loadu_ps(kz + tb + 8 * h), qs) : _mm256_setzero_ps();
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(ks + tb + 8 * h), a, z);
+            }
+            _mm256_storeu_ps(s + 8 * h, a);
+        }
+    }
+}
+
+/* kc_dots over a span for one block of rows, out of line per row count
+ * (kv_rows' reason: the 12 accumulators stay in registers). */
+typedef void (*kc_scores_fn)(attn_rows *r, const float *kf, int np, int r0, const float *ks,
+                             const float *kz, int per);
+#define KC_SCORES_FN(N)                                                                     \
+    static __attribute__((noinline)) void kc_scores_##N(attn_rows *r, const float *kf, int np, \
+                                                       int r0, const float *ks,              \
+                                                       const float *kz, int per)             \
+    {                                                                                       \
+        int tb = 0;                                                                         \
+        for (; tb + 16 <= np; tb += 16) {                                                   \
+            attn_prefetch_step(r->pf, per);                                                 \
+            kc_dots(r, kf, np, r0, N, tb, 2, ks, kz);                                       \
+        }                                                                                   \
+        if (tb < np) kc_dots(r, kf, np, r0, N, tb, 1, ks, kz);                              \
+    }
+KC_SCORES_FN(1)
+KC_SCORES_FN(2)
+KC_SCORES_FN(3)
+KC_SCORES_FN(4)
+KC_SCORES_FN(5)
+KC_SCORES_FN(6)
+static const kc_scores_fn kc_scores[7] = {NULL,         kc_scores_1, kc_scores_2, kc_scores_3,
+                                          kc_scores_4, kc_scores_5, kc_scores_6};
+
+/* tm_rows over fp32 codes (tm_codes_f32): the scores from the
+ * channel-major K (kc_scores), the same steps after them, V from vf. */
+AI void tm_rows_kc(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff,
+                   const float *kf, int np, int t0, int nt, int r0, int RB, const float *ks,
+                   const float *kz, const float *vs, const float *vz, int bias, int per)
+{
+    kc_scores[RB](r, kf, np, r0, ks, kz, per);
+    softmax_rows_avx2(r, t0, nt, r0, r0 + RB);
+    float *pz = r->rc;
+    if (vs) fold_weights(r, r0, r0 + RB, nt, vs, vz, pz); /* p, vs, vz 0 past nt */
+    for (int d0 = 0; d0 < r->D; d0 += 16)
+        tm_vsum(r, kind, NULL, 0, kf + (size_t)r->D * np, nt, r0, RB, d0, bias ? pz : NULL);
 }
 
 /* A span of nt token-major tokens for all rows: 1 or 2 rows take 4 tokens
  * per score pass, more rows go 2 tokens at a time in blocks of up to 6
  * (measured faster than 4 tokens x 3 rows, which needs 17 registers), so
- * that each code is converted once per block of rows. */
+ * that each code is converted once per block of rows; from ATTN_SPAN_F32_MIN_ROWS
+ * rows the codes are converted once per span instead (tm_codes_f32), and
+ * the scores take 16 tokens x 6 rows from the channel-major K (bench_attn
+ * --queries 512 at KVARN_SIMD=avx2 on AMD Zen 4, int8: 69.8 -> 56.1 ms
+ * SmolLM2 heads, 428 -> 354 ms Llama). */
 AI void tm_span(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff,
                 size_t voff, int t0, int nt, const float *ks, const float *kz, const float *vs,
                 const float *vz, int bias)
@@ -364,6 +476,30 @@ AI void tm_span(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t
             tm_rows(r, kind, tok, koff, voff, t0, nt, 0, 2, 4, ks, kz, vs, vz, bias);
         else
             tm_rows(r, kind, tok, koff, voff, t0, nt, 0, 1, 4, ks, kz, vs, vz, bias);
+        return;
+    }
+    const int cap = r->mat ? attn_token_matrix_span(r->gs) : 0;
+    if (r->n >= ATTN_SPAN_F32_MIN_ROWS && cap >= 8) {
+        /* Many rows: the span's codes made fp32 once (K channel-major, V
+         * as they are: in r->mat, 2 D cap floats, attn_plan.c), in chunks
+         * of cap tokens, each scored 16 tokens x 6 rows a pass with no
+         * horizontal sums (kc_dots) and summed with no conversion. */
+        float *kf = (float *)(void *)r->mat;
+        for (int j0 = 0; j0 < nt; j0 += cap) {
+            const int n = nt - j0 < cap ? nt - j0 : cap, np = (n + 7) & ~7;
+            tm_codes_f32(kind, tok + j0, koff, voff, n, r->D, np, kf, kf + (size_t)r->D * np);
+            const int nblk = (r->n + 5) / 6, steps = nblk * ((np + 15) / 16);
+            const int per = (attn_prefetch_left(r->pf) + steps - 1) / steps;
+            for (int r0 = 0; r0 < r->n;) {
+                int rb = block_rows(r->n, 6, r0);
+#define KCALL(N)                                                                               \
+    tm_rows_kc(r, kind, tok + j0, voff, kf, np, t0 + j0, n, r0, N, ks ? ks + j0 : NULL,      \
+               kz ? kz + j0 : NULL, vs ? vs + j0 : NULL, vz ? vz + j0 : NULL, bias, per)
+                ATTN_RB_SWITCH6(rb, KCALL)
+#undef KCALL
+                r0 += rb;
+            }
+        }
         return;
     }
     for (int r0 = 0; r0 < r->n;) {

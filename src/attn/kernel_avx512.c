@@ -15,9 +15,11 @@ void attn_avx512_fp16_tile(attn_rows *r, const uint16_t *k, const uint16_t *v, i
 {
     /* Token t's K row; its V row is at the same place in the V half. */
     for (int t = 0; t < nt; t++) r->tok[t] = (const uint8_t *)(k + (size_t)t * r->D);
+    const size_t voff = (size_t)((const uint8_t *)v - (const uint8_t *)k);
+    if (tm_span_f32(r, KVARN_KIND_FP16, r->tok, 0, voff, t0, nt, NULL, NULL, NULL, NULL)) return;
     tm_scores(r, KVARN_KIND_FP16, r->tok, 0, nt, NULL, NULL);
     softmax_update_avx512(r, t0, nt);
-    tm_values(r, KVARN_KIND_FP16, r->tok, (size_t)((const uint8_t *)v - (const uint8_t *)k), nt, NULL);
+    tm_values(r, KVARN_KIND_FP16, r->tok, voff, nt, NULL);
 }
 
 /* ----------------------------------------------------- per-token blocks */

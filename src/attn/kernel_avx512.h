@@ -21,6 +21,9 @@
  * registers:
  *   token-major K (fp16 pages, per-token formats): 4 tokens x up to 5 rows
  *     of 16-channel partial dots (20 accumulators), reduced at the end;
+ *     items of ATTN_SPAN_F32_MIN_ROWS rows or more convert a span's codes to fp32
+ *     once (tm_span_f32: K channel-major, 32 tokens x up to 8 rows, each
+ *     block of rows through scores, softmax and V before the next);
  *   KVarN K (channel-major codes): 32 tokens x up to 8 rows (16
  *     accumulators; 4-bit K of 128-token tiles: 64 tokens x up to 6 rows),
  *     codes unpacked once per channel for all rows, the broadcast of
@@ -65,6 +68,7 @@
 #include <string.h>
 
 #include "attn/attn_internal.h"
+#include "attn/transpose8.h"
 
 #define AI static inline __attribute__((always_inline))
 /* A shared helper kept out of line (one call per row), as the compiler
@@ -384,9 +388,10 @@ AI void tm_scores(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
 /* ------------------------------------------------ token-major V: sums */
 
 /* acc[r][d0..d0+32) += sum_t w[r][t] * v_t[d0..d0+32) (+ bias[r]) for rows
- * [r0, r0 + RB), tokens t < nt. */
-AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff, int nt,
-                int r0, int RB, int d0, const float *bias)
+ * [r0, r0 + RB), tokens t < nt; the codes from the records, or (vf not
+ * NULL) already fp32, vf[nt][D] (tm_span_f32). */
+AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff,
+                const float *vf, int nt, int r0, int RB, int d0, const float *bias)
 {
     const int D = r->D, gs = r->gs;
     __m512 acc[8][2];
@@ -394,8 +399,14 @@ AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t
     for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int t = 0; t < nt; t++) {
         attn_prefetch_step(r->pf, 1);
-        const uint8_t *vp = tok[t] + voff;
-        __m512 c0 = load16(kind, vp, d0), c1 = load16(kind, vp, d0 + 16);
+        __m512 c0, c1;
+        if (vf) {
+            c0 = _mm512_loadu_ps(vf + (size_t)t * D + d0);
+            c1 = _mm512_loadu_ps(vf + (size_t)t * D + d0 + 16);
+        } else {
+            c0 = load16(kind, tok[t] + voff, d0);
+            c1 = load16(kind, tok[t] + voff, d0 + 16);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < RB; i++) {
             __m512 w = _mm512_set1_ps(r->s[(size_t)(r0 + i) * gs + t]);
@@ -418,12 +429,151 @@ AI void tm_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size
     for (int d0 = 0; d0 < r->D; d0 += 32)
         for (int r0 = 0; r0 < r->n;) {
             int rb = block_rows(r->n, 8, r0);
-#define VTCALL(N) tm_vsum(r, kind, tok, voff, nt, r0, N, d0, bias)
+#define VTCALL(N) tm_vsum(r, kind, tok, voff, NULL, nt, r0, N, d0, bias)
             ATTN_RB_SWITCH8(rb, VTCALL)
 #undef VTCALL
             r0 += rb;
         }
     attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
+}
+
+/* ------------------ fp32 codes of a span: items of many rows (prefill) */
+
+/* A span's codes (before scale and zero-point, as load16 gives them) as
+ * fp32: K channel-major, kf[d][np] for tokens [0, np), np = nt rounded up
+ * to 8, the tokens past nt 0 (8 tokens x 16 channels a step, two 8 x 8
+ * transposes); V as they are, vf[nt][D]. */
+AI void tm_codes_f32(kvarn_kind kind, const uint8_t *const *tok, size_t koff, size_t voff, int nt,
+                     int D, int np, float *kf, float *vf)
+{
+    for (int t = 0; t < nt; t++)
+        for (int d = 0; d < D; d += 16) _mm512_storeu_ps(vf + (size_t)t * D + d, load16(kind, tok[t] + voff, d));
+    for (int t = 0; t < np; t += 8) {
+        for (int d = 0; d < D; d += 16) {
+            __m256 lo[8], hi[8];
+            for (int j = 0; j < 8; j++) {
+                __m512 x = t + j < nt ? load16(kind, tok[t + j] + koff, d) : _mm512_setzero_ps();
+                lo[j] = _mm512_castps512_ps256(x);
+                hi[j] = hi8(x);
+            }
+            attn_transpose8(lo);
+            attn_transpose8(hi);
+            for (int j = 0; j < 8; j++) {
+                _mm256_storeu_ps(kf + (size_t)(d + j) * np + t, lo[j]);
+                _mm256_storeu_ps(kf + (size_t)(d + 8 + j) * np + t, hi[j]);
+            }
+        }
+    }
+}
+
+/* Scores of tokens [tb, tb + 16 TW) for rows [r0, r0 + RB), up to 8 rows,
+ * from the channel-major codes (the last vector's lanes past np masked):
+ * s = ks_t (q . code_t) + kz_t qsum (ks NULL: the raw dots; kz NULL: no
+ * zero point), one broadcast of q[r][d] per row and channel. */
+AI void kc_dots(attn_rows *r, const float *kf, int np, int r0, int RB, int tb, int TW,
+                const float *ks, const float *kz)
+{
+    const int D = r->D, gs = r->gs;
+    const __mmask16 m0 = lanes(np - tb), m1 = lanes(np - tb - 16);
+    __m512 acc[8][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const float *kp = kf + tb;
+    for (int d = 0; d < D; d++, kp += np) {
+        __m512 c0 = _mm512_maskz_loadu_ps(m0, kp), c1 = TW == 2 ? _mm512_maskz_loadu_ps(m1, kp + 16) : c0;
+#pragma GCC unroll 8
+        for (int i = 0; i < RB; i++) {
+            __m512 w = _mm512_set1_ps(r->q[(size_t)(r0 + i) * D + d]);
+            acc[i][0] = _mm512_fmadd_ps(w, c0, acc[i][0]);
+            if (TW == 2) acc[i][1] = _mm512_fmadd_ps(w, c1, acc[i][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; i++) {
+        float *s = r->s + (size_t)(r0 + i) * gs + tb;
+        const __m512 qs = _mm512_set1_ps(kz ? r->qsum[r0 + i] : 0.0f);
+        for (int h = 0; h < TW; h++) {
+            const __mmask16 m = h ? m1 : m0;
+            __m512 a = acc[i][h];
+            if (ks) {
+                __m512 z = kz ? _mm512_mul_ps(_mm512_maskz_loadu_ps(m, kz + tb + 16 * h), qs) : _mm512_setzero_ps();
+                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, ks + tb + 16 * h), a, z);
+            }
+            _mm512_mask_storeu_ps(s + 16 * h, m, a);
+        }
+    }
+}
+
+/* kc_dots over a span for one block of rows, out of line per row count
+ * (kernel_avx2.c kv_rows' reason: the accumulators stay in registers). */
+typedef void (*kc_scores_fn)(attn_rows *r, const float *kf, int np, int r0, const float *ks,
+                             const float *kz, int per);
+#define KC_SCORES_FN(N)                                                                        \
+    NI void kc_scores_##N(attn_rows *r, const float *kf, int np, int r0, const float *ks,      \
+                          const float *kz, int per)                                            \
+    {                                                                                          \
+        int tb = 0;                                                                            \
+        for (; tb + 16 < np; tb += 32) {                                                       \
+            attn_prefetch_step(r->pf, per);                                                    \
+            kc_dots(r, kf, np, r0, N, tb, 2, ks, kz);                                          \
+        }                                                                                      \
+        if (tb < np) kc_dots(r, kf, np, r0, N, tb, 1, ks, kz);                                 \
+    }
+KC_SCORES_FN(1)
+KC_SCORES_FN(2)
+KC_SCORES_FN(3)
+KC_SCORES_FN(4)
+KC_SCORES_FN(5)
+KC_SCORES_FN(6)
+KC_SCORES_FN(7)
+KC_SCORES_FN(8)
+#undef KC_SCORES_FN
+
+/* A per-token span (or fp16 page) for all rows from its codes made fp32
+ * once (tm_codes_f32, in r->mat: 2 D cap floats, attn_plan.c), in chunks
+ * of cap tokens: each block of up to 8 rows through the scores of 32
+ * tokens a pass from the channel-major K (kc_dots: no horizontal sums), the
+ * softmax step, the weights folded with the V scales, and the value sums
+ * (tm_vsum on vf: no conversion), before the next block. Items of at least
+ * ATTN_SPAN_F32_MIN_ROWS rows where r->mat is there; returns 0 (nothing done)
+ * otherwise. ks .. vz as token_tile_body's (NULL: none). */
+AI int tm_span_f32(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff,
+                   size_t voff, int t0, int nt, const float *ks, const float *kz, const float *vs,
+                   const float *vz)
+{
+    const int cap = r->mat ? attn_token_matrix_span(r->gs) : 0;
+    if (r->n < ATTN_SPAN_F32_MIN_ROWS || cap < 16) return 0;
+    const int D = r->D, gs = r->gs;
+    float *kf = (float *)(void *)r->mat, *pz = r->rc;
+    for (int j0 = 0; j0 < nt; j0 += cap) {
+        /* a chunk before the last is cap tokens, a multiple of 32: only
+         * the last has lanes past its end (0 in ks .. vz) */
+        const int n = nt - j0 < cap ? nt - j0 : cap, np = (n + 7) & ~7;
+        float *vf = kf + (size_t)D * np;
+        tm_codes_f32(kind, tok + j0, koff, voff, n, D, np, kf, vf);
+        const float *cks = ks ? ks + j0 : NULL, *ckz = kz ? kz + j0 : NULL;
+        const float *cvs = vs ? vs + j0 : NULL, *cvz = vz ? vz + j0 : NULL;
+        const int steps = (r->n + 7) / 8 * ((np + 31) / 32);
+        const int per = (attn_prefetch_left(r->pf) + steps - 1) / steps;
+        for (int r0 = 0; r0 < r->n;) {
+            const int rb = block_rows(r->n, 8, r0);
+#define KSCALL(N) kc_scores_##N(r, kf, np, r0, cks, ckz, per)
+            ATTN_RB_SWITCH8(rb, KSCALL)
+#undef KSCALL
+            for (int i = r0; i < r0 + rb; i++) {
+                softmax_row_avx512(r, i, t0 + j0, n);
+                if (cvs) pz[i] = fold_weights(r->s + (size_t)i * gs, cvs, cvz, np);
+            }
+            for (int d0 = 0; d0 < D; d0 += 32) {
+#define VSCALL(N) tm_vsum(r, kind, NULL, 0, vf, n, r0, N, d0, cvz ? pz : NULL)
+                ATTN_RB_SWITCH8(rb, VSCALL)
+#undef VSCALL
+            }
+            r0 += rb;
+        }
+    }
+    attn_prefetch_step(r->pf, attn_prefetch_left(r->pf)); /* any left over */
+    return 1;
 }
 
 /* ----------------------------------------------------- per-token tiles */
@@ -473,6 +623,9 @@ AI void token_tile_body(attn_rows *r, kvarn_kind kind, const kvarn_record_layout
             _mm512_mask_storeu_ps(vz + t, in, vb);
         }
     }
+    if (tm_span_f32(r, kind, recs, L->k_codes_off, L->v_codes_off, t0, nt, has_scale ? ks : NULL,
+                    has_zero ? kz : NULL, has_scale ? vs : NULL, has_zero ? vz : NULL))
+        return;
     tm_scores(r, kind, recs, L->k_codes_off, nt, has_scale ? ks : NULL, has_zero ? kz : NULL);
     softmax_update_avx512(r, t0, nt);
     float *pz = r->rc;
