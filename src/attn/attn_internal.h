@@ -466,7 +466,9 @@ typedef struct attn_geom {
     int gs;                /* row stride of the scores: span tokens, rounded */
     int is_kvarn;
     size_t thread_floats;  /* per-worker scratch */
-    size_t mat_floats;     /* its part for the matrix kernel (0: none) */
+    size_t mat_floats;     /* its part for the matrix kernel and the
+                              vector kernels' fp32 span codes (r->mat;
+                              0: none) */
     size_t x8_floats;      /* its part for the int8 / int4 integer path
                               (attn_rows.x8; 0: none) */
     size_t tail_floats;    /* its last part: K and V fp16 [G][D] of a tail

@@ -117,7 +117,7 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
                                                                        ((size_t)g->D + (size_t)mG) / 2)
                         : 0;
     /* the vector kernels' K and V codes of a per-token span as fp32,
-     * [2][D][mG] (kernel_avx2.c tm_span, kernel_avx512.h token_tile_body),
+     * [2][D][mG] (kernel_avx2.c tm_span, kernel_avx512.h tm_span_f32),
      * in the same scratch */
     if (mat && g->mat_floats < attn_round_f(2 * (size_t)g->D * (size_t)mG))
         g->mat_floats = attn_round_f(2 * (size_t)g->D * (size_t)mG);

@@ -465,8 +465,8 @@ AI void tm_rows_kc(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, siz
  * that each code is converted once per block of rows; from ATTN_SPAN_F32_MIN_ROWS
  * rows the codes are converted once per span instead (tm_codes_f32), and
  * the scores take 16 tokens x 6 rows from the channel-major K (bench_attn
- * --queries 512 at KVARN_SIMD=avx2 on AMD Zen 4, int8: 69.8 -> 56.1 ms
- * SmolLM2 heads, 428 -> 354 ms Llama). */
+ * --queries 512 at KVARN_SIMD=avx2 on AMD Zen 4, int8: 70.5 -> 55.7 ms
+ * SmolLM2 heads, 426.6 -> 348.9 ms Llama; docs/attention-simd.md). */
 AI void tm_span(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t koff,
                 size_t voff, int t0, int nt, const float *ks, const float *kz, const float *vs,
                 const float *vz, int bias)
