@@ -328,6 +328,22 @@ AI void tm_vsum(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t
     }
 }
 
+/* Rows [r0, r0 + RB) of a span, after their scores: the online-softmax
+ * update, the weights p_t vs_t with the zero-point sum pz = sum_t p_t vz_t
+ * as one constant per row (vs NULL: weights as they are; bias: vz's pz, or
+ * none), then acc += the value sums (from the records, or vf not NULL:
+ * fp32 codes [nt][D]). */
+AI void tm_rows_values(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff,
+                       const float *vf, int t0, int nt, int r0, int RB, const float *vs,
+                       const float *vz, int bias)
+{
+    softmax_rows_avx2(r, t0, nt, r0, r0 + RB);
+    float *pz = r->rc;
+    if (vs) fold_weights(r, r0, r0 + RB, nt, vs, vz, pz); /* p, vs, vz 0 past nt */
+    for (int d0 = 0; d0 < r->D; d0 += 16)
+        tm_vsum(r, kind, tok, voff, vf, nt, r0, RB, d0, bias ? pz : NULL);
+}
+
 /* Rows [r0, r0 + RB) of a span of nt token-major tokens, start to end:
  * the scores (tm_block: TB tokens a pass), s = kscale_t (q . code_t) +
  * kzero_t qsum (ks NULL: raw dots; kz NULL: no zero point), the
@@ -355,11 +371,7 @@ AI void tm_rows(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t
             }
         }
     }
-    softmax_rows_avx2(r, t0, nt, r0, r0 + RB);
-    float *pz = r->rc;
-    if (vs) fold_weights(r, r0, r0 + RB, nt, vs, vz, pz); /* p, vs, vz 0 past nt */
-    for (int d0 = 0; d0 < r->D; d0 += 16)
-        tm_vsum(r, kind, tok, voff, NULL, nt, r0, RB, d0, bias ? pz : NULL);
+    tm_rows_values(r, kind, tok, voff, NULL, t0, nt, r0, RB, vs, vz, bias);
 }
 
 /* ------------------------- channel-major K: items of many rows (prefill) */
@@ -447,16 +459,12 @@ static const kc_scores_fn kc_scores[7] = {NULL,         kc_scores_1, kc_scores_2
 
 /* tm_rows over fp32 codes (tm_codes_f32): the scores from the
  * channel-major K (kc_scores), the same steps after them, V from vf. */
-AI void tm_rows_kc(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t voff,
-                   const float *kf, int np, int t0, int nt, int r0, int RB, const float *ks,
-                   const float *kz, const float *vs, const float *vz, int bias, int per)
+AI void tm_rows_kc(attn_rows *r, kvarn_kind kind, const float *kf, int np, int t0, int nt, int r0,
+                   int RB, const float *ks, const float *kz, const float *vs, const float *vz,
+                   int bias, int per)
 {
     kc_scores[RB](r, kf, np, r0, ks, kz, per);
-    softmax_rows_avx2(r, t0, nt, r0, r0 + RB);
-    float *pz = r->rc;
-    if (vs) fold_weights(r, r0, r0 + RB, nt, vs, vz, pz); /* p, vs, vz 0 past nt */
-    for (int d0 = 0; d0 < r->D; d0 += 16)
-        tm_vsum(r, kind, NULL, 0, kf + (size_t)r->D * np, nt, r0, RB, d0, bias ? pz : NULL);
+    tm_rows_values(r, kind, NULL, 0, kf + (size_t)r->D * np, t0, nt, r0, RB, vs, vz, bias);
 }
 
 /* A span of nt token-major tokens for all rows: 1 or 2 rows take 4 tokens
@@ -493,7 +501,7 @@ AI void tm_span(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, size_t
             for (int r0 = 0; r0 < r->n;) {
                 int rb = block_rows(r->n, 6, r0);
 #define KCALL(N)                                                                               \
-    tm_rows_kc(r, kind, tok + j0, voff, kf, np, t0 + j0, n, r0, N, ks ? ks + j0 : NULL,      \
+    tm_rows_kc(r, kind, kf, np, t0 + j0, n, r0, N, ks ? ks + j0 : NULL,                      \
                kz ? kz + j0 : NULL, vs ? vs + j0 : NULL, vz ? vz + j0 : NULL, bias, per)
                 ATTN_RB_SWITCH6(rb, KCALL)
 #undef KCALL
