@@ -7,7 +7,7 @@
  *              [--batches 1,16] [--threads 1,2] [--formats fp16,int8,...|all]
  *              [--min-time SECONDS] [--max-mb MB] [--working-set MB]
  *              [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar]
- *              [--no-amx]
+ *              [--no-amx] [--no-bf16]
  *
  * Shapes: smol = SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64),
  * llama = Llama-3-8B (32 / 8, head_dim 128). One call is one layer; the
@@ -29,6 +29,9 @@
  * --no-amx keeps the KVarN records of items of 16 or more query rows off
  * the AMX matrix kernel (attn.h kvarn_attn_kernel_info.matrix), where the
  * CPU has one: run with and without it to compare (docs/attention-matrix.md).
+ * --no-bf16 keeps the fp8 and bf16 formats' blocks of such items off the
+ * AVX512-BF16 kernel (kernel_avx512_bf16.c), in fp32, where the CPU has
+ * AVX512-BF16 (docs/attention-simd.md).
  * Each configuration runs at least --min-time seconds (3 calls at least)
  * and reports its fastest call: with 1 thread timed by the thread's CPU
  * clock, with more threads by the wall clock. */
@@ -312,7 +315,7 @@ int main(int argc, char **argv)
     int bad_list = 0;
     const char *shapes = "smol,llama", *formats = NULL;
     double min_time = 0.3, max_mb = 3000, ws_mb = 256;
-    int scalar = 0, block_size = 16, n_queries = 1, staging_int8 = 0, no_amx = 0;
+    int scalar = 0, block_size = 16, n_queries = 1, staging_int8 = 0, no_amx = 0, no_bf16 = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *nx = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick")) {
@@ -335,12 +338,13 @@ int main(int argc, char **argv)
             i++;
         } else if (!strcmp(a, "--scalar")) scalar = 1;
         else if (!strcmp(a, "--no-amx")) no_amx = 1;
+        else if (!strcmp(a, "--no-bf16")) no_bf16 = 1;
         else {
             const int help = !strcmp(a, "-h") || !strcmp(a, "--help");
             fprintf(help ? stdout : stderr,
                     "usage: bench_attn [--quick] [--contexts L] [--shapes smol,llama] "
                     "[--batches L] [--threads L] [--formats L] [--min-time S] "
-                    "[--max-mb MB] [--working-set MB] [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar] [--no-amx]\n");
+                    "[--max-mb MB] [--working-set MB] [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar] [--no-amx] [--no-bf16]\n");
             return help ? 0 : 2;
         }
     }
@@ -369,7 +373,7 @@ int main(int argc, char **argv)
             return 2;
         }
     kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    kvarn_attn_testing knobs = {0, scalar, 0, no_amx};
+    kvarn_attn_testing knobs = {0, scalar, 0, no_amx, no_bf16};
     o0.testing = &knobs;
     printf("memcpy bandwidth (1 thread, 256 MiB): %.1f GB/s copied\n", memcpy_gbs());
     printf("kernels: %s\n", kvarn_attn_kernel_name(&o0));

@@ -312,7 +312,16 @@ typedef struct kvarn_attn_kernel_info {
                                        state and KVARN_AMX is not "0"),
                                        "amx-bf16-emulated" (the testing
                                        knob amx = 2, or the environment's
-                                       KVARN_AMX=emulate), or NULL: none */
+                                       KVARN_AMX=emulate), or NULL: none.
+                                       The fp8 (E4M3, E5M2) and bf16
+                                       formats' per-token blocks of such
+                                       items at the AVX-512 level on a
+                                       CPU with AVX512-BF16, head_dim a
+                                       multiple of 32 up to 512:
+                                       "avx512-bf16" (vdpbf16ps against a
+                                       bf16 query and bf16 weights
+                                       p_t vs_t, the codes exact;
+                                       src/attn/kernel_avx512_bf16.c) */
     int matrix_rows;                /* that row count (16); 0 with NULL */
     kvarn_attn_arith matrix_scores; /* its q.k: KVARN_ATTN_ARITH_BF16
                                        (the int8 format: _BF16X2) (a
@@ -386,6 +395,10 @@ typedef struct kvarn_attn_testing {
                          grants AMX (the default), 1 never, 2 its logic
                          with the tiles emulated in C on any CPU (slow;
                          for tests) */
+    int no_bf16;      /* 1: the fp8 (E4M3, E5M2) and bf16 formats' spans
+                         in fp32 even where the CPU has AVX512-BF16
+                         (kvarn_attn_kernel_info.matrix "avx512-bf16");
+                         0: the default */
 } kvarn_attn_testing;
 
 #ifdef __cplusplus

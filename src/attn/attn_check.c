@@ -29,6 +29,7 @@ int attn_opts_valid(const kvarn_attn_opts *o)
            (attn_force_scalar_of(o) == 0 || attn_force_scalar_of(o) == 1) &&
            (o->testing == NULL || o->testing->no_vnni == 0 || o->testing->no_vnni == 1) &&
            (o->testing == NULL || (o->testing->amx >= 0 && o->testing->amx <= 2)) &&
+           (o->testing == NULL || o->testing->no_bf16 == 0 || o->testing->no_bf16 == 1) &&
            (o->io_bf16 == 0 || o->io_bf16 == 1);
 }
 

@@ -31,6 +31,14 @@ static int vnni_of(const kvarn_attn_opts *o)
     return !(o->testing && o->testing->no_vnni) && kvarn__cpu_avx512_vnni();
 }
 
+/* The AVX512-BF16 kernels of the fp8 and bf16 formats
+ * (kernel_avx512_bf16.c) where the CPU has AVX512-BF16 and the level is
+ * AVX-512, unless the testing knob no_bf16 keeps the fp32 kernels. */
+static int bf16_of(const kvarn_attn_opts *o)
+{
+    return !(o->testing && o->testing->no_bf16) && kvarn__cpu_avx512_bf16();
+}
+
 /* The matrix kernel of KVarN records (kernel_amx.c) a call runs for items
  * of ATTN_MATRIX_MIN_ROWS rows or more: 1 AMX tiles, 2 emulated (the
  * testing knob amx = 2, or KVARN_AMX=emulate: its rounding measured on any
@@ -74,6 +82,23 @@ static attn_token_matrix_fn token_matrix_kernel(const kvarn_attn_opts *o, kvarn_
     }
 }
 
+/* The AVX512-BF16 kernel (kernel_avx512_bf16.c) in place of the level's
+ * token kernel t at head_dim D, or NULL: for the fp8 and bf16 formats'
+ * AVX-512 kernels where bf16_of, at a head_dim the span scratch r->mat
+ * takes (attn_matrix_geometry), and not as a KVarN view's fp8 staging
+ * (staged: kvarn_attn_kernel_info reports the staged tokens' kernel as
+ * fp32, and tests bound them so). The kernel itself takes its fp32 path
+ * for items of fewer than ATTN_SPAN_F32_MIN_ROWS rows. */
+static attn_token_tile_fn bf16_token_tile(const kvarn_attn_opts *o, attn_token_tile_fn t, int D,
+                                          int staged)
+{
+    if (staged || !bf16_of(o) || !attn_matrix_geometry(D, 32)) return NULL;
+    if (t == attn_avx512_token_fp8_e4m3) return attn_avx512bf16_token_fp8_e4m3;
+    if (t == attn_avx512_token_fp8_e5m2) return attn_avx512bf16_token_fp8_e5m2;
+    if (t == attn_avx512_token_bf16) return attn_avx512bf16_token_bf16;
+    return NULL;
+}
+
 void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, int G, int staged,
                        attn_kernels *out)
 {
@@ -83,6 +108,8 @@ void attn_pick_kernels(const kvarn_attn_opts *o, kvarn_kind kind, int head_dim, 
     if (vnni && out->kvarn_tile == attn_avx512_kvarn_tile) out->kvarn_tile = attn_avx512vnni_kvarn_tile;
     if (vnni && out->token_tile == attn_avx512_token_int8) out->token_tile = attn_avx512vnni_token_int8;
     if (vnni && out->token_tile == attn_avx512_token_int4) out->token_tile = attn_avx512vnni_token_int4;
+    const attn_token_tile_fn bf = bf16_token_tile(o, out->token_tile, head_dim, staged);
+    if (bf) out->token_tile = bf;
     out->kvarn_matrix = matrix_kernel(o, kind, head_dim, G);
     out->token_matrix = token_matrix_kernel(o, kind, head_dim, staged);
 }
@@ -128,6 +155,12 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
         info.matrix_rows = ATTN_MATRIX_MIN_ROWS;
         info.matrix_scores = info.matrix_sums =
             fmt->kind == KVARN_KIND_INT8 ? KVARN_ATTN_ARITH_BF16X2 : KVARN_ATTN_ARITH_BF16;
+    }
+    if (info.matrix == NULL && bf16_token_tile(&o, k.token_tile, head_dim, 0)) {
+        /* the fp8 and bf16 formats' blocks */
+        info.matrix = "avx512-bf16";
+        info.matrix_rows = ATTN_SPAN_F32_MIN_ROWS;
+        info.matrix_scores = info.matrix_sums = KVARN_ATTN_ARITH_BF16;
     }
     if (fmt->kind == KVARN_KIND_KVARN) {
         /* fp16 staging: the fp16 page kernel (fp32 arithmetic) */

@@ -425,6 +425,17 @@ void attn_avx512vnni_token_int8(attn_rows *r, const kvarn_record_layout *L,
 void attn_avx512vnni_token_int4(attn_rows *r, const kvarn_record_layout *L,
                                 const uint8_t *const *rec, int t0, int nt);
 
+/* The AVX-512 fp8 (E4M3, E5M2) and bf16 per-token kernels with the spans
+ * of items of ATTN_SPAN_F32_MIN_ROWS rows or more on AVX512-BF16 (kernel_avx512_bf16.c: vdpbf16ps against a bf16 query and
+ * bf16 weights); the fp32 path (attn_avx512_token_*) otherwise. Only on
+ * CPUs with AVX512-BF16 (kvarn__cpu_avx512_bf16). */
+void attn_avx512bf16_token_fp8_e4m3(attn_rows *r, const kvarn_record_layout *L,
+                                    const uint8_t *const *rec, int t0, int nt);
+void attn_avx512bf16_token_fp8_e5m2(attn_rows *r, const kvarn_record_layout *L,
+                                    const uint8_t *const *rec, int t0, int nt);
+void attn_avx512bf16_token_bf16(attn_rows *r, const kvarn_record_layout *L,
+                                const uint8_t *const *rec, int t0, int nt);
+
 /* Scalar online-softmax step shared by the reference kernels: mask s[r][t]
  * to the row's visible positions, update m and l, rescale acc, and turn s
  * into the weights exp(s - m). */

@@ -9,7 +9,9 @@
  *   kernel_avx512_int8.c   the int8 per-token tile (integer dot products);
  *   kernel_avx512_kvarn.c  the KVarN record tile;
  *   kernel_avx512_vnni.c   the int8 and KVarN tiles again, compiled with
- *                          -mavx512vnni and KVARN_AVX512_VNNI defined.
+ *                          -mavx512vnni and KVARN_AVX512_VNNI defined;
+ *   kernel_avx512_bf16.c   the fp8 and bf16 spans of many rows
+ *                          on vdpbf16ps (-mavx512bf16, KVARN_AVX512_BF16).
  *
  * The kernels, AVX-512 F/BW/VL + FMA/F16C, compute the
  * attention. Same math, same folding and same order of tiles as
@@ -58,6 +60,9 @@
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || \
     !defined(__FMA__) || !defined(__F16C__)
 #error "kernel_avx512.h: only for files compiled with the AVX-512 flags (CMakeLists.txt kvarn_simd_flags)"
+#endif
+#if defined(KVARN_AVX512_BF16) && !defined(__AVX512BF16__)
+#error "kernel_avx512.h: KVARN_AVX512_BF16 needs -mavx512bf16 (a *_avx512_bf16.c file)"
 #endif
 #if defined(KVARN_AVX512_VNNI) && !defined(__AVX512VNNI__)
 #error "kernel_avx512.h: KVARN_AVX512_VNNI needs -mavx512vnni (a *_avx512_vnni.c file)"
@@ -578,12 +583,18 @@ AI int tm_span_f32(attn_rows *r, kvarn_kind kind, const uint8_t *const *tok, siz
 
 /* ----------------------------------------------------- per-token tiles */
 
-/* One tile of a per-token kind in fp32: the scales and zero-points of its
- * tokens, the scores (tm_scores), the softmax step, the weights folded with
- * the V scales, the sums (tm_values). The kernels of kernel_avx512.c, and
- * the int8 kernel's fp32 path (kernel_avx512_int8.c). */
-AI void token_tile_body(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
-                        const uint8_t *const *recs, int t0, int nt)
+/* One tile of a per-token kind in fp32 (token_tile_body): the scales and
+ * zero-points of its tokens (token_meta), the scores (tm_scores), the
+ * softmax step, the weights folded with the V scales, the sums (tm_values).
+ * The kernels of kernel_avx512.c, the int8 kernel's fp32 path
+ * (kernel_avx512_int8.c) and the AVX512-BF16 kernels' fallback
+ * (kernel_avx512_bf16.c). */
+
+/* The scales and zero-points of a span's tokens into r->meta (ks, kz, vs,
+ * vz: gs floats each, 0 past nt); E4M3's 2^8 folded into the scales.
+ * token_tile_body's first part (kernel_avx512_bf16.c runs it alone). */
+AI void token_meta(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
+                   const uint8_t *const *recs, int nt)
 {
     const int gs = r->gs;
     float *ks = r->meta, *kz = ks + gs, *vs = kz + gs, *vz = vs + gs;
@@ -623,6 +634,15 @@ AI void token_tile_body(attn_rows *r, kvarn_kind kind, const kvarn_record_layout
             _mm512_mask_storeu_ps(vz + t, in, vb);
         }
     }
+}
+
+/* The rest of token_tile_body, after token_meta (r->meta filled). */
+AI void token_tile_rest(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
+                        const uint8_t *const *recs, int t0, int nt)
+{
+    const int gs = r->gs;
+    float *ks = r->meta, *kz = ks + gs, *vs = kz + gs, *vz = vs + gs;
+    const int has_zero = L->k_b_bytes != 0, has_scale = L->k_a_bytes != 0;
     if (tm_span_f32(r, kind, recs, L->k_codes_off, L->v_codes_off, t0, nt, has_scale ? ks : NULL,
                     has_zero ? kz : NULL, has_scale ? vs : NULL, has_zero ? vz : NULL))
         return;
@@ -637,6 +657,13 @@ AI void token_tile_body(attn_rows *r, kvarn_kind kind, const kvarn_record_layout
             pz[i] = fold_weights(r->s + (size_t)i * gs, vs, has_zero ? vz : NULL, nv);
     }
     tm_values(r, kind, recs, L->v_codes_off, nt, has_zero ? pz : NULL);
+}
+
+AI void token_tile_body(attn_rows *r, kvarn_kind kind, const kvarn_record_layout *L,
+                        const uint8_t *const *recs, int t0, int nt)
+{
+    token_meta(r, kind, L, recs, nt);
+    token_tile_rest(r, kind, L, recs, t0, nt);
 }
 
 #endif

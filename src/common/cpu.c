@@ -94,6 +94,15 @@ int kvarn__cpu_avx512_vnni(void)
 #endif
 }
 
+int kvarn__cpu_avx512_bf16(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    return kvarn__cpu_level() == KVARN_CPU_AVX512 && __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
 /* Linux hands out the AMX tile data state per process on request
  * (Documentation/arch/x86/xstate.rst: arch_prctl ARCH_REQ_XCOMP_PERM with
  * XFEATURE_XTILEDATA); asked once, the answer kept. Two threads asking at

@@ -40,6 +40,12 @@ kvarn_cpu_level kvarn__cpu_level(void);
  * AVX-512 level, not a level of its own. */
 int kvarn__cpu_avx512_vnni(void);
 
+/* 1 when kvarn__cpu_level() is KVARN_CPU_AVX512 and the CPU has
+ * AVX512-BF16 (vdpbf16ps): the attention's fp8 and bf16 per-token spans of
+ * many rows then run kernel_avx512_bf16.c. A feature of the AVX-512 level,
+ * as VNNI. */
+int kvarn__cpu_avx512_bf16(void);
+
 /* Which AMX tiles the attention's matrix kernels (src/attn/kernel_amx.c,
  * mla_amx.c: items of 16 or more query rows) run on:
  *   KVARN_CPU_AMX_EMULATED  KVARN_AMX is "emulate": the tile operations

@@ -40,6 +40,8 @@ typedef struct attn_case {
                              best); force_scalar wins */
     int no_vnni;          /* 1: the AVX-512 KVarN kernel's vpmaddwd build
                              even on a CPU with AVX512-VNNI */
+    int no_bf16;          /* 1: the fp8 and bf16 formats' fp32 spans even
+                             on a CPU with AVX512-BF16 */
     int amx;              /* the testing knob amx (attn.h): 0 default, 1
                              no matrix kernel, 2 the emulated one */
     int bound_level, bound_amx; /* non-zero: the level and knob amx whose
@@ -116,7 +118,7 @@ static double orig_bound(const paged_fixture *f, int s, int h, const double *qo,
  *   error vector) by at most sum_d e_d / sqrt(D). Nothing else changes:
  *   the int32 sums are exact. */
 /* tests/common/int_dot_bound.h for sequence s, KV head h of the fixture,
- * at the level KVARN_SIMD caps now (run_attn's set_level): 0 where the
+ * at the level KVARN_SIMD caps now (a walk's pass, run_case's hold): 0 where the
  * library says the kernels keep fp32. */
 static double int_dot_bound(const paged_fixture *f, int s, int h, const float *q, double scale,
                             int lo, int hi, const float *vdo)
@@ -167,6 +169,13 @@ static double row_int_bound(const paged_fixture *f, const attn_case *c, const in
                          1.0 / sqrt((double)c->D), 0, hi, vdo[s]);
 }
 
+/* The SIMD level a case runs at (before the cap at the level the library
+ * runs): scalar with force_scalar, its level, 0: the best. */
+static int case_level(const attn_case *c)
+{
+    return c->force_scalar ? LV_SCALAR : c->level ? c->level : LV_AVX512;
+}
+
 static kvarn_status run_attn(const paged_fixture *f, const attn_case *c, const int32_t *qsl,
                              const float *q, float *out, kvarn_thread_pool *pool)
 {
@@ -174,9 +183,11 @@ static kvarn_status run_attn(const paged_fixture *f, const attn_case *c, const i
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)(1.0 / sqrt((double)c->D)));
     o.sliding_window = c->window;
     o.causal = c->causal;
-    kvarn_attn_testing knobs = {c->split, c->force_scalar, c->no_vnni, c->amx};
+    kvarn_attn_testing knobs = {c->split, c->force_scalar, c->no_vnni, c->amx, c->no_bf16};
     o.testing = &knobs;
-    set_level(c->force_scalar ? LV_SCALAR : c->level ? c->level : LV_AVX512); /* 0: the best */
+    /* the case's level for this call only: KVARN_SIMD put back after it,
+     * so that a walk around the call keeps walking its own levels */
+    levels_iter hold = levels_hold(case_level(c));
     int total_q = c->multi ? qsl[c->n_seqs] : c->n_seqs;
     size_t wsz = kvarn_attn_workspace_bytes(&f->kv, Hq, c->n_seqs, total_q,
                                             kvarn_thread_pool_size(pool), &o);
@@ -186,6 +197,7 @@ static kvarn_status run_attn(const paged_fixture *f, const attn_case *c, const i
         ? kvarn_attn_multi(&f->kv, f->views, c->n_seqs, qsl, Hq, q, out, &o, pool, ws, wsz)
         : kvarn_attn_decode(&f->kv, f->views, c->n_seqs, Hq, q, out, &o, pool, ws, wsz);
     free(ws);
+    levels_end(&hold);
     return st;
 }
 
@@ -220,7 +232,7 @@ static case_result run_case(const attn_case *c, uint64_t seed)
     assert_int_equal(run_attn(&f, c, qsl, q, out, pool), KVARN_OK);
     kvarn_thread_pool_destroy(pool);
     idb_amx = c->bound_amx ? c->bound_amx : c->amx; /* the bounds below read the kernels of this call */
-    if (c->bound_level) set_level(c->bound_level);
+    levels_iter bound_hold = levels_hold(c->bound_level ? c->bound_level : case_level(c));
 
     case_result res = {0, 0, 0, 0};
     const double scale = 1.0 / sqrt((double)D);
@@ -277,6 +289,7 @@ static case_result run_case(const attn_case *c, uint64_t seed)
         free(kdo);
         free(vdo);
     }
+    levels_end(&bound_hold);
     free(q);
     free(out);
     pf_free(&f);
@@ -316,15 +329,16 @@ static void test_every_format(void **state)
     for (size_t i = 0; i < sizeof fm / sizeof fm[0]; i++) {
         for (int di = 0; di < 2; di++) {
             double worst_deq = 0, worst_orig = 0, worst_use = 0, worst_int = 0;
-            /* the AVX-512 level twice: its VNNI build (where the CPU has
-             * VNNI) and its vpmaddwd build */
+            /* the AVX-512 level twice: its VNNI and AVX512-BF16 kernels
+             * (where the CPU has them) and its vpmaddwd build with the
+             * fp8 and bf16 formats' fp32 spans (knobs no_vnni, no_bf16) */
             LEVELS_FOR(it) /* and the AVX-512 level twice: its vpmaddwd build */
             for (int vp = 0; vp <= (it.index == LV_AVX512); vp++) {
                 const int pass = vp ? LV_COUNT : it.index;
                 const int lv = pass == LV_COUNT ? LV_AVX512 : pass;
                 attn_case c;
                 memset(&c, 0, sizeof c);
-                c.no_vnni = pass == LV_COUNT;
+                c.no_vnni = c.no_bf16 = pass == LV_COUNT;
                 c.fmt = fm[i].name;
                 c.D = di ? 128 : 64;
                 c.Hk = 2;
@@ -370,7 +384,7 @@ static void test_large_head_dim(void **state)
 {
     (void)state;
     const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k4v2_g128c", "int8",
-                          "fp16", "int4"};
+                          "fp16", "int4", "fp8_e4m3", "bf16"};
     const int dims[] = {256, 512};
     for (size_t fi = 0; fi < sizeof fmts / sizeof fmts[0]; fi++)
         for (int di = 0; di < 2; di++)
@@ -379,13 +393,15 @@ static void test_large_head_dim(void **state)
                 for (int vp = 0; vp <= (it.index == LV_AVX512); vp++) {
                     const int pass = vp ? LV_COUNT : it.index;
                     if (di == 0 && fi > 0) continue; /* 256: the default preset (runtime) */
-                    if (pass == LV_COUNT && strncmp(fmts[fi], "kvarn", 5) != 0)
-                        continue; /* the vpmaddwd build is the KVarN kernel's */
+                    if (pass == LV_COUNT && strncmp(fmts[fi], "kvarn", 5) != 0 &&
+                        strcmp(fmts[fi], "fp8_e4m3") != 0 && strcmp(fmts[fi], "bf16") != 0)
+                        continue; /* the vpmaddwd build is the KVarN kernel's; the
+                                     fp8 and bf16 formats' fp32 spans (no_bf16) */
                     const int lv = pass == LV_COUNT ? LV_AVX512 : pass;
                     attn_case c;
                     memset(&c, 0, sizeof c);
                     c.fmt = fmts[fi];
-                    c.no_vnni = pass == LV_COUNT;
+                    c.no_vnni = c.no_bf16 = pass == LV_COUNT;
                     c.D = dims[di];
                     c.Hk = 1;
                     c.group = 4;
@@ -651,10 +667,14 @@ static void test_multi_query(void **state)
     const char *fmts[] = {"kvarn_k4v2_g64", "fp8_e4m3", "fp16", "int8", "bf16", "fp8_e5m2", "int4"};
     for (int fi = 0; fi < 7; fi++)
         for (int causal = 0; causal < 2; causal++)
-            LEVELS_FOR(it) {
+            LEVELS_FOR(it)
+            /* the fp8 and bf16 formats at AVX-512 also with their fp32
+             * spans (knob no_bf16) */
+            for (int nb = 0; nb <= (it.index == LV_AVX512 && (fi == 1 || fi == 4 || fi == 5)); nb++) {
                 const int lv = it.index;
                 attn_case c;
                 memset(&c, 0, sizeof c);
+                c.no_bf16 = nb;
                 c.fmt = fmts[fi];
                 c.D = 64;
                 c.Hk = 2;
@@ -750,7 +770,7 @@ static void test_matrix_kernel(void **state)
             idb_amx = 2;
             kvarn_attn_kernel_info info;
             assert_int_equal(kvarn_attn_kernel_info_get(&fmt, c.D, 0, NULL, &info), KVARN_OK);
-            kvarn_attn_testing emu = {0, 0, 0, 2};
+            kvarn_attn_testing emu = {0, 0, 0, 2, 0};
             kvarn_attn_opts eo = KVARN_ATTN_OPTS_DEFAULT(1.0f);
             eo.testing = &emu;
             assert_int_equal(kvarn_attn_kernel_info_get(&fmt, c.D, 0, &eo, &info), KVARN_OK);
@@ -890,7 +910,7 @@ static void check_rows(const paged_fixture *f, const attn_case *c, const int32_t
 static int same_rounding_without_vnni(const paged_fixture *f)
 {
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    kvarn_attn_testing nv = {0, 0, 1, 0};
+    kvarn_attn_testing nv = {0, 0, 1, 0, 0};
     kvarn_attn_kernel_info a, b;
     assert_int_equal(kvarn_attn_kernel_info_get(&f->kv.fmt, f->D, f->kv.staging, &o, &a), KVARN_OK);
     o.testing = &nv;
@@ -987,7 +1007,8 @@ static void test_simd_threads(void **state)
 
 /* Queries far from unit size (|q| ~ 1e30 and 1e-30 times a normal draw),
  * KVarN at every key width the SIMD kernels specialize (4-bit K of
- * 128-token tiles, 4-bit, 2-bit and 8-bit K of shorter ones): every SIMD
+ * 128-token tiles, 4-bit, 2-bit and 8-bit K of shorter ones), the int8
+ * and int4 formats, and the fp8 and bf16 formats in prefill chunks: every SIMD
  * level finite and within the bound test_simd_threads holds it to (1e-5 of
  * the row's largest output: the levels differ only in the order of the
  * fp32 sums). The AVX-512 KVarN kernels convert codes as code * 2^(bits k)
@@ -998,9 +1019,12 @@ static void test_simd_threads(void **state)
 static void test_extreme_query(void **state)
 {
     (void)state;
-    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v2_g32", "kvarn_k8v2_g64", "int8", "int4"};
+    /* the last three as a prefill chunk of 16 queries (48-row items: the
+     * AVX512-BF16 kernel, its query rounded to bf16) */
+    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v2_g32", "kvarn_k8v2_g64",
+                          "int8", "int4", "fp8_e4m3", "fp8_e5m2", "bf16"};
     const double mags[] = {1e30, 1e-30, 0.0};
-    for (int fi = 0; fi < 6; fi++)
+    for (int fi = 0; fi < 9; fi++)
         for (int D = 64; D <= 128; D += 64)
             for (int mi = 0; mi < 3; mi++) {
                 attn_case c;
@@ -1012,13 +1036,15 @@ static void test_extreme_query(void **state)
                 c.sink = 1;
                 c.n_seqs = 1;
                 c.seqs[0].seq_len = 600;
+                c.multi = fi >= 6;
+                c.q_lens[0] = c.multi ? 16 : 1;
                 paged_fixture f;
                 kvarn_format fmt;
                 assert_int_equal(kvarn_format_parse(c.fmt, &fmt), KVARN_OK);
                 c.G = fmt.kind == KVARN_KIND_KVARN ? fmt.tile_tokens : 16;
                 assert_int_equal(pf_build(&f, c.fmt, D, c.Hk, c.G, c.sink, c.seqs, 1, 1500 + fi), 0);
-                int32_t qsl[2] = {0, 1};
-                const size_t nq = (size_t)c.Hk * c.group * D;
+                int32_t qsl[2] = {0, c.q_lens[0]};
+                const size_t nq = (size_t)c.q_lens[0] * c.Hk * c.group * D;
                 float *q = malloc(nq * sizeof(float)), *ref = malloc(nq * sizeof(float));
                 float *out = malloc(nq * sizeof(float));
                 test_rng rng;
@@ -1102,9 +1128,10 @@ static void test_bad_inputs(void **state)
     bad = o;
     bad.sliding_window = -1;
     EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&f.kv, f.views, 2, Hq, q, out, &bad, NULL, ws, wsz));
-    const kvarn_attn_testing bad_knobs[6] = {{-1, 0, 0, 0}, {1025, 0, 0, 0}, {0, 2, 0, 0},
-                                             {0, 0, 2, 0},  {0, 0, 0, -1},   {0, 0, 0, 3}};
-    for (int i = 0; i < 6; i++) {
+    const kvarn_attn_testing bad_knobs[8] = {{-1, 0, 0, 0, 0}, {1025, 0, 0, 0, 0}, {0, 2, 0, 0, 0},
+                                             {0, 0, 2, 0, 0},  {0, 0, 0, -1, 0},   {0, 0, 0, 3, 0},
+                                             {0, 0, 0, 0, 2},  {0, 0, 0, 0, -1}};
+    for (int i = 0; i < 8; i++) {
         bad = o;
         bad.testing = &bad_knobs[i];
         EXPECT(KVARN_ERR_INVALID_ARG, kvarn_attn_decode(&f.kv, f.views, 2, Hq, q, out, &bad, NULL, ws, wsz));
@@ -1268,7 +1295,7 @@ static void test_value_weights_u8(void **state)
             /* the default build, then the vpmaddwd one (int16 weights) */
             for (int nv = 0; nv < 2; nv++) {
             kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-            kvarn_attn_testing knob = {0, 0, nv, 0};
+            kvarn_attn_testing knob = {0, 0, nv, 0, 0};
             o.testing = &knob;
             kvarn_attn_kernel_info info;
             assert_int_equal(kvarn_attn_kernel_info_get(&f.kv.fmt, D, f.kv.staging, &o, &info), KVARN_OK);
@@ -1397,7 +1424,7 @@ static void test_kernel_info(void **state)
     assert_int_equal(info.staged_sums, info.sums);
 
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    kvarn_attn_testing scalar_knob = {0, 1, 0, 0};
+    kvarn_attn_testing scalar_knob = {0, 1, 0, 0, 0};
     const int dims[] = {64, 128, 256, 512, 48};
     /* the walk below starts from the level the process runs: an earlier
      * test's run_attn leaves KVARN_SIMD at its last case's level (the
@@ -1456,8 +1483,29 @@ static void test_kernel_info(void **state)
                     const int amx_here = amx != KVARN_CPU_AMX_NONE && mat_fmt;
                     const int staged_mat = fmt.kind == KVARN_KIND_KVARN &&
                                            (st == KVARN_STAGING_INT8 || st == KVARN_STAGING_INT4);
-                    assert_int_equal(info.matrix != NULL, amx_here);
-                    assert_int_equal(info.matrix_rows, amx_here ? 16 : 0);
+                    /* the fp8 and bf16 formats' blocks through
+                     * vdpbf16ps (kernel_avx512_bf16.c) at the AVX-512
+                     * level on a CPU with AVX512-BF16, head_dim as the
+                     * matrix kernel's */
+                    const int bf16_here = (fmt.kind == KVARN_KIND_FP8_E4M3 || fmt.kind == KVARN_KIND_FP8_E5M2 ||
+                                           fmt.kind == KVARN_KIND_BF16) &&
+                                          D % 32 == 0 && D <= 512 && want == LV_AVX512 &&
+                                          kvarn__cpu_avx512_bf16();
+                    assert_int_equal(info.matrix != NULL, amx_here || bf16_here);
+                    assert_int_equal(info.matrix_rows, amx_here || bf16_here ? 16 : 0);
+                    if (bf16_here) {
+                        assert_string_equal(info.matrix, "avx512-bf16");
+                        assert_int_equal(info.matrix_scores, KVARN_ATTN_ARITH_BF16);
+                        assert_int_equal(info.matrix_sums, KVARN_ATTN_ARITH_BF16);
+                        /* the knob no_bf16: the fp32 kernels */
+                        kvarn_attn_testing nb = {0, 0, 0, 0, 1};
+                        kvarn_attn_kernel_info ni;
+                        o.testing = &nb;
+                        assert_int_equal(kvarn_attn_kernel_info_get(&fmt, D, st, &o, &ni), KVARN_OK);
+                        assert_null(ni.matrix);
+                        assert_int_equal(ni.matrix_rows, 0);
+                        o.testing = NULL;
+                    }
                     assert_int_equal(info.matrix_staged, amx_here && staged_mat ? 32 : 0);
                     if (amx_here) {
                         assert_string_equal(info.matrix,
@@ -1467,11 +1515,11 @@ static void test_kernel_info(void **state)
                     }
                     /* the knob amx: 1 none, 2 emulated (any level) */
                     for (int knob = 1; knob <= 2; knob++) {
-                        kvarn_attn_testing ak = {0, 0, 0, knob};
+                        kvarn_attn_testing ak = {0, 0, 0, knob, 0};
                         o.testing = &ak;
                         assert_int_equal(kvarn_attn_kernel_info_get(&fmt, D, st, &o, &info), KVARN_OK);
                         const int emu = knob == 2 && mat_fmt;
-                        assert_int_equal(info.matrix != NULL, emu);
+                        assert_int_equal(info.matrix != NULL, emu || bf16_here);
                         assert_int_equal(info.matrix_staged, emu && staged_mat ? 32 : 0);
                         if (emu) {
                             assert_string_equal(info.matrix, "amx-bf16-emulated");
@@ -1500,7 +1548,7 @@ static void test_kernel_info(void **state)
         assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, 0, NULL, &info), KVARN_OK);
         assert_int_equal(info.scores, KVARN_ATTN_ARITH_INT16);
         assert_int_equal(info.sums, kvarn__cpu_avx512_vnni() ? KVARN_ATTN_ARITH_U8 : KVARN_ATTN_ARITH_INT16);
-        kvarn_attn_testing no_vnni = {0, 0, 1, 0};
+        kvarn_attn_testing no_vnni = {0, 0, 1, 0, 0};
         o.testing = &no_vnni;
         assert_int_equal(kvarn_attn_kernel_info_get(&k42, 64, 0, &o, &info), KVARN_OK);
         assert_int_equal(info.scores, KVARN_ATTN_ARITH_INT16);

@@ -33,7 +33,7 @@ static kvarn_status run(const paged_fixture *f, int n_seqs, const int32_t *qsl, 
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)(1.0 / sqrt((double)f->D)));
     o.causal = c->causal;
     o.io_bf16 = io_bf16;
-    kvarn_attn_testing knobs = {c->split, 0, 0, 0};
+    kvarn_attn_testing knobs = {c->split, 0, 0, 0, 0};
     o.testing = &knobs;
     const int total_q = c->multi ? qsl[n_seqs] : n_seqs;
     kvarn_thread_pool *pool = NULL;

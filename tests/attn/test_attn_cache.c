@@ -95,7 +95,7 @@ static void check_format_std(const char *name, int sink_tokens, int staging, int
      * and int4 staging (kernel_amx.c), on any CPU */
     for (int run = 0; run < 3; run++) {
         const int multi = run > 0, amx = run == 2 ? 2 : 0;
-        kvarn_attn_testing knobs = {0, 0, 0, amx};
+        kvarn_attn_testing knobs = {0, 0, 0, amx, 0};
         o.testing = amx ? &knobs : NULL;
         idb_amx = amx;
         if (amx) {
@@ -323,7 +323,7 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
     for (size_t i = 0; i < nq; i++) q[i] = (float)test_rng_normal(&rng);
     const double scale = 0.125;
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)scale);
-    kvarn_attn_testing knobs = {0, 0, 0, amx};
+    kvarn_attn_testing knobs = {0, 0, 0, amx, 0};
     o.testing = &knobs;
     kvarn_attn_kernel_info info;
     assert_int_equal(kvarn_attn_kernel_info_get(&kv.fmt, D, kv.staging, &o, &info), KVARN_OK);
@@ -534,7 +534,7 @@ static void tail_attn(const tail_pair *tp, int m, int multi, int Hq, int split, 
     for (int s = 0; s < 2; s++)
         assert_int_equal(kvarn_cache_seq_view(tp->c[m], tp->seq[m][s], &views[s]), KVARN_OK);
     assert_int_equal(kvarn_paged_small_tail(&kv), m);
-    kvarn_attn_testing knobs = {split, scalar, 0, 0};
+    kvarn_attn_testing knobs = {split, scalar, 0, 0, 0};
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
     o.testing = &knobs;
     int32_t qsl[3] = {0, tp->qls[0], tp->qls[0] + tp->qls[1]};

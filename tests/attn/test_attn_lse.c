@@ -56,7 +56,7 @@ static kvarn_status run(const paged_fixture *f, const kvarn_seq_view *views, int
 {
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)(1.0 / sqrt((double)f->D)));
     o.causal = c->causal;
-    kvarn_attn_testing knobs = {c->split, c->scalar, 0, 0};
+    kvarn_attn_testing knobs = {c->split, c->scalar, 0, 0, 0};
     o.testing = &knobs;
     o.sliding_window = window;
     int total_q = c->multi ? qsl[n_seqs] : n_seqs;

@@ -87,7 +87,7 @@ static kvarn_status run(const paged_fixture *f, int n_seqs, const int32_t *qsl, 
     o.causal = c->causal;
     o.sliding_window = c->window;
     o.sinks = sinks;
-    kvarn_attn_testing knobs = {c->split, scalar, 0, 0};
+    kvarn_attn_testing knobs = {c->split, scalar, 0, 0, 0};
     o.testing = &knobs;
     int total_q = c->multi ? qsl[n_seqs] : n_seqs;
     kvarn_thread_pool *pool = NULL;

@@ -32,7 +32,7 @@ static void test_workspace_overflow_is_refused(void **state)
 {
     (void)state;
     kvarn_attn_opts split = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    kvarn_attn_testing knobs = {1024, 0, 0, 0};
+    kvarn_attn_testing knobs = {1024, 0, 0, 0, 0};
     split.testing = &knobs;
     const int H = 1 << 30;
     /* work items: 2^30 KV heads x (2^31 sequences + 2^31 / 256 query
@@ -103,7 +103,7 @@ static void test_workspace_large_but_valid(void **state)
      * wrapped or truncated size would be below that. */
     kvarn_paged_kv kv = view("int8", 1);
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(0.125f);
-    kvarn_attn_testing no_split = {1, 0, 0, 0};
+    kvarn_attn_testing no_split = {1, 0, 0, 0, 0};
     o.testing = &no_split;
     size_t big = kvarn_attn_workspace_bytes(&kv, 1, INT32_MAX, INT32_MAX, 1, &o);
     size_t half = kvarn_attn_workspace_bytes(&kv, 1, INT32_MAX / 2, INT32_MAX / 2, 1, &o);

@@ -96,7 +96,7 @@ static void run_attn(const paged_fixture *f, int multi, const int32_t *qsl, int 
     const int Hq = HK * GROUP;
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT((float)(1.0 / sqrt((double)f->D)));
     o.causal = 1;
-    kvarn_attn_testing knobs = {0, 0, 0, amx};
+    kvarn_attn_testing knobs = {0, 0, 0, amx, 0};
     o.testing = &knobs;
     const int total_q = multi ? qsl[N_SEQS] : N_SEQS;
     const size_t wsz = kvarn_attn_workspace_bytes(&f->kv, Hq, N_SEQS, total_q, 1, &o);

@@ -38,7 +38,7 @@ static int idb_amx = 0;
 
 static inline int idb_info(const kvarn_paged_kv *kv, kvarn_attn_kernel_info *info)
 {
-    kvarn_attn_testing knobs = {0, 0, 0, idb_amx};
+    kvarn_attn_testing knobs = {0, 0, 0, idb_amx, 0};
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(1.0f);
     o.testing = &knobs;
     return kvarn_attn_kernel_info_get(&kv->fmt, kv->head_dim, kv->staging, &o, info) == KVARN_OK;
@@ -345,14 +345,96 @@ static inline const uint8_t *idb_block_rec(const kvarn_paged_kv *kv, const kvarn
     return kvarn_paged_token_record(kv, v->block_table[t / kv->block_size], h, t % kv->block_size);
 }
 
-/* The int4 format's blocks through the matrix kernel (info.matrix: items of
- * matrix_rows rows or more; the token kernel's part is attn_int8_k_delta
- * and attn_int8_v_err): *delta, and
- * *ev = max_d of the most output channel d moves (no rotation); 0 without
- * the kernel. */
-static inline void idb_int4_matrix(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
-                                   const float *q, double scale, int lo, int hi, double *delta,
-                                   double *ev)
+/* The AVX512-BF16 kernel of the fp8 and bf16 formats' blocks
+ * (src/attn/kernel_avx512_bf16.c; reported as info.matrix
+ * "avx512-bf16", matrix_rows ATTN_SPAN_F32_MIN_ROWS = 16, matrix_scores =
+ * matrix_sums = KVARN_ATTN_ARITH_BF16). Code d of a per-token row as its
+ * value (exact in bf16: E4M3, E5M2, bf16), before the scale. */
+static inline double idb_fcode(kvarn_kind kind, const uint8_t *row, int d)
+{
+    if (kind == KVARN_KIND_BF16) {
+        uint16_t b;
+        memcpy(&b, row + 2 * d, 2);
+        uint32_t u = (uint32_t)b << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return (double)f;
+    }
+    const unsigned c = row[d], sg = c >> 7;
+    double m;
+    if (kind == KVARN_KIND_FP8_E4M3) {
+        const unsigned e = (c >> 3) & 15u, f = c & 7u;
+        if (e == 15 && f == 7) return NAN;
+        m = e ? ldexp(1.0 + f / 8.0, (int)e - 7) : ldexp((double)f, -9);
+    } else { /* E5M2: the high byte of an fp16 */
+        const unsigned e = (c >> 2) & 31u, f = c & 3u;
+        if (e == 31) return f ? NAN : INFINITY;
+        m = e ? ldexp(1.0 + f / 4.0, (int)e - 15) : ldexp((double)f, -16);
+    }
+    return sg ? -m : m;
+}
+
+/* The kernel's error (kernel_avx512_bf16.c "Arithmetic"), as
+ * idb_token_matrix's with the codes' values c_td in place of the centred
+ * codes and no zero point: the query q'_d rounded once to bf16
+ * (idb_bf16_err on top of its fp32 slack), products exact, fp32 sums:
+ * score t moves by at most |ks_t| (|sum_d e_d c_td| + sum_d cw_d |c_td| +
+ * (D + 1) 2^-24 sum_d |bf16(q'_d) c_td| (the D-term fp32 sum and the
+ * product by ks_t) + D 2^-126 (q1 + 1)) (vdpbf16ps reads bf16 inputs
+ * below 2^-126 as 0 (bf16 codes) and flushes products below it). The
+ * weights w_t = p_t vs_t (p_t <= 1, l >= 1) rounded once to bf16, flushed
+ * to 0 below 2^-126: channel d of acc / l moves by at most
+ * max_t 2^-8 |vs_t| |c_td| + n 2^-126 max_t |c_td| (n tokens)
+ * + 2^-126 max_t |vs_t| (bf16 codes below 2^-126 read as 0). */
+static inline double idb_token_bf16(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                    const double *qp, double qraw1, double scale, int lo, int hi,
+                                    const kvarn_record_layout *L, double *evm)
+{
+    const int D = kv->head_dim;
+    const kvarn_kind kind = kv->fmt.kind;
+    const double u = 0x1p-8, tiny = 0x1p-126;
+    double e[1024], cw[1024], rq[1024], cmax[1024], q1 = 0.0, dmat = 0.0, vsmax = 0.0;
+    int n = 0;
+    for (int d = 0; d < D; d++) {
+        q1 += fabs(qp[d]);
+        const double ea = fabs(qp[d]) * 0x1p-23 + scale * 0x1p-24 * qraw1 / sqrt((double)D);
+        idb_bf16_err(qp[d], ea, &e[d], &cw[d]);
+        rq[d] = fabs(qp[d] + e[d]) + cw[d];
+        cmax[d] = 0.0;
+    }
+    for (int t = lo; t <= hi; t++) {
+        const uint8_t *rec = idb_block_rec(kv, v, h, t);
+        if (rec == NULL) continue;
+        n++;
+        const double ks = L->k_a_bytes ? fabs(idb_half(rec + L->k_a_off, 0)) : 1.0;
+        const double vs = L->v_a_bytes ? fabs(idb_half(rec + L->v_a_off, 0)) : 1.0;
+        vsmax = fmax(vsmax, vs);
+        double sgn = 0.0, wc = 0.0, mag = 0.0;
+        for (int d = 0; d < D; d++) {
+            const double ck = idb_fcode(kind, rec + L->k_codes_off, d);
+            sgn += e[d] * ck;
+            wc += cw[d] * fabs(ck);
+            mag += rq[d] * fabs(ck);
+            const double cv = fabs(idb_fcode(kind, rec + L->v_codes_off, d));
+            evm[d] = fmax(evm[d], u * vs * cv);
+            cmax[d] = fmax(cmax[d], cv);
+        }
+        dmat = fmax(dmat, ks * (fabs(sgn) + wc + (D + 1) * 0x1p-24 * mag + D * tiny * (q1 + 1.0)));
+    }
+    for (int d = 0; d < D; d++) evm[d] += n * tiny * cmax[d] + tiny * vsmax;
+    return dmat;
+}
+
+/* The per-token formats' blocks through the kernel info.matrix names
+ * (items of matrix_rows rows or more): *delta, the most a score moves, and
+ * *ev = max_d of the most output channel d moves; 0 where the library
+ * reports no such kernel (info.matrix_rows 0). The int4 format's
+ * (idb_token_matrix; the token kernel's part is attn_int8_k_delta and
+ * attn_int8_v_err) and the fp8 and bf16 formats' (idb_token_bf16);
+ * attn_int_score_delta and attn_int_dot_bound read them. */
+static inline void idb_block_matrix(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
+                                    const float *q, double scale, int lo, int hi, double *delta,
+                                    double *ev)
 {
     *delta = *ev = 0.0;
     kvarn_attn_kernel_info info;
@@ -372,7 +454,9 @@ static inline void idb_int4_matrix(const kvarn_paged_kv *kv, const kvarn_seq_vie
         qraw1 += fabs((double)q[d]);
         evm[d] = 0.0;
     }
-    *delta = idb_token_matrix(kv, v, h, qp, qraw1, scale, lo, hi, 4, &L, idb_block_rec, evm);
+    *delta = kv->fmt.kind == KVARN_KIND_INT4
+                 ? idb_token_matrix(kv, v, h, qp, qraw1, scale, lo, hi, 4, &L, idb_block_rec, evm)
+                 : idb_token_bf16(kv, v, h, qp, qraw1, scale, lo, hi, &L, evm);
     for (int d = 0; d < kv->head_dim; d++) *ev = fmax(*ev, evm[d]);
 }
 
@@ -645,6 +729,12 @@ static inline void idb_kvarn_records(const kvarn_paged_kv *kv, const kvarn_seq_v
 }
 
 
+/* The formats of the AVX512-BF16 span kernel (idb_token_bf16). */
+static inline int idb_is_fp8_bf16(kvarn_kind k)
+{
+    return k == KVARN_KIND_FP8_E4M3 || k == KVARN_KIND_FP8_E5M2 || k == KVARN_KIND_BF16;
+}
+
 /* 1 where the library names an integer half for kv's per-token format (not
  * int8, int4 or KVarN), which no derivation here covers. */
 static inline int idb_unknown_int(const kvarn_paged_kv *kv)
@@ -652,7 +742,7 @@ static inline int idb_unknown_int(const kvarn_paged_kv *kv)
     kvarn_attn_kernel_info info;
     if (!idb_info(kv, &info)) return 1;
     return kv->fmt.kind != KVARN_KIND_INT8 && kv->fmt.kind != KVARN_KIND_INT4 &&
-           kv->fmt.kind != KVARN_KIND_KVARN &&
+           kv->fmt.kind != KVARN_KIND_KVARN && !idb_is_fp8_bf16(kv->fmt.kind) &&
            (info.scores != KVARN_ATTN_ARITH_FP32 || info.sums != KVARN_ATTN_ARITH_FP32 ||
             info.matrix_rows > 0);
 }
@@ -666,11 +756,16 @@ static inline double attn_int_score_delta(const kvarn_paged_kv *kv, const kvarn_
 {
     if (idb_unknown_int(kv)) return NAN;
     if (kv->fmt.kind == KVARN_KIND_INT8) return attn_int8_k_delta(kv, v, h, q, scale, lo, hi);
+    if (idb_is_fp8_bf16(kv->fmt.kind)) {
+        double d, e;
+        idb_block_matrix(kv, v, h, q, scale, lo, hi, &d, &e);
+        return d;
+    }
     if (kv->fmt.kind == KVARN_KIND_INT4) {
         /* an item takes the token kernel or the matrix kernel (a row may
          * mix them): the larger */
         double d4, e4;
-        idb_int4_matrix(kv, v, h, q, scale, lo, hi, &d4, &e4);
+        idb_block_matrix(kv, v, h, q, scale, lo, hi, &d4, &e4);
         const double dk = attn_int8_k_delta(kv, v, h, q, scale, lo, hi);
         return isnan(d4) || isnan(dk) ? NAN : fmax(d4, dk);
     }
@@ -689,13 +784,20 @@ static inline double attn_int_dot_bound(const kvarn_paged_kv *kv, const kvarn_se
 {
     if (idb_unknown_int(kv)) return NAN;
     if (kv->fmt.kind == KVARN_KIND_INT8) return attn_int8_dot_bound(kv, v, h, q, scale, lo, hi, vmax);
+    if (idb_is_fp8_bf16(kv->fmt.kind)) {
+        /* the span kernel's items move scores by at most d, acc / l by
+         * e per channel; the fp32 path's items nothing */
+        double d, e;
+        idb_block_matrix(kv, v, h, q, scale, lo, hi, &d, &e);
+        return isnan(d) ? NAN : (exp(2.0 * d) - 1.0) * vmax + e;
+    }
     if (kv->fmt.kind == KVARN_KIND_INT4) {
         /* an item takes the token kernel or the matrix kernel (whose
          * fallback, a span outside its conditions, is the token kernel: a
          * row may mix them): every score moves by at most the larger
          * delta, and the two kernels' V errors add at most */
         double d4, e4;
-        idb_int4_matrix(kv, v, h, q, scale, lo, hi, &d4, &e4);
+        idb_block_matrix(kv, v, h, q, scale, lo, hi, &d4, &e4);
         const double dk = attn_int8_k_delta(kv, v, h, q, scale, lo, hi), ek = attn_int8_v_err(kv, v, h, lo, hi);
         return isnan(d4) || isnan(dk) || isnan(ek) ? NAN : (exp(2.0 * fmax(d4, dk)) - 1.0) * vmax + e4 + ek;
     }
