@@ -298,8 +298,9 @@ typedef struct kvarn_attn_kernel_info {
                                        per-token format (fp16 staging:
                                        FP32); per-token formats: = scores */
     kvarn_attn_arith staged_sums;   /* the same for p.v */
-    const char *matrix;             /* KVarN records, and the int4 and
-                                       int8 formats' per-token blocks, of work
+    const char *matrix;             /* KVarN records, and the int4,
+                                       int8, fp8 and bf16 formats'
+                                       per-token blocks, of work
                                        items with at least matrix_rows
                                        query rows (prefill chunks,
                                        verification: query tokens x the GQA
@@ -313,11 +314,12 @@ typedef struct kvarn_attn_kernel_info {
                                        "amx-bf16-emulated" (the testing
                                        knob amx = 2, or the environment's
                                        KVARN_AMX=emulate), or NULL: none.
-                                       The fp8 (E4M3, E5M2) and bf16
-                                       formats' per-token blocks of such
-                                       items at the AVX-512 level on a
-                                       CPU with AVX512-BF16, head_dim a
-                                       multiple of 32 up to 512:
+                                       Without the tiles, the fp8
+                                       (E4M3, E5M2) and bf16 formats'
+                                       per-token blocks of such items at
+                                       the AVX-512 level on a CPU with
+                                       AVX512-BF16, head_dim a multiple
+                                       of 32 up to 512:
                                        "avx512-bf16" (vdpbf16ps against a
                                        bf16 query and bf16 weights
                                        p_t vs_t, the codes exact;

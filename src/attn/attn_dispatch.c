@@ -65,21 +65,29 @@ static attn_matrix_tile_fn matrix_kernel(const kvarn_attn_opts *o, kvarn_kind ki
 }
 
 /* The matrix kernel of per-token records at head_dim D (NULL: none): a
- * KVarN view's staged tokens (staged: int8 and int4 staging) and the int4
- * format's blocks with one bf16 query and weights; the int8 format's
+ * KVarN view's staged tokens (staged: int8 and int4 staging) and the int4,
+ * fp8 and bf16 formats' blocks with one bf16 query and weights; the int8 format's
  * blocks with two each (_x2): its own error is small enough (KLD
  * 0.00007 on SmolLM2, `kvarn eval`) that one bf16 would be of its
  * order. */
 static attn_token_matrix_fn token_matrix_kernel(const kvarn_attn_opts *o, kvarn_kind kind, int D,
                                                 int staged)
 {
-    if (!(kind == KVARN_KIND_INT4 || kind == KVARN_KIND_INT8) || !attn_matrix_geometry(D, 32)) return NULL;
-    const int x2 = kind == KVARN_KIND_INT8 && !staged;
-    switch (amx_of(o)) {
-    case 1: return x2 ? attn_amx_token_tile_x2 : attn_amx_token_tile;
-    case 2: return x2 ? attn_amxemu_token_tile_x2 : attn_amxemu_token_tile;
-    default: return NULL;
+    if (!attn_matrix_geometry(D, 32)) return NULL;
+    const int amx = amx_of(o);
+    if (amx == 0) return NULL;
+    if (!staged && (kind == KVARN_KIND_FP8_E4M3 || kind == KVARN_KIND_FP8_E5M2 || kind == KVARN_KIND_BF16)) {
+        /* the fp8 and bf16 formats' blocks: codes exact in bf16 (not as a
+         * KVarN view's fp8 staging, which kvarn_attn_kernel_info does not
+         * report) */
+        if (kind == KVARN_KIND_FP8_E4M3) return amx == 1 ? attn_amx_token_tile_fp8_e4m3 : attn_amxemu_token_tile_fp8_e4m3;
+        if (kind == KVARN_KIND_FP8_E5M2) return amx == 1 ? attn_amx_token_tile_fp8_e5m2 : attn_amxemu_token_tile_fp8_e5m2;
+        return amx == 1 ? attn_amx_token_tile_bf16 : attn_amxemu_token_tile_bf16;
     }
+    if (!(kind == KVARN_KIND_INT4 || kind == KVARN_KIND_INT8)) return NULL;
+    const int x2 = kind == KVARN_KIND_INT8 && !staged;
+    if (amx == 1) return x2 ? attn_amx_token_tile_x2 : attn_amx_token_tile;
+    return x2 ? attn_amxemu_token_tile_x2 : attn_amxemu_token_tile;
 }
 
 /* The AVX512-BF16 kernel (kernel_avx512_bf16.c) in place of the level's
@@ -150,7 +158,7 @@ kvarn_status kvarn_attn_kernel_info_get(const kvarn_format *fmt, int head_dim, i
     const attn_matrix_tile_fn mk = matrix_kernel(&o, fmt->kind, head_dim, fmt->tile_tokens);
     const attn_token_matrix_fn tk = token_matrix_kernel(&o, fmt->kind, head_dim, 0);
     if (mk != NULL || tk != NULL) {
-        /* KVarN records, or the int4 and int8 formats' per-token blocks */
+        /* KVarN records, or the int4, int8, fp8 and bf16 formats' blocks */
         info.matrix = amx_of(&o) == 2 ? "amx-bf16-emulated" : "amx-bf16";
         info.matrix_rows = ATTN_MATRIX_MIN_ROWS;
         info.matrix_scores = info.matrix_sums =

@@ -222,7 +222,8 @@ static inline int attn_matrix_geometry(int D, int G)
 void attn_amx_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec, int t0,
                          int nt, attn_record_tile_fn fallback);
 /* The same products over per-token int8 or int4 records (kernel_amx.c:
- * a KVarN view's staged tokens, the int4 and int8 formats' blocks), token j's
+ * a KVarN view's staged tokens, the int4 and int8 formats' blocks; below,
+ * the fp8 and bf16 formats'), token j's
  * record at rec[j], nt <= gs, in spans of attn_token_matrix_span(gs);
  * fallback (the level's token kernel) runs a span outside its
  * conditions. */
@@ -250,6 +251,27 @@ void attn_amx_token_tile_x2(attn_rows *r, const kvarn_record_layout *L, const ui
 void attn_amxemu_token_tile_x2(attn_rows *r, const kvarn_record_layout *L,
                                const uint8_t *const *rec, int t0, int nt,
                                attn_token_tile_fn fallback);
+/* The same products over the fp8 (E4M3, E5M2) and bf16 formats' blocks
+ * (their codes exact in bf16; KVARN_ATTN_ARITH_BF16 as for int4), with
+ * the tiles and emulated. */
+void attn_amx_token_tile_fp8_e4m3(attn_rows *r, const kvarn_record_layout *L,
+                                  const uint8_t *const *rec, int t0, int nt,
+                                  attn_token_tile_fn fallback);
+void attn_amx_token_tile_fp8_e5m2(attn_rows *r, const kvarn_record_layout *L,
+                                  const uint8_t *const *rec, int t0, int nt,
+                                  attn_token_tile_fn fallback);
+void attn_amx_token_tile_bf16(attn_rows *r, const kvarn_record_layout *L,
+                              const uint8_t *const *rec, int t0, int nt,
+                              attn_token_tile_fn fallback);
+void attn_amxemu_token_tile_fp8_e4m3(attn_rows *r, const kvarn_record_layout *L,
+                                     const uint8_t *const *rec, int t0, int nt,
+                                     attn_token_tile_fn fallback);
+void attn_amxemu_token_tile_fp8_e5m2(attn_rows *r, const kvarn_record_layout *L,
+                                     const uint8_t *const *rec, int t0, int nt,
+                                     attn_token_tile_fn fallback);
+void attn_amxemu_token_tile_bf16(attn_rows *r, const kvarn_record_layout *L,
+                                 const uint8_t *const *rec, int t0, int nt,
+                                 attn_token_tile_fn fallback);
 /* The same with the tiles emulated in C (kernel_amx_emu.c): any CPU. */
 void attn_amxemu_kvarn_tile(attn_rows *r, const kvarn_record_layout *L, const uint8_t *rec,
                             int t0, int nt, attn_record_tile_fn fallback);
@@ -265,8 +287,9 @@ typedef struct attn_kernels {
     attn_token_tile_fn token_tile;
     attn_matrix_tile_fn kvarn_matrix; /* NULL: none (attn_dispatch.c attn_pick_kernels) */
     attn_token_matrix_fn token_matrix; /* per-token records: a KVarN view's
-                                          int8/int4 staging, the int4
-                                          format's blocks; NULL: none */
+                                          int8/int4 staging, the int4, int8,
+                                          fp8 and bf16 formats' blocks;
+                                          NULL: none */
 } attn_kernels;
 
 /* Row-block dispatch of the SIMD kernels: CALL(R) with R = rb as a

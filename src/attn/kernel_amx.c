@@ -535,19 +535,107 @@ static void token_k_column(const uint8_t *kc, int D, int bits, int np, int j, ui
 #endif
 }
 
-/* One span of ns <= attn_token_matrix_span(gs) tokens (see above); x2:
- * the query and the weights as two bf16 each. */
+/* The fp8 (E4M3, E5M2) and bf16 formats' blocks (attn_dispatch.c) in the
+ * same products. Their codes are exact in bf16 (E4M3 taken as 2^-8 times
+ * its value, the 2^8 folded into the K and V scales, as the vector kernels
+ * take it), so nothing is centred and nothing but the query and the
+ * weights is rounded:
+ *   scores  s_t = ks_t (bf16(q') . c_t)
+ *   sums    acc_d += sum_t bf16(p_t vs_t) c_td
+ * (ks = vs = 1 for bf16, which has no scales): KVARN_ATTN_ARITH_BF16, the
+ * statement of the AVX512-BF16 kernel of the same formats
+ * (kernel_avx512_bf16.c), which is the fallback here. */
+#ifdef KVARN_AMX_EMULATE
+/* Code i of an fp8 or bf16 row as its value (E4M3: 2^-8 times it). */
+static float fp_code(kvarn_kind kind, const uint8_t *row, int i)
+{
+    if (kind == KVARN_KIND_FP8_E4M3) return kvarn__e4m3_to_f32(row[i]) * 0x1p-8f;
+    if (kind == KVARN_KIND_FP8_E5M2) return kvarn__e5m2_to_f32(row[i]);
+    uint16_t h;
+    memcpy(&h, row + 2 * (size_t)i, 2);
+    return kvarn__bf16_to_f32(h);
+}
+#else
+/* Codes i .. i + 15 of an fp8 or bf16 row as fp32 (E4M3: 2^-8 times its
+ * value, by moving its bits into an fp16; E5M2: the high byte of an fp16;
+ * bf16: the high half of an fp32): exact. */
+static inline __m512 fp_codes16(kvarn_kind kind, const uint8_t *row, int i)
+{
+    if (kind == KVARN_KIND_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * (size_t)i))), 16));
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + i)));
+    if (kind == KVARN_KIND_FP8_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(x, 8));
+    return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7),
+                                           _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8)));
+}
+#endif
+
+/* token_k_column of an fp8 or bf16 row: its D values, exact, into column
+ * j of the B layout. */
+static void token_k_column_fp(kvarn_kind kind, const uint8_t *kc, int D, int np, int j, uint16_t *kmat)
+{
+#ifdef KVARN_AMX_EMULATE
+    for (int d = 0; d < D; d++)
+        kmat[((size_t)(d / 2) * np + j) * 2 + (d & 1)] = amx_bf16_of(fp_code(kind, kc, d));
+#else
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(np));
+    uint32_t *k32 = (uint32_t *)(void *)kmat + j;
+    for (int d = 0; d < D; d += 32) {
+        const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(fp_codes16(kind, kc, d + 16), fp_codes16(kind, kc, d));
+        _mm512_i32scatter_epi32(k32 + (size_t)(d / 2) * np, idx, w, 4);
+    }
+#endif
+}
+
+/* amx_pair_packed of two fp8 or bf16 rows: out[2 i] = value i of r0,
+ * out[2 i + 1] = that of r1, exact. */
+static void pair_fp(kvarn_kind kind, const uint8_t *r0, const uint8_t *r1, int D, uint16_t *out)
+{
+#ifdef KVARN_AMX_EMULATE
+    for (int i = 0; i < D; i++) {
+        out[2 * i] = amx_bf16_of(fp_code(kind, r0, i));
+        out[2 * i + 1] = amx_bf16_of(fp_code(kind, r1, i));
+    }
+#else
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+    for (int i = 0; i < D; i += 16) {
+        const __m512i f0 = _mm512_castps_si512(fp_codes16(kind, r0, i));
+        const __m512i f1 = _mm512_castps_si512(fp_codes16(kind, r1, i));
+        _mm512_storeu_si512(out + 2 * i, _mm512_or_si512(_mm512_srli_epi32(f0, 16), _mm512_and_si512(f1, top)));
+    }
+#endif
+}
+
+/* One span of ns <= attn_token_matrix_span(gs) tokens (see above) of a
+ * format of kind (KVARN_KIND_INT8 or _INT4: the integer records, any other
+ * kind: fp8 or bf16); x2: the query and the weights as two bf16 each. */
 static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
-                       int t0, int ns, attn_token_tile_fn fallback, int x2)
+                       int t0, int ns, attn_token_tile_fn fallback, int x2, kvarn_kind kind)
 {
     const int D = r->D, n = r->n, gs = r->gs, bits = L->key_bits;
+    const int fp = kind != KVARN_KIND_INT8 && kind != KVARN_KIND_INT4;
     const int np = (ns + 31) & ~31;
     float *ks = r->meta, *kz = ks + gs, *vs = kz + gs, *vz = vs + gs;
+    /* fp8: one scale each (E4M3's 2^8 folded in); bf16: none */
+    const float unit = kind == KVARN_KIND_FP8_E4M3 ? 256.0f : 1.0f;
     for (int t = 0; t < ns; t++) {
-        kvarn__fp16_load(tok[t] + L->k_a_off, 1, ks + t);
-        kvarn__fp16_load(tok[t] + L->k_b_off, 1, kz + t);
-        kvarn__fp16_load(tok[t] + L->v_a_off, 1, vs + t);
-        kvarn__fp16_load(tok[t] + L->v_b_off, 1, vz + t);
+        if (!fp) {
+            kvarn__fp16_load(tok[t] + L->k_a_off, 1, ks + t);
+            kvarn__fp16_load(tok[t] + L->k_b_off, 1, kz + t);
+            kvarn__fp16_load(tok[t] + L->v_a_off, 1, vs + t);
+            kvarn__fp16_load(tok[t] + L->v_b_off, 1, vz + t);
+            continue;
+        }
+        ks[t] = vs[t] = unit;
+        kz[t] = vz[t] = 0.0f;
+        if (L->k_a_bytes) {
+            kvarn__fp16_load(tok[t] + L->k_a_off, 1, ks + t);
+            kvarn__fp16_load(tok[t] + L->v_a_off, 1, vs + t);
+            ks[t] *= unit;
+            vs[t] *= unit;
+        }
     }
     const int nr = (n + 15) & ~15;
     /* The rows' bf16 query (x2: and its second halves after it), the same
@@ -567,46 +655,70 @@ static void token_span(attn_rows *r, const kvarn_record_layout *L, const uint8_t
         return;
     }
     attn_prefetch_step(r->pf, attn_prefetch_left(r->pf));
-    const float c = (float)(1 << (bits - 1));
+    const float c = fp ? 0.0f : (float)(1 << (bits - 1));
     for (int t = 0; t < ns; t++) {
         kz[t] += c * ks[t];
         vz[t] += c * vs[t];
     }
     for (int t = ns; t < np; t++) ks[t] = kz[t] = vs[t] = vz[t] = 0.0f;
     /* np <= G columns; the padding tokens [ns, np) get codes C (centred
-     * 0) */
-    uint8_t zc[ATTN_MATRIX_MAX_D];
-    memset(zc, bits == 8 ? 0x80 : 0x88, (size_t)D * bits / 8);
+     * 0; fp8 and bf16: code 0, value 0) */
+    uint8_t zc[2 * ATTN_MATRIX_MAX_D];
+    memset(zc, fp ? 0 : bits == 8 ? 0x80 : 0x88, sizeof zc);
     const size_t voff = L->v_codes_off;
-    for (int j = 0; j < np; j++) token_k_column(j < ns ? tok[j] + L->k_codes_off : zc, D, bits, np, j, kmat);
-    for (int j = 0; j < np; j += 2)
-        amx_pair_packed(j < ns ? tok[j] + voff : zc, j + 1 < ns ? tok[j + 1] + voff : zc, D, bits,
-                        vmat + (size_t)j * D);
+    for (int j = 0; j < np; j++) {
+        const uint8_t *kc = j < ns ? tok[j] + L->k_codes_off : zc;
+        if (fp) token_k_column_fp(kind, kc, D, np, j, kmat);
+        else token_k_column(kc, D, bits, np, j, kmat);
+    }
+    for (int j = 0; j < np; j += 2) {
+        const uint8_t *v0 = j < ns ? tok[j] + voff : zc, *v1 = j + 1 < ns ? tok[j + 1] + voff : zc;
+        if (fp) pair_fp(kind, v0, v1, D, vmat + (size_t)j * D);
+        else amx_pair_packed(v0, v1, D, bits, vmat + (size_t)j * D);
+    }
     three_passes(r, t0, ns, np, aq, aqlo, kmat, vmat, w, wlo, ks, kz, vs, vz, NULL);
 }
 
 static void token_spans(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok, int t0,
-                        int nt, attn_token_tile_fn fallback, int x2)
+                        int nt, attn_token_tile_fn fallback, int x2, kvarn_kind kind)
 {
     const int span = attn_token_matrix_span(r->gs);
-    if (span < 32 || (L->key_bits != 8 && L->key_bits != 4) || L->value_bits != L->key_bits ||
-        L->k_a_bytes != 2 || L->k_b_bytes != 2 || L->v_a_bytes != 2 || L->v_b_bytes != 2) {
+    const int fp = kind != KVARN_KIND_INT8 && kind != KVARN_KIND_INT4;
+    const int ok = fp ? L->k_b_bytes == 0 && L->v_b_bytes == 0 && (L->k_a_bytes == 0 || (L->k_a_bytes == 2 && L->v_a_bytes == 2))
+                      : (L->key_bits == 8 || L->key_bits == 4) && L->value_bits == L->key_bits &&
+                            L->k_a_bytes == 2 && L->k_b_bytes == 2 && L->v_a_bytes == 2 && L->v_b_bytes == 2;
+    if (span < 32 || !ok) {
         r->qa_ready = ATTN_QA_NONE;
         fallback(r, L, tok, t0, nt);
         return;
     }
     for (int j0 = 0; j0 < nt; j0 += span)
-        token_span(r, L, tok + j0, t0 + j0, nt - j0 < span ? nt - j0 : span, fallback, x2);
+        token_span(r, L, tok + j0, t0 + j0, nt - j0 < span ? nt - j0 : span, fallback, x2, kind);
 }
 
+/* The int4 format's blocks and a KVarN view's int8 or int4 staging
+ * (KVARN_KIND_INT4 stands for integer records of either width: token_span
+ * reads their bits from the layout). */
 void AMX_FN(token_tile)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
                         int t0, int nt, attn_token_tile_fn fallback)
 {
-    token_spans(r, L, tok, t0, nt, fallback, 0);
+    token_spans(r, L, tok, t0, nt, fallback, 0, KVARN_KIND_INT4);
 }
 
 void AMX_FN(token_tile_x2)(attn_rows *r, const kvarn_record_layout *L, const uint8_t *const *tok,
                            int t0, int nt, attn_token_tile_fn fallback)
 {
-    token_spans(r, L, tok, t0, nt, fallback, 1);
+    token_spans(r, L, tok, t0, nt, fallback, 1, KVARN_KIND_INT8);
 }
+
+#define FP_TOKEN_TILE(NAME, KIND)                                                              \
+    void AMX_FN(token_tile_##NAME)(attn_rows *r, const kvarn_record_layout *L,                 \
+                                   const uint8_t *const *tok, int t0, int nt,                  \
+                                   attn_token_tile_fn fallback)                                \
+    {                                                                                          \
+        token_spans(r, L, tok, t0, nt, fallback, 0, KIND);                                     \
+    }
+FP_TOKEN_TILE(fp8_e4m3, KVARN_KIND_FP8_E4M3)
+FP_TOKEN_TILE(fp8_e5m2, KVARN_KIND_FP8_E5M2)
+FP_TOKEN_TILE(bf16, KVARN_KIND_BF16)
+#undef FP_TOKEN_TILE

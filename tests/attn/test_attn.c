@@ -728,8 +728,9 @@ static void test_long_chunk(void **state)
     }
 }
 
-/* The matrix kernel of KVarN records (kernel_amx.c; attn.h
- * kvarn_attn_kernel_info.matrix), its tiles emulated in C so that it runs
+/* The matrix kernel of KVarN records and of the fp8 and bf16 formats'
+ * blocks (kernel_amx.c; attn.h kvarn_attn_kernel_info.matrix), its tiles
+ * emulated in C so that it runs
  * on any CPU (testing knob amx = 2): prefill chunks whose work items have
  * 16 rows or more (here 4 queries x group 4 and up, with a remainder block
  * of fewer than 16 rows), every tile length and bit width it takes, head_dim
@@ -740,10 +741,11 @@ static void test_long_chunk(void **state)
 static void test_matrix_kernel(void **state)
 {
     (void)state;
+    /* and the fp8 and bf16 formats' blocks (32-token blocks) */
     static const char *const fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v4_g64", "kvarn_k2v4_g32",
-                                       "kvarn_k8v8_g128", "kvarn_k4v8_g128"};
-    static const int Ds[] = {64, 128, 64, 256, 128};
-    for (int fi = 0; fi < 5; fi++)
+                                       "kvarn_k8v8_g128", "kvarn_k4v8_g128", "fp8_e4m3", "bf16"};
+    static const int Ds[] = {64, 128, 64, 256, 128, 128, 64};
+    for (int fi = 0; fi < 7; fi++)
         for (int causal = 0; causal < 2; causal++) {
             kvarn_format fmt;
             assert_int_equal(kvarn_format_parse(fmts[fi], &fmt), KVARN_OK);
@@ -753,7 +755,7 @@ static void test_matrix_kernel(void **state)
             c.D = Ds[fi];
             c.Hk = 2;
             c.group = 4;
-            c.G = fmt.tile_tokens;
+            c.G = fmt.kind == KVARN_KIND_KVARN ? fmt.tile_tokens : 32;
             c.sink = 1;
             c.causal = causal;
             c.multi = 1;
@@ -1467,13 +1469,15 @@ static void test_kernel_info(void **state)
                         assert_int_equal(info.staged_sums, info.sums);
                     }
                     /* the matrix kernel: KVarN tiles of 32-128 tokens and
-                     * the int4 and int8 formats' blocks (int8: two bf16
-                     * halves), at head_dim a multiple of 32 up to 512,
+                     * the int4, int8, fp8 and bf16 formats' blocks (int8:
+                     * two bf16 halves), at head_dim a multiple of 32 up to 512,
                      * where the CPU grants AMX-BF16 at the AVX-512 level
                      * (cpu.h); with it, the staged tokens of int8 and int4
                      * staging */
+                    const int fp_fmt = fmt.kind == KVARN_KIND_FP8_E4M3 || fmt.kind == KVARN_KIND_FP8_E5M2 ||
+                                       fmt.kind == KVARN_KIND_BF16;
                     const int mat_fmt = (fmt.kind == KVARN_KIND_KVARN || fmt.kind == KVARN_KIND_INT4 ||
-                                         fmt.kind == KVARN_KIND_INT8) &&
+                                         fmt.kind == KVARN_KIND_INT8 || fp_fmt) &&
                                         D % 32 == 0 && D <= 512;
                     const kvarn_attn_arith mat_arith =
                         fmt.kind == KVARN_KIND_INT8 ? KVARN_ATTN_ARITH_BF16X2 : KVARN_ATTN_ARITH_BF16;
@@ -1486,11 +1490,10 @@ static void test_kernel_info(void **state)
                     /* the fp8 and bf16 formats' blocks through
                      * vdpbf16ps (kernel_avx512_bf16.c) at the AVX-512
                      * level on a CPU with AVX512-BF16, head_dim as the
-                     * matrix kernel's */
-                    const int bf16_here = (fmt.kind == KVARN_KIND_FP8_E4M3 || fmt.kind == KVARN_KIND_FP8_E5M2 ||
-                                           fmt.kind == KVARN_KIND_BF16) &&
-                                          D % 32 == 0 && D <= 512 && want == LV_AVX512 &&
-                                          kvarn__cpu_avx512_bf16();
+                     * matrix kernel's, where the tiles do not take them */
+                    const int bf16_cpu = fp_fmt && D % 32 == 0 && D <= 512 && want == LV_AVX512 &&
+                                         kvarn__cpu_avx512_bf16();
+                    const int bf16_here = bf16_cpu && !amx_here;
                     assert_int_equal(info.matrix != NULL, amx_here || bf16_here);
                     assert_int_equal(info.matrix_rows, amx_here || bf16_here ? 16 : 0);
                     if (bf16_here) {
@@ -1519,7 +1522,8 @@ static void test_kernel_info(void **state)
                         o.testing = &ak;
                         assert_int_equal(kvarn_attn_kernel_info_get(&fmt, D, st, &o, &info), KVARN_OK);
                         const int emu = knob == 2 && mat_fmt;
-                        assert_int_equal(info.matrix != NULL, emu || bf16_here);
+                        assert_int_equal(info.matrix != NULL, emu || bf16_cpu);
+                        if (!emu && bf16_cpu) assert_string_equal(info.matrix, "avx512-bf16");
                         assert_int_equal(info.matrix_staged, emu && staged_mat ? 32 : 0);
                         if (emu) {
                             assert_string_equal(info.matrix, "amx-bf16-emulated");

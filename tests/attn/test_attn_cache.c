@@ -277,7 +277,11 @@ static void test_cache_sink_tokens(void **state)
  * two bf16 halves (KVARN_ATTN_ARITH_BF16X2): 2^-16 of each query element
  * and each weight in place of 2^-8 and the near-tie allowance. Run
  * emulated (testing knob amx = 2) on every CPU, and on the AMX tiles where
- * the CPU grants them. Faults tried by hand: a V token pair swapped, V's
+ * the CPU grants them. The fp8 and bf16 formats' blocks (token_tile_fp8_*,
+ * _bf16) the same way with their codes' values for c' and no zero points
+ * (C = 0, kz = vz = 0), and with the tiles off (amx = 1) through their
+ * AVX512-BF16 kernel (kernel_avx512_bf16.c, the same statement) where the
+ * library reports it. Faults tried by hand: a V token pair swapped, V's
  * zero point off by one step: both fail this (not the looser bound of
  * test_cache_staging). */
 static void check_token_matrix(const char *fmt, int staging, int amx)
@@ -327,6 +331,16 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
     o.testing = &knobs;
     kvarn_attn_kernel_info info;
     assert_int_equal(kvarn_attn_kernel_info_get(&kv.fmt, D, kv.staging, &o, &info), KVARN_OK);
+    /* the fp8 and bf16 formats: codes exact in bf16, no zero points */
+    const kvarn_kind fk = co.format.kind;
+    const int fp = fk == KVARN_KIND_FP8_E4M3 || fk == KVARN_KIND_FP8_E5M2 || fk == KVARN_KIND_BF16;
+    if (fp && amx == 1 && info.matrix == NULL) {
+        /* no AVX512-BF16 kernel on this CPU or level */
+        print_message("%s, amx off: no matrix kernel here (%s level): skipped\n", fmt, info.level);
+        kvarn_cache_destroy(c);
+        free(k); free(v); free(q); free(out);
+        return;
+    }
     assert_int_equal(kvarn ? info.matrix_staged : info.matrix_rows, kvarn ? ql : 16);
     size_t wsz = kvarn_attn_workspace_bytes(&kv, Hq, 1, ql, 1, &o);
     void *ws = malloc(wsz);
@@ -337,12 +351,13 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
     const int x2 = co.format.kind == KVARN_KIND_INT8; /* the int8 format's blocks */
     const int bits = (kvarn && staging == KVARN_STAGING_INT8) || x2 ? 8 : 4;
     assert_int_equal(info.matrix_scores, x2 ? KVARN_ATTN_ARITH_BF16X2 : KVARN_ATTN_ARITH_BF16);
-    assert_int_equal(kvarn_format_parse(bits == 8 ? "int8" : "int4", &sf), KVARN_OK);
+    if (fp) sf = co.format;
+    else assert_int_equal(kvarn_format_parse(bits == 8 ? "int8" : "int4", &sf), KVARN_OK);
     /* the staged tokens of the KVarN view, or the int4 and int8 formats'
      * blocks */
     const idb_rec_fn rec_of = kvarn ? idb_staged_rec : idb_block_rec;
     assert_int_equal(kvarn_record_layout_get(&sf, D, &L), KVARN_OK);
-    const double cen = (double)(1 << (bits - 1)), lg = log2((double)D) + 3.0;
+    const double cen = fp ? 0.0 : (double)(1 << (bits - 1)), lg = log2((double)D) + 3.0;
     double worst = 0.0;
     for (int qi = 0; qi < ql; qi++)
         for (int head = 0; head < Hq; head++) {
@@ -369,10 +384,12 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
             for (int t = 0; t <= pos; t++) {
                 const uint8_t *rec = rec_of(&kv, &view, h, t);
                 assert_non_null(rec);
-                const double ks = idb_half(rec + L.k_a_off, 0), kz = idb_half(rec + L.k_b_off, 0);
+                const double ks = L.k_a_bytes ? idb_half(rec + L.k_a_off, 0) : 1.0,
+                             kz = L.k_b_bytes ? idb_half(rec + L.k_b_off, 0) : 0.0;
                 double dot = 0.0, wc = 0.0, mag = 0.0;
                 for (int d = 0; d < D; d++) {
-                    const double ck = (double)idb_code(rec + L.k_codes_off, d, bits) - cen;
+                    const double ck = fp ? idb_fcode(fk, rec + L.k_codes_off, d)
+                                         : (double)idb_code(rec + L.k_codes_off, d, bits) - cen;
                     dot += (qp[d] + e[d]) * ck;
                     wc += w[d] * fabs(ck);
                     mag += (fabs(qp[d] + e[d]) + w[d]) * fabs(ck);
@@ -393,9 +410,11 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
             }
             for (int t = 0; t <= pos; t++) {
                 const uint8_t *rec = rec_of(&kv, &view, h, t);
-                const double vs = idb_half(rec + L.v_a_off, 0), vz = idb_half(rec + L.v_b_off, 0);
+                const double vs = L.v_a_bytes ? idb_half(rec + L.v_a_off, 0) : 1.0,
+                             vz = L.v_b_bytes ? idb_half(rec + L.v_b_off, 0) : 0.0;
                 for (int d = 0; d < D; d++) {
-                    const double cv = (double)idb_code(rec + L.v_codes_off, d, bits) - cen;
+                    const double cv = fp ? idb_fcode(fk, rec + L.v_codes_off, d)
+                                         : (double)idb_code(rec + L.v_codes_off, d, bits) - cen;
                     const double x = vs * cv + vz + cen * vs;
                     ref[d] += p[t] / l * x;
                     ev[d] += x2 ? (0x1p-16 * p[t] * fabs(vs) + 0x1p-126) / l * fabs(cv) + 0x1p-24 * p[t] / l * fabs(cv * vs)
@@ -428,12 +447,16 @@ static void check_token_matrix(const char *fmt, int staging, int amx)
 static void test_staged_matrix(void **state)
 {
     (void)state;
-    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v2_g128", "int4", "int8"};
-    const int stagings[] = {KVARN_STAGING_INT8, KVARN_STAGING_INT4, KVARN_STAGING_FP16, KVARN_STAGING_FP16};
-    for (int i = 0; i < 4; i++) {
+    const char *fmts[] = {"kvarn_k4v2_g128", "kvarn_k4v2_g128", "int4", "int8", "fp8_e4m3", "fp8_e5m2", "bf16"};
+    const int stagings[] = {KVARN_STAGING_INT8, KVARN_STAGING_INT4, KVARN_STAGING_FP16, KVARN_STAGING_FP16,
+                            KVARN_STAGING_FP16, KVARN_STAGING_FP16, KVARN_STAGING_FP16};
+    for (int i = 0; i < 7; i++) {
         check_token_matrix(fmts[i], stagings[i], 2);
         if (kvarn__cpu_amx() == KVARN_CPU_AMX_TILES) check_token_matrix(fmts[i], stagings[i], 0);
         else if (i == 0) print_message("AMX tiles: skipped: no AMX (emulated only)\n");
+        /* the fp8 and bf16 formats without the tiles: their AVX512-BF16
+         * kernel (the same statement), where the CPU has it */
+        if (i >= 4) check_token_matrix(fmts[i], stagings[i], 1);
     }
 }
 

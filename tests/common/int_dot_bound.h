@@ -382,9 +382,9 @@ static inline double idb_fcode(kvarn_kind kind, const uint8_t *row, int d)
  * (D + 1) 2^-24 sum_d |bf16(q'_d) c_td| (the D-term fp32 sum and the
  * product by ks_t) + D 2^-126 (q1 + 1)) (vdpbf16ps reads bf16 inputs
  * below 2^-126 as 0 (bf16 codes) and flushes products below it). The
- * weights w_t = p_t vs_t (p_t <= 1, l >= 1) rounded once to bf16, flushed
- * to 0 below 2^-126: channel d of acc / l moves by at most
- * max_t 2^-8 |vs_t| |c_td| + n 2^-126 max_t |c_td| (n tokens)
+ * weights w_t = p_t vs_t (p_t <= 1, l >= 1; fp32, then rounded once to
+ * bf16), flushed to 0 below 2^-126: channel d of acc / l moves by at most
+ * max_t (2^-8 + 2^-23) |vs_t| |c_td| + n 2^-126 max_t |c_td| (n tokens)
  * + 2^-126 max_t |vs_t| (bf16 codes below 2^-126 read as 0). */
 static inline double idb_token_bf16(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
                                     const double *qp, double qraw1, double scale, int lo, int hi,
@@ -392,7 +392,7 @@ static inline double idb_token_bf16(const kvarn_paged_kv *kv, const kvarn_seq_vi
 {
     const int D = kv->head_dim;
     const kvarn_kind kind = kv->fmt.kind;
-    const double u = 0x1p-8, tiny = 0x1p-126;
+    const double u = 0x1p-8 + 0x1p-23, tiny = 0x1p-126; /* bf16 of the fp32 product p_t vs_t */
     double e[1024], cw[1024], rq[1024], cmax[1024], q1 = 0.0, dmat = 0.0, vsmax = 0.0;
     int n = 0;
     for (int d = 0; d < D; d++) {
