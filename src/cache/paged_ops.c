@@ -96,7 +96,8 @@ static kvarn_status check_store(const kvarn_paged_kv *kv, const kvarn_token_writ
      * scale, zero-point or value would overflow (an int8 zero-point below
      * -65504, say). Only the codec knows each format's limits, so every
      * token-head is checked here by the codec -- int8 and int4 by their
-     * rows' scale and zero point (kvarn__rtn_rows_fit), the others encoded
+     * rows' scale and zero point (kvarn__rtn_rows_fit), fp8 by its rows'
+     * scales (kvarn__fp8_rows_fit), the others encoded
      * once into scratch and thrown away -- and a batch is refused before
      * any token of it is written. */
     unsigned char scratch[MAX_TOKEN_RECORD];
@@ -114,6 +115,10 @@ static kvarn_status check_store(const kvarn_paged_kv *kv, const kvarn_token_writ
             const float *kx = k + row + (size_t)h * D, *vx = v + row + (size_t)h * D;
             if (tw->bits) { /* int8/int4: the rows' scale and zero point, no codes */
                 if (!kvarn__rtn_rows_fit(kx, vx, D, tw->bits, tw->avx512)) return KVARN_ERR_NONFINITE;
+                continue;
+            }
+            if (tw->fp8) { /* fp8: the rows' scales, no codes */
+                if (!kvarn__fp8_rows_fit(tw->fp8 == 1, kx, vx, D, tw->avx512)) return KVARN_ERR_NONFINITE;
                 continue;
             }
             kvarn_status st = kvarn_encode(&kv->fmt, D, kx, vx, scratch, rec_bytes, NULL, 0, NULL);

@@ -76,11 +76,28 @@ int kvarn__rtn_rows_fit_avx512(const float *k, const float *v, int D, int bits);
 kvarn_status kvarn__rtn_record_encode(int bits, const kvarn_record_layout *L, const float *k,
                                       const float *v, void *record, int avx512);
 
+/* One fp8 record (e4m3 1: FP8 E4M3, 0: E5M2; include/kvarn/record.h) of
+ * the K row k and V row v (fp32 [L->head_dim]) as kvarn_encode writes it
+ * (fp8_row.h; L: that format's layout at this head_dim). avx512: through
+ * fp8_row_avx512.c (the caller has seen kvarn__cpu_level() ==
+ * KVARN_CPU_AVX512; the same bytes either way). KVARN_ERR_NONFINITE
+ * (nothing written) where a row holds NaN or Inf or its scale would
+ * overflow fp16; KVARN_ERR_UNSUPPORTED_HEAD_DIM for a head_dim outside
+ * 2..1024 (even). kvarn__fp8_rows_fit: whether it would write them (1),
+ * without forming the codes (0 for such a head_dim). per_token.c. */
+kvarn_status kvarn__fp8_record_encode(int e4m3, const kvarn_record_layout *L, const float *k,
+                                      const float *v, void *record, int avx512);
+kvarn_status kvarn__fp8_record_encode_avx512(int e4m3, const kvarn_record_layout *L, const float *k,
+                                             const float *v, void *record);
+int kvarn__fp8_rows_fit(int e4m3, const float *k, const float *v, int D, int avx512);
+int kvarn__fp8_rows_fit_avx512(int e4m3, const float *k, const float *v, int D);
+
 /* The records of one batch of token-heads of a per-token format, as
  * kvarn_encode writes them, with the choices made once a batch: int8 and
  * int4 through kvarn__rtn_record_encode (bits 8 or 4, their layout L, the
- * CPU level asked once: it reads KVARN_SIMD on every call), the other
- * formats through kvarn_encode (bits 0). kvarn__token_writer_init: fmt a
+ * CPU level asked once: it reads KVARN_SIMD on every call), fp8_e4m3 and
+ * fp8_e5m2 through kvarn__fp8_record_encode (fp8 1 or 2), the other
+ * formats through kvarn_encode (bits and fp8 0). kvarn__token_writer_init: fmt a
  * per-token format, D its head_dim. kvarn__token_writer_encode: k, v fp32
  * [D], rec rb bytes; kvarn_encode's status (int8/int4 with rb below the
  * record size go through kvarn_encode too). per_token.c. */
@@ -88,6 +105,7 @@ typedef struct kvarn_token_writer {
     kvarn_format fmt;
     int D;
     int bits;
+    int fp8;
     int avx512;
     kvarn_record_layout L;
 } kvarn_token_writer;

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "codec/codec_internal.h"
+#include "codec/fp8_row.h"
 #include "codec/fp_convert.h"
 #include "codec/pack.h"
 #include "codec/rtn_row.h"
@@ -36,9 +37,6 @@
 /* Largest head_dim a per-token format serves (kvarn_format_check_head_dim);
  * the row scratch buffers below live on the stack at this size. */
 #define KVARN_PER_TOKEN_MAX_D 1024
-
-#define FP8_E4M3_MAX 448.0f
-#define FP8_E5M2_MAX 57344.0f
 
 static inline void store_u16(unsigned char *p, uint16_t v) { memcpy(p, &v, 2); }
 
@@ -101,37 +99,6 @@ static void decode_16(int bf, int D, const unsigned char *src, float *restrict o
 
 /* ------------------------------------------------------------------ fp8 */
 
-/* max |x| of a finite row: for finite floats the order of |x| is the order
- * of their bit patterns with the sign cleared (an integer max reduction). */
-static float row_amax(const float *restrict x, int D)
-{
-    uint32_t m = 0;
-    for (int i = 0; i < D; i++) {
-        uint32_t a = kvarn__f32_bits(x[i]) & 0x7fffffffu;
-        m = a > m ? a : m;
-    }
-    return kvarn__bits_f32(m);
-}
-
-/* The fp16 scale of one row; 0xffff if it would not be finite. */
-static uint16_t fp8_row_scale(const float *x, int D, float fp8_max)
-{
-    float amax = row_amax(x, D);
-    if (amax == 0.0f) return 0x3c00u; /* all-zero row: scale 1.0, codes 0 */
-    uint16_t s = fp16_round_up(amax / fp8_max);
-    return fp16_is_finite(s) ? s : 0xffffu;
-}
-
-static void fp8_row_encode(int e4m3, const float *restrict x, int D, uint16_t s16,
-                           unsigned char *restrict codes)
-{
-    const float s = kvarn__fp16_to_f32(s16);
-    if (e4m3)
-        for (int i = 0; i < D; i++) codes[i] = kvarn__e4m3_from_f32(x[i] / s);
-    else
-        for (int i = 0; i < D; i++) codes[i] = kvarn__e5m2_from_f32(x[i] / s);
-}
-
 static void fp8_row_decode(int e4m3, const unsigned char *restrict codes, int D,
                            uint16_t s16, float *restrict out)
 {
@@ -180,17 +147,22 @@ static kvarn_status record_decode_16(int bf, const kvarn_record_layout *L, const
 static kvarn_status record_encode_fp8(int e4m3, const kvarn_record_layout *L, const float *k,
                                       const float *v, void *record)
 {
-    unsigned char *rec = record;
-    const int D = L->head_dim;
-    if (bad_d(D)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
-    const float fmax = e4m3 ? FP8_E4M3_MAX : FP8_E5M2_MAX;
-    uint16_t ks = fp8_row_scale(k, D, fmax), vs = fp8_row_scale(v, D, fmax);
-    if (ks == 0xffffu || vs == 0xffffu) return KVARN_ERR_NONFINITE;
-    fp8_row_encode(e4m3, k, D, ks, rec + L->k_codes_off);
-    store_u16(rec + L->k_a_off, ks);
-    fp8_row_encode(e4m3, v, D, vs, rec + L->v_codes_off);
-    store_u16(rec + L->v_a_off, vs);
-    return KVARN_OK;
+    if (bad_d(L->head_dim)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    return fp8_record(e4m3, L, k, v, record);
+}
+
+kvarn_status kvarn__fp8_record_encode(int e4m3, const kvarn_record_layout *L, const float *k,
+                                      const float *v, void *record, int avx512)
+{
+    if (bad_d(L->head_dim)) return KVARN_ERR_UNSUPPORTED_HEAD_DIM;
+    if (avx512) return kvarn__fp8_record_encode_avx512(e4m3, L, k, v, record);
+    return fp8_record(e4m3, L, k, v, record);
+}
+
+int kvarn__fp8_rows_fit(int e4m3, const float *k, const float *v, int D, int avx512)
+{
+    if (bad_d(D)) return 0;
+    return avx512 ? kvarn__fp8_rows_fit_avx512(e4m3, k, v, D) : fp8_rows_fit(e4m3, k, v, D);
 }
 
 static kvarn_status record_decode_fp8(int e4m3, const kvarn_record_layout *L, const void *record,
@@ -302,8 +274,9 @@ void kvarn__token_writer_init(kvarn_token_writer *w, const kvarn_format *fmt, in
     w->fmt = *fmt;
     w->D = D;
     w->bits = fmt->kind == KVARN_KIND_INT8 ? 8 : fmt->kind == KVARN_KIND_INT4 ? 4 : 0;
-    if (w->bits && kvarn_record_layout_get(fmt, D, &w->L) != KVARN_OK) w->bits = 0;
-    w->avx512 = w->bits && kvarn__cpu_level() == KVARN_CPU_AVX512;
+    w->fp8 = fmt->kind == KVARN_KIND_FP8_E4M3 ? 1 : fmt->kind == KVARN_KIND_FP8_E5M2 ? 2 : 0;
+    if ((w->bits || w->fp8) && kvarn_record_layout_get(fmt, D, &w->L) != KVARN_OK) w->bits = w->fp8 = 0;
+    w->avx512 = (w->bits || w->fp8) && kvarn__cpu_level() == KVARN_CPU_AVX512;
 }
 
 kvarn_status kvarn__token_writer_encode(const kvarn_token_writer *w, const float *k, const float *v,
@@ -311,6 +284,8 @@ kvarn_status kvarn__token_writer_encode(const kvarn_token_writer *w, const float
 {
     if (w->bits && rb >= w->L.record_bytes)
         return kvarn__rtn_record_encode(w->bits, &w->L, k, v, rec, w->avx512);
+    if (w->fp8 && rb >= w->L.record_bytes)
+        return kvarn__fp8_record_encode(w->fp8 == 1, &w->L, k, v, rec, w->avx512);
     return kvarn_encode(&w->fmt, w->D, k, v, rec, rb, NULL, 0, NULL);
 }
 

@@ -245,13 +245,35 @@ static void test_int_round_half_even(void **state)
     }
 }
 
-/* The batch entry of the staging (kvarn__rtn_record_encode, both row
+/* The batch entry of a format's records (kvarn__rtn_record_encode for
+ * int4 and int8, kvarn__fp8_record_encode for fp8_e4m3 and fp8_e5m2) in
+ * build `wide` (0: the baseline C, 1: its AVX-512 build). */
+static kvarn_status batch_encode(const kvarn_format *f, const kvarn_record_layout *L, const float *k,
+                                 const float *v, unsigned char *rec, int wide)
+{
+    if (f->kind == KVARN_KIND_INT8 || f->kind == KVARN_KIND_INT4)
+        return kvarn__rtn_record_encode(f->kind == KVARN_KIND_INT8 ? 8 : 4, L, k, v, rec, wide);
+    return kvarn__fp8_record_encode(f->kind == KVARN_KIND_FP8_E4M3, L, k, v, rec, wide);
+}
+
+static int batch_fit(const kvarn_format *f, const float *k, const float *v, int D, int wide)
+{
+    if (f->kind == KVARN_KIND_INT8 || f->kind == KVARN_KIND_INT4)
+        return kvarn__rtn_rows_fit(k, v, D, f->kind == KVARN_KIND_INT8 ? 8 : 4, wide);
+    return kvarn__fp8_rows_fit(f->kind == KVARN_KIND_FP8_E4M3, k, v, D, wide);
+}
+
+static const char *const batch_formats[4] = {"int4", "int8", "fp8_e4m3", "fp8_e5m2"};
+
+/* The batch entry of the staging and of kvarn_paged_store (both row
  * variants: the baseline C and its AVX-512 build) writes kvarn_encode's
- * bytes: rows of Gaussians, constant rows, rows of ties (x - zero) / scale
- * = c + 1/2, rows whose range rounds the scale up, every D the format
- * serves from 2 to 1024 in steps. The AVX-512 variant runs only where the
- * CPU level is AVX-512 (it says so otherwise). The staging's error cases
- * (an fp16 overflow) give kvarn_encode's status and write nothing. */
+ * bytes, for int4, int8, fp8_e4m3 and fp8_e5m2: rows of Gaussians,
+ * constant rows, rows of ties (int: (x - zero) / scale = c + 1/2), rows
+ * whose range rounds the scale up, rows of magnitude 400, every D the
+ * format serves from 2 to 1024 in steps. The AVX-512 variant runs only
+ * where the CPU level is AVX-512 (it says so otherwise). The error cases
+ * (an fp16 overflow of a zero point or scale) give kvarn_encode's status
+ * and write nothing. */
 static void test_rtn_batch_entry(void **state)
 {
     (void)state;
@@ -262,9 +284,8 @@ static void test_rtn_batch_entry(void **state)
     static float k[MAXD], v[MAXD];
     static unsigned char want[4 * MAXD], got[4 * MAXD];
     const int dims[] = {2, 8, 62, 64, 96, 128, 256, 512, 1024};
-    for (int b = 0; b < 2; b++) {
-        kvarn_format f = parse_ok(b ? "int8" : "int4");
-        const int bits = b ? 8 : 4;
+    for (int b = 0; b < 4; b++) {
+        kvarn_format f = parse_ok(batch_formats[b]);
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; di++) {
             const int D = dims[di];
             kvarn_record_layout L;
@@ -283,28 +304,33 @@ static void test_rtn_batch_entry(void **state)
                 assert_int_equal(kvarn_encode(&f, D, k, v, want, L.record_bytes, NULL, 0, NULL), KVARN_OK);
                 for (int wide = 0; wide <= wide_ok; wide++) {
                     memset(got, POISON, L.record_bytes);
-                    assert_int_equal(kvarn__rtn_record_encode(bits, &L, k, v, got, wide), KVARN_OK);
+                    assert_int_equal(batch_encode(&f, &L, k, v, got, wide), KVARN_OK);
                     assert_memory_equal(want, got, L.record_bytes);
                 }
             }
-            /* a zero point below -65504: refused, nothing written */
+            /* int: a zero point below -65504; fp8: a scale past fp16's
+             * range (1e10 / 448 and 1e10 / 57344 > 65504): refused,
+             * nothing written */
             fill_row(&r, k, D, 1.0);
             fill_row(&r, v, D, 1.0);
-            k[D / 2] = -70000.0f;
+            k[D / 2] = b < 2 ? -70000.0f : 1e10f;
             for (int wide = 0; wide <= wide_ok; wide++) {
                 memset(got, POISON, L.record_bytes);
-                assert_int_equal(kvarn__rtn_record_encode(bits, &L, k, v, got, wide), KVARN_ERR_NONFINITE);
+                assert_int_equal(kvarn_encode(&f, D, k, v, want, L.record_bytes, NULL, 0, NULL),
+                                 KVARN_ERR_NONFINITE);
+                assert_int_equal(batch_encode(&f, &L, k, v, got, wide), KVARN_ERR_NONFINITE);
                 assert_true(all_bytes(got, L.record_bytes, POISON));
             }
         }
-        assert_int_equal(kvarn__rtn_record_encode(6, NULL, k, v, got, 0), KVARN_ERR_INVALID_ARG);
     }
+    assert_int_equal(kvarn__rtn_record_encode(6, NULL, k, v, got, 0), KVARN_ERR_INVALID_ARG);
 }
 
-/* kvarn__rtn_rows_fit (the batch check of kvarn_paged_store) accepts
- * exactly the rows kvarn_encode of int8 / int4 accepts: ordinary rows,
- * NaN, +-Inf, a zero point below -65504, a range whose scale overflows
- * fp16, values just inside; both builds. */
+/* kvarn__rtn_rows_fit and kvarn__fp8_rows_fit (the batch checks of
+ * kvarn_paged_store) accept exactly the rows kvarn_encode of int4, int8,
+ * fp8_e4m3 and fp8_e5m2 accepts: ordinary rows, NaN, +-Inf, a zero point
+ * below -65504, a range or magnitude whose scale overflows fp16, values
+ * just inside; both builds. */
 static void test_rtn_rows_fit_matches_encode(void **state)
 {
     (void)state;
@@ -313,13 +339,17 @@ static void test_rtn_rows_fit_matches_encode(void **state)
     test_rng_seed(&r, 0x3c);
     float k[128], v[128];
     unsigned char rec[4 * 128];
+    /* (fp8: 65504 times E4M3's and E5M2's largest value, the largest
+     * magnitudes whose scale is an fp16, and just past them) */
     const float specials[] = {NAN, INFINITY, -INFINITY, -70000.0f, -65504.0f, 1e30f, -1e30f,
-                              65504.0f * 255.0f, 3.4e38f, 0.0f};
+                              65504.0f * 255.0f, 3.4e38f, 0.0f, 65504.0f * 448.0f,
+                              -65504.0f * 448.0f * 1.0001f, 65504.0f * 57344.0f,
+                              65504.0f * 57344.0f * 1.0001f};
     const int n_sp = (int)(sizeof specials / sizeof specials[0]);
     int refused = 0, accepted = 0;
-    for (int b = 0; b < 2; b++) {
-        kvarn_format f = parse_ok(b ? "int8" : "int4");
-        const int bits = b ? 8 : 4, D = 64;
+    for (int b = 0; b < 4; b++) {
+        kvarn_format f = parse_ok(batch_formats[b]);
+        const int D = 64;
         for (int trial = 0; trial < 400; trial++) {
             fill_row(&r, k, D, 1.0 + trial % 7);
             fill_row(&r, v, D, 1.0);
@@ -331,11 +361,11 @@ static void test_rtn_rows_fit_matches_encode(void **state)
             refused += !want;
             accepted += want;
             for (int wide = 0; wide <= wide_ok; wide++)
-                assert_int_equal(kvarn__rtn_rows_fit(k, v, D, bits, wide), want);
+                assert_int_equal(batch_fit(&f, k, v, D, wide), want);
         }
-        assert_int_equal(kvarn__rtn_rows_fit(k, v, 3, bits, 0), 0); /* odd D */
-        assert_int_equal(kvarn__rtn_rows_fit(k, v, D, 6, 0), 0);
+        assert_int_equal(batch_fit(&f, k, v, 3, 0), 0); /* odd D */
     }
+    assert_int_equal(kvarn__rtn_rows_fit(k, v, 64, 6, 0), 0);
     assert_true(refused > 100 && accepted > 100); /* both answers were asked for */
 }
 
