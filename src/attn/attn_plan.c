@@ -99,8 +99,8 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
     g->tail_floats = kvarn_paged_small_tail(kv) ? attn_round_f((size_t)g->G * (size_t)g->D) : 0;
     /* the matrix kernel's codes, bf16 [2][D][G] (D G floats), wherever a
      * work item may take it: independent of the CPU, */
-    /* (KVarN: G tokens a tile; the int4 and int8 formats' per-token blocks:
-     * spans of attn_token_matrix_span(gs)) */
+    /* (KVarN: G tokens a tile; the int4, int8, fp8 and bf16 formats'
+     * per-token blocks: spans of attn_token_matrix_span(gs)) */
     const int mG = g->is_kvarn ? g->G : attn_token_matrix_span(g->gs);
     const int x2 = kv->fmt.kind == KVARN_KIND_INT8; /* two bf16 halves */
     /* (every kind's items of that many rows take r->mat: the vector

@@ -34,7 +34,9 @@
  * is not finite, whose keys' bound s_tok (a (2^kb - 1) + b) reaches 2^36,
  * or whose rows reach |q'_d| >= 2^80, runs the fallback kernel (the
  * level's own) instead, as the int16 kernels do: every score then stays
- * below 2^125.
+ * below 2^125. (The fp8 and bf16 formats' blocks, below, have no such
+ * bound: a bf16 key near 2^127 can overflow a score to +-inf as in the
+ * fp32 kernels; the 2^x takes -inf to 0.)
  */
 #include <math.h>
 #include <string.h>
@@ -118,6 +120,10 @@ __attribute__((noinline)) static void dequant_v(const uint8_t *vc, int D, int G,
  * fold_queries' range check), so x is: no -inf to clamp. */
 static inline __m512 exp2_512(__mmask16 k, __m512 x, int fine)
 {
+    /* -inf (a score of the fp8 and bf16 formats' blocks that overflowed)
+     * would give roundscale(x) - x = NaN: below -160 every 2^x is 0 here
+     * anyway (scalef's result under the smallest denormal); NaN stays NaN */
+    x = _mm512_max_ps(_mm512_set1_ps(-160.0f), x);
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(x, n);
     __m512 p;

@@ -35,12 +35,16 @@ static inline float fp8_row_amax(const float *restrict x, int D)
 
 /* The fp16 scale of one row (amax / fp8_max rounded up, so no element
  * saturates; an all-zero row 1.0); 0xffff if it would not be finite (a
- * NaN or Inf in the row, or an amax past fp16's range times fp8_max). */
+ * NaN or Inf in the row, or an amax past fp16's range times fp8_max). A
+ * row of denormals whose amax / fp8_max underflows fp32 to 0 gets the
+ * smallest fp16 above it, 2^-24 (its codes then 0), not 0: a scale of 0
+ * would divide 0 by 0 into the NaN code. */
 static inline uint16_t fp8_row_scale(const float *x, int D, float fp8_max)
 {
     const float amax = fp8_row_amax(x, D);
     if (amax == 0.0f) return 0x3c00u; /* all-zero row: scale 1.0, codes 0 */
     const uint16_t s = fp16_round_up(amax / fp8_max);
+    if (s == 0) return 0x0001u;
     return fp16_is_finite(s) ? s : 0xffffu;
 }
 

@@ -35,10 +35,18 @@
  * bounded: a test that forces the emulated matrix kernel (2) or none (1)
  * sets it before computing bounds; 0 = the library's default. */
 static int idb_amx = 0;
+/* The testing knob no_bf16 of the calls being bounded (the fp8 and bf16
+ * formats' fp32 spans: no allowance for the AVX512-BF16 kernel). */
+static int idb_no_bf16 = 0;
+/* The rows of the work items the bounded row lies in, where the test
+ * knows them (a sequence's query tokens x the GQA group): below
+ * info.matrix_rows no item takes the matrix kernel, so the bounds add
+ * nothing for it; 0: not known (the allowance is added). */
+static int idb_rows = 0;
 
 static inline int idb_info(const kvarn_paged_kv *kv, kvarn_attn_kernel_info *info)
 {
-    kvarn_attn_testing knobs = {0, 0, 0, idb_amx, 0};
+    kvarn_attn_testing knobs = {0, 0, 0, idb_amx, idb_no_bf16};
     kvarn_attn_opts o = KVARN_ATTN_OPTS_DEFAULT(1.0f);
     o.testing = &knobs;
     return kvarn_attn_kernel_info_get(&kv->fmt, kv->head_dim, kv->staging, &o, info) == KVARN_OK;
@@ -380,12 +388,14 @@ static inline double idb_fcode(kvarn_kind kind, const uint8_t *row, int d)
  * (idb_bf16_err on top of its fp32 slack), products exact, fp32 sums:
  * score t moves by at most |ks_t| (|sum_d e_d c_td| + sum_d cw_d |c_td| +
  * (D + 1) 2^-24 sum_d |bf16(q'_d) c_td| (the D-term fp32 sum and the
- * product by ks_t) + D 2^-126 (q1 + 1)) (vdpbf16ps reads bf16 inputs
- * below 2^-126 as 0 (bf16 codes) and flushes products below it). The
+ * product by ks_t) + D 2^-126 e (q1 + 1)) (vdpbf16ps reads bf16 inputs
+ * below 2^-126 as 0 (bf16 codes) and flushes products below it; e = 2^8
+ * for E4M3, whose codes enter as 2^-8 times their value, else 1). The
  * weights w_t = p_t vs_t (p_t <= 1, l >= 1; fp32, then rounded once to
  * bf16), flushed to 0 below 2^-126: channel d of acc / l moves by at most
- * max_t (2^-8 + 2^-23) |vs_t| |c_td| + n 2^-126 max_t |c_td| (n tokens)
- * + 2^-126 max_t |vs_t| (bf16 codes below 2^-126 read as 0). */
+ * max_t (2^-8 + 2^-23) |vs_t| |c_td| + n 2^-126 (max_t |c_td| + 1) (n
+ * tokens: flushed weights and products) + 2^-126 max_t |vs_t| (bf16 codes
+ * below 2^-126 read as 0). */
 static inline double idb_token_bf16(const kvarn_paged_kv *kv, const kvarn_seq_view *v, int h,
                                     const double *qp, double qraw1, double scale, int lo, int hi,
                                     const kvarn_record_layout *L, double *evm)
@@ -393,6 +403,9 @@ static inline double idb_token_bf16(const kvarn_paged_kv *kv, const kvarn_seq_vi
     const int D = kv->head_dim;
     const kvarn_kind kind = kv->fmt.kind;
     const double u = 0x1p-8 + 0x1p-23, tiny = 0x1p-126; /* bf16 of the fp32 product p_t vs_t */
+    /* E4M3's codes enter as 2^-8 times their value (its 2^8 in the
+     * scale): a flushed product is worth 2^8 more */
+    const double e8 = kind == KVARN_KIND_FP8_E4M3 ? 256.0 : 1.0;
     double e[1024], cw[1024], rq[1024], cmax[1024], q1 = 0.0, dmat = 0.0, vsmax = 0.0;
     int n = 0;
     for (int d = 0; d < D; d++) {
@@ -419,9 +432,9 @@ static inline double idb_token_bf16(const kvarn_paged_kv *kv, const kvarn_seq_vi
             evm[d] = fmax(evm[d], u * vs * cv);
             cmax[d] = fmax(cmax[d], cv);
         }
-        dmat = fmax(dmat, ks * (fabs(sgn) + wc + (D + 1) * 0x1p-24 * mag + D * tiny * (q1 + 1.0)));
+        dmat = fmax(dmat, ks * (fabs(sgn) + wc + (D + 1) * 0x1p-24 * mag + D * tiny * e8 * (q1 + 1.0)));
     }
-    for (int d = 0; d < D; d++) evm[d] += n * tiny * cmax[d] + tiny * vsmax;
+    for (int d = 0; d < D; d++) evm[d] += n * tiny * (cmax[d] + 1.0) + tiny * vsmax;
     return dmat;
 }
 
@@ -442,7 +455,7 @@ static inline void idb_block_matrix(const kvarn_paged_kv *kv, const kvarn_seq_vi
         *delta = NAN;
         return;
     }
-    if (info.matrix_rows == 0 || hi < lo) return;
+    if (info.matrix_rows == 0 || hi < lo || (idb_rows > 0 && idb_rows < info.matrix_rows)) return;
     kvarn_record_layout L;
     if (kvarn_record_layout_get(&kv->fmt, kv->head_dim, &L) != KVARN_OK) {
         *delta = INFINITY;
