@@ -8,7 +8,9 @@ baseline (about sqrt(2)); each bit of the coarser of K and V may halve
 that, down to a floor of 0.02 (five times bf16's rounding of vLLM's own
 output, about 0.0035 against fp64). Also checks the per-token bf16
 format against fp64 attention exactly (its records are the bf16 values
-kvarn attends in fp32), and the JSON's keys."""
+kvarn attends in fp32) where no matrix kernel takes its items (where one
+does, its query and weights are rounded to bf16: vLLM's allowance), and
+the JSON's keys."""
 import json
 import os
 import sys
@@ -75,6 +77,17 @@ def test_outputs_agree(result):
         assert r["shuffled_err"] > 1.0, where
         assert r["rel_err"] < bound(fmt, r["shuffled_err"]), where
         if r["format"] == "bf16":
-            assert r["kvarn_ref_err"] < 1e-5, where
+            # exact in fp32, where the library's matrix kernel does not
+            # take the items (a bf16 query and bf16 weights, 2^-8 each,
+            # where it does: attn.h kvarn_attn_kernel_info.matrix; held
+            # then to vLLM's own allowance above, whose bf16 path rounds
+            # the same and K and V too)
+            k = fmt["kernel"]
+            rows = r["queries"] * result["heads"]["Hq"] // result["heads"]["Hk"]
+            if k["matrix"] is not None and rows >= k["matrix_rows"]:
+                assert k["matrix_scores"] == "bf16" and k["matrix_sums"] == "bf16", where
+                assert r["kvarn_ref_err"] < 0.01, where
+            else:
+                assert r["kvarn_ref_err"] < 1e-5, where
         if fmt["staging"] is not None:   # KVarN: one entry per tile of queries
             assert r["groups"] == {"prefill": 3, "verify": 2 * 2}[r["kind"]], where
