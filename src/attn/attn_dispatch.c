@@ -76,7 +76,7 @@ static attn_token_matrix_fn token_matrix_kernel(const kvarn_attn_opts *o, kvarn_
     if (!attn_matrix_geometry(D, 32)) return NULL;
     const int amx = amx_of(o);
     if (amx == 0) return NULL;
-    if (!staged && (kind == KVARN_KIND_FP8_E4M3 || kind == KVARN_KIND_FP8_E5M2 || kind == KVARN_KIND_BF16)) {
+    if (!staged && attn_kind_bf16_exact(kind)) {
         /* the fp8 and bf16 formats' blocks: codes exact in bf16 (not as a
          * KVarN view's fp8 staging, which kvarn_attn_kernel_info does not
          * report) */

@@ -215,6 +215,15 @@ _Static_assert(ATTN_STAGED_MATRIX_MIN_QUERIES >= ATTN_MATRIX_MIN_ROWS,
 /* The geometries the matrix kernel takes: head_dim D a multiple of 32 up
  * to ATTN_MATRIX_MAX_D, tiles of G tokens a multiple of 32 (KVarN's 32, 64
  * and 128). The one statement of it (attn_plan.c's geometry, attn_dispatch.c's kernels and kernel info). */
+/* The per-token kinds whose codes are exact in bf16 (fp8 E4M3 and E5M2,
+ * bf16): the matrix kernels take their blocks uncentred (kernel_amx.c
+ * token_tile_fp8_*, _bf16; attn_dispatch.c picks them, attn_plan.c sizes
+ * their scratch). */
+static inline int attn_kind_bf16_exact(kvarn_kind k)
+{
+    return k == KVARN_KIND_FP8_E4M3 || k == KVARN_KIND_FP8_E5M2 || k == KVARN_KIND_BF16;
+}
+
 static inline int attn_matrix_geometry(int D, int G)
 {
     return D % 32 == 0 && D <= ATTN_MATRIX_MAX_D && G % 32 == 0 && G >= 32 && G <= ATTN_MATRIX_MAX_G;

@@ -107,8 +107,7 @@ kvarn_status attn_make_geom(const kvarn_paged_kv *kv, int n_q_heads, int max_seq
      * kernels' span codes as fp32, below; the matrix kernels' kinds) */
     const int mat = g->rows_max >= ATTN_MATRIX_MIN_ROWS && attn_matrix_geometry(g->D, mG);
     const kvarn_kind fk = kv->fmt.kind;
-    const int mat_kind = g->is_kvarn || fk == KVARN_KIND_INT4 || x2 || fk == KVARN_KIND_FP8_E4M3 ||
-                         fk == KVARN_KIND_FP8_E5M2 || fk == KVARN_KIND_BF16;
+    const int mat_kind = g->is_kvarn || fk == KVARN_KIND_INT4 || x2 || attn_kind_bf16_exact(fk);
     g->rows_alloc = mat && mat_kind ? (g->rows_max + 15) / 16 * 16 : g->rows_max;
     /* and the rows' weights, bf16 [rows][G] (rows_alloc <= 512 for
      * groups up to 512, D <= 512, G <= 128), twice for the int8 format (kernel_amx.c token_span),
