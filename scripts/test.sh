@@ -95,7 +95,7 @@ tsan_tests=$(for f in tests/attn/test_*.c; do basename "$f" .c; done)
 cmake --build build-tsan -j"$jobs" --target $tsan_tests
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   ctest --test-dir build-tsan --output-on-failure --no-tests=error -j"$jobs" \
-        -R "^($(echo "$tsan_tests" | paste -sd'|' -))\$"
+        -R "^($(echo "$tsan_tests" | paste -sd'|' -))(\\.[0-9]+)?\$"
 
 # The Python and vLLM tests: one pytest-xdist worker per core, each keeping
 # to its own core (pytest_configure in tests/cli/conftest.py and

@@ -23,6 +23,8 @@
 #include "common/int_dot_bound.h"
 #include "common/levels.h"
 #include "common/paged_fixture.h"
+#define KVARN_TEST_PARTS 2 /* ctest entries test_attn.1, test_attn.2 (test_parts.h) */
+#include "common/test_parts.h"
 #include "kvarn/attn.h"
 
 #define MAXS 8
@@ -1700,21 +1702,34 @@ int main(void)
     if (g_max_level < LV_COUNT - 1)
         printf("NOTE: SIMD levels above %s are not available here (CPU or KVARN_SIMD); "
                "the walks stop there, cases that name one run capped at %s\n", top, top);
-    const struct CMUnitTest tests[] = {
-        cmocka_unit_test_teardown(test_every_format, levels_teardown), cmocka_unit_test_teardown(test_gqa, levels_teardown),
+    /* Two parts of about equal time (release: ~20 s each; ThreadSanitizer:
+     * ~165 s each, on Zen 4), run side by side by ctest (test_parts.h). */
+    const struct CMUnitTest part1[] = {
+        cmocka_unit_test_teardown(test_matrix_kernel, levels_teardown),
         cmocka_unit_test_teardown(test_int8_paths, levels_teardown),
-        cmocka_unit_test_teardown(test_sink_and_tail, levels_teardown), cmocka_unit_test_teardown(test_sink_tokens, levels_teardown),
-        cmocka_unit_test_teardown(test_sliding_window, levels_teardown),
-        cmocka_unit_test_teardown(test_multi_query, levels_teardown), cmocka_unit_test_teardown(test_long_chunk, levels_teardown),
-        cmocka_unit_test_teardown(test_large_head_dim, levels_teardown), cmocka_unit_test_teardown(test_matrix_kernel, levels_teardown),
-        cmocka_unit_test_teardown(test_odd_head_dim, levels_teardown), cmocka_unit_test_teardown(test_empty, levels_teardown),
-        cmocka_unit_test_teardown(test_simd_threads, levels_teardown), cmocka_unit_test_teardown(test_value_weights_u8, levels_teardown),
-        cmocka_unit_test_teardown(test_many_rows_same_bits, levels_teardown),
         cmocka_unit_test_teardown(test_extreme_query, levels_teardown),
+        cmocka_unit_test_teardown(test_sliding_window, levels_teardown),
+        cmocka_unit_test_teardown(test_gqa, levels_teardown),
+        cmocka_unit_test_teardown(test_every_format, levels_teardown),
+        cmocka_unit_test_teardown(test_odd_head_dim, levels_teardown),
+        cmocka_unit_test_teardown(test_empty, levels_teardown),
+        cmocka_unit_test_teardown(test_value_weights_u8, levels_teardown),
         cmocka_unit_test_teardown(test_bad_inputs, levels_teardown),
-        cmocka_unit_test_teardown(test_kernel_table, levels_teardown), cmocka_unit_test_teardown(test_kernel_info, levels_teardown), cmocka_unit_test_teardown(test_prefetch_lines, levels_teardown),
+        cmocka_unit_test_teardown(test_kernel_table, levels_teardown),
+        cmocka_unit_test_teardown(test_kernel_info, levels_teardown),
+        cmocka_unit_test_teardown(test_prefetch_lines, levels_teardown),
     };
+    const struct CMUnitTest part2[] = {
+        cmocka_unit_test_teardown(test_large_head_dim, levels_teardown),
+        cmocka_unit_test_teardown(test_multi_query, levels_teardown),
+        cmocka_unit_test_teardown(test_simd_threads, levels_teardown),
+        cmocka_unit_test_teardown(test_sink_tokens, levels_teardown),
+        cmocka_unit_test_teardown(test_long_chunk, levels_teardown),
+        cmocka_unit_test_teardown(test_sink_and_tail, levels_teardown),
+        cmocka_unit_test_teardown(test_many_rows_same_bits, levels_teardown),
+    };
+    const test_part parts[KVARN_TEST_PARTS] = {TEST_PART(part1), TEST_PART(part2)};
     /* e.g. KVARN_TEST_FILTER='test_large*' to run one test while iterating */
     if (getenv("KVARN_TEST_FILTER")) cmocka_set_test_filter(getenv("KVARN_TEST_FILTER"));
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return test_run_parts("test_attn", parts, KVARN_TEST_PARTS);
 }
