@@ -7,7 +7,7 @@
  *              [--batches 1,16] [--threads 1,2] [--formats fp16,int8,...|all]
  *              [--min-time SECONDS] [--max-mb MB] [--working-set MB]
  *              [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar]
- *              [--no-amx] [--no-bf16]
+ *              [--no-amx] [--no-bf16] [--products]
  *
  * Shapes: smol = SmolLM2-135M (9 query heads, 3 KV heads, head_dim 64),
  * llama = Llama-3-8B (32 / 8, head_dim 128). One call is one layer; the
@@ -32,6 +32,12 @@
  * --no-bf16 keeps the fp8 and bf16 formats' blocks of such items off the
  * AVX512-BF16 kernel (kernel_avx512_bf16.c), in fp32, where the CPU has
  * AVX512-BF16 (docs/attention-simd.md).
+ * --products (with --queries > 1) adds, after the formats of each shape,
+ * batch and context, the scores and values products alone of the same call
+ * through oneDNN and libxsmm where the build found them (attn_products.h:
+ * what they are, what they leave out), on one thread: rows "prod:<library>"
+ * in the same table, so that a library's products can be set against
+ * kvarn's whole call (issue 44: take a library where it is faster).
  * Each configuration runs at least --min-time seconds (3 calls at least)
  * and reports its fastest call: with 1 thread timed by the thread's CPU
  * clock, with more threads by the wall clock. */
@@ -46,6 +52,7 @@
 #include "kvarn/attn.h"
 #include "kvarn/kvarn.h"
 #include "kvarn/record.h"
+#include "attn_products.h"
 #include "format_list.h"
 #include "simd_env.h"
 
@@ -315,7 +322,8 @@ int main(int argc, char **argv)
     int bad_list = 0;
     const char *shapes = "smol,llama", *formats = NULL;
     double min_time = 0.3, max_mb = 3000, ws_mb = 256;
-    int scalar = 0, block_size = 16, n_queries = 1, staging_int8 = 0, no_amx = 0, no_bf16 = 0;
+    int scalar = 0, block_size = 16, n_queries = 1, staging_int8 = 0, no_amx = 0, no_bf16 = 0,
+        products = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *nx = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--quick")) {
@@ -339,12 +347,13 @@ int main(int argc, char **argv)
         } else if (!strcmp(a, "--scalar")) scalar = 1;
         else if (!strcmp(a, "--no-amx")) no_amx = 1;
         else if (!strcmp(a, "--no-bf16")) no_bf16 = 1;
+        else if (!strcmp(a, "--products")) products = 1;
         else {
             const int help = !strcmp(a, "-h") || !strcmp(a, "--help");
             fprintf(help ? stdout : stderr,
                     "usage: bench_attn [--quick] [--contexts L] [--shapes smol,llama] "
                     "[--batches L] [--threads L] [--formats L] [--min-time S] "
-                    "[--max-mb MB] [--working-set MB] [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar] [--no-amx] [--no-bf16]\n");
+                    "[--max-mb MB] [--working-set MB] [--block-size G] [--queries Q] [--staging fp16|int8] [--scalar] [--no-amx] [--no-bf16] [--products]\n");
             return help ? 0 : 2;
         }
     }
@@ -372,6 +381,11 @@ int main(int argc, char **argv)
                             "its queries)\n", n_queries, ctxs.v[ci]);
             return 2;
         }
+    if (products && n_queries < 2) {
+        fprintf(stderr, "bench_attn: --products times prefill / verification products: give --queries >= 2\n");
+        return 2;
+    }
+    if (products) setenv("OMP_NUM_THREADS", "1", 0); /* oneDNN's OpenMP: one thread unless told */
     kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
     kvarn_attn_testing knobs = {0, scalar, 0, no_amx, no_bf16};
     o0.testing = &knobs;
@@ -476,6 +490,30 @@ int main(int argc, char **argv)
                     }
                     free(q); free(out); free(qsl);
                     free_cache(&c);
+                }
+                if (products) { /* one thread: the ratio is to fp16's first thread count */
+                    prod_shape ps = {batch, Hk, D, 128, n_queries * (Hq / Hk), (ctx + 127) / 128, 1};
+                    const double kvb = prod_kv_bytes(&ps, 2);
+                    ps.n_copies = ws_mb > 0 ? (int)(ws_mb * 1e6 / kvb) + 1 : 1;
+                    if (ps.n_copies * kvb > max_mb * 1e6) ps.n_copies = (int)(max_mb * 1e6 / kvb);
+                    if (ps.n_copies < 1) ps.n_copies = 1;
+                    for (int k = 0; k < PROD_COUNT; k++) {
+                        char name[32];
+                        snprintf(name, sizeof name, "prod:%s", prod_names[k]);
+                        const double per = prod_time(k, &ps, min_time);
+                        if (per <= 0) {
+                            printf("%-6s %5d %6d %3d %-16s   not built in, or no kernel for the shape\n",
+                                   shp[si].name, batch, ctx, 1, name);
+                            continue;
+                        }
+                        char ratio[32] = "      -";
+                        if (t_fp16[0] > 0) snprintf(ratio, sizeof ratio, "%8.2fx", t_fp16[0] / per);
+                        printf("%-6s %5d %6d %3d %-16s %10.1f %9s %9.2f\n", shp[si].name, batch, ctx, 1,
+                               name, per * 1e6, ratio,
+                               prod_kv_bytes(&ps, k == PROD_ONEDNN_INT8 || k == PROD_LIBXSMM_INT8 ? 1 : 2) /
+                                   per / 1e9);
+                        fflush(stdout);
+                    }
                 }
             }
     }

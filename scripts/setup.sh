@@ -20,7 +20,8 @@ for a in "$@"; do
   esac
 done
 
-DEB_PKGS="build-essential cmake pkg-config libcmocka-dev libopenblas-dev libpcre2-dev zlib1g-dev libcjson-dev libdnnl-dev"
+# libxsmm-dev: only bench_attn --products links it (bench/attn_products.h)
+DEB_PKGS="build-essential cmake pkg-config libcmocka-dev libopenblas-dev libpcre2-dev zlib1g-dev libcjson-dev libdnnl-dev libxsmm-dev"
 missing=""
 for p in $DEB_PKGS; do
   dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"

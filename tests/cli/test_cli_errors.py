@@ -308,6 +308,24 @@ def test_bench_attn_runs_each_listed_shape(kvarn_bin):
     assert sorted(set(shapes)) == ["llama", "smol"], r.stdout
 
 
+def test_bench_attn_products(kvarn_bin):
+    """--products: a row for each library after the formats, each measured
+    (us/call > 0) or saying why not (not built in, or no kernel on this
+    CPU); without --queries >= 2 it is refused, before any row."""
+    r = run([bench_bin("bench_attn"), "--formats", "int8", "--queries", "8", "--products"]
+            + ATTN_QUICK)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("smol ")]
+    names = [row[4] for row in rows]
+    assert names == ["fp16", "int8", "prod:onednn-bf16", "prod:onednn-int8",
+                     "prod:libxsmm-bf16", "prod:libxsmm-int8"], r.stdout
+    for row in rows[2:]:
+        assert row[5] == "not" or float(row[5]) > 0, row
+    r = run([bench_bin("bench_attn"), "--formats", "int8", "--products"] + ATTN_QUICK)
+    assert r.returncode == 2 and "bench_attn: --products" in r.stderr, (r.stdout, r.stderr)
+    assert not any(line.startswith("smol ") for line in r.stdout.splitlines())
+
+
 def test_model_not_a_regular_file(kvarn_bin, tmp_path):
     """A FIFO as -m used to block the open forever (no writer); a directory
     or a FIFO is refused before anything opens it."""
