@@ -29,8 +29,9 @@
  * The K/V working set is cycled like bench_attn's layers (--working-set).
  * Values are random; the times do not depend on them.
  *
- * Threads: one. oneDNN's OpenMP threads follow OMP_NUM_THREADS, which
- * bench_attn --products sets to 1 when it is unset; times are wall clock.
+ * Threads: one. bench_attn --products sets OMP_NUM_THREADS=1 (oneDNN's
+ * OpenMP), so both libraries run on the calling thread, timed by its CPU
+ * clock as bench_attn's one-thread rows are.
  */
 #ifndef KVARN_BENCH_ATTN_PRODUCTS_H
 #define KVARN_BENCH_ATTN_PRODUCTS_H
@@ -64,6 +65,15 @@ static double prod_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The calling thread's CPU time, as bench_attn's one-thread rows: both
+ * libraries run on the calling thread here (OMP_NUM_THREADS=1). */
+static double prod_cpu(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
@@ -120,7 +130,48 @@ static uint8_t *prod_tile(const prod_bufs *b, const prod_shape *s, int copy, int
     return b->kv + (2 * i + (size_t)v) * b->tile_bytes;
 }
 
+/* Calls tile(ctx, K tile, V tile) for every sequence, KV head and tile of
+ * one call, the K/V copy changing call by call, until min_time has passed
+ * (4 calls and every copy at least); returns the fastest call after the
+ * first (warm-up), in thread CPU seconds, or -1 when tile fails. */
+static double prod_loop(const prod_shape *s, const prod_bufs *b, double min_time,
+                        int (*tile)(void *ctx, const uint8_t *k, const uint8_t *v), void *ctx)
+{
+    double best = 1e30, t0 = prod_now();
+    int calls = 0;
+    while (calls < 4 || prod_now() - t0 < min_time || calls <= s->n_copies) {
+        const int copy = calls % s->n_copies;
+        double t1 = prod_cpu();
+        for (int seq = 0; seq < s->batch; seq++)
+            for (int h = 0; h < s->Hk; h++)
+                for (int t = 0; t < s->n_tiles; t++)
+                    if (tile(ctx, prod_tile(b, s, copy, seq, h, t, 0), prod_tile(b, s, copy, seq, h, t, 1)))
+                        return -1.0;
+        t1 = prod_cpu() - t1;
+        if (calls > 0 && t1 < best) best = t1;
+        calls++;
+    }
+    return best;
+}
+
 #ifdef KVARN_BENCH_DNNL
+typedef struct dn_ctx {
+    dnnl_memory_t mk, mv;
+    dnnl_primitive_t mm1, mm2;
+    dnnl_stream_t strm;
+    dnnl_exec_arg_t a1x[3], a2x[3];
+} dn_ctx;
+
+static int dn_tile(void *p, const uint8_t *k, const uint8_t *v)
+{
+    dn_ctx *c = p;
+    return dnnl_memory_set_data_handle(c->mk, (void *)k) != dnnl_success ||
+           dnnl_memory_set_data_handle(c->mv, (void *)v) != dnnl_success ||
+           dnnl_primitive_execute(c->mm1, c->strm, 3, c->a1x) != dnnl_success ||
+           dnnl_primitive_execute(c->mm2, c->strm, 3, c->a2x) != dnnl_success ||
+           dnnl_stream_wait(c->strm) != dnnl_success;
+}
+
 #define PROD_DN(call) do { if ((call) != dnnl_success) return -1.0; } while (0)
 
 /* One call's products through oneDNN matmul primitives; returns the best
@@ -169,26 +220,10 @@ static double prod_onednn(const prod_shape *s, int int8, double min_time)
     PROD_DN(dnnl_memory_create(&mp, &pd_, eng, b.p));
     PROD_DN(dnnl_memory_create(&mv, &vd, eng, b.kv));
     PROD_DN(dnnl_memory_create(&mo, &od, eng, b.o));
-    dnnl_exec_arg_t a1x[3] = {{DNNL_ARG_SRC, mq}, {DNNL_ARG_WEIGHTS, mk}, {DNNL_ARG_DST, ms}};
-    dnnl_exec_arg_t a2x[3] = {{DNNL_ARG_SRC, mp}, {DNNL_ARG_WEIGHTS, mv}, {DNNL_ARG_DST, mo}};
-    double best = 1e30, t0 = prod_now();
-    int calls = 0;
-    while (calls < 4 || prod_now() - t0 < min_time || calls <= s->n_copies) {
-        const int copy = calls % s->n_copies;
-        double t1 = prod_now();
-        for (int seq = 0; seq < s->batch; seq++)
-            for (int h = 0; h < s->Hk; h++)
-                for (int t = 0; t < s->n_tiles; t++) {
-                    PROD_DN(dnnl_memory_set_data_handle(mk, prod_tile(&b, s, copy, seq, h, t, 0)));
-                    PROD_DN(dnnl_memory_set_data_handle(mv, prod_tile(&b, s, copy, seq, h, t, 1)));
-                    PROD_DN(dnnl_primitive_execute(mm1, strm, 3, a1x));
-                    PROD_DN(dnnl_primitive_execute(mm2, strm, 3, a2x));
-                }
-        PROD_DN(dnnl_stream_wait(strm));
-        t1 = prod_now() - t1;
-        if (calls > 0 && t1 < best) best = t1; /* the first call: warm-up */
-        calls++;
-    }
+    dn_ctx c = {mk, mv, mm1, mm2, strm,
+                {{DNNL_ARG_SRC, mq}, {DNNL_ARG_WEIGHTS, mk}, {DNNL_ARG_DST, ms}},
+                {{DNNL_ARG_SRC, mp}, {DNNL_ARG_WEIGHTS, mv}, {DNNL_ARG_DST, mo}}};
+    const double best = prod_loop(s, &b, min_time, dn_tile, &c);
     dnnl_memory_destroy(mq); dnnl_memory_destroy(mk); dnnl_memory_destroy(ms);
     dnnl_memory_destroy(mp); dnnl_memory_destroy(mv); dnnl_memory_destroy(mo);
     dnnl_primitive_destroy(mm1); dnnl_primitive_destroy(mm2);
@@ -201,6 +236,26 @@ static double prod_onednn(const prod_shape *s, int int8, double min_time)
 #endif
 
 #ifdef KVARN_BENCH_LIBXSMM
+typedef struct xs_ctx {
+    int int8;
+    libxsmm_subimmfunction is, io;
+    libxsmm_bsmmfunction bs, bo;
+    const prod_bufs *b;
+} xs_ctx;
+
+static int xs_tile(void *p, const uint8_t *k, const uint8_t *v)
+{
+    const xs_ctx *c = p;
+    if (c->int8) {
+        c->is((const char *)k, c->b->q, (int *)c->b->s);
+        c->io((const char *)v, c->b->p, (int *)c->b->o);
+    } else {
+        c->bs((const libxsmm_bfloat16 *)k, (const libxsmm_bfloat16 *)c->b->q, (float *)c->b->s);
+        c->bo((const libxsmm_bfloat16 *)v, (const libxsmm_bfloat16 *)c->b->p, (float *)c->b->o);
+    }
+    return 0;
+}
+
 /* One call's products through libxsmm's JIT kernels (column-major: the
  * scores as S^T[G][R] = K[G][D] . Q^T[D][R], the values as O^T[D][R] +=
  * V^T[D][G] . P^T[G][R]); -1 where it generates no kernel for the shape. */
@@ -212,54 +267,25 @@ static double prod_libxsmm(const prod_shape *s, int int8, double min_time)
      * k): libxsmm 1.17 makes no int8 kernel without it */
     const int f_s = LIBXSMM_GEMM_FLAG_VNNI_A | (int8 ? LIBXSMM_GEMM_FLAG_B_UNSIGNED : 0);
     const int f_o = f_s;
-    double best = -1.0;
     prod_bufs b;
     if (prod_alloc(&b, s, elem) != 0) { prod_free(&b); return -1.0; }
+    const int ia = 1, i0 = 0, i1 = 1;
+    const float fa = 1.0f, f0 = 0.0f, f1 = 1.0f;
+    libxsmm_subimmfunction is = NULL, io = NULL;
+    libxsmm_bsmmfunction bs = NULL, bo = NULL;
     if (int8) {
-        const int ia = 1, b0 = 0, b1 = 1;
-        libxsmm_subimmfunction ks = libxsmm_subimmdispatch(G, R, D, &G, &D, &G, &ia, &b0, &f_s, NULL);
-        libxsmm_subimmfunction ko = libxsmm_subimmdispatch(D, R, G, &D, &G, &D, &ia, &b1, &f_o, NULL);
-        if (ks == NULL || ko == NULL) { prod_free(&b); return -1.0; }
-        best = 1e30;
-        double t0 = prod_now();
-        int calls = 0;
-        while (calls < 4 || prod_now() - t0 < min_time || calls <= s->n_copies) {
-            const int copy = calls % s->n_copies;
-            double t1 = prod_now();
-            for (int seq = 0; seq < s->batch; seq++)
-                for (int h = 0; h < s->Hk; h++)
-                    for (int t = 0; t < s->n_tiles; t++) {
-                        ks((const char *)prod_tile(&b, s, copy, seq, h, t, 0), b.q, (int *)b.s);
-                        ko((const char *)prod_tile(&b, s, copy, seq, h, t, 1), b.p, (int *)b.o);
-                    }
-            t1 = prod_now() - t1;
-            if (calls > 0 && t1 < best) best = t1;
-            calls++;
-        }
+        is = libxsmm_subimmdispatch(G, R, D, &G, &D, &G, &ia, &i0, &f_s, NULL);
+        io = libxsmm_subimmdispatch(D, R, G, &D, &G, &D, &ia, &i1, &f_o, NULL);
     } else {
-        const float fa = 1.0f, f0 = 0.0f, f1 = 1.0f;
-        libxsmm_bsmmfunction ks = libxsmm_bsmmdispatch(G, R, D, &G, &D, &G, &fa, &f0, &f_s, NULL);
-        libxsmm_bsmmfunction ko = libxsmm_bsmmdispatch(D, R, G, &D, &G, &D, &fa, &f1, &f_o, NULL);
-        if (ks == NULL || ko == NULL) { prod_free(&b); return -1.0; }
-        best = 1e30;
-        double t0 = prod_now();
-        int calls = 0;
-        while (calls < 4 || prod_now() - t0 < min_time || calls <= s->n_copies) {
-            const int copy = calls % s->n_copies;
-            double t1 = prod_now();
-            for (int seq = 0; seq < s->batch; seq++)
-                for (int h = 0; h < s->Hk; h++)
-                    for (int t = 0; t < s->n_tiles; t++) {
-                        ks((const libxsmm_bfloat16 *)prod_tile(&b, s, copy, seq, h, t, 0),
-                           (const libxsmm_bfloat16 *)b.q, (float *)b.s);
-                        ko((const libxsmm_bfloat16 *)prod_tile(&b, s, copy, seq, h, t, 1),
-                           (const libxsmm_bfloat16 *)b.p, (float *)b.o);
-                    }
-            t1 = prod_now() - t1;
-            if (calls > 0 && t1 < best) best = t1;
-            calls++;
-        }
+        bs = libxsmm_bsmmdispatch(G, R, D, &G, &D, &G, &fa, &f0, &f_s, NULL);
+        bo = libxsmm_bsmmdispatch(D, R, G, &D, &G, &D, &fa, &f1, &f_o, NULL);
     }
+    if (int8 ? (is == NULL || io == NULL) : (bs == NULL || bo == NULL)) {
+        prod_free(&b);
+        return -1.0;
+    }
+    xs_ctx c = {int8, is, io, bs, bo, &b};
+    const double best = prod_loop(s, &b, min_time, xs_tile, &c);
     prod_free(&b);
     return best;
 }

@@ -385,7 +385,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_attn: --products times prefill / verification products: give --queries >= 2\n");
         return 2;
     }
-    if (products) setenv("OMP_NUM_THREADS", "1", 0); /* oneDNN's OpenMP: one thread unless told */
+    if (products) setenv("OMP_NUM_THREADS", "1", 1); /* oneDNN's OpenMP: the calling thread only */
     kvarn_attn_opts o0 = KVARN_ATTN_OPTS_DEFAULT(0.125f);
     kvarn_attn_testing knobs = {0, scalar, 0, no_amx, no_bf16};
     o0.testing = &knobs;
