@@ -51,6 +51,12 @@
 
 enum { PROD_ONEDNN_BF16, PROD_ONEDNN_INT8, PROD_LIBXSMM_BF16, PROD_LIBXSMM_INT8, PROD_COUNT };
 
+/* Whether library kind k multiplies int8 operands (else bf16). */
+static inline int prod_is_int8(int k)
+{
+    return k == PROD_ONEDNN_INT8 || k == PROD_LIBXSMM_INT8;
+}
+
 static const char *const prod_names[PROD_COUNT] = {"onednn-bf16", "onednn-int8", "libxsmm-bf16",
                                                    "libxsmm-int8"};
 
@@ -101,8 +107,8 @@ static int prod_alloc(prod_bufs *b, const prod_shape *s, int elem)
     b->s = malloc((size_t)s->R * s->G * 4);
     b->o = malloc((size_t)s->R * s->D * 4);
     if (!b->kv || !b->q || !b->p || !b->s || !b->o) return -1;
-    /* small values of either type: bf16 1.0..1.99 (0x3f80..0x3fff), s8/u8
-     * 0..63 */
+    /* small values of either type: bf16 0.5..0.996 (0x3f00..0x3f7f, little
+     * endian), s8/u8 0..63 */
     uint64_t x = 0x2545f4914f6cdd1dull;
     const size_t nkv = 2 * n_tiles * b->tile_bytes;
     for (size_t i = 0; i < nkv; i++) {
@@ -298,11 +304,11 @@ static double prod_time(int k, const prod_shape *s, double min_time)
 {
     (void)s; (void)min_time;
 #ifdef KVARN_BENCH_DNNL
-    if (k == PROD_ONEDNN_BF16 || k == PROD_ONEDNN_INT8) return prod_onednn(s, k == PROD_ONEDNN_INT8, min_time);
+    if (k == PROD_ONEDNN_BF16 || k == PROD_ONEDNN_INT8) return prod_onednn(s, prod_is_int8(k), min_time);
 #endif
 #ifdef KVARN_BENCH_LIBXSMM
     if (k == PROD_LIBXSMM_BF16 || k == PROD_LIBXSMM_INT8)
-        return prod_libxsmm(s, k == PROD_LIBXSMM_INT8, min_time);
+        return prod_libxsmm(s, prod_is_int8(k), min_time);
 #endif
     return -1.0;
 }

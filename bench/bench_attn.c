@@ -510,8 +510,7 @@ int main(int argc, char **argv)
                         if (t_fp16[0] > 0) snprintf(ratio, sizeof ratio, "%8.2fx", t_fp16[0] / per);
                         printf("%-6s %5d %6d %3d %-16s %10.1f %9s %9.2f\n", shp[si].name, batch, ctx, 1,
                                name, per * 1e6, ratio,
-                               prod_kv_bytes(&ps, k == PROD_ONEDNN_INT8 || k == PROD_LIBXSMM_INT8 ? 1 : 2) /
-                                   per / 1e9);
+                               prod_kv_bytes(&ps, prod_is_int8(k) ? 1 : 2) / per / 1e9);
                         fflush(stdout);
                     }
                 }
